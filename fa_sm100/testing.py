@@ -1,0 +1,96 @@
+"""Shared helpers for numerics checks: the float64 reference and the project's error rule.
+
+The rule (STYLE.md): a kernel's error against a float64 reference may be at most about twice
+the error of the same computation done in the input precision by a plain implementation,
+plus a small absolute slack for outputs that are near zero.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def attention_reference(q, k, v, softmax_scale=None, causal=False, window=(None, None),
+                        dtype=torch.float64, upcast=True):
+    """Plain attention on BSHD tensors (batch, seqlen, heads, head_dim) in ``dtype``.
+
+    GQA/MQA: query head h reads K/V head h // (heads_q // heads_kv). Causal masking is aligned
+    bottom-right (query i sees keys j <= i + seqlen_k - seqlen_q), as flash-attn does; a
+    sliding window (left, right) keeps keys in [i' - left, i' + right] with i' that aligned
+    index. Fully masked rows give O = 0 and LSE = -inf. Returns (out, lse) with lse shaped
+    (batch, heads, seqlen_q) in natural-log units.
+    """
+    b, sq, hq, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    if hq % hk:
+        raise ValueError(f"query heads {hq} not divisible by kv heads {hk}")
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    cast = (lambda t: t.to(dtype)) if upcast else (lambda t: t)
+    qf, kf, vf = cast(q), cast(k), cast(v)
+    group = hq // hk
+    kf = kf.repeat_interleave(group, dim=2)
+    vf = vf.repeat_interleave(group, dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", qf, kf) * scale
+    mask = attention_mask(sq, sk, causal, window, device=q.device)
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse.unsqueeze(-1))
+    p = torch.nan_to_num(p, nan=0.0)  # fully masked rows: exp(-inf - -inf)
+    if not upcast:
+        p = p.to(q.dtype)
+    out = torch.einsum("bhqk,bkhd->bqhd", p, vf)
+    return out, lse
+
+
+def attention_mask(sq, sk, causal=False, window=(None, None), device="cpu"):
+    """Boolean (sq, sk) mask of visible keys, or None when every key is visible."""
+    left, right = window if window is not None else (None, None)
+    if causal:
+        right = 0 if right is None else min(right, 0)
+    if left is None and right is None:
+        return None
+    i = torch.arange(sq, device=device).unsqueeze(1) + (sk - sq)
+    j = torch.arange(sk, device=device).unsqueeze(0)
+    mask = torch.ones(sq, sk, dtype=torch.bool, device=device)
+    if right is not None:
+        mask &= j <= i + right
+    if left is not None:
+        mask &= j >= i - left
+    return mask
+
+
+def relative_error(x, ref) -> float:
+    """max |x - ref| / max(|ref|, tiny) over the tensor, in float64."""
+    x, ref = x.to(torch.float64), ref.to(torch.float64)
+    return float((x - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+
+
+def max_abs_error(x, ref) -> float:
+    x, ref = x.to(torch.float64), ref.to(torch.float64)
+    finite = torch.isfinite(ref)
+    if not torch.equal(finite, torch.isfinite(x)):
+        return float("inf")
+    if not finite.any():
+        return 0.0
+    return float((x[finite] - ref[finite]).abs().max())
+
+
+def check_against_reference(out, ref64, plain, atol=1e-5, factor=2.0, what="output"):
+    """Assert the project's rule: err(out) <= factor * err(plain) + atol, no NaN anywhere.
+
+    ``ref64`` is the float64 reference, ``plain`` the same computation in the input precision.
+    Returns (err, plain_err) for reporting.
+    """
+    if torch.isnan(out).any():
+        raise AssertionError(f"{what}: NaN in the result")
+    err = max_abs_error(out, ref64)
+    plain_err = max_abs_error(plain, ref64)
+    if not err <= factor * plain_err + atol:
+        raise AssertionError(
+            f"{what}: max error {err:.3e} exceeds {factor} x plain low-precision error "
+            f"{plain_err:.3e} + atol {atol:.1e}"
+        )
+    return err, plain_err

@@ -1,0 +1,170 @@
+"""Record mode: the pipeline objects log each protocol operation while the kernel is traced.
+
+The protocol model (``pipelines.model``) checks programs of these events, so the protocol it
+checks is the one the kernel's code performs: change the kernel's protocol and the recorded
+program changes with it.
+
+While a kernel is traced, every role's code runs once in Python. Within ``recording()``:
+
+- ``role(name)``          a context manager around one warp role's code;
+- pipeline methods        call ``emit(op, pipeline)`` (acquire, commit, wait, release, ...);
+- ``access(...)``         declares a read or write of a named TMEM region or SMEM buffer,
+                          by the threads themselves or by an asynchronous unit (UMMA, TMA)
+                          whose completion is signalled through a pipeline;
+- ``loop(trips)``         marks a run-time loop (``trips`` is a symbol such as "n_blocks - 1"
+                          or "work_tiles" that the model binds to concrete trip counts);
+- ``branch(cond)``        marks a run-time branch whose condition the model explores both ways.
+
+Compile-time loops and ``const_expr`` branches are unrolled or resolved by tracing itself and
+need no marks. Outside ``recording()`` every call here is a no-op that costs nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+
+@dataclass(frozen=True)
+class Event:
+    """One protocol operation of a role, in program order.
+
+    op: "acquire" | "commit" | "wait" | "release" (pipeline ops), "access", "named_sync"
+    pipeline: pipeline name for pipeline ops; the named barrier for "named_sync"
+    stage_hint: optional compile-time stage (e.g. the Q stage of an s_p_o operation)
+    region / mode / unit / done_by: for "access" (mode "r" or "w"; unit "threads", "umma"
+    or "tma"; done_by names the pipeline whose commit signals the asynchronous access done)
+    """
+
+    op: str
+    pipeline: Optional[str] = None
+    stage_hint: Optional[int] = None
+    region: Optional[str] = None
+    mode: Optional[str] = None
+    unit: Optional[str] = None
+    done_by: Optional[str] = None
+    note: str = ""
+
+
+@dataclass
+class Loop:
+    trips: str
+    body: list = field(default_factory=list)
+
+
+@dataclass
+class Branch:
+    cond: str
+    then: list = field(default_factory=list)
+    orelse: list = field(default_factory=list)
+
+
+Node = Union[Event, Loop, Branch]
+
+
+@dataclass
+class Recording:
+    """Role name -> program (a list of Event / Loop / Branch nodes)."""
+
+    programs: dict = field(default_factory=dict)
+
+
+class _Recorder:
+    def __init__(self):
+        self.active: Optional[Recording] = None
+        self._stack: list[list] = []
+        self._role: Optional[str] = None
+
+    def _append(self, node):
+        if self.active is None or self._role is None:
+            return
+        self._stack[-1].append(node)
+
+
+_REC = _Recorder()
+
+
+@contextlib.contextmanager
+def recording():
+    """Record every role's protocol while the kernel is traced inside this block."""
+    prev = (_REC.active, _REC._stack, _REC._role)
+    _REC.active, _REC._stack, _REC._role = Recording(), [], None
+    try:
+        yield _REC.active
+    finally:
+        _REC.active, _REC._stack, _REC._role = prev
+
+
+def is_recording() -> bool:
+    return _REC.active is not None
+
+
+@contextlib.contextmanager
+def role(name: str):
+    if _REC.active is None:
+        yield
+        return
+    body = _REC.active.programs.setdefault(name, [])
+    saved = (_REC._role, _REC._stack)
+    _REC._role, _REC._stack = name, [body]
+    try:
+        yield
+    finally:
+        _REC._role, _REC._stack = saved
+
+
+def emit(op: str, pipeline: Optional[str] = None, stage_hint: Optional[int] = None, note: str = ""):
+    _REC._append(Event(op, pipeline=pipeline, stage_hint=stage_hint, note=note))
+
+
+def access(region: str, mode: str, unit: str = "threads", done_by: Optional[str] = None,
+           note: str = ""):
+    if mode not in ("r", "w"):
+        raise ValueError(f"access mode must be 'r' or 'w', got {mode!r}")
+    _REC._append(Event("access", region=region, mode=mode, unit=unit, done_by=done_by, note=note))
+
+
+@contextlib.contextmanager
+def loop(trips: str):
+    if _REC.active is None or _REC._role is None:
+        yield
+        return
+    node = Loop(trips)
+    _REC._append(node)
+    _REC._stack.append(node.body)
+    try:
+        yield
+    finally:
+        _REC._stack.pop()
+
+
+class _BranchCtx:
+    def __init__(self, node: Optional[Branch]):
+        self.node = node
+
+    @contextlib.contextmanager
+    def orelse(self):
+        if self.node is None:
+            yield
+            return
+        _REC._stack.append(self.node.orelse)
+        try:
+            yield
+        finally:
+            _REC._stack.pop()
+
+
+@contextlib.contextmanager
+def branch(cond: str):
+    """``with branch("rescale") as b: ...then...``; ``with b.orelse(): ...``  (else optional)."""
+    if _REC.active is None or _REC._role is None:
+        yield _BranchCtx(None)
+        return
+    node = Branch(cond)
+    _REC._append(node)
+    _REC._stack.append(node.then)
+    try:
+        yield _BranchCtx(node)
+    finally:
+        _REC._stack.pop()
