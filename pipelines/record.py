@@ -35,6 +35,15 @@ class Event:
     stage_hint: optional compile-time stage (e.g. the Q stage of an s_p_o operation)
     region / mode / unit / done_by: for "access" (mode "r" or "w"; unit "threads", "umma"
     or "tma"; done_by names the pipeline whose commit signals the asynchronous access done)
+    arrive / dst / tx: for pipeline ops that arrive on an mbarrier, how they arrive:
+        arrive "thread" (every thread of the role), "warp" (one elected thread per warp),
+        "umma" (tcgen05.commit: one arrival once the prior UMMAs completed),
+        "expect_tx" (one arrival that also expects ``tx`` transaction bytes);
+        dst "local" (own CTA), "leader" (the leader CTA of the pair), "pair" (multicast to
+        both CTAs of the pair; same as "local" without 2-CTA)
+    stage_of: for "access", the stage index of the buffer is the stage of the role's latest
+        operation on this pipeline (e.g. sKV with stage_of="kv")
+    cols: for "access", a column sub-range (start, stop) inside a TMEM region
     """
 
     op: str
@@ -45,6 +54,11 @@ class Event:
     unit: Optional[str] = None
     done_by: Optional[str] = None
     note: str = ""
+    arrive: Optional[str] = None
+    dst: Optional[str] = None
+    tx: int = 0
+    stage_of: Optional[str] = None
+    cols: Optional[tuple] = None
 
 
 @dataclass
@@ -72,6 +86,7 @@ class Recording:
 
 class _Recorder:
     def __init__(self):
+        self.dry = False
         self.active: Optional[Recording] = None
         self._stack: list[list] = []
         self._role: Optional[str] = None
@@ -86,18 +101,27 @@ _REC = _Recorder()
 
 
 @contextlib.contextmanager
-def recording():
-    """Record every role's protocol while the kernel is traced inside this block."""
-    prev = (_REC.active, _REC._stack, _REC._role)
-    _REC.active, _REC._stack, _REC._role = Recording(), [], None
+def recording(dry: bool = False):
+    """Record every role's protocol while the kernel is traced inside this block.
+
+    ``dry=True`` records without tracing: the pipeline classes then only log their operations
+    and issue no DSL code (used to run protocol programs written in plain Python).
+    """
+    prev = (_REC.active, _REC._stack, _REC._role, _REC.dry)
+    _REC.active, _REC._stack, _REC._role, _REC.dry = Recording(), [], None, dry
     try:
         yield _REC.active
     finally:
-        _REC.active, _REC._stack, _REC._role = prev
+        _REC.active, _REC._stack, _REC._role, _REC.dry = prev
 
 
 def is_recording() -> bool:
     return _REC.active is not None
+
+
+def is_dry() -> bool:
+    """True inside ``recording(dry=True)``: log operations, emit no DSL code."""
+    return _REC.dry
 
 
 @contextlib.contextmanager
@@ -114,15 +138,31 @@ def role(name: str):
         _REC._role, _REC._stack = saved
 
 
-def emit(op: str, pipeline: Optional[str] = None, stage_hint: Optional[int] = None, note: str = ""):
-    _REC._append(Event(op, pipeline=pipeline, stage_hint=stage_hint, note=note))
+ARRIVE_KINDS = ("thread", "warp", "umma", "expect_tx")
+ARRIVE_DSTS = ("local", "leader", "pair")
+
+
+def emit(op: str, pipeline: Optional[str] = None, stage_hint: Optional[int] = None, note: str = "",
+         arrive: Optional[str] = None, dst: Optional[str] = None, tx: int = 0):
+    if arrive is not None and arrive not in ARRIVE_KINDS:
+        raise ValueError(f"arrive must be one of {ARRIVE_KINDS}, got {arrive!r}")
+    if dst is not None and dst not in ARRIVE_DSTS:
+        raise ValueError(f"dst must be one of {ARRIVE_DSTS}, got {dst!r}")
+    _REC._append(Event(op, pipeline=pipeline, stage_hint=stage_hint, note=note, arrive=arrive,
+                       dst=dst, tx=tx))
 
 
 def access(region: str, mode: str, unit: str = "threads", done_by: Optional[str] = None,
-           note: str = ""):
+           note: str = "", stage_of: Optional[str] = None, cols: Optional[tuple] = None,
+           tx: int = 0):
     if mode not in ("r", "w"):
         raise ValueError(f"access mode must be 'r' or 'w', got {mode!r}")
-    _REC._append(Event("access", region=region, mode=mode, unit=unit, done_by=done_by, note=note))
+    if unit not in ("threads", "umma", "tma"):
+        raise ValueError(f"access unit must be 'threads', 'umma' or 'tma', got {unit!r}")
+    if unit == "tma" and done_by is None:
+        raise ValueError("a TMA access needs done_by: the pipeline whose barrier its bytes complete")
+    _REC._append(Event("access", region=region, mode=mode, unit=unit, done_by=done_by, note=note,
+                       stage_of=stage_of, cols=tuple(cols) if cols is not None else None, tx=tx))
 
 
 @contextlib.contextmanager

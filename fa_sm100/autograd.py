@@ -1,0 +1,166 @@
+"""Autograd for ``flash_attn_func``: a ``torch.autograd.Function`` over two custom ops.
+
+``torch.ops.fa_sm100.attn_fwd(q, k, v, ...) -> (out, lse)`` and
+``torch.ops.fa_sm100.attn_bwd(dout, q, k, v, out, lse, ...) -> (dq, dk, dv)`` are registered
+with ``torch.library.custom_op`` (plus fake implementations for shape propagation), so
+``torch.compile(fullgraph=True)`` sees two opaque graph nodes instead of tracing into CuTe DSL.
+``FlashAttnFunction`` saves q, k, v, out and lse and calls the backward op.
+
+Devices: CUDA tensors run the kernels (forward by capability through
+``fa_sm100.interface``; backward on sm_90 through ``sm90_bwd``; other GPUs raise ValueError).
+CPU tensors run a PyTorch model of the same arithmetic (the forward's O/LSE in float32; the
+backward's Delta/P/dS formulas with P and dS rounded to the input dtype, as the kernel does),
+so the autograd wiring, the compiled graph and the precision scheme are tested without a GPU.
+
+A forward ``config`` object cannot be an op argument; it is registered in a table and passed
+as an integer token (-1 = default).
+"""
+
+import math
+from typing import Optional
+
+import torch
+
+from fa_sm100.hopper.bwd_config import SM90_BWD_HEAD_DIMS
+
+_CONFIGS: list = []
+
+
+def _config_token(config) -> int:
+    if config is None:
+        return -1
+    for i, c in enumerate(_CONFIGS):
+        if c is config:
+            return i
+    _CONFIGS.append(config)
+    return len(_CONFIGS) - 1
+
+
+def _cpu_forward(q, k, v, scale, causal, left, right):
+    from fa_sm100.testing import attention_reference
+
+    out, lse = attention_reference(q, k, v, softmax_scale=scale, causal=causal,
+                                   window=(left, right), dtype=torch.float32)
+    return out.to(q.dtype).contiguous(), lse.float().contiguous()
+
+
+def _cpu_backward(dout, q, k, v, out, lse, scale, causal, left, right):
+    """The kernel's arithmetic in PyTorch: Delta, P from LSE, dS in float32; P and dS rounded
+    to the input dtype for the dV, dK, dQ products; float32 sums; GQA heads summed."""
+    from fa_sm100.testing import attention_mask
+
+    b, sq, hq, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    g = hq // hk
+    qf, kf, vf, of, dof = (t.float() for t in (q, k, v, out, dout))
+    kf, vf = kf.repeat_interleave(g, dim=2), vf.repeat_interleave(g, dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", qf, kf) * scale
+    mask = attention_mask(sq, sk, causal, (left, right), device=q.device)
+    lse_safe = torch.where(torch.isneginf(lse), torch.full_like(lse, math.inf), lse)
+    p = torch.exp(s - lse_safe.unsqueeze(-1))
+    if mask is not None:
+        p = p.masked_fill(~mask, 0.0)
+    delta = (of * dof).sum(-1).transpose(1, 2)  # (b, h, sq)
+    dp = torch.einsum("bqhd,bkhd->bhqk", dof, vf)
+    ds = p * (dp - delta.unsqueeze(-1))
+    # As in the kernel: P and dS enter their GEMMs in the input precision, sums stay float32.
+    p, ds = p.to(q.dtype).float(), ds.to(q.dtype).float()
+    dq = torch.einsum("bhqk,bkhd->bqhd", ds, kf) * scale
+    dk = torch.einsum("bhqk,bqhd->bkhd", ds, qf) * scale
+    dv = torch.einsum("bhqk,bqhd->bkhd", p, dof)
+    dk = dk.view(b, sk, hk, g, d).sum(3)
+    dv = dv.view(b, sk, hk, g, d).sum(3)
+    return tuple(t.to(dtype).contiguous() for t, dtype in ((dq, q.dtype), (dk, k.dtype), (dv, v.dtype)))
+
+
+@torch.library.custom_op("fa_sm100::attn_fwd", mutates_args=())
+def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
+             causal: bool, window_left: Optional[int], window_right: Optional[int],
+             config_token: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if q.device.type == "cpu":
+        return _cpu_forward(q, k, v, softmax_scale, causal, window_left, window_right)
+    from fa_sm100.interface import _backend_for
+
+    config = _CONFIGS[config_token] if config_token >= 0 else None
+    out, lse = _backend_for(q.device)(q, k, v, softmax_scale, causal,
+                                      (window_left, window_right), True, config)
+    return out, lse
+
+
+@attn_fwd.register_fake
+def _attn_fwd_fake(q, k, v, softmax_scale, causal, window_left, window_right, config_token):
+    b, sq, h, _ = q.shape
+    out = q.new_empty((b, sq, h, v.shape[-1]))
+    lse = q.new_empty((b, h, sq), dtype=torch.float32)
+    return out, lse
+
+
+@torch.library.custom_op("fa_sm100::attn_bwd", mutates_args=())
+def attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             out: torch.Tensor, lse: torch.Tensor, softmax_scale: float, causal: bool,
+             window_left: Optional[int], window_right: Optional[int],
+             deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if q.device.type == "cpu":
+        return _cpu_backward(dout, q, k, v, out, lse, softmax_scale, causal, window_left,
+                             window_right)
+    cap = torch.cuda.get_device_capability(q.device)
+    if cap != (9, 0):
+        raise ValueError(f"the backward runs on sm_90 GPUs only (the SM100 backward is not "
+                         f"part of this project); {q.device} is sm_{cap[0]}{cap[1]}")
+    from fa_sm100.hopper.bwd_interface import sm90_bwd
+
+    return sm90_bwd(dout, q, k, v, out, lse, softmax_scale=softmax_scale, causal=causal,
+                    window_size=(window_left, window_right), deterministic=deterministic)
+
+
+@attn_bwd.register_fake
+def _attn_bwd_fake(dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right,
+                   deterministic):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+class FlashAttnFunction(torch.autograd.Function):
+    """out, lse = attention(q, k, v); backward gives dq, dk, dv (lse is not differentiable)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, softmax_scale, causal, window_left, window_right, config_token,
+                deterministic):
+        out, lse = torch.ops.fa_sm100.attn_fwd(q, k, v, softmax_scale, causal, window_left,
+                                               window_right, config_token)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.softmax_scale = softmax_scale
+        ctx.causal = causal
+        ctx.window = (window_left, window_right)
+        ctx.deterministic = deterministic
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = torch.ops.fa_sm100.attn_bwd(
+            dout.contiguous(), q, k, v, out, lse, ctx.softmax_scale, ctx.causal, ctx.window[0],
+            ctx.window[1], ctx.deterministic)
+        return dq, dk, dv, None, None, None, None, None, None
+
+
+def check_backward_supported(q, k, v):
+    """Raise ValueError before the forward runs when its backward could not (GPU path)."""
+    d, dv = q.shape[-1], v.shape[-1]
+    if d != dv or d not in SM90_BWD_HEAD_DIMS:
+        raise ValueError(f"head dims (qk={d}, v={dv}) have no backward kernel: gradients need "
+                         f"head_dim == head_dim_v in {SM90_BWD_HEAD_DIMS}")
+
+
+def flash_attn_autograd(q, k, v, softmax_scale=None, causal=False, return_lse=False,
+                        config=None, window_size=(None, None), deterministic=False):
+    """``flash_attn_func`` with gradients (inputs already validated by the caller)."""
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    left, right = window_size if window_size is not None else (None, None)
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    if needs_grad and q.device.type == "cuda":
+        check_backward_supported(q, k, v)
+    out, lse = FlashAttnFunction.apply(q, k, v, float(softmax_scale), bool(causal), left, right,
+                                       _config_token(config), bool(deterministic))
+    return (out, lse) if return_lse else out

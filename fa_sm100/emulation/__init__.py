@@ -1,0 +1,13 @@
+"""CPU emulation of the SM100 forward kernel's arithmetic (issue 5); see docs/numerics.md.
+
+- ``forward.emulate_sm100_fwd``: the kernel's algorithm on CPU tensors (float32 torch);
+- ``ex2``: the kernel's two exp2 paths (polynomial bit model, SFU model) and their accuracy;
+- ``cases``: the CI case matrix, the error rule per case, the rescale-threshold report;
+- ``gpu_ex2``: hardware check of the exp2 models on a CUDA GPU (triton inline PTX).
+
+Constants come from ``fa_sm100.softmax_math``, the module the kernel imports.
+"""
+
+from fa_sm100.emulation.forward import EmulationStats, emulate_sm100_fwd, kv_tile_ranges
+
+__all__ = ["EmulationStats", "emulate_sm100_fwd", "kv_tile_ranges"]

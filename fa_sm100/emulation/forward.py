@@ -1,0 +1,273 @@
+"""The SM100 forward kernel's arithmetic, step by step, in float32 torch on the CPU.
+
+What the emulation reproduces (and what it abstracts away). Rows of a work tile see the same
+K/V tiles in the same order, and each row's arithmetic depends on nothing but that order, so the
+emulation vectorizes over batch, heads and all work tiles and walks the K/V tiles:
+
+- Work tiles. One CTA (pair, with 2-CTA MMA) processes ``m_block * q_stage * cta_group``
+  consecutive query rows (Q stages and CTAs of the pair) against one sequence of K/V tiles.
+  The tile range [n_min, n_max) is the union over those rows of the visible keys (causal /
+  sliding window, bottom-right aligned as in ``fa_sm100.testing``); tiles are visited in
+  reverse order n_max-1 .. n_min. Rows that see nothing in the first tile(s) of their work
+  tile start from a -inf max, exactly as in the kernel.
+- S = Q K^T: inputs are bf16/fp16, so every product is exact in float32; the sum is float32.
+  Keys outside the row's visible range (and past seqlen_k) are -inf.
+- Row max and correction: ``m_new = max(m, tile max)``; on the first tile of a work tile the
+  row takes it; later, ``growth = (m_new - m) * scale_log2`` and ``softmax_math.rescale_needed``
+  decides whether O and the row sum are scaled by ``exp2(-growth)`` (SFU) and the row moves to
+  ``m_new``, or the row keeps its stale max. The correction is applied to O before the PV MMA
+  of the tile accumulates into it.
+- P: ``x = fma(s, scale_log2, -m * scale_log2)``; exp2 by the polynomial for the columns of
+  ``softmax_math.ex2_emulated_mask`` and by the SFU model for the others (``emulation.ex2``);
+  the row sum adds the float32 values; P is rounded to the input dtype (round to nearest
+  even, as cvt.rn) before P V.
+- O += P V: one float32 accumulation per MMA instruction (K = 16 columns of P), in ascending
+  column order within each part of ``softmax_math.p_split_columns``. Split P changes when the
+  MMAs of the last part issue, not what they add, so its outputs are bit-identical to no split.
+- Epilogue: O * (1 / row_sum) rounded to the input dtype; LSE = (m * scale_log2 +
+  log2(row_sum)) * ln 2 in float32. Rows with row_sum == 0 give O = 0, LSE = -inf.
+
+Abstracted: the order of the float32 additions inside one MMA instruction and inside the row
+sum (hardware trees vs torch), MUFU.EX2's last ulp, and FMA double-rounding ties (see ex2.py).
+Each is orders of magnitude below the bf16/fp16 rounding of P and O.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from fa_sm100 import softmax_math as sm
+from fa_sm100.config import FmhaConfig, normalize_dtype, select_config
+from fa_sm100.emulation.ex2 import ex2_mixed, ex2_sfu
+
+MMA_K = 16  # columns of P (rows of V) one f16-kind tcgen05 MMA instruction consumes
+
+_TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+# Switches that reach the emulation. kv_stage and persistent only schedule work (how many K/V
+# tiles are in flight, which CTA takes which tile); a row's arithmetic does not depend on them,
+# so kv_stage is re-derived for the problem instead of being checked against its SMEM budget.
+SWITCH_FIELDS = ("q_stage", "use_2cta", "split_p", "split_p_col", "ex2_emu_fraction",
+                 "rescale_threshold", "persistent")
+
+
+@dataclass
+class EmulationStats:
+    """How often the correction fired. Counted over valid rows, for every K/V tile after the
+    first one in which the row already had a finite max (a real choice between stale and new)."""
+
+    threshold: float
+    row_tiles: int = 0  # (row, tile) decisions
+    max_grew: int = 0  # the tile raised the row max at all
+    rescaled: int = 0  # growth > threshold: O and row sum rescaled
+    rows: int = 0
+    rows_rescaled: int = 0  # rows that rescaled at least once
+    max_p: float = 0.0  # largest P before the final 1/row_sum (<= 2^threshold)
+    per_row_rescales: Optional[torch.Tensor] = field(default=None, repr=False)
+
+    def as_dict(self) -> dict:
+        d = {k: v for k, v in self.__dict__.items() if k != "per_row_rescales"}
+        d["rescale_rate"] = self.rescaled / self.row_tiles if self.row_tiles else 0.0
+        d["grow_rate"] = self.max_grew / self.row_tiles if self.row_tiles else 0.0
+        return d
+
+
+def _check_inputs(q, k, v):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be BSHD (batch, seqlen, heads, head_dim), got shape "
+                             f"{tuple(t.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    normalize_dtype(q.dtype)  # raises for anything but bf16 / fp16
+    b, sq, hq, d = q.shape
+    if k.shape[0] != b or v.shape[0] != b:
+        raise ValueError(f"batch sizes differ: q {b}, k {k.shape[0]}, v {v.shape[0]}")
+    if k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2]:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must agree in seqlen and heads")
+    if k.shape[3] != d:
+        raise ValueError(f"head_dim of q ({d}) and k ({k.shape[3]}) differ")
+    if sq < 1 or k.shape[1] < 1:
+        raise ValueError(f"seqlens must be >= 1, got seqlen_q={sq}, seqlen_k={k.shape[1]}")
+    if hq % k.shape[2]:
+        raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({k.shape[2]})")
+
+
+def resolve_config(q, k, v, causal=False, window_size=(None, None),
+                   config: Optional[FmhaConfig] = None) -> FmhaConfig:
+    """The config the kernel would run: problem fields from the tensors and arguments, switch
+    fields from ``config`` (or the defaults ``select_config`` picks for this problem)."""
+    _check_inputs(q, k, v)
+    left, right = window_size if window_size is not None else (None, None)
+    problem = dict(head_dim=q.shape[3], head_dim_v=v.shape[3], dtype=q.dtype,
+                   seqlen_q=q.shape[1], seqlen_k=k.shape[1], causal=bool(causal),
+                   qhead_per_kvhead=q.shape[2] // k.shape[2], window_left=left, window_right=right)
+    if config is None:
+        return select_config(**problem)
+    if not isinstance(config, FmhaConfig):
+        raise ValueError(f"config must be an FmhaConfig, got {type(config).__name__}")
+    switches = {f: getattr(config, f) for f in SWITCH_FIELDS}
+    return select_config(**problem, num_sms=config.num_sms, **switches)
+
+
+def kv_tile_ranges(seqlen_q, seqlen_k, cfg: FmhaConfig, causal, window_size):
+    """Per work tile: (first row, stop row, n_min, n_max); K/V tiles visited n_max-1 .. n_min."""
+    left, right = window_size if window_size is not None else (None, None)
+    if causal:
+        right = 0 if right is None else min(right, 0)
+    rows = cfg.m_block * cfg.q_stage * cfg.cta_group
+    nb = cfg.n_block
+    n_tiles_k = -(-seqlen_k // nb)
+    out = []
+    for r0 in range(0, seqlen_q, rows):
+        r1 = min(r0 + rows, seqlen_q)
+        hi_key = seqlen_k - 1 if right is None else min(seqlen_k - 1, r1 - 1 + seqlen_k - seqlen_q + right)
+        lo_key = 0 if left is None else max(0, r0 + seqlen_k - seqlen_q - left)
+        n_max = hi_key // nb + 1 if hi_key >= 0 else 0
+        n_min = min(lo_key // nb, n_tiles_k - 1)
+        # A tile visits at least one block even when all its rows are masked (the kernel keeps
+        # one protocol for every tile); such rows end with row sum 0.
+        out.append((r0, r1, n_min, max(n_max, n_min + 1)))
+    return out
+
+
+def _visible(rows, keys, seqlen_q, seqlen_k, causal, window_size):
+    """Bool (rows, keys) broadcast: key visible to row (same rule as testing.attention_mask)."""
+    left, right = window_size if window_size is not None else (None, None)
+    if causal:
+        right = 0 if right is None else min(right, 0)
+    aligned = rows + (seqlen_k - seqlen_q)
+    vis = keys < seqlen_k
+    if right is not None:
+        vis = vis & (keys <= aligned + right)
+    if left is not None:
+        vis = vis & (keys >= aligned - left)
+    return vis
+
+
+def _round_f32(x64: torch.Tensor) -> torch.Tensor:
+    return x64.to(torch.float32)
+
+
+def emulate_sm100_fwd(q, k, v, softmax_scale=None, causal=False, window_size=(None, None),
+                      config: Optional[FmhaConfig] = None, return_stats=False):
+    """Run the SM100 forward algorithm on CPU tensors (BSHD, bf16 or fp16).
+
+    Returns ``(out, lse)`` (out in the input dtype, lse float32 (batch, heads, seqlen_q) in
+    natural-log units), plus an ``EmulationStats`` when ``return_stats``.
+    """
+    cfg = resolve_config(q, k, v, causal, window_size, config)
+    dtype = _TORCH_DTYPES[cfg.dtype]
+    b, sq, hq, d = q.shape
+    sk, hk, dv = k.shape[1], k.shape[2], v.shape[3]
+    g = hq // hk
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+        raise ValueError(f"softmax_scale={softmax_scale!r}: must be a finite positive number")
+    # The kernel multiplies the float32 scale by float32 log2(e) in float32.
+    scale_log2 = float(torch.tensor(scale, dtype=torch.float32)
+                       * torch.tensor(sm.LOG2_E, dtype=torch.float32))
+    threshold = float(cfg.rescale_threshold)
+    nb = cfg.n_block
+    ranges = kv_tile_ranges(sq, sk, cfg, causal, window_size)
+    rows = cfg.m_block * cfg.q_stage * cfg.cta_group
+    t_count = len(ranges)
+    sq_pad = t_count * rows
+    n_tiles_k = -(-sk // nb)
+
+    # Work-tile views: Q (B, Hk, G, T, R, D); K, V tiles (B, Hk, N, nb, D).
+    qf = torch.zeros(b, sq_pad, hq, d, dtype=torch.float32)
+    qf[:, :sq] = q.to(torch.float32)
+    qw = qf.view(b, t_count, rows, hk, g, d).permute(0, 3, 4, 1, 2, 5)
+    kf = torch.zeros(b, n_tiles_k * nb, hk, d, dtype=torch.float32)
+    kf[:, :sk] = k.to(torch.float32)
+    vf = torch.zeros(b, n_tiles_k * nb, hk, dv, dtype=torch.float32)
+    vf[:, :sk] = v.to(torch.float32)
+    kt = kf.view(b, n_tiles_k, nb, hk, d).permute(0, 3, 1, 2, 4)
+    vt = vf.view(b, n_tiles_k, nb, hk, dv).permute(0, 3, 1, 2, 4)
+
+    n_min = torch.tensor([r[2] for r in ranges])
+    n_max = torch.tensor([r[3] for r in ranges])
+    steps = int((n_max - n_min).max()) if t_count else 0
+    row_idx = torch.arange(sq_pad).view(t_count, rows, 1)
+    row_valid = (row_idx < sq).view(1, 1, 1, t_count, rows)
+    emu_cols = torch.tensor(sm.ex2_emulated_mask(nb, cfg.ex2_emu_fraction))
+    splits = sm.p_split_columns(nb, cfg.split_p, cfg.split_p_col)
+
+    state_shape = (b, hk, g, t_count, rows)
+    m = torch.full(state_shape, float("-inf"))
+    row_sum = torch.zeros(state_shape)
+    o = torch.zeros(*state_shape, dv)
+    stats = EmulationStats(threshold=threshold)
+    per_row = torch.zeros(state_shape, dtype=torch.int64)
+
+    for j in range(steps):
+        tile = n_max - 1 - j  # (T,) the K/V tile each work tile visits at step j
+        active = tile >= n_min
+        tile_c = tile.clamp(min=0, max=max(n_tiles_k - 1, 0))
+        keys = (tile_c * nb).view(t_count, 1, 1) + torch.arange(nb).view(1, 1, nb)
+        vis = _visible(row_idx, keys, sq, sk, causal, window_size)  # (T, R, nb)
+        s = torch.matmul(qw, kt[:, :, tile_c].unsqueeze(2).transpose(-1, -2))  # (B,Hk,G,T,R,nb)
+        s = s.masked_fill(~vis, float("-inf"))
+
+        tile_max = s.amax(dim=-1)
+        if j == 0:
+            m_new = tile_max
+            rescale = torch.ones(state_shape, dtype=torch.bool)
+            acc_scale = torch.zeros(state_shape)
+        else:
+            m_new = torch.maximum(m, tile_max)
+            # float32 subtract, float32 multiply; -inf - -inf is NaN, which never rescales
+            growth = (m_new - m) * scale_log2
+            rescale = sm.rescale_needed(growth, threshold)
+            acc_scale = torch.where(rescale, ex2_sfu((m - m_new) * scale_log2),
+                                    torch.ones_like(growth))
+            decided = active.view(1, 1, 1, t_count, 1) & row_valid & torch.isfinite(m)
+            stats.row_tiles += int(decided.sum())
+            stats.max_grew += int((decided & (tile_max > m)).sum())
+            stats.rescaled += int((decided & rescale).sum())
+            per_row += (decided & rescale).to(torch.int64)
+        m_next = torch.where(rescale, m_new, m)
+        m_safe = torch.where(torch.isinf(m_next), torch.zeros_like(m_next), m_next)
+
+        # x = fma(s, scale_log2, -(m * scale_log2)): exact product in float64, one rounding.
+        bias = -(m_safe * scale_log2)
+        x = _round_f32(s.to(torch.float64) * scale_log2 + bias.to(torch.float64).unsqueeze(-1))
+        p = ex2_mixed(x, emu_cols)
+        sum_next = row_sum * acc_scale + p.sum(dim=-1)
+        p_lo = p.to(dtype).to(torch.float32)
+
+        o_next = o * acc_scale.unsqueeze(-1)
+        v_tile = vt[:, :, tile_c].unsqueeze(2)  # (B, Hk, 1, T, nb, Dv)
+        for start, stop in splits:
+            for c0 in range(start, stop, MMA_K):
+                o_next = o_next + torch.matmul(p_lo[..., c0:c0 + MMA_K], v_tile[..., c0:c0 + MMA_K, :])
+
+        live = active.view(1, 1, 1, t_count, 1)
+        if bool(live.any()):
+            stats.max_p = max(stats.max_p, float(torch.where(
+                (live & row_valid).unsqueeze(-1), p, torch.zeros_like(p)).max()))
+        m = torch.where(live, m_next, m)
+        row_sum = torch.where(live, sum_next, row_sum)
+        o = torch.where(live.unsqueeze(-1), o_next, o)
+
+    empty = (row_sum == 0) | torch.isnan(row_sum)
+    inv = 1.0 / torch.where(empty, torch.ones_like(row_sum), row_sum)
+    out = (o * inv.unsqueeze(-1)).to(dtype)
+    m_final = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    lse = (m_final * scale_log2 + torch.log2(torch.where(empty, torch.ones_like(row_sum), row_sum)))
+    lse = torch.where(empty, torch.full_like(lse, float("-inf")), lse * sm.LN_2)
+
+    out = out.permute(0, 3, 4, 1, 2, 5).reshape(b, sq_pad, hq, dv)[:, :sq]
+    lse = lse.reshape(b, hq, sq_pad)[:, :, :sq]
+    if not return_stats:
+        return out, lse
+    stats.rows = b * hq * sq
+    stats.rows_rescaled = int(((per_row > 0) & row_valid).sum())
+    stats.per_row_rescales = per_row.reshape(b, hq, sq_pad)[:, :, :sq]
+    return out, lse, stats

@@ -1,0 +1,215 @@
+"""Frozen configuration of the Hopper (SM90) attention backward.
+
+One compiled backward kernel per value of ``BwdConfig``. Problem-shaped fields (head dims,
+dtype, causal, window, GQA ratio) are static; the rest are switches that the benchmark can
+flip: tile sizes, pipeline depths, the GQA reduction strategy and the deterministic mode.
+
+GQA/MQA reduction (``gqa_reduce``):
+- ``"atomic"``: every query head adds its float32 dK/dV tile into one buffer per KV head
+  with ``red.global.add.f32``; the postprocess converts it. Order of additions is not fixed.
+- ``"buffers"``: every query head stores its own float32 dK/dV tile (no atomics); the
+  postprocess sums the heads of a group in a fixed order. Bitwise reproducible; costs
+  ``qhead_per_kvhead`` times the float32 dK/dV memory.
+docs/hopper_backward.md records which is faster and why the default is what it is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+from fa_sm100.config import DTYPES, REGISTER_FILE, normalize_dtype
+
+SM90_BWD_HEAD_DIMS = (64, 96, 128)
+GQA_REDUCE_MODES = ("atomic", "buffers")
+DQ_ACCUM_MODES = ("bulk", "red")
+DQ_ROW_PAD = 8  # float32 columns of padding per dQ row in SMEM/GMEM (bank-conflict-free stores)
+SM90_SMEM_BYTES = 232448  # 227 KiB of dynamic shared memory per CTA on H100/H200
+
+
+@dataclass(frozen=True)
+class BwdConfig:
+    """Compile-time configuration of ``sm90_bwd`` (validated by ``validate()``)."""
+
+    # problem
+    head_dim: int = 128
+    head_dim_v: int = 128
+    dtype: str = "bfloat16"
+    causal: bool = False
+    window_left: Optional[int] = None
+    window_right: Optional[int] = None
+    qhead_per_kvhead: int = 1
+    # tiles and pipelines
+    tile_m: int = 64  # query rows per inner iteration (one WGMMA M atom)
+    tile_n: int = 128  # key rows owned by one CTA (dK/dV accumulated in registers)
+    q_stage: int = 2  # Q (+LSE) stages in flight
+    do_stage: int = 2  # dO (+Delta) stages in flight
+    ds_stage: int = 2  # dS SMEM buffers (2 removes one barrier per iteration)
+    # switches
+    deterministic: bool = False
+    gqa_reduce: str = "buffers"
+    # dQ accumulation: "bulk" = tile staged in SMEM, added by the dq-store warp with one
+    # cp.reduce.async.bulk per query block; "red" = red.global.add.f32 from the MMA registers.
+    dq_accum: str = "bulk"
+    # Issue dV += P^T dO right after P is in SMEM, overlapping it with the dS math
+    # (select_bwd_config: on for non-causal problems, where it measured faster).
+    early_dv: bool = True
+    # registers after setmaxnreg: producer warpgroup and each of the two MMA warpgroups
+    regs_producer: int = 24
+    regs_mma: int = 240
+
+    num_mma_warpgroups: int = dataclasses.field(default=2, init=False)
+
+    @property
+    def threads_per_cta(self) -> int:
+        return 128 * (1 + self.num_mma_warpgroups)
+
+    @property
+    def is_local(self) -> bool:
+        return self.window_left is not None or self.window_right is not None
+
+    @property
+    def dtype_bytes(self) -> int:
+        return 2
+
+    @property
+    def uses_gqa_buffers(self) -> bool:
+        """dK/dV go through float32 buffers (GQA/MQA); MHA stores them directly."""
+        return self.qhead_per_kvhead > 1
+
+    def replace(self, **changes) -> "BwdConfig":
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def dq_row_pitch(self) -> int:
+        """Float32 elements per dQ-accumulator row (padded in "bulk" mode: SMEM == GMEM image)."""
+        return self.head_dim + (DQ_ROW_PAD if self.dq_accum == "bulk" else 0)
+
+    def setmaxnreg(self) -> dict:
+        return {"producer": self.regs_producer, "mma": self.regs_mma}
+
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory of one CTA: Q, dO stages, K, V, P, dS stages, barriers."""
+        b = self.dtype_bytes
+        q = self.tile_m * self.head_dim * b * self.q_stage
+        do = self.tile_m * self.head_dim_v * b * self.do_stage
+        k = self.tile_n * self.head_dim * b
+        v = self.tile_n * self.head_dim_v * b
+        p = self.tile_m * self.tile_n * b
+        ds = self.tile_m * self.tile_n * b * self.ds_stage
+        dq = self.tile_m * self.dq_row_pitch * 4 if self.dq_accum == "bulk" else 0
+        barriers = 8 * (1 + 2 * self.q_stage + 2 * self.do_stage)
+        # each buffer is 1024-byte aligned (swizzle atoms); the barriers sit in the first KiB
+        return 1024 + q + do + k + v + p + ds + dq + max(0, barriers - 1024)
+
+    def validate(self) -> "BwdConfig":
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r}: must be one of {DTYPES}")
+        if self.head_dim not in SM90_BWD_HEAD_DIMS or self.head_dim_v != self.head_dim:
+            raise ValueError(
+                f"head dims (qk={self.head_dim}, v={self.head_dim_v}): the SM90 backward supports "
+                f"head_dim == head_dim_v in {SM90_BWD_HEAD_DIMS}"
+            )
+        if self.tile_m != 64:
+            raise ValueError(f"tile_m={self.tile_m}: must be 64 (one WGMMA M atom per iteration)")
+        if self.tile_n != 128:
+            raise ValueError(f"tile_n={self.tile_n}: must be 128 (64 key rows per MMA warpgroup)")
+        for name in ("q_stage", "do_stage", "ds_stage"):
+            if getattr(self, name) not in (1, 2):
+                raise ValueError(f"{name}={getattr(self, name)}: must be 1 or 2")
+        if self.ds_stage != 2:
+            raise ValueError("ds_stage must be 2: the single-buffer dS protocol is not implemented")
+        if self.qhead_per_kvhead < 1:
+            raise ValueError(f"qhead_per_kvhead={self.qhead_per_kvhead}: must be >= 1")
+        if self.gqa_reduce not in GQA_REDUCE_MODES:
+            raise ValueError(f"gqa_reduce={self.gqa_reduce!r}: must be one of {GQA_REDUCE_MODES}")
+        if self.dq_accum not in DQ_ACCUM_MODES:
+            raise ValueError(f"dq_accum={self.dq_accum!r}: must be one of {DQ_ACCUM_MODES}")
+        if self.deterministic and self.qhead_per_kvhead > 1 and self.gqa_reduce != "buffers":
+            raise ValueError(
+                "deterministic=True with GQA/MQA needs gqa_reduce='buffers' (atomics add in a "
+                "run-dependent order)"
+            )
+        for name in ("window_left", "window_right"):
+            w = getattr(self, name)
+            if w is not None and w < 0:
+                raise ValueError(f"{name}={w}: a window size must be >= 0 (None = unbounded)")
+        for name in ("regs_producer", "regs_mma"):
+            r = getattr(self, name)
+            if r % 8 or not 24 <= r <= 256:
+                raise ValueError(f"{name}={r}: setmaxnreg takes a multiple of 8 in [24, 256]")
+        used = 128 * (self.regs_producer + self.num_mma_warpgroups * self.regs_mma)
+        if used > REGISTER_FILE:
+            raise ValueError(
+                f"register budget 128 x ({self.regs_producer} + 2 x {self.regs_mma}) = {used} "
+                f"exceeds the register file ({REGISTER_FILE})"
+            )
+        if self.smem_bytes() > SM90_SMEM_BYTES:
+            raise ValueError(
+                f"shared memory {self.smem_bytes()} B exceeds the SM90 budget {SM90_SMEM_BYTES} B"
+            )
+        return self
+
+
+def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = False,
+                      window_left: Optional[int] = None, window_right: Optional[int] = None,
+                      qhead_per_kvhead: int = 1, deterministic: bool = False,
+                      **overrides) -> BwdConfig:
+    """Defaults for a problem; ``overrides`` replace any field.
+
+    Measured on an H200 (docs/hopper_backward.md): GQA/MQA dK/dV through per-query-head
+    buffers ("buffers") is as fast as or faster than atomics and deterministic, so it is the
+    default; early dV helps non-causal problems and costs a few percent on causal ones.
+    """
+    gqa_reduce = overrides.pop("gqa_reduce", "buffers")
+    early_dv = overrides.pop("early_dv", not (causal or window_left is not None
+                                               or window_right is not None))
+    cfg = BwdConfig(
+        head_dim=head_dim,
+        head_dim_v=overrides.pop("head_dim_v", head_dim),
+        dtype=normalize_dtype(dtype),
+        causal=causal,
+        window_left=window_left,
+        window_right=window_right,
+        qhead_per_kvhead=qhead_per_kvhead,
+        deterministic=deterministic,
+        gqa_reduce=gqa_reduce,
+        early_dv=early_dv,
+    )
+    return cfg.replace(**overrides).validate()
+
+
+def effective_window_right(cfg: BwdConfig) -> Optional[int]:
+    """The right window edge the mask uses: causal is a right edge of 0."""
+    right = cfg.window_right
+    if cfg.causal:
+        right = 0 if right is None else min(right, 0)
+    return right
+
+
+def m_block_range(cfg: BwdConfig, n_block, seqlen_q, seqlen_k, imax=max, imin=min):
+    """Query blocks [m_min, m_max) whose band reaches key block ``n_block``.
+
+    Rows are aligned bottom-right: query i sees key j iff i + off - left <= j <= i + off + right
+    with off = seqlen_k - seqlen_q. The kernel calls this while tracing with DSL integers (and
+    ``imax``/``imin`` = cutlass.max/min); the tests call it with Python integers.
+    """
+    tm, tn = cfg.tile_m, cfg.tile_n
+    m_max = (seqlen_q + tm - 1) // tm
+    m_min = 0 * n_block
+    off = seqlen_k - seqlen_q
+    right = effective_window_right(cfg)
+    if right is not None:
+        m_min = imax(n_block * tn - off - right, 0) // tm
+    if cfg.window_left is not None:
+        m_max = imin(m_max, imax((n_block + 1) * tn - 1 - off + cfg.window_left + tm, 0) // tm)
+    return m_min, m_max
+
+
+def first_n_block(cfg: BwdConfig, m_block, seqlen_q, seqlen_k, imax=max):
+    """The lowest key block whose range contains query block ``m_block``: the base of the
+    deterministic dQ semaphore (the key blocks that add into ``m_block`` are consecutive)."""
+    if cfg.window_left is None:
+        return 0 * m_block
+    return imax(m_block * cfg.tile_m + seqlen_k - seqlen_q - cfg.window_left, 0) // cfg.tile_n

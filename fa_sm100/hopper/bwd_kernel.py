@@ -1,0 +1,635 @@
+"""The SM90 attention backward main kernel (`sm90_bwd`): warp-specialized, WGMMA.
+
+One CTA owns one (key block ``n_block``, query head, batch): it keeps K and V of its 128 key
+rows in SMEM and accumulates dK and dV in registers while it walks the query blocks that can
+see those keys. Per query block (64 rows) it recomputes S and dP and produces P and dS.
+
+Warps (384 threads):
+
+| warpgroup | warps | role | does |
+|---|---|---|---|
+| 0 | 0 | load | TMA: K and V once; Q and dO per query block (``q``/``do`` pipelines) |
+| 0 | 1 | dq-store | "bulk" dQ: one cp.reduce.async.bulk.add.f32 of the SMEM dQ tile per query block |
+| 0 | 2-3 | idle | register donors (setmaxnreg down to ``regs_producer``) |
+| 1, 2 | 4-11 | mma | S = Q K^T, dP = dO V^T, P, dS, dV += P^T dO, dK += dS^T Q, dQ = dS K |
+
+The two MMA warpgroups split every GEMM in half: S and dP by key columns (warpgroup w owns
+keys 64w .. 64w+63), dV and dK by key rows (the same keys, so P and the dK operand dS^T
+never cross warpgroups), dQ by head-dim columns (this one reads all of dS).
+
+Note [dS double buffer]: dQ = dS K reads both warpgroups' halves of dS, so a warpgroup may
+only overwrite dS once the other has finished the dQ GEMM of the previous query block. dS has
+two SMEM buffers (``ds_stage == 2``): iteration i writes buffer i % 2 and then waits on the
+``DS_READY`` barrier; a warpgroup that passed ``DS_READY`` of iteration i has retired all
+GEMMs of iteration i-1 (``wait_group(0)`` ends every iteration), so buffer (i+1) % 2 is free.
+P is written and read by one warpgroup only and needs a single buffer.
+
+Note [early dV] (``early_dv``): dV += P^T dO needs only this warpgroup's P, so it is issued as
+soon as the warpgroup's 128 threads have stored P (``P_READY_WG0 + w``) and runs on the tensor
+cores while dS = P (dP - Delta) is computed. Per iteration the WGMMA groups are S, dP, dV, dQ,
+dK and retire in that order: ``wait_group(1)`` after dK means dV and dQ are done (release
+``do``, hand dQ over) while dK still reads Q; ``wait_group(0)`` then releases ``q``.
+
+dQ is accumulated in float32 in global memory, by one of two switchable paths (``dq_accum``):
+"bulk" stages the scaled dQ tile in SMEM (rows padded by DQ_ROW_PAD floats: conflict-free
+stores; GMEM holds the same padded image) and the dq-store warp adds it with one bulk reduce;
+"red" issues ``red.global.add.f32`` from the MMA registers. Deterministic mode orders the
+additions: the CTAs that touch a query block add in increasing ``n_block`` order, through a
+per-(batch, head, m_block) semaphore.
+
+Note [dQ SMEM handoff] ("bulk"): per query block the dq-store warp waits until its previous
+bulk reduce has read the tile (``cp.async.bulk.wait_group.read 0``), arrives on ``DQ_EMPTY``,
+then waits on ``DQ_FULL``; the MMA warpgroups wait on ``DQ_EMPTY``, store the tile, fence the
+async proxy and arrive on ``DQ_FULL``.
+"""
+
+import math
+from enum import IntEnum
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_helpers
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.experimental import primitives as prims
+from cutlass.utils import LayoutEnum
+
+from fa_sm100.hopper.bwd_config import (BwdConfig, effective_window_right, first_n_block,
+                                         m_block_range)
+
+LOG2_E = math.log2(math.e)
+
+
+class Sm90BwdBarrier(IntEnum):
+    """Named barriers of the SM90 backward (0 is ``__syncthreads``)."""
+
+    # Both MMA warpgroups (256 threads): P and dS of this query block are in SMEM.
+    DS_READY = 1
+    # Both MMA warpgroups: dQ semaphore observed (deterministic mode only).
+    DQ_TURN = 2
+    # Both MMA warpgroups: every dQ addition of this CTA for this query block is issued.
+    DQ_DONE = 3
+    # "bulk" dQ: the dq-store warp (32 threads) arrives when the SMEM dQ tile may be
+    # overwritten; the MMA warpgroups (256) wait. 288 threads.
+    DQ_EMPTY = 4
+    # "bulk" dQ: the MMA warpgroups arrive when the dQ tile is in SMEM; the dq-store warp waits.
+    DQ_FULL = 5
+    # early dV: warpgroup w's 128 threads have stored their P (6 + w).
+    P_READY_WG0 = 6
+    P_READY_WG1 = 7
+
+
+def cutlass_dtype(name: str):
+    return {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[name]
+
+
+def acc_rows_cols(t: cute.Tensor) -> cute.Tensor:
+    """View a WGMMA accumulator ((2, 2, V), MMA_M, MMA_N) as (rows, cols) of the C tile.
+
+    Within one 64 x N WGMMA atom a thread holds 2 rows (r, r + 8) and pairs of adjacent
+    columns: mode 0 is (column pair, row half, column group). Works on register fragments and
+    on partitions of identity (coordinate) tensors alike.
+    """
+    compact = cute.make_layout(t.layout.shape)
+    s, d = compact.shape, compact.stride
+    rows = ((s[0][1], s[1]), (d[0][1], d[1]))
+    cols = ((s[0][0], s[0][2], s[2]), (d[0][0], d[0][2], d[2]))
+    mn = cute.make_layout((rows[0], cols[0]), stride=(rows[1], cols[1]))
+    return cute.make_tensor(t.iterator, cute.composition(t.layout, mn))
+
+
+def transpose_smem(t: cute.Tensor) -> cute.Tensor:
+    """Swap the first two modes of an SMEM tensor (the MN-major view used by dV, dK, dQ)."""
+    shape = (t.shape[1], t.shape[0], *t.shape[2:])
+    order = (1, 0, *range(2, cute.rank(t)))
+    return cute.composition(t, cute.make_ordered_layout(shape, order=order))
+
+
+@cute.jit
+def wgmma(tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor,
+          zero_init: cutlass.Constexpr[bool]):
+    """Issue one warpgroup GEMM over all K slices of the fragments and commit it (no wait)."""
+    warpgroup.fence()
+    atom = cute.make_mma_atom(tiled_mma.op)
+    atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+    for k in cutlass.range_constexpr(cute.size(tA.shape[2])):
+        cute.gemm(atom, acc, tA[None, None, k], tB[None, None, k], acc)
+        atom.set(warpgroup.Field.ACCUMULATE, True)
+    warpgroup.commit_group()
+
+
+class Sm90FlashBackward:
+    """Builds and launches the main backward kernel for one ``BwdConfig``."""
+
+    def __init__(self, cfg: BwdConfig):
+        self.cfg = cfg.validate()
+        self.dtype = cutlass_dtype(cfg.dtype)
+        self.tile_m, self.tile_n = cfg.tile_m, cfg.tile_n
+        self.hdim, self.hdimv = cfg.head_dim, cfg.head_dim_v
+        self.num_mma_threads = 128 * cfg.num_mma_warpgroups
+        self.num_threads = cfg.threads_per_cta
+
+    # ---- layouts and MMAs (trace time) ---------------------------------------------------
+
+    def _smem_layout(self, rows: int, cols: int, stage, major_size: int):
+        kind = sm90_helpers.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, major_size)
+        atom = warpgroup.make_smem_layout_atom(kind, self.dtype)
+        if stage is None:
+            return cute.tile_to_shape(atom, (rows, cols), order=(0, 1))
+        return cute.tile_to_shape(atom, (rows, cols, stage), order=(0, 1, 2))
+
+    def _setup_layouts(self):
+        c = self.cfg
+        # Q and dO serve as K-major A (S, dP) and as MN-major B over the full head dim (dK, dV).
+        self.sQ_layout = self._smem_layout(self.tile_m, self.hdim, c.q_stage, self.hdim)
+        self.sdO_layout = self._smem_layout(self.tile_m, self.hdimv, c.do_stage, self.hdimv)
+        # K is also the MN-major B of dQ, whose N (head dim) is split over the two warpgroups.
+        self.sK_layout = self._smem_layout(self.tile_n, self.hdim, None, self.hdim // 2)
+        self.sV_layout = self._smem_layout(self.tile_n, self.hdimv, None, self.hdimv)
+        # P and dS: each warpgroup's 64 key columns form one swizzle atom row.
+        half_n = self.tile_n // 2
+        self.sP_layout = self._smem_layout(self.tile_m, self.tile_n, None, half_n)
+        self.sdS_layout = self._smem_layout(self.tile_m, self.tile_n, c.ds_stage, half_n)
+
+    def _tiled_mmas(self):
+        K, MN = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
+        half_n = self.tile_n // 2
+        # S = Q K^T and dP = dO V^T: (tile_m, tile_n), warpgroups side by side along N.
+        mma_sdp = sm90_helpers.make_trivial_tiled_mma(
+            self.dtype, self.dtype, K, K, Float32, (1, 2, 1), (64, half_n))
+        # dV = P^T dO and dK = dS^T Q: (tile_n, hdim), warpgroups stacked along M (keys).
+        mma_dkv = sm90_helpers.make_trivial_tiled_mma(
+            self.dtype, self.dtype, MN, MN, Float32, (2, 1, 1), (64, self.hdim))
+        # dQ = dS K: (tile_m, hdim), warpgroups side by side along N (head dim).
+        mma_dq = sm90_helpers.make_trivial_tiled_mma(
+            self.dtype, self.dtype, K, MN, Float32, (1, 2, 1), (64, self.hdim // 2))
+        return mma_sdp, mma_dkv, mma_dq
+
+    def _shared_storage(self):
+        c = self.cfg
+        buf = lambda layout: cute.struct.Align[
+            cute.struct.MemRange[self.dtype, cute.cosize(layout)], 1024]
+
+        @cute.struct
+        class SharedStorage:
+            mbar_kv: cute.struct.MemRange[cutlass.Int64, 1]
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * c.q_stage]
+            mbar_do: cute.struct.MemRange[cutlass.Int64, 2 * c.do_stage]
+            sQ: buf(self.sQ_layout)
+            sdO: buf(self.sdO_layout)
+            sK: buf(self.sK_layout)
+            sV: buf(self.sV_layout)
+            sP: buf(self.sP_layout)
+            sdS: buf(self.sdS_layout)
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, self._sdq_elems()], 1024]
+
+        return SharedStorage
+
+    def _sdq_elems(self) -> int:
+        if self.cfg.dq_accum == "bulk":
+            return self.tile_m * self.cfg.dq_row_pitch
+        return 4
+
+    # ---- host entry ------------------------------------------------------------------------
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (batch, seqlen_q, heads, hdim)
+        mK: cute.Tensor,  # (batch, seqlen_k, heads_kv, hdim)
+        mV: cute.Tensor,  # (batch, seqlen_k, heads_kv, hdimv)
+        mdO: cute.Tensor,  # (batch, seqlen_q, heads, hdimv)
+        mLSE2: cute.Tensor,  # (batch, heads, seqlen_q_pad) f32, log2 units, +inf on padding
+        mDelta: cute.Tensor,  # (batch, heads, seqlen_q_pad) f32, rowsum(O * dO)
+        mdQacc: cute.Tensor,  # (batch, heads, seqlen_q_pad, hdim) f32, zeroed
+        mdK: cute.Tensor,  # MHA: (batch, seqlen_k, heads, hdim) dtype; GQA: f32 (batch, h, seqlen_k_pad, hdim)
+        mdV: cute.Tensor,
+        mdQsem: cute.Tensor,  # (batch, heads, num_m_blocks) i32, zeroed (deterministic only)
+        softmax_scale: Float32,
+        stream,
+    ):
+        self._setup_layouts()
+        mma_sdp, mma_dkv, mma_dq = self._tiled_mmas()
+        SharedStorage = self._shared_storage()
+        # (b, s, h, d) -> (s, d, h, b) so the TMA tile is (rows, head dim)
+        to_sdhb = lambda t: cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
+        mQ_t, mK_t, mV_t, mdO_t = [to_sdhb(t) for t in (mQ, mK, mV, mdO)]
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        tma_Q, tma_mQ = cpasync.make_tiled_tma_atom(
+            g2s, mQ_t, cute.select(self.sQ_layout, mode=[0, 1]), (self.tile_m, self.hdim))
+        tma_dO, tma_mdO = cpasync.make_tiled_tma_atom(
+            g2s, mdO_t, cute.select(self.sdO_layout, mode=[0, 1]), (self.tile_m, self.hdimv))
+        tma_K, tma_mK = cpasync.make_tiled_tma_atom(
+            g2s, mK_t, self.sK_layout, (self.tile_n, self.hdim))
+        tma_V, tma_mV = cpasync.make_tiled_tma_atom(
+            g2s, mV_t, self.sV_layout, (self.tile_n, self.hdimv))
+        self.bytes_q = self.tile_m * self.hdim * self.dtype.width // 8
+        self.bytes_do = self.tile_m * self.hdimv * self.dtype.width // 8
+        self.bytes_kv = self.tile_n * (self.hdim + self.hdimv) * self.dtype.width // 8
+        num_n_blocks = cute.ceil_div(mK.shape[1], self.tile_n)
+        self.kernel(
+            tma_mQ, tma_mK, tma_mV, tma_mdO, tma_Q, tma_K, tma_V, tma_dO,
+            mLSE2, mDelta, mdQacc, mdK, mdV, mdQsem,
+            mQ.shape[1], mK.shape[1], mQ.shape[2] // mK.shape[2],
+            softmax_scale, softmax_scale * LOG2_E,
+            mma_sdp, mma_dkv, mma_dq,
+            self.sQ_layout, self.sdO_layout, self.sK_layout, self.sV_layout,
+            self.sP_layout, self.sdS_layout, SharedStorage,
+        ).launch(
+            grid=[num_n_blocks, mQ.shape[2], mQ.shape[0]],
+            block=[self.num_threads, 1, 1],
+            stream=stream,
+            min_blocks_per_mp=1,  # register count at entry known: ptxas keeps setmaxnreg
+        )
+
+    # ---- kernel: shared storage, registers, role dispatch ------------------------------------
+
+    @cute.kernel
+    def kernel(
+        self, mQ, mK, mV, mdO, tma_Q, tma_K, tma_V, tma_dO,
+        mLSE2, mDelta, mdQacc, mdK, mdV, mdQsem,
+        seqlen_q: Int32, seqlen_k: Int32, group: Int32,
+        softmax_scale: Float32, scale_log2: Float32,
+        mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma, mma_dq: cute.TiledMma,
+        sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
+        sP_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        if warp_idx == 0:
+            for atom in (tma_Q, tma_K, tma_V, tma_dO):
+                cpasync.prefetch_descriptor(atom)
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        mbar_kv = storage.mbar_kv.data_ptr()
+        if warp_idx == 0:
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_init(mbar_kv, 1)
+        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread)
+        # consumer_release arrives once per warp (lane 0): 8 MMA warps.
+        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads // 32)
+        pipe_q = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_q.data_ptr(), num_stages=self.cfg.q_stage,
+            producer_group=producer, consumer_group=consumers, tx_count=self.bytes_q,
+            defer_sync=True)
+        pipe_do = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_do.data_ptr(), num_stages=self.cfg.do_stage,
+            producer_group=producer, consumer_group=consumers, tx_count=self.bytes_do,
+            defer_sync=False)  # fences the mbarrier inits and syncs the CTA
+
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sdO = storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
+        sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
+        sdQ = storage.sdQ.get_tensor(cute.make_layout(self._sdq_elems()))
+
+        n_block, head, batch = cute.arch.block_idx()
+        m_block_min, m_block_max = self._m_block_range(n_block, seqlen_q, seqlen_k)
+
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(self.cfg.regs_producer)
+            if warp_idx == 0:
+                self.load(mQ, mK, mV, mdO, tma_Q, tma_K, tma_V, tma_dO, sQ, sK, sV, sdO,
+                          mbar_kv, pipe_q, pipe_do, n_block, head, batch, group,
+                          m_block_min, m_block_max)
+            if const_expr(self.cfg.dq_accum == "bulk"):
+                if warp_idx == 1:
+                    self.dq_store(mdQacc, mdQsem, sdQ, n_block, head, batch, seqlen_q, seqlen_k,
+                                  m_block_min, m_block_max)
+        else:
+            cute.arch.setmaxregister_increase(self.cfg.regs_mma)
+            self.mma(mma_sdp, mma_dkv, mma_dq, sQ, sK, sV, sdO, sP, sdS, sdQ,
+                     mLSE2, mDelta, mdQacc, mdK, mdV, mdQsem, mbar_kv, pipe_q, pipe_do,
+                     tidx - 128, n_block, head, batch, group, seqlen_q, seqlen_k,
+                     softmax_scale, scale_log2, m_block_min, m_block_max)
+
+    # ---- block ranges and masks ----------------------------------------------------------
+
+    def _m_block_range(self, n_block: Int32, seqlen_q: Int32, seqlen_k: Int32):
+        """Query blocks [min, max) this CTA visits (``bwd_config.m_block_range``)."""
+        return m_block_range(self.cfg, n_block, seqlen_q, seqlen_k, cutlass.max, cutlass.min)
+
+    def _n_block_first(self, m_block: Int32, seqlen_q: Int32, seqlen_k: Int32):
+        """The first key block that adds into query block ``m_block`` (semaphore base)."""
+        return first_n_block(self.cfg, m_block, seqlen_q, seqlen_k, cutlass.max)
+
+    # ---- load role -----------------------------------------------------------------------
+
+    @cute.jit
+    def load(self, mQ, mK, mV, mdO, tma_Q, tma_K, tma_V, tma_dO, sQ, sK, sV, sdO,
+             mbar_kv, pipe_q, pipe_do, n_block, head, batch, group, m_block_min, m_block_max):
+        """Warp 0. K, V of ``n_block`` once (``mbar_kv``); then for each query block m in
+        [m_block_min, m_block_max): acquire a ``q`` stage, TMA Q[m]; acquire a ``do`` stage,
+        TMA dO[m]. The MMA warpgroups release the stages."""
+        head_kv = head // group
+        gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.hdim), (n_block, 0))
+        gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.hdimv), (n_block, 0))
+        gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.hdim), (None, 0))
+        gdO = cute.local_tile(mdO[None, None, head, batch], (self.tile_m, self.hdimv), (None, 0))
+        one = cute.make_layout(1)
+        tKsK, tKgK = cpasync.tma_partition(tma_K, 0, one, cute.group_modes(sK, 0, 2),
+                                           cute.group_modes(gK, 0, 2))
+        tVsV, tVgV = cpasync.tma_partition(tma_V, 0, one, cute.group_modes(sV, 0, 2),
+                                           cute.group_modes(gV, 0, 2))
+        tQsQ, tQgQ = cpasync.tma_partition(tma_Q, 0, one, cute.group_modes(sQ, 0, 2),
+                                           cute.group_modes(gQ, 0, 2))
+        tdOsdO, tdOgdO = cpasync.tma_partition(tma_dO, 0, one, cute.group_modes(sdO, 0, 2),
+                                               cute.group_modes(gdO, 0, 2))
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive_and_expect_tx(mbar_kv, self.bytes_kv)
+        cute.copy(tma_K, tKgK, tKsK, tma_bar_ptr=mbar_kv)
+        cute.copy(tma_V, tVgV, tVsV, tma_bar_ptr=mbar_kv)
+        state_q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.cfg.q_stage)
+        state_do = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.cfg.do_stage)
+        for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
+            pipe_q.producer_acquire(state_q)
+            cute.copy(tma_Q, tQgQ[None, m_block], tQsQ[None, state_q.index],
+                      tma_bar_ptr=pipe_q.producer_get_barrier(state_q))
+            pipe_do.producer_acquire(state_do)
+            cute.copy(tma_dO, tdOgdO[None, m_block], tdOsdO[None, state_do.index],
+                      tma_bar_ptr=pipe_do.producer_get_barrier(state_do))
+            state_q.advance()
+            state_do.advance()
+
+    # ---- MMA role ------------------------------------------------------------------------
+
+    @cute.jit
+    def mma(self, mma_sdp, mma_dkv, mma_dq, sQ, sK, sV, sdO, sP, sdS, sdQ,
+            mLSE2, mDelta, mdQacc, mdK, mdV, mdQsem, mbar_kv, pipe_q, pipe_do,
+            tidx, n_block, head, batch, group, seqlen_q, seqlen_k,
+            softmax_scale, scale_log2, m_block_min, m_block_max):
+        """Warpgroups 1-2 (``tidx`` 0..255 here). Per query block m: wait ``q``, ``do``;
+        S, dP (WGMMA); P = exp2(S * scale_log2 - LSE2) with the band mask; dS = P (dP - Delta);
+        P, dS -> SMEM; ``DS_READY``; dV += P^T dO, dK += dS^T Q, dQ = dS K; release ``q``, ``do``;
+        dQ -> global float32 (atomic, or in n_block order when deterministic). After the last
+        block: dK *= scale, then dK, dV -> global."""
+        wg = cute.arch.make_warp_uniform(tidx // 128)
+        wg_thread = wg * 128
+        thr_sdp = mma_sdp.get_slice(tidx)
+        wg_sdp, wg_dkv, wg_dq = (m.get_slice(wg_thread) for m in (mma_sdp, mma_dkv, mma_dq))
+        # operand fragments (SMEM descriptors)
+        tSrQ = mma_sdp.make_fragment_A(wg_sdp.partition_A(sQ))  # (MMA, MMA_M, MMA_K, Q_STAGE)
+        tSrK = mma_sdp.make_fragment_B(wg_sdp.partition_B(sK))  # (MMA, MMA_N, MMA_K)
+        tdPrdO = mma_sdp.make_fragment_A(wg_sdp.partition_A(sdO))  # (MMA, MMA_M, MMA_K, DO_STAGE)
+        tdPrV = mma_sdp.make_fragment_B(wg_sdp.partition_B(sV))
+        tdVrPt = mma_dkv.make_fragment_A(wg_dkv.partition_A(transpose_smem(sP)))
+        tdVrdOt = mma_dkv.make_fragment_B(wg_dkv.partition_B(transpose_smem(sdO)))
+        tdKrdSt = mma_dkv.make_fragment_A(wg_dkv.partition_A(transpose_smem(sdS)))
+        tdKrQt = mma_dkv.make_fragment_B(wg_dkv.partition_B(transpose_smem(sQ)))
+        tdQrdS = mma_dq.make_fragment_A(wg_dq.partition_A(sdS))  # (MMA, MMA_M, MMA_K, DS_STAGE)
+        tdQrKt = mma_dq.make_fragment_B(wg_dq.partition_B(transpose_smem(sK)))
+        # accumulators
+        acc_dV = cute.make_rmem_tensor(mma_dkv.partition_shape_C((self.tile_n, self.hdimv)), Float32)
+        acc_dK = cute.make_rmem_tensor(mma_dkv.partition_shape_C((self.tile_n, self.hdim)), Float32)
+        acc_dV.fill(0.0)
+        acc_dK.fill(0.0)
+        # P / dS register -> SMEM copies (stmatrix)
+        st_atom = cute.make_copy_atom(
+            cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+        st_copy = cute.make_tiled_copy_C(st_atom, mma_sdp)
+        st_thr = st_copy.get_slice(tidx)
+        tPsP = st_thr.partition_D(sP)
+        tdSsdS = st_thr.partition_D(sdS)
+        # coordinates of this thread's S elements within the (tile_m, tile_n) tile
+        tScS = acc_rows_cols(thr_sdp.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
+
+        cute.arch.mbarrier_wait(mbar_kv, 0)
+        state_q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.cfg.q_stage)
+        state_do = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.cfg.do_stage)
+        mLSE2_cur = mLSE2[batch, head, None]
+        mDelta_cur = mDelta[batch, head, None]
+        for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
+            ds_idx = (m_block - m_block_min) % 2
+            # S = Q K^T, dP = dO V^T
+            pipe_q.consumer_wait(state_q)
+            acc_S = cute.make_rmem_tensor(mma_sdp.partition_shape_C((self.tile_m, self.tile_n)), Float32)
+            wgmma(mma_sdp, acc_S, tSrQ[None, None, None, state_q.index], tSrK, True)
+            pipe_do.consumer_wait(state_do)
+            acc_dP = cute.make_rmem_tensor(mma_sdp.partition_shape_C((self.tile_m, self.tile_n)), Float32)
+            wgmma(mma_sdp, acc_dP, tdPrdO[None, None, None, state_do.index], tdPrV, True)
+            S = acc_rows_cols(acc_S)
+            dP = acc_rows_cols(acc_dP)
+            lse = cute.make_rmem_tensor(cute.size(S, mode=[0]), Float32)
+            dpsum = cute.make_rmem_tensor(cute.size(S, mode=[0]), Float32)
+            for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
+                row = m_block * self.tile_m + tScS[r, 0][0]
+                lse[r] = mLSE2_cur[row]
+                dpsum[r] = mDelta_cur[row]
+            warpgroup.wait_group(1)
+            if self._block_needs_mask(m_block, n_block, seqlen_q, seqlen_k):
+                self._mask(S, tScS, m_block, n_block, seqlen_q, seqlen_k)
+            for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
+                for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
+                    S[r, c] = cute.math.exp2(S[r, c] * scale_log2 - lse[r], fastmath=True)
+            rP = cute.make_fragment_like(acc_S, self.dtype)
+            rP.store(acc_S.load().to(self.dtype))
+            cute.copy(st_copy, st_thr.retile(rP), tPsP)
+            if const_expr(self.cfg.early_dv):
+                # Note [early dV]: P is this warpgroup's own; dV runs while dS is computed.
+                cute.arch.fence_view_async_shared()
+                cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.P_READY_WG0) + wg,
+                                  number_of_threads=128)
+                wgmma(mma_dkv, acc_dV, tdVrPt, tdVrdOt[None, None, None, state_do.index], False)
+                warpgroup.wait_group(1)  # dP done; dV may still run
+            else:
+                warpgroup.wait_group(0)
+            for r in cutlass.range_constexpr(cute.size(dP, mode=[0])):
+                for c in cutlass.range_constexpr(cute.size(dP, mode=[1])):
+                    dP[r, c] = S[r, c] * (dP[r, c] - dpsum[r])
+            rdS = cute.make_fragment_like(acc_dP, self.dtype)
+            rdS.store(acc_dP.load().to(self.dtype))
+            cute.copy(st_copy, st_thr.retile(rdS), tdSsdS[None, None, None, ds_idx])
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.DS_READY),
+                              number_of_threads=self.num_mma_threads)
+            # dV += P^T dO (unless issued early), dQ = dS K, dK += dS^T Q; groups retire in order
+            if const_expr(not self.cfg.early_dv):
+                wgmma(mma_dkv, acc_dV, tdVrPt, tdVrdOt[None, None, None, state_do.index], False)
+            acc_dQ = cute.make_rmem_tensor(mma_dq.partition_shape_C((self.tile_m, self.hdim)), Float32)
+            wgmma(mma_dq, acc_dQ, tdQrdS[None, None, None, ds_idx], tdQrKt, True)
+            wgmma(mma_dkv, acc_dK, tdKrdSt[None, None, None, ds_idx],
+                  tdKrQt[None, None, None, state_q.index], False)
+            warpgroup.wait_group(1)  # dV and dQ done, dK may still run
+            pipe_do.consumer_release(state_do)
+            if const_expr(self.cfg.dq_accum == "bulk"):
+                self._stage_dq(mma_dq, acc_dQ, sdQ, tidx, softmax_scale)
+            else:
+                self._store_dq(mma_dq, acc_dQ, mdQacc, mdQsem, tidx, m_block, n_block, head,
+                               batch, seqlen_q, seqlen_k, softmax_scale)
+            warpgroup.wait_group(0)
+            pipe_q.consumer_release(state_q)
+            state_q.advance()
+            state_do.advance()
+        self._store_dkdv(mma_dkv, acc_dK, acc_dV, mdK, mdV, tidx, n_block, head, batch, group,
+                         seqlen_k, softmax_scale)
+
+    @cute.jit
+    def _block_needs_mask(self, m_block, n_block, seqlen_q, seqlen_k):
+        """Whether any element of the (m_block, n_block) tile lies outside the band or past
+        seqlen_k (uniform per CTA and iteration; most blocks need no mask)."""
+        right = effective_window_right(self.cfg)
+        left = self.cfg.window_left
+        off = seqlen_k - seqlen_q
+        col_min = n_block * self.tile_n
+        col_max = col_min + self.tile_n - 1
+        row_min = m_block * self.tile_m
+        need = col_max >= seqlen_k
+        if const_expr(right is not None):
+            need = need | (col_max > row_min + off + right)
+        if const_expr(left is not None):
+            need = need | (col_min < row_min + self.tile_m - 1 + off - left)
+        return need
+
+    @cute.jit
+    def _mask(self, S, tScS, m_block, n_block, seqlen_q, seqlen_k):
+        """Set S to -inf outside the causal/sliding-window band and past seqlen_k."""
+        right = effective_window_right(self.cfg)
+        left = self.cfg.window_left
+        off = seqlen_k - seqlen_q
+        for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
+            row = m_block * self.tile_m + tScS[r, 0][0]
+            for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
+                col = n_block * self.tile_n + tScS[r, c][1]
+                out = col >= seqlen_k
+                if const_expr(right is not None):
+                    out = out | (col > row + off + right)
+                if const_expr(left is not None):
+                    out = out | (col < row + off - left)
+                if out:
+                    S[r, c] = -Float32.inf
+
+    @cute.jit
+    def _stage_dq(self, mma_dq, acc_dQ, sdQ, tidx, softmax_scale):
+        """"bulk" dQ, MMA side of Note [dQ SMEM handoff]: scaled dQ tile -> padded SMEM rows."""
+        pitch = self.cfg.dq_row_pitch
+        sdQ_tile = cute.make_tensor(sdQ.iterator,
+                                    cute.make_layout((self.tile_m, self.hdim), stride=(pitch, 1)))
+        tdQsdQ = mma_dq.get_slice(tidx).partition_C(sdQ_tile)
+        handoff = self.num_mma_threads + 32
+        cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.DQ_EMPTY), number_of_threads=handoff)
+        for i in cutlass.range_constexpr(cute.size(acc_dQ)):
+            tdQsdQ[i] = acc_dQ[i] * softmax_scale
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier_arrive(barrier_id=int(Sm90BwdBarrier.DQ_FULL), number_of_threads=handoff)
+
+    @cute.jit
+    def dq_store(self, mdQacc, mdQsem, sdQ, n_block, head, batch, seqlen_q, seqlen_k,
+                 m_block_min, m_block_max):
+        """Warp 1 ("bulk" dQ), Note [dQ SMEM handoff]. Per query block m: wait until the last
+        bulk reduce has read SMEM, arrive ``DQ_EMPTY``, wait ``DQ_FULL``, then add the padded
+        tile into dQacc[batch, head, m * tile_m : (m + 1) * tile_m, :] with one
+        cp.reduce.async.bulk.add.f32. Deterministic: first wait for this CTA's turn on the
+        query block's semaphore; after the reduce has completed, pass the turn on."""
+        pitch = self.cfg.dq_row_pitch
+        tile_elems = self.tile_m * pitch
+        handoff = self.num_mma_threads + 32
+        gdQ = mdQacc[batch, head, None, None]
+        lane = cute.arch.lane_idx()
+        for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+            cute.arch.barrier_arrive(barrier_id=int(Sm90BwdBarrier.DQ_EMPTY),
+                                     number_of_threads=handoff)
+            cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.DQ_FULL), number_of_threads=handoff)
+            dst = gdQ.iterator + m_block * tile_elems
+            if const_expr(self.cfg.deterministic):
+                sem_ptr = mdQsem[batch, head, None].iterator + m_block
+                turn = n_block - self._n_block_first(m_block, seqlen_q, seqlen_k)
+                if lane == 0:
+                    seen = cute.arch.load(sem_ptr, Int32, sem="acquire", scope="gpu")
+                    while seen != turn:
+                        seen = cute.arch.load(sem_ptr, Int32, sem="acquire", scope="gpu")
+                cute.arch.sync_warp()
+            with cute.arch.elect_one():
+                prims.cp_reduce_async_bulk_global_shared_cta(
+                    dst, sdQ.iterator, tile_elems * 4,
+                    op=prims.CpReduceOp.ADD, type=prims.CpReduceType.F32)
+            cute.arch.cp_async_bulk_commit_group()
+            if const_expr(self.cfg.deterministic):
+                cute.arch.cp_async_bulk_wait_group(0, read=False)
+                cute.arch.fence_acq_rel_gpu()
+                if lane == 0:
+                    cute.arch.red(sem_ptr, Int32(1), op="add", dtype="s32", sem="release",
+                                  scope="gpu")
+        cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def _store_dq(self, mma_dq, acc_dQ, mdQacc, mdQsem, tidx, m_block, n_block, head, batch,
+                  seqlen_q, seqlen_k, softmax_scale):
+        """Add this CTA's dQ tile (times the softmax scale) into the float32 accumulator."""
+        thr_dq = mma_dq.get_slice(tidx)
+        gdQ = cute.local_tile(mdQacc[batch, head, None, None], (self.tile_m, self.hdim), (m_block, 0))
+        tdQgdQ = thr_dq.partition_C(gdQ)
+        if const_expr(self.cfg.deterministic):
+            sem = mdQsem[batch, head, None]
+            sem_ptr = sem.iterator + m_block
+            turn = n_block - self._n_block_first(m_block, seqlen_q, seqlen_k)
+            if tidx == 0:
+                seen = cute.arch.load(sem_ptr, Int32, sem="acquire", scope="gpu")
+                while seen != turn:
+                    seen = cute.arch.load(sem_ptr, Int32, sem="acquire", scope="gpu")
+            cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.DQ_TURN),
+                              number_of_threads=self.num_mma_threads)
+        for i in cutlass.range_constexpr(cute.size(acc_dQ)):
+            ptr = tdQgdQ.iterator + cute.crd2idx(i, tdQgdQ.layout)
+            cute.arch.red(ptr, acc_dQ[i] * softmax_scale, op="add", dtype="f32",
+                                  sem="relaxed", scope="gpu")
+        if const_expr(self.cfg.deterministic):
+            cute.arch.fence_acq_rel_gpu()
+            cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.DQ_DONE),
+                              number_of_threads=self.num_mma_threads)
+            if tidx == 0:
+                cute.arch.red(mdQsem[batch, head, None].iterator + m_block, Int32(1), op="add",
+                              dtype="s32", sem="release", scope="gpu")
+
+    @cute.jit
+    def _store_dkdv(self, mma_dkv, acc_dK, acc_dV, mdK, mdV, tidx, n_block, head, batch, group,
+                    seqlen_k, softmax_scale):
+        """dK (scaled) and dV of this key block to global memory.
+
+        MHA: converted to the input dtype and stored into (batch, seqlen_k, heads, hdim), rows
+        past seqlen_k skipped. GQA ``buffers``: float32 stores into this query head's slice of
+        (batch, heads, seqlen_k_pad, hdim). GQA ``atomic``: float32 ``red.add`` into the KV
+        head's slice of (batch, heads_kv, seqlen_k_pad, hdim)."""
+        thr = mma_dkv.get_slice(tidx)
+        cD = cute.make_identity_tensor((self.tile_n, self.hdim))
+        tDcD = thr.partition_C(cD)
+        for i in cutlass.range_constexpr(cute.size(acc_dK)):
+            acc_dK[i] = acc_dK[i] * softmax_scale
+        if const_expr(not self.cfg.uses_gqa_buffers):
+            gdK = cute.local_tile(mdK[batch, None, head, None], (self.tile_n, self.hdim), (n_block, 0))
+            gdV = cute.local_tile(mdV[batch, None, head, None], (self.tile_n, self.hdimv), (n_block, 0))
+            tdKgdK = thr.partition_C(gdK)
+            tdVgdV = thr.partition_C(gdV)
+            rdK = cute.make_fragment_like(acc_dK, self.dtype)
+            rdK.store(acc_dK.load().to(self.dtype))
+            rdV = cute.make_fragment_like(acc_dV, self.dtype)
+            rdV.store(acc_dV.load().to(self.dtype))
+            for i in cutlass.range_constexpr(cute.size(acc_dK)):
+                if n_block * self.tile_n + tDcD[i][0] < seqlen_k:
+                    tdKgdK[i] = rdK[i]
+                    tdVgdV[i] = rdV[i]
+        else:
+            h_acc = head
+            if const_expr(self.cfg.gqa_reduce == "atomic"):
+                h_acc = head // group
+            gdK = cute.local_tile(mdK[batch, h_acc, None, None], (self.tile_n, self.hdim), (n_block, 0))
+            gdV = cute.local_tile(mdV[batch, h_acc, None, None], (self.tile_n, self.hdimv), (n_block, 0))
+            tdKgdK = thr.partition_C(gdK)
+            tdVgdV = thr.partition_C(gdV)
+            if const_expr(self.cfg.gqa_reduce == "atomic"):
+                for i in cutlass.range_constexpr(cute.size(acc_dK)):
+                    cute.arch.red(tdKgdK.iterator + cute.crd2idx(i, tdKgdK.layout), acc_dK[i],
+                                  op="add", dtype="f32",
+                                  sem="relaxed", scope="gpu")
+                    cute.arch.red(tdVgdV.iterator + cute.crd2idx(i, tdVgdV.layout), acc_dV[i],
+                                  op="add", dtype="f32",
+                                  sem="relaxed", scope="gpu")
+            else:
+                for i in cutlass.range_constexpr(cute.size(acc_dK)):
+                    tdKgdK[i] = acc_dK[i]
+                    tdVgdV[i] = acc_dV[i]

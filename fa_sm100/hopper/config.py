@@ -1,0 +1,217 @@
+"""The frozen configuration of the Hopper (SM90) forward kernel.
+
+One compiled kernel per value. Problem-shaped fields (head dims, dtype, causal) are static
+parts of the problem; the rest are the kernel's design choices, each a switch a benchmark can
+flip: the tile shape, the number of consumer warpgroups, K/V stages, the ping-pong between
+consumer warpgroups, the intra-warpgroup overlap of softmax with the next GEMM, and the
+``setmaxnreg`` budgets that move registers from the producer to the consumers.
+
+``Sm90FwdConfig.validate()`` raises ``ValueError`` naming the violated rule.
+``select_sm90_fwd_config`` picks the defaults for a problem.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Iterable
+
+from fa_sm100.config import DTYPE_BYTES, DTYPES, REGISTER_FILE, normalize_dtype, parse_overrides
+
+# (qk, v) head-dimension pairs the SM90 forward supports.
+SM90_HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (192, 128), (256, 256))
+# Dynamic SMEM one CTA may opt into on sm_90a (227 KiB).
+SM90_SMEM_BUDGET = 232448
+SMEM_ALIGN = 1024  # every buffer starts on a 1 KiB boundary (128-byte swizzle atoms repeat)
+WARPGROUP_THREADS = 128
+WGMMA_M = 64  # rows of one warpgroup MMA
+
+
+def _align(n: int, a: int = SMEM_ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+@dataclass(frozen=True)
+class Sm90FwdConfig:
+    """Compile-time configuration of the warp-specialized SM90 forward.
+
+    CTA = 1 producer warpgroup (warp 0 issues every TMA load; the other three warps only give
+    their registers away) + ``num_consumer_wg`` consumer warpgroups. Consumer warpgroup ``w``
+    owns rows ``[64 w, 64 w + 64)`` of the ``m_block`` query rows and runs S = Q K^T, the
+    online softmax and O += P V for them with P kept in registers (RS WGMMA).
+    """
+
+    # problem
+    head_dim: int = 128
+    head_dim_v: int = 128
+    dtype: str = "bfloat16"
+    causal: bool = False
+    write_lse: bool = True
+    # tiles
+    m_block: int = 128
+    n_block: int = 128
+    num_consumer_wg: int = 2
+    kv_stage: int = 2
+    # switches
+    intra_wg_overlap: bool = True  # softmax of tile j overlaps the QK GEMM of tile j+1 and PV of j
+    pingpong: bool = True  # named barriers order the consumer warpgroups' GEMM issue
+    rescale_o_before_pv: bool = False  # rescale O while the QK GEMM runs (intra_wg_overlap only)
+    persistent: bool = False  # one CTA per SM loops over work tiles (O gets its own SMEM buffer)
+    ex2_emu_fraction: float = 0.0  # share of exp2 done by a polynomial on the FMA pipe
+    # registers per thread after setmaxnreg
+    regs_consumer: int = 240
+    regs_producer: int = 24
+
+    @property
+    def num_threads(self) -> int:
+        return WARPGROUP_THREADS * (1 + self.num_consumer_wg)
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    def replace(self, **changes) -> "Sm90FwdConfig":
+        return dataclasses.replace(self, **changes)
+
+    def setmaxnreg(self) -> dict[str, int]:
+        """Role -> registers per thread after ``setmaxnreg`` (the compile contract checks these)."""
+        return {"producer": self.regs_producer, "consumer": self.regs_consumer}
+
+    def registers_used(self) -> int:
+        return WARPGROUP_THREADS * (self.regs_producer + self.num_consumer_wg * self.regs_consumer)
+
+    def smem_parts(self) -> dict[str, int]:
+        """Bytes of each SMEM buffer (O is staged in Q's buffer; barriers are 8 bytes each)."""
+        e = self.dtype_bytes
+        if self.persistent:  # the next tile's Q may land while this tile's O is staged
+            q_o = {"q": _align(self.m_block * self.head_dim * e),
+                   "o": _align(self.m_block * self.head_dim_v * e)}
+        else:
+            q_o = {"q_and_o": _align(self.m_block * max(self.head_dim, self.head_dim_v) * e)}
+        return {
+            **q_o,
+            "k": _align(self.kv_stage * self.n_block * self.head_dim * e),
+            "v": _align(self.kv_stage * self.n_block * self.head_dim_v * e),
+            "mbarriers": _align(8 * (2 + 4 * self.kv_stage)),
+        }
+
+    def smem_bytes(self) -> int:
+        return sum(self.smem_parts().values())
+
+    def validate(self) -> "Sm90FwdConfig":
+        """Raise ValueError naming the first violated rule; return self when all hold."""
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r}: must be one of {DTYPES}")
+        if (self.head_dim, self.head_dim_v) not in SM90_HEAD_DIMS:
+            raise ValueError(
+                f"head dims (qk={self.head_dim}, v={self.head_dim_v}) are not supported on SM90: "
+                f"use one of {SM90_HEAD_DIMS}"
+            )
+        if self.num_consumer_wg not in (2, 3):
+            raise ValueError(f"num_consumer_wg={self.num_consumer_wg}: must be 2 or 3")
+        if self.m_block != WGMMA_M * self.num_consumer_wg:
+            raise ValueError(
+                f"m_block={self.m_block}: must be 64 x num_consumer_wg = "
+                f"{WGMMA_M * self.num_consumer_wg} (each consumer warpgroup owns 64 rows)"
+            )
+        if self.n_block % 16 or not 16 <= self.n_block <= 256:
+            raise ValueError(
+                f"n_block={self.n_block}: must be a multiple of 16 in [16, 256] (it is the N of "
+                "the QK WGMMA and the K of the PV WGMMA)"
+            )
+        if self.kv_stage < 1:
+            raise ValueError(f"kv_stage={self.kv_stage}: must be at least 1")
+        if self.intra_wg_overlap and self.kv_stage < 2:
+            raise ValueError(
+                f"kv_stage={self.kv_stage}: the intra-warpgroup overlap keeps K[j-1] and V[j] in "
+                "flight together and needs at least 2 stages"
+            )
+        if self.rescale_o_before_pv and not self.intra_wg_overlap:
+            raise ValueError("rescale_o_before_pv=True needs intra_wg_overlap=True (it moves the "
+                             "rescale into the shadow of the overlapped QK GEMM)")
+        if not 0.0 <= self.ex2_emu_fraction <= 1.0:
+            raise ValueError(f"ex2_emu_fraction={self.ex2_emu_fraction}: must lie in [0, 1]")
+        for name in ("regs_consumer", "regs_producer"):
+            r = getattr(self, name)
+            if r % 8 or not 24 <= r <= 256:
+                raise ValueError(f"{name}={r}: setmaxnreg takes a multiple of 8 in [24, 256]")
+        if self.registers_used() > REGISTER_FILE:
+            raise ValueError(
+                f"register budget {self.registers_used()} exceeds the register file "
+                f"({REGISTER_FILE}): 128 x ({self.regs_producer} + {self.num_consumer_wg} x "
+                f"{self.regs_consumer})"
+            )
+        if self.smem_bytes() > SM90_SMEM_BUDGET:
+            raise ValueError(
+                f"SMEM {self.smem_bytes()} bytes ({self.smem_parts()}) exceeds the sm_90a budget "
+                f"of {SM90_SMEM_BUDGET}: lower kv_stage or n_block"
+            )
+        return self
+
+
+# Register split per consumer count: the producer keeps just enough for address math.
+_REGS = {2: (240, 24), 3: (160, 32)}
+
+
+def default_tile(head_dim: int, causal: bool) -> tuple[int, int]:
+    """(num_consumer_wg, n_block) for a head dim: the largest tiles the registers and SMEM allow."""
+    if head_dim <= 64:
+        return 3, 128  # 192 x 128: small accumulators leave room for a third consumer
+    if head_dim <= 128:
+        return 2, 128
+    if head_dim <= 192:
+        return 2, 112
+    return 2, 80  # hdim 256: O alone is 128 registers per thread
+
+
+# Persistent CTAs pay off when work tiles are short (the next tile's loads hide behind this
+# tile's tail); for long causal rows the hardware's dynamic CTA order balances better.
+PERSISTENT_MAX_SEQLEN_K = 2048
+# Causal problems up to this seqlen_k use 128-row tiles even where 192 is the default.
+SHORT_CAUSAL_SEQLEN_K = 1024
+
+
+def select_sm90_fwd_config(head_dim: int = 128, head_dim_v=None, dtype="bfloat16", causal=False,
+                           write_lse=True, seqlen_k=None, **overrides) -> Sm90FwdConfig:
+    """The default SM90 config for a problem, with ``overrides`` applied, validated.
+
+    ``seqlen_k`` (optional) picks persistent scheduling for short key sequences when the
+    separate O buffer fits in SMEM.
+    """
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    num_wg, n_block = default_tile(head_dim, causal)
+    if num_wg == 3 and causal and seqlen_k is not None and seqlen_k <= SHORT_CAUSAL_SEQLEN_K:
+        # Short causal rows: 192-row tiles waste most of the diagonal tile; measured on H200
+        # (hdim 64, seqlen 1k, persistent): 303 TFLOP/s with 128-row tiles vs 274 with 192.
+        num_wg = 2
+    num_wg = overrides.pop("num_consumer_wg", num_wg)
+    regs_consumer, regs_producer = _REGS.get(num_wg, _REGS[2])
+    cfg = Sm90FwdConfig(
+        head_dim=head_dim,
+        head_dim_v=head_dim_v,
+        dtype=normalize_dtype(dtype),
+        causal=causal,
+        write_lse=write_lse,
+        m_block=WGMMA_M * num_wg,
+        n_block=n_block,
+        num_consumer_wg=num_wg,
+        pingpong=head_dim <= 128,
+        rescale_o_before_pv=head_dim_v > 128,
+        regs_consumer=regs_consumer,
+        regs_producer=regs_producer,
+    )
+    if seqlen_k is not None and seqlen_k <= PERSISTENT_MAX_SEQLEN_K:
+        persistent = cfg.replace(persistent=True)
+        if persistent.smem_bytes() <= SM90_SMEM_BUDGET:
+            cfg = persistent
+    return cfg.replace(**overrides).validate()
+
+
+def sm90_fwd_config_from_overrides(items: Iterable[str]) -> Sm90FwdConfig:
+    """The default config (hdim 128, bf16) with CLI ``--set field=value`` overrides, validated."""
+    changes = parse_overrides(items, cls=Sm90FwdConfig)
+    problem = {k: changes.pop(k) for k in ("head_dim", "head_dim_v", "dtype", "causal", "write_lse")
+               if k in changes}
+    if "head_dim" in problem and "head_dim_v" not in problem:
+        problem["head_dim_v"] = 128 if problem["head_dim"] == 192 else problem["head_dim"]
+    return select_sm90_fwd_config(**problem, **changes)

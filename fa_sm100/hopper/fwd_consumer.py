@@ -1,0 +1,331 @@
+"""The consumer warpgroups of the SM90 forward: mainloop and epilogue.
+
+Each consumer warpgroup owns 64 query rows of the CTA's tile. Per KV tile j (last first):
+
+    S = Q K[j]^T            SS WGMMA, float32 accumulator in registers
+    mask, online softmax    row max / sum over quads of threads, exp2 on the SFU
+    P = bf16/fp16(S)        stays in registers: the A operand of the next GEMM (RS WGMMA)
+    O = O * scale + P V[j]
+
+Note [Intra-warpgroup overlap]: with ``intra_wg_overlap`` the warpgroup issues S(j-1) = Q K[j-1]^T
+and O += P(j) V[j] back to back and only then waits for S(j-1) (``wait_group(1)``): the tensor
+cores compute the PV GEMM of tile j while the warpgroup runs the softmax of tile j-1. The
+producer's load order (K[j-1] before V[j]) follows this. With ``rescale_o_before_pv`` the
+rescale of O by the previous tile's factor moves before the PV GEMM, into the shadow of the QK
+GEMM (pays off when O is large, head_dim_v > 128).
+
+Note [Ping-pong]: with ``pingpong`` consumer warpgroup w waits on barrier PINGPONG_WG0 + w
+before issuing its GEMMs and then arrives on the next warpgroup's barrier, so the warpgroups
+take turns on the tensor cores and one's softmax hides behind the other's GEMMs. Warpgroup 0
+pre-arrives on its own barrier once, so it goes first.
+"""
+
+from __future__ import annotations
+
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from fa_sm100.hopper.config import WARPGROUP_THREADS
+from fa_sm100.hopper.fwd_math import (
+    apply_mask,
+    convert_to,
+    finalize_softmax,
+    online_softmax_step,
+    operand_a_view,
+    rescale_rows,
+    rows_cols_view,
+)
+from fa_sm100.hopper.named_barriers import Sm90FwdBarrier
+
+
+def _transpose_view(t: cute.Tensor) -> cute.Tensor:
+    """Swap the first two modes of an SMEM tensor (V (n, dv, STAGE) -> V^T (dv, n, STAGE))."""
+    shape = (t.shape[1], t.shape[0], *t.shape[2:])
+    order = (1, 0, *range(2, cute.rank(t)))
+    return cute.composition(t, cute.make_ordered_layout(shape, order=order))
+
+
+@cute.jit
+def wgmma(tiled_mma: cute.TiledMma, acc: cute.Tensor, frag_a: cute.Tensor, frag_b: cute.Tensor,
+          zero_init: cutlass.Constexpr[bool], wait: cutlass.Constexpr[int]):
+    """Issue one warpgroup GEMM over the K mode; wait until at most ``wait`` groups are pending
+    (-1: do not wait)."""
+    warpgroup.fence()
+    atom = cute.make_mma_atom(tiled_mma.op)
+    atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+    for k in cutlass.range_constexpr(cute.size(frag_a.shape[2])):
+        cute.gemm(atom, acc, frag_a[None, None, k], frag_b[None, None, k], acc)
+        atom.set(warpgroup.Field.ACCUMULATE, True)
+    warpgroup.commit_group()
+    if const_expr(wait >= 0):
+        warpgroup.wait_group(wait)
+
+
+class ConsumerFrags:
+    """What one consumer thread works with: GEMM fragments, O, row statistics, mask coordinates.
+
+    A plain holder (not a dataclass): the DSL would carry a dataclass through run-time loops
+    as run-time values and lose the static layouts of its tensors.
+
+    tSrQ (MMA, MMA_M, MMA_K) / tSrK (MMA, MMA_N, MMA_K, STAGE) / tOrV (MMA, MMA_N, MMA_K, STAGE):
+    WGMMA descriptors of Q, K and V^T in SMEM. tOrP (MMA, MMA_M, MMA_K): P in registers, the A
+    operand of O += P V. acc_O (MMA, MMA_M, MMA_N) float32. coord_rc / coord0_rc (ROWS, COLS):
+    this thread's and thread 0's S coordinates. row_max, row_sum, row_scale (ROWS,).
+    """
+
+    def __init__(self, **fields):
+        self.__dict__.update(fields)
+
+
+class ConsumerRole:
+    """Mixin of the kernel class: everything the consumer warpgroups run."""
+
+    def pingpong_wait(self, wg: Int32):
+        if const_expr(self.cfg.pingpong):
+            cute.arch.barrier(barrier_id=int(Sm90FwdBarrier.PINGPONG_WG0) + wg,
+                              number_of_threads=2 * WARPGROUP_THREADS)
+
+    def pingpong_pass(self, wg: Int32):
+        if const_expr(self.cfg.pingpong):
+            nxt = (wg + 1) % self.cfg.num_consumer_wg
+            cute.arch.barrier_arrive(barrier_id=int(Sm90FwdBarrier.PINGPONG_WG0) + nxt,
+                                     number_of_threads=2 * WARPGROUP_THREADS)
+
+    @cute.jit
+    def qk_gemm(self, f: ConsumerFrags, stage: Int32, wait: cutlass.Constexpr[int]) -> cute.Tensor:
+        acc_S = cute.make_rmem_tensor(f.s_shape, Float32)  # (MMA, MMA_M, MMA_N)
+        wgmma(f.tiled_mma_qk, acc_S, f.tSrQ, f.tSrK[None, None, None, stage], True, wait)
+        return acc_S
+
+    @cute.jit
+    def pv_gemm(self, f: ConsumerFrags, stage: Int32, wait: cutlass.Constexpr[int]):
+        wgmma(f.tiled_mma_pv, f.acc_O, f.tOrP, f.tOrV[None, None, None, stage], False, wait)
+
+    @cute.jit
+    def softmax(self, f: ConsumerFrags, acc_S: cute.Tensor, row_base: Int32, n: Int32,
+                mask_seqlen: cutlass.Constexpr[bool], mask_causal: cutlass.Constexpr[bool],
+                is_first: cutlass.Constexpr[bool]):
+        """Mask S of KV tile n, then one online-softmax step (row_scale = O's rescale factor)."""
+        s_rc = rows_cols_view(acc_S)
+        if const_expr(mask_seqlen or mask_causal):
+            apply_mask(s_rc, f.coord_rc, f.coord0_rc, row_base, n * self.cfg.n_block,
+                       f.seqlen_k, f.causal_offset, mask_seqlen, mask_causal)
+        online_softmax_step(s_rc, f.row_max, f.row_sum, f.row_scale, f.scale_log2, is_first,
+                            self.cfg.ex2_emu_fraction)
+
+    @cute.jit
+    def consumer(self, mO, mLSE, mK, sQ, sK, sV, sO, tma_o, tiled_mma_qk, tiled_mma_pv,
+                 pipe_q, pipe_k, pipe_v, scale_log2: Float32, total_tiles: Int32, l2_heads: Int32):
+        """Consumer warpgroups: 64 rows each; per work tile all its KV tiles, then the epilogue.
+
+        Consumes: q (released after the tile's last QK GEMM), k and v stages (each released
+        right after the GEMM that read it).
+        Produces: O (staged in SMEM, TMA store) and LSE (direct stores).
+        """
+        cfg = self.cfg
+        tidx = cute.arch.thread_idx()[0] - WARPGROUP_THREADS
+        wg = cute.arch.make_warp_uniform(tidx // WARPGROUP_THREADS)
+        seqlen_q = mO.shape[0]
+        seqlen_k = mK.shape[0]
+
+        wg_mma_qk = tiled_mma_qk.get_slice(wg * WARPGROUP_THREADS)
+        wg_mma_pv = tiled_mma_pv.get_slice(wg * WARPGROUP_THREADS)
+        cS = cute.make_identity_tensor((cfg.m_block, cfg.n_block))
+        coord_rc = rows_cols_view(tiled_mma_qk.get_slice(tidx).partition_C(cS))
+        rows = cute.size(coord_rc, mode=[0])
+        f = ConsumerFrags(
+            tiled_mma_qk=tiled_mma_qk,
+            tiled_mma_pv=tiled_mma_pv,
+            tSrQ=wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ)),
+            tSrK=wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(sK)),
+            tOrV=wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(_transpose_view(sV))),
+            tOrP=wg_mma_pv.make_fragment_A(wg_mma_pv.partition_shape_A((cfg.m_block, cfg.n_block))),
+            acc_O=cute.make_rmem_tensor(
+                wg_mma_pv.partition_shape_C((cfg.m_block, cfg.head_dim_v)), Float32),
+            s_shape=wg_mma_qk.partition_shape_C((cfg.m_block, cfg.n_block)),
+            coord_rc=coord_rc,
+            coord0_rc=rows_cols_view(tiled_mma_qk.get_slice(0).partition_C(cS)),
+            row_max=cute.make_rmem_tensor((rows,), Float32),
+            row_sum=cute.make_rmem_tensor((rows,), Float32),
+            row_scale=cute.make_rmem_tensor((rows,), Float32),
+            seqlen_k=seqlen_k,
+            causal_offset=seqlen_k - seqlen_q,
+            scale_log2=scale_log2,
+        )
+        lse = cute.make_rmem_tensor((rows,), Float32)
+
+        if const_expr(cfg.pingpong):
+            if wg == 0:  # See Note [Ping-pong]: warpgroup 0 issues first.
+                cute.arch.barrier_arrive(barrier_id=int(Sm90FwdBarrier.PINGPONG_WG0),
+                                         number_of_threads=2 * WARPGROUP_THREADS)
+
+        q_state = cutlass.pipeline.make_pipeline_state(cutlass.pipeline.PipelineUserType.Consumer, 1)
+        state = cutlass.pipeline.make_pipeline_state(
+            cutlass.pipeline.PipelineUserType.Consumer, cfg.kv_stage)
+        # Work tiles: blockIdx.x, then (persistent) every gridDim.x-th. Without persistence the
+        # single tile is not wrapped in a loop, which keeps the mainloop's addressing hoisted.
+        if const_expr(cfg.persistent):
+            for t in cutlass.range(cute.arch.block_idx()[0], total_tiles, cute.arch.grid_dim()[0],
+                                   unroll=1):
+                state, q_state = self.consumer_tile(
+                    f, lse, t, state, q_state, wg, tidx, mO, mLSE, mK, sO, tma_o, tiled_mma_pv,
+                    pipe_q, pipe_k, pipe_v, scale_log2, l2_heads, seqlen_q)
+        else:
+            self.consumer_tile(
+                f, lse, cute.arch.block_idx()[0], state, q_state, wg, tidx, mO, mLSE, mK, sO, tma_o,
+                tiled_mma_pv, pipe_q, pipe_k, pipe_v, scale_log2, l2_heads, seqlen_q)
+        if tidx // cute.arch.WARP_SIZE == 0:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)  # sO is read before the CTA exits
+
+    @cute.jit
+    def consumer_tile(self, f: ConsumerFrags, lse, t: Int32, state, q_state, wg: Int32,
+                      tidx: Int32, mO, mLSE, mK, sO, tma_o, tiled_mma_pv, pipe_q, pipe_k, pipe_v,
+                      scale_log2: Float32, l2_heads: Int32, seqlen_q: Int32):
+        """One work tile: every KV tile of it (see the Notes above), then the epilogue.
+        Returns the advanced (kv, q) pipeline states."""
+        cfg = self.cfg
+        m_block, head, batch, n_blocks, n_masked_from, _, _ = self.tile_coords(
+            t, mO, mK, l2_heads)  # mO: same (s, ., h, b) modes as Q
+        row_base = m_block * cfg.m_block
+        self.reset_tile(f)
+        n_masked = 0  # KV tiles after the first that cross the causal diagonal
+        if const_expr(cfg.causal):
+            n_masked = cutlass.max(n_blocks - 1 - n_masked_from, 0)
+        pipe_q.consumer_wait(q_state)
+        if n_blocks > 0:
+            if const_expr(cfg.intra_wg_overlap):
+                # First tile: S and P only; its PV GEMM runs in the next step.
+                pipe_k.consumer_wait(state, pipe_k.consumer_try_wait(state))
+                acc_S = self.qk_gemm(f, state.index, 0)
+                pipe_k.consumer_release(state)
+                self.softmax(f, acc_S, row_base, n_blocks - 1, True, cfg.causal, True)
+                convert_to(f.tOrP, operand_a_view(acc_S))
+                for i in cutlass.range(n_masked, unroll=1):
+                    state = self.overlapped_step(f, state, row_base, n_blocks - 2 - i, True, wg,
+                                                 pipe_k, pipe_v)
+                for i in cutlass.range(n_blocks - 1 - n_masked, unroll=1):
+                    state = self.overlapped_step(f, state, row_base, n_blocks - 2 - n_masked - i,
+                                                 False, wg, pipe_k, pipe_v)
+                pipe_q.consumer_release(q_state)  # every QK GEMM of this tile has read Q
+                if const_expr(cfg.rescale_o_before_pv):
+                    rescale_rows(rows_cols_view(f.acc_O), f.row_scale)
+                pipe_v.consumer_wait(state, pipe_v.consumer_try_wait(state))
+                self.pv_gemm(f, state.index, 0)
+                pipe_v.consumer_release(state)
+                state.advance()
+            else:
+                state = self.serial_step(f, state, row_base, n_blocks - 1, True, True, wg,
+                                         pipe_k, pipe_v)
+                for i in cutlass.range(n_masked, unroll=1):
+                    state = self.serial_step(f, state, row_base, n_blocks - 2 - i, False, True,
+                                             wg, pipe_k, pipe_v)
+                for i in cutlass.range(n_blocks - 1 - n_masked, unroll=1):
+                    state = self.serial_step(f, state, row_base, n_blocks - 2 - n_masked - i,
+                                             False, False, wg, pipe_k, pipe_v)
+                pipe_q.consumer_release(q_state)
+        else:
+            pipe_q.consumer_release(q_state)
+        q_state.advance()
+
+        finalize_softmax(f.row_max, f.row_sum, f.row_scale, lse, scale_log2)
+        rescale_rows(rows_cols_view(f.acc_O), f.row_scale)
+        self.epilogue(f.acc_O, lse, mO, mLSE, sO, tma_o, tiled_mma_pv, tidx, m_block, head,
+                      batch, seqlen_q)
+        return state, q_state
+
+    @cute.jit
+    def reset_tile(self, f: ConsumerFrags):
+        f.acc_O.fill(0.0)
+        f.row_max.fill(-Float32.inf)
+        f.row_sum.fill(0.0)
+
+    @cute.jit
+    def overlapped_step(self, f: ConsumerFrags, state, row_base: Int32, n: Int32,
+                        masked: cutlass.Constexpr[bool], wg: Int32, pipe_k, pipe_v):
+        """S(n) = Q K[n]^T and O += P(n+1) V[n+1] in flight together, then the softmax of S(n).
+        See Note [Intra-warpgroup overlap] and Note [Ping-pong]."""
+        state_v = state.clone()
+        state.advance()
+        pipe_k.consumer_wait(state, pipe_k.consumer_try_wait(state))
+        self.pingpong_wait(wg)
+        acc_S = self.qk_gemm(f, state.index, -1)
+        pipe_v.consumer_wait(state_v, pipe_v.consumer_try_wait(state_v))
+        if const_expr(self.cfg.rescale_o_before_pv):
+            rescale_rows(rows_cols_view(f.acc_O), f.row_scale)  # while S(n) is computed
+        self.pv_gemm(f, state_v.index, -1)
+        self.pingpong_pass(wg)
+        warpgroup.wait_group(1)  # S(n) is ready; the PV GEMM may still run
+        pipe_k.consumer_release(state)
+        self.softmax(f, acc_S, row_base, n, False, masked and self.cfg.causal, False)
+        warpgroup.wait_group(0)  # the PV GEMM has read P(n+1) and written O
+        pipe_v.consumer_release(state_v)
+        convert_to(f.tOrP, operand_a_view(acc_S))
+        if const_expr(not self.cfg.rescale_o_before_pv):
+            rescale_rows(rows_cols_view(f.acc_O), f.row_scale)
+        return state
+
+    @cute.jit
+    def serial_step(self, f: ConsumerFrags, state, row_base: Int32, n: Int32,
+                    is_first: cutlass.Constexpr[bool], masked: cutlass.Constexpr[bool], wg: Int32,
+                    pipe_k, pipe_v):
+        """One KV tile without intra-warpgroup overlap: S, softmax, then PV (each GEMM waited on)."""
+        pipe_k.consumer_wait(state, pipe_k.consumer_try_wait(state))
+        self.pingpong_wait(wg)
+        acc_S = self.qk_gemm(f, state.index, -1)
+        self.pingpong_pass(wg)
+        warpgroup.wait_group(0)
+        pipe_k.consumer_release(state)
+        self.softmax(f, acc_S, row_base, n, is_first, masked and self.cfg.causal, is_first)
+        convert_to(f.tOrP, operand_a_view(acc_S))
+        rescale_rows(rows_cols_view(f.acc_O), f.row_scale)
+        pipe_v.consumer_wait(state, pipe_v.consumer_try_wait(state))
+        self.pingpong_wait(wg)
+        self.pv_gemm(f, state.index, -1)
+        self.pingpong_pass(wg)
+        warpgroup.wait_group(0)
+        pipe_v.consumer_release(state)
+        state.advance()
+        return state
+
+    @cute.jit
+    def epilogue(self, acc_O, lse, mO, mLSE, sO, tma_o, tiled_mma_pv, tidx: Int32, m_block: Int32,
+                 head: Int32, batch: Int32, seqlen_q: Int32):
+        """O (registers) -> SMEM (stmatrix, Q's buffer) -> GMEM (one TMA store); LSE -> GMEM.
+
+        Rows past seqlen_q are clipped by the TMA unit and skipped for LSE.
+        """
+        cfg = self.cfg
+        rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
+        convert_to(rO, acc_O)
+        if tidx // cute.arch.WARP_SIZE == 0:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)  # the previous tile's store read sO
+        # Every warpgroup's QK GEMMs have read Q (sO may alias it) and the previous store has
+        # read sO before anyone writes O there.
+        cute.arch.barrier(barrier_id=int(Sm90FwdBarrier.EPILOGUE),
+                          number_of_threads=self.num_consumer_threads)
+        store_atom = cute.make_copy_atom(
+            cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+        thr_store = cute.make_tiled_copy_C(store_atom, tiled_mma_pv).get_slice(tidx)
+        cute.copy(store_atom, thr_store.retile(rO), thr_store.partition_D(sO))
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=int(Sm90FwdBarrier.EPILOGUE),
+                          number_of_threads=self.num_consumer_threads)
+
+        if const_expr(cfg.write_lse):
+            cO = cute.make_identity_tensor((cfg.m_block, cfg.head_dim_v))
+            coord_rc = rows_cols_view(tiled_mma_pv.get_slice(tidx).partition_C(cO))
+            if coord_rc[0, 0][1] == 0:  # the quad's first thread writes its rows
+                for r in cutlass.range_constexpr(cute.size(lse)):
+                    row = m_block * cfg.m_block + coord_rc[r, 0][0]
+                    if row < seqlen_q:
+                        mLSE[row, head, batch] = lse[r]
+
+        if tidx // cute.arch.WARP_SIZE == 0:
+            gO = cute.local_tile(mO[None, None, head, batch], (cfg.m_block, cfg.head_dim_v), (m_block, 0))
+            tOsO, tOgO = cpasync.tma_partition(tma_o, 0, cute.make_layout(1),
+                                               cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2))
+            cute.copy(tma_o, tOsO, tOgO)
+            cute.arch.cp_async_bulk_commit_group()

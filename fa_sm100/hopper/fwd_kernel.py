@@ -1,0 +1,342 @@
+"""The warp-specialized SM90 forward kernel: host launch, shared storage and the producer role.
+
+CTA = 1 + ``num_consumer_wg`` warpgroups. A work tile is one ``m_block`` x ``head_dim_v``
+output tile of one (batch, head); the flat grid has one CTA per work tile, or, with
+``persistent``, one CTA per SM that loops over every gridDim.x-th tile.
+
+| warpgroup | role | does |
+|---|---|---|
+| 0 (warp 0) | producer | TMA loads of Q once and K/V tiles into a ``kv_stage`` ring; keeps 24-32 registers |
+| 1.. | consumers | 64 query rows each: S = Q K^T (SS WGMMA), mask, online softmax, O += P V (RS WGMMA), epilogue |
+
+Pipelines (``cutlass.pipeline.PipelineTmaAsync``: the TMA's transaction count completes the full
+barrier, one lane per consumer warp releases a stage): ``q`` (1 stage), ``k`` and ``v``
+(``kv_stage`` stages, advanced together; their states carry across work tiles). The producer
+issues, per work tile,
+Q, K[n-1], then (K[j-1], V[j]) for j = n-1 .. 1 and finally V[0] (intra-warpgroup overlap
+order: the consumers need K[j-1] before V[j]).
+"""
+
+from __future__ import annotations
+
+import math
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.memory
+import cutlass.utils.hopper_helpers as sm90_helpers
+from cutlass import Float32, Int32, const_expr, pipeline
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.tensor_utils import LayoutEnum
+
+from fa_sm100.hopper.config import WARPGROUP_THREADS, Sm90FwdConfig
+from fa_sm100.hopper.fwd_consumer import ConsumerRole
+
+# L2 bytes a causal section's K and V may occupy (H100/H200 have 50 MB of L2).
+L2_BYTES_FOR_KV = 40 * 1024 * 1024
+_TORCH_TO_CUTLASS = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
+
+
+def cutlass_dtype(name: str):
+    return _TORCH_TO_CUTLASS[name]
+
+
+def _select(t: cute.Tensor, modes) -> cute.Tensor:
+    """The same memory seen with its modes reordered."""
+    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=modes))
+
+
+class Sm90FwdKernel(ConsumerRole):
+    """Callable with ``(mQ, mK, mV, mO, mLSE, softmax_scale, stream)`` on BSHD tensors.
+
+    mQ (b, s_q, h, d), mK/mV (b, s_k, h_kv, d / dv), mO (b, s_q, h, dv), mLSE (b, h, s_q)
+    float32 or None. GQA/MQA: query head h reads K/V head h // (h / h_kv).
+    """
+
+    def __init__(self, cfg: Sm90FwdConfig):
+        self.cfg = cfg.validate()
+        self.dtype = cutlass_dtype(cfg.dtype)
+        self.num_threads = cfg.num_threads
+        self.num_consumer_threads = cfg.num_consumer_wg * WARPGROUP_THREADS
+
+    # ------------------------------------------------------------------ host side
+    def _smem_layout(self, rows: int, cols: int, stages=None):
+        """128/64/32-byte swizzled K-major layout of a (rows, cols[, stages]) tile."""
+        atom = warpgroup.make_smem_layout_atom(
+            sm90_helpers.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, cols), self.dtype
+        )
+        shape = (rows, cols) if stages is None else (rows, cols, stages)
+        order = (0, 1) if stages is None else (0, 1, 2)
+        return cute.tile_to_shape(atom, shape, order=order)
+
+    def _tiled_mmas(self):
+        cfg = self.cfg
+        qk = sm90_helpers.make_trivial_tiled_mma(
+            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
+            Float32, atom_layout_mnk=(cfg.num_consumer_wg, 1, 1), tiler_mn=(64, cfg.n_block),
+        )
+        # P comes from registers (RS); V^T is N-major (head_dim_v contiguous) in SMEM.
+        pv = sm90_helpers.make_trivial_tiled_mma(
+            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
+            Float32, atom_layout_mnk=(cfg.num_consumer_wg, 1, 1), tiler_mn=(64, cfg.head_dim_v),
+            a_source=warpgroup.OperandSource.RMEM,
+        )
+        return qk, pv
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE,
+        softmax_scale: Float32,
+        num_ctas: Int32,
+        stream: cuda.CUstream,
+    ):
+        cfg = self.cfg
+        # (b, s, h, d) -> (s, d, h, b): TMA tiles over (s, d); (b, h, s) -> (s, h, b)
+        mQ, mK, mV, mO = [_select(t, [1, 3, 2, 0]) for t in (mQ, mK, mV, mO)]
+        if const_expr(mLSE is not None):
+            mLSE = _select(mLSE, [2, 1, 0])
+
+        sQ_layout = self._smem_layout(cfg.m_block, cfg.head_dim)
+        sK_layout = self._smem_layout(cfg.n_block, cfg.head_dim, cfg.kv_stage)
+        sV_layout = self._smem_layout(cfg.n_block, cfg.head_dim_v, cfg.kv_stage)
+        sO_layout = self._smem_layout(cfg.m_block, cfg.head_dim_v)
+        tiled_mma_qk, tiled_mma_pv = self._tiled_mmas()
+
+        q_bytes = cute.size_in_bytes(self.dtype, sQ_layout)
+        k_bytes = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1]))
+        v_bytes = cute.size_in_bytes(self.dtype, cute.select(sV_layout, mode=[0, 1]))
+        load_op = cpasync.CopyBulkTensorTileG2SOp()
+        tma_q, tma_mQ = cpasync.make_tiled_tma_atom(load_op, mQ, sQ_layout, (cfg.m_block, cfg.head_dim))
+        tma_k, tma_mK = cpasync.make_tiled_tma_atom(
+            load_op, mK, cute.select(sK_layout, mode=[0, 1]), (cfg.n_block, cfg.head_dim))
+        tma_v, tma_mV = cpasync.make_tiled_tma_atom(
+            load_op, mV, cute.select(sV_layout, mode=[0, 1]), (cfg.n_block, cfg.head_dim_v))
+        tma_o, tma_mO = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(), mO, sO_layout, (cfg.m_block, cfg.head_dim_v))
+
+        # O is staged in Q's buffer, unless persistent: then the next tile's Q may be in flight.
+        q_elems = cute.cosize(sQ_layout)
+        o_elems = 0
+        if const_expr(cfg.persistent):
+            o_elems = cute.cosize(sO_layout)
+        else:
+            q_elems = max(cute.cosize(sQ_layout), cute.cosize(sO_layout))
+
+        @cute.struct
+        class SharedStorage:
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * cfg.kv_stage]
+            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * cfg.kv_stage]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, q_elems], 1024]
+            sO: cute.struct.Align[cute.struct.MemRange[self.dtype, o_elems], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+
+        num_m_blocks = cute.ceil_div(cute.size(mQ.shape[0]), cfg.m_block)
+        total_tiles = num_m_blocks * cute.size(mQ.shape[2]) * cute.size(mQ.shape[3])
+        # Causal tiles run longest first in sections of (batch, head) pairs whose K and V fit
+        # in L2 (see tile_coords).
+        kv_bytes_per_head = mK.shape[0] * (cfg.head_dim + cfg.head_dim_v) * self.cfg.dtype_bytes
+        l2_heads = cutlass.max(Int32(L2_BYTES_FOR_KV) // cutlass.max(kv_bytes_per_head, 1), 1)
+        grid_x = total_tiles
+        if const_expr(cfg.persistent):
+            grid_x = cutlass.min(total_tiles, num_ctas)
+        scale_log2 = softmax_scale * math.log2(math.e)
+        self.kernel(
+            tma_mQ, tma_mK, tma_mV, tma_mO, mLSE, total_tiles,
+            tma_q, tma_k, tma_v, tma_o,
+            sQ_layout, sK_layout, sV_layout, sO_layout,
+            tiled_mma_qk, tiled_mma_pv,
+            scale_log2, l2_heads, q_bytes, k_bytes, v_bytes, SharedStorage,
+        ).launch(grid=(grid_x, 1, 1), block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+
+    # ------------------------------------------------------------------ device side
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE,
+        total_tiles: Int32,
+        tma_q: cute.CopyAtom,
+        tma_k: cute.CopyAtom,
+        tma_v: cute.CopyAtom,
+        tma_o: cute.CopyAtom,
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout,
+        sO_layout: cute.ComposedLayout,
+        tiled_mma_qk: cute.TiledMma,
+        tiled_mma_pv: cute.TiledMma,
+        scale_log2: Float32,
+        l2_heads: Int32,
+        q_bytes: cutlass.Constexpr[int],
+        k_bytes: cutlass.Constexpr[int],
+        v_bytes: cutlass.Constexpr[int],
+        SharedStorage: cutlass.Constexpr,
+    ):
+        """Set up shared storage and pipelines, then dispatch to the producer or a consumer."""
+        cfg = self.cfg
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            for atom in (tma_q, tma_k, tma_v, tma_o):
+                cpasync.prefetch_descriptor(atom)
+
+        storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
+        one_tma_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        # PipelineTmaAsync releases with one lane per consumer warp.
+        consumer_warps = pipeline.CooperativeGroup(
+            pipeline.Agent.Thread, self.num_consumer_threads // cute.arch.WARP_SIZE)
+        pipe_q = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_q.data_ptr(), num_stages=1, producer_group=one_tma_thread,
+            consumer_group=consumer_warps, tx_count=q_bytes, defer_sync=True)
+        pipe_k = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_k.data_ptr(), num_stages=cfg.kv_stage,
+            producer_group=one_tma_thread, consumer_group=consumer_warps, tx_count=k_bytes,
+            defer_sync=True)
+        pipe_v = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_v.data_ptr(), num_stages=cfg.kv_stage,
+            producer_group=one_tma_thread, consumer_group=consumer_warps, tx_count=v_bytes,
+            defer_sync=True)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        if const_expr(cfg.persistent):
+            sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+        else:
+            sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(cfg.regs_producer)
+            if warp_idx == 0:
+                self.producer(mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v,
+                              total_tiles, l2_heads)
+        else:
+            cute.arch.setmaxregister_increase(cfg.regs_consumer)
+            self.consumer(mO, mLSE, mK, sQ, sK, sV, sO, tma_o, tiled_mma_qk, tiled_mma_pv,
+                          pipe_q, pipe_k, pipe_v, scale_log2, total_tiles, l2_heads)
+
+    @cute.jit
+    def tile_coords(self, t: Int32, mQ: cute.Tensor, mK: cute.Tensor, l2_heads: Int32):
+        """(m_block, head, batch, n_blocks, n_masked_from, seqlen_q, seqlen_k) of flat tile t.
+
+        Keys [0, n_blocks * n_block) are visited, last tile first. Non-causal: t runs over the
+        m blocks of one (batch, head) pair, then the next pair. Causal: tiles at index >=
+        n_masked_from cross the diagonal, and t runs longest first: (batch, head) pairs are cut
+        into sections of ``l2_heads`` (their K/V fit in L2); within a section the last m block
+        of every pair comes first, then the one before, and so on.
+        """
+        cfg = self.cfg
+        seqlen_q = mQ.shape[0]
+        seqlen_k = mK.shape[0]
+        num_heads = mQ.shape[2]
+        num_m_blocks = cute.ceil_div(seqlen_q, cfg.m_block)
+        pair = t // num_m_blocks
+        m_block = t - pair * num_m_blocks
+        n_blocks = cute.ceil_div(seqlen_k, cfg.n_block)
+        n_masked_from = n_blocks
+        if const_expr(cfg.causal):
+            pairs = num_heads * mQ.shape[3]
+            section = t // (l2_heads * num_m_blocks)
+            in_section = t - section * l2_heads * num_m_blocks
+            pairs_here = cutlass.min(l2_heads, pairs - section * l2_heads)
+            m_from_end = in_section // pairs_here
+            pair = section * l2_heads + in_section - m_from_end * pairs_here
+            m_block = num_m_blocks - 1 - m_from_end
+            offset = seqlen_k - seqlen_q
+            last_row_keys = (m_block + 1) * cfg.m_block + offset  # keys the tile's last row sees
+            n_blocks = cutlass.min(n_blocks, cute.ceil_div(cutlass.max(last_row_keys, 0), cfg.n_block))
+            first_row_keys = m_block * cfg.m_block + offset + 1
+            n_masked_from = cutlass.max(first_row_keys, 0) // cfg.n_block
+        batch = pair // num_heads
+        head = pair - batch * num_heads
+        return m_block, head, batch, n_blocks, n_masked_from, seqlen_q, seqlen_k
+
+    @cute.jit
+    def producer(self, mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v,
+                 total_tiles: Int32, l2_heads: Int32):
+        """Warp 0: per work tile, Q once, then K/V tiles last-to-first into the ``kv_stage`` ring.
+
+        Consumes: free stages (empty barriers released by the consumers; Q is released after
+        the tile's last QK GEMM, so the next tile's Q load overlaps the current tile's tail).
+        Produces: full barriers completed by the TMA transaction bytes.
+        """
+        cfg = self.cfg
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.kv_stage)
+        if const_expr(cfg.persistent):  # work tiles: blockIdx.x, then every gridDim.x-th
+            for t in cutlass.range(cute.arch.block_idx()[0], total_tiles, cute.arch.grid_dim()[0],
+                                   unroll=1):
+                state, q_state = self.producer_tile(
+                    mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v, t,
+                    l2_heads, state, q_state)
+        else:
+            self.producer_tile(mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v,
+                               cute.arch.block_idx()[0], l2_heads, state, q_state)
+
+    @cute.jit
+    def producer_tile(self, mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v,
+                      t: Int32, l2_heads: Int32, state, q_state):
+        """The loads of one work tile; returns the advanced (kv, q) pipeline states."""
+        cfg = self.cfg
+        m_block, head, batch, n_blocks, _, _, _ = self.tile_coords(t, mQ, mK, l2_heads)
+        head_kv = head // (mQ.shape[2] // mK.shape[2])
+        gQ = cute.local_tile(mQ[None, None, head, batch], (cfg.m_block, cfg.head_dim), (m_block, 0))
+        gK = cute.local_tile(mK[None, None, head_kv, batch], (cfg.n_block, cfg.head_dim), (None, 0))
+        gV = cute.local_tile(mV[None, None, head_kv, batch], (cfg.n_block, cfg.head_dim_v), (None, 0))
+        # ((atom_v, rest_v)) / ((atom_v, rest_v), N_TILES) / ((atom_v, rest_v), STAGE)
+        tQsQ, tQgQ = cpasync.tma_partition(tma_q, 0, cute.make_layout(1),
+                                           cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
+        tKsK, tKgK = cpasync.tma_partition(tma_k, 0, cute.make_layout(1),
+                                           cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
+        tVsV, tVgV = cpasync.tma_partition(tma_v, 0, cute.make_layout(1),
+                                           cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+
+        pipe_q.producer_acquire(q_state, pipe_q.producer_try_acquire(q_state))
+        cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+        q_state.advance()
+        if n_blocks > 0:
+            pipe_k.producer_acquire(state, pipe_k.producer_try_acquire(state))
+            cute.copy(tma_k, tKgK[None, n_blocks - 1], tKsK[None, state.index],
+                      tma_bar_ptr=pipe_k.producer_get_barrier(state))
+            if const_expr(cfg.intra_wg_overlap):
+                for i in cutlass.range(n_blocks - 1, unroll=1):
+                    n = n_blocks - 2 - i
+                    state_v = state.clone()
+                    state.advance()
+                    pipe_k.producer_acquire(state, pipe_k.producer_try_acquire(state))
+                    cute.copy(tma_k, tKgK[None, n], tKsK[None, state.index],
+                              tma_bar_ptr=pipe_k.producer_get_barrier(state))
+                    pipe_v.producer_acquire(state_v, pipe_v.producer_try_acquire(state_v))
+                    cute.copy(tma_v, tVgV[None, n + 1], tVsV[None, state_v.index],
+                              tma_bar_ptr=pipe_v.producer_get_barrier(state_v))
+                pipe_v.producer_acquire(state, pipe_v.producer_try_acquire(state))
+                cute.copy(tma_v, tVgV[None, 0], tVsV[None, state.index],
+                          tma_bar_ptr=pipe_v.producer_get_barrier(state))
+                state.advance()
+            else:
+                pipe_v.producer_acquire(state, pipe_v.producer_try_acquire(state))
+                cute.copy(tma_v, tVgV[None, n_blocks - 1], tVsV[None, state.index],
+                          tma_bar_ptr=pipe_v.producer_get_barrier(state))
+                state.advance()
+                for i in cutlass.range(n_blocks - 1, unroll=1):
+                    n = n_blocks - 2 - i
+                    pipe_k.producer_acquire(state, pipe_k.producer_try_acquire(state))
+                    cute.copy(tma_k, tKgK[None, n], tKsK[None, state.index],
+                              tma_bar_ptr=pipe_k.producer_get_barrier(state))
+                    pipe_v.producer_acquire(state, pipe_v.producer_try_acquire(state))
+                    cute.copy(tma_v, tVgV[None, n], tVsV[None, state.index],
+                              tma_bar_ptr=pipe_v.producer_get_barrier(state))
+                    state.advance()
+        return state, q_state

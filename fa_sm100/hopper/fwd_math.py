@@ -1,0 +1,230 @@
+"""Register-level pieces of the SM90 forward consumer: accumulator views, masking, softmax.
+
+The accumulator of one m64nNk16 WGMMA holds, per thread, the value mode ``(2, 2, N/8)``:
+two adjacent columns, two rows 8 apart, and N/8 column groups of 8. Its rows are the thread's
+``lane / 4`` (+8) within the warp's 16 rows, so a row's values live in the 4 threads of a quad
+and row statistics need two shuffles (``threads_in_group=4``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+from cutlass._mlir.dialects import arith, llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+from fa_sm100 import softmax_math
+
+LOG2_E = math.log2(math.e)
+LN_2 = math.log(2.0)
+
+
+def _compact(shape):
+    return cute.make_layout(shape)
+
+
+def rows_cols_view(t: cute.Tensor) -> cute.Tensor:
+    """View an accumulator-shaped tensor ``((2, 2, V), M, N)`` as ``((2, M), (2, V, N))``.
+
+    Mode 0 indexes the thread's rows, mode 1 its columns. Works for register fragments and
+    for identity (coordinate) tensors partitioned the same way.
+    """
+    c = _compact(t.layout.shape)
+    view = cute.make_layout(
+        ((c.shape[0][1], c.shape[1]), (c.shape[0][0], c.shape[0][2], c.shape[2])),
+        stride=((c.stride[0][1], c.stride[1]), (c.stride[0][0], c.stride[0][2], c.stride[2])),
+    )
+    return cute.make_tensor(t.iterator, cute.composition(t.layout, view))
+
+
+def operand_a_view(acc: cute.Tensor) -> cute.Tensor:
+    """View an S accumulator ``((2, 2, V), M, N)`` as the RS-WGMMA A fragment ``((2, 2, 2), M, (V/2, N))``.
+
+    One k16 slice of the A operand is two adjacent 8-column groups of the accumulator, so the
+    linear element order is unchanged: P can be converted element by element.
+    """
+    c = _compact(acc.layout.shape)
+    groups = c.shape[0][2]
+    assert groups % 2 == 0, "n_block must be a multiple of 16"
+    view = cute.make_layout(
+        ((2, 2, 2), c.shape[1], (groups // 2, c.shape[2])),
+        stride=((c.stride[0][0], c.stride[0][1], c.stride[0][2]), c.stride[1],
+                (2 * c.stride[0][2], c.stride[2])),
+    )
+    return cute.make_tensor(acc.iterator, cute.composition(acc.layout, view))
+
+
+@cute.jit
+def apply_mask(
+    s_rc: cute.Tensor,  # (ROWS, COLS) rows/cols view of the S accumulator
+    coord_rc: cute.Tensor,  # (ROWS, COLS) this thread's (row, col) coordinates in the tile
+    coord0_rc: cute.Tensor,  # (ROWS, COLS) thread 0's coordinates (compile-time columns)
+    row_base: Int32,  # first query row of the tile
+    col_base: Int32,  # first key of the tile
+    seqlen_k: Int32,
+    causal_offset: Int32,  # seqlen_k - seqlen_q: bottom-right aligned causal diagonal
+    mask_seqlen: cutlass.Constexpr[bool],
+    mask_causal: cutlass.Constexpr[bool],
+):
+    """Set S to -inf where the key is past seqlen_k or, if causal, right of the diagonal.
+
+    Columns are compared as thread-0 column (a constant) against a limit shifted by this
+    thread's own column, so each compare has an immediate operand.
+    """
+    thr_col = coord_rc[0, 0][1]
+    col_limit_seqlen = seqlen_k - col_base - thr_col
+    for r in cutlass.range_constexpr(cute.size(s_rc, mode=[0])):
+        limit = col_limit_seqlen
+        if const_expr(mask_causal):
+            row = row_base + coord_rc[r, 0][0]
+            limit_causal = row + causal_offset + 1 - col_base - thr_col
+            if const_expr(mask_seqlen):
+                limit = cutlass.min(limit, limit_causal)
+            else:
+                limit = limit_causal
+        for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
+            # A select, not a branch: one ISETP + FSEL per element.
+            s_rc[r, c] = Float32(cutlass.select_(coord0_rc[0, c][1] >= limit, -Float32.inf, s_rc[r, c]))
+
+
+# 1.5 * 2^23: x + this, rounded toward -inf, keeps floor(x) in the low mantissa bits.
+_FLOOR_MAGIC = float(2**23 + 2**22)
+
+
+@dsl_user_op
+def _add_round_down(a, b, *, loc=None, ip=None) -> Float32:
+    return Float32(llvm.inline_asm(
+        T.f32(), [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
+        "add.rm.f32 $0, $1, $2;", "=f,f,f", has_side_effects=False, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+@dsl_user_op
+def _bits(x, *, loc=None, ip=None) -> Int32:
+    return Int32(arith.bitcast(T.i32(), Float32(x).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
+
+
+@dsl_user_op
+def _from_bits(x, *, loc=None, ip=None) -> Float32:
+    return Float32(arith.bitcast(T.f32(), Int32(x).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
+
+
+@cute.jit
+def exp2_on_fma_pipe(x: Float32) -> Float32:
+    """2^x without MUFU.EX2 (Hopper has no packed f32x2 math, so one element at a time):
+    clamp, split into floor n and fraction f, degree-3 Horner for 2^f, add n to the exponent.
+    Constants and rounding rule are ``fa_sm100.softmax_math``'s."""
+    x = cute.arch.fmax(x, Float32(softmax_math.EX2_CLAMP_MIN))
+    rounded = _add_round_down(x, Float32(_FLOOR_MAGIC))
+    frac = x - (rounded - Float32(_FLOOR_MAGIC))
+    c = softmax_math.EX2_POLY_COEFFS
+    q = Float32(c[softmax_math.EX2_POLY_DEGREE])
+    for i in cutlass.range_constexpr(softmax_math.EX2_POLY_DEGREE - 1, -1, -1):
+        q = q * frac + Float32(c[i])
+    return _from_bits(_bits(q) + (_bits(rounded) << 23))
+
+
+@cute.jit
+def online_softmax_step(
+    s_rc: cute.Tensor,  # (ROWS, COLS) S on entry, exp2-scaled P (float32) on exit
+    row_max: cute.Tensor,  # (ROWS,) running max of raw scores
+    row_sum: cute.Tensor,  # (ROWS,) this thread's partial running sum
+    row_scale: cute.Tensor,  # (ROWS,) out: factor to rescale O by
+    scale_log2: Float32,
+    is_first: cutlass.Constexpr[bool],
+    ex2_emu_fraction: cutlass.Constexpr[float] = 0.0,
+):
+    """One online-softmax step over a KV tile: update max and sum, exponentiate S in place.
+
+    With ``ex2_emu_fraction`` > 0 the columns ``softmax_math.ex2_emulated_mask`` picks (by
+    pairs, spread along the thread's row) use ``exp2_on_fma_pipe``; the rest MUFU.EX2."""
+    for r in cutlass.range_constexpr(cute.size(s_rc, mode=[0])):
+        vals = s_rc[r, None].load()
+        if const_expr(is_first):
+            cur = vals.reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
+        else:
+            cur = vals.reduce(cute.ReductionOp.MAX, row_max[r], 0)
+        cur = cute.arch.warp_reduction_max(cur, threads_in_group=4)
+        prev = row_max[r]
+        row_max[r] = cur
+        # A row with every key masked so far keeps max -inf: exponentiate against 0 instead.
+        safe = cur
+        if cur == -Float32.inf:
+            safe = Float32(0.0)
+        if const_expr(ex2_emu_fraction > 0.0):
+            n_cols = cute.size(s_rc, mode=[1])
+            on_fma = softmax_math.ex2_emulated_mask(n_cols, ex2_emu_fraction)
+            s_rc[r, None].store(vals * scale_log2 - safe * scale_log2)
+            for c in cutlass.range_constexpr(n_cols):
+                if const_expr(on_fma[c]):
+                    s_rc[r, c] = exp2_on_fma_pipe(s_rc[r, c])
+                else:
+                    s_rc[r, c] = cute.math.exp2(s_rc[r, c], fastmath=True)
+            p = s_rc[r, None].load()
+        else:
+            p = cute.math.exp2(vals * scale_log2 - safe * scale_log2, fastmath=True)
+        if const_expr(is_first):
+            row_scale[r] = Float32(1.0)
+            row_sum[r] = p.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+        else:
+            scale = cute.math.exp2((prev - safe) * scale_log2, fastmath=True)
+            row_scale[r] = scale
+            row_sum[r] = p.reduce(cute.ReductionOp.ADD, row_sum[r] * scale, 0)
+        s_rc[r, None].store(p)
+
+
+@cute.jit
+def finalize_softmax(
+    row_max: cute.Tensor,
+    row_sum: cute.Tensor,
+    row_scale: cute.Tensor,  # out: 1 / row sum (0 for a row with no visible key)
+    lse: cute.Tensor,  # out: natural-log LSE (-inf for a row with no visible key)
+    scale_log2: Float32,
+):
+    for r in cutlass.range_constexpr(cute.size(row_sum)):
+        total = cute.arch.warp_reduction_sum(row_sum[r], threads_in_group=4)
+        inv = Float32(0.0)
+        row_lse = -Float32.inf
+        if total > Float32(0.0):
+            inv = cute.arch.rcp_approx(total)
+            row_lse = (row_max[r] * scale_log2 + cute.math.log2(total, fastmath=True)) * LN_2
+        row_scale[r] = inv
+        lse[r] = row_lse
+
+
+@cute.jit
+def rescale_rows(acc_rc: cute.Tensor, row_scale: cute.Tensor):
+    """Multiply row r of a rows/cols accumulator view by row_scale[r]."""
+    for r in cutlass.range_constexpr(cute.size(acc_rc, mode=[0])):
+        acc_rc[r, None].store(acc_rc[r, None].load() * row_scale[r])
+
+
+@dsl_user_op
+def _cvt_pair(lo, hi, to_bf16: bool, *, loc=None, ip=None) -> Int32:
+    """Two float32 -> one 32-bit register holding two 16-bit values (``lo`` in the low half)."""
+    kind = "bf16x2" if to_bf16 else "f16x2"
+    return Int32(llvm.inline_asm(
+        T.i32(),
+        [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)],
+        f"cvt.rn.{kind}.f32 $0, $1, $2;",
+        "=r,f,f",
+        has_side_effects=False,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    ))
+
+
+@cute.jit
+def convert_to(dst: cute.Tensor, src: cute.Tensor):
+    """dst (16-bit) <- src (float32), same linear element order.
+
+    Writes whole 32-bit registers (one packed convert per pair), so a WGMMA that reads ``dst``
+    as its A operand needs no repacking between its instructions.
+    """
+    dst_pairs = cute.recast_tensor(dst, Int32)
+    to_bf16 = dst.element_type is cutlass.BFloat16
+    for i in cutlass.range(cute.size(dst_pairs), unroll_full=True):
+        dst_pairs[i] = _cvt_pair(src[2 * i], src[2 * i + 1], to_bf16)

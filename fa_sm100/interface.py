@@ -1,0 +1,58 @@
+"""The public forward: ``flash_attn_func`` on BSHD tensors, dispatched by GPU capability.
+
+(10, x) -> the SM100 kernel (``fa_sm100.sm100.interface.sm100_fwd``)
+(9, 0)  -> the Hopper fallback (``fa_sm100.hopper.interface.sm90_fwd``)
+others  -> ValueError naming the device.
+
+Inputs are validated (``fa_sm100.validation``) before the device is queried, before any
+compile and before any launch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fa_sm100.validation import validate_attention_inputs
+
+
+def _backend_for(device: torch.device):
+    major, minor = torch.cuda.get_device_capability(device)
+    if major == 10:
+        from fa_sm100.sm100.interface import sm100_fwd
+
+        return sm100_fwd
+    if (major, minor) == (9, 0):
+        from fa_sm100.hopper.interface import sm90_fwd
+
+        return sm90_fwd
+    raise ValueError(
+        f"no fa_sm100 kernel for {torch.cuda.get_device_name(device)} (sm_{major}{minor}): "
+        "the forward runs on sm_100 (Blackwell) and sm_90 (Hopper) GPUs"
+    )
+
+
+def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False, config=None,
+                    window_size=(None, None), deterministic=False):
+    """Attention forward ``softmax(q k^T * scale) v`` on (batch, seqlen, heads, head_dim) tensors.
+
+    - GQA/MQA: k and v may have fewer heads than q (a divisor of q's heads).
+    - causal: bottom-right aligned when seqlen_q != seqlen_k (query i sees keys
+      j <= i + seqlen_k - seqlen_q); rows that see no key give 0 (and LSE -inf).
+    - return_lse: also return the (batch, heads, seqlen_q) float32 log-sum-exp.
+    - config: a kernel config for the device's backend (default: chosen per problem).
+    - deterministic: the forward is always deterministic; the flag is for the backward.
+    """
+    if not isinstance(deterministic, bool):
+        raise ValueError(f"deterministic must be a bool, got {deterministic!r}")
+    if not isinstance(return_lse, bool):
+        raise ValueError(f"return_lse must be a bool, got {return_lse!r}")
+    validate_attention_inputs(q, k, v, softmax_scale, causal, window_size)
+    if torch.compiler.is_compiling() or (
+            torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))):
+        # Gradients, and torch.compile graphs, go through the custom ops (fa_sm100.autograd).
+        from fa_sm100.autograd import flash_attn_autograd
+
+        return flash_attn_autograd(q, k, v, softmax_scale, causal, return_lse, config,
+                                   window_size, deterministic)
+    backend = _backend_for(q.device)
+    return backend(q, k, v, softmax_scale, causal, window_size, return_lse, config)

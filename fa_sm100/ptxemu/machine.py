@@ -1,0 +1,342 @@
+"""The emulated machine: CTAs of a cluster, warps with per-lane program counters, a seeded
+scheduler, and the waits (barriers, mbarrier phases, warp convergence) threads block on.
+
+Execution model (independent thread scheduling): every lane has its own PC. A warp step
+picks the lanes that are runnable (alive, not waiting) at the lowest PC and executes that
+instruction for all of them at once with NumPy (lanes at one PC are converged). A
+warp-collective instruction (``.sync``/``.aligned``: shfl, vote, elect, bar.warp.sync,
+tcgen05) runs only when every lane of its member mask stands at it; until then those lanes
+wait. The scheduler picks a runnable warp at random (seeded) and runs it for a random
+quantum, so different seeds interleave warps differently. When no lane of any warp can run
+and no asynchronous operation is pending, the run stops with a deadlock report that names
+each warp's blocked instruction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import numpy as np
+
+from .memory import EmulationError, GlobalMemory, SharedMemory, RESERVED_SMEM
+from .parser import PtxKernel, Reg
+from .values import storage_dtype
+
+WARP = 32
+FULL = np.ones(WARP, dtype=bool)
+
+
+@dataclass
+class Launch:
+    """Everything a kernel launch needs: the kernel, its geometry and parameter bytes."""
+    kernel: PtxKernel
+    grid: tuple
+    block: tuple
+    cluster: tuple = (1, 1, 1)
+    dynamic_smem: int = 0
+    param_bytes: bytes = b""
+    param_offsets: dict = field(default_factory=dict)   # param name -> byte offset
+    tensormaps: dict = field(default_factory=dict)      # descriptor id -> TensorMap
+    static_smem: int = 0
+    shared_offsets: dict = field(default_factory=dict)  # shared variable -> window address
+    launch_regs: Optional[int] = None                   # registers per thread at launch
+
+
+class Wait:
+    """Something lanes block on. ``ready()`` is polled by the scheduler. ``at`` names the
+    instruction when the PC has already moved past it (barriers)."""
+    why = "wait"
+    at = None
+
+    def ready(self) -> bool:
+        raise NotImplementedError
+
+
+class BarrierWait(Wait):
+    def __init__(self, bar, generation: int, at=None):
+        self.bar, self.generation, self.at = bar, generation, at
+
+    @property
+    def why(self) -> str:
+        b = self.bar
+        return f"bar.sync {b.bid} ({b.arrived}/{b.expected} threads arrived)"
+
+    def ready(self):
+        return self.bar.generation > self.generation
+
+
+class PredWait(Wait):
+    """Wait until ``fn()``; ``why`` is a string or a callable evaluated for reports."""
+
+    def __init__(self, fn: Callable[[], bool], why, at=None):
+        self.fn, self._why, self.at = fn, why, at
+
+    @property
+    def why(self) -> str:
+        return self._why() if callable(self._why) else self._why
+
+    def ready(self):
+        return self.fn()
+
+
+class AsyncOp:
+    """An operation the hardware runs asynchronously (TMA copy, tcgen05.mma, commit). The
+    scheduler runs ready ones at random points between warp quanta; ``after`` orders an op
+    behind earlier ones of the same issuer (tcgen05 ops of one thread complete in order)."""
+
+    def __init__(self, fn, what: str, after=()):
+        self.fn, self.what, self.after = fn, what, tuple(after)
+        self.done = False
+
+    def ready(self) -> bool:
+        return all(a.done for a in self.after)
+
+    def run(self):
+        self.fn()
+
+
+class NamedBarrier:
+    def __init__(self, bid: int):
+        self.bid = bid
+        self.arrived = 0
+        self.expected: Optional[int] = None
+        self.generation = 0
+
+    def arrive(self, n: int, expected: int, where: str):
+        if self.expected is None:
+            self.expected = expected
+        elif self.expected != expected:
+            raise EmulationError(f"{where}: barrier {self.bid} used with thread count "
+                                 f"{expected} while {self.expected} are expected")
+        self.arrived += n
+        if self.arrived > self.expected:
+            raise EmulationError(f"{where}: barrier {self.bid}: {self.arrived} threads arrived, "
+                                 f"only {self.expected} expected")
+        if self.arrived == self.expected:
+            self.arrived, self.expected = 0, None
+            self.generation += 1
+
+
+class Warp:
+    def __init__(self, cta, wid: int, nthreads: int, kernel: PtxKernel):
+        self.cta, self.wid = cta, wid
+        self.gid = f"cta{cta.rank}.warp{wid}"
+        self.pc = np.zeros(WARP, dtype=np.int64)
+        self.alive = np.zeros(WARP, dtype=bool)
+        self.alive[:max(0, min(WARP, nthreads - wid * WARP))] = True
+        self.tid_linear = wid * WARP + np.arange(WARP)
+        self.waits: list = []                       # [(Wait, lane mask)]
+        self.regs: dict = {}
+        self.kernel = kernel
+        self.steps = 0
+        self.maxnreg: Optional[int] = None          # from setmaxnreg
+        self.ld_pending: set = set()                # registers of a tcgen05.ld not yet waited
+        self.cluster_gen = np.full(WARP, -1, dtype=np.int64)   # barrier.cluster arrivals
+
+    def reg(self, r: Reg) -> np.ndarray:
+        arr = self.regs.get(r.name)
+        if arr is None:
+            arr = np.zeros(WARP, dtype=storage_dtype(self.kernel_type(r.name)))
+            self.regs[r.name] = arr
+        return arr
+
+    def kernel_type(self, name: str) -> str:
+        types = self.kernel.reg_types
+        t = types.get(name)
+        if t is None:
+            base = name.split("@")[0].rstrip("0123456789")
+            scope = "@" + name.split("@")[1] if "@" in name else ""
+            t = types.get(base + scope + "<>") or types.get(base + "<>")
+        if t is None:
+            raise EmulationError(f"register {name} is not declared")
+        return t
+
+    def runnable_mask(self) -> np.ndarray:
+        if not self.waits:
+            return self.alive
+        blocked = np.zeros(WARP, dtype=bool)
+        keep = []
+        for w, m in self.waits:
+            if w.ready():
+                continue
+            keep.append((w, m))
+            blocked |= m
+        self.waits = keep
+        return self.alive & ~blocked
+
+    def add_wait(self, wait: Wait, lanes: np.ndarray):
+        m = np.zeros(WARP, dtype=bool)
+        m[lanes] = True
+        self.waits.append((wait, m))
+
+
+class CTA:
+    def __init__(self, machine, rank: int, ctaid: tuple, launch: Launch):
+        self.machine, self.rank, self.ctaid = machine, rank, ctaid
+        nthreads = int(np.prod(launch.block))
+        self.nthreads = nthreads
+        smem_size = RESERVED_SMEM + launch.static_smem + launch.dynamic_smem
+        self.smem = SharedMemory(smem_size, rank)
+        self.mbarriers: dict = {}
+        self.barriers: dict = {}
+        self.tmem = None                            # created by the tcgen05 model on demand
+        nwarps = (nthreads + WARP - 1) // WARP
+        self.warps = [Warp(self, w, nthreads, launch.kernel) for w in range(nwarps)]
+
+    def barrier(self, bid: int) -> NamedBarrier:
+        b = self.barriers.get(bid)
+        if b is None:
+            b = self.barriers[bid] = NamedBarrier(bid)
+        return b
+
+
+class Machine:
+    """Runs one cluster's worth of CTAs at a time (clusters run one after another)."""
+
+    def __init__(self, launch: Launch, gmem: GlobalMemory, seed: int = 0,
+                 max_steps: int = 50_000_000, trace: Optional[list] = None):
+        from . import ops                              # noqa: F401 (handler registration)
+        from .decode import decode_kernel
+        self.launch = launch
+        self.gmem = gmem
+        self.rng = np.random.default_rng(seed)
+        self.max_steps = max_steps
+        self.trace = trace
+        self.code = decode_kernel(launch.kernel)
+        self.async_ops: list = []                      # pending asynchronous operations
+        self.cluster_index = -1
+        self.register_file = 64 * 1024
+
+    # -- geometry --------------------------------------------------------------------
+    def run(self):
+        gx, gy, gz = self.launch.grid
+        cx, cy, cz = self.launch.cluster
+        if gx % cx or gy % cy or gz % cz:
+            raise ValueError(f"grid {self.launch.grid} is not a multiple of the cluster "
+                             f"{self.launch.cluster}")
+        for kz in range(gz // cz):
+            for ky in range(gy // cy):
+                for kx in range(gx // cx):
+                    ctas = []
+                    for z in range(cz):
+                        for y in range(cy):
+                            for x in range(cx):
+                                rank = x + cx * (y + cy * z)
+                                ctaid = (kx * cx + x, ky * cy + y, kz * cz + z)
+                                ctas.append(CTA(self, rank, ctaid, self.launch))
+                    self.cluster_id = (kx, ky, kz)
+                    self.cluster_index += 1
+                    self._run_cluster(ctas)
+
+    def _run_cluster(self, ctas):
+        self.ctas = ctas
+        self.cluster_arrived = 0
+        self.cluster_generation = 0
+        warps = [w for c in ctas for w in c.warps]
+        steps = 0
+        while True:
+            live = [w for w in warps if w.alive.any()]
+            if not live and not self.async_ops:
+                break
+            if not live:
+                raise EmulationError("every thread exited with asynchronous operations still "
+                                     "pending: " + ", ".join(o.what for o in self.async_ops))
+            order = self.rng.permutation(len(live)) if live else []
+            progressed = False
+            for i in order:
+                w = live[i]
+                quantum = int(self.rng.integers(1, 48))
+                n = self._run_warp(w, quantum)
+                steps += n
+                if n:
+                    progressed = True
+                    break
+            if self.async_ops and (not progressed or self.rng.random() < 0.25):
+                ready = [op for op in self.async_ops if op.ready()]
+                if ready:
+                    op = ready[int(self.rng.integers(len(ready)))]
+                    self.async_ops.remove(op)
+                    op.run()
+                    op.done = True
+                    progressed = True
+            if not progressed:
+                raise EmulationError(self._deadlock_report(live))
+            if steps > self.max_steps:
+                raise EmulationError(f"step limit {self.max_steps} reached (livelock?); "
+                                     + self._deadlock_report(live))
+        self._check_exit(ctas)
+
+    def _run_warp(self, w: Warp, quantum: int) -> int:
+        code = self.code
+        done = 0
+        while done < quantum:
+            run = w.runnable_mask()
+            if not run.any():
+                return done
+            pcs = w.pc[run]
+            pc = int(pcs.min())
+            group = run & (w.pc == pc)
+            if pc >= len(code):
+                raise EmulationError(f"{w.gid}: fell off the end of the kernel")
+            op = code[pc]
+            if op.collective is not None:
+                need = op.members(w, group) & w.alive
+                if not (w.pc[need] == pc).all() or not run[need].all():
+                    # not converged yet: these lanes wait until every member stands here
+                    w.add_wait(PredWait(lambda w=w, need=need, pc=pc:
+                                        bool((w.pc[need] == pc).all()),
+                                        f"waiting for lanes {_lanes(np.nonzero(need)[0])} to "
+                                        f"converge at line {op.instr.line}"),
+                               np.nonzero(group)[0])
+                    continue
+            idx = np.nonzero(group)[0]
+            if self.trace is not None:
+                self.trace.append((self.cluster_index, w.gid, pc, len(idx)))
+            op.run(self, w, idx)
+            w.steps += 1
+            done += 1
+        return done
+
+    # -- checks ----------------------------------------------------------------------
+    def _deadlock_report(self, live) -> str:
+        lines = ["deadlock: no thread can make progress"]
+        if self.async_ops:
+            lines.append("  pending asynchronous operations: "
+                         + ", ".join(o.what for o in self.async_ops))
+        for w in live:
+            pcs = sorted(set(int(p) for p in w.pc[w.alive]))
+            for pc in pcs:
+                lanes = np.nonzero(w.alive & (w.pc == pc))[0]
+                waits = [ww for ww, m in w.waits if m[lanes].any()]
+                why = [ww.why for ww in waits]
+                ins = self.launch.kernel.instrs[pc] if pc < len(self.launch.kernel.instrs) else None
+                text = f"line {ins.line}: {ins.text}" if ins else "end"
+                at = [ww.at for ww in waits if ww.at]
+                if at:
+                    text = at[0]
+                lines.append(f"  {w.gid} lanes {_lanes(lanes)} blocked at {text}"
+                             f" ({'; '.join(why) or 'runnable'})")
+        return "\n".join(lines)
+
+    def _check_exit(self, ctas):
+        for c in ctas:
+            if c.tmem is not None:
+                c.tmem.check_exit()
+            for b in c.barriers.values():
+                if b.arrived:
+                    raise EmulationError(f"CTA {c.rank}: exited with {b.arrived} threads "
+                                         f"still arrived at barrier {b.bid}")
+
+    # -- helpers used by the ops --------------------------------------------------------
+    def cta_of_rank(self, rank: int) -> CTA:
+        if not 0 <= rank < len(self.ctas):
+            raise EmulationError(f"CTA rank {rank} is outside the cluster of {len(self.ctas)}")
+        return self.ctas[rank]
+
+
+def _lanes(lanes) -> str:
+    lanes = list(int(x) for x in lanes)
+    if lanes == list(range(lanes[0], lanes[-1] + 1)):
+        return f"{lanes[0]}-{lanes[-1]}" if len(lanes) > 1 else str(lanes[0])
+    return ",".join(map(str, lanes))

@@ -1,0 +1,585 @@
+"""Semantics of the arithmetic, conversion, data-movement and control instructions.
+
+Integer ops wrap modulo 2^width as the ISA specifies; f32 add/sub/mul use NumPy float32
+(IEEE round-to-nearest-even), fma is a correctly rounded fused multiply-add (values.fma_f32),
+``.ftz`` flushes f32 subnormal inputs and results. ``ex2.approx``/``lg2.approx``/``rcp.approx``
+/``rsqrt.approx`` are modelled by the float64 function rounded once to float32: the hardware's
+approximations differ from them by a few ulp, which the ISA leaves unspecified.
+Synchronisation instructions live in ``ops_sync``; memory in ``ops_mem``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .decode import (carry_pending, handler, last_type, mods, reader, reg_names, types_of,
+                     unsupported, writer)
+from .memory import EmulationError
+from .parser import Pair, Vec
+from .values import (UINT, bf16_to_f32, f32_to_bf16_rn, f32_to_bf16_rz,
+                     f32_to_f16_rn, fma_f32, ftz32, numpy_dtype, type_width)
+
+from . import ops_mem, ops_sync, ops_tcgen05, ops_tma   # noqa: F401  (register their handlers)
+
+_ERR = dict(all="ignore")
+
+
+def _srcs(ins, typ, kernel, first=1):
+    return [reader(o, typ, kernel) for o in ins.operands[first:]]
+
+
+def _is_float(t):
+    return t[0] == "f" and t not in ("f32x2",)
+
+
+def _post_float(ins, typ, v):
+    md = mods(ins)
+    if typ == "f32" and "ftz" in md:
+        v = ftz32(v)
+    if "sat" in md:
+        v = np.where(np.isnan(v), 0, np.clip(v, 0, 1)).astype(v.dtype)
+    return v
+
+
+# -----------------------------------------------------------------------------------------
+# Control
+
+
+@handler("bra")
+def _bra(ins, k):
+    target = k.labels[ins.operands[0].name]
+
+    def run(m, w, idx):
+        w.pc[idx] = target
+        return True
+    return run
+
+
+@handler("ret", "exit")
+def _ret(ins, k):
+    def run(m, w, idx):
+        w.alive[idx] = False
+        return True
+    return run
+
+
+@handler("trap")
+def _trap(ins, k):
+    def run(m, w, idx):
+        raise EmulationError("trap executed")
+    return run
+
+
+# -----------------------------------------------------------------------------------------
+# Moves and conversions
+
+
+@handler("mov")
+def _mov(ins, k):
+    typ = last_type(ins)
+    dst, src = ins.operands
+    if isinstance(src, Vec):                       # pack {a, b} -> wide register
+        n = len(src.items)
+        part = f"b{type_width(typ) // n}"
+        rd = [reader(o, part, k, copy=True) for o in src.items]
+        wr = writer(dst, typ)
+        srcs, dsts = reg_names(src), reg_names(dst)
+
+        def pack(m, w, idx):
+            acc = np.zeros(len(idx), dtype=np.uint64)
+            for i, f in enumerate(rd):
+                acc |= f(m, w, idx).astype(np.uint64) << np.uint64(i * type_width(part))
+            wr(m, w, idx, acc.astype(UINT[type_width(typ)]))
+            carry_pending(w, srcs, dsts)
+        return pack
+    if isinstance(dst, Vec):                       # unpack wide register -> {a, b}
+        n = len(dst.items)
+        part = f"b{type_width(typ) // n}"
+        rs = reader(src, typ, k, copy=True)
+        wrs = [writer(o, part) for o in dst.items]
+        srcs, dsts = reg_names(src), reg_names(dst)
+
+        def unpack(m, w, idx):
+            v = rs(m, w, idx).view(UINT[type_width(typ)]).astype(np.uint64)
+            for i, f in enumerate(wrs):
+                f(m, w, idx, ((v >> np.uint64(i * type_width(part))) &
+                              np.uint64((1 << type_width(part)) - 1)).astype(UINT[type_width(part)]))
+            carry_pending(w, srcs, dsts)
+        return unpack
+    rs, wr = reader(src, typ, k, copy=True), writer(dst, typ)
+    srcs, dsts = reg_names(src), reg_names(dst)
+
+    def move(m, w, idx):
+        wr(m, w, idx, rs(m, w, idx))
+        carry_pending(w, srcs, dsts)
+    return move
+
+
+def _round_int(v, md):
+    if "rni" in md:
+        return np.rint(v)
+    if "rzi" in md:
+        return np.trunc(v)
+    if "rmi" in md:
+        return np.floor(v)
+    if "rpi" in md:
+        return np.ceil(v)
+    return np.trunc(v)
+
+
+@handler("cvt")
+def _cvt(ins, k):
+    ts = types_of(ins)
+    md = mods(ins)
+    if len(ts) != 2:
+        unsupported(ins, "expected destination and source types")
+    dt, st = ts
+    dst = ins.operands[0]
+    wr = writer(dst, dt)
+    if dt in ("bf16x2", "f16x2"):                  # cvt.rn.bf16x2.f32 d, hi, lo
+        if st != "f32" or "rn" not in md and "rz" not in md:
+            unsupported(ins)
+        hi, lo = reader(ins.operands[1], "f32", k), reader(ins.operands[2], "f32", k)
+        conv = (f32_to_bf16_rn if "rn" in md else f32_to_bf16_rz) if dt == "bf16x2" else f32_to_f16_rn
+
+        def packed(m, w, idx):
+            a, b = conv(hi(m, w, idx)).astype(np.uint32), conv(lo(m, w, idx)).astype(np.uint32)
+            wr(m, w, idx, (a << np.uint32(16)) | b)
+        return packed
+    rs = reader(ins.operands[1], st if st not in ("bf16",) else "b16", k)
+
+    def to_f32(v):
+        if st == "bf16":
+            return bf16_to_f32(v)
+        if st == "f16":
+            return v.astype(np.float32)
+        return v
+
+    def run(m, w, idx):
+        with np.errstate(**_ERR):
+            v = to_f32(rs(m, w, idx))
+            if dt == "bf16":
+                if v.dtype.kind != "f":
+                    v = v.astype(np.float32)
+                out = f32_to_bf16_rz(v) if "rz" in md else f32_to_bf16_rn(v.astype(np.float32))
+            elif dt == "f16":
+                out = f32_to_f16_rn(v.astype(np.float32)).view(np.float16)
+            elif _is_float(dt):
+                if v.dtype.kind == "f" and any(r in md for r in ("rni", "rzi", "rmi", "rpi")):
+                    v = _round_int(v, md)
+                out = v.astype(numpy_dtype(dt))
+                if dt == "f32" and "ftz" in md:
+                    out = ftz32(out)
+                if "sat" in md:
+                    out = np.clip(np.nan_to_num(out, nan=0), 0, 1).astype(out.dtype)
+            else:                                 # integer destination
+                if v.dtype.kind == "f":
+                    v = _round_int(v.astype(np.float64), md)
+                    info = np.iinfo(numpy_dtype(dt))
+                    v = np.where(np.isnan(v), 0, np.clip(v, info.min, info.max))
+                    out = v.astype(numpy_dtype(dt))
+                else:
+                    if "sat" in md:
+                        info = np.iinfo(numpy_dtype(dt))
+                        v = np.clip(v.astype(np.int64) if v.dtype != np.uint64 else v,
+                                    info.min, info.max)
+                    out = v.astype(numpy_dtype(dt))
+            wr(m, w, idx, out)
+    return run
+
+
+@handler("cvta")
+def _cvta(ins, k):
+    from .memory import PARAM_GENERIC_BASE, SHARED_GENERIC_BASE
+    md = mods(ins)
+    typ = last_type(ins)
+    rs, wr = reader(ins.operands[1], typ, k), writer(ins.operands[0], typ)
+    if "global" in md:
+        return lambda m, w, idx: wr(m, w, idx, rs(m, w, idx))
+    if any(s.startswith("shared") for s in md):
+        base = np.uint64(SHARED_GENERIC_BASE)
+    elif "param" in md:
+        base = np.uint64(PARAM_GENERIC_BASE)
+    else:
+        unsupported(ins, "only the global, shared and param windows are modelled")
+    if "to" in md:
+        return lambda m, w, idx: wr(m, w, idx, (rs(m, w, idx).astype(np.uint64)
+                                              - base).astype(numpy_dtype(typ)))
+    return lambda m, w, idx: wr(m, w, idx, (rs(m, w, idx).astype(np.uint64)
+                                          + base).astype(numpy_dtype(typ)))
+
+
+# -----------------------------------------------------------------------------------------
+# Integer and float arithmetic
+
+
+def _binary(fn_int, fn_float=None):
+    def factory(ins, k):
+        typ = last_type(ins)
+        md = mods(ins)
+        if typ in ("f32x2",):
+            return _packed_f32x2(ins, k, fn_float)
+        if typ in ("bf16", "bf16x2", "f16x2"):
+            unsupported(ins, "16-bit float arithmetic is not modelled yet")
+        if "wide" in md:
+            src_t = typ
+            dst_t = typ[0] + str(2 * type_width(typ))
+        else:
+            src_t = dst_t = typ
+        a, b = _srcs(ins, src_t, k)[:2]
+        wr = writer(ins.operands[0], dst_t)
+        if _is_float(typ):
+            if fn_float is None:
+                unsupported(ins)
+
+            def runf(m, w, idx):
+                with np.errstate(**_ERR):
+                    x, y = a(m, w, idx), b(m, w, idx)
+                    if typ == "f32" and "ftz" in md:
+                        x, y = ftz32(x), ftz32(y)
+                    wr(m, w, idx, _post_float(ins, typ, fn_float(x, y, md)))
+            return runf
+        wide_t = numpy_dtype(dst_t)
+
+        def runi(m, w, idx):
+            with np.errstate(**_ERR):
+                x, y = a(m, w, idx), b(m, w, idx)
+                wr(m, w, idx, fn_int(x.astype(wide_t), y.astype(wide_t), md, typ))
+        return runi
+    return factory
+
+
+def _mul_int(x, y, md, typ):
+    width = type_width(typ)
+    if "hi" in md:
+        if width == 64:
+            xs = [int(v) for v in x]
+            ys = [int(v) for v in y]
+            return np.array([((p * q) >> 64) & ((1 << 64) - 1) for p, q in zip(xs, ys)],
+                            dtype=np.uint64).view(x.dtype)
+        big = np.int64 if typ[0] == "s" else np.uint64
+        return ((x.astype(big) * y.astype(big)) >> big(width)).astype(x.dtype)
+    return x * y
+
+
+def _shift_left(x, y, md, typ):
+    wdt = type_width(typ)
+    y = y.astype(np.uint64)
+    big = y >= wdt
+    r = x << np.minimum(y, wdt - 1).astype(x.dtype)
+    return np.where(big, 0, r).astype(x.dtype)
+
+
+def _shift_right(x, y, md, typ):
+    wdt = type_width(typ)
+    y = np.minimum(y.astype(np.uint64), wdt - 1 if typ[0] == "s" else wdt).astype(np.uint64)
+    if typ[0] == "s":
+        return (x >> y.astype(x.dtype)).astype(x.dtype)
+    u = x.view(UINT[wdt]) if x.dtype.kind == "i" else x
+    r = np.where(y >= wdt, 0, u >> np.minimum(y, wdt - 1).astype(u.dtype))
+    return r.astype(u.dtype)
+
+
+def _minmax(fn):
+    def f(x, y, md, *rest):
+        if x.dtype.kind == "f":
+            r = fn(x, y)                           # fmin/fmax: NaN only if both are NaN
+            if "NaN" in md:
+                r = np.where(np.isnan(x) | np.isnan(y), np.float32(np.nan), r)
+            return r.astype(x.dtype)
+        return fn(x, y)
+    return f
+
+
+handler("add")(_binary(lambda x, y, md, t: x + y, lambda x, y, md: x + y))
+handler("sub")(_binary(lambda x, y, md, t: x - y, lambda x, y, md: x - y))
+handler("mul")(_binary(_mul_int, lambda x, y, md: x * y))
+handler("min")(_binary(_minmax(np.minimum), _minmax(np.fmin)))
+handler("max")(_binary(_minmax(np.maximum), _minmax(np.fmax)))
+handler("and")(_binary(lambda x, y, md, t: x & y))
+handler("or")(_binary(lambda x, y, md, t: x | y))
+handler("xor")(_binary(lambda x, y, md, t: x ^ y))
+handler("shl")(_binary(_shift_left))
+handler("shr")(_binary(_shift_right))
+handler("div")(_binary(lambda x, y, md, t: np.where(y == 0, 0, x // np.where(y == 0, 1, y)) if t[0] == "u"
+                       else np.where(y == 0, 0, np.fix(x / np.where(y == 0, 1, y))).astype(x.dtype),
+                       lambda x, y, md: x / y))
+handler("rem")(_binary(lambda x, y, md, t: np.where(y == 0, 0, np.fmod(x, np.where(y == 0, 1, y))).astype(x.dtype)))
+
+
+def _packed_f32x2(ins, k, fn):
+    """add/sub/mul/fma .f32x2 on b64 registers that hold two f32 (low half = element 0)."""
+    md = mods(ins)
+    rs = [reader(o, "b64", k) for o in ins.operands[1:]]
+    wr = writer(ins.operands[0], "b64")
+
+    def split(v):
+        return v.view(np.uint64).astype(np.uint64).view(np.uint32).reshape(-1, 2).view(np.float32)
+
+    def run(m, w, idx):
+        parts = [split(np.ascontiguousarray(f(m, w, idx))) for f in rs]
+        with np.errstate(**_ERR):
+            if "ftz" in md:
+                parts = [ftz32(p) for p in parts]
+            r = fn(*parts, md) if fn is not None else fma_f32(*parts)
+            if "ftz" in md:
+                r = ftz32(r)
+        wr(m, w, idx, np.ascontiguousarray(r.astype(np.float32)).view(np.uint64).reshape(-1))
+    return run
+
+
+@handler("fma", "mad")
+def _fma(ins, k):
+    typ = last_type(ins)
+    md = mods(ins)
+    if typ == "f32x2":
+        return _packed_f32x2(ins, k, None)
+    if _is_float(typ):
+        a, b, c = _srcs(ins, typ, k)
+        wr = writer(ins.operands[0], typ)
+
+        def runf(m, w, idx):
+            x, y, z = a(m, w, idx), b(m, w, idx), c(m, w, idx)
+            if typ == "f32" and "ftz" in md:
+                x, y, z = ftz32(x), ftz32(y), ftz32(z)
+            if typ == "f32":
+                r = fma_f32(x, y, z)
+            else:
+                r = (x * y + z).astype(x.dtype)
+            wr(m, w, idx, _post_float(ins, typ, r))
+        return runf
+    wide = "wide" in md
+    dst_t = typ[0] + str(2 * type_width(typ)) if wide else typ
+    a, b = _srcs(ins, typ, k)[:2]
+    c = reader(ins.operands[3], dst_t, k)
+    wr = writer(ins.operands[0], dst_t)
+    dtp = numpy_dtype(dst_t)
+
+    def runi(m, w, idx):
+        with np.errstate(**_ERR):
+            x, y = a(m, w, idx).astype(dtp), b(m, w, idx).astype(dtp)
+            prod = _mul_int(x, y, md, typ) if "hi" in md else x * y
+            wr(m, w, idx, prod + c(m, w, idx))
+    return runi
+
+
+def _unary(fn_int, fn_float=None):
+    def factory(ins, k):
+        typ = last_type(ins)
+        md = mods(ins)
+        a = reader(ins.operands[1], typ, k)
+        wr = writer(ins.operands[0], typ)
+
+        def run(m, w, idx):
+            with np.errstate(**_ERR):
+                x = a(m, w, idx)
+                if x.dtype.kind == "f":
+                    if fn_float is None:
+                        unsupported(ins)
+                    if typ == "f32" and "ftz" in md:
+                        x = ftz32(x)
+                    r = _post_float(ins, typ, np.asarray(fn_float(x)).astype(x.dtype))
+                else:
+                    r = fn_int(x)
+                wr(m, w, idx, r)
+        return run
+    return factory
+
+
+handler("neg")(_unary(lambda x: (0 - x).astype(x.dtype), lambda x: -x))
+handler("abs")(_unary(lambda x: np.abs(x).astype(x.dtype), np.abs))
+handler("not")(_unary(lambda x: ~x))
+handler("cnot")(_unary(lambda x: (x == 0).astype(x.dtype)))
+handler("popc")(_unary(lambda x: np.array([bin(int(v)).count("1") for v in x.view(UINT[x.dtype.itemsize * 8])], dtype=x.dtype)))
+handler("ex2")(_unary(None, lambda x: np.exp2(x.astype(np.float64)).astype(np.float32)))
+handler("lg2")(_unary(None, lambda x: np.log2(x.astype(np.float64)).astype(np.float32)))
+handler("rcp")(_unary(None, lambda x: np.float32(1) / x))
+handler("sqrt")(_unary(None, np.sqrt))
+handler("rsqrt")(_unary(None, lambda x: (1.0 / np.sqrt(x.astype(np.float64))).astype(np.float32)))
+handler("sin")(_unary(None, np.sin))
+handler("cos")(_unary(None, np.cos))
+
+
+@handler("clz")
+def _clz(ins, k):
+    typ = last_type(ins)
+    a, wr = reader(ins.operands[1], typ, k), writer(ins.operands[0], "u32")
+    wdt = type_width(typ)
+    return lambda m, w, idx: wr(m, w, idx, np.array(
+        [wdt - int(v).bit_length() for v in a(m, w, idx).view(UINT[wdt])], dtype=np.uint32))
+
+
+@handler("brev")
+def _brev(ins, k):
+    typ = last_type(ins)
+    a, wr = reader(ins.operands[1], typ, k), writer(ins.operands[0], typ)
+    wdt = type_width(typ)
+    return lambda m, w, idx: wr(m, w, idx, np.array(
+        [int(format(int(v), f"0{wdt}b")[::-1], 2) for v in a(m, w, idx).view(UINT[wdt])],
+        dtype=UINT[wdt]))
+
+
+@handler("bfe")
+def _bfe(ins, k):
+    typ = last_type(ins)
+    wdt = type_width(typ)
+    a = reader(ins.operands[1], typ, k)
+    pos, ln = reader(ins.operands[2], "u32", k), reader(ins.operands[3], "u32", k)
+    wr = writer(ins.operands[0], typ)
+
+    def run(m, w, idx):
+        x = a(m, w, idx).view(UINT[wdt]).astype(np.uint64)
+        p = np.minimum(pos(m, w, idx).astype(np.uint64) & 0xFF, wdt)
+        n = np.minimum(ln(m, w, idx).astype(np.uint64) & 0xFF, wdt)
+        field = (x >> np.minimum(p, 63)) & ((np.uint64(1) << np.minimum(n, 63)) - np.uint64(1))
+        field = np.where(p >= wdt, 0, field)
+        if typ[0] == "s":
+            sbit = np.where(n == 0, 0, (field >> np.maximum(n, 1) - 1) & 1)
+            field = np.where(sbit == 1, field | (~((np.uint64(1) << n) - np.uint64(1))), field)
+        wr(m, w, idx, (field & np.uint64((1 << wdt) - 1) if wdt < 64 else field).astype(UINT[wdt]).view(numpy_dtype(typ)))
+    return run
+
+
+@handler("bfi")
+def _bfi(ins, k):
+    typ = last_type(ins)
+    wdt = type_width(typ)
+    a, b = reader(ins.operands[1], typ, k), reader(ins.operands[2], typ, k)
+    pos, ln = reader(ins.operands[3], "u32", k), reader(ins.operands[4], "u32", k)
+    wr = writer(ins.operands[0], typ)
+
+    def run(m, w, idx):
+        x, y = a(m, w, idx).astype(np.uint64), b(m, w, idx).astype(np.uint64)
+        p = pos(m, w, idx).astype(np.uint64) & 0xFF
+        n = ln(m, w, idx).astype(np.uint64) & 0xFF
+        mask = (((np.uint64(1) << np.minimum(n, 63)) - np.uint64(1)) << np.minimum(p, 63))
+        mask = np.where(p >= wdt, 0, mask) & np.uint64((1 << wdt) - 1 if wdt < 64 else ~0 & 0xFFFFFFFFFFFFFFFF)
+        wr(m, w, idx, ((y & ~mask) | ((x << np.minimum(p, 63)) & mask)).astype(UINT[wdt]))
+    return run
+
+
+@handler("prmt")
+def _prmt(ins, k):
+    md = mods(ins)
+    if md - {"b32"}:
+        unsupported(ins, "only the default prmt mode is modelled")
+    a, b, c = _srcs(ins, "b32", k)
+    wr = writer(ins.operands[0], "b32")
+
+    def run(m, w, idx):
+        x = a(m, w, idx).astype(np.uint64) | (b(m, w, idx).astype(np.uint64) << np.uint64(32))
+        sel = c(m, w, idx).astype(np.uint64)
+        out = np.zeros(len(idx), dtype=np.uint64)
+        for i in range(4):
+            s = (sel >> np.uint64(4 * i)) & np.uint64(0xF)
+            byte = (x >> ((s & np.uint64(7)) * np.uint64(8))) & np.uint64(0xFF)
+            sign = np.where((byte & np.uint64(0x80)) != 0, np.uint64(0xFF), np.uint64(0))
+            byte = np.where((s & np.uint64(8)) != 0, sign, byte)
+            out |= byte << np.uint64(8 * i)
+        wr(m, w, idx, out.astype(np.uint32))
+    return run
+
+
+@handler("lop3")
+def _lop3(ins, k):
+    typ = last_type(ins)
+    a, b, c = _srcs(ins, typ, k)[:3]
+    lut = ins.operands[4].value
+    wr = writer(ins.operands[0], typ)
+
+    def run(m, w, idx):
+        x, y, z = a(m, w, idx), b(m, w, idx), c(m, w, idx)
+        out = np.zeros_like(x)
+        for i in range(8):
+            if lut >> i & 1:
+                tx = x if i & 4 else ~x
+                ty = y if i & 2 else ~y
+                tz = z if i & 1 else ~z
+                out |= tx & ty & tz
+        wr(m, w, idx, out)
+    return run
+
+
+# -----------------------------------------------------------------------------------------
+# Comparisons and selects
+
+_CMP = {
+    "eq": np.equal, "ne": np.not_equal, "lt": np.less, "le": np.less_equal,
+    "gt": np.greater, "ge": np.greater_equal, "lo": np.less, "ls": np.less_equal,
+    "hi": np.greater, "hs": np.greater_equal,
+}
+
+
+def _compare(cmp, x, y):
+    if cmp in _CMP:
+        r = _CMP[cmp](x, y)
+        if cmp == "ne" and x.dtype.kind == "f":   # ordered not-equal
+            r &= ~(np.isnan(x) | np.isnan(y))
+        return r
+    if cmp == "num":
+        return ~(np.isnan(x) | np.isnan(y))
+    if cmp == "nan":
+        return np.isnan(x) | np.isnan(y)
+    if cmp.endswith("u") and cmp[:-1] in _CMP:
+        return _CMP[cmp[:-1]](x, y) | np.isnan(x) | np.isnan(y)
+    raise EmulationError(f"unknown comparison {cmp}")
+
+
+@handler("setp")
+def _setp(ins, k):
+    parts = ins.parts
+    cmp = parts[1]
+    typ = last_type(ins)
+    md = mods(ins)
+    a, b = reader(ins.operands[1], typ, k), reader(ins.operands[2], typ, k)
+    bool_op = next((p for p in ("and", "or", "xor") if p in md), None)
+    c = None
+    if bool_op:
+        c = reader(ins.operands[3], "pred", k)
+    dst = ins.operands[0]
+    wp = writer(dst.first if isinstance(dst, Pair) else dst, "pred")
+    wq = writer(dst.second, "pred") if isinstance(dst, Pair) else None
+    def run(m, w, idx):
+        with np.errstate(**_ERR):
+            x, y = a(m, w, idx), b(m, w, idx)
+            if typ == "f32" and "ftz" in md:
+                x, y = ftz32(x), ftz32(y)
+            r = _compare(cmp, x, y)
+            q = ~r
+            if bool_op:
+                cv = c(m, w, idx)
+                f = {"and": np.logical_and, "or": np.logical_or, "xor": np.logical_xor}[bool_op]
+                r, q = f(r, cv), f(q, cv)
+            wp(m, w, idx, r)
+            if wq is not None:
+                wq(m, w, idx, q)
+    return run
+
+
+@handler("selp")
+def _selp(ins, k):
+    typ = last_type(ins)
+    a, b = reader(ins.operands[1], typ, k), reader(ins.operands[2], typ, k)
+    c = reader(ins.operands[3], "pred", k)
+    wr = writer(ins.operands[0], typ)
+    return lambda m, w, idx: wr(m, w, idx, np.where(c(m, w, idx), a(m, w, idx), b(m, w, idx)))
+
+
+@handler("slct")
+def _slct(ins, k):
+    ts = types_of(ins)
+    a, b = reader(ins.operands[1], ts[0], k), reader(ins.operands[2], ts[0], k)
+    c = reader(ins.operands[3], ts[1], k)
+    wr = writer(ins.operands[0], ts[0])
+    return lambda m, w, idx: wr(m, w, idx, np.where(c(m, w, idx) >= 0, a(m, w, idx), b(m, w, idx)))
+
+
+# no-ops for the sequentially consistent memory model of the emulator (see docs)
+@handler("fence", "membar", "griddepcontrol")
+def _fence(ins, k):
+    return lambda m, w, idx: None
+
+
+@handler("pmevent", "nanosleep")
+def _nop(ins, k):
+    return lambda m, w, idx: None

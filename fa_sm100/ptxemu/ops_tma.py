@@ -1,0 +1,281 @@
+"""TMA: ``cp.async.bulk.tensor`` loads (global -> shared, with multicast and cta_group::2) and
+stores (shared -> global, bulk groups), through the tensor maps recorded at the
+``cuTensorMapEncodeTiled`` call.
+
+A load is asynchronous: at issue its destination region is marked pending (a thread that
+touches it before the copy lands is an error) and an ``AsyncOp`` is queued; when the
+scheduler runs it, the box is gathered from global memory (out-of-bounds elements are
+zero-filled), written to shared memory with the tensor map's swizzle applied to the shared
+addresses, and ``complete_tx`` of the box's bytes is signalled on the mbarrier. A store reads
+its shared source when it runs (the source is pending-read until then: a thread writing it is
+an error) and writes only the in-bounds elements.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .capture import TMAP_MAGIC
+from .decode import handler, mods, reader, unsupported
+from .machine import AsyncOp, PredWait
+from .memory import CLUSTER_SHIFT, PARAM_GENERIC_BASE, EmulationError
+from .ops_mem import address_reader, resolve_shared
+from .parser import TensorRef
+from .tensormap import decode_tensormap
+
+SWIZZLE_BYTES = {0: 0, 1: 32, 2: 64, 3: 128}
+
+
+def swizzle(addr: np.ndarray, span: int) -> np.ndarray:
+    """CuTe Swizzle<B,4,3> on shared addresses: 16-byte chunk bits 4.. XOR row bits 7.. ."""
+    if span == 0:
+        return addr
+    bits = {32: 1, 64: 2, 128: 3}[span]
+    mask = ((1 << bits) - 1) << 7
+    return addr ^ ((addr & mask) >> 3)
+
+
+def tensormap_of(m, w, generic_addr: int, where: str):
+    off = int(generic_addr) - PARAM_GENERIC_BASE
+    if not 0 <= off <= len(m.launch.param_bytes) - 16:
+        raise EmulationError(f"{where}: tensor map address {int(generic_addr):#x} is not a kernel "
+                             "parameter (only __grid_constant__ tensor maps are modelled)")
+    magic, ident = np.frombuffer(m.launch.param_bytes, dtype=np.uint64, count=2, offset=off)
+    if int(magic) == TMAP_MAGIC and int(ident) in m.launch.tensormaps:
+        return m.launch.tensormaps[int(ident)]
+    cache = m.__dict__.setdefault("tensormap_cache", {})
+    if off not in cache:
+        if off % 64 or off + 128 > len(m.launch.param_bytes):
+            raise EmulationError(f"{where}: parameter offset {off} cannot hold a 64-byte "
+                                 "aligned 128-byte tensor map")
+        try:
+            cache[off] = decode_tensormap(m.launch.param_bytes[off:off + 128])
+        except EmulationError as e:
+            raise EmulationError(f"{where}: parameter at offset {off}: {e}") from None
+    return cache[off]
+
+
+def box_offsets(tm, coords):
+    """Global byte offsets (flattened in box order, innermost fastest) and the in-bounds mask."""
+    e = tm.elem_bytes
+    if e == 0:
+        raise EmulationError(f"tensor-map data type {tm.dtype} is not modelled")
+    if tm.interleave != 0:
+        raise EmulationError("interleaved tensor maps are not modelled")
+    if any(s != 1 for s in tm.element_strides):
+        raise EmulationError("tensor maps with element strides != 1 are not modelled")
+    strides = (e,) + tuple(tm.strides)
+    grids = np.meshgrid(*[np.arange(b) + c for b, c in zip(tm.box[::-1], coords[::-1])],
+                        indexing="ij")                   # outermost first
+    grids = grids[::-1]                                  # back to innermost first
+    off = np.zeros(grids[0].shape, dtype=np.int64)
+    ok = np.ones(grids[0].shape, dtype=bool)
+    for d, g in enumerate(grids):
+        off += g.astype(np.int64) * strides[d]
+        ok &= (g >= 0) & (g < tm.dims[d])
+    return off.reshape(-1), ok.reshape(-1)
+
+
+def _smem_byte_index(tm, dst_off: int, nelem: int) -> np.ndarray:
+    e = tm.elem_bytes
+    span = SWIZZLE_BYTES.get(tm.swizzle)
+    if span is None:
+        raise EmulationError(f"tensor-map swizzle mode {tm.swizzle} is not modelled")
+    if span and tm.box[0] * e > span:
+        raise EmulationError(f"box inner dimension {tm.box[0] * e} bytes exceeds the {span}-byte "
+                             "swizzle span")
+    align = 128 if span else 16
+    if dst_off % align:
+        raise EmulationError(f"TMA shared-memory address {dst_off:#x} is not {align}-byte "
+                             f"aligned{' (required with a swizzle)' if span else ''}")
+    lin = dst_off + np.arange(nelem * e, dtype=np.int64)
+    return swizzle(lin, span)
+
+
+@handler("prefetch", "prefetchu")
+def _prefetch(ins, k):
+    if "tensormap" not in mods(ins):
+        return lambda m, w, idx: None
+    addr = address_reader(ins.operands[0], "generic", k)
+
+    def run(m, w, idx):
+        for a in addr(m, w, idx):
+            tensormap_of(m, w, int(a), f"line {ins.line}")
+    return run
+
+
+@handler("cp")
+def _cp(ins, k):
+    md = mods(ins)
+    parts = ins.parts
+    if parts[1:3] != ["async", "bulk"]:
+        unsupported(ins, "only cp.async.bulk* is modelled")
+    if "commit_group" in md:
+        return _commit_group(ins)
+    if "wait_group" in md:
+        return _wait_group(ins, k)
+    if "tensor" not in md:
+        unsupported(ins, "non-tensor bulk copies are not modelled")
+    if "tile" not in md:
+        unsupported(ins, "only the tile load mode is modelled")
+    if len(parts) > 5 and parts[5] == "global":
+        return _tma_store(ins, k)
+    return _tma_load(ins, k)
+
+
+def _tma_load(ins, k):
+    md = mods(ins)
+    where = f"line {ins.line}"
+    dst = address_reader(ins.operands[0], "shared::cluster", k)
+    ref = ins.operands[1]
+    if not isinstance(ref, TensorRef):
+        unsupported(ins, "expected [tensorMap, {coords}]")
+    tmap = reader(ref.tmap, "u64", k)
+    coords = [reader(c, "s32", k) for c in ref.coords[0].items] if len(ref.coords) == 1 and \
+        hasattr(ref.coords[0], "items") else [reader(c, "s32", k) for c in ref.coords]
+    mbar = address_reader(ins.operands[2], "shared::cluster", k)
+    multicast = "multicast::cluster" in md
+    mask_r = reader(ins.operands[3], "u16", k) if multicast else None
+    pair = "cta_group::2" in md
+
+    def run(m, w, idx):
+        from .ops_sync import get_mbarrier
+        d_all, t_all, b_all = dst(m, w, idx), tmap(m, w, idx), mbar(m, w, idx)
+        c_all = [c(m, w, idx) for c in coords]
+        masks = mask_r(m, w, idx) if multicast else None
+        for i in range(len(idx)):
+            tm = tensormap_of(m, w, int(t_all[i]), where)
+            if len(c_all) != tm.rank:
+                raise EmulationError(f"{where}: {len(c_all)} coordinates for a rank-{tm.rank} "
+                                     "tensor map")
+            co = [int(c[i]) for c in c_all]
+            d_addr, b_addr = int(d_all[i]), int(b_all[i])
+            ranks = ([r for r in range(len(m.ctas)) if int(masks[i]) >> r & 1] if multicast
+                     else [d_addr >> CLUSTER_SHIFT])
+            off, ok = box_offsets(tm, co)
+            nbytes = off.size * tm.elem_bytes
+            dst_off = d_addr & ((1 << CLUSTER_SHIFT) - 1)
+            targets = []
+            for r in ranks:
+                cta = m.cta_of_rank(r)
+                if multicast or pair:
+                    b_rank = ((r & ~1) | ((b_addr >> CLUSTER_SHIFT) & 1)) if pair else r
+                else:
+                    b_rank = b_addr >> CLUSTER_SHIFT
+                b_cluster = (b_rank << CLUSTER_SHIFT) | (b_addr & ((1 << CLUSTER_SHIFT) - 1))
+                mb = get_mbarrier(m, w, b_cluster, "shared::cluster", where)
+                desc = f"TMA load by {w.gid} (line {ins.line})"
+                region = (dst_off, dst_off + nbytes, desc)
+                _pending(cta).append(region)
+                targets.append((cta, mb, region))
+            m.async_ops.append(AsyncOp(
+                lambda tm=tm, off=off, ok=ok, targets=targets, dst_off=dst_off, nbytes=nbytes:
+                _land(m, tm, off, ok, targets, dst_off, nbytes, where),
+                f"TMA load to shared {dst_off:#x} ({nbytes} bytes) issued at line {ins.line}"))
+    return run
+
+
+def _pending(cta) -> list:
+    if not hasattr(cta, "pending_smem"):
+        cta.pending_smem = []
+    return cta.pending_smem
+
+
+def _land(m, tm, off, ok, targets, dst_off, nbytes, where):
+    e = tm.elem_bytes
+    data = np.zeros((off.size, e), dtype=np.uint8)
+    if ok.any():
+        data[ok] = m.gmem.read(np.uint64(tm.address) + off[ok].astype(np.uint64), e,
+                               f"{where} (TMA load)")
+    flat = data.reshape(-1)
+    index = _smem_byte_index(tm, dst_off, off.size)
+    for cta, mb, region in targets:
+        _pending(cta).remove(region)
+        cta.smem.write(index, flat[:, None], f"{where} (TMA load)")
+        mb.complete_tx(nbytes, where)
+
+
+def _tma_store(ins, k):
+    where = f"line {ins.line}"
+    ref = ins.operands[0]
+    tmap = reader(ref.tmap, "u64", k)
+    coords = [reader(c, "s32", k) for c in (ref.coords[0].items if len(ref.coords) == 1 and
+                                             hasattr(ref.coords[0], "items") else ref.coords)]
+    src = address_reader(ins.operands[1], "shared", k)
+
+    def run(m, w, idx):
+        t_all, s_all = tmap(m, w, idx), src(m, w, idx)
+        c_all = [c(m, w, idx) for c in coords]
+        for i, lane in enumerate(idx):
+            tm = tensormap_of(m, w, int(t_all[i]), where)
+            co = [int(c[i]) for c in c_all]
+            off, ok = box_offsets(tm, co)
+            (cta, soff, _), = resolve_shared(m, w, np.asarray([s_all[i]]), "shared")
+            s0 = int(soff[0])
+            nbytes = off.size * tm.elem_bytes
+            region = (s0, s0 + nbytes, f"TMA store by {w.gid} (line {ins.line}) reading it",
+                      "read")
+            _pending_reads(cta).append(region)
+
+            def land(tm=tm, off=off, ok=ok, cta=cta, s0=s0, region=region):
+                _pending_reads(cta).remove(region)
+                index = _smem_byte_index(tm, s0, off.size)
+                flat = cta.smem.read(index, 1, f"{where} (TMA store source)").reshape(-1, tm.elem_bytes)
+                if ok.any():
+                    m.gmem.write(np.uint64(tm.address) + off[ok].astype(np.uint64), flat[ok],
+                                 f"{where} (TMA store)")
+            op = AsyncOp(land, f"TMA store from shared {s0:#x} issued at line {ins.line}")
+            m.async_ops.append(op)
+            _bulk_state(w, int(lane))["open"].append(op)
+    return run
+
+
+def _pending_reads(cta) -> list:
+    if not hasattr(cta, "pending_smem_reads"):
+        cta.pending_smem_reads = []
+    return cta.pending_smem_reads
+
+
+def _bulk_state(w, lane: int) -> dict:
+    if not hasattr(w, "bulk_groups"):
+        w.bulk_groups = {}
+    return w.bulk_groups.setdefault(lane, {"open": [], "committed": []})
+
+
+def _commit_group(ins):
+    def run(m, w, idx):
+        for lane in idx:
+            st = _bulk_state(w, int(lane))
+            st["committed"].append(st["open"])
+            st["open"] = []
+    return run
+
+
+def _wait_group(ins, k):
+    n_r = reader(ins.operands[0], "u32", k)
+
+    def run(m, w, idx):
+        n = int(n_r(m, w, idx)[0])
+        states = [_bulk_state(w, int(lane)) for lane in idx]
+
+        def outstanding():
+            return max(sum(1 for g in st["committed"] if not all(op.done for op in g))
+                       for st in states)
+        if outstanding() > n:
+            w.add_wait(PredWait(lambda: outstanding() <= n,
+                                f"cp.async.bulk.wait_group {n}: bulk stores in flight"), idx)
+            return True
+        for st in states:
+            st["committed"] = [g for g in st["committed"] if not all(op.done for op in g)]
+    return run
+
+
+def check_pending_reads(cta, off, width, what):
+    """Threads must not overwrite shared memory a TMA store has not read yet."""
+    pend = getattr(cta, "pending_smem_reads", None)
+    if not pend:
+        return
+    for (a, b, desc, _) in pend:
+        if ((off < b) & (off + width > a)).any():
+            raise EmulationError(f"{what}: shared memory [{a:#x}, {b:#x}) is overwritten while "
+                                 f"an asynchronous read of it is pending ({desc})")

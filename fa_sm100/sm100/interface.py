@@ -1,0 +1,88 @@
+"""``sm100_fwd``: run the SM100 forward on torch tensors, with a compile cache.
+
+Called by ``fa_sm100.interface.flash_attn_func`` on a (10, x) device after the shared input
+validation; it may also be called directly (it validates again, cheaply). Every check that can
+fail raises ValueError before any compile or launch.
+
+Compile cache key: the validated ``FmhaConfig`` (head dims, dtype, causal, GQA ratio, every
+switch) and the static parts of the shapes (the number of query heads). Batch and sequence
+lengths are run-time values of the compiled kernel, so they never trigger a recompile.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from fa_sm100.config import FmhaConfig, normalize_dtype, select_config
+from fa_sm100.validation import validate_attention_inputs
+
+_COMPILED: dict = {}
+
+
+def config_for_problem(prob, device=None, config: Optional[FmhaConfig] = None,
+                       return_lse: bool = False) -> FmhaConfig:
+    """The validated config for a problem: ``config`` checked against it, or the defaults."""
+    dtype = normalize_dtype(prob.dtype)
+    if config is None:
+        num_sms = 148
+        if device is not None and torch.cuda.is_available():
+            num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        config = select_config(
+            head_dim=prob.head_dim, head_dim_v=prob.head_dim_v, dtype=dtype,
+            seqlen_q=prob.seqlen_q, seqlen_k=prob.seqlen_k, causal=prob.causal,
+            qhead_per_kvhead=prob.qhead_per_kvhead, window_left=prob.window[0],
+            window_right=prob.window[1], num_sms=num_sms,
+        )
+    if not isinstance(config, FmhaConfig):
+        raise ValueError(f"config must be an FmhaConfig, got {type(config).__name__}")
+    expected = {
+        "head_dim": prob.head_dim, "head_dim_v": prob.head_dim_v, "dtype": dtype,
+        "causal": prob.causal, "qhead_per_kvhead": prob.qhead_per_kvhead,
+        "window_left": prob.window[0], "window_right": prob.window[1],
+    }
+    for field, want in expected.items():
+        have = getattr(config, field)
+        if have != want:
+            raise ValueError(f"config.{field}={have!r} does not match the inputs ({want!r})")
+    return config.replace(write_lse=return_lse).validate()
+
+
+def compile_for(cfg: FmhaConfig, num_heads: int, arch: Optional[str] = None):
+    """Compile the kernel for (config, query heads) for TVM-FFI: the result is called with
+    torch tensors and runs on the current stream. ``arch`` (e.g. "sm_100a") cross-compiles
+    without a GPU; None targets the device."""
+    import cutlass.cute as cute
+
+    from fa_sm100.sm100.inspect_entry import fake_arguments
+    from fa_sm100.sm100.kernel import Sm100Forward
+
+    options = "--enable-tvm-ffi" + (f" --gpu-arch {arch}" if arch else "")
+    return cute.compile(Sm100Forward(cfg), *fake_arguments(cfg, num_heads, env_stream=True),
+                        options=options)
+
+
+def _compiled(cfg: FmhaConfig, num_heads: int):
+    """The cached compiled kernel; batch and sequence lengths stay run-time values."""
+    key = (cfg, num_heads)
+    if key not in _COMPILED:
+        _COMPILED[key] = compile_for(cfg, num_heads)
+    return _COMPILED[key]
+
+
+def sm100_fwd(q, k, v, softmax_scale=None, causal=False, window_size=(None, None),
+              return_lse=False, config: Optional[FmhaConfig] = None):
+    """Attention forward on BSHD tensors with the SM100 kernel; returns out or (out, lse)."""
+    prob = validate_attention_inputs(q, k, v, softmax_scale, causal, window_size)
+    cfg = config_for_problem(prob, q.device, config, return_lse)
+    major, _ = torch.cuda.get_device_capability(q.device)
+    if major != 10:
+        raise ValueError(f"sm100_fwd needs an sm_100 GPU, got sm_{major}x for {q.device}")
+    q, k, v = (t.contiguous() for t in (q, k, v))
+    out = torch.empty(*q.shape[:3], prob.head_dim_v, dtype=q.dtype, device=q.device)
+    lse = (torch.empty(prob.batch, prob.heads, prob.seqlen_q, dtype=torch.float32,
+                       device=q.device) if return_lse else None)
+    kernel = _compiled(cfg, prob.heads)
+    kernel(q, k, v, out, lse, prob.softmax_scale)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,93 @@
+"""Which keys a work tile visits and which scores of a row are masked.
+
+Alignment is bottom-right, the flash-attn convention: query row ``i`` (0-based, of
+``seqlen_q``) sits at key position ``i' = i + seqlen_k - seqlen_q``. Causal keeps keys
+``j <= i'``; a sliding window ``(left, right)`` (``FmhaConfig.window_left/right``, None =
+unbounded; causal caps right at 0) keeps ``i' - left <= j <= i' + right``. Key tails
+(``j >= seqlen_k``) are masked too; query tails need no mask because TMA loads rows past
+``seqlen_q`` as zeros and the TMA store drops them.
+
+A tile visits blocks ``n_min .. n_max - 1`` from the right-most down (the design's reverse
+load order), so the one block that can hold a key tail comes first. It always visits at least
+one block, even when every row of it is fully masked (e.g. causal with ``seqlen_q >
+seqlen_k``): the protocol stays the same for every tile, and such rows end with row sum 0,
+which the correction turns into O = 0 and LSE = -inf.
+
+The window bounds are compile-time constants of the config; only the sequence lengths and
+the row are run-time values.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+from fa_sm100.sm100.scheduler import rows_per_tile
+
+
+def window_bounds(cfg):
+    """(left, right) key offsets around the aligned diagonal; None = unbounded."""
+    left, right = cfg.window_left, cfg.window_right
+    if cfg.causal:
+        right = 0 if right is None else min(right, 0)
+    return left, right
+
+
+@cute.jit
+def n_block_range(cfg, m_block: Int32, seqlen_q: Int32, seqlen_k: Int32):
+    """(n_min, n_max): the work tile ``m_block`` visits K/V blocks n_min .. n_max - 1."""
+    n = cfg.n_block
+    left, right = window_bounds(cfg)
+    n_total = (seqlen_k + n - 1) // n
+    n_max = n_total
+    n_min = Int32(0)
+    if cutlass.const_expr(right is not None):
+        row_end = cutlass.min((m_block + 1) * rows_per_tile(cfg), seqlen_q)
+        # Keys visible to the last row of the tile: j < row_end + seqlen_k - seqlen_q + right.
+        key_end = cutlass.max(row_end + seqlen_k - seqlen_q + right, 1)
+        n_max = cutlass.min(n_max, (key_end + n - 1) // n)
+    if cutlass.const_expr(left is not None):
+        # First key visible to the first row of the tile.
+        key_start = cutlass.max(m_block * rows_per_tile(cfg) + seqlen_k - seqlen_q - left, 0)
+        n_min = cutlass.min(key_start // n, n_total - 1)
+        n_max = cutlass.max(n_max, n_min + 1)
+    return n_min, n_max
+
+
+@cute.jit
+def col_limits(cfg, row: Int32, n_blk: Int32, seqlen_q: Int32, seqlen_k: Int32):
+    """(lo, hi): columns ``c`` of block ``n_blk`` that row ``row`` sees are lo <= c < hi."""
+    left, right = window_bounds(cfg)
+    base = n_blk * cfg.n_block
+    diag = row + seqlen_k - seqlen_q - base  # the aligned diagonal, as a column of this block
+    hi = seqlen_k - base
+    if cutlass.const_expr(right is not None):
+        hi = cutlass.min(hi, diag + right + 1)
+    lo = Int32(0)
+    if cutlass.const_expr(left is not None):
+        lo = diag - left
+    return lo, hi
+
+
+@cute.jit
+def needs_mask(cfg, lo: Int32, hi: Int32):
+    """True when some column of the block is masked for this row."""
+    out = hi < cfg.n_block
+    if cutlass.const_expr(cfg.window_left is not None):
+        out = out | (lo > 0)
+    return out
+
+
+@cute.jit
+def apply_mask(cfg, tSrS: cute.Tensor, tScS: cute.Tensor, lo: Int32, hi: Int32):
+    """Set scores whose column (from the identity tensor ``tScS``) is outside [lo, hi) to -inf.
+
+    The column of each register is a constant of the unrolled loop, so this is compares
+    against run-time limits of one row."""
+    for i in cutlass.range(cute.size(tSrS), unroll_full=True):
+        col = tScS[i][1]
+        if cutlass.const_expr(cfg.window_left is not None):
+            tSrS[i] = tSrS[i] if (col < hi) & (col >= lo) else -Float32.inf
+        else:
+            tSrS[i] = tSrS[i] if col < hi else -Float32.inf

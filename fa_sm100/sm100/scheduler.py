@@ -1,0 +1,106 @@
+"""Static tile scheduling of the SM100 forward: which work tile each cluster does next.
+
+A work tile is one (query block, head, batch) triple; its query block covers
+``q_stage x cta_group x m_block`` rows (both Q stages of both CTAs of the pair). Tiles are
+numbered 0 .. num_tiles-1 and decoded so that
+
+- non-causal: consecutive tile ids walk the query blocks of one (head, batch) first, so
+  clusters running at the same time share K/V in L2;
+- causal (LPT order): tile ids start with the LAST query block of every (head, batch) and walk
+  toward the first: under a bottom-right causal mask the last query block sees the most keys,
+  so the longest tiles go first and the short ones fill the tail (longest processing time first).
+
+Persistent (``cfg.persistent``): the grid holds ``num_sms / cta_group`` clusters (at most one
+per tile) and cluster c does tiles c, c + num_clusters, c + 2 num_clusters, ...
+Non-persistent: one cluster per tile, each does exactly one.
+
+Every role of a CTA runs the same loop over the same tile ids, so the roles agree on the work
+without talking to each other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32
+
+
+def rows_per_tile(cfg) -> int:
+    return cfg.q_stage * cfg.cta_group * cfg.m_block
+
+
+def grid_clusters(cfg, num_tiles: int) -> int:
+    """Clusters to launch for ``num_tiles`` work tiles (host-side, plain ints)."""
+    if cfg.persistent:
+        return max(1, min(num_tiles, cfg.num_sms // cfg.cta_group))
+    return max(1, num_tiles)
+
+
+@dataclass(frozen=True)
+class WorkTile:
+    m_block: Int32  # query block, in units of rows_per_tile(cfg)
+    head: Int32
+    batch: Int32
+
+
+@dataclass(frozen=True)
+class StaticScheduler:
+    """Tile ids for this cluster: start at the cluster id, stride by the number of clusters."""
+
+    cfg: object
+    num_m_blocks: Int32
+    num_heads: Int32
+    num_tiles: Int32
+    first: Int32
+    stride: Int32
+
+    def initial(self) -> Int32:
+        return self.first
+
+    def next(self, tile: Int32) -> Int32:
+        if cutlass.const_expr(self.cfg.persistent):
+            return tile + self.stride
+        return self.num_tiles  # one tile per cluster
+
+    def decode(self, tile: Int32) -> WorkTile:
+        if cutlass.const_expr(self.cfg.causal):
+            # LPT: every (head, batch) pair of the last query block first.
+            hb_count = self.num_tiles // self.num_m_blocks
+            hb = tile % hb_count
+            m = self.num_m_blocks - 1 - tile // hb_count
+        else:
+            m = tile % self.num_m_blocks
+            hb = tile // self.num_m_blocks
+        return WorkTile(Int32(m), Int32(hb % self.num_heads), Int32(hb // self.num_heads))
+
+
+def make_scheduler(cfg, num_m_blocks, num_heads, batch) -> StaticScheduler:
+    """The scheduler of this CTA (call inside the kernel: reads the block and grid ids)."""
+    bidx, _, _ = cute.arch.block_idx()
+    gdim, _, _ = cute.arch.grid_dim()
+    return StaticScheduler(
+        cfg=cfg,
+        num_m_blocks=Int32(num_m_blocks),
+        num_heads=Int32(num_heads),
+        num_tiles=Int32(num_m_blocks * num_heads * batch),
+        first=Int32(bidx // cfg.cta_group),
+        stride=Int32(gdim // cfg.cta_group),
+    )
+
+
+def lpt_order(num_m_blocks: int, num_heads: int, batch: int, causal: bool):
+    """Host-side mirror of ``StaticScheduler.decode`` (for tests and the timeline script)."""
+    out = []
+    total = num_m_blocks * num_heads * batch
+    for t in range(total):
+        if causal:
+            hb_count = num_heads * batch
+            hb = t % hb_count
+            m = num_m_blocks - 1 - t // hb_count
+        else:
+            m = t % num_m_blocks
+            hb = t // num_m_blocks
+        out.append((m, hb % num_heads, hb // num_heads))
+    return out

@@ -1,0 +1,121 @@
+"""Input checks shared by every forward entry point: ValueError before any compile or launch.
+
+Checks run in an order that needs no GPU: types, ranks, dtypes, shapes, head dims, options;
+the device check comes last, so CPU tests reach every rule.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
+# Union of the head-dim pairs any of our kernels supports; each backend narrows it.
+ALL_HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (192, 128), (256, 256))
+
+
+@dataclass(frozen=True)
+class AttentionProblem:
+    """The static and dynamic sizes of one validated forward call (BSHD tensors)."""
+
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    heads: int
+    heads_kv: int
+    head_dim: int
+    head_dim_v: int
+    dtype: torch.dtype
+    softmax_scale: float
+    causal: bool
+    window: tuple
+
+    @property
+    def qhead_per_kvhead(self) -> int:
+        return self.heads // self.heads_kv
+
+
+def _check_tensor(name: str, t) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 4:
+        raise ValueError(
+            f"{name} must be 4-D (batch, seqlen, heads, head_dim), got shape {tuple(t.shape)}"
+        )
+    if t.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"{name} has dtype {t.dtype}: supported dtypes are bfloat16 and float16")
+
+
+def normalize_window(window_size, causal: bool) -> tuple:
+    """Validate ``window_size = (left, right)`` (None = unbounded) and fold causal into it."""
+    if window_size is None:
+        window_size = (None, None)
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise ValueError(f"window_size must be a pair (left, right), got {window_size!r}")
+    left, right = window_size
+    for side, w in (("left", left), ("right", right)):
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 0):
+            raise ValueError(f"window_size {side}={w!r}: must be None or an int >= 0")
+    return (left, right)
+
+
+def validate_attention_inputs(q, k, v, softmax_scale=None, causal=False, window_size=(None, None),
+                              head_dims=ALL_HEAD_DIMS, require_cuda=True) -> AttentionProblem:
+    """Check q, k, v (BSHD) and the options; return the problem sizes or raise ValueError."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(name, t)
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    b, sq, hq, d = q.shape
+    bk, sk, hk, dk = k.shape
+    bv, sv, hv, dv = v.shape
+    if not b == bk == bv:
+        raise ValueError(f"batch sizes differ: q {b}, k {bk}, v {bv}")
+    if sk != sv:
+        raise ValueError(f"k and v must have the same seqlen, got {sk} and {sv}")
+    if hk != hv:
+        raise ValueError(f"k and v must have the same number of heads, got {hk} and {hv}")
+    if dk != d:
+        raise ValueError(f"q and k must have the same head_dim, got {d} and {dk}")
+    if hk < 1 or hq % hk:
+        raise ValueError(
+            f"query heads ({hq}) must be a multiple of key/value heads ({hk}) for MHA/GQA/MQA"
+        )
+    if min(b, sq, sk, hq) < 1:
+        raise ValueError(
+            f"empty problem: batch={b}, seqlen_q={sq}, seqlen_k={sk}, heads={hq} must all be >= 1"
+        )
+    if (d, dv) not in head_dims:
+        raise ValueError(
+            f"head dims (qk={d}, v={dv}) are not supported: use one of {tuple(head_dims)}"
+        )
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(d)
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+        raise ValueError(f"softmax_scale must be a float or None, got {softmax_scale!r}")
+    if not (math.isfinite(softmax_scale) and softmax_scale > 0):
+        raise ValueError(f"softmax_scale={softmax_scale}: must be finite and > 0")
+    if not isinstance(causal, bool):
+        raise ValueError(f"causal must be a bool, got {causal!r}")
+    window = normalize_window(window_size, causal)
+    if require_cuda:
+        devices = {t.device for t in (q, k, v)}
+        if len(devices) != 1:
+            raise ValueError(f"q, k, v must be on one device, got {sorted(map(str, devices))}")
+        if q.device.type != "cuda":
+            raise ValueError(f"q, k, v must be CUDA tensors, got device {q.device}")
+    return AttentionProblem(b, sq, sk, hq, hk, d, dv, q.dtype, float(softmax_scale), causal, window)
+
+
+def tma_ready(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when TMA can read it (unit last stride, 16-byte aligned strides and base),
+    otherwise a contiguous copy."""
+    elem = t.element_size()
+    ok = (
+        t.stride(-1) == 1
+        and all((s * elem) % 16 == 0 for s in t.stride()[:-1])
+        and t.data_ptr() % 16 == 0
+    )
+    return t if ok else t.clone(memory_format=torch.contiguous_format)

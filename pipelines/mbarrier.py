@@ -1,0 +1,382 @@
+"""Our mbarrier pipeline classes (CuTe DSL) for the SM100 forward kernel.
+
+One class per protocol; each is built from a row of ``pipelines.spec.PIPELINES`` by
+``pipelines.spec.build_pipelines`` (never constructed by hand in the kernel):
+
+=====================  ==================  ===================================================
+class                  producer arrives    consumer releases
+=====================  ==================  ===================================================
+TmaUmmaPipeline        expect-tx (leader)  tcgen05.commit (multicast to both CTAs of the pair)
+UmmaThreadsPipeline    tcgen05.commit      thread arrive (on the leader CTA under 2-CTA)
+ThreadsUmmaPipeline    thread arrive       tcgen05.commit
+ThreadsThreadsPipeline thread arrive       thread arrive (local)
+=====================  ==================  ===================================================
+
+API (the same on every class). ``stage`` is an index (a Python int for a compile-time stage
+such as the Q stage of a per-Q-stage pipeline, or a run-time Int32) with an explicit run-time
+``phase`` -- or a ``PipelineState`` in place of both. ``stage_hint`` names the compile-time
+stage for the record when the index is a run-time value::
+
+    pipe.producer_acquire(stage, phase, expected_tx=None, stage_hint=None)
+        wait until the stage is empty; TMA pipelines: the leader CTA also arrives expecting
+        ``expected_tx`` bytes (default: the table's bytes of one stage across the pair)
+    pipe.producer_commit(stage, stage_hint=None, note="")
+        arrive on the full barrier (nothing for TMA pipelines: the bytes complete the phase)
+    pipe.consumer_wait(stage, phase, stage_hint=None)
+    pipe.consumer_release(stage, stage_hint=None, note="")
+    pipe.full_barrier(stage)          pointer for TMA copies and gemm-internal waits
+    pipe.make_producer_state() / pipe.make_consumer_state()     PipelineState at the start
+
+``producer_commit`` on a thread-arrive pipeline is a plain ``mbarrier.arrive`` (no expect-tx):
+the reference implementation routed it through the TMA-load arrive, a known defect; the
+test tests/test_pipelines_ptx.py checks our PTX and the protocol model checks the protocol.
+
+Every method first calls ``record.emit`` with how it arrives, so tracing the kernel inside
+``record.recording()`` yields the protocol the model (pipelines/model.py) checks. Inside
+``record.recording(dry=True)`` the methods only record (no DSL code), which lets plain Python
+programs drive the same classes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from pipelines import record
+
+# ---------------------------------------------------------------------------------------------
+# Elect-one helpers
+
+
+def elect_one():
+    """``with elect_one(): ...`` runs the body on one thread of the warp."""
+    import cutlass.cute as cute
+
+    return cute.arch.elect_one()
+
+
+def warp_elect_one():
+    """``__syncwarp`` then elect one thread: the warp's writes happen-before the elected op."""
+    import cutlass.cute as cute
+
+    cute.arch.sync_warp()
+    return cute.arch.elect_one()
+
+
+def _dsl_active() -> bool:
+    return not record.is_dry()
+
+
+# ---------------------------------------------------------------------------------------------
+# Pipeline state
+
+
+class PipelineState:
+    """(index, phase) of a circular buffer of ``stages`` stages, for 1..N stages.
+
+    The phase is the parity the next wait expects. ``advance()`` moves to the next stage and
+    flips the phase when it wraps. Works with Python ints (dry recording) and DSL Int32
+    values (loop-carried through dynamic loops).
+    """
+
+    def __init__(self, stages: int, index: Any, phase: Any):
+        if stages < 1:
+            raise ValueError(f"PipelineState: stages={stages} must be >= 1")
+        self.stages = stages
+        self.index = index
+        self.phase = phase
+
+    def advance(self) -> None:
+        if self.stages == 1:
+            self.phase = self.phase ^ 1
+            return
+        nxt = self.index + 1
+        wrap = nxt // self.stages  # 0 or 1
+        self.index = nxt - wrap * self.stages
+        self.phase = self.phase ^ wrap
+
+    def clone(self) -> "PipelineState":
+        return PipelineState(self.stages, self.index, self.phase)
+
+    def __get_mlir_types__(self):
+        return [self.index.type, self.phase.type]
+
+    def __extract_mlir_values__(self):
+        return [self.index.ir_value(), self.phase.ir_value()]
+
+    def __new_from_mlir_values__(self, values):
+        from cutlass import Int32
+
+        return PipelineState(self.stages, Int32(values[0]), Int32(values[1]))
+
+
+def _int(v: int):
+    if record.is_dry():
+        return v
+    from cutlass import Int32
+
+    return Int32(v)
+
+
+# ---------------------------------------------------------------------------------------------
+# The CTA pair
+
+
+@dataclass
+class PairInfo:
+    """Where this CTA sits in its 2-CTA pair (cta_group 1: a pair of one)."""
+
+    cta_group: int
+    is_leader: Any  # Python True for 1-CTA; a run-time Boolean under 2-CTA
+    leader_rank: Any  # rank in the cluster of the pair's leader CTA
+    pair_mask: Any  # tcgen05.commit multicast mask of both CTAs of the pair
+
+    @classmethod
+    def current(cls, cfg) -> "PairInfo":
+        if cfg.cta_group == 1 or record.is_dry():
+            return cls(cfg.cta_group, True, 0, 0b11 if cfg.cta_group == 2 else 0b1)
+        import cutlass.cute as cute
+
+        rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        if tuple(cfg.cluster_shape) == (2, 1, 1):
+            # The cluster is exactly one pair: the leader is rank 0 and the multicast mask
+            # 0b11, as compile-time constants (a run-time rank would stay live in every
+            # role's registers).
+            return cls(2, rank == 0, 0, 0b11)
+        leader = rank // 2 * 2
+        return cls(2, rank % 2 == 0, leader, 3 << leader)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pipelines
+
+
+class MbarrierPipeline:
+    """A producer/consumer pipeline over ``stages`` pairs of mbarriers (full[i], empty[i]).
+
+    Barrier layout from ``base``: full[0..stages), then empty[0..stages). Subclasses fix how
+    each side arrives; ``spec`` (a PipelineSpec row) gives the counts.
+    """
+
+    kind = ""  # the PipelineSpec.kind this class implements; arrivals come from the spec
+
+    def __init__(self, spec, cfg, roles, base, pair: PairInfo):
+        if spec.kind != self.kind:
+            raise ValueError(f"pipeline {spec.name} is a {spec.kind} pipeline, not {self.kind}")
+        self.spec = spec
+        self.name = spec.name
+        self.stages = spec.num_stages(cfg)
+        self.cta_group = cfg.cta_group
+        self.full_count = spec.arrivals("full", cfg, roles)
+        self.empty_count = spec.arrivals("empty", cfg, roles)
+        self.tx_count = spec.tx_bytes(cfg)
+        self.base = base
+        self.pair = pair
+        self.full_arrive = spec.producer.arrive
+        self.empty_arrive = spec.consumer.arrive
+        self.full_dst = self._dst(self.full_arrive, spec.waits_on_leader("full"))
+        self.empty_dst = self._dst(self.empty_arrive, spec.waits_on_leader("empty"))
+
+    @staticmethod
+    def _dst(arrive: str, waiter_is_mma: bool) -> str:
+        if arrive == "umma":
+            return "pair"
+        if arrive == "expect_tx":
+            return "local"
+        return "leader" if waiter_is_mma else "local"
+
+    # A pipeline object carries no loop-carried run-time values (its barrier pointers and
+    # pair ranks are defined before any loop), so dynamic loops and branches that call its
+    # methods pass it through unchanged.
+    def __get_mlir_types__(self):
+        return []
+
+    def __extract_mlir_values__(self):
+        return []
+
+    def __new_from_mlir_values__(self, values):
+        return self
+
+    # -- barriers --------------------------------------------------------------------------
+    def full_barrier(self, index):
+        """Pointer to full[index] (TMA copies complete their bytes here); None when dry."""
+        return None if self.base is None else self.base + index
+
+    def empty_barrier(self, index):
+        return None if self.base is None else self.base + self.stages + index
+
+    def barrier_inits(self):
+        """(pointer, arrival count) for every barrier of this pipeline."""
+        return [(self.full_barrier(i), self.full_count) for i in range(self.stages)] + [
+            (self.empty_barrier(i), self.empty_count) for i in range(self.stages)
+        ]
+
+    def make_producer_state(self) -> PipelineState:
+        """Producer starts on stage 0 with phase 1 (every stage empty) -- or phase 0 when the
+        table says the producer commits before its first acquire (s_p_o)."""
+        return PipelineState(self.stages, _int(0), _int(1 if self.spec.producer_starts_empty else 0))
+
+    def make_consumer_state(self) -> PipelineState:
+        return PipelineState(self.stages, _int(0), _int(0))
+
+    # -- low-level arrive / wait -----------------------------------------------------------
+    def _arrive(self, ptr, kind: str, dst: str, tx: int = 0) -> None:
+        if not _dsl_active():
+            return
+        import cutlass.cute as cute
+        from cutlass.cute.nvgpu import tcgen05
+
+        two = self.cta_group == 2
+        if kind == "umma":
+            with elect_one():
+                if two:
+                    tcgen05.commit(ptr, self.pair.pair_mask, tcgen05.CtaGroup.TWO)
+                else:
+                    tcgen05.commit(ptr)
+        elif kind == "expect_tx":
+            if two:
+                from cutlass.cutlass_dsl import if_generate
+
+                def arrive_leader():
+                    with elect_one():
+                        cute.arch.mbarrier_arrive_and_expect_tx(ptr, tx)
+
+                if_generate(self.pair.is_leader, arrive_leader)
+            else:
+                with elect_one():
+                    cute.arch.mbarrier_arrive_and_expect_tx(ptr, tx)
+        elif kind in ("thread", "warp"):
+            peer = self.pair.leader_rank if (two and dst == "leader") else None
+            if kind == "warp":
+                with warp_elect_one():
+                    cute.arch.mbarrier_arrive(ptr, peer)
+            else:
+                cute.arch.mbarrier_arrive(ptr, peer)
+        else:
+            raise ValueError(f"pipeline {self.name}: unknown arrive kind {kind!r}")
+
+    def _wait(self, ptr, phase) -> None:
+        if _dsl_active():
+            import cutlass.cute as cute
+
+            cute.arch.mbarrier_wait(ptr, phase)
+
+    @staticmethod
+    def _split(stage, phase=None, stage_hint=None):
+        """(index, phase, stage hint for the record). A PipelineState's index is a run-time
+        ring position (no hint); a Python int index is a compile-time stage (its own hint)."""
+        if isinstance(stage, PipelineState):
+            return stage.index, stage.phase, stage_hint
+        if stage_hint is None and isinstance(stage, int):
+            stage_hint = stage
+        return stage, phase, stage_hint
+
+    # -- producer --------------------------------------------------------------------------
+    def producer_acquire(self, stage, phase=None, expected_tx: Optional[int] = None,
+                         stage_hint: Optional[int] = None) -> None:
+        """Wait until ``stage`` is empty (its empty barrier completed the phase of parity
+        ``phase``). TMA pipelines: the leader CTA then arrives expecting ``expected_tx`` bytes
+        (default: the table's bytes for one stage, both CTAs of the pair)."""
+        index, phase, hint = self._split(stage, phase, stage_hint)
+        tma = self.full_arrive == "expect_tx"
+        tx = (self.tx_count if expected_tx is None else int(expected_tx)) if tma else 0
+        record.emit("acquire", self.name, hint,
+                    arrive="expect_tx" if tma else None, dst="local" if tma else None, tx=tx)
+        self._wait(self.empty_barrier(index), phase)
+        if tma:
+            self._arrive(self.full_barrier(index), "expect_tx", "local", tx)
+
+    def producer_commit(self, stage, stage_hint: Optional[int] = None, note: str = "") -> None:
+        """Signal ``stage`` full. TMA pipelines: nothing to issue (the bytes complete it)."""
+        index, _, hint = self._split(stage, None, stage_hint)
+        if self.full_arrive == "expect_tx":
+            record.emit("commit", self.name, hint, note=note or "tx-completed")
+            return
+        record.emit("commit", self.name, hint, note=note, arrive=self.full_arrive, dst=self.full_dst)
+        self._arrive(self.full_barrier(index), self.full_arrive, self.full_dst)
+
+    # -- consumer --------------------------------------------------------------------------
+    def consumer_wait(self, stage, phase=None, stage_hint: Optional[int] = None) -> None:
+        """Wait until ``stage`` is full (its full barrier completed the phase of parity ``phase``)."""
+        index, phase, hint = self._split(stage, phase, stage_hint)
+        record.emit("wait", self.name, hint)
+        self._wait(self.full_barrier(index), phase)
+
+    def consumer_release(self, stage, stage_hint: Optional[int] = None, note: str = "") -> None:
+        """Hand ``stage`` back to the producer (arrive on its empty barrier)."""
+        index, _, hint = self._split(stage, None, stage_hint)
+        record.emit("release", self.name, hint, note=note,
+                    arrive=self.empty_arrive, dst=self.empty_dst)
+        self._arrive(self.empty_barrier(index), self.empty_arrive, self.empty_dst)
+
+
+class TmaUmmaPipeline(MbarrierPipeline):
+    """TMA -> UMMA (q, kv). Producer: the load warp; ``producer_acquire`` waits for the empty
+    stage, then the leader CTA's elected thread arrives with expect-tx of both CTAs' bytes;
+    the TMA loads (passed ``full_barrier(index)``; 2-CTA TMA routes completion to the leader)
+    complete the phase. Consumer: the MMA warp; ``consumer_release`` is a tcgen05.commit,
+    multicast to both CTAs of the pair under 2-CTA."""
+
+    kind = "tma_umma"
+
+
+class UmmaThreadsPipeline(MbarrierPipeline):
+    """UMMA -> threads (s_p_o, o_acc). Producer: the MMA warp; ``producer_commit`` is a
+    tcgen05.commit multicast to both CTAs of the pair. Consumer: thread arrivals of both CTAs
+    on the leader CTA's empty barrier (the MMA warp waits there)."""
+
+    kind = "umma_threads"
+
+
+class ThreadsUmmaPipeline(MbarrierPipeline):
+    """threads -> UMMA (p_lastsplit). ``producer_commit`` is a plain thread ``mbarrier.arrive``
+    (never the TMA expect-tx arrive) on the leader CTA's full barrier; the MMA warp waits.
+    ``consumer_release`` is a tcgen05.commit multicast to both CTAs."""
+
+    kind = "threads_umma"
+
+
+class ThreadsThreadsPipeline(MbarrierPipeline):
+    """threads -> threads (sm_stats, o_epi): local mbarrier arrive / wait on both sides."""
+
+    kind = "threads_threads"
+
+
+PIPELINE_CLASSES = {c.kind: c for c in (TmaUmmaPipeline, UmmaThreadsPipeline, ThreadsUmmaPipeline,
+                                        ThreadsThreadsPipeline)}
+
+
+def make_pipeline(spec, cfg, roles, base, pair: PairInfo) -> MbarrierPipeline:
+    return PIPELINE_CLASSES[spec.kind](spec, cfg, roles, base, pair)
+
+
+def init_barriers(pipes) -> None:
+    """Warp 0's elected thread initialises every barrier, then fences the init."""
+    if not _dsl_active():
+        return
+    import cutlass.cute as cute
+    from cutlass.cutlass_dsl import if_generate
+
+    def init_all():
+        with elect_one():
+            for p in pipes:
+                for ptr, count in p.barrier_inits():
+                    cute.arch.mbarrier_init(ptr, count)
+
+    warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+    if_generate(warp == 0, init_all)
+    cute.arch.mbarrier_init_fence()
+
+
+def pipeline_init_sync(cfg) -> None:
+    """Make barrier inits visible before first use: a cluster barrier under 2-CTA (the peer
+    arrives on the leader's barriers), else ``__syncthreads``."""
+    if not _dsl_active():
+        return
+    import cutlass.cute as cute
+
+    if cfg.cta_group == 2:
+        cute.arch.cluster_arrive_relaxed()
+        cute.arch.cluster_wait()
+    else:
+        cute.arch.sync_threads()

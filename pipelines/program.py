@@ -1,0 +1,258 @@
+"""Turn recorded role programs into the straight-line operation lists the model executes.
+
+A ``Recording`` (pipelines/record.py) holds, per role, a tree of events, run-time loops and
+run-time branches. ``flatten`` unrolls it for concrete trip counts (``bindings``, e.g.
+``{"n_blocks": 3, "work_tiles": 2}``) and one branch policy, and resolves each pipeline
+operation's stage and round statically: the k-th ``acquire`` of a role on a ring pipeline
+uses stage ``k % stages`` in round ``k // stages``; with a stage hint (a compile-time Q
+stage) it uses that stage and counts rounds per stage. Acquire/commit and wait/release keep
+separate counters, which is what in-order (index, phase) pipeline states produce.
+
+``inject`` applies the faults the CLI and tests use: ``drop-release:P`` removes every release
+of P, ``skip-wait:P`` every consumer wait of P, ``extra-arrive:P`` adds a second arrival
+after every producer commit of P.
+
+Access regions: TMEM regions come from ``TmemPlan`` (S0, S1, P0, P1, O0, O1, compared by
+columns, so P0 aliases S0's upper half). SMEM buffers are named ``sQ``, ``sKV`` (``sK`` and
+``sV`` are the same ring of stages), ``sO`` and ``stats``; a trailing digit or ``stage_of``
+gives the stage. ``stage_of="kv"`` means the stage of the role's latest wait/acquire on kv;
+``"kv-1"`` the one before it (the MMA warp reads V[i] after it already waited on K[i-1]).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+from typing import Callable, Optional
+
+from pipelines.record import Branch, Event, Loop
+
+INJECTION_KINDS = ("drop-release", "extra-arrive", "skip-wait")
+SMEM_ALIASES = {"sK": "sKV", "sV": "sKV", "sKV": "sKV", "sQ": "sQ", "sO": "sO", "stats": "stats"}
+# Conditions the model binds per CTA instead of exploring both ways.
+CTA_CONDITIONS = ("is_leader_cta",)
+
+
+@dataclass(frozen=True)
+class Op:
+    """One executable operation of one actor (a role in one CTA)."""
+
+    kind: str  # acquire | commit | wait | release | extra_arrive | access | named_sync
+    index: int  # position in the role's flattened program (for messages)
+    pipe: Optional[str] = None
+    stage: int = 0
+    round: int = 0
+    arrive: Optional[str] = None
+    dst: Optional[str] = None
+    tx: int = 0
+    region: Optional[str] = None
+    mode: Optional[str] = None
+    unit: Optional[str] = None
+    done_by: Optional[str] = None
+    cols: Optional[tuple] = None
+    note: str = ""
+    # TMA accesses: the barrier their bytes complete (latest acquire on done_by)
+    bar_stage: int = 0
+    bar_round: int = 0
+    bar_tx: int = 0
+
+    def describe(self) -> str:
+        if self.kind == "access":
+            cols = f" cols {self.cols[0]}..{self.cols[1] - 1}" if self.cols else ""
+            st = f"[{self.stage}]" if self.stage is not None and self.region in ("sQ", "sKV", "sO", "stats") else ""
+            return f"access {self.region}{st}{cols} {self.mode} by {self.unit}"
+        if self.kind == "named_sync":
+            return f"named_sync {self.pipe}"
+        return f"{self.kind} {self.pipe}[stage {self.stage}, round {self.round}]"
+
+
+def eval_trips(trips: str, bindings: dict) -> int:
+    """Evaluate a loop's trip-count symbol ("n_blocks - 1") with ``bindings``."""
+    names = set(re.findall(r"[A-Za-z_][A-Za-z_0-9]*", trips))
+    missing = names - set(bindings)
+    if missing:
+        raise ValueError(f"loop trips {trips!r}: no value for {sorted(missing)} (bindings: {sorted(bindings)})")
+    if not re.fullmatch(r"[A-Za-z_0-9\s+\-*/()]*", trips):
+        raise ValueError(f"loop trips {trips!r}: only names, integers and + - * / ( ) are allowed")
+    value = eval(trips, {"__builtins__": {}}, dict(bindings))  # noqa: S307 -- checked above
+    value = int(value)
+    if value < 0:
+        raise ValueError(f"loop trips {trips!r} = {value} < 0 for {bindings}")
+    return value
+
+
+def split_region(name: str, stage: Optional[int]):
+    """(canonical SMEM name, stage) for SMEM buffers; (name, None) for anything else."""
+    m = re.fullmatch(r"([A-Za-z_]+?)(\d+)?", name)
+    base, digit = (m.group(1), m.group(2)) if m else (name, None)
+    if base in SMEM_ALIASES:
+        canon = SMEM_ALIASES[base]
+        if digit is not None:
+            return canon, int(digit)
+        return canon, stage if stage is not None else 0
+    return name, None
+
+
+BranchPolicy = Callable[[str, int], bool]
+
+
+def policy_then(cond: str, k: int) -> bool:
+    return True
+
+
+def policy_else(cond: str, k: int) -> bool:
+    return False
+
+
+def policy_alternate(cond: str, k: int) -> bool:
+    return k % 2 == 0
+
+
+BRANCH_POLICIES = {"then": policy_then, "else": policy_else, "alternate": policy_alternate}
+
+
+def uses_condition(nodes, cond: str) -> bool:
+    for n in nodes:
+        if isinstance(n, Branch):
+            if n.cond == cond or uses_condition(n.then, cond) or uses_condition(n.orelse, cond):
+                return True
+        elif isinstance(n, Loop) and uses_condition(n.body, cond):
+            return True
+    return False
+
+
+def flatten(nodes, bindings: dict, stages: dict, cta: int = 0,
+            policy: BranchPolicy = policy_then, role: str = "?") -> list[Op]:
+    """Unroll ``nodes`` into a list of ``Op`` with stages and rounds resolved.
+
+    stages: pipeline name -> stage count (from the table for the config).
+    """
+    out: list[Op] = []
+    counters: dict = {}
+    history: dict = {}  # pipe -> stages of this role's waits/acquires, in order
+    last_commit: dict = {}  # pipe -> (stage, round, arrive, dst)
+    last_acquire: dict = {}  # pipe -> (stage, round, tx)
+    branch_count: dict = {}
+
+    def resolve(ev: Event):
+        if ev.pipeline not in stages:
+            raise ValueError(f"role {role}: {ev.op} on pipeline {ev.pipeline!r}, which this config does "
+                             f"not build (pipelines: {sorted(stages)})")
+        n = stages[ev.pipeline]
+        if ev.stage_hint is not None:
+            if not 0 <= ev.stage_hint < n:
+                raise ValueError(f"role {role}: stage {ev.stage_hint} of {ev.pipeline} out of range ({n} stages)")
+            key = (ev.pipeline, ev.op, ev.stage_hint)
+            k = counters.get(key, 0)
+            counters[key] = k + 1
+            return ev.stage_hint, k
+        key = (ev.pipeline, ev.op, None)
+        k = counters.get(key, 0)
+        counters[key] = k + 1
+        return k % n, k // n
+
+    def walk(seq):
+        for node in seq:
+            if isinstance(node, Loop):
+                for _ in range(eval_trips(node.trips, bindings)):
+                    walk(node.body)
+            elif isinstance(node, Branch):
+                if node.cond in CTA_CONDITIONS:
+                    take = cta == 0
+                elif node.cond in bindings:
+                    take = bool(bindings[node.cond])
+                else:
+                    k = branch_count.get(node.cond, 0)
+                    branch_count[node.cond] = k + 1
+                    take = policy(node.cond, k)
+                walk(node.then if take else node.orelse)
+            else:
+                emit(node)
+
+    def emit(ev: Event):
+        idx = len(out)
+        if ev.op == "skipped_wait":
+            stage, _ = resolve(replace(ev, op="wait"))
+            history.setdefault(ev.pipeline, []).append(stage)
+        elif ev.op in ("acquire", "commit", "wait", "release"):
+            stage, rnd = resolve(ev)
+            if ev.op in ("acquire", "wait"):
+                history.setdefault(ev.pipeline, []).append(stage)
+            if ev.op == "commit":
+                last_commit[ev.pipeline] = (stage, rnd, ev.arrive, ev.dst)
+            if ev.op == "acquire":
+                last_acquire[ev.pipeline] = (stage, rnd, ev.tx)
+            out.append(Op(ev.op, idx, ev.pipeline, stage, rnd, ev.arrive, ev.dst, ev.tx, note=ev.note))
+        elif ev.op == "extra_arrive":
+            if ev.pipeline not in last_commit:
+                return  # nothing committed yet: nothing to duplicate
+            stage, rnd, arrive, dst = last_commit[ev.pipeline]
+            out.append(Op("extra_arrive", idx, ev.pipeline, stage, rnd, arrive, dst, note="injected"))
+        elif ev.op == "access":
+            stage = None
+            if ev.stage_of is not None:
+                m = re.fullmatch(r"(\w+?)(?:-(\d+))?", ev.stage_of)
+                pipe, back = m.group(1), int(m.group(2) or 0)
+                hist = history.get(pipe, [])
+                if len(hist) <= back:
+                    raise ValueError(f"role {role}: access {ev.region} with stage_of={ev.stage_of!r} "
+                                     f"before {back + 1} wait/acquire on {pipe}")
+                stage = hist[-1 - back]
+            region, stage = split_region(ev.region, stage)
+            bar = (0, 0, 0)
+            if ev.unit == "tma":
+                if ev.done_by not in last_acquire:
+                    raise ValueError(f"role {role}: TMA access {ev.region} done_by={ev.done_by!r} before any "
+                                     f"acquire on {ev.done_by}")
+                bar = last_acquire[ev.done_by]
+            out.append(Op("access", idx, None, stage, 0, region=region, mode=ev.mode, unit=ev.unit,
+                          done_by=ev.done_by, cols=ev.cols, tx=ev.tx, note=ev.note,
+                          bar_stage=bar[0], bar_round=bar[1], bar_tx=bar[2]))
+        elif ev.op == "named_sync":
+            out.append(Op("named_sync", idx, ev.pipeline, note=ev.note))
+        else:
+            raise ValueError(f"role {role}: unknown recorded op {ev.op!r}")
+
+    walk(nodes)
+    return out
+
+
+def parse_injection(text: str) -> tuple[str, str]:
+    """'drop-release:kv' -> ('drop-release', 'kv'); ValueError naming the allowed kinds."""
+    if ":" not in text:
+        raise ValueError(f"--inject {text!r}: expected KIND:PIPELINE with KIND in {INJECTION_KINDS}")
+    kind, pipe = text.split(":", 1)
+    if kind not in INJECTION_KINDS:
+        raise ValueError(f"--inject {text!r}: unknown kind {kind!r}; use one of {INJECTION_KINDS}")
+    from pipelines.spec import PIPELINE_NAMES
+
+    if pipe not in PIPELINE_NAMES:
+        raise ValueError(f"--inject {text!r}: unknown pipeline {pipe!r}; pipelines: {PIPELINE_NAMES}")
+    return kind, pipe
+
+
+def inject(programs: dict, kind: str, pipe: str) -> dict:
+    """A copy of ``programs`` (role -> node list) with the fault ``kind`` applied to ``pipe``."""
+
+    def tx(seq):
+        out = []
+        for node in seq:
+            if isinstance(node, Loop):
+                out.append(Loop(node.trips, tx(node.body)))
+            elif isinstance(node, Branch):
+                out.append(Branch(node.cond, tx(node.then), tx(node.orelse)))
+            elif node.pipeline != pipe or node.op not in ("release", "wait", "commit"):
+                out.append(node)
+            elif kind == "drop-release" and node.op == "release":
+                continue
+            elif kind == "skip-wait" and node.op == "wait":
+                # keeps the stage bookkeeping of the wait, never blocks
+                out.append(replace(node, op="skipped_wait", note="injected: wait skipped"))
+            elif kind == "extra-arrive" and node.op == "commit":
+                out.append(node)
+                out.append(replace(node, op="extra_arrive", note="injected extra arrive"))
+            else:
+                out.append(node)
+        return out
+
+    return {role: tx(nodes) for role, nodes in programs.items()}

@@ -1,0 +1,293 @@
+"""The one table of the SM100 forward's mbarrier pipelines, and the function that builds them.
+
+Each row of ``PIPELINES`` declares a pipeline: who produces, who consumes, how many stages,
+how each side arrives on the mbarriers, and (derived, never typed) how many arrivals complete
+a phase. The kernel builds its pipelines from this table only (``build_pipelines``), and the
+protocol model (pipelines/model.py) reads the same rows to initialise its simulated barriers.
+
+Arrival kinds (``Side.arrive``):
+
+- ``expect_tx``  one elected thread of the leader CTA arrives and sets the expected TMA bytes;
+                 the TMA loads of both CTAs of the pair complete the phase by transaction bytes;
+- ``umma``       ``tcgen05.commit`` by the MMA warp's elected thread: one arrival once every
+                 UMMA issued before it completed; under 2-CTA it is multicast to both CTAs;
+- ``thread``     every thread of the arriving role(s) arrives (128 per warpgroup);
+- ``warp``       one elected thread per warp arrives, after ``__syncwarp``.
+
+Where the waiting side is the MMA warp (which runs only in the leader CTA under 2-CTA), the
+threads of both CTAs arrive on the leader's barrier, so the count doubles. Waiting side of
+threads: every CTA waits on its own barrier.
+
+Note [Split-P arrival]: softmax writes P over S in TMEM in two parts. The first
+``cfg.split_p_col`` columns of P (3/4 by default) are released with the s_p_o release (which
+also carries the correction warps' "O rescaled"), so the PV MMA starts on them; the last
+columns arrive on their own pipeline ``p_lastsplit``, which the MMA warp waits on before
+issuing the K-chunks of the PV MMA that read them. With ``split_p`` off, all of P is released
+through s_p_o and ``p_lastsplit`` is not built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from fa_sm100.config import WARP_SIZE, FmhaConfig, WarpRoles
+
+# An mbarrier phase counts at most 2^20 - 1 pending arrivals.
+MBARRIER_MAX_ARRIVALS = (1 << 20) - 1
+ARRIVE_KINDS = ("expect_tx", "umma", "thread", "warp")
+# "softmax" in a Side stands for the softmax warpgroup that owns the pipeline stage (Q stage).
+SOFTMAX = "softmax"
+
+
+@dataclass(frozen=True)
+class Side:
+    """One side of a pipeline: the roles that act on it and how they arrive."""
+
+    roles: tuple[str, ...]
+    arrive: str
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    """One row of the pipeline table.
+
+    kind: "tma_umma" | "umma_threads" | "threads_umma" | "threads_threads" (the DSL class)
+    stages: the FmhaConfig field giving the stage count
+    per_q_stage: stage i belongs to Q stage i (the kernel passes the index as a constant)
+    producer_starts_empty: the producer's first acquire of each stage passes at once (the
+        usual ring). False for s_p_o, whose producer (MMA) commits S before its first acquire.
+    enabled_if: the FmhaConfig bool field that switches the pipeline on (None = always built)
+    """
+
+    name: str
+    kind: str
+    producer: Side
+    consumer: Side
+    stages: str
+    per_q_stage: bool
+    doc: str
+    producer_starts_empty: bool = True
+    enabled_if: Optional[str] = None
+
+    def num_stages(self, cfg: FmhaConfig) -> int:
+        return int(getattr(cfg, self.stages))
+
+    def enabled(self, cfg: FmhaConfig) -> bool:
+        return self.enabled_if is None or bool(getattr(cfg, self.enabled_if))
+
+    def waits_on_leader(self, side: str) -> bool:
+        """True when the barrier ``side`` ("full"/"empty") is waited on by the MMA warp only."""
+        waiter = self.consumer if side == "full" else self.producer
+        return waiter.roles == ("mma",)
+
+    def arrivals(self, side: str, cfg: FmhaConfig, roles: Optional[WarpRoles] = None) -> int:
+        """Arrivals that complete one phase of the ``side`` ("full" or "empty") barrier."""
+        roles = roles or cfg.warp_roles()
+        arriving = self.producer if side == "full" else self.consumer
+        if arriving.arrive in ("expect_tx", "umma"):
+            return 1  # one elected thread (of the leader CTA, for expect_tx)
+        warps = 0
+        role_warps = roles.role_warps()
+        for r in arriving.roles:
+            warps += len(role_warps["softmax0" if r == SOFTMAX else r])
+        per_warp = WARP_SIZE if arriving.arrive == "thread" else 1
+        ctas = cfg.cta_group if self.waits_on_leader(side) else 1
+        return warps * per_warp * ctas
+
+    def tx_bytes(self, cfg: FmhaConfig, operand: Optional[str] = None) -> int:
+        """Transaction bytes of one stage (both CTAs of the pair), for TMA-fed pipelines."""
+        if self.producer.arrive != "expect_tx":
+            return 0
+        e = cfg.dtype_bytes
+        if self.name == "q":
+            return cfg.m_block * cfg.head_dim * e * cfg.cta_group
+        if self.name == "kv":
+            if operand in (None, "K"):
+                return cfg.n_block * cfg.head_dim * e
+            if operand == "V":
+                return cfg.n_block * cfg.head_dim_v * e
+        raise ValueError(f"pipeline {self.name}: no TMA operand {operand!r}")
+
+    def check(self, cfg: FmhaConfig, roles: Optional[WarpRoles] = None) -> "PipelineSpec":
+        """Raise ValueError naming the rule this row breaks for ``cfg``."""
+        roles = roles or cfg.warp_roles()
+        known = set(roles.role_warps()) | {SOFTMAX}
+        for side_name, side in (("producer", self.producer), ("consumer", self.consumer)):
+            if side.arrive not in ARRIVE_KINDS:
+                raise ValueError(f"pipeline {self.name}: {side_name} arrive {side.arrive!r} not in {ARRIVE_KINDS}")
+            for r in side.roles:
+                if r not in known:
+                    raise ValueError(f"pipeline {self.name}: unknown {side_name} role {r!r}")
+            if side.arrive == "umma" and side.roles != ("mma",):
+                raise ValueError(f"pipeline {self.name}: only the MMA warp arrives by tcgen05.commit")
+        if self.producer.arrive == "expect_tx" and self.producer.roles != ("load",):
+            raise ValueError(f"pipeline {self.name}: only the load warp arrives with expect-tx")
+        if self.consumer.arrive == "expect_tx":
+            raise ValueError(f"pipeline {self.name}: a consumer never arrives with expect-tx")
+        expected_kind = {
+            ("expect_tx", "umma"): "tma_umma",
+            ("umma", "thread"): "umma_threads",
+            ("umma", "warp"): "umma_threads",
+            ("thread", "umma"): "threads_umma",
+            ("warp", "umma"): "threads_umma",
+            ("thread", "thread"): "threads_threads",
+            ("thread", "warp"): "threads_threads",
+            ("warp", "thread"): "threads_threads",
+            ("warp", "warp"): "threads_threads",
+        }.get((self.producer.arrive, self.consumer.arrive))
+        if expected_kind != self.kind:
+            raise ValueError(
+                f"pipeline {self.name}: kind {self.kind!r} does not match its arrivals "
+                f"({self.producer.arrive} -> {self.consumer.arrive}; expected {expected_kind!r})"
+            )
+        n = self.num_stages(cfg)
+        if n < 1:
+            raise ValueError(f"pipeline {self.name}: {self.stages}={n} stages, need at least 1")
+        if self.per_q_stage and n != cfg.q_stage:
+            raise ValueError(f"pipeline {self.name}: one stage per Q stage, got {n} != q_stage={cfg.q_stage}")
+        for side in ("full", "empty"):
+            a = self.arrivals(side, cfg, roles)
+            if not 0 < a <= MBARRIER_MAX_ARRIVALS:
+                raise ValueError(f"pipeline {self.name}: {side} barrier arrival count {a} out of range")
+        if self.tx_bytes(cfg) >= 1 << 20:
+            raise ValueError(f"pipeline {self.name}: {self.tx_bytes(cfg)} transaction bytes exceed the mbarrier tx range")
+        return self
+
+
+PIPELINES: tuple[PipelineSpec, ...] = (
+    PipelineSpec(
+        "q", "tma_umma", Side(("load",), "expect_tx"), Side(("mma",), "umma"), "q_stage", True,
+        "Q tile of each Q stage, TMA -> SMEM; the MMA warp reads it for every S = Q K^T of the tile",
+    ),
+    PipelineSpec(
+        "kv", "tma_umma", Side(("load",), "expect_tx"), Side(("mma",), "umma"), "kv_stage", False,
+        "ring of K and V tiles (K[n-1], V[n-1], K[n-2], V[n-2], ...), TMA -> SMEM -> UMMA",
+    ),
+    PipelineSpec(
+        "s_p_o", "umma_threads", Side(("mma",), "umma"), Side((SOFTMAX, "correction"), "thread"),
+        "q_stage", True,
+        "full: S of Q stage i is in TMEM (MMA -> softmax); empty: the first split_p_col columns "
+        "of P are in TMEM (softmax) and O is rescaled (correction), so the PV MMA may start and "
+        "the next S may overwrite the region",
+        producer_starts_empty=False,
+    ),
+    PipelineSpec(
+        "p_lastsplit", "threads_umma", Side((SOFTMAX,), "thread"), Side(("mma",), "umma"),
+        "q_stage", True,
+        "the last columns of P (after split_p_col) are in TMEM; the MMA warp waits before the "
+        "PV K-chunks that read them (Note [Split-P arrival])",
+        enabled_if="split_p",
+    ),
+    PipelineSpec(
+        "o_acc", "umma_threads", Side(("mma",), "umma"), Side(("correction",), "thread"),
+        "q_stage", True,
+        "the final O of a work tile is accumulated in TMEM (MMA -> correction); the release "
+        "hands the O region back to the next tile's first PV",
+    ),
+    PipelineSpec(
+        "sm_stats", "threads_threads", Side((SOFTMAX,), "thread"), Side(("correction",), "thread"),
+        "q_stage", True,
+        "row max / row sum of one KV block in SMEM (softmax -> correction)",
+    ),
+    PipelineSpec(
+        "o_epi", "threads_threads", Side(("correction",), "thread"), Side(("epilogue",), "warp"),
+        "q_stage", True,
+        "normalized O of a Q stage in SMEM (correction -> epilogue TMA store); the epilogue's "
+        "elected thread releases once the store has read SMEM",
+    ),
+)
+
+PIPELINE_NAMES = tuple(p.name for p in PIPELINES)
+
+
+def get_spec(name: str) -> PipelineSpec:
+    for p in PIPELINES:
+        if p.name == name:
+            return p
+    raise KeyError(f"no pipeline {name!r}; pipelines: {PIPELINE_NAMES}")
+
+
+def active_specs(cfg: FmhaConfig, roles: Optional[WarpRoles] = None) -> tuple[PipelineSpec, ...]:
+    """The rows ``cfg`` builds, each checked against ``cfg`` and its warp roles."""
+    roles = roles or cfg.warp_roles()
+    return tuple(p.check(cfg, roles) for p in PIPELINES if p.enabled(cfg))
+
+
+def barrier_count(cfg: FmhaConfig) -> int:
+    """mbarriers (8 bytes each) the kernel must reserve in SMEM for ``build_pipelines``."""
+    return sum(2 * p.num_stages(cfg) for p in PIPELINES if p.enabled(cfg))
+
+
+def barrier_offsets(cfg: FmhaConfig) -> dict[str, int]:
+    """Pipeline name -> index of its first mbarrier (full[0..n), then empty[0..n))."""
+    out, off = {}, 0
+    for p in PIPELINES:
+        if p.enabled(cfg):
+            out[p.name] = off
+            off += 2 * p.num_stages(cfg)
+    return out
+
+
+class PipelineSet:
+    """The built pipelines: ``pipes.kv`` or ``pipes["kv"]``; a disabled one (p_lastsplit with
+    split_p off) is None."""
+
+    def __init__(self, pipes: dict):
+        self._pipes = dict(pipes)
+        for name in PIPELINE_NAMES:
+            setattr(self, name, self._pipes.get(name))
+
+    def __getitem__(self, name: str):
+        if name not in PIPELINE_NAMES:
+            raise KeyError(f"no pipeline {name!r}; pipelines: {PIPELINE_NAMES}")
+        return self._pipes.get(name)
+
+    def __iter__(self):
+        return iter(self._pipes.values())
+
+    def names(self) -> tuple[str, ...]:
+        return tuple(self._pipes)
+
+    # Passed through dynamic loops/branches unchanged (see MbarrierPipeline).
+    def __get_mlir_types__(self):
+        return []
+
+    def __extract_mlir_values__(self):
+        return []
+
+    def __new_from_mlir_values__(self, values):
+        return self
+
+
+def build_pipelines(cfg: FmhaConfig, roles: Optional[WarpRoles] = None, barrier_storage=None,
+                    *, init: bool = True) -> PipelineSet:
+    """Create every enabled pipeline of the table (a ``PipelineSet``).
+
+    barrier_storage: a ``cute.Pointer`` to ``barrier_count(cfg)`` Int64 mbarriers in SMEM (laid
+        out in table order, ``barrier_offsets``), or a mapping pipeline name -> pointer to its
+        own ``2 * stages`` mbarriers; None inside ``record.recording(dry=True)``, where the
+        objects only log operations.
+    init: warp 0 initialises every barrier with its derived arrival count and fences the
+        init. The kernel then makes the init visible to the pair before first use
+        (``pipelines.mbarrier.pipeline_init_sync(cfg)``).
+    Call inside the kernel (the 2-CTA leader rank is read from the cluster).
+    """
+    from pipelines import mbarrier
+
+    roles = roles or cfg.warp_roles()
+    specs = active_specs(cfg, roles)
+    offsets = barrier_offsets(cfg)
+    pair = mbarrier.PairInfo.current(cfg)
+    out = {}
+    for spec in specs:
+        if barrier_storage is None:
+            base = None
+        elif isinstance(barrier_storage, dict):
+            base = barrier_storage[spec.name]
+        else:
+            base = barrier_storage + offsets[spec.name]
+        out[spec.name] = mbarrier.make_pipeline(spec, cfg, roles, base, pair)
+    if init and barrier_storage is not None:
+        mbarrier.init_barriers(list(out.values()))
+    return PipelineSet(out)

@@ -1,0 +1,293 @@
+#!/usr/bin/env python
+"""Forward attention throughput of several providers in one process on one GPU.
+
+    python scripts/benchmark.py                       # the issue's grid (bf16, 16k tokens, hidden 2048)
+    python scripts/benchmark.py --hdim 128 --seqlen 1024 4096 --causal false \\
+        --providers ours fa4 --csv out.csv --json out.json --png out.png
+
+Providers: ``ours`` (fa_sm100.flash_attn_func), ``fa4`` (flash_attn.cute, when importable),
+``cudnn`` and ``flash`` (torch SDPA with that backend forced). Each cell: batch =
+total_tokens / seqlen, heads = hidden / hdim, fresh random inputs, median time of
+``triton.testing.do_bench`` (CUDA events when triton is missing). TFLOP/s counts
+4 * b * h * s_q * s_k * d (the two GEMMs), halved for causal. A provider that fails on a cell
+reports the error instead of a number. Ratios are against the best peer measured in this run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+PROVIDERS = ("ours", "fa4", "cudnn", "flash")
+
+
+def _bool(text: str) -> bool:
+    low = text.lower()
+    if low in ("1", "true", "on", "yes", "causal"):
+        return True
+    if low in ("0", "false", "off", "no", "noncausal"):
+        return False
+    raise argparse.ArgumentTypeError(f"{text!r} is not a boolean")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mode", choices=["fwd", "bwd"], default="fwd",
+                   help="bwd: time the backward (fa_sm100.hopper.bwd_bench) on the same grid")
+    p.add_argument("--hdim", type=int, nargs="+", default=[64, 128, 256])
+    p.add_argument("--seqlen", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
+    p.add_argument("--causal", type=_bool, nargs="+", default=[False, True])
+    p.add_argument("--total-tokens", type=int, default=16384)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
+    p.add_argument("--providers", nargs="+", choices=PROVIDERS, default=list(PROVIDERS))
+    p.add_argument("--ours-variant", action="append", default=[], metavar="NAME:FIELD=VALUE[,...]",
+                   help="also time ours with these SM90 config overrides, as provider ours:NAME "
+                        "(repeatable), e.g. --ours-variant nopp:pingpong=false")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="rounds per cell, provider order rotated each round; the median is kept")
+    p.add_argument("--warmup", type=int, default=25, help="ms of warmup per cell")
+    p.add_argument("--rep", type=int, default=100, help="ms of timed repetitions per cell")
+    p.add_argument("--csv")
+    p.add_argument("--json")
+    p.add_argument("--png")
+    args = p.parse_args(argv)
+    for s in args.seqlen:
+        if s < 1 or args.total_tokens % s:
+            p.error(f"--seqlen {s} must divide --total-tokens {args.total_tokens}")
+    for d in args.hdim:
+        if args.hidden % d:
+            p.error(f"--hdim {d} must divide --hidden {args.hidden}")
+    return args
+
+
+def flops(b, h, sq, sk, d, dv, causal):
+    f = 2.0 * b * h * sq * sk * (d + dv)
+    return f / 2 if causal else f
+
+
+def make_variant(spec, torch):
+    """ours with SM90 config overrides: ``NAME:field=value,field=value``."""
+    from fa_sm100.config import parse_overrides
+    from fa_sm100.hopper.config import Sm90FwdConfig, select_sm90_fwd_config
+    from fa_sm100.interface import flash_attn_func
+
+    name, _, fields = spec.partition(":")
+    overrides = parse_overrides([f for f in fields.split(",") if f], Sm90FwdConfig)
+
+    def run(q, k, v, causal):
+        d, dv = q.shape[-1], v.shape[-1]
+        cfg = select_sm90_fwd_config(d, dv, str(q.dtype).split(".")[-1], causal,
+                                     seqlen_k=k.shape[1], **overrides)
+        return flash_attn_func(q, k, v, causal=causal, config=cfg)
+
+    return f"ours:{name}", run
+
+
+def make_provider(name, torch):
+    """A callable (q, k, v, causal) -> out, or raise with the reason it is unavailable."""
+    if name == "ours":
+        from fa_sm100.interface import flash_attn_func
+
+        return lambda q, k, v, causal: flash_attn_func(q, k, v, causal=causal)
+    if name == "fa4":
+        from flash_attn.cute import flash_attn_func as fa4
+
+        def run(q, k, v, causal):
+            out = fa4(q, k, v, causal=causal)
+            return out[0] if isinstance(out, tuple) else out
+
+        return run
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import torch.nn.functional as F
+
+    backend = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[name]
+
+    def run(q, k, v, causal):
+        # SDPA takes BHSD; transposed views keep the BSHD memory of the other providers.
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal
+            ).transpose(1, 2)
+
+    return run
+
+
+def time_ms(fn, warmup, rep, torch):
+    try:
+        from triton.testing import do_bench
+
+        return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+    except ImportError:
+        fn()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        deadline = time.time() + rep / 1000
+        while time.time() < deadline or len(times) < 5:
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return sorted(times)[len(times) // 2]
+
+
+def progress(i, n, label):
+    width = 30
+    done = int(width * i / n)
+    sys.stderr.write(f"\r[{'#' * done}{'.' * (width - done)}] {i}/{n} {label:<48}")
+    sys.stderr.flush()
+    if i == n:
+        sys.stderr.write("\n")
+
+
+def run_grid(args):
+    import torch
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    providers = {}
+    unavailable = {}
+    for name in args.providers:
+        try:
+            providers[name] = make_provider(name, torch)
+        except Exception as e:  # noqa: BLE001 - an absent peer is reported, not fatal
+            unavailable[name] = f"{type(e).__name__}: {e}"
+    for spec in args.ours_variant:
+        label, fn = make_variant(spec, torch)
+        providers[label] = fn
+    cells = [(d, c, s) for d in args.hdim for c in args.causal for s in args.seqlen]
+    total = len(cells) * len(providers) * args.repeat
+    rows, step = [], 0
+    for d, causal, s in cells:
+        b, h = args.total_tokens // s, args.hidden // d
+        gen = torch.Generator(device="cuda")
+        gen.manual_seed(1000 * d + s + int(causal))
+        q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=dtype, generator=gen)
+                   for _ in range(3))
+        names = list(providers)
+        times = {name: [] for name in names}
+        errors = {}
+        for rnd in range(args.repeat):
+            # Rotate the order each round so no provider always runs first (clocks, caches).
+            for name in names[rnd % len(names):] + names[:rnd % len(names)]:
+                step += 1
+                progress(step, total, f"hdim {d} {'causal' if causal else 'noncausal'} seqlen {s} {name}")
+                if name in errors:
+                    continue
+                try:
+                    times[name].append(time_ms(lambda: providers[name](q, k, v, causal),
+                                               args.warmup, args.rep, torch))
+                except Exception as e:  # noqa: BLE001 - a provider that cannot run a cell says why
+                    msg = str(e).splitlines()[0][:120] if str(e) else ""
+                    errors[name] = f"{type(e).__name__}: {msg}"
+        for name in names:
+            row = {"provider": name, "hdim": d, "causal": causal, "seqlen": s, "batch": b,
+                   "heads": h, "ms": None, "tflops": None, "error": errors.get(name)}
+            if times[name]:
+                ms = sorted(times[name])[len(times[name]) // 2]
+                row["ms"] = ms
+                row["tflops"] = flops(b, h, s, s, d, d, causal) / (ms * 1e-3) / 1e12
+            rows.append(row)
+    for name, why in unavailable.items():
+        for d, causal, s in cells:
+            rows.append({"provider": name, "hdim": d, "causal": causal, "seqlen": s,
+                         "batch": args.total_tokens // s, "heads": args.hidden // d, "ms": None,
+                         "tflops": None, "error": f"unavailable: {why}"})
+    return rows, torch.cuda.get_device_name(), unavailable
+
+
+def table(rows, providers):
+    """Markdown table: one line per (hdim, causal, seqlen), TFLOP/s per provider, ours/best peer."""
+    keys = sorted({(r["hdim"], r["causal"], r["seqlen"]) for r in rows})
+    by = {(r["hdim"], r["causal"], r["seqlen"], r["provider"]): r for r in rows}
+    peers = [p for p in providers if not p.startswith("ours")]
+    head = ["hdim", "causal", "seqlen", *providers]
+    if "ours" in providers and peers:
+        head.append("ours / best peer")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for d, c, s in keys:
+        vals = []
+        for p in providers:
+            r = by.get((d, c, s, p))
+            vals.append(f"{r['tflops']:.0f}" if r and r["tflops"] else "n/a")
+        line = [str(d), "yes" if c else "no", str(s), *vals]
+        if "ours" in providers and peers:
+            ours = by.get((d, c, s, "ours"))
+            best = max((by[(d, c, s, p)]["tflops"] or 0.0 for p in peers if (d, c, s, p) in by),
+                       default=0.0)
+            line.append(f"{ours['tflops'] / best:.2f}x" if ours and ours["tflops"] and best else "n/a")
+        lines.append("| " + " | ".join(line) + " |")
+    return "\n".join(lines)
+
+
+def plot(rows, providers, path, device):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = sorted({(r["hdim"], r["causal"]) for r in rows})
+    cols = 2
+    nrows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(6 * cols, 4 * nrows), squeeze=False)
+    for ax, (d, c) in zip(axes.flat, panels):
+        for p in providers:
+            pts = sorted((r["seqlen"], r["tflops"]) for r in rows
+                         if r["provider"] == p and r["hdim"] == d and r["causal"] == c and r["tflops"])
+            if pts:
+                ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=p)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"hdim {d}, {'causal' if c else 'non-causal'}")
+        ax.set_xlabel("seqlen")
+        ax.set_ylabel("TFLOP/s")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.suptitle(f"forward attention, {device}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.mode == "bwd":
+        from fa_sm100.hopper.bwd_bench import run_from_benchmark_args
+
+        return run_from_benchmark_args(args)
+    rows, device, unavailable = run_grid(args)
+    providers = list(args.providers) + [f"ours:{v.partition(':')[0]}" for v in args.ours_variant]
+    print(f"device: {device}")
+    for name, why in unavailable.items():
+        print(f"provider {name} unavailable: {why}")
+    print(table(rows, providers))
+    for r in rows:
+        if r["error"] and not r["error"].startswith("unavailable"):
+            print(f"{r['provider']} hdim {r['hdim']} causal {r['causal']} seqlen {r['seqlen']}: {r['error']}")
+    meta = {"device": device, "command": " ".join(sys.argv), "dtype": args.dtype,
+            "total_tokens": args.total_tokens, "hidden": args.hidden}
+    if args.csv:
+        import csv
+
+        with open(args.csv, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0].keys()) + ["device"])
+            w.writeheader()
+            for r in rows:
+                w.writerow({**r, "device": device})
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({**meta, "rows": rows}, f, indent=1)
+    if args.png:
+        plot(rows, providers, args.png, device)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

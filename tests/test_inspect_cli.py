@@ -1,0 +1,205 @@
+"""The command lines: scripts/inspect.py and the main job ``python -m fa_sm100`` (CPU path).
+
+Error paths run the CLI's main() in-process (no compile); the JSON round trip and the main job
+run as real subprocesses, as a user would.
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fa_sm100.compile_tools import NVDISASM_DIRS_ENV
+from fa_sm100.inspection import REPORT_KEYS, SASS_KEYS
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "inspect.py"
+
+
+def _cli():
+    spec = importlib.util.spec_from_file_location("fa_sm100_inspect_cli", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _env(**extra):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(extra)
+    return env
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--kernel", "nope"], "unknown kernel 'nope'"),
+    (["--kernel", "tcgen05_demo", "--set", "bogus=1"], "has no field 'bogus'"),
+    (["--kernel", "tcgen05_demo", "--set", "n=100"], "n=100: the demo tile's N must be"),
+    (["--kernel", "tcgen05_demo", "--arch", "sm_90a"], "compiles for ['sm_100a'], not sm_90a"),
+    (["--kernel", "tcgen05_demo", "--against", "n=7"], "n=7: the demo tile's N must be"),
+])
+def test_bad_input_exits_2_with_the_reason(argv, message, capsys):
+    assert _cli().main(argv) == 2
+    err = capsys.readouterr().err
+    assert "error: " in err and message in err
+    assert "compiling" not in err  # rejected before any compile
+
+
+def test_missing_disassembler_exits_2(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv(NVDISASM_DIRS_ENV, str(tmp_path))
+    assert _cli().main(["--kernel", "tcgen05_demo"]) == 2
+    err = capsys.readouterr().err
+    assert "nvdisasm (the SASS disassembler) was not found" in err
+    assert "pip install nvidia-cuda-nvdisasm" in err
+
+
+def test_list_names_every_registered_kernel(capsys):
+    assert _cli().main(["--list"]) == 0
+    out = capsys.readouterr().out
+    for name in ("sm100_fwd", "sm90_fwd", "sm90_bwd", "tcgen05_demo"):
+        assert name in out
+
+
+@pytest.mark.compile
+def test_json_round_trip(tmp_path):
+    """The CLI's --json file holds the pinned keys; its text report shows the same numbers."""
+    out = tmp_path / "r.json"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--kernel", "tcgen05_demo", "--arch", "sm_100a",
+         "--set", "use_2cta=false", "--set", "n=64", "--json", str(out)],
+        capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    rep = json.loads(out.read_text())
+    assert set(REPORT_KEYS) <= set(rep) and set(SASS_KEYS) <= set(rep["sass"])
+    assert rep["config"]["use_2cta"] is False and rep["config"]["n"] == 64
+    assert rep["cluster"] == [1, 1, 1] and rep["tmem_cols"] == 64
+    assert rep["sass"]["UTCHMMA.2CTA"] == 0 and rep["sass"]["UTCHMMA"] == 4
+    assert rep["sass"]["LDTM"] == 2  # 64 columns, 32 per load
+    assert f"threads/CTA     {rep['threads_per_cta']}" in proc.stdout
+    assert f"UTCHMMA        {rep['sass']['UTCHMMA']}" in proc.stdout
+    assert f"smem bytes      {rep['smem_bytes']}" in proc.stdout
+
+
+@pytest.mark.compile
+def test_main_job_without_gpu(tmp_path):
+    """python -m fa_sm100 with no GPU: cross-compiles sm100_fwd and prints its report, or says
+    plainly that it is not available and shows the demo kernel's report instead."""
+    out = tmp_path / "main.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "fa_sm100", "--no-gpu", "--json", str(out)],
+        capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    text = proc.stdout
+    assert "[1/3]" in text and "[2/3] cross-compiling sm100_fwd for sm_100a" in text
+    assert "[3/3] summary" in text
+    rep = json.loads(out.read_text())
+    if "sm100_fwd: NOT available yet" in text:
+        assert rep["kernel"] == "tcgen05_demo"
+        assert "NOT the attention kernel" in text
+    else:
+        assert rep["kernel"] == "sm100_fwd"
+    assert f"{rep['kernel']}: compiled for sm_100a" in text and "not run" in text
+    assert "threads/CTA" in text and rep["arch"] == "sm_100a"
+
+
+def test_compare_fa4_says_why_it_cannot_run(monkeypatch, capsys):
+    """Without triton/einops FA4's package cannot be imported: --compare-fa4 exits 2 naming
+    what is missing, before compiling anything."""
+    import importlib.util as iu
+
+    import fa_sm100.fa4_compare as fc
+
+    real = iu.find_spec
+    monkeypatch.setattr(fc.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "triton" else real(name, *a))
+    assert _cli().main(["--kernel", "sm100_fwd", "--compare-fa4"]) == 2
+    err = capsys.readouterr().err
+    assert "needs triton" in err and "pip install triton" in err
+    assert "compiling" not in err
+    with pytest.raises(fc.FA4Unavailable, match="use --arch sm_100a"):
+        fc.check_fa4_available("sm100_fwd", "sm_90a")
+
+
+def _fa4_importable():
+    import importlib.util as iu
+
+    return all(iu.find_spec(m) is not None for m in ("flash_attn", "triton", "einops"))
+
+
+@pytest.mark.compile
+@pytest.mark.slow
+def test_compare_fa4_report():
+    """Where FA4 can be imported, its SM100 forward compiles here and reports the design it
+    shares with ours: 512 threads, cluster 2, cta_group::2 MMAs, 512 TMEM columns."""
+    if not _fa4_importable():
+        pytest.skip("FA4 comparison needs flash-attn-4, triton and einops importable "
+                    "(pip install flash-attn-4 triton einops)")
+    from fa_sm100.fa4_compare import inspect_fa4_sm100
+
+    rep = inspect_fa4_sm100(["use_2cta=true"])
+    assert set(REPORT_KEYS) <= set(rep)
+    assert rep["kernel"] == "fa4_sm100_fwd" and rep["arch"] == "sm_100a"
+    assert rep["threads_per_cta"] == 512 and rep["cluster"] == [2, 1, 1]
+    assert rep["sass"]["UTCHMMA"] > 0 and rep["sass"]["UTCHMMA.2CTA"] == rep["sass"]["UTCHMMA"]
+    assert rep["tmem_cols"] == 512 and rep["tmem_alloc_ptx"] == [{"cta_group": 2, "cols": 512}]
+    assert rep["config"]["head_dim"] == 128 and rep["config"]["head_dim_v"] == 128
+    assert rep["warnings"] == []
+
+
+def test_compile_failure_exits_1_with_the_compiler_error(monkeypatch, capsys):
+    """A kernel that fails to compile is not bad input: exit 1 and the compiler's message."""
+    def broken(*args, **kwargs):
+        raise RuntimeError("ptxas fatal: something the kernel did")
+
+    monkeypatch.setattr("fa_sm100.inspection.cross_compile", broken)
+    assert _cli().main(["--kernel", "tcgen05_demo"]) == 1
+    err = capsys.readouterr().err
+    assert "compiling tcgen05_demo for sm_100a failed: RuntimeError: ptxas fatal" in err
+
+
+def test_main_job_gpu_check_can_fail():
+    """The GPU path's check (run here on the CPU with stand-in backends): a correct forward
+    passes, a wrong one and a raising one fail, and the run goes on after a failure."""
+    import torch
+
+    from fa_sm100.__main__ import run_on_gpu
+    from fa_sm100.testing import attention_reference
+
+    def good(q, k, v, scale, causal, window, return_lse, config):
+        out, _ = attention_reference(q, k, v, causal=causal, dtype=torch.float32)
+        return out.to(q.dtype)
+
+    def wrong(q, k, v, scale, causal, window, return_lse, config):
+        return good(q, k, v, scale, causal, window, return_lse, config) * 1.05
+
+    calls = []
+
+    def broken(*args):
+        calls.append(1)
+        raise RuntimeError("launch failed")
+
+    shapes = [(1, 64, 80, 2, 64, False), (1, 64, 64, 2, 64, True)]
+    assert run_on_gpu("stand-in", shapes, "bfloat16", backend=good, device="cpu")
+    assert not run_on_gpu("stand-in", shapes, "bfloat16", backend=wrong, device="cpu")
+    assert not run_on_gpu("stand-in", shapes, "bfloat16", backend=broken, device="cpu")
+    assert len(calls) == 2
+
+
+@pytest.mark.compile
+def test_against_compiles_both_configs_side_by_side(tmp_path, capsys):
+    """--against: the flipped switch shows up in the second column and in the JSON."""
+    out = tmp_path / "ag.json"
+    assert _cli().main(["--kernel", "tcgen05_demo", "--against", "use_2cta=false",
+                        "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    rep = json.loads(out.read_text())
+    assert rep["cluster"] == [2, 1, 1] and rep["against"]["cluster"] == [1, 1, 1]
+    assert rep["sass"]["UTCHMMA.2CTA"] == 4 and rep["against"]["sass"]["UTCHMMA.2CTA"] == 0
+    row = next(l for l in text.splitlines() if l.startswith("sass UTCHMMA.2CTA"))
+    assert row.split()[-2:] == ["4", "0"]
+    assert "use_2cta=false" in text

@@ -1,0 +1,99 @@
+"""CPU tests of the public forward's input validation (issue 6 item 2).
+
+Contract: every bad input raises ValueError naming the problem before anything is compiled or
+launched (and before the GPU is queried), so these run on any machine. Valid CPU inputs get as
+far as the device check, which is the last rule.
+"""
+
+import math
+
+import pytest
+import torch
+
+from fa_sm100.interface import flash_attn_func
+from fa_sm100.validation import tma_ready, validate_attention_inputs
+
+
+def qkv(b=2, sq=33, sk=40, hq=4, hk=2, d=128, dv=None, dtype=torch.bfloat16):
+    dv = d if dv is None else dv
+    return (torch.randn(b, sq, hq, d, dtype=dtype), torch.randn(b, sk, hk, d, dtype=dtype),
+            torch.randn(b, sk, hk, dv, dtype=dtype))
+
+
+def test_valid_cpu_inputs_stop_at_the_device_check():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="CUDA tensors"):
+        flash_attn_func(q, k, v)
+    prob = validate_attention_inputs(q, k, v, causal=True, require_cuda=False)
+    assert (prob.batch, prob.seqlen_q, prob.seqlen_k, prob.heads, prob.heads_kv) == (2, 33, 40, 4, 2)
+    assert prob.qhead_per_kvhead == 2
+    assert prob.softmax_scale == pytest.approx(1 / math.sqrt(128))
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: (torch.randn(2, 3, 4), *qkv()[1:]), "4-D"),
+        (lambda: (qkv()[0].float(), *qkv()[1:]), "dtype"),
+        (lambda: (qkv()[0], qkv()[1].half(), qkv()[2]), "share one dtype"),
+        (lambda: (qkv(b=3)[0], *qkv()[1:]), "batch sizes differ"),
+        (lambda: (qkv()[0], qkv(sk=41)[1], qkv()[2]), "same seqlen"),
+        (lambda: (qkv()[0], qkv(hk=3)[1], qkv(hk=3)[2]), "multiple of key/value heads"),
+        (lambda: (qkv()[0], qkv(hk=4)[1], qkv()[2]), "same number of heads"),
+        (lambda: qkv(d=80), "head dims"),
+        (lambda: qkv(d=128, dv=64), "head dims"),
+        (lambda: (qkv()[0], qkv(d=64)[1], qkv()[2]), "same head_dim"),
+        (lambda: qkv(sq=0), "empty problem"),
+        (lambda: ("not a tensor", *qkv()[1:]), "torch.Tensor"),
+    ],
+    ids=["rank", "float32", "mixed-dtype", "batch", "seqlen-kv", "gqa-ratio", "kv-heads",
+         "hdim-80", "hdim-pair", "qk-hdim", "empty", "type"],
+)
+def test_bad_tensors_raise_value_error(make, match):
+    q, k, v = make()
+    with pytest.raises(ValueError, match=match):
+        flash_attn_func(q, k, v)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"softmax_scale": -1.0}, "softmax_scale"),
+        ({"softmax_scale": float("nan")}, "softmax_scale"),
+        ({"softmax_scale": "0.1"}, "softmax_scale"),
+        ({"causal": 1}, "causal must be a bool"),
+        ({"window_size": (None,)}, "pair"),
+        ({"window_size": (-1, None)}, "left"),
+        ({"window_size": (None, 2.5)}, "right"),
+        ({"deterministic": "yes"}, "deterministic"),
+        ({"return_lse": None}, "return_lse"),
+    ],
+)
+def test_bad_options_raise_value_error(kwargs, match):
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=match):
+        flash_attn_func(q, k, v, **kwargs)
+
+
+def test_supported_variants_pass_validation():
+    """MHA, GQA, MQA, every head-dim pair, fp16, seqlen 1, windows: all valid inputs."""
+    for hk in (4, 2, 1):
+        validate_attention_inputs(*qkv(hk=hk), require_cuda=False)
+    for d, dv in ((64, 64), (96, 96), (128, 128), (192, 128), (256, 256)):
+        validate_attention_inputs(*qkv(d=d, dv=dv), require_cuda=False)
+    validate_attention_inputs(*qkv(sq=1, sk=1, dtype=torch.float16), require_cuda=False)
+    prob = validate_attention_inputs(*qkv(), window_size=(16, 0), require_cuda=False)
+    assert prob.window == (16, 0)
+
+
+def test_tma_ready_copies_only_when_tma_cannot_read():
+    q = torch.randn(2, 8, 4, 64, dtype=torch.bfloat16)
+    assert tma_ready(q) is q
+    strided = torch.randn(2, 8, 4, 128, dtype=torch.bfloat16)[..., :64]  # unit last stride, 16B rows
+    assert tma_ready(strided) is strided
+    last_not_unit = q.transpose(2, 3)
+    fixed = tma_ready(last_not_unit)
+    assert fixed.stride(-1) == 1 and torch.equal(fixed, last_not_unit)
+    misaligned = torch.randn(2 * 8 * 4 * 64 + 1, dtype=torch.bfloat16)[1:].view(2, 8, 4, 64)
+    fixed = tma_ready(misaligned)
+    assert fixed.data_ptr() % 16 == 0 and torch.equal(fixed, misaligned)

@@ -1,0 +1,122 @@
+"""The pipeline table: names, derived arrival counts, and the checks it runs when built."""
+
+import dataclasses
+
+import pytest
+
+from fa_sm100.config import FmhaConfig, WarpRoles
+from pipelines import record
+from pipelines.named_barriers import NamedBarrier, check_named_barriers, num_threads
+from pipelines.spec import (PIPELINE_NAMES, PIPELINES, Side, barrier_count,
+                            barrier_offsets, build_pipelines, get_spec)
+
+CFG2 = FmhaConfig()
+CFG1 = FmhaConfig(use_2cta=False, kv_stage=3)
+
+
+def test_pipeline_names_are_the_contract():
+    assert PIPELINE_NAMES == ("q", "kv", "s_p_o", "p_lastsplit", "o_acc", "sm_stats", "o_epi")
+
+
+@pytest.mark.parametrize("cfg,pair", [(CFG2, 2), (CFG1, 1)], ids=["2cta", "1cta"])
+def test_arrival_counts_follow_the_roles(cfg, pair):
+    a = {s.name: (s.arrivals("full", cfg), s.arrivals("empty", cfg)) for s in PIPELINES}
+    # TMA: one expect-tx arrival; UMMA release: one tcgen05.commit.
+    assert a["q"] == a["kv"] == (1, 1)
+    # MMA waits on the leader: both CTAs' softmax (128 threads) + correction (128 threads).
+    assert a["s_p_o"] == (1, 256 * pair)
+    assert a["p_lastsplit"] == (128 * pair, 1)
+    assert a["o_acc"] == (1, 128 * pair)
+    # Local thread pipelines; the epilogue releases with one elected thread of its one warp.
+    assert a["sm_stats"] == (128, 128)
+    assert a["o_epi"] == (128, 1)
+
+
+def test_counts_change_with_the_warp_roles():
+    """Counts are derived, not typed: a correction role of different size changes them."""
+    spec = get_spec("o_acc")
+    roles = WarpRoles()
+    assert spec.arrivals("empty", CFG2, roles) == 4 * 32 * 2
+    fake = dataclasses.replace(spec, consumer=Side(("correction", "epilogue"), "thread"))
+    assert fake.arrivals("empty", CFG2, roles) == 5 * 32 * 2
+
+
+def test_tx_bytes_cover_both_ctas():
+    q, kv = get_spec("q"), get_spec("kv")
+    assert q.tx_bytes(CFG2) == 2 * 128 * 128 * 2
+    assert q.tx_bytes(CFG1) == 128 * 128 * 2
+    assert kv.tx_bytes(CFG2, "K") == kv.tx_bytes(CFG1, "K") == 128 * 128 * 2
+    hd192 = FmhaConfig(head_dim=192, head_dim_v=128, kv_stage=2)
+    assert kv.tx_bytes(hd192, "K") == 128 * 192 * 2 and kv.tx_bytes(hd192, "V") == 128 * 128 * 2
+    assert get_spec("sm_stats").tx_bytes(CFG2) == 0
+
+
+def test_p_lastsplit_only_with_split_p():
+    cfg = FmhaConfig(split_p=False)
+    assert "p_lastsplit" not in barrier_offsets(cfg)
+    assert barrier_count(cfg) == barrier_count(CFG2) - 2 * CFG2.q_stage
+    assert barrier_count(CFG2) == 2 * (6 * 2 + 6)  # six q_stage pipelines + kv ring
+
+
+BAD_ROWS = [
+    (dict(kind="threads_threads"), "does not match its arrivals"),
+    (dict(producer=Side(("softmax",), "umma")), "only the MMA warp arrives by tcgen05.commit"),
+    (dict(producer=Side(("mma",), "expect_tx")), "only the load warp arrives with expect-tx"),
+    (dict(consumer=Side(("nobody",), "thread")), "unknown consumer role"),
+    (dict(stages="kv_stage"), "one stage per Q stage"),
+]
+
+
+@pytest.mark.parametrize("change,message", BAD_ROWS)
+def test_bad_rows_are_rejected_when_built(change, message):
+    bad = dataclasses.replace(get_spec("p_lastsplit"), **change)
+    with pytest.raises(ValueError, match=message):
+        bad.check(FmhaConfig(kv_stage=3))
+
+
+def test_build_in_dry_mode_gives_every_pipeline_its_class():
+    with record.recording(dry=True):
+        pipes = build_pipelines(CFG2)
+    kinds = {n: type(pipes[n]).__name__ for n in pipes.names()}
+    assert kinds == {"q": "TmaUmmaPipeline", "kv": "TmaUmmaPipeline", "s_p_o": "UmmaThreadsPipeline",
+                     "p_lastsplit": "ThreadsUmmaPipeline", "o_acc": "UmmaThreadsPipeline",
+                     "sm_stats": "ThreadsThreadsPipeline", "o_epi": "ThreadsThreadsPipeline"}
+    assert pipes.kv.stages == 6 and pipes.s_p_o.empty_count == 512
+    with pytest.raises(KeyError):
+        pipes["nope"]
+
+
+def test_thread_commit_records_a_thread_arrive_to_the_leader():
+    """The recorded protocol of producer_commit on the threads -> UMMA pipeline: a thread
+    arrive on the leader CTA (never expect-tx)."""
+    with record.recording(dry=True) as rec:
+        pipes = build_pipelines(CFG2)
+        with record.role("softmax0"):
+            pipes.p_lastsplit.producer_acquire(0, 1)
+            pipes.p_lastsplit.producer_commit(0)
+            pipes.kv.producer_acquire(pipes.kv.make_producer_state())
+    acq, commit, kv_acq = rec.programs["softmax0"]
+    assert (commit.op, commit.arrive, commit.dst, commit.tx, commit.stage_hint) == ("commit", "thread", "leader", 0, 0)
+    assert acq.arrive is None
+    assert (kv_acq.arrive, kv_acq.tx, kv_acq.stage_hint) == ("expect_tx", 128 * 128 * 2, None)
+
+
+def test_pipeline_state_wraps_and_flips_phase():
+    from pipelines.mbarrier import PipelineState
+
+    st = PipelineState(3, 0, 0)
+    seen = []
+    for _ in range(7):
+        seen.append((st.index, st.phase))
+        st.advance()
+    assert seen == [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1), (0, 0)]
+    one = PipelineState(1, 0, 1)
+    one.advance()
+    assert (one.index, one.phase) == (0, 0)
+
+
+def test_named_barriers_start_at_one_and_count_threads():
+    check_named_barriers()
+    assert min(int(b) for b in NamedBarrier) == 1
+    assert num_threads(NamedBarrier.TMEM_ALLOC) == (1 + 4 + 4 + 4) * 32
+    assert num_threads(NamedBarrier.CORRECTION_VOTE) == 128

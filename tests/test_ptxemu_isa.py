@@ -1,0 +1,321 @@
+"""PTX emulator, hand-written PTX: instruction semantics against values computed by NumPy
+(or exactly with fractions), and the run-time checks (deadlock, out-of-bounds, uninitialized
+shared memory, unsupported instructions) each provoked on purpose."""
+
+from fractions import Fraction
+
+import numpy as np
+import pytest
+import torch
+
+from fa_sm100.ptxemu import (EmulationError, UnsupportedInstruction, emulate, launch_from_ptx,
+                             parse_ptx)
+
+HEADER = ".version 8.8\n.target sm_100a\n.address_size 64\n"
+
+BINARY = HEADER + """
+.visible .entry k(.param .u64 pa, .param .u64 pb, .param .u64 pout)
+.reqntid 32, 1, 1
+{
+    .reg .b32 %r<12>;
+    .reg .b64 %rd<12>;
+    .reg .pred %p<4>;
+    ld.param.u64 %rd1, [pa];
+    ld.param.u64 %rd2, [pb];
+    ld.param.u64 %rd3, [pout];
+    mov.u32 %r1, %tid.x;
+    mul.wide.u32 %rd4, %r1, 4;
+    add.s64 %rd5, %rd1, %rd4;
+    add.s64 %rd6, %rd2, %rd4;
+    add.s64 %rd7, %rd3, %rd4;
+    ld.global.b32 %r2, [%rd5];
+    ld.global.b32 %r3, [%rd6];
+    BODY
+    st.global.b32 [%rd7], %r4;
+    ret;
+}
+"""
+
+
+def run_binary(body, a, b, seed=0):
+    """Run BODY (computing %r4 from %r2 = a[i], %r3 = b[i]) on 32 lanes; returns raw u32."""
+    ta = torch.from_numpy(np.ascontiguousarray(a).view(np.uint32).copy())
+    tb = torch.from_numpy(np.ascontiguousarray(b).view(np.uint32).copy())
+    out = torch.zeros(32, dtype=torch.int32)
+    cap = launch_from_ptx(BINARY.replace("BODY", body), block=(32, 1, 1),
+                          params=[ta.data_ptr(), tb.data_ptr(), out.data_ptr()])
+    emulate(cap, [ta, tb, out], seed=seed)
+    return out.numpy().view(np.uint32)
+
+
+def f32(x):
+    return np.asarray(x, dtype=np.float32)
+
+
+def round_f32_exact(q: Fraction) -> np.float32:
+    """Round an exact rational to f32, nearest-even, by comparing the neighbours exactly."""
+    r = np.float32(float(q))
+    cands = [np.nextafter(r, np.float32(-np.inf)), r, np.nextafter(r, np.float32(np.inf))]
+    best = min(cands, key=lambda c: (abs(Fraction(float(c)) - q),
+                                     int(np.array(c).view(np.uint32)) & 1))
+    return np.float32(best)
+
+
+def test_fma_single_rounding_including_a_double_rounding_trap():
+    rng = np.random.default_rng(0)
+    a, b = f32(rng.standard_normal(32)), f32(rng.standard_normal(32))
+    # lane 0: a*b + a, computed in f64 then rounded to f32, would land on a tie and round
+    # the wrong way; the exact result is just below the midpoint.
+    a[0] = np.float32(2.0 ** -24 * (1 + 2.0 ** -18))
+    b[0] = np.float32(1 - 2.0 ** -18)
+    c0 = np.float32(1 + 2.0 ** -23)
+    body = "fma.rn.f32 %r4, %r2, %r3, %r5;"
+    c = a.copy()
+    c[0] = c0
+    got = run_binary("mov.b32 %r5, %r2;\n setp.eq.u32 %p1, %r1, 0;\n"
+                     f"@%p1 mov.b32 %r5, 0f{int(f32(c0).view(np.uint32)):08X};\n" + body, a, b)
+    want = np.array([round_f32_exact(Fraction(float(x)) * Fraction(float(y)) + Fraction(float(z)))
+                     for x, y, z in zip(a, b, c)], dtype=np.float32)
+    assert want[0] == c0                      # the trap is real
+    naive = np.float32(np.float64(a[0]) * np.float64(b[0]) + np.float64(c0))
+    assert naive != want[0]
+    np.testing.assert_array_equal(got.view(np.float32), want)
+
+
+def test_cvt_bf16x2_packs_hi_lo_round_nearest_even():
+    rng = np.random.default_rng(1)
+    a, b = f32(rng.standard_normal(32) * 100), f32(rng.standard_normal(32))
+    a[0] = np.float32(1 + 2.0 ** -8)          # exactly halfway between two bf16: to even
+    b[0] = np.float32(1 + 3 * 2.0 ** -8)      # halfway, rounds up to even
+    got = run_binary("cvt.rn.bf16x2.f32 %r4, %r2, %r3;", a, b)
+    hi = torch.from_numpy(a).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    lo = torch.from_numpy(b).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    np.testing.assert_array_equal(got, (hi.astype(np.uint32) << 16) | lo)
+    assert got[0] >> 16 == 0x3F80 and got[0] & 0xFFFF == 0x3F82
+
+
+def test_shifts_clamp_at_register_width():
+    a = np.array([-(2 ** 31) + 5, 12345, -7, 1] * 8, dtype=np.int32)
+    b = np.array(list(range(0, 40, 5)) * 4, dtype=np.uint32)[:32]
+    sar = run_binary("shr.s32 %r4, %r2, %r3;", a, b).view(np.int32)
+    np.testing.assert_array_equal(sar, a >> np.minimum(b, 31).astype(np.int32))
+    shl = run_binary("shl.b32 %r4, %r2, %r3;", a, b)
+    want = np.where(b >= 32, 0, (a.view(np.uint32).astype(np.uint64) << np.minimum(b, 31))
+                    & 0xFFFFFFFF).astype(np.uint32)
+    np.testing.assert_array_equal(shl, want)
+
+
+def test_mul_hi_signed_and_unsigned():
+    rng = np.random.default_rng(2)
+    a = rng.integers(-2 ** 31, 2 ** 31, 32).astype(np.int32)
+    b = rng.integers(-2 ** 31, 2 ** 31, 32).astype(np.int32)
+    hs = run_binary("mul.hi.s32 %r4, %r2, %r3;", a, b).view(np.int32)
+    np.testing.assert_array_equal(hs, ((a.astype(np.int64) * b) >> 32).astype(np.int32))
+    hu = run_binary("mul.hi.u32 %r4, %r2, %r3;", a, b)
+    au, bu = a.view(np.uint32).astype(np.uint64), b.view(np.uint32).astype(np.uint64)
+    np.testing.assert_array_equal(hu, ((au * bu) >> 32).astype(np.uint32))
+
+
+def test_float_max_nan_and_unordered_compare_select():
+    a = f32([np.nan, 1.0, -2.0, np.nan] * 8)
+    b = f32([3.0, np.nan, -1.0, np.nan] * 8)
+    mx = run_binary("max.f32 %r4, %r2, %r3;", a, b).view(np.float32)
+    np.testing.assert_array_equal(mx[:3], f32([3.0, 1.0, -1.0]))
+    assert np.isnan(mx[3])
+    sel = run_binary("setp.ltu.f32 %p1, %r2, %r3;\n selp.b32 %r4, 1, 2, %p1;", a, b)
+    np.testing.assert_array_equal(sel[:4], [1, 1, 1, 1])
+    sel = run_binary("setp.lt.f32 %p1, %r2, %r3;\n selp.b32 %r4, 1, 2, %p1;", a, b)
+    np.testing.assert_array_equal(sel[:4], [2, 2, 1, 2])
+
+
+def test_cvt_float_to_int_saturates_and_rounds_to_even():
+    a = f32([2.5, -2.5, 3.5, 1e10, -1e10, np.nan, 0.49999997, -0.5] * 4)
+    got = run_binary("cvt.rni.s32.f32 %r4, %r2;", a, a).view(np.int32)
+    np.testing.assert_array_equal(got[:8], [2, -2, 4, 2 ** 31 - 1, -2 ** 31, 0, 0, 0])
+
+
+def test_ex2_ftz_flushes_subnormal_input_and_packed_f32x2_add():
+    a = f32([1e-40, 3.0, -1.5, 0.25] * 8)
+    got = run_binary("ex2.approx.ftz.f32 %r4, %r2;", a, a).view(np.float32)
+    np.testing.assert_array_equal(got[:4], f32([1.0, 8.0, 2.0 ** -1.5, 2.0 ** 0.25]))
+    rng = np.random.default_rng(3)
+    x, y = f32(rng.standard_normal(32)), f32(rng.standard_normal(32))
+    body = ("mov.b64 %rd8, {%r2, %r3};\n mov.b64 %rd9, {%r3, %r2};\n"
+            "add.rn.f32x2 %rd10, %rd8, %rd9;\n mov.b64 {%r5, %r6}, %rd10;\n"
+            "sub.f32 %r4, %r5, %r6;")
+    got = run_binary(body, x, y).view(np.float32)
+    np.testing.assert_array_equal(got, (x + y) - (y + x))       # element-wise, not crossed
+    body = ("mov.b64 %rd8, {%r2, %r3};\n mul.rn.f32x2 %rd10, %rd8, %rd8;\n"
+            "mov.b64 {%r5, %r6}, %rd10;\n add.f32 %r4, %r5, %r6;")
+    got = run_binary(body, x, y).view(np.float32)
+    np.testing.assert_array_equal(got, x * x + y * y)
+
+
+# ------------------------------------------------------------------------------------------
+# checks
+
+MBAR_DEADLOCK = HEADER + """
+.extern .shared .align 1024 .b8 smem[];
+.visible .entry k()
+.reqntid 64, 1, 1
+{
+    .reg .b32 %r<8>;
+    .reg .pred %p<4>;
+    mov.u32 %r1, %tid.x;
+    mov.b32 %r2, smem;
+    setp.ne.u32 %p1, %r1, 0;
+    @%p1 bra SKIP;
+    mbarrier.init.shared.b64 [%r2], 1;
+SKIP:
+    bar.sync 0;
+    mov.b32 %r3, 0;
+WAIT:
+    mbarrier.try_wait.parity.shared.b64 %p2, [%r2], %r3;
+    @!%p2 bra WAIT;
+    ret;
+}
+"""
+
+
+def test_deadlock_names_each_warps_blocked_instruction():
+    cap = launch_from_ptx(MBAR_DEADLOCK, block=(64, 1, 1), dynamic_smem=64)
+    with pytest.raises(EmulationError) as e:
+        emulate(cap, [], seed=0)
+    msg = str(e.value)
+    assert "deadlock" in msg
+    assert "cta0.warp0" in msg and "cta0.warp1" in msg
+    assert msg.count("mbarrier.try_wait.parity.shared.b64") == 2
+    assert "1 arrivals" in msg
+
+
+NAMED_BARRIER = HEADER + """
+.visible .entry k()
+.reqntid 64, 1, 1
+{
+    .reg .b32 %r<4>;
+    .reg .pred %p<2>;
+    mov.u32 %r1, %tid.x;
+    setp.ge.u32 %p1, %r1, 32;
+    @%p1 bra DONE;
+    bar.sync 1, 64;
+DONE:
+    ret;
+}
+"""
+
+
+def test_named_barrier_missing_warp_is_a_deadlock():
+    cap = launch_from_ptx(NAMED_BARRIER, block=(64, 1, 1))
+    with pytest.raises(EmulationError, match=r"bar.sync 1 \(32/64 threads arrived\)"):
+        emulate(cap, [], seed=1)
+
+
+def test_out_of_bounds_global_read_is_reported():
+    a = np.zeros(31, dtype=np.float32)          # one element short for 32 lanes
+    ta = torch.from_numpy(a)
+    tb = torch.zeros(32)
+    out = torch.zeros(32)
+    cap = launch_from_ptx(BINARY.replace("BODY", "add.f32 %r4, %r2, %r3;"),
+                          params=[ta.data_ptr(), tb.data_ptr(), out.data_ptr()])
+    with pytest.raises(EmulationError, match="outside every buffer"):
+        emulate(cap, [ta, tb, out])
+
+
+UNINIT = HEADER + """
+.extern .shared .align 1024 .b8 smem[];
+.visible .entry k(.param .u64 pout)
+.reqntid 32, 1, 1
+{
+    .reg .b32 %r<8>;
+    .reg .b64 %rd<4>;
+    ld.param.u64 %rd1, [pout];
+    mov.b32 %r2, smem;
+    ld.shared.b32 %r3, [%r2+12];
+    st.global.b32 [%rd1], %r3;
+    ret;
+}
+"""
+
+
+def test_uninitialized_shared_read_is_reported():
+    out = torch.zeros(1)
+    cap = launch_from_ptx(UNINIT, params=[out.data_ptr()], dynamic_smem=64)
+    with pytest.raises(EmulationError, match="uninitialized shared memory at 0x40c"):
+        emulate(cap, [out])
+
+
+def test_unsupported_instruction_names_opcode_and_line_before_running():
+    text = BINARY.replace("BODY", "frobnicate.b32 %r4, %r2;")
+    line = text.splitlines().index("    frobnicate.b32 %r4, %r2;") + 1
+    out = torch.zeros(32)
+    cap = launch_from_ptx(text, params=[0, 0, out.data_ptr()])
+    with pytest.raises(UnsupportedInstruction, match=rf"line {line}: .*'frobnicate.b32'"):
+        emulate(cap, [out])
+
+
+def test_parser_scopes_inline_asm_labels_and_registers():
+    """CuTe's inline asm repeats the label LAB_WAIT and the register P1 in every block: each
+    { } scope must resolve its own."""
+    text = HEADER + """
+.visible .entry k()
+.reqntid 32, 1, 1
+{
+    .reg .b32 %r<2>;
+    { .reg .pred P1; LAB_WAIT: setp.eq.u32 P1, %r1, 0; @P1 bra.uni DONE; bra.uni LAB_WAIT; DONE: }
+    { .reg .pred P1; LAB_WAIT: setp.eq.u32 P1, %r1, 0; @P1 bra.uni DONE; bra.uni LAB_WAIT; DONE: }
+    ret;
+}
+"""
+    k = parse_ptx(text).kernels["k"]
+    targets = [i.operands[0].name for i in k.instrs if i.opcode.startswith("bra")]
+    assert len(set(targets)) == 4
+    preds = {i.pred.name for i in k.instrs if i.pred is not None}
+    assert len(preds) == 2
+    emulate(launch_from_ptx(text), [])
+
+
+SETMAXNREG = HEADER + """
+.visible .entry k()
+.reqntid 512, 1, 1
+{
+    .reg .b32 %r<4>;
+    .reg .pred %p<2>;
+    mov.u32 %r1, %tid.x;
+    setp.lt.u32 %p1, %r1, 128;
+    @%p1 bra INC;
+    setmaxnreg.dec.sync.aligned.u32 DEC_TO;
+    bra.uni DONE;
+INC:
+    setmaxnreg.inc.sync.aligned.u32 INC_TO;
+DONE:
+    ret;
+}
+"""
+
+
+@pytest.mark.parametrize("seed", (0, 1, 2, 3))
+def test_setmaxnreg_inc_waits_for_registers_released_by_dec(seed):
+    """512 threads start with 128 registers each (the whole 64K file). Warpgroup 0 raising
+    to 240 must wait until the others have dropped to 24, whatever the schedule."""
+    cap = launch_from_ptx(SETMAXNREG.replace("DEC_TO", "24").replace("INC_TO", "240"),
+                          block=(512, 1, 1))
+    m = emulate(cap, [], seed=seed)
+    alloc = m.ctas[0].reg_alloc
+    assert [alloc[w] for w in range(16)] == [240] * 4 + [24] * 12
+    assert sum(alloc.values()) * 32 <= 64 * 1024
+
+
+def test_setmaxnreg_over_the_register_file_deadlocks():
+    cap = launch_from_ptx(SETMAXNREG.replace("DEC_TO", "120").replace("INC_TO", "256"),
+                          block=(512, 1, 1))
+    with pytest.raises(EmulationError, match="register file exhausted"):
+        emulate(cap, [], seed=0)
+
+
+def test_instruction_coverage_lists_what_is_not_modelled():
+    from fa_sm100.ptxemu import instruction_coverage
+    text = BINARY.replace("BODY", "tcgen05.cp.cta_group::1.128x256b [%r2], %rd1;\n"
+                                  "tcgen05.wait::ld.sync.aligned;\n add.f32 %r4, %r2, %r3;")
+    counts, missing = instruction_coverage(text)
+    assert counts["add.f32"] == 1 and counts["ld.global.b32"] == 2
+    assert dict(missing) == {"tcgen05.cp.cta_group::1.128x256b": 1}

@@ -1,0 +1,96 @@
+"""CPU tests of the SM90 forward config (issue 6 item 1): validate() names the violated rule,
+the per-problem defaults are valid, and sm90_fwd checks a given config against its inputs."""
+
+import pytest
+import torch
+
+from fa_sm100.hopper.config import (
+    SM90_HEAD_DIMS,
+    SM90_SMEM_BUDGET,
+    Sm90FwdConfig,
+    select_sm90_fwd_config,
+    sm90_fwd_config_from_overrides,
+)
+from fa_sm100.hopper.interface import sm90_config_for, sm90_fwd
+from fa_sm100.validation import validate_attention_inputs
+
+
+@pytest.mark.parametrize("dims", SM90_HEAD_DIMS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_defaults_are_valid_and_fit(dims, causal):
+    cfg = select_sm90_fwd_config(*dims, causal=causal)
+    assert cfg.validate() is cfg
+    assert cfg.smem_bytes() <= SM90_SMEM_BUDGET
+    assert cfg.registers_used() <= 64 * 1024
+    assert cfg.m_block == 64 * cfg.num_consumer_wg
+    # Ping-pong is on where two 64-row warpgroups leave room for it (hdim <= 128).
+    assert cfg.pingpong == (dims[0] <= 128)
+    assert cfg.rescale_o_before_pv == (dims[1] > 128)
+
+
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        ({"head_dim": 80, "head_dim_v": 80}, "not supported on SM90"),
+        ({"dtype": "float32"}, "dtype"),
+        ({"num_consumer_wg": 4, "m_block": 256}, "num_consumer_wg"),
+        ({"m_block": 192}, "m_block"),
+        ({"n_block": 120}, "multiple of 16"),
+        ({"n_block": 272}, "multiple of 16"),
+        ({"kv_stage": 1}, "at least 2 stages"),
+        ({"kv_stage": 0, "intra_wg_overlap": False}, "at least 1"),
+        ({"regs_consumer": 250}, "multiple of 8"),
+        ({"regs_consumer": 256, "regs_producer": 64}, "register budget"),
+        ({"kv_stage": 8}, "SMEM"),
+        ({"rescale_o_before_pv": True, "intra_wg_overlap": False}, "needs intra_wg_overlap"),
+    ],
+)
+def test_validate_names_the_rule(changes, match):
+    with pytest.raises(ValueError, match=match):
+        Sm90FwdConfig().replace(**changes).validate()
+
+
+def test_overrides_parse_like_the_cli():
+    cfg = sm90_fwd_config_from_overrides(["head_dim=256", "causal=true", "kv_stage=2"])
+    assert (cfg.head_dim, cfg.head_dim_v, cfg.causal, cfg.n_block) == (256, 256, True, 80)
+    cfg = sm90_fwd_config_from_overrides(["head_dim=192"])
+    assert (cfg.head_dim, cfg.head_dim_v) == (192, 128)
+    cfg = sm90_fwd_config_from_overrides(["pingpong=false", "intra_wg_overlap=off"])
+    assert not cfg.pingpong and not cfg.intra_wg_overlap
+    with pytest.raises(ValueError, match="no field"):
+        sm90_fwd_config_from_overrides(["q_stage=2"])
+
+
+def test_given_config_must_match_the_inputs():
+    q, k, v = (torch.randn(1, 16, 2, 128, dtype=torch.bfloat16) for _ in range(3))
+    prob = validate_attention_inputs(q, k, v, causal=True, require_cuda=False)
+    assert sm90_config_for(prob, None).causal
+    with pytest.raises(ValueError, match="causal"):
+        sm90_config_for(prob, select_sm90_fwd_config(128, causal=False))
+    with pytest.raises(ValueError, match="head_dim"):
+        sm90_config_for(prob, select_sm90_fwd_config(64, causal=True))
+    with pytest.raises(ValueError, match="Sm90FwdConfig"):
+        sm90_config_for(prob, object())
+
+
+def test_sm90_fwd_rejects_before_launch():
+    q, k, v = (torch.randn(1, 16, 2, 128, dtype=torch.bfloat16) for _ in range(3))
+    with pytest.raises(ValueError, match="CUDA"):
+        sm90_fwd(q, k, v)
+    with pytest.raises(ValueError, match="head dims"):
+        sm90_fwd(*(torch.randn(1, 16, 2, 80, dtype=torch.bfloat16) for _ in range(3)))
+
+
+def test_seqlen_hints_pick_the_measured_schedule():
+    """Short key sequences: persistent CTAs (where a separate O buffer fits in SMEM); short
+    causal hdim-64 rows: 128-row tiles. Long sequences keep one tile per CTA."""
+    short = select_sm90_fwd_config(128, causal=False, seqlen_k=1024)
+    long = select_sm90_fwd_config(128, causal=False, seqlen_k=8192)
+    assert short.persistent and not long.persistent
+    assert not select_sm90_fwd_config(256, causal=False, seqlen_k=1024).persistent  # SMEM
+    causal64 = select_sm90_fwd_config(64, causal=True, seqlen_k=1024)
+    assert (causal64.num_consumer_wg, causal64.m_block, causal64.regs_consumer) == (2, 128, 240)
+    assert select_sm90_fwd_config(64, causal=True, seqlen_k=4096).num_consumer_wg == 3
+    assert select_sm90_fwd_config(64, causal=False, seqlen_k=1024).num_consumer_wg == 3
+    # explicit overrides win over the hints
+    assert not select_sm90_fwd_config(128, seqlen_k=1024, persistent=False).persistent
