@@ -13,7 +13,8 @@ backward's Delta/P/dS formulas with P and dS rounded to the input dtype, as the 
 so the autograd wiring, the compiled graph and the precision scheme are tested without a GPU.
 
 A forward ``config`` object cannot be an op argument; it is registered in a table and passed
-as an integer token (-1 = default).
+as an integer token (-1 = default). Configs are frozen dataclasses, so the table is keyed by
+value: equal configs share one token and the table grows only with distinct configs.
 """
 
 import math
@@ -22,18 +23,25 @@ from typing import Optional
 import torch
 
 from fa_sm100.hopper.bwd_config import SM90_BWD_HEAD_DIMS
+from fa_sm100.validation import require_sm90
 
-_CONFIGS: list = []
+_CONFIGS: list = []  # token -> config
+_CONFIG_TOKENS: dict = {}  # config -> token
 
 
 def _config_token(config) -> int:
     if config is None:
         return -1
-    for i, c in enumerate(_CONFIGS):
-        if c is config:
-            return i
-    _CONFIGS.append(config)
-    return len(_CONFIGS) - 1
+    try:
+        token = _CONFIG_TOKENS.get(config)
+    except TypeError:  # an unhashable object cannot be a table key
+        raise ValueError(f"config must be a frozen (hashable) config object, got "
+                         f"{type(config).__name__}") from None
+    if token is None:
+        token = len(_CONFIGS)
+        _CONFIGS.append(config)
+        _CONFIG_TOKENS[config] = token
+    return token
 
 
 def _cpu_forward(q, k, v, scale, causal, left, right):
@@ -103,11 +111,7 @@ def attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     if q.device.type == "cpu":
         return _cpu_backward(dout, q, k, v, out, lse, softmax_scale, causal, window_left,
                              window_right)
-    cap = torch.cuda.get_device_capability(q.device)
-    if cap != (9, 0):
-        raise ValueError(f"the backward runs on sm_90 GPUs only (the SM100 backward is not "
-                         f"part of this project); {q.device} is sm_{cap[0]}{cap[1]}")
-    from fa_sm100.hopper.bwd_interface import sm90_bwd
+    from fa_sm100.hopper.bwd_interface import sm90_bwd  # checks the device: sm_90 only
 
     return sm90_bwd(dout, q, k, v, out, lse, softmax_scale=softmax_scale, causal=causal,
                     window_size=(window_left, window_right), deterministic=deterministic)
@@ -145,11 +149,15 @@ class FlashAttnFunction(torch.autograd.Function):
 
 
 def check_backward_supported(q, k, v):
-    """Raise ValueError before the forward runs when its backward could not (GPU path)."""
+    """Raise ValueError before the forward runs when its backward could not: head dims
+    without a backward kernel, or (CUDA tensors) a GPU other than sm_90, e.g. an SM100 one."""
     d, dv = q.shape[-1], v.shape[-1]
     if d != dv or d not in SM90_BWD_HEAD_DIMS:
         raise ValueError(f"head dims (qk={d}, v={dv}) have no backward kernel: gradients need "
                          f"head_dim == head_dim_v in {SM90_BWD_HEAD_DIMS}")
+    if q.device.type == "cuda":
+        require_sm90(q.device, "the backward (gradients; there is no SM100 backward in this "
+                               "project)")
 
 
 def flash_attn_autograd(q, k, v, softmax_scale=None, causal=False, return_lse=False,

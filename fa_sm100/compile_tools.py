@@ -96,7 +96,7 @@ def find_nvdisasm(search_dirs: Optional[Iterable[os.PathLike]] = None) -> str:
             return str(cand)
     raise DisassemblerMissing(
         f"nvdisasm (the SASS disassembler) was not found {where}. Install it with "
-        "`pip install nvidia-cuda-nvdisasm` (part of `pip install -e \".[test]\"`) or put a CUDA "
+        "`pip install nvidia-cuda-nvdisasm` (a dependency of `pip install -e .`) or put a CUDA "
         "toolkit's bin directory on PATH."
     )
 

@@ -37,6 +37,27 @@ DTYPE_BYTES = {"bfloat16": 2, "float16": 2}
 MAX_EX2_EMU_FRACTION = 1.0
 
 
+def check_setmaxnreg(name: str, regs: int) -> None:
+    """setmaxnreg takes a register count that is a multiple of 8 in [24, 256]."""
+    if regs % 8 or not 24 <= regs <= 256:
+        raise ValueError(f"{name}={regs}: setmaxnreg takes a multiple of 8 in [24, 256]")
+
+
+def check_register_budget(used: int, formula: str) -> None:
+    """The registers a CTA holds after every setmaxnreg must fit the SM's register file."""
+    if used > REGISTER_FILE:
+        raise ValueError(
+            f"register budget {used} exceeds the register file ({REGISTER_FILE}): {formula}"
+        )
+
+
+def cutlass_dtype(name: str):
+    """The CuTe-DSL element type of a DTYPES name ('bfloat16' -> cutlass.BFloat16)."""
+    import cutlass
+
+    return {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[normalize_dtype(name)]
+
+
 @dataclass(frozen=True)
 class WarpRoles:
     """Which warps of the 16-warp CTA do what, and the registers each role keeps.
@@ -121,15 +142,11 @@ class WarpRoles:
                 f"(setmaxnreg acts per warpgroup), got warps {singles}"
             )
         for name in ("regs_softmax", "regs_correction", "regs_other"):
-            r = getattr(self, name)
-            if r % 8 or not 24 <= r <= 256:
-                raise ValueError(f"{name}={r}: setmaxnreg takes a multiple of 8 in [24, 256]")
-        if self.registers_used() > REGISTER_FILE:
-            raise ValueError(
-                f"register budget {self.registers_used()} exceeds the register file "
-                f"({REGISTER_FILE}): 128 x (2 x {self.regs_softmax} + {self.regs_correction} + "
-                f"{self.regs_other})"
-            )
+            check_setmaxnreg(name, getattr(self, name))
+        check_register_budget(
+            self.registers_used(),
+            f"128 x (2 x {self.regs_softmax} + {self.regs_correction} + {self.regs_other})",
+        )
         return self
 
 
@@ -267,6 +284,11 @@ class FmhaConfig:
         return self
 
 
+def default_head_dim_v(head_dim: int) -> int:
+    """The V head dim that goes with a QK head dim by default: (192, 128), else equal."""
+    return 128 if head_dim == 192 else head_dim
+
+
 def default_split_p_col(n_block: int) -> int:
     """3/4 of the P columns, rounded down to a multiple of 32 (the tcgen05.st granularity)."""
     col = (n_block * 3 // 4) // 32 * 32
@@ -377,7 +399,7 @@ def config_from_overrides(items: Iterable[str]) -> FmhaConfig:
                     "window_left", "window_right", "num_sms")
     problem = {k: changes.pop(k) for k in problem_keys if k in changes}
     if "head_dim" in problem and "head_dim_v" not in problem:
-        problem["head_dim_v"] = 128 if problem["head_dim"] == 192 else problem["head_dim"]
+        problem["head_dim_v"] = default_head_dim_v(problem["head_dim"])
     return select_config(**problem, **changes)
 
 

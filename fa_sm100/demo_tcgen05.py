@@ -37,7 +37,13 @@ import enum
 from dataclasses import dataclass
 
 from fa_sm100.compile_tools import prepare_arch_env
-from fa_sm100.config import normalize_dtype, parse_overrides
+from fa_sm100.config import (
+    WARP_SIZE,
+    check_setmaxnreg,
+    cutlass_dtype,
+    normalize_dtype,
+    parse_overrides,
+)
 from fa_sm100.registry import KernelBuild, KernelEntry
 
 ROWS_PER_CTA = 128  # M of the tile per CTA = TMEM lanes
@@ -46,6 +52,7 @@ WARPS = 8
 EPILOGUE_WARPS = (0, 1, 2, 3)
 LOAD_WARP = 4
 MMA_WARP = 5
+PRODUCER_WARPS = (4, 5, 6, 7)  # warpgroup 1: load, mma and the two idle warps
 SMEM_ALIGN = 1024
 
 
@@ -74,7 +81,7 @@ class DemoConfig:
 
     @property
     def threads(self) -> int:
-        return WARPS * 32
+        return WARPS * WARP_SIZE
 
     @property
     def tmem_cols(self) -> int:
@@ -105,9 +112,7 @@ class DemoConfig:
         if self.k % K_ATOM or not K_ATOM <= self.k <= 256:
             raise ValueError(f"k={self.k}: must be a multiple of {K_ATOM} in [{K_ATOM}, 256]")
         for name in ("regs_epilogue", "regs_producer"):
-            r = getattr(self, name)
-            if r % 8 or not 24 <= r <= 256:
-                raise ValueError(f"{name}={r}: setmaxnreg takes a multiple of 8 in [24, 256]")
+            check_setmaxnreg(name, getattr(self, name))
         return self
 
 
@@ -130,12 +135,10 @@ def _make_demo_class():
     import cutlass.utils.blackwell_helpers as bw
     from cutlass.cute.nvgpu import cpasync, tcgen05
 
-    dtypes = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
-
     class Tcgen05Demo:
         def __init__(self, cfg: DemoConfig):
             self.cfg = cfg.validate()
-            self.ab_dtype = dtypes[cfg.dtype]
+            self.ab_dtype = cutlass_dtype(cfg.dtype)
             self.cta_group = tcgen05.CtaGroup.TWO if cfg.use_2cta else tcgen05.CtaGroup.ONE
             self.mma_tiler = (ROWS_PER_CTA * cfg.cta_group, cfg.n, cfg.k)
             self.traced_smem_bytes = None  # set while tracing; tests compare with cfg.smem_bytes
@@ -218,7 +221,7 @@ def _make_demo_class():
             acc_producer, acc_consumer = pipeline.PipelineUmmaAsync.create(
                 num_stages=1, producer_group=thread,
                 consumer_group=pipeline.CooperativeGroup(
-                    pipeline.Agent.Thread, len(EPILOGUE_WARPS) * 32 * cfg.cta_group
+                    pipeline.Agent.Thread, len(EPILOGUE_WARPS) * WARP_SIZE * cfg.cta_group
                 ),
                 barrier_storage=storage.acc_mbar.data_ptr(), cta_layout_vmnk=cluster_vmnk,
             ).make_participants()[:2]
@@ -246,7 +249,7 @@ def _make_demo_class():
                 cute.group_modes(tCgB, 0, 3),
             )
 
-            if warp // 4 == 1:
+            if warp // 4 == PRODUCER_WARPS[0] // 4:
                 cute.arch.setmaxregister_decrease(cfg.regs_producer)
             else:
                 cute.arch.setmaxregister_increase(cfg.regs_epilogue)
@@ -291,7 +294,7 @@ def _make_demo_class():
             cute.arch.alloc_tmem(cfg.tmem_cols, tmem_holder, is_two_cta=cfg.use_2cta)
             cute.arch.relinquish_tmem_alloc_permit(is_two_cta=cfg.use_2cta)
             cute.arch.barrier_arrive(barrier_id=int(DemoBarrier.TMEM_ALLOC),
-                                     number_of_threads=(len(EPILOGUE_WARPS) + 1) * 32)
+                                     number_of_threads=(len(EPILOGUE_WARPS) + 1) * WARP_SIZE)
             tmem_ptr = cute.arch.retrieve_tmem_ptr(cutlass.Float32, 16, tmem_holder)
             tCtAcc = cute.make_tensor(tmem_ptr, acc_layout)  # (MMA, MMA_M, MMA_N)
             if mma_v == 0:
@@ -310,7 +313,7 @@ def _make_demo_class():
             """Epilogue warpgroup (thread t owns TMEM lane t). Consumes the ``acc`` stage:
             TMEM -> registers (tcgen05.ld, 32 columns per load) -> GMEM, then releases it."""
             cute.arch.barrier(barrier_id=int(DemoBarrier.TMEM_ALLOC),
-                              number_of_threads=(len(EPILOGUE_WARPS) + 1) * 32)
+                              number_of_threads=(len(EPILOGUE_WARPS) + 1) * WARP_SIZE)
             tmem_ptr = cute.arch.retrieve_tmem_ptr(cutlass.Float32, 16, tmem_holder)
             tCtAcc = cute.make_tensor(tmem_ptr, acc_layout)  # (MMA, MMA_M, MMA_N)
             sub = ((cute.size(tCtAcc, mode=[0, 0]), 32),)  # (128 lanes, 32 columns) per copy
@@ -351,7 +354,7 @@ def fake_args(cfg: DemoConfig):
     import cutlass
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
-    dtype = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[cfg.dtype]
+    dtype = cutlass_dtype(cfg.dtype)
     m = ROWS_PER_CTA * cfg.cta_group
     a = make_fake_compact_tensor(dtype, (m, cfg.k), stride_order=(1, 0), assumed_align=16)
     b = make_fake_compact_tensor(dtype, (cfg.n, cfg.k), stride_order=(1, 0), assumed_align=16)
@@ -372,6 +375,7 @@ def build(cfg: DemoConfig, arch: str = "sm_100a") -> KernelBuild:
         smem_bytes=cfg.smem_bytes,
         tmem_cols=cfg.tmem_cols,
         setmaxnreg={"epilogue": cfg.regs_epilogue, "producer": cfg.regs_producer},
+        setmaxnreg_warps={"epilogue": EPILOGUE_WARPS, "producer": PRODUCER_WARPS},
         cluster=cfg.cluster,
     )
 

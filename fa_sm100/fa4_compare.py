@@ -12,8 +12,13 @@ Two things are substituted in the child, and the report says so in ``fa4_notes``
   (``num_sms`` of our config, 148 for B200): FA4's persistent scheduler sizes its grid with it;
 - nothing else: FA4 picks its own tile sizes, stages and register split for the problem.
 
-Requirements: flash-attn-4, and what ``import flash_attn.cute`` needs beyond this project's
-dependencies (triton, through quack; einops). ``check_fa4_available`` names what is missing.
+Requirements (the ``fa4`` extra): flash-attn-4, and what ``import flash_attn.cute`` needs beyond
+this project's dependencies (triton, through quack; einops). ``check_fa4_available`` names what
+is missing.
+
+The report's ``config`` holds FA4's constructor arguments and what it chose while compiling
+(``q_stage``, ``kv_stage``, tile sizes, register split); ``tests/test_inspect_cli.py`` checks
+that our ``kv_stage`` is at least FA4's for the same problem.
 """
 
 from __future__ import annotations
@@ -39,13 +44,14 @@ def check_fa4_available(kernel: str, arch: str) -> None:
         raise FA4Unavailable(f"--compare-fa4 compares SM100 forwards: use --arch sm_100a, not {arch}")
     missing = [m for m in ("flash_attn", "triton", "einops") if importlib.util.find_spec(m) is None]
     if "flash_attn" in missing:
-        raise FA4Unavailable("--compare-fa4 needs FlashAttention-4: pip install flash-attn-4")
+        raise FA4Unavailable("--compare-fa4 needs FlashAttention-4: pip install flash-attn-4 "
+                             "triton einops (the fa4 extra: pip install -e \".[fa4]\")")
     if missing:
         raise FA4Unavailable(
             f"--compare-fa4: flash-attn-4 is installed, but `import flash_attn.cute` also needs "
             f"{' and '.join(missing)} (triton through the quack package), which "
             f"{'is' if len(missing) == 1 else 'are'} not installed here: "
-            f"pip install {' '.join(missing)}"
+            f"pip install {' '.join(missing)} (the fa4 extra: pip install -e \".[fa4]\")"
         )
 
 
@@ -103,6 +109,7 @@ def inspect_fa4_sm100(overrides=(), keep_dir=None, kernel: str = "sm100_fwd",
         build = SimpleNamespace(
             config=meta["fa4_config"], smem_bytes=meta["smem_bytes"],
             tmem_cols=meta["tmem_cols"], setmaxnreg=meta["setmaxnreg"],
+            setmaxnreg_warps=meta["setmaxnreg_warps"],
             cluster=tuple(launch.get("cluster", (1, 1, 1))),
         )
         report = make_report("fa4_sm100_fwd", build, art)
@@ -161,6 +168,7 @@ def _child(out_dir: str, problem: dict) -> int:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from fa_sm100.compile_tools import _record_launches
+    from fa_sm100.config import WARP_SIZE
 
     sched_mod.HardwareInfo = FixedHardwareInfo
     instances = []
@@ -195,10 +203,18 @@ def _child(out_dir: str, problem: dict) -> int:
 
     bound = pyinspect.signature(original_init).bind(inst, *args, **kwargs).arguments
     fa4_config = {k: _jsonable(v) for k, v in bound.items() if k != "self"}
-    for attr in ("q_stage", "m_block_size", "n_block_size", "use_2cta_instrs", "num_regs_softmax",
-                 "num_regs_correction", "num_regs_other", "tmem_alloc_cols"):
+    # Attributes FA4 sets on its kernel object while building and compiling (kv_stage: the K/V
+    # SMEM stages it chose for this problem, set in _setup_attributes during the compile).
+    for attr in ("q_stage", "kv_stage", "m_block_size", "n_block_size", "use_2cta_instrs",
+                 "num_regs_softmax", "num_regs_correction", "num_regs_other", "tmem_alloc_cols"):
         if hasattr(inst, attr):
             fa4_config[attr] = _jsonable(getattr(inst, attr))
+    if "kv_stage" not in fa4_config:
+        print("FA4's kernel object has no kv_stage after compiling", file=sys.stderr)
+        return 1
+    # setmaxnreg acts per warpgroup: the softmax warps, the correction warps, everyone else.
+    softmax = tuple(inst.softmax0_warp_ids) + tuple(inst.softmax1_warp_ids)
+    correction = tuple(inst.correction_warp_ids)
     meta = {
         "compile_s": compile_s,
         "launches": [{k: _jsonable(v) for k, v in l.items()} for l in launches],
@@ -208,6 +224,12 @@ def _child(out_dir: str, problem: dict) -> int:
         "setmaxnreg": {role: getattr(inst, f"num_regs_{role}")
                        for role in ("softmax", "correction", "other")
                        if hasattr(inst, f"num_regs_{role}")},
+        "setmaxnreg_warps": {
+            "softmax": softmax,
+            "correction": correction,
+            "other": tuple(w for w in range(inst.threads_per_cta // WARP_SIZE)
+                           if w not in softmax + correction),
+        },
     }
     (out / "fa4_meta.json").write_text(json.dumps(meta, indent=2))
     return 0

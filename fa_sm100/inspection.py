@@ -7,8 +7,9 @@ docs/inspect.md; tests and other tools read them):
     arch, kernel, config, compile_s, threads_per_cta, cluster, regs_at_launch, setmaxnreg,
     smem_bytes, tmem_cols, local_bytes, spill_bytes, sass
 
-plus informational keys: kernel_symbol, launch, setmaxnreg_ptx, setmaxnreg_sass, tmem_alloc_ptx,
-spill_store_bytes, spill_load_bytes, sass_full, sources, warnings.
+plus informational keys: kernel_symbol, launch, setmaxnreg_ptx, setmaxnreg_sass,
+setmaxnreg_by_warp, tmem_alloc_ptx, spill_store_bytes, spill_load_bytes, sass_full, sources,
+warnings.
 """
 
 from __future__ import annotations
@@ -30,7 +31,10 @@ from fa_sm100.compile_tools import (
     sass_histogram,
     sass_setmaxnreg,
 )
+from fa_sm100.config import REGISTER_FILE, WARP_SIZE
+from fa_sm100.ptx_dispatch import DispatchUnknown, setmaxnreg_by_warp
 from fa_sm100.registry import get_kernel
+from layouts.smem import SMEM_BUDGET
 
 # SASS keys every report carries, zero when absent (see compile_tools.sass_histogram).
 SASS_KEYS = (
@@ -41,8 +45,6 @@ REPORT_KEYS = (
     "arch", "kernel", "config", "compile_s", "threads_per_cta", "cluster", "regs_at_launch",
     "setmaxnreg", "smem_bytes", "tmem_cols", "local_bytes", "spill_bytes", "sass",
 )
-SMEM_LIMIT = {"sm_100a": 232448, "sm_90a": 232448}
-REGISTER_FILE = 64 * 1024  # 32-bit registers per SM on sm_90 and sm_100
 
 
 class CompileFailed(RuntimeError):
@@ -177,12 +179,16 @@ def make_report(name: str, build, art) -> dict:
         warnings.append(f"register spills: {stores} bytes stored, {loads} bytes loaded")
 
     # setmaxnreg: the build declares role -> registers; the SASS (what runs) must carry each
-    # value, and every value the PTX asks for must survive ptxas.
+    # value, the PTX must let exactly the role's warps reach it (when the build names them),
+    # and every value the PTX asks for must survive ptxas.
     sass = sass_histogram(art.sass, always=SASS_KEYS)
     seen = ptx["setmaxnreg"]
     in_sass = sass_setmaxnreg(art.sass)
     values = {n for _, n in in_sass}
-    setmaxnreg = {role: r for role, r in build.setmaxnreg.items() if r in values}
+    by_warp, wrong_roles = _check_setmaxnreg_warps(build, art.ptx, kernel, threads, warnings,
+                                                   sources)
+    setmaxnreg = {role: r for role, r in build.setmaxnreg.items()
+                  if r in values and role not in wrong_roles}
     for role, r in build.setmaxnreg.items():
         if r not in values:
             warnings.append(f"setmaxnreg {r} declared for role {role!r} is not in the SASS")
@@ -211,8 +217,8 @@ def make_report(name: str, build, art) -> dict:
     smem = int(build.smem_bytes)
     if launch and isinstance(launch.get("smem"), int) and launch["smem"] != smem:
         warnings.append(f"build smem_bytes {smem} differs from the launch's smem {launch['smem']}")
-    if smem > SMEM_LIMIT[art.arch]:
-        warnings.append(f"smem_bytes {smem} exceeds the {art.arch} limit {SMEM_LIMIT[art.arch]}")
+    if smem > SMEM_BUDGET[art.arch]:
+        warnings.append(f"smem_bytes {smem} exceeds the {art.arch} limit {SMEM_BUDGET[art.arch]}")
 
     return {
         "arch": art.arch,
@@ -234,6 +240,7 @@ def make_report(name: str, build, art) -> dict:
         if launch else None,
         "setmaxnreg_ptx": [[d, n] for d, n in seen],
         "setmaxnreg_sass": [[d, n] for d, n in in_sass],
+        "setmaxnreg_by_warp": by_warp,
         "tmem_alloc_ptx": [{"cta_group": g, "cols": c} for g, c in allocs],
         "spill_store_bytes": stores,
         "spill_load_bytes": loads,
@@ -241,6 +248,62 @@ def make_report(name: str, build, art) -> dict:
         "sources": sources,
         "warnings": warnings,
     }
+
+
+def _warp_list(warps) -> str:
+    warps = sorted(warps)
+    if len(warps) > 2 and warps == list(range(warps[0], warps[-1] + 1)):
+        return f"{warps[0]}-{warps[-1]}"
+    return ",".join(map(str, warps))
+
+
+def _check_setmaxnreg_warps(build, ptx: str, entry: str, threads, warnings: list,
+                            sources: dict):
+    """Tie each declared setmaxnreg value to the warps that execute it in the PTX.
+
+    Returns (per-warp [[dir, n], ...] lists or None, the roles whose warps do not execute
+    exactly their declared value). Appends a warning for each role that fails, for a warp of no
+    role that executes setmaxnreg, and when the PTX cannot be read for warp dispatch."""
+    role_warps = dict(getattr(build, "setmaxnreg_warps", None) or {})
+    if not threads:
+        sources["setmaxnreg"] = "SASS values only (threads per CTA unknown)"
+        return None, set()
+    try:
+        per_warp = setmaxnreg_by_warp(ptx, entry, threads // WARP_SIZE)
+    except DispatchUnknown as e:
+        if role_warps:
+            warnings.append(f"setmaxnreg not tied to warps: {e}")
+        sources["setmaxnreg"] = f"SASS values only ({e})"
+        return None, set()
+    by_warp = [[[d, n] for d, n in w] for w in per_warp]
+    if not role_warps:
+        sources["setmaxnreg"] = "SASS values only (the build names no warps per role)"
+        return by_warp, set()
+    sources["setmaxnreg"] = "SASS values, each reached in the PTX by exactly its role's warps"
+    wrong = set()
+    for role, regs in build.setmaxnreg.items():
+        warps = role_warps.get(role)
+        if warps is None:
+            wrong.add(role)
+            warnings.append(f"setmaxnreg role {role!r} has no warps in the build's declaration")
+            continue
+        found = sorted({n for w in warps if w < len(per_warp) for _, n in per_warp[w]})
+        missing = [w for w in warps if w >= len(per_warp) or not per_warp[w]]
+        if found and found != [regs]:
+            wrong.add(role)
+            warnings.append(f"setmaxnreg role {role!r} (warps {_warp_list(warps)}) executes "
+                            f"setmaxnreg {', '.join(map(str, found))} in the PTX; the build "
+                            f"declares {regs}")
+        if missing:
+            wrong.add(role)
+            warnings.append(f"setmaxnreg role {role!r}: warps {_warp_list(missing)} execute no "
+                            f"setmaxnreg in the PTX; the build declares {regs}")
+    declared = {w for ws in role_warps.values() for w in ws}
+    stray = [w for w, found in enumerate(per_warp) if found and w not in declared]
+    if stray:
+        warnings.append(f"warps {_warp_list(stray)} execute setmaxnreg in the PTX but belong to "
+                        "no declared setmaxnreg role")
+    return by_warp, wrong
 
 
 def format_report(rep: dict) -> str:

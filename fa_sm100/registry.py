@@ -33,6 +33,8 @@ class KernelBuild:
     config it was built from; smem_bytes: dynamic + static shared memory per CTA (the cubin does
     not record the dynamic part); tmem_cols: TMEM columns allocated (None on sm_90a);
     setmaxnreg: role -> registers the kernel sets with setmaxnreg ({} if none);
+    setmaxnreg_warps: role -> the warps that execute that role's setmaxnreg (the report checks
+    in the PTX that exactly these warps reach that value; {} skips the check);
     cluster: the cluster shape the host launches with.
     """
 
@@ -43,6 +45,7 @@ class KernelBuild:
     smem_bytes: int
     tmem_cols: Optional[int]
     setmaxnreg: dict = field(default_factory=dict)
+    setmaxnreg_warps: dict = field(default_factory=dict)
     cluster: tuple = (1, 1, 1)
 
 

@@ -1,7 +1,9 @@
-"""Input checks shared by every forward entry point: ValueError before any compile or launch.
+"""Input checks shared by every entry point: ValueError before any compile or launch.
 
 Checks run in an order that needs no GPU: types, ranks, dtypes, shapes, head dims, options;
-the device check comes last, so CPU tests reach every rule.
+the device check comes last, so CPU tests reach every rule. The forward entry points use
+``validate_attention_inputs``; the SM90 backward (``hopper.bwd_interface``) and autograd share
+the option checks (``check_softmax_scale``, ``normalize_window``) and ``require_sm90``.
 """
 
 from __future__ import annotations
@@ -48,8 +50,12 @@ def _check_tensor(name: str, t) -> None:
         raise ValueError(f"{name} has dtype {t.dtype}: supported dtypes are bfloat16 and float16")
 
 
-def normalize_window(window_size, causal: bool) -> tuple:
-    """Validate ``window_size = (left, right)`` (None = unbounded) and fold causal into it."""
+def normalize_window(window_size) -> tuple:
+    """Validate ``window_size = (left, right)``: each side None (unbounded) or an int >= 0.
+
+    Returns the pair as a tuple. ``causal`` is a separate option; the kernels and the
+    reference combine the two (causal is a right edge of 0).
+    """
     if window_size is None:
         window_size = (None, None)
     if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
@@ -91,22 +97,38 @@ def validate_attention_inputs(q, k, v, softmax_scale=None, causal=False, window_
         raise ValueError(
             f"head dims (qk={d}, v={dv}) are not supported: use one of {tuple(head_dims)}"
         )
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(d)
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
-        raise ValueError(f"softmax_scale must be a float or None, got {softmax_scale!r}")
-    if not (math.isfinite(softmax_scale) and softmax_scale > 0):
-        raise ValueError(f"softmax_scale={softmax_scale}: must be finite and > 0")
+    softmax_scale = check_softmax_scale(softmax_scale, d)
     if not isinstance(causal, bool):
         raise ValueError(f"causal must be a bool, got {causal!r}")
-    window = normalize_window(window_size, causal)
+    window = normalize_window(window_size)
     if require_cuda:
         devices = {t.device for t in (q, k, v)}
         if len(devices) != 1:
             raise ValueError(f"q, k, v must be on one device, got {sorted(map(str, devices))}")
         if q.device.type != "cuda":
             raise ValueError(f"q, k, v must be CUDA tensors, got device {q.device}")
-    return AttentionProblem(b, sq, sk, hq, hk, d, dv, q.dtype, float(softmax_scale), causal, window)
+    return AttentionProblem(b, sq, sk, hq, hk, d, dv, q.dtype, softmax_scale, causal, window)
+
+
+def check_softmax_scale(softmax_scale, head_dim: int) -> float:
+    """The softmax scale as a float: ``1 / sqrt(head_dim)`` for None, else a finite number > 0."""
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+        raise ValueError(f"softmax_scale must be a float or None, got {softmax_scale!r}")
+    if not (math.isfinite(softmax_scale) and softmax_scale > 0):
+        raise ValueError(f"softmax_scale={softmax_scale}: must be finite and > 0")
+    return float(softmax_scale)
+
+
+def require_sm90(device: torch.device, what: str) -> None:
+    """Raise ValueError unless ``device`` is a CUDA device of compute capability 9.0."""
+    if device.type != "cuda":
+        raise ValueError(f"{what} needs CUDA tensors on an sm_90 GPU, got device {device}")
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) != (9, 0):
+        raise ValueError(f"{what} runs on sm_90 (Hopper) GPUs only; {device} is "
+                         f"sm_{major}{minor}")
 
 
 def tma_ready(t: torch.Tensor) -> torch.Tensor:

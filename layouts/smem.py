@@ -42,8 +42,11 @@ class SmemPlan:
         q = cfg.q_stage * cfg.m_block * cfg.head_dim * e
         kv = max(k_rows * cfg.head_dim * e, cfg.n_block * v_cols * e)
         o = cfg.q_stage * cfg.m_block * cfg.head_dim_v * e
-        # mbarriers (8 bytes each; at most ~64 of them) and per-row max/sum for each Q stage.
-        misc = 64 * 8 + 2 * cfg.q_stage * cfg.m_block * 4
+        # Every pipeline's mbarriers (8 bytes each, counted by the pipeline table), the TMEM
+        # dealloc mbarrier and the 4-byte TMEM base address, and per-row max/sum per Q stage.
+        from pipelines.spec import barrier_count  # lazy: layouts import no pipeline code at load
+
+        misc = (barrier_count(cfg) + 1) * 8 + 4 + 2 * cfg.q_stage * cfg.m_block * 4
         return align_up(q), align_up(kv), align_up(o), align_up(misc)
 
     @classmethod
@@ -54,11 +57,11 @@ class SmemPlan:
     @classmethod
     def max_kv_stage(cls, cfg, arch: str = "sm_100a") -> int:
         """As many K/V stages as fit next to Q, O and the barriers (at most MAX_KV_STAGE)."""
-        q, kv, o, misc = cls._parts(cfg)
-        n = (SMEM_BUDGET[arch] - q - o - misc) // kv
-        if n < 1:
-            raise ValueError(f"SMEM: not even one K/V stage fits for {cfg}")
-        return min(n, MAX_KV_STAGE)
+        # The barrier count (in misc) grows with kv_stage: try the largest stage count first.
+        for n in range(MAX_KV_STAGE, 0, -1):
+            if cls.for_config(cfg.replace(kv_stage=n), arch).total <= SMEM_BUDGET[arch]:
+                return n
+        raise ValueError(f"SMEM: not even one K/V stage fits for {cfg}")
 
     @property
     def kv_bytes(self) -> int:

@@ -6,9 +6,11 @@ With no --set, checks every combination of q_stage {1, 2}, kv_stage 1..6, use_2c
 and split_p {on, off} (combinations the config rules reject, e.g. 2-CTA with one K/V stage,
 are listed as skipped), each for n_blocks 1..6 and work tiles 1..3, by randomized schedules (a uniform one and one
 where waits run last, so producers run as far ahead as the protocol lets them), plus an
-exhaustive interleaving search of the 1-CTA protocols at small trip counts. ``--set`` fixes a field (grid
-fields included). Exit status 0 when no finding, 1 when the model reports a deadlock,
-over-arrival, phase overrun, never-completing wait, dangling arrival or race, 2 on bad input.
+interleaving search of the 1-CTA protocols at n_blocks <= 2 and one work tile, exhaustive when
+it finishes within ``--exhaustive-states`` (the summary and the JSON count the searches that
+ran out: those are not exhaustive). ``--set`` fixes a field (grid fields included). Exit
+status 0 when no finding, 1 when the model reports a deadlock, over-arrival, phase overrun,
+wrong phase or stage, never-completing wait, dangling arrival or race, 2 on bad input.
 
 ``--inject drop-release:P | extra-arrive:P | skip-wait:P`` applies that fault to pipeline P
 first; the model must then reject the protocol (exit 1 and name what it found).
@@ -26,7 +28,7 @@ import sys
 import time
 from collections import Counter
 
-from fa_sm100.config import FmhaConfig, parse_overrides
+from fa_sm100.config import FmhaConfig, default_head_dim_v, parse_overrides
 from pipelines.model import ProtocolModel, Report
 from pipelines.program import BRANCH_POLICIES, inject, parse_injection
 
@@ -38,6 +40,11 @@ GRID = {
 }
 N_BLOCKS = (1, 2, 3, 4, 5, 6)
 WORK_TILES = (1, 2, 3)
+# State budget of each exhaustive search. The largest 1-CTA search of the default grid
+# (q_stage 2, kv_stage 3, split P, n_blocks 2, one tile) visits about 43k states, so every
+# search of the default grid completes (about 1 min of CPU for all 32); a search that runs
+# out is counted as truncated in the result and the summary, never reported as exhaustive.
+EXHAUSTIVE_STATES = 50_000
 
 
 def parse_range(text: str) -> tuple[int, ...]:
@@ -59,7 +66,7 @@ def grid_configs(overrides: dict):
     axes = {k: ((overrides[k],) if k in overrides else v) for k, v in GRID.items()}
     fixed = {k: v for k, v in overrides.items() if k not in GRID}
     if "head_dim" in fixed and "head_dim_v" not in fixed:  # as config_from_overrides does
-        fixed["head_dim_v"] = 128 if fixed["head_dim"] == 192 else fixed["head_dim"]
+        fixed["head_dim_v"] = default_head_dim_v(fixed["head_dim"])
     for values in itertools.product(*axes.values()):
         fields = dict(zip(axes, values))
         try:
@@ -94,10 +101,16 @@ def check_config(cfg: FmhaConfig, programs: dict, n_blocks, work_tiles, seeds: i
             rep.merge(ProtocolModel(cfg, programs, bindings, policy).run_random(seed=seed))
             # the adversarial schedule: waits run last, producers run ahead
             rep.merge(ProtocolModel(cfg, programs, bindings, policy).run_random(seed, waits_last=True))
-        if exhaustive_states and n <= 2 and t == 1 and not cfg.use_2cta:
-            rep.merge(ProtocolModel(cfg, programs, bindings).explore(exhaustive_states))
+        random_truncated = rep.truncated  # a schedule cut off at run_random's step limit
+        exhaustive = bool(exhaustive_states) and n <= 2 and t == 1 and not cfg.use_2cta
+        ex_truncated = False
+        if exhaustive:
+            ex = ProtocolModel(cfg, programs, bindings).explore(exhaustive_states)
+            ex_truncated = ex.truncated
+            rep.merge(ex)
         rows.append({"n_blocks": n, "work_tiles": t, "schedules": rep.schedules,
-                     "states": rep.states, "truncated": rep.truncated,
+                     "states": rep.states, "exhaustive": exhaustive,
+                     "exhaustive_truncated": ex_truncated, "random_truncated": random_truncated,
                      "findings": [{"kind": f.kind, "message": f.message} for f in rep.findings]})
     return rows
 
@@ -107,7 +120,7 @@ class SourceError(RuntimeError):
 
 
 def run(overrides: dict, injection=None, source: str = "kernel", n_blocks=N_BLOCKS,
-        work_tiles=WORK_TILES, seeds: int = 1, exhaustive_states: int = 2000,
+        work_tiles=WORK_TILES, seeds: int = 1, exhaustive_states: int = EXHAUSTIVE_STATES,
         stop_on_finding: bool = False) -> dict:
     """Check the grid; return the JSON-able result (``result["ok"]``)."""
     t0 = time.perf_counter()
@@ -141,6 +154,7 @@ def run(overrides: dict, injection=None, source: str = "kernel", n_blocks=N_BLOC
     # one message of every kind first, then the rest in order
     messages = list(first_of_kind.values()) + [m for m in messages if m not in first_of_kind.values()]
     runs = sum(len(r["runs"]) for r in results)
+    rows = [row for r in results for row in r["runs"]]
     return {
         "ok": not kinds,
         "source": source,
@@ -151,6 +165,11 @@ def run(overrides: dict, injection=None, source: str = "kernel", n_blocks=N_BLOC
         "runs": runs,
         "schedules": sum(row["schedules"] for r in results for row in r["runs"]),
         "states_explored": sum(row["states"] for r in results for row in r["runs"]),
+        "exhaustive_state_budget": exhaustive_states,
+        "exhaustive_runs": sum(row["exhaustive"] for row in rows),
+        # searches that ran out of states: not exhaustive, whatever they found
+        "exhaustive_truncated": sum(row["exhaustive_truncated"] for row in rows),
+        "random_truncated": sum(row["random_truncated"] for row in rows),
         "findings_by_kind": dict(kinds),
         "first_findings": messages[:10],
         "seconds": round(time.perf_counter() - t0, 2),
@@ -164,11 +183,20 @@ def summary(result: dict) -> str:
         + (f", injected {result['injection']}" if result["injection"] else "") + ")",
         f"configs checked: {result['configs_checked']} (skipped by config rules: "
         f"{len(result['configs_skipped'])}); runs: {result['runs']}; random schedules: "
-        f"{result['schedules']}; exhaustive states: {result['states_explored']}; "
-        f"{result['seconds']} s",
+        f"{result['schedules']}; {result['seconds']} s",
+        f"exhaustive searches: {result['exhaustive_runs']}, "
+        + (f"of which {result['exhaustive_runs'] - result['exhaustive_truncated']} complete and "
+           f"{result['exhaustive_truncated']} truncated at {result['exhaustive_state_budget']} states "
+           f"(not exhaustive)" if result["exhaustive_truncated"] else
+           f"all complete (state budget {result['exhaustive_state_budget']})")
+        + f"; states explored: {result['states_explored']}",
     ]
+    if result["random_truncated"]:
+        lines.append(f"random schedules cut off at the step limit: {result['random_truncated']} runs")
     if result["ok"]:
-        lines.append("OK: no deadlock, over-arrival, phase overrun, dangling arrival or race")
+        lines.append("OK: no deadlock, over-arrival, phase overrun, wrong phase, dangling arrival or race"
+                     + (" (but the truncated searches above are incomplete)"
+                        if result["exhaustive_truncated"] else ""))
     else:
         kinds = ", ".join(f"{k} x{v}" for k, v in sorted(result["findings_by_kind"].items()))
         lines.append(f"FAILED: {kinds}")
@@ -188,8 +216,9 @@ def main(argv=None) -> int:
     ap.add_argument("--n-blocks", default="1-6", help="trip counts of the K/V loop (default 1-6)")
     ap.add_argument("--work-tiles", default="1-3", help="work tiles per CTA (default 1-3)")
     ap.add_argument("--seeds", type=int, default=1, help="random schedules per run (default 1)")
-    ap.add_argument("--exhaustive-states", type=int, default=2000,
-                    help="state budget of each exhaustive search (0: none)")
+    ap.add_argument("--exhaustive-states", type=int, default=EXHAUSTIVE_STATES,
+                    help=f"state budget of each exhaustive search (0: none; default "
+                         f"{EXHAUSTIVE_STATES}, enough for every search of the default grid)")
     ap.add_argument("--stop-on-finding", action="store_true",
                     help="stop after the first config with a finding")
     args = ap.parse_args(argv)

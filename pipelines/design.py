@@ -5,6 +5,8 @@ pipeline objects the kernel uses (built by ``pipelines.spec.build_pipelines`` in
 ``record.recording(dry=True)``, so they log and emit nothing), marks run-time loops and
 branches, and declares its TMEM/SMEM accesses. ``design_recording(cfg)`` returns the
 ``Recording`` the protocol model checks until (and besides) the kernel's own recording.
+Every wait and acquire passes a ``PipelineState`` (per-Q-stage pipelines: one state fixed on
+each Q stage), so the recording knows each parity and the model checks it.
 
 Per work tile with n K/V blocks (iteration j = 0..n-1 visits block n-1-j):
 
@@ -37,9 +39,16 @@ def _p_cols(cfg: FmhaConfig) -> tuple[int, int]:
     return first, total
 
 
+def _states(pipe, cfg, producer: bool):
+    """One phase-tracking state per Q stage of a per-Q-stage pipeline (fixed on that stage)."""
+    make = pipe.make_producer_state if producer else pipe.make_consumer_state
+    return [make(s) for s in range(cfg.q_stage)]
+
+
 def load(cfg, p):
     kv_bytes = {"K": get_spec("kv").tx_bytes(cfg, "K"), "V": get_spec("kv").tx_bytes(cfg, "V")}
     kv = p.kv.make_producer_state()
+    q = _states(p.q, cfg, producer=True)
 
     def load_kv(which):
         p.kv.producer_acquire(kv, expected_tx=kv_bytes[which])
@@ -50,9 +59,10 @@ def load(cfg, p):
     with record.loop("work_tiles"):
         load_kv("K")
         for s in range(cfg.q_stage):
-            p.q.producer_acquire(s, 0)
+            p.q.producer_acquire(q[s])
             record.access(f"sQ{s}", "w", unit="tma", done_by="q")
-            p.q.producer_commit(s)
+            p.q.producer_commit(q[s])
+            q[s].advance()
         load_kv("V")
         with record.loop("n_blocks - 1"):
             load_kv("K")
@@ -62,6 +72,10 @@ def load(cfg, p):
 def mma(cfg, p):
     split, total = _p_cols(cfg)
     kv = p.kv.make_consumer_state()
+    q = _states(p.q, cfg, producer=False)
+    spo = _states(p.s_p_o, cfg, producer=True)
+    o_acc = _states(p.o_acc, cfg, producer=True)
+    last = _states(p.p_lastsplit, cfg, producer=False) if cfg.split_p else None
 
     def s_mma(s, kv_back):
         record.access(f"sQ{s}", "r", unit="umma")
@@ -71,26 +85,30 @@ def mma(cfg, p):
 
     def pv_mma(s, v_back):
         v_stage = "kv" if v_back == 0 else f"kv-{v_back}"
-        p.s_p_o.producer_acquire(s, 0)
+        p.s_p_o.producer_acquire(spo[s])
+        spo[s].advance()
         record.access(f"P{s}", "r", unit="umma", cols=(0, split))
         record.access("sKV", "r", unit="umma", stage_of=v_stage)
         record.access(f"O{s}", "w", unit="umma")
         if cfg.split_p:
-            p.p_lastsplit.consumer_wait(s, 0)
+            p.p_lastsplit.consumer_wait(last[s])
             record.access(f"P{s}", "r", unit="umma", cols=(split, total))
-            p.p_lastsplit.consumer_release(s)
+            p.p_lastsplit.consumer_release(last[s])
+            last[s].advance()
 
     named_sync(NamedBarrier.TMEM_ALLOC)
-    with record.loop("work_tiles"):
+    # The non-leader CTA's MMA warp joins the named barrier and issues nothing.
+    with record.branch("is_leader_cta"), record.loop("work_tiles"):
         for s in range(cfg.q_stage):
-            p.q.consumer_wait(s, 0)
+            p.q.consumer_wait(q[s])
         p.kv.consumer_wait(kv)  # K[n-1]
         for s in range(cfg.q_stage):
             s_mma(s, 0)
         p.kv.consumer_release(kv)
         kv.advance()
         for s in range(cfg.q_stage):
-            p.o_acc.producer_acquire(s, 0)  # the previous tile's O was read out
+            p.o_acc.producer_acquire(o_acc[s])  # the previous tile's O was read out
+            o_acc[s].advance()
         with record.loop("n_blocks - 1"):
             p.kv.consumer_wait(kv)  # V[i]
             v = kv.clone()
@@ -115,7 +133,8 @@ def mma(cfg, p):
             p.kv.consumer_release(kv)
             kv.advance()
         for s in range(cfg.q_stage):
-            p.q.consumer_release(s)
+            p.q.consumer_release(q[s])
+            q[s].advance()
         p.kv.consumer_wait(kv)  # V[0]
         for s in range(cfg.q_stage):
             pv_mma(s, 0)
@@ -129,58 +148,75 @@ def softmax(cfg, p, s):
     named_sync(NamedBarrier.TMEM_ALLOC)
     if s >= cfg.q_stage:
         return  # the warpgroup exists but has no Q stage to work on
+    spo = p.s_p_o.make_consumer_state(s)
+    stats = p.sm_stats.make_producer_state(s)
+    last = p.p_lastsplit.make_producer_state(s) if cfg.split_p else None
+
+    def hand_off_stats():
+        p.sm_stats.producer_acquire(stats)
+        record.access(f"stats{s}", "w")
+        p.sm_stats.producer_commit(stats)
+        stats.advance()
 
     def block():
-        p.s_p_o.consumer_wait(s, 0)
+        p.s_p_o.consumer_wait(spo)
         record.access(f"S{s}", "r")
-        p.sm_stats.producer_acquire(s, 0)
-        record.access(f"stats{s}", "w")
-        p.sm_stats.producer_commit(s)
+        hand_off_stats()
         record.access(f"P{s}", "w", cols=(0, split))
-        p.s_p_o.consumer_release(s)
+        p.s_p_o.consumer_release(spo)
+        spo.advance()
         if cfg.split_p:
-            p.p_lastsplit.producer_acquire(s, 0)
+            p.p_lastsplit.producer_acquire(last)
             record.access(f"P{s}", "w", cols=(split, total))
-            p.p_lastsplit.producer_commit(s)
+            p.p_lastsplit.producer_commit(last)
+            last.advance()
 
     with record.loop("work_tiles"):
         with record.loop("n_blocks"):
             block()
-        p.sm_stats.producer_acquire(s, 0)  # row sum and max of the tile
-        record.access(f"stats{s}", "w")
-        p.sm_stats.producer_commit(s)
+        hand_off_stats()  # row sum and max of the tile
 
 
 def correction(cfg, p):
+    stats = _states(p.sm_stats, cfg, producer=False)
+    o_acc = _states(p.o_acc, cfg, producer=False)
+    o_epi = _states(p.o_epi, cfg, producer=True)
+
+    def take_stats(s):
+        p.sm_stats.consumer_wait(stats[s])
+        record.access(f"stats{s}", "r")
+        p.sm_stats.consumer_release(stats[s])
+        stats[s].advance()
+
     named_sync(NamedBarrier.TMEM_ALLOC)
     with record.loop("work_tiles"):
         with record.loop("n_blocks"):
             for s in range(cfg.q_stage):
-                p.sm_stats.consumer_wait(s, 0)
-                record.access(f"stats{s}", "r")
-                p.sm_stats.consumer_release(s)
+                take_stats(s)
                 with record.branch("rescale"):
                     record.access(f"O{s}", "r")
                     record.access(f"O{s}", "w")
                 p.s_p_o.consumer_release(s)
         for s in range(cfg.q_stage):
-            p.sm_stats.consumer_wait(s, 0)  # row sum
-            record.access(f"stats{s}", "r")
-            p.sm_stats.consumer_release(s)
-            p.o_acc.consumer_wait(s, 0)
+            take_stats(s)  # row sum
+            p.o_acc.consumer_wait(o_acc[s])
             record.access(f"O{s}", "r")
-            p.o_epi.producer_acquire(s, 0)
+            p.o_epi.producer_acquire(o_epi[s])
             record.access(f"sO{s}", "w")
-            p.o_epi.producer_commit(s)
-            p.o_acc.consumer_release(s)
+            p.o_epi.producer_commit(o_epi[s])
+            o_epi[s].advance()
+            p.o_acc.consumer_release(o_acc[s])
+            o_acc[s].advance()
 
 
 def epilogue(cfg, p):
+    o_epi = _states(p.o_epi, cfg, producer=False)
     with record.loop("work_tiles"):
         for s in range(cfg.q_stage):
-            p.o_epi.consumer_wait(s, 0)
+            p.o_epi.consumer_wait(o_epi[s])
             record.access(f"sO{s}", "r", note="TMA store, waited before the release")
-            p.o_epi.consumer_release(s)
+            p.o_epi.consumer_release(o_epi[s])
+            o_epi[s].advance()
 
 
 def design_recording(cfg: FmhaConfig) -> record.Recording:

@@ -25,7 +25,10 @@ stage for the record when the index is a run-time value::
     pipe.consumer_wait(stage, phase, stage_hint=None)
     pipe.consumer_release(stage, stage_hint=None, note="")
     pipe.full_barrier(stage)          pointer for TMA copies and gemm-internal waits
-    pipe.make_producer_state() / pipe.make_consumer_state()     PipelineState at the start
+    pipe.make_producer_state(stage=None) / pipe.make_consumer_state(stage=None)
+        PipelineState at the start (a ring state; with ``stage``, a state fixed on that
+        compile-time stage whose phase flips on each advance). The recording logs its creation
+        and advances, so the model checks the parity of every wait that uses it.
 
 ``producer_commit`` on a thread-arrive pipeline is a plain ``mbarrier.arrive`` (no expect-tx):
 the reference implementation routed it through the TMA-load arrive, a known defect; the
@@ -77,16 +80,27 @@ class PipelineState:
     The phase is the parity the next wait expects. ``advance()`` moves to the next stage and
     flips the phase when it wraps. Works with Python ints (dry recording) and DSL Int32
     values (loop-carried through dynamic loops).
+
+    ``fixed=True``: a state that stays on the compile-time stage ``index`` (a Python int) of a
+    per-Q-stage pipeline and only flips its phase on ``advance()`` (``stages`` is then 1);
+    only the phase is a run-time value. ``rid`` is the id under which the recording
+    (``record.new_state``) tracks this state, so the model can check every wait's parity.
     """
 
-    def __init__(self, stages: int, index: Any, phase: Any):
+    def __init__(self, stages: int, index: Any, phase: Any, fixed: bool = False,
+                 rid: Optional[int] = None):
         if stages < 1:
             raise ValueError(f"PipelineState: stages={stages} must be >= 1")
+        if fixed and (stages != 1 or not isinstance(index, int)):
+            raise ValueError("PipelineState: a fixed-stage state has stages=1 and a Python int index")
         self.stages = stages
         self.index = index
         self.phase = phase
+        self.fixed = fixed
+        self.rid = rid
 
     def advance(self) -> None:
+        record.advance_state(self.rid)
         if self.stages == 1:
             self.phase = self.phase ^ 1
             return
@@ -96,18 +110,25 @@ class PipelineState:
         self.phase = self.phase ^ wrap
 
     def clone(self) -> "PipelineState":
-        return PipelineState(self.stages, self.index, self.phase)
+        return PipelineState(self.stages, self.index, self.phase, self.fixed,
+                             record.clone_state(self.rid))
 
     def __get_mlir_types__(self):
+        if self.fixed:
+            return [self.phase.type]
         return [self.index.type, self.phase.type]
 
     def __extract_mlir_values__(self):
+        if self.fixed:
+            return [self.phase.ir_value()]
         return [self.index.ir_value(), self.phase.ir_value()]
 
     def __new_from_mlir_values__(self, values):
         from cutlass import Int32
 
-        return PipelineState(self.stages, Int32(values[0]), Int32(values[1]))
+        if self.fixed:
+            return PipelineState(1, self.index, Int32(values[0]), True, self.rid)
+        return PipelineState(self.stages, Int32(values[0]), Int32(values[1]), False, self.rid)
 
 
 def _int(v: int):
@@ -211,13 +232,24 @@ class MbarrierPipeline:
             (self.empty_barrier(i), self.empty_count) for i in range(self.stages)
         ]
 
-    def make_producer_state(self) -> PipelineState:
+    def make_producer_state(self, stage: Optional[int] = None) -> PipelineState:
         """Producer starts on stage 0 with phase 1 (every stage empty) -- or phase 0 when the
-        table says the producer commits before its first acquire (s_p_o)."""
-        return PipelineState(self.stages, _int(0), _int(1 if self.spec.producer_starts_empty else 0))
+        table says the producer commits before its first acquire (s_p_o). ``stage``: a state
+        fixed on that compile-time stage (per-Q-stage pipelines)."""
+        return self._state(stage, 1 if self.spec.producer_starts_empty else 0)
 
-    def make_consumer_state(self) -> PipelineState:
-        return PipelineState(self.stages, _int(0), _int(0))
+    def make_consumer_state(self, stage: Optional[int] = None) -> PipelineState:
+        """Consumer starts on stage 0 with phase 0 (nothing full yet); ``stage`` as above."""
+        return self._state(stage, 0)
+
+    def _state(self, stage: Optional[int], phase: int) -> PipelineState:
+        if stage is None:
+            rid = record.new_state(self.name, self.stages, 0, phase)
+            return PipelineState(self.stages, _int(0), _int(phase), rid=rid)
+        if not (isinstance(stage, int) and 0 <= stage < self.stages):
+            raise ValueError(f"pipeline {self.name}: fixed stage {stage!r} not in 0..{self.stages - 1}")
+        rid = record.new_state(self.name, 1, stage, phase)
+        return PipelineState(1, stage, _int(phase), fixed=True, rid=rid)
 
     # -- low-level arrive / wait -----------------------------------------------------------
     def _arrive(self, ptr, kind: str, dst: str, tx: int = 0) -> None:
@@ -266,10 +298,23 @@ class MbarrierPipeline:
         """(index, phase, stage hint for the record). A PipelineState's index is a run-time
         ring position (no hint); a Python int index is a compile-time stage (its own hint)."""
         if isinstance(stage, PipelineState):
+            if stage.fixed and stage_hint is None:
+                stage_hint = stage.index
             return stage.index, stage.phase, stage_hint
         if stage_hint is None and isinstance(stage, int):
             stage_hint = stage
         return stage, phase, stage_hint
+
+    @staticmethod
+    def _rid(stage) -> Optional[int]:
+        return stage.rid if isinstance(stage, PipelineState) else None
+
+    @staticmethod
+    def _literal(stage, phase):
+        """The phase to record as a literal: an explicit (stage, phase) call's phase; None for
+        a PipelineState, whose phase the recording tracks through its creation and advances
+        (its value while tracing is only that of the first pass through a loop body)."""
+        return None if isinstance(stage, PipelineState) else phase
 
     # -- producer --------------------------------------------------------------------------
     def producer_acquire(self, stage, phase=None, expected_tx: Optional[int] = None,
@@ -281,7 +326,8 @@ class MbarrierPipeline:
         tma = self.full_arrive == "expect_tx"
         tx = (self.tx_count if expected_tx is None else int(expected_tx)) if tma else 0
         record.emit("acquire", self.name, hint,
-                    arrive="expect_tx" if tma else None, dst="local" if tma else None, tx=tx)
+                    arrive="expect_tx" if tma else None, dst="local" if tma else None, tx=tx,
+                    phase=self._literal(stage, phase), state=self._rid(stage))
         self._wait(self.empty_barrier(index), phase)
         if tma:
             self._arrive(self.full_barrier(index), "expect_tx", "local", tx)
@@ -290,23 +336,24 @@ class MbarrierPipeline:
         """Signal ``stage`` full. TMA pipelines: nothing to issue (the bytes complete it)."""
         index, _, hint = self._split(stage, None, stage_hint)
         if self.full_arrive == "expect_tx":
-            record.emit("commit", self.name, hint, note=note or "tx-completed")
+            record.emit("commit", self.name, hint, note=note or "tx-completed", state=self._rid(stage))
             return
-        record.emit("commit", self.name, hint, note=note, arrive=self.full_arrive, dst=self.full_dst)
+        record.emit("commit", self.name, hint, note=note, arrive=self.full_arrive, dst=self.full_dst,
+                    state=self._rid(stage))
         self._arrive(self.full_barrier(index), self.full_arrive, self.full_dst)
 
     # -- consumer --------------------------------------------------------------------------
     def consumer_wait(self, stage, phase=None, stage_hint: Optional[int] = None) -> None:
         """Wait until ``stage`` is full (its full barrier completed the phase of parity ``phase``)."""
         index, phase, hint = self._split(stage, phase, stage_hint)
-        record.emit("wait", self.name, hint)
+        record.emit("wait", self.name, hint, phase=self._literal(stage, phase), state=self._rid(stage))
         self._wait(self.full_barrier(index), phase)
 
     def consumer_release(self, stage, stage_hint: Optional[int] = None, note: str = "") -> None:
         """Hand ``stage`` back to the producer (arrive on its empty barrier)."""
         index, _, hint = self._split(stage, None, stage_hint)
         record.emit("release", self.name, hint, note=note,
-                    arrive=self.empty_arrive, dst=self.empty_dst)
+                    arrive=self.empty_arrive, dst=self.empty_dst, state=self._rid(stage))
         self._arrive(self.empty_barrier(index), self.empty_arrive, self.empty_dst)
 
 

@@ -7,7 +7,9 @@ MMA of the warp completed) and the TMA unit (each load completes its bytes indep
 
 mbarriers are simulated exactly: pending arrival count, phase (completed phases), transaction
 bytes. A wait for round r passes once the barrier completed phase r (``phase > r``).
-Named barriers block each participant until all participants of the CTA arrived.
+A named barrier blocks each arriving actor until the arrived threads of its CTA (warps x 32
+per actor) reach the count the ``bar.sync`` declares, as the hardware counts. The MMA warp
+of a non-leader CTA is an actor when the MMA program branches on ``is_leader_cta``.
 
 Each scheduler step runs one enabled action (an actor's next operation, the UMMA unit's next
 commit, or one pending TMA completion). ``run_random`` draws schedules; ``explore`` searches
@@ -22,7 +24,10 @@ synchronization state, run eagerly). Findings:
 - ``phase-overrun``: a wait finds its barrier two or more phases ahead (parity aliasing);
 - ``race``: two accesses to the same TMEM columns or SMEM stage, at least one a write, not
   ordered by happens-before (vector clocks carried by arrivals, completions and waits);
-- ``dangling-arrival``: a phase left partly arrived when every actor finished.
+- ``dangling-arrival``: a phase left partly arrived when every actor finished;
+- ``wrong-phase``: a wait whose recorded parity (a compile-time int or a tracked
+  ``PipelineState``) is not the parity of the round it waits for; ``wrong-stage``: a
+  tracked state whose index is not the stage the operation takes (both static checks).
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from typing import Optional
 
 from fa_sm100.config import WARP_SIZE, FmhaConfig
 from layouts.tmem import TmemPlan
-from pipelines.named_barriers import NAMED_BARRIER_ROLES, NamedBarrier
+from pipelines.named_barriers import NamedBarrier, num_threads
 from pipelines.program import SMEM_ALIASES, Op, flatten, policy_then, uses_condition
 from pipelines.spec import active_specs
 
@@ -161,8 +166,10 @@ class ProtocolModel:
             if role not in role_warps:
                 raise ValueError(f"recorded role {role!r} is not a warp role ({sorted(role_warps)})")
             for cta in range(self.ctas):
+                # The MMA warp of a non-leader CTA exists (it joins named barriers) only when
+                # its program says what it does there (a branch on is_leader_cta).
                 if role == "mma" and cta > 0 and not uses_condition(nodes, "is_leader_cta"):
-                    continue  # the MMA warp issues UMMAs only in the leader CTA
+                    continue
                 ops = flatten(nodes, bindings, self.stages, cta, policy, role)
                 self.actors.append(Actor(f"{role}@{cta}", role, cta, ops, len(role_warps[role])))
         self.names = [a.name for a in self.actors]
@@ -175,6 +182,9 @@ class ProtocolModel:
                         self.expected[(name, side, st, cta)] = count
         self.findings: list[Finding] = []
         self._seen: set = set()
+        roles = cfg.warp_roles()
+        self.nb_threads = {b.name: num_threads(b, roles) for b in NamedBarrier}
+        self._check_parities()
 
     # -- findings ---------------------------------------------------------------------------
     def _find(self, kind: str, message: str) -> None:
@@ -184,6 +194,33 @@ class ProtocolModel:
 
     def _where(self, i: int, op: Op) -> str:
         return f"{self.names[i]} op #{op.index} ({op.describe()})"
+
+    # -- phases -----------------------------------------------------------------------------
+    def _check_parities(self) -> None:
+        """Every wait/acquire whose parity the recording knows (a compile-time int, or a
+        tracked PipelineState) must pass the parity of the round it waits for: round r of a
+        barrier completes phase r, so the parity is r % 2 (r = -1, parity 1, for a producer's
+        first acquire of an initially empty stage). A tracked state's index must be the stage
+        the operation uses. Static: the same for every schedule."""
+        for a in self.actors:
+            for op in a.ops:
+                if op.kind not in ("wait", "acquire"):
+                    continue
+                who = f"{a.name} op #{op.index} ({op.describe()})"
+                if op.state_index is not None and op.state_index != op.stage:
+                    self._find("wrong-stage", f"{who} uses stage {op.state_index} of its pipeline "
+                               f"state, but this is the pipeline's stage {op.stage} in program order")
+                if op.phase is None:
+                    continue
+                r = op.round
+                if op.kind == "acquire" and self.specs[op.pipe].producer_starts_empty:
+                    r -= 1
+                if op.phase != r % 2:
+                    side = "full" if op.kind == "wait" else "empty"
+                    what = (f"phase {r} of {op.pipe}.{side}[{op.stage}]" if r >= 0 else
+                            f"the initially empty {op.pipe}.{side}[{op.stage}]")
+                    self._find("wrong-phase", f"{who} waits with parity {op.phase} for {what}, which "
+                               f"needs parity {r % 2}: the wait passes a phase early or never")
 
     # -- barriers ---------------------------------------------------------------------------
     def _bar(self, st: State, key):
@@ -344,25 +381,35 @@ class ProtocolModel:
         st.pcs[i] += 1
 
     def _named_sync(self, st: State, i: int, a: Actor, op: Op) -> bool:
-        bar = NamedBarrier[op.pipe]
+        """bar.sync: the barrier opens once the arrived threads reach the count it declares
+        (the recorded count, else ``num_threads``), whoever they are, as in hardware."""
         key = (op.pipe, a.cta)
         if st.nb_reg[i] is not None:
             _, gen = st.nb_reg[i]
             st.vcs[i] = join(st.vcs[i], st.nb_done[(key, gen)])
             st.nb_reg[i] = None
             return False
-        parts = {j for j, b in enumerate(self.actors)
-                 if b.cta == a.cta and b.role in NAMED_BARRIER_ROLES[bar]}
+        need = self._nb_need(op)
         gen, arrived, vc = st.nb.get(key, (0, frozenset(), {}))
         arrived = arrived | {i}
         vc = join(vc, self._bump(st, i))
         st.nb_reg[i] = (key, gen)
-        if arrived >= parts:
+        have = self._nb_threads(arrived)
+        if have > need:
+            self._find("over-arrival", f"{self._where(i, op)}: {have} threads arrive at named barrier "
+                       f"{op.pipe} (CTA {a.cta}), which declares {need}")
+        if have >= need:
             st.nb_done[(key, gen)] = vc
             st.nb[key] = (gen + 1, frozenset(), {})
         else:
             st.nb[key] = (gen, arrived, vc)
         return True
+
+    def _nb_need(self, op: Op) -> int:
+        return op.threads or self.nb_threads[op.pipe]
+
+    def _nb_threads(self, arrived) -> int:
+        return sum(self.actors[j].warps * WARP_SIZE for j in arrived)
 
     # -- races ------------------------------------------------------------------------------
     def _cells(self, a: Actor, op: Op):
@@ -453,7 +500,10 @@ class ProtocolModel:
                     self._find("never-completing-wait", f"{self._where(i, op)}: no remaining operation "
                                f"of any role arrives on {self._bar_name(key)}, so phase {r} never completes")
             else:
-                blocked.append(f"{self._where(i, op)} waits at the named barrier")
+                key = (op.pipe, a.cta)
+                have = self._nb_threads(st.nb.get(key, (0, frozenset(), {}))[1]) if st.nb_reg[i] else 0
+                blocked.append(f"{self._where(i, op)} waits at the named barrier {op.pipe} "
+                               f"({have} of {self._nb_need(op)} threads arrived)")
         if blocked:
             self._find("deadlock", "deadlock: " + "; ".join(blocked))
             return

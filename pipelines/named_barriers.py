@@ -4,9 +4,11 @@ Barrier 0 is ``__syncthreads``; ours start at 1. A named barrier synchronizes a 
 threads of one CTA (``bar.sync id, nthreads``). Each member of ``NamedBarrier`` names the roles
 that take part; the thread count is derived from ``WarpRoles`` (never typed as a literal).
 
-``named_sync(barrier, cfg)`` issues ``bar.sync`` while tracing and records a ``named_sync``
-event for the protocol model (pipelines/model.py), which blocks each participant until all
-participants of that CTA have arrived.
+``named_sync(barrier, roles)`` issues ``bar.sync`` while tracing and records a ``named_sync``
+event with the thread count it declares for the protocol model (pipelines/model.py), which
+blocks each arriving role of a CTA until that many threads of the CTA have arrived -- as the
+hardware counts, so a participant that never arrives (e.g. the MMA warp of the non-leader
+CTA) is a deadlock.
 """
 
 from __future__ import annotations
@@ -23,20 +25,11 @@ class NamedBarrier(enum.IntEnum):
     # The MMA warp allocates TMEM and writes the base address to SMEM; every role that reads
     # or writes TMEM waits here before using the address.
     TMEM_ALLOC = 1
-    # Softmax warpgroup of Q stage 0 / 1 <-> correction warpgroup: row statistics in SMEM
-    # (used when the kernel hands the statistics over by named barrier instead of sm_stats).
-    SOFTMAX_CORRECTION_STATS_0 = 2
-    SOFTMAX_CORRECTION_STATS_1 = 3
-    # The correction warpgroup's four warps agree on the rescale vote.
-    CORRECTION_VOTE = 4
 
 
 # Roles taking part in each named barrier ("softmax" = both softmax warpgroups).
 NAMED_BARRIER_ROLES: dict[NamedBarrier, tuple[str, ...]] = {
     NamedBarrier.TMEM_ALLOC: ("mma", "softmax0", "softmax1", "correction"),
-    NamedBarrier.SOFTMAX_CORRECTION_STATS_0: ("softmax0", "correction"),
-    NamedBarrier.SOFTMAX_CORRECTION_STATS_1: ("softmax1", "correction"),
-    NamedBarrier.CORRECTION_VOTE: ("correction",),
 }
 
 
@@ -70,11 +63,13 @@ def check_named_barriers() -> None:
 
 
 def named_sync(barrier: NamedBarrier, roles: WarpRoles | None = None) -> None:
-    """``bar.sync barrier, num_threads(barrier)`` (records a ``named_sync`` event first)."""
+    """``bar.sync barrier, num_threads(barrier, roles)`` (records a ``named_sync`` event with
+    that thread count first). ``roles``: the kernel's ``WarpRoles`` (default ``WarpRoles()``)."""
     barrier = NamedBarrier(barrier)
-    record.emit("named_sync", barrier.name)
+    threads = num_threads(barrier, roles)
+    record.emit("named_sync", barrier.name, threads=threads)
     if record.is_dry():
         return
     import cutlass.cute as cute
 
-    cute.arch.barrier(barrier_id=int(barrier), number_of_threads=num_threads(barrier, roles))
+    cute.arch.barrier(barrier_id=int(barrier), number_of_threads=threads)

@@ -6,11 +6,15 @@ run-time branches. ``flatten`` unrolls it for concrete trip counts (``bindings``
 operation's stage and round statically: the k-th ``acquire`` of a role on a ring pipeline
 uses stage ``k % stages`` in round ``k // stages``; with a stage hint (a compile-time Q
 stage) it uses that stage and counts rounds per stage. Acquire/commit and wait/release keep
-separate counters, which is what in-order (index, phase) pipeline states produce.
+separate counters, which is what in-order (index, phase) pipeline states produce. Each
+wait/acquire also gets the parity the code passes where the recording knows it: a
+compile-time int, or the replayed value of the ``PipelineState`` it used (its recorded
+creation, advances and clones); the model checks it against the round.
 
 ``inject`` applies the faults the CLI and tests use: ``drop-release:P`` removes every release
 of P, ``skip-wait:P`` every consumer wait of P, ``extra-arrive:P`` adds a second arrival
-after every producer commit of P.
+after every producer commit of P. ``flip_initial_phase(programs, P)`` starts every state of P
+with the other phase (the wrong-initial-phase fault).
 
 Access regions: TMEM regions come from ``TmemPlan`` (S0, S1, P0, P1, O0, O1, compared by
 columns, so P0 aliases S0's upper half). SMEM buffers are named ``sQ``, ``sKV`` (``sK`` and
@@ -55,6 +59,12 @@ class Op:
     bar_stage: int = 0
     bar_round: int = 0
     bar_tx: int = 0
+    # acquire / wait: the parity the code passes (None: a run-time value the recording cannot
+    # see); state_index: the index of the PipelineState it used (None: no state / unknown)
+    phase: Optional[int] = None
+    state_index: Optional[int] = None
+    # named_sync: the thread count the bar.sync declares (0: not recorded)
+    threads: int = 0
 
     def describe(self) -> str:
         if self.kind == "access":
@@ -133,6 +143,7 @@ def flatten(nodes, bindings: dict, stages: dict, cta: int = 0,
     last_commit: dict = {}  # pipe -> (stage, round, arrive, dst)
     last_acquire: dict = {}  # pipe -> (stage, round, tx)
     branch_count: dict = {}
+    pstates: dict = {}  # PipelineState id -> [stages, index, phase] (None where unknown)
 
     def resolve(ev: Event):
         if ev.pipeline not in stages:
@@ -169,8 +180,35 @@ def flatten(nodes, bindings: dict, stages: dict, cta: int = 0,
             else:
                 emit(node)
 
+    def state_of(ev: Event):
+        """(index, phase) of the PipelineState ``ev`` used, each None where unknown."""
+        if ev.state is None or ev.state not in pstates:
+            return None, ev.phase
+        _, index, phase = pstates[ev.state]
+        return index, phase
+
     def emit(ev: Event):
         idx = len(out)
+        if ev.op == "state_new":
+            pstates[ev.state] = [ev.stages, ev.stage_hint, ev.phase]
+            return
+        if ev.op == "state_clone":
+            pstates[ev.state] = list(pstates[ev.src]) if ev.src in pstates else [1, None, None]
+            return
+        if ev.op == "state_advance":
+            if ev.state in pstates:
+                n, index, phase = pstates[ev.state]
+                if n == 1:  # one stage, or a state fixed on a compile-time stage
+                    phase = None if phase is None else phase ^ 1
+                elif index is not None:
+                    index += 1
+                    wrap = index // n
+                    index -= wrap * n
+                    phase = None if phase is None else phase ^ wrap
+                else:
+                    phase = None
+                pstates[ev.state] = [n, index, phase]
+            return
         if ev.op == "skipped_wait":
             stage, _ = resolve(replace(ev, op="wait"))
             history.setdefault(ev.pipeline, []).append(stage)
@@ -182,7 +220,13 @@ def flatten(nodes, bindings: dict, stages: dict, cta: int = 0,
                 last_commit[ev.pipeline] = (stage, rnd, ev.arrive, ev.dst)
             if ev.op == "acquire":
                 last_acquire[ev.pipeline] = (stage, rnd, ev.tx)
-            out.append(Op(ev.op, idx, ev.pipeline, stage, rnd, ev.arrive, ev.dst, ev.tx, note=ev.note))
+            index, phase = state_of(ev)
+            if ev.op in ("commit", "release"):
+                phase = None  # arrivals carry no parity
+            elif ev.stage_hint is not None and ev.state in pstates and pstates[ev.state][0] == 1:
+                index = ev.stage_hint  # a fixed-stage state: its index is the hint itself
+            out.append(Op(ev.op, idx, ev.pipeline, stage, rnd, ev.arrive, ev.dst, ev.tx, note=ev.note,
+                          phase=phase, state_index=index))
         elif ev.op == "extra_arrive":
             if ev.pipeline not in last_commit:
                 return  # nothing committed yet: nothing to duplicate
@@ -209,7 +253,7 @@ def flatten(nodes, bindings: dict, stages: dict, cta: int = 0,
                           done_by=ev.done_by, cols=ev.cols, tx=ev.tx, note=ev.note,
                           bar_stage=bar[0], bar_round=bar[1], bar_tx=bar[2]))
         elif ev.op == "named_sync":
-            out.append(Op("named_sync", idx, ev.pipeline, note=ev.note))
+            out.append(Op("named_sync", idx, ev.pipeline, note=ev.note, threads=ev.threads))
         else:
             raise ValueError(f"role {role}: unknown recorded op {ev.op!r}")
 
@@ -229,6 +273,34 @@ def parse_injection(text: str) -> tuple[str, str]:
     if pipe not in PIPELINE_NAMES:
         raise ValueError(f"--inject {text!r}: unknown pipeline {pipe!r}; pipelines: {PIPELINE_NAMES}")
     return kind, pipe
+
+
+def flip_initial_phase(programs: dict, pipe: str) -> dict:
+    """A copy of ``programs`` in which every ``PipelineState`` of ``pipe`` starts with the
+    other phase, and every compile-time parity passed to ``pipe``'s waits is flipped (the
+    "wrong initial phase" fault). ValueError when ``pipe`` has no recorded phase to flip (a
+    kernel whose phases are all run-time values)."""
+    flipped = 0
+
+    def tx(seq):
+        nonlocal flipped
+        out = []
+        for node in seq:
+            if isinstance(node, Loop):
+                out.append(Loop(node.trips, tx(node.body)))
+            elif isinstance(node, Branch):
+                out.append(Branch(node.cond, tx(node.then), tx(node.orelse)))
+            elif node.pipeline == pipe and node.phase is not None and node.op in ("state_new", "acquire", "wait"):
+                flipped += 1
+                out.append(replace(node, phase=node.phase ^ 1, note="injected: initial phase flipped"))
+            else:
+                out.append(node)
+        return out
+
+    result = {role: tx(nodes) for role, nodes in programs.items()}
+    if not flipped:
+        raise ValueError(f"no recorded phase of pipeline {pipe!r} to flip (its phases are run-time values)")
+    return result
 
 
 def inject(programs: dict, kind: str, pipe: str) -> dict:

@@ -13,7 +13,11 @@ While a kernel is traced, every role's code runs once in Python. Within ``record
                           whose completion is signalled through a pipeline;
 - ``loop(trips)``         marks a run-time loop (``trips`` is a symbol such as "n_blocks - 1"
                           or "work_tiles" that the model binds to concrete trip counts);
-- ``branch(cond)``        marks a run-time branch whose condition the model explores both ways.
+- ``branch(cond)``        marks a run-time branch whose condition the model explores both ways
+                          (``is_leader_cta`` is bound per CTA instead);
+- ``new_state`` / ``advance_state`` / ``clone_state``  log a ``PipelineState``'s creation,
+                          advances and copies (called by ``pipelines.mbarrier``), so the model
+                          knows the parity of every wait that uses the state.
 
 Compile-time loops and ``const_expr`` branches are unrolled or resolved by tracing itself and
 need no marks. Outside ``recording()`` every call here is a no-op that costs nothing.
@@ -24,6 +28,8 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, field
 from typing import Optional, Union
+
+from pipelines.spec import ARRIVE_KINDS
 
 
 @dataclass(frozen=True)
@@ -44,6 +50,11 @@ class Event:
     stage_of: for "access", the stage index of the buffer is the stage of the role's latest
         operation on this pipeline (e.g. sKV with stage_of="kv")
     cols: for "access", a column sub-range (start, stop) inside a TMEM region
+    phase: for "acquire"/"wait", the parity passed to the wait when it is a compile-time
+        Python int (None for a run-time value); "state_new": the state's initial phase
+    state: the id of the ``PipelineState`` an operation used ("state_new", "state_advance"
+        and "state_clone" track that state's (index, phase) through the program)
+    threads: for "named_sync", the thread count the ``bar.sync`` declares
     """
 
     op: str
@@ -59,6 +70,11 @@ class Event:
     tx: int = 0
     stage_of: Optional[str] = None
     cols: Optional[tuple] = None
+    phase: Optional[int] = None
+    state: Optional[int] = None
+    threads: int = 0
+    stages: int = 0  # "state_new": the state's ring size (1 for a fixed-stage state)
+    src: Optional[int] = None  # "state_clone": the id of the state it copies
 
 
 @dataclass
@@ -90,6 +106,7 @@ class _Recorder:
         self.active: Optional[Recording] = None
         self._stack: list[list] = []
         self._role: Optional[str] = None
+        self._next_state = 0
 
     def _append(self, node):
         if self.active is None or self._role is None:
@@ -109,6 +126,7 @@ def recording(dry: bool = False):
     """
     prev = (_REC.active, _REC._stack, _REC._role, _REC.dry)
     _REC.active, _REC._stack, _REC._role, _REC.dry = Recording(), [], None, dry
+    _REC._next_state = 0
     try:
         yield _REC.active
     finally:
@@ -138,18 +156,56 @@ def role(name: str):
         _REC._role, _REC._stack = saved
 
 
-ARRIVE_KINDS = ("thread", "warp", "umma", "expect_tx")
 ARRIVE_DSTS = ("local", "leader", "pair")
 
 
+def compile_time_int(value) -> Optional[int]:
+    """``value`` when it is a Python int known while tracing (a compile-time stage or phase),
+    else None (a run-time DSL value, whose value the recording cannot see)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        return None
+    return value
+
+
 def emit(op: str, pipeline: Optional[str] = None, stage_hint: Optional[int] = None, note: str = "",
-         arrive: Optional[str] = None, dst: Optional[str] = None, tx: int = 0):
+         arrive: Optional[str] = None, dst: Optional[str] = None, tx: int = 0,
+         phase=None, state: Optional[int] = None, threads: int = 0):
+    """Log one operation. ``phase`` is kept only when it is a compile-time int; ``state`` is
+    the id of the ``PipelineState`` the operation used (from ``new_state``)."""
     if arrive is not None and arrive not in ARRIVE_KINDS:
         raise ValueError(f"arrive must be one of {ARRIVE_KINDS}, got {arrive!r}")
     if dst is not None and dst not in ARRIVE_DSTS:
         raise ValueError(f"dst must be one of {ARRIVE_DSTS}, got {dst!r}")
     _REC._append(Event(op, pipeline=pipeline, stage_hint=stage_hint, note=note, arrive=arrive,
-                       dst=dst, tx=tx))
+                       dst=dst, tx=tx, phase=compile_time_int(phase), state=state, threads=threads))
+
+
+def new_state(pipeline: str, stages: int, index, phase) -> Optional[int]:
+    """Log the creation of a ``PipelineState`` of ``pipeline`` (``stages`` 1 for a state fixed
+    on one stage); returns its id, or None outside a role being recorded. The initial index and
+    phase are kept when they are compile-time ints."""
+    if _REC.active is None or _REC._role is None:
+        return None
+    _REC._next_state += 1
+    sid = _REC._next_state
+    _REC._append(Event("state_new", pipeline=pipeline, stage_hint=compile_time_int(index),
+                       phase=compile_time_int(phase), state=sid, stages=stages))
+    return sid
+
+
+def advance_state(sid: Optional[int]) -> None:
+    """Log ``PipelineState.advance()`` of the state ``sid``."""
+    if sid is not None:
+        _REC._append(Event("state_advance", state=sid))
+
+
+def clone_state(sid: Optional[int]) -> Optional[int]:
+    """Log ``PipelineState.clone()``: a new state id starting from ``sid``'s current value."""
+    if sid is None or _REC.active is None or _REC._role is None:
+        return None
+    _REC._next_state += 1
+    _REC._append(Event("state_clone", state=_REC._next_state, src=sid))
+    return _REC._next_state
 
 
 def access(region: str, mode: str, unit: str = "threads", done_by: Optional[str] = None,

@@ -76,7 +76,8 @@ def main(argv=None) -> int:
     res = compare(run, cfg, q, k, v)
     print(json.dumps({k_: v_ for k_, v_ in res.items()}, indent=1))
     if trace is not None:
-        write_trace(trace, args.trace, run.kernel)
+        roles = {w: role for role, ws in cfg.warp_roles().role_warps().items() for w in ws}
+        write_trace(trace, args.trace, run.kernel, roles)
         print(f"trace: {len(trace)} events -> {args.trace}")
     return 0 if res["rule_ok"] else 1
 

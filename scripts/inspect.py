@@ -98,7 +98,7 @@ def main(argv=None) -> int:
             fa4 = inspect_fa4_sm100(args.overrides, keep_dir=args.keep_dir, kernel=args.kernel)
             print()
             print(format_side_by_side(report, fa4, args.kernel, "FA4 FlashAttentionForwardSm100"))
-            chosen = ("q_stage", "m_block_size", "n_block_size", "use_2cta_instrs",
+            chosen = ("q_stage", "kv_stage", "m_block_size", "n_block_size", "use_2cta_instrs",
                       "is_static_persistent", "num_regs_softmax", "num_regs_correction",
                       "num_regs_other")
             print("FA4 chose: " + ", ".join(f"{k}={fa4['config'][k]}" for k in chosen

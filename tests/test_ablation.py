@@ -143,6 +143,14 @@ def test_full_matrix_is_model_output_for_every_combination(calibrated):
     assert causal_pred == pytest.approx(ab.tflops(causal_point.problem,
                                                   ab.problem_time(c, causal_point.problem, timer)))
     assert "published    1418 TFLOP/s" in text
+    # the causal point also as FA4 runs it (non-persistent), with the same calibration
+    (fa4_point, switches, fa4_pred), = res.published_as_fa4
+    assert fa4_point is causal_point and switches == ("persistent=false",)
+    c_np = ab.config_for(causal_point.problem, switches)
+    assert not c_np.persistent
+    assert fa4_pred == pytest.approx(ab.tflops(causal_point.problem,
+                                               ab.problem_time(c_np, causal_point.problem, timer)))
+    assert "with persistent=false" in text
     # each switch, flipped alone, is never faster than the default in the model, and the
     # model has a mechanism for each (q_stage overlap, 2-CTA K/V sharing, split-P hand-off,
     # MUFU/FMA balance, rescale work, persistent fill), so each is strictly slower
@@ -165,6 +173,7 @@ def test_cli_json_subset(tmp_path, capsys):
     assert data["calibration"]["published_tflops"] == 1535.0
     assert data["rows"][0]["tflops"] == pytest.approx(1535.0, rel=2e-3)
     assert {p["name"] for p in data["published"]} == {p.name for p in ab.PUBLISHED_B200}
+    assert len(data["published"]) == len(ab.PUBLISHED_B200) + 1  # causal also as FA4 runs it
     assert png.stat().st_size > 10_000
 
 

@@ -55,6 +55,9 @@ def test_2cta_report(demo2):
     assert s["HGMMA"] == 0 and s["UTMASTG"] == 0
     assert rep["setmaxnreg"] == {"epilogue": 232, "producer": 40}
     assert rep["setmaxnreg_sass"] == rep["setmaxnreg_ptx"] == [["dec", 40], ["inc", 232]]
+    # warps 0-3 (epilogue warpgroup) reach only inc 232, warps 4-7 only dec 40
+    assert rep["setmaxnreg_by_warp"] == [[["inc", 232]]] * 4 + [[["dec", 40]]] * 4
+    assert "exactly its role's warps" in rep["sources"]["setmaxnreg"]
     assert rep["tmem_cols"] == 128
     assert rep["tmem_alloc_ptx"] == [{"cta_group": 2, "cols": 128}]
     assert rep["spill_bytes"] == 0 and rep["local_bytes"] == 0
@@ -107,6 +110,38 @@ def test_report_catches_wrong_declarations(demo1):
     assert "tcgen05.alloc of 128 columns, the build declares 256" in warnings
     assert "cluster (1, 1, 1) differs from the build's declared (2, 1, 1)" in warnings
     assert "differs from the launch's smem" in warnings
+
+
+def test_report_catches_swapped_setmaxnreg_roles(demo1):
+    """Role budgets swapped between the two warpgroups carry the same values (both are in the
+    SASS), so only the PTX's warp dispatch can tell: each role's warps must reach its value."""
+    b, art = demo1
+    swapped = build(DemoConfig(use_2cta=False), "sm_100a")
+    swapped.setmaxnreg = {"epilogue": 40, "producer": 232}
+    rep = make_report("tcgen05_demo", swapped, art)
+    warnings = "\n".join(rep["warnings"])
+    assert "not in the SASS" not in warnings and "not declared for any role" not in warnings
+    assert ("setmaxnreg role 'epilogue' (warps 0-3) executes setmaxnreg 232 in the PTX; the "
+            "build declares 40") in warnings
+    assert ("setmaxnreg role 'producer' (warps 4-7) executes setmaxnreg 40 in the PTX; the "
+            "build declares 232") in warnings
+    assert rep["setmaxnreg"] == {}
+
+    # The same swap stated the other way: right budgets, wrong warps.
+    swapped = build(DemoConfig(use_2cta=False), "sm_100a")
+    swapped.setmaxnreg_warps = {"epilogue": (4, 5, 6, 7), "producer": (0, 1, 2, 3)}
+    rep = make_report("tcgen05_demo", swapped, art)
+    assert "setmaxnreg role 'epilogue' (warps 4-7) executes setmaxnreg 40" in "\n".join(
+        rep["warnings"])
+    assert rep["setmaxnreg"] == {}
+
+    # A warp left out of every role that executes setmaxnreg is reported too.
+    partial = build(DemoConfig(use_2cta=False), "sm_100a")
+    partial.setmaxnreg_warps = {"epilogue": (0, 1, 2, 3), "producer": (4, 5)}
+    rep = make_report("tcgen05_demo", partial, art)
+    assert ("warps 6,7 execute setmaxnreg in the PTX but belong to no declared setmaxnreg role"
+            in rep["warnings"])
+    assert rep["setmaxnreg"] == {"epilogue": 232, "producer": 40}
 
 
 def test_missing_disassembler_fails_before_compiling(monkeypatch, tmp_path):

@@ -17,23 +17,6 @@ from fa_sm100.demo_tcgen05 import ROWS_PER_CTA, DemoConfig, fake_args, make_kern
 pytestmark = pytest.mark.compile
 
 
-@pytest.fixture
-def cluster_barrier_workaround(monkeypatch):
-    """ptxemu decodes `barrier.cluster.{arrive,wait}` without `.aligned` with collective=False,
-    which its scheduler treats as collective with no member mask (TypeError). Until that is
-    fixed in fa_sm100/ptxemu (ops_sync.py: `collective="aligned" in ins.parts`), map a false
-    `collective` to None, which is what the scheduler expects for non-collective ops. Once
-    fixed upstream this changes nothing."""
-    import fa_sm100.ptxemu.decode as decode
-
-    original = decode.Op.__init__
-
-    def init(self, instr, fn, collective=None, advances=True):
-        original(self, instr, fn, collective if collective else None, advances)
-
-    monkeypatch.setattr(decode.Op, "__init__", init)
-
-
 def _run_demo(cfg: DemoConfig, a, b, seed: int):
     from cuda.bindings.driver import CUstream
     from cutlass.cute.runtime import from_dlpack
@@ -49,7 +32,7 @@ def _run_demo(cfg: DemoConfig, a, b, seed: int):
 
 
 @pytest.mark.parametrize("use_2cta", [False, True], ids=["1cta", "2cta"])
-def test_demo_emulated_exact(use_2cta, cluster_barrier_workaround):
+def test_demo_emulated_exact(use_2cta):
     cfg = DemoConfig(use_2cta=use_2cta, n=128, k=128)  # 8 K-blocks: the accumulate path
     gen = torch.Generator().manual_seed(7)
     m = ROWS_PER_CTA * cfg.cta_group
@@ -60,7 +43,7 @@ def test_demo_emulated_exact(use_2cta, cluster_barrier_workaround):
     assert torch.equal(c.double(), ref), f"max error {(c.double() - ref).abs().max().item()}"
 
 
-def test_demo_emulated_random_inputs(cluster_barrier_workaround):
+def test_demo_emulated_random_inputs():
     """Normal inputs, 2-CTA: within float32 accumulation error of the float64 product."""
     cfg = DemoConfig(use_2cta=True, n=64, k=64)
     gen = torch.Generator().manual_seed(11)

@@ -81,6 +81,62 @@ def test_parse_ptx_entries():
     assert b["setmaxnreg"] == [] and b["tmem_alloc"] == []
 
 
+DISPATCH_PTX = """
+.version 8.7
+.target sm_100a
+.address_size 64
+
+.visible .entry roles(
+	.param .u32 n
+)
+.reqntid 256, 1, 1
+{
+	.reg .pred 	%p<8>;
+	.reg .b32 	%r<12>;
+
+	ld.param.u32 	%r9, [n];
+	mov.u32 	%r1, %tid.x;
+	shr.u32 	%r2, %r1, 5;
+	shfl.sync.idx.b32 	%r3, %r2, 0, 31, -1;
+	setp.gt.u32 	%p1, %r3, 3;
+	@%p1 bra 	$L__BB0_3;
+	setmaxnreg.inc.sync.aligned.u32 	232;
+	mov.u32 	%r4, 0;
+$L__BB0_2:
+	add.s32 	%r4, %r4, 1;
+	setp.lt.s32 	%p2, %r4, %r9;
+	@%p2 bra 	$L__BB0_2;
+	bra.uni 	$L__BB0_5;
+$L__BB0_3:
+	and.b32 	%r5, %r3, -2;
+	setp.ne.b32 	%p3, %r5, 4;
+	@%p3 bra 	$L__BB0_4;
+	setmaxnreg.dec.sync.aligned.u32 	40;
+	bra.uni 	$L__BB0_5;
+$L__BB0_4:
+	setmaxnreg.dec.sync.aligned.u32 	24;
+$L__BB0_5:
+	ret;
+}
+"""
+
+
+def test_setmaxnreg_by_warp_follows_the_warp_dispatch():
+    """Each warp reaches only the setmaxnreg of its branch: warps 0-3 (warp < 4) inc 232 past a
+    data-dependent loop, warps 4-5 ((warp & -2) == 4) dec 40, warps 6-7 dec 24."""
+    from fa_sm100.ptx_dispatch import DispatchUnknown, setmaxnreg_by_warp
+
+    got = setmaxnreg_by_warp(DISPATCH_PTX, "roles", 8)
+    assert got == [[("inc", 232)]] * 4 + [[("dec", 40)]] * 2 + [[("dec", 24)]] * 2
+    # A branch on tid.x itself (lane-dependent) is not a warp dispatch: both sides stay
+    # reachable, so every warp may reach both budgets of that branch.
+    lane = DISPATCH_PTX.replace("setp.gt.u32 \t%p1, %r3, 3;", "setp.gt.u32 \t%p1, %r1, 3;")
+    assert lane != DISPATCH_PTX
+    assert setmaxnreg_by_warp(lane, "roles", 8)[0] == [("inc", 232), ("dec", 24)]
+    with pytest.raises(DispatchUnknown, match="no entry 'other'"):
+        setmaxnreg_by_warp(DISPATCH_PTX, "other", 8)
+
+
 def test_parse_ptxas_log():
     log = """ptxas info    : 0 bytes gmem
 ptxas info    : Compiling entry function 'kern_a' for 'sm_100a'
@@ -130,7 +186,7 @@ def test_missing_disassembler_is_a_clear_error(tmp_path, monkeypatch):
 
 
 def test_nvdisasm_found_by_default():
-    """The test extra installs nvidia-cuda-nvdisasm; the default search finds it."""
+    """nvidia-cuda-nvdisasm is a core dependency; the default search finds it."""
     path = ct.find_nvdisasm()
     assert os.access(path, os.X_OK) and path.endswith("nvdisasm")
 

@@ -65,6 +65,8 @@ def test_bad_tensors_raise_value_error(make, match):
         ({"window_size": (None,)}, "pair"),
         ({"window_size": (-1, None)}, "left"),
         ({"window_size": (None, 2.5)}, "right"),
+        ({"window_size": (True, None)}, "left"),  # a bool is not a window size
+        ({"softmax_scale": True}, "softmax_scale"),
         ({"deterministic": "yes"}, "deterministic"),
         ({"return_lse": None}, "return_lse"),
     ],

@@ -95,10 +95,43 @@ def test_thread_commit_records_a_thread_arrive_to_the_leader():
             pipes.p_lastsplit.producer_acquire(0, 1)
             pipes.p_lastsplit.producer_commit(0)
             pipes.kv.producer_acquire(pipes.kv.make_producer_state())
-    acq, commit, kv_acq = rec.programs["softmax0"]
+    acq, commit, kv_state, kv_acq = rec.programs["softmax0"]
     assert (commit.op, commit.arrive, commit.dst, commit.tx, commit.stage_hint) == ("commit", "thread", "leader", 0, 0)
     assert acq.arrive is None
     assert (kv_acq.arrive, kv_acq.tx, kv_acq.stage_hint) == ("expect_tx", 128 * 128 * 2, None)
+    # the phases: a compile-time parity is recorded as is; a PipelineState's through its
+    # creation (initial index 0, phase 1: every stage starts empty), and the op names the state
+    assert acq.phase == 1
+    assert (kv_state.op, kv_state.pipeline, kv_state.stage_hint, kv_state.phase, kv_state.stages) == (
+        "state_new", "kv", 0, 1, CFG2.kv_stage)
+    assert kv_acq.state == kv_state.state and kv_acq.phase is None
+
+
+def test_pipeline_state_advances_are_recorded_and_replayed():
+    """flatten replays a state's creation, advances and clones, so each wait carries the parity
+    the state passes; a fixed-stage state flips its phase on its own stage."""
+    from pipelines.program import flatten
+
+    with record.recording(dry=True) as rec:
+        pipes = build_pipelines(CFG2)
+        with record.role("mma"):
+            kv = pipes.kv.make_consumer_state()
+            spo = pipes.s_p_o.make_producer_state(1)
+            with record.loop("n"):
+                pipes.kv.consumer_wait(kv)
+                held = kv.clone()
+                kv.advance()
+                pipes.kv.consumer_release(held)
+                pipes.s_p_o.producer_acquire(spo)
+                spo.advance()
+    n = CFG2.kv_stage
+    ops = flatten(rec.programs["mma"], {"n": 2 * n + 1}, {"kv": n, "s_p_o": 2})
+    waits = [(o.stage, o.round, o.phase, o.state_index) for o in ops if o.kind == "wait"]
+    assert waits == [(k % n, k // n, k // n % 2, k % n) for k in range(2 * n + 1)]
+    releases = [(o.stage, o.state_index) for o in ops if o.kind == "release"]
+    assert releases == [(k % n, k % n) for k in range(2 * n + 1)]
+    spo_acq = [(o.stage, o.round, o.phase) for o in ops if o.kind == "acquire"]
+    assert spo_acq == [(1, k, k % 2) for k in range(2 * n + 1)]
 
 
 def test_pipeline_state_wraps_and_flips_phase():
@@ -119,4 +152,4 @@ def test_named_barriers_start_at_one_and_count_threads():
     check_named_barriers()
     assert min(int(b) for b in NamedBarrier) == 1
     assert num_threads(NamedBarrier.TMEM_ALLOC) == (1 + 4 + 4 + 4) * 32
-    assert num_threads(NamedBarrier.CORRECTION_VOTE) == 128
+    assert [b.name for b in NamedBarrier] == ["TMEM_ALLOC"]  # only the ids the kernel uses

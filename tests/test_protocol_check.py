@@ -41,6 +41,8 @@ def test_cli_exit_codes_and_json(tmp_path):
                        "--n-blocks", "1-3", "--work-tiles", "1-2", "--json", str(out)]) == 0
     data = json.loads(out.read_text())
     assert data["ok"] and data["states_explored"] > 0 and data["configs_checked"] == 4
+    # the default budget lets every search finish: 4 configs x n_blocks {1, 2} x one tile
+    assert data["exhaustive_runs"] == 8 and data["exhaustive_truncated"] == 0
     assert check.main(["--source", "design", "--set", "use_2cta=false", "--set", "kv_stage=2",
                        "--n-blocks", "3", "--work-tiles", "2", "--inject", "drop-release:o_epi"]) == 1
     assert check.main(["--inject", "drop-release:nope"]) == 2
@@ -76,3 +78,14 @@ def test_untraceable_kernel_is_an_input_error(monkeypatch, capsys):
     assert check.main(["--set", "q_stage=1", "--set", "kv_stage=2", "--n-blocks", "1",
                        "--work-tiles", "1"]) == 2
     assert "could not record the kernel protocol" in capsys.readouterr().err
+
+
+def test_truncated_search_is_reported_not_called_exhaustive():
+    """A search that runs out of states is counted and named in the summary (``ok`` only
+    says that nothing was found)."""
+    res = check.run({"use_2cta": False, "kv_stage": 2, "q_stage": 2, "split_p": True}, None, "design",
+                    n_blocks=(2,), work_tiles=(1,), exhaustive_states=100)
+    assert res["ok"] and res["exhaustive_runs"] == 1 and res["exhaustive_truncated"] == 1
+    text = check.summary(res)
+    assert "1 truncated at 100 states (not exhaustive)" in text
+    assert "incomplete" in text

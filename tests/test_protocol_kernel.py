@@ -69,6 +69,33 @@ def test_fault_in_the_kernel_protocol_is_rejected(recorded):
         assert found in {f.kind for f in rep.findings}, (kind, pipe)
 
 
+def test_every_cta_runs_the_mma_warp_into_the_tmem_barrier(recorded):
+    """The MMA role records its ``is_leader`` structure as the branch ``is_leader_cta``, so
+    the model has the non-leader CTA's MMA warp too; its ``bar.sync`` on TMEM_ALLOC is counted
+    against the thread count the kernel declares. Moving that sync into the leader branch (CTA 1's
+    MMA warp never arrives) deadlocks CTA 1."""
+    from pipelines.model import ProtocolModel
+    from pipelines.named_barriers import NamedBarrier, num_threads
+    from pipelines.program import Branch
+
+    cfg, programs = recorded
+    bindings = {"n_blocks": 2, "work_tiles": 1}
+    model = ProtocolModel(cfg, programs, bindings)
+    assert {f"mma@{c}" for c in range(cfg.cta_group)} <= set(model.names)
+    syncs = [o for a in model.actors for o in a.ops if o.kind == "named_sync"]
+    assert syncs and {o.threads for o in syncs} == {num_threads(NamedBarrier.TMEM_ALLOC, cfg.warp_roles())}
+    prog = programs["mma"]
+    (sync,) = [n for n in prog if getattr(n, "op", None) == "named_sync"]
+    (leader,) = [n for n in prog if isinstance(n, Branch)]
+    assert leader.cond == "is_leader_cta" and prog.index(sync) < prog.index(leader)
+    if cfg.cta_group == 2:
+        rest = [n for n in prog if n is not sync and n is not leader]
+        moved = {**programs, "mma": rest + [Branch(leader.cond, [sync] + leader.then, leader.orelse)]}
+        rep = ProtocolModel(cfg, moved, bindings).run_random(0)
+        assert "deadlock" in {f.kind for f in rep.findings}
+        assert "(384 of 416 threads arrived)" in rep.findings[0].message
+
+
 def test_cli_checks_the_kernel_protocol(recorded):
     """``python -m pipelines.check`` (default --source kernel) runs the model on the kernel's
     recording; the same config with an injected fault is rejected."""

@@ -15,7 +15,7 @@ from pipelines import record
 from pipelines.design import design_recording
 from pipelines.model import ProtocolModel
 from pipelines.named_barriers import NamedBarrier, named_sync
-from pipelines.program import Branch, Loop, flatten, inject
+from pipelines.program import Branch, Loop, flatten, flip_initial_phase, inject
 from pipelines.spec import build_pipelines
 
 CFG2 = FmhaConfig()
@@ -58,17 +58,21 @@ def _programs(cfg, roles):
 
 
 def _stats_producer(p):
+    st = p.sm_stats.make_producer_state(0)  # stage 0; phase 1 first (the stage starts empty)
     with record.loop("n_blocks"):
-        p.sm_stats.producer_acquire(0, 1)
+        p.sm_stats.producer_acquire(st)
         record.access("stats0", "w")
-        p.sm_stats.producer_commit(0)
+        p.sm_stats.producer_commit(st)
+        st.advance()
 
 
 def _stats_consumer(p):
+    st = p.sm_stats.make_consumer_state(0)
     with record.loop("n_blocks"):
-        p.sm_stats.consumer_wait(0, 0)
+        p.sm_stats.consumer_wait(st)
         record.access("stats0", "r")
-        p.sm_stats.consumer_release(0)
+        p.sm_stats.consumer_release(st)
+        st.advance()
 
 
 def test_thread_pipeline_clean_then_each_defect():
@@ -87,9 +91,11 @@ def test_thread_pipeline_clean_then_each_defect():
     assert any("stats[0]" in f.message for f in rep.findings if f.kind == "race")
 
     def no_release(p):
+        st = p.sm_stats.make_consumer_state(0)
         with record.loop("n_blocks"):
-            p.sm_stats.consumer_wait(0, 0)
+            p.sm_stats.consumer_wait(st)
             record.access("stats0", "r")
+            st.advance()
 
     dead = _programs(cfg, {"softmax0": _stats_producer, "correction": no_release})
     rep = ProtocolModel(cfg, dead, {"n_blocks": 3}).run_random(0)
@@ -142,10 +148,12 @@ def test_second_commit_runs_the_barrier_a_phase_ahead():
     cfg = CFG1
 
     def double_commit(p):
+        st = p.sm_stats.make_producer_state(0)
         with record.loop("n_blocks"):
-            p.sm_stats.producer_acquire(0, 1)
-            p.sm_stats.producer_commit(0)
-            p.sm_stats.producer_commit(0)
+            p.sm_stats.producer_acquire(st)
+            p.sm_stats.producer_commit(st)
+            p.sm_stats.producer_commit(st)
+            st.advance()
 
     progs = _programs(cfg, {"softmax0": double_commit, "correction": _stats_consumer})
     rep = ProtocolModel(cfg, progs, {"n_blocks": 2}).explore()
@@ -210,22 +218,91 @@ def test_tmem_alias_race_between_umma_and_threads():
     assert good.ok
 
 
-def test_named_barrier_waits_for_every_participant():
-    cfg = CFG1
+def _tmem_alloc_programs(roles_to_sync=("mma", "softmax0", "softmax1", "correction"), threads=0):
+    """The MMA warp writes stats0 then syncs on TMEM_ALLOC; the other roles sync, then read."""
 
-    def member(p):
-        named_sync(NamedBarrier.SOFTMAX_CORRECTION_STATS_0)
-        record.access("stats0", "r")
+    def sync():
+        if threads:  # a bar.sync that declares ``threads`` threads
+            record.emit("named_sync", NamedBarrier.TMEM_ALLOC.name, threads=threads)
+        else:
+            named_sync(NamedBarrier.TMEM_ALLOC)
 
     def writer(p):
         record.access("stats0", "w")
-        named_sync(NamedBarrier.SOFTMAX_CORRECTION_STATS_0)
+        sync()
 
-    ok = ProtocolModel(cfg, _programs(cfg, {"softmax0": writer, "correction": member}), {}).explore()
+    def member(p):
+        sync()
+        record.access("stats0", "r")
+
+    bodies = {r: (writer if r == "mma" else member) for r in roles_to_sync}
+    return _programs(CFG1, {**{r: (lambda p: None) for r in ("mma", "softmax0", "softmax1", "correction")},
+                            **bodies})
+
+
+def test_named_barrier_waits_for_its_thread_count():
+    """bar.sync TMEM_ALLOC opens once 416 threads (MMA 1 + softmax 8 + correction 4 warps)
+    of the CTA arrived -- counted as the hardware counts, not by which roles exist."""
+    ok = ProtocolModel(CFG1, _tmem_alloc_programs(), {}).explore()
     assert ok.ok
-    missing = ProtocolModel(cfg, _programs(cfg, {"softmax0": writer, "correction": lambda p: None}), {})
-    rep = missing.run_random(0)
-    assert kinds(rep) == {"deadlock"} and "named barrier" in rep.findings[0].message
+    rep = ProtocolModel(CFG1, _tmem_alloc_programs(("mma", "softmax0", "softmax1")), {}).run_random(0)
+    assert kinds(rep) == {"deadlock"}
+    assert "named barrier TMEM_ALLOC (288 of 416 threads arrived)" in rep.findings[0].message
+    # a bar.sync declaring 384 threads opens without the MMA warp: its write then races
+    short = ProtocolModel(CFG1, _tmem_alloc_programs(threads=384), {}).explore()
+    assert "race" in kinds(short) and "over-arrival" in kinds(short)
+
+
+def test_non_leader_mma_warp_must_join_the_named_barrier():
+    """Under 2-CTA the MMA warp of CTA 1 issues no MMA but takes part in TMEM_ALLOC (the
+    bar.sync counts its 32 threads): a program whose sync is only in the leader branch
+    deadlocks CTA 1's TMEM users."""
+    cfg = CFG2
+    rec = design_recording(cfg)
+    bindings = {"n_blocks": 2, "work_tiles": 1}
+    model = ProtocolModel(cfg, rec.programs, bindings)
+    assert "mma@1" in model.names and model.run_random(0).ok
+    prog = rec.programs["mma"]
+    (sync,) = [n for n in prog if getattr(n, "op", None) == "named_sync"]
+    (leader,) = [n for n in prog if isinstance(n, Branch)]
+    assert leader.cond == "is_leader_cta" and prog.index(sync) < prog.index(leader)
+    rest = [n for n in prog if n is not sync and n is not leader]
+    leader_only = {**rec.programs, "mma": rest + [Branch(leader.cond, [sync] + leader.then, leader.orelse)]}
+    rep = ProtocolModel(cfg, leader_only, bindings).run_random(0)
+    assert "deadlock" in kinds(rep)
+    assert "softmax0@1 op #0 (named_sync TMEM_ALLOC) waits at the named barrier TMEM_ALLOC " \
+           "(384 of 416 threads arrived)" in rep.findings[0].message
+
+
+@pytest.mark.parametrize("pipe", ["q", "kv", "s_p_o", "p_lastsplit", "o_acc", "sm_stats", "o_epi"])
+def test_wrong_initial_phase_is_rejected(pipe):
+    """Every wait of the design protocol passes the parity of the round it waits for (tracked
+    through its PipelineState); starting a pipeline's states with the other phase is a
+    ``wrong-phase`` finding naming the first wait."""
+    cfg = CFG2
+    rec = design_recording(cfg)
+    bindings = {"n_blocks": 3, "work_tiles": 2}
+    model = ProtocolModel(cfg, rec.programs, bindings)
+    waits = [o for a in model.actors for o in a.ops if o.kind in ("wait", "acquire")]
+    assert waits and all(o.phase is not None for o in waits)  # every parity is known
+    rep = ProtocolModel(cfg, flip_initial_phase(rec.programs, pipe), bindings).run_random(0)
+    assert kinds(rep) == {"wrong-phase"}
+    assert f"{pipe}." in rep.findings[0].message and "round 0" in rep.findings[0].message
+
+
+def test_literal_phase_in_a_run_time_loop_is_rejected():
+    """A compile-time parity inside a run-time loop is right for at most every other round."""
+    cfg = CFG1
+
+    def fixed_parity(p):
+        with record.loop("n_blocks"):
+            p.sm_stats.consumer_wait(0, 0)
+            p.sm_stats.consumer_release(0)
+
+    progs = _programs(cfg, {"softmax0": _stats_producer, "correction": fixed_parity})
+    assert ProtocolModel(cfg, progs, {"n_blocks": 1}).run_random(0).ok
+    rep = ProtocolModel(cfg, progs, {"n_blocks": 2}).run_random(0)
+    assert kinds(rep) == {"wrong-phase"} and "round 1" in rep.findings[0].message
 
 
 def test_flatten_resolves_ring_stages_and_rounds():

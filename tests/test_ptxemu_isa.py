@@ -261,6 +261,7 @@ def test_parser_scopes_inline_asm_labels_and_registers():
 .reqntid 32, 1, 1
 {
     .reg .b32 %r<2>;
+    mov.u32 %r1, 0;
     { .reg .pred P1; LAB_WAIT: setp.eq.u32 P1, %r1, 0; @P1 bra.uni DONE; bra.uni LAB_WAIT; DONE: }
     { .reg .pred P1; LAB_WAIT: setp.eq.u32 P1, %r1, 0; @P1 bra.uni DONE; bra.uni LAB_WAIT; DONE: }
     ret;
@@ -319,3 +320,141 @@ def test_instruction_coverage_lists_what_is_not_modelled():
     counts, missing = instruction_coverage(text)
     assert counts["add.f32"] == 1 and counts["ld.global.b32"] == 2
     assert dict(missing) == {"tcgen05.cp.cta_group::1.128x256b": 1}
+
+
+def _round_mode_exact(q: Fraction, mode: str) -> np.float32:
+    r = np.float32(float(q))
+    cands = [np.nextafter(r, np.float32(-np.inf)), r, np.nextafter(r, np.float32(np.inf))]
+    vals = [(Fraction(float(c)), c) for c in cands]
+    if mode == "rm":
+        return max((c for f, c in vals if f <= q), key=lambda c: float(c))
+    if mode == "rp":
+        return min((c for f, c in vals if f >= q), key=lambda c: float(c))
+    if mode == "rz":
+        ok = [c for f, c in vals if abs(f) <= abs(q) and (f == 0 or (f > 0) == (q > 0))]
+        return max(ok, key=lambda c: abs(float(c)))
+    return round_f32_exact(q)
+
+
+@pytest.mark.parametrize("mode", ("rn", "rz", "rm", "rp"))
+def test_directed_rounding_of_add_mul_fma(mode):
+    """The rounding modifier is honoured: exact rational results rounded per mode."""
+    rng = np.random.default_rng(4)
+    a, b = f32(rng.standard_normal(32)), f32(rng.standard_normal(32) * 1e-3)
+    F = lambda x: Fraction(float(x))  # noqa: E731
+    got = run_binary(f"add.{mode}.f32 %r4, %r2, %r3;", a, b).view(np.float32)
+    np.testing.assert_array_equal(got, [_round_mode_exact(F(x) + F(y), mode) for x, y in zip(a, b)])
+    got = run_binary(f"mul.{mode}.f32 %r4, %r2, %r3;", a, b).view(np.float32)
+    np.testing.assert_array_equal(got, [_round_mode_exact(F(x) * F(y), mode) for x, y in zip(a, b)])
+    got = run_binary(f"fma.{mode}.f32 %r4, %r2, %r3, %r2;", a, b).view(np.float32)
+    np.testing.assert_array_equal(got, [_round_mode_exact(F(x) * F(y) + F(x), mode)
+                                        for x, y in zip(a, b)])
+
+
+def test_packed_add_rm_gives_floor_by_the_magic_number():
+    """The kernel's ex2 emulation floors x with add.rm.f32x2 x, 1.5*2^23 (then subtracts it
+    back): rounding toward -inf is what makes it a floor."""
+    x = f32([2.7, -2.3, 5.0, -0.5, 0.49, -7.99, 123.5, -0.0] * 4)
+    magic = f32(np.full(32, 1.5 * 2 ** 23))
+    body = ("mov.b64 %rd8, {%r2, %r2};\n mov.b64 %rd9, {%r3, %r3};\n"
+            "add.rm.f32x2 %rd10, %rd8, %rd9;\n sub.f32x2 %rd11, %rd10, %rd9;\n"
+            "mov.b64 {%r4, %r5}, %rd11;")
+    got = run_binary(body, x, magic).view(np.float32)
+    np.testing.assert_array_equal(got, np.floor(x))
+
+
+def test_uninitialized_register_read_is_reported():
+    text = BINARY.replace("BODY", "add.f32 %r4, %r2, %r9;")        # %r9 never written
+    out = torch.zeros(32)
+    ta, tb = torch.zeros(32), torch.zeros(32)
+    cap = launch_from_ptx(text, params=[ta.data_ptr(), tb.data_ptr(), out.data_ptr()])
+    with pytest.raises(EmulationError, match=r"register %r9 is read before it was written"):
+        emulate(cap, [ta, tb, out])
+
+
+def test_spin_without_progress_hits_the_step_limit():
+    """A loop that never blocks (here: spinning on a flag nobody sets, with ld.shared instead
+    of mbarrier.try_wait) cannot be told from progress; the step limit stops it."""
+    text = HEADER + """
+.extern .shared .align 1024 .b8 smem[];
+.visible .entry k()
+.reqntid 32, 1, 1
+{
+    .reg .b32 %r<4>;
+    .reg .pred %p<2>;
+    mov.b32 %r1, smem;
+    st.shared.b32 [%r1], 0;
+SPIN:
+    ld.shared.b32 %r2, [%r1];
+    setp.eq.u32 %p1, %r2, 0;
+    @%p1 bra SPIN;
+    ret;
+}
+"""
+    cap = launch_from_ptx(text, dynamic_smem=64)
+    with pytest.raises(EmulationError, match="step limit 5000 reached"):
+        emulate(cap, [], max_steps=5000)
+
+
+def test_three_input_max_min():
+    """sm_100's ``max{.NaN}.f32 d, a, b, c`` (the kernel's row-max reduction uses it): all
+    three inputs count; .NaN makes any NaN win. (A two-input reading once made rows take a
+    wrong max.)"""
+    rng = np.random.default_rng(5)
+    a, b = f32(rng.standard_normal(32)), f32(rng.standard_normal(32))
+    a[3], b[4] = np.nan, np.nan
+    c = a * b + f32(0.5)
+    got = run_binary("mul.f32 %r5, %r2, %r3;\n add.f32 %r5, %r5, 0f3F000000;\n"
+                     "max.f32 %r4, %r2, %r3, %r5;", a, b).view(np.float32)
+    np.testing.assert_array_equal(got, np.fmax(np.fmax(a, b), c))
+    got = run_binary("mul.f32 %r5, %r2, %r3;\n add.f32 %r5, %r5, 0f3F000000;\n"
+                     "max.NaN.f32 %r4, %r2, %r3, %r5;", a, b).view(np.float32)
+    want = np.where(np.isnan(a) | np.isnan(b) | np.isnan(c), np.nan, np.fmax(np.fmax(a, b), c))
+    np.testing.assert_array_equal(got, want.astype(np.float32))
+    ai = rng.integers(-100, 100, 32).astype(np.int32)
+    bi = rng.integers(-100, 100, 32).astype(np.int32)
+    got = run_binary("sub.s32 %r5, 0, %r2;\n min.s32 %r4, %r2, %r3, %r5;", ai, bi).view(np.int32)
+    np.testing.assert_array_equal(got, np.minimum(np.minimum(ai, bi), -ai))
+
+
+def test_extra_source_operands_are_refused():
+    out = torch.zeros(32)
+    cap = launch_from_ptx(BINARY.replace("BODY", "add.f32 %r4, %r2, %r3, %r3;"),
+                          params=[0, 0, out.data_ptr()])
+    with pytest.raises(UnsupportedInstruction, match="3 source operands"):
+        emulate(cap, [out])
+
+
+def test_bit_manipulation_ops():
+    rng = np.random.default_rng(6)
+    a = rng.integers(0, 2 ** 32, 32, dtype=np.uint64).astype(np.uint32)
+    b = rng.integers(0, 2 ** 32, 32, dtype=np.uint64).astype(np.uint32)
+    a[0], a[1] = 0, 0x80000000
+    pc = run_binary("popc.b32 %r4, %r2;", a, b)
+    np.testing.assert_array_equal(pc, [bin(int(x)).count("1") for x in a])
+    cz = run_binary("clz.b32 %r4, %r2;", a, b)
+    np.testing.assert_array_equal(cz, [32 - int(x).bit_length() for x in a])
+    br = run_binary("brev.b32 %r4, %r2;", a, b)
+    np.testing.assert_array_equal(br, [int(f"{int(x):032b}"[::-1], 2) for x in a])
+    # bfe: 7 bits from position 5, unsigned and sign-extended
+    bu = run_binary("bfe.u32 %r4, %r2, 5, 7;", a, b)
+    np.testing.assert_array_equal(bu, (a >> 5) & 0x7F)
+    bs = run_binary("bfe.s32 %r4, %r2, 5, 7;", a, b).view(np.int32)
+    f = ((a >> 5) & 0x7F).astype(np.int32)
+    np.testing.assert_array_equal(bs, np.where(f & 0x40, f - 128, f))
+    # bfi: insert the low 9 bits of a into b at position 11
+    bi = run_binary("bfi.b32 %r4, %r2, %r3, 11, 9;", a, b)
+    mask = np.uint32(0x1FF << 11)
+    np.testing.assert_array_equal(bi, (b & ~mask) | ((a << np.uint32(11)) & mask))
+    # prmt default mode: selector 0x5140 picks bytes 0, 4, 1, 5 of {b, a}
+    pr = run_binary("prmt.b32 %r4, %r2, %r3, 0x5140;", a, b)
+    x = a.astype(np.uint64) | (b.astype(np.uint64) << np.uint64(32))
+    byte = lambda i: (x >> np.uint64(8 * i)) & np.uint64(0xFF)  # noqa: E731
+    want = byte(0) | (byte(4) << np.uint64(8)) | (byte(1) << np.uint64(16)) | (byte(5) << np.uint64(24))
+    np.testing.assert_array_equal(pr, want.astype(np.uint32))
+    # lop3 with LUT 0x96: a ^ b ^ c (c = a here)
+    lp = run_binary("lop3.b32 %r4, %r2, %r3, %r2, 0x96;", a, b)
+    np.testing.assert_array_equal(lp, a ^ b ^ a)
+    lp = run_binary("lop3.b32 %r4, %r2, %r3, 0x0F0F0F0F, 0xE8;", a, b)   # majority
+    c = np.uint32(0x0F0F0F0F)
+    np.testing.assert_array_equal(lp, (a & b) | (a & c) | (b & c))

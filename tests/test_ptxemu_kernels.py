@@ -103,3 +103,15 @@ def test_mbarrier_producer_consumer_rounds(seed):
     emulate(cap, [a, out], seed=seed)
     rev = a.flip(0)
     assert out[0].tolist() == rev.tolist() and out[1].tolist() == (2 * rev).tolist()
+
+
+def test_emulate_script_rejects_a_bad_override_before_compiling(capsys):
+    """scripts/emulate_sm100.py validates --set through the kernel registry (exit 2)."""
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "emulate_sm100.py"
+    spec = importlib.util.spec_from_file_location("emulate_sm100_script", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["--set", "no_such_field=1"]) == 2
+    assert "bad --set" in capsys.readouterr().err

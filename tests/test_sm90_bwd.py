@@ -1,7 +1,8 @@
 """SM90 backward, CPU side: config rules, input validation, block ranges, compile contract.
 
 - ``BwdConfig.validate`` and ``sm90_bwd`` raise ValueError naming the rule, before any compile
-  or launch (checked with CPU tensors, which never reach a kernel).
+  or launch (checked with CPU tensors, which never reach a kernel). The device rule (CUDA
+  tensors on an sm_90 GPU) comes last; a non-sm_90 GPU is faked with FakeTensorMode.
 - The query-block ranges the kernel walks (``m_block_range``, the same function the kernel
   traces) cover every visible (query, key) pair, and the key blocks adding into one query
   block are consecutive from ``first_n_block`` (what deterministic dQ ordering relies on).
@@ -35,6 +36,7 @@ from fa_sm100.testing import attention_mask
     (dict(regs_mma=250), "setmaxnreg"),
     (dict(regs_producer=64, regs_mma=248), "register budget"),
     (dict(window_left=-1), "window_left"),
+    (dict(window_right=True), "window_right"),
     (dict(dtype="float32"), "dtype"),
 ])
 def test_bad_config_raises_value_error_naming_the_rule(changes, rule):
@@ -88,6 +90,49 @@ def test_unsupported_head_dim_and_window_raise():
         sm90_bwd(*_cpu_inputs(d=256))
     with pytest.raises(ValueError, match="window_size"):
         sm90_bwd(*_cpu_inputs(), window_size=(-3, None))
+    # A bool is an int to Python, but not a window size.
+    with pytest.raises(ValueError, match="window_size"):
+        sm90_bwd(*_cpu_inputs(), window_size=(True, None))
+    with pytest.raises(ValueError, match="window_size"):
+        sm90_bwd(*_cpu_inputs(), window_size=(None, False))
+
+
+@pytest.mark.parametrize("scale", [-1.0, 0.0, float("nan"), float("inf"), "0.1", True])
+def test_bad_softmax_scale_raises(scale):
+    with pytest.raises(ValueError, match="softmax_scale"):
+        sm90_bwd(*_cpu_inputs(), softmax_scale=scale)
+
+
+def test_bad_flags_raise():
+    with pytest.raises(ValueError, match="causal must be a bool"):
+        sm90_bwd(*_cpu_inputs(), causal=1)
+    with pytest.raises(ValueError, match="deterministic must be a bool"):
+        sm90_bwd(*_cpu_inputs(), deterministic="yes")
+
+
+def test_valid_cpu_inputs_stop_at_the_device_check():
+    """The device rule is the last one: valid CPU tensors get a ValueError naming CUDA, and
+    nothing is compiled."""
+    with pytest.raises(ValueError, match="CUDA"):
+        sm90_bwd(*_cpu_inputs(), softmax_scale=0.1, causal=True, window_size=(8, 0))
+
+
+def test_non_sm90_gpu_raises_before_anything_is_compiled(monkeypatch):
+    """On a CUDA device that is not sm_90 (here an SM100 one, faked: no GPU needed), sm90_bwd
+    raises ValueError naming the capability before it builds any kernel."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fa_sm100.hopper import bwd_interface
+
+    def no_compile(*args, **kwargs):
+        raise AssertionError("sm90_bwd compiled a kernel for a device it cannot run on")
+
+    monkeypatch.setattr(bwd_interface, "_compiled", no_compile)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    with FakeTensorMode():
+        args = [torch.empty(t.shape, dtype=t.dtype, device="cuda") for t in _cpu_inputs()]
+        with pytest.raises(ValueError, match="sm_100"):
+            sm90_bwd(*args)
 
 
 # ---- block ranges ------------------------------------------------------------------------

@@ -1,5 +1,7 @@
 """CPU tests of scripts/benchmark.py (issue 8 item 1): argument checks, the FLOP count, the
-printed table with its ratio column, and the PNG (one panel per head dim and causality).
+printed table with its ratio column, the PNG (one panel per head dim and causality), the
+correctness check of each provider's first output in a cell (a right output passes, wrong ones
+are named and not timed) and the exit status (non-zero when a provider is wrong or ours fails).
 The rows here are synthetic inputs to the formatting code; measured numbers live in
 docs/hopper.md."""
 
@@ -7,6 +9,9 @@ import importlib.util
 import os
 
 import pytest
+import torch
+
+from fa_sm100.testing import attention_reference
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -65,3 +70,78 @@ def test_png_has_one_panel_per_hdim_and_causality(tmp_path):
     bench.plot(rows(), ["ours", "fa4", "cudnn"], str(path), "test device")
     with open(path, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def _cell(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(2, 96, 2, 32, generator=g).to(torch.bfloat16) for _ in range(3))
+
+
+def _kernel_like(q, k, v, causal):
+    """What a correct kernel returns: float32 attention rounded to the input dtype."""
+    out, _ = attention_reference(q, k, v, causal=causal, dtype=torch.float32)
+    return out.to(q.dtype)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_output_check_accepts_a_right_output(causal):
+    bench = load()
+    q, k, v = _cell()
+    assert bench.check_output(_kernel_like(q, k, v, causal), q, k, v, causal, torch) is None
+
+
+def test_output_check_names_wrong_outputs():
+    bench = load()
+    q, k, v = _cell()
+    # the non-causal result for a causal cell
+    assert "max error" in bench.check_output(_kernel_like(q, k, v, False), q, k, v, True, torch)
+    # one wrong row: the last (checked rows include the first and the last)
+    out = _kernel_like(q, k, v, True)
+    out[:, -1] += 0.25
+    assert "max error" in bench.check_output(out, q, k, v, True, torch)
+    out = _kernel_like(q, k, v, True)
+    out[0, 0, 0, 0] = float("nan")
+    assert "NaN" in bench.check_output(out, q, k, v, True, torch)
+    assert "shape" in bench.check_output(out[..., :16], q, k, v, True, torch)
+
+
+def test_run_cell_checks_first_outputs_and_times_only_right_providers():
+    bench = load()
+    q, k, v = _cell(1)
+    prepared = []
+
+    def provider(make_out):
+        def prepare(q, k, v, causal):
+            prepared.append(make_out)
+            return lambda: make_out(q, k, v, causal)
+        return prepare
+
+    def broken(q, k, v, causal):
+        raise RuntimeError("no kernel for this cell")
+
+    providers = {"good": provider(_kernel_like),
+                 "zeros": provider(lambda q, k, v, causal: torch.zeros_like(q)),
+                 "broken": broken}
+    measured = []
+
+    def measure(run):
+        measured.append(run)
+        run()
+        return 1.0
+
+    times, errors = bench.run_cell(providers, q, k, v, True, 3, measure, torch)
+    assert times == {"good": [1.0, 1.0, 1.0], "zeros": [], "broken": []}
+    assert errors["zeros"].startswith("wrong output") and "good" not in errors
+    assert errors["broken"] == "RuntimeError: no kernel for this cell"
+    assert prepared.count(_kernel_like) == 1  # prepared once per cell, outside the timing
+    assert len(measured) == 3
+
+
+def test_exit_status_fails_on_wrong_output_or_failing_ours():
+    bench = load()
+    ok = [{"provider": "ours", "error": None}, {"provider": "fa4", "error": None},
+          {"provider": "flash", "error": "unavailable: ImportError"},
+          {"provider": "cudnn", "error": "RuntimeError: no kernel"}]
+    assert bench.exit_status(ok) == 0  # peers that cannot run a cell do not fail the run
+    assert bench.exit_status(ok + [{"provider": "fa4", "error": "wrong output: x"}]) == 1
+    assert bench.exit_status(ok + [{"provider": "ours:nopp", "error": "ValueError: y"}]) == 1

@@ -55,6 +55,7 @@ def test_overrides_parse_like_the_cli():
     assert (cfg.head_dim, cfg.head_dim_v, cfg.causal, cfg.n_block) == (256, 256, True, 80)
     cfg = sm90_fwd_config_from_overrides(["head_dim=192"])
     assert (cfg.head_dim, cfg.head_dim_v) == (192, 128)
+    assert select_sm90_fwd_config(192).head_dim_v == 128  # default_head_dim_v
     cfg = sm90_fwd_config_from_overrides(["pingpong=false", "intra_wg_overlap=off"])
     assert not cfg.pingpong and not cfg.intra_wg_overlap
     with pytest.raises(ValueError, match="no field"):
@@ -71,6 +72,35 @@ def test_given_config_must_match_the_inputs():
         sm90_config_for(prob, select_sm90_fwd_config(64, causal=True))
     with pytest.raises(ValueError, match="Sm90FwdConfig"):
         sm90_config_for(prob, object())
+
+
+def test_config_without_lse_is_rejected_when_lse_is_needed():
+    """A config with write_lse=False leaves the LSE buffer unwritten: asking for LSE with it
+    (return_lse, an lse buffer, or autograd, whose backward reads LSE) is a ValueError."""
+    q, k, v = (torch.randn(1, 16, 2, 128, dtype=torch.bfloat16) for _ in range(3))
+    prob = validate_attention_inputs(q, k, v, require_cuda=False)
+    no_lse = select_sm90_fwd_config(128, write_lse=False)
+    with pytest.raises(ValueError, match="write_lse=False"):
+        sm90_config_for(prob, no_lse, need_lse=True)
+    assert sm90_config_for(prob, no_lse, need_lse=False) is no_lse
+    assert sm90_config_for(prob, None, need_lse=True).write_lse
+
+
+def test_sm90_fwd_asks_for_lse_when_it_returns_or_fills_lse():
+    """The wiring in sm90_fwd: return_lse=True or an lse buffer means LSE is needed. Fake CUDA
+    tensors (no GPU, no data) get past the device-type check; the config check comes before
+    the device is queried."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    no_lse = select_sm90_fwd_config(128, write_lse=False)
+    with FakeTensorMode():
+        q, k, v = (torch.empty(1, 16, 2, 128, dtype=torch.bfloat16, device="cuda")
+                   for _ in range(3))
+        with pytest.raises(ValueError, match="write_lse=False"):
+            sm90_fwd(q, k, v, return_lse=True, config=no_lse)
+        lse = torch.empty(1, 2, 16, dtype=torch.float32, device="cuda")
+        with pytest.raises(ValueError, match="write_lse=False"):
+            sm90_fwd(q, k, v, config=no_lse, lse=lse)
 
 
 def test_sm90_fwd_rejects_before_launch():

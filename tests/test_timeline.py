@@ -147,3 +147,15 @@ def test_kernel_source_timeline_runs_the_kernels_own_protocol():
     assert tl.time_per_tile > 0.0
     with pytest.raises(ValueError, match="--source"):
         model_backend.role_programs(cfg, "guess")
+
+
+def test_a_stalled_protocol_gives_an_error_not_a_fast_timeline():
+    """A replayed protocol that deadlocks (kv releases dropped: the load warp can never refill
+    the ring) finishes no tile; the adapter refuses it instead of charting a short run."""
+    from pipelines.design import design_recording
+    from pipelines.program import inject
+
+    cfg = config_from_overrides([])
+    bad = inject(design_recording(cfg).programs, "drop-release", "kv")
+    with pytest.raises(RuntimeError, match="stalled"):
+        model_backend._simulate(cfg, 8, 2, None, bad)

@@ -102,8 +102,8 @@ def test_docs_figures_come_from_the_project_objects(tmp_path):
 
 
 def test_docs_index_links_every_page_and_figures_exist():
-    """docs/index.md links every page in docs/, and every figure a page embeds is committed
-    under docs/figures/ and is one the generator draws."""
+    """docs/index.md links every page in docs/; every figure any page embeds is committed under
+    docs/figures/; the figures of the pages this tool owns are ones its generator draws."""
     import os
     import re
 
@@ -113,8 +113,10 @@ def test_docs_index_links_every_page_and_figures_exist():
     pages = {f for f in os.listdir(docs) if f.endswith(".md") and f != "index.md"}
     assert pages <= linked, f"pages missing from docs/index.md: {sorted(pages - linked)}"
     generated = {name for name, _ in figures.STATIC_FIGURES.values()} | set(figures.MODEL_FIGURES.values())
+    ours = {"index.md", "warp_roles.md", "tmem_plan.md", "switches.md", "verification.md"}
     for page in pages | {"index.md"}:
         for fig in re.findall(r"\]\(figures/([\w.-]+\.png)\)", open(os.path.join(docs, page)).read()):
-            assert fig in generated, f"{page} embeds {fig}, which no generator draws"
             path = os.path.join(docs, "figures", fig)
             assert os.path.exists(path) and os.path.getsize(path) > 10_000, f"{page}: {fig} missing"
+            if page in ours:
+                assert fig in generated, f"{page} embeds {fig}, which the figures generator does not draw"

@@ -1,35 +1,37 @@
-"""The SM100 forward kernel's arithmetic, step by step, in float32 torch on the CPU.
+"""The SM100 forward kernel's arithmetic, step by step, in torch on the CPU.
 
-What the emulation reproduces (and what it abstracts away). Rows of a work tile see the same
-K/V tiles in the same order, and each row's arithmetic depends on nothing but that order, so the
-emulation vectorizes over batch, heads and all work tiles and walks the K/V tiles:
+Rows of a work tile see the same K/V blocks in the same order, and each row's arithmetic
+depends on nothing but that order, so the emulation vectorizes over batch, heads and work tiles
+and walks the K/V blocks:
 
 - Work tiles. One CTA (pair, with 2-CTA MMA) processes ``m_block * q_stage * cta_group``
-  consecutive query rows (Q stages and CTAs of the pair) against one sequence of K/V tiles.
-  The tile range [n_min, n_max) is the union over those rows of the visible keys (causal /
-  sliding window, bottom-right aligned as in ``fa_sm100.testing``); tiles are visited in
-  reverse order n_max-1 .. n_min. Rows that see nothing in the first tile(s) of their work
-  tile start from a -inf max, exactly as in the kernel.
-- S = Q K^T: inputs are bf16/fp16, so every product is exact in float32; the sum is float32.
-  Keys outside the row's visible range (and past seqlen_k) are -inf.
-- Row max and correction: ``m_new = max(m, tile max)``; on the first tile of a work tile the
+  consecutive query rows (Q stages and CTAs of the pair) against one sequence of K/V blocks.
+  The block range [n_min, n_max) is the union over those rows of the visible keys (causal /
+  sliding window, bottom-right aligned as in ``fa_sm100.testing``); blocks are visited in
+  reverse order n_max-1 .. n_min, at least one per tile. Rows that see nothing in the first
+  block(s) of their work tile start from a -inf max, exactly as in the kernel.
+- S = Q K^T with the MMA model of ``mma_f32`` (per K = 16 instruction: exact products plus
+  the float32 accumulator, rounded once). Keys outside the row's visible range are -inf.
+- Row max and correction: ``m_new = max(m, block max)``; on the first block of a work tile the
   row takes it; later, ``growth = (m_new - m) * scale_log2`` and ``softmax_math.rescale_needed``
-  decides whether O and the row sum are scaled by ``exp2(-growth)`` (SFU) and the row moves to
-  ``m_new``, or the row keeps its stale max. The correction is applied to O before the PV MMA
-  of the tile accumulates into it.
-- P: ``x = fma(s, scale_log2, -m * scale_log2)``; exp2 by the polynomial for the columns of
+  decide whether O and the row sum are scaled by ``exp2((m - m_new) * scale_log2)`` (SFU) and
+  the row moves to ``m_new``, or the row keeps its stale max. The correction is applied to O
+  before the block's PV MMAs accumulate into it.
+- P: ``x = fma(s, scale_log2, -(m * scale_log2))``; exp2 by the polynomial for the columns of
   ``softmax_math.ex2_emulated_mask`` and by the SFU model for the others (``emulation.ex2``);
-  the row sum adds the float32 values; P is rounded to the input dtype (round to nearest
-  even, as cvt.rn) before P V.
-- O += P V: one float32 accumulation per MMA instruction (K = 16 columns of P), in ascending
-  column order within each part of ``softmax_math.p_split_columns``. Split P changes when the
-  MMAs of the last part issue, not what they add, so its outputs are bit-identical to no split.
+  the block's row sum adds the float32 values in the kernel's order (``row_sum_sequential``)
+  and ``row_sum = fma(row_sum, scale, block_sum)``; P is rounded to the input dtype (round to
+  nearest even, as cvt.rn) before P V.
+- O += P V: one MMA instruction per 16 columns of P, in ascending column order within each
+  part of ``softmax_math.p_split_columns``. Split P changes when the MMAs of the last part
+  issue, not what they add, so its outputs are bit-identical to no split.
 - Epilogue: O * (1 / row_sum) rounded to the input dtype; LSE = (m * scale_log2 +
   log2(row_sum)) * ln 2 in float32. Rows with row_sum == 0 give O = 0, LSE = -inf.
 
-Abstracted: the order of the float32 additions inside one MMA instruction and inside the row
-sum (hardware trees vs torch), MUFU.EX2's last ulp, and FMA double-rounding ties (see ex2.py).
-Each is orders of magnitude below the bf16/fp16 rounding of P and O.
+What the ISA leaves open is modelled the way the PTX emulator (``fa_sm100.ptxemu``) models it:
+an MMA instruction rounds once; MUFU.EX2/LG2/RCP are correctly rounded (measured on an H200:
+EX2 within 2 ulp of that, RCP within 1). Under that shared model the emulation and the
+kernel's own PTX on the PTX emulator agree bit for bit (``tests/test_emulation_ptx.py``).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from fa_sm100.config import FmhaConfig, normalize_dtype, select_config
 from fa_sm100.emulation.ex2 import ex2_mixed, ex2_sfu
 
 MMA_K = 16  # columns of P (rows of V) one f16-kind tcgen05 MMA instruction consumes
+ROW_SUM_CHUNK = 32  # columns per tcgen05.ld chunk: the unit of the kernel's row-sum chain
 
 _TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 # Switches that reach the emulation. kv_stage and persistent only schedule work (how many K/V
@@ -154,6 +157,51 @@ def _round_f32(x64: torch.Tensor) -> torch.Tensor:
     return x64.to(torch.float32)
 
 
+def mma_f32(a: torch.Tensor, b: torch.Tensor, acc: Optional[torch.Tensor] = None,
+            k_ranges=None) -> torch.Tensor:
+    """``acc + a @ b`` as a sequence of f16-kind MMA instructions with a float32 accumulator.
+
+    ``a`` (..., M, K) and ``b`` (..., K, N) hold 16-bit values (any float dtype). Each
+    instruction takes K = 16: its 16 products are exact, they are summed with the accumulator
+    in float64 and the result is rounded once to float32 (the hardware's internal order and
+    width are not specified; the PTX emulator uses the same model). ``k_ranges`` lists
+    [start, stop) ranges of K in issue order (split P); default: all of K, ascending.
+    Returns float32.
+    """
+    k = a.shape[-1]
+    if k % MMA_K:
+        raise ValueError(f"MMA K extent {k} is not a multiple of {MMA_K}")
+    order = [k0 for lo, hi in (k_ranges or ((0, k),)) for k0 in range(lo, hi, MMA_K)]
+    # All instructions' partial sums at once: (..., C, M, N) in float64, exact products.
+    a64 = a.to(torch.float64).unflatten(-1, (k // MMA_K, MMA_K)).movedim(-2, -3)
+    b64 = b.to(torch.float64).unflatten(-2, (k // MMA_K, MMA_K))
+    parts = torch.matmul(a64, b64)  # (..., C, M, N)
+    out = torch.empty(parts.shape[:-3] + parts.shape[-2:], dtype=torch.float32)
+    for i, k0 in enumerate(order):
+        part = parts[..., k0 // MMA_K, :, :]
+        if acc is not None or i > 0:
+            part.add_(out if i > 0 else acc)  # in float64: the float32 accumulator converts exactly
+        out.copy_(part)  # the one rounding of this instruction
+    return out
+
+
+def row_sum_sequential(p: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+    """The kernel's float32 row sum of its exp2 values, in the kernel's order.
+
+    ``TensorSSA.reduce(ADD, 0.0)`` over the row fragment compiles (PTX of the sm_100a kernel)
+    to one ordered chain per 32-column TMEM load chunk, ``((0 + p[32j]) + p[32j+1]) + ...``,
+    and then a chain over the chunk sums, ``((0 + c0) + c1) + ...``; ``start`` is where the
+    chunk chain starts (the kernel starts at 0 and adds the rescaled old sum afterwards).
+    """
+    total = start
+    for c0 in range(0, p.shape[-1], ROW_SUM_CHUNK):
+        chunk = torch.zeros_like(start)
+        for c in range(c0, min(c0 + ROW_SUM_CHUNK, p.shape[-1])):
+            chunk = chunk + p[..., c]
+        total = total + chunk
+    return total
+
+
 def emulate_sm100_fwd(q, k, v, softmax_scale=None, causal=False, window_size=(None, None),
                       config: Optional[FmhaConfig] = None, return_stats=False):
     """Run the SM100 forward algorithm on CPU tensors (BSHD, bf16 or fp16).
@@ -188,8 +236,10 @@ def emulate_sm100_fwd(q, k, v, softmax_scale=None, causal=False, window_size=(No
     kf[:, :sk] = k.to(torch.float32)
     vf = torch.zeros(b, n_tiles_k * nb, hk, dv, dtype=torch.float32)
     vf[:, :sk] = v.to(torch.float32)
-    kt = kf.view(b, n_tiles_k, nb, hk, d).permute(0, 3, 1, 2, 4)
-    vt = vf.view(b, n_tiles_k, nb, hk, dv).permute(0, 3, 1, 2, 4)
+    # float64 copies (exact): the MMA model sums each instruction's products in float64
+    qw = qw.to(torch.float64)
+    kt = kf.view(b, n_tiles_k, nb, hk, d).permute(0, 3, 1, 2, 4).to(torch.float64)
+    vt = vf.view(b, n_tiles_k, nb, hk, dv).permute(0, 3, 1, 2, 4).to(torch.float64)
 
     n_min = torch.tensor([r[2] for r in ranges])
     n_max = torch.tensor([r[3] for r in ranges])
@@ -207,60 +257,61 @@ def emulate_sm100_fwd(q, k, v, softmax_scale=None, causal=False, window_size=(No
     per_row = torch.zeros(state_shape, dtype=torch.int64)
 
     for j in range(steps):
-        tile = n_max - 1 - j  # (T,) the K/V tile each work tile visits at step j
-        active = tile >= n_min
-        tile_c = tile.clamp(min=0, max=max(n_tiles_k - 1, 0))
-        keys = (tile_c * nb).view(t_count, 1, 1) + torch.arange(nb).view(1, 1, nb)
-        vis = _visible(row_idx, keys, sq, sk, causal, window_size)  # (T, R, nb)
-        s = torch.matmul(qw, kt[:, :, tile_c].unsqueeze(2).transpose(-1, -2))  # (B,Hk,G,T,R,nb)
-        s = s.masked_fill(~vis, float("-inf"))
+        tile_all = n_max - 1 - j  # (T,) the K/V tile each work tile visits at step j
+        act = torch.nonzero(tile_all >= n_min).flatten()  # work tiles with a block left
+        if act.numel() == t_count:
+            act = slice(None)  # every work tile: views instead of gathers
+        tile = tile_all[act]
+        keys = (tile * nb).view(-1, 1, 1) + torch.arange(nb).view(1, 1, nb)
+        rows_a = row_idx[act]  # (A, R, 1)
+        vis = _visible(rows_a, keys, sq, sk, causal, window_size)  # (A, R, nb)
+        valid = (rows_a < sq).view(1, 1, 1, -1, rows)
+        s = mma_f32(qw[:, :, :, act], kt[:, :, tile].unsqueeze(2).transpose(-1, -2))
+        s = s.masked_fill(~vis, float("-inf"))  # (B, Hk, G, A, R, nb)
+        m_a, sum_a, o_a = m[:, :, :, act], row_sum[:, :, :, act], o[:, :, :, act]
 
         tile_max = s.amax(dim=-1)
         if j == 0:
-            m_new = tile_max
-            rescale = torch.ones(state_shape, dtype=torch.bool)
-            acc_scale = torch.zeros(state_shape)
+            m_next = tile_max
+            acc_scale = torch.zeros_like(tile_max)
         else:
-            m_new = torch.maximum(m, tile_max)
+            m_new = torch.maximum(m_a, tile_max)
             # float32 subtract, float32 multiply; -inf - -inf is NaN, which never rescales
-            growth = (m_new - m) * scale_log2
+            growth = (m_new - m_a) * scale_log2
             rescale = sm.rescale_needed(growth, threshold)
-            acc_scale = torch.where(rescale, ex2_sfu((m - m_new) * scale_log2),
+            acc_scale = torch.where(rescale, ex2_sfu((m_a - m_new) * scale_log2),
                                     torch.ones_like(growth))
-            decided = active.view(1, 1, 1, t_count, 1) & row_valid & torch.isfinite(m)
+            m_next = torch.where(rescale, m_new, m_a)
+            decided = valid & torch.isfinite(m_a)
             stats.row_tiles += int(decided.sum())
-            stats.max_grew += int((decided & (tile_max > m)).sum())
+            stats.max_grew += int((decided & (tile_max > m_a)).sum())
             stats.rescaled += int((decided & rescale).sum())
-            per_row += (decided & rescale).to(torch.int64)
-        m_next = torch.where(rescale, m_new, m)
+            per_row[:, :, :, act] += (decided & rescale).to(torch.int64)
         m_safe = torch.where(torch.isinf(m_next), torch.zeros_like(m_next), m_next)
 
         # x = fma(s, scale_log2, -(m * scale_log2)): exact product in float64, one rounding.
         bias = -(m_safe * scale_log2)
         x = _round_f32(s.to(torch.float64) * scale_log2 + bias.to(torch.float64).unsqueeze(-1))
         p = ex2_mixed(x, emu_cols)
-        sum_next = row_sum * acc_scale + p.sum(dim=-1)
-        p_lo = p.to(dtype).to(torch.float32)
+        # row_sum * scale + block sum: one FMA in the compiled kernel (fma.rn.f32)
+        blk_sum = row_sum_sequential(p, torch.zeros_like(sum_a))
+        row_sum[:, :, :, act] = _round_f32(sum_a.to(torch.float64) * acc_scale.to(torch.float64)
+                                           + blk_sum.to(torch.float64))
+        p_lo = p.to(dtype)
+        stats.max_p = max(stats.max_p, float(torch.where(valid.unsqueeze(-1), p,
+                                                         torch.zeros_like(p)).max()))
 
-        o_next = o * acc_scale.unsqueeze(-1)
-        v_tile = vt[:, :, tile_c].unsqueeze(2)  # (B, Hk, 1, T, nb, Dv)
-        for start, stop in splits:
-            for c0 in range(start, stop, MMA_K):
-                o_next = o_next + torch.matmul(p_lo[..., c0:c0 + MMA_K], v_tile[..., c0:c0 + MMA_K, :])
-
-        live = active.view(1, 1, 1, t_count, 1)
-        if bool(live.any()):
-            stats.max_p = max(stats.max_p, float(torch.where(
-                (live & row_valid).unsqueeze(-1), p, torch.zeros_like(p)).max()))
-        m = torch.where(live, m_next, m)
-        row_sum = torch.where(live, sum_next, row_sum)
-        o = torch.where(live.unsqueeze(-1), o_next, o)
+        # the correction rescales O before this block's PV MMAs accumulate into it
+        o_scaled = o_a * acc_scale.unsqueeze(-1) if j > 0 else None
+        o[:, :, :, act] = mma_f32(p_lo, vt[:, :, tile].unsqueeze(2), o_scaled, splits)
+        m[:, :, :, act] = m_next
 
     empty = (row_sum == 0) | torch.isnan(row_sum)
     inv = 1.0 / torch.where(empty, torch.ones_like(row_sum), row_sum)
     out = (o * inv.unsqueeze(-1)).to(dtype)
     m_final = torch.where(torch.isinf(m), torch.zeros_like(m), m)
-    lse = (m_final * scale_log2 + torch.log2(torch.where(empty, torch.ones_like(row_sum), row_sum)))
+    log2_sum = torch.log2(torch.where(empty, torch.ones_like(row_sum), row_sum).to(torch.float64))
+    lse = m_final * scale_log2 + log2_sum.to(torch.float32)  # MUFU.LG2 modelled rounded once
     lse = torch.where(empty, torch.full_like(lse, float("-inf")), lse * sm.LN_2)
 
     out = out.permute(0, 3, 4, 1, 2, 5).reshape(b, sq_pad, hq, dv)[:, :sq]

@@ -19,13 +19,15 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
-from fa_sm100.config import DTYPES, REGISTER_FILE, normalize_dtype
+from fa_sm100.config import DTYPES, check_register_budget, check_setmaxnreg, normalize_dtype
+from fa_sm100.hopper.config import SM90_ARCH, WARPGROUP_THREADS
+from layouts.smem import SMEM_BUDGET
 
 SM90_BWD_HEAD_DIMS = (64, 96, 128)
 GQA_REDUCE_MODES = ("atomic", "buffers")
 DQ_ACCUM_MODES = ("bulk", "red")
 DQ_ROW_PAD = 8  # float32 columns of padding per dQ row in SMEM/GMEM (bank-conflict-free stores)
-SM90_SMEM_BYTES = 232448  # 227 KiB of dynamic shared memory per CTA on H100/H200
+SM90_SMEM_BYTES = SMEM_BUDGET[SM90_ARCH]  # 227 KiB of dynamic shared memory per CTA on H100/H200
 
 
 @dataclass(frozen=True)
@@ -63,7 +65,7 @@ class BwdConfig:
 
     @property
     def threads_per_cta(self) -> int:
-        return 128 * (1 + self.num_mma_warpgroups)
+        return WARPGROUP_THREADS * (1 + self.num_mma_warpgroups)
 
     @property
     def is_local(self) -> bool:
@@ -133,18 +135,15 @@ class BwdConfig:
             )
         for name in ("window_left", "window_right"):
             w = getattr(self, name)
-            if w is not None and w < 0:
+            if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 0):
                 raise ValueError(f"{name}={w}: a window size must be >= 0 (None = unbounded)")
         for name in ("regs_producer", "regs_mma"):
-            r = getattr(self, name)
-            if r % 8 or not 24 <= r <= 256:
-                raise ValueError(f"{name}={r}: setmaxnreg takes a multiple of 8 in [24, 256]")
-        used = 128 * (self.regs_producer + self.num_mma_warpgroups * self.regs_mma)
-        if used > REGISTER_FILE:
-            raise ValueError(
-                f"register budget 128 x ({self.regs_producer} + 2 x {self.regs_mma}) = {used} "
-                f"exceeds the register file ({REGISTER_FILE})"
-            )
+            check_setmaxnreg(name, getattr(self, name))
+        check_register_budget(
+            WARPGROUP_THREADS * (self.regs_producer + self.num_mma_warpgroups * self.regs_mma),
+            f"{WARPGROUP_THREADS} x ({self.regs_producer} + {self.num_mma_warpgroups} x "
+            f"{self.regs_mma})",
+        )
         if self.smem_bytes() > SM90_SMEM_BYTES:
             raise ValueError(
                 f"shared memory {self.smem_bytes()} B exceeds the SM90 budget {SM90_SMEM_BYTES} B"

@@ -11,30 +11,39 @@ or launched. Compiled kernels are cached per (config, kind); shapes other than t
 are run-time values, so one compile serves every batch, sequence length and head count.
 """
 
-import contextlib
-import math
 from typing import Optional
 
 import torch
 
+from fa_sm100.config import normalize_dtype
 from fa_sm100.hopper.bwd_config import SM90_BWD_HEAD_DIMS, BwdConfig, select_bwd_config
+from fa_sm100.hopper.config import SM90_ARCH
+from fa_sm100.validation import (SUPPORTED_DTYPES, check_softmax_scale, normalize_window,
+                                 require_sm90)
 
-_TORCH_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
-SM90_ARCH = "sm_90a"
 _compile_cache: dict = {}
 
 
-def validate_bwd_inputs(dout, q, k, v, out, lse, window_size=(None, None)):
-    """Raise ValueError naming the first problem with the backward's inputs."""
+def validate_bwd_inputs(dout, q, k, v, out, lse, softmax_scale=None, causal=False,
+                        window_size=(None, None), deterministic=False):
+    """Raise ValueError naming the first problem with the backward's inputs; otherwise return
+    ``(softmax_scale, (window_left, window_right))`` with the default scale filled in.
+
+    The rules that need no GPU come first (types, shapes, dtypes, head dims, options); the
+    device rule comes last: CUDA tensors on an sm_90 GPU. So CPU tensors reach every other
+    rule, and nothing is compiled for a device that cannot run the kernel.
+    """
     for name, t in (("q", q), ("k", k), ("v", v), ("out", out), ("dout", dout)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
             raise ValueError(f"{name} must be 4-D (batch, seqlen, heads, head_dim), got {tuple(t.shape)}")
-        if t.dtype not in _TORCH_DTYPES:
+        if t.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"{name} has dtype {t.dtype}: use torch.bfloat16 or torch.float16")
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last (head_dim) dimension")
+    if not isinstance(lse, torch.Tensor):
+        raise ValueError(f"lse must be a torch.Tensor, got {type(lse).__name__}")
     if len({t.dtype for t in (q, k, v, out, dout)}) != 1:
         raise ValueError("q, k, v, out and dout must share one dtype")
     if len({t.device for t in (q, k, v, out, dout, lse)}) != 1:
@@ -57,18 +66,13 @@ def validate_bwd_inputs(dout, q, k, v, out, lse, window_size=(None, None)):
         raise ValueError(f"lse must be float32 of shape {(b, hq, sq)}, got {lse.dtype} {tuple(lse.shape)}")
     if sq < 1 or sk < 1:
         raise ValueError("sequence lengths must be >= 1")
-    left, right = window_size if window_size is not None else (None, None)
-    for name, w in (("window_size[0]", left), ("window_size[1]", right)):
-        if w is not None and (not isinstance(w, int) or w < 0):
-            raise ValueError(f"{name}={w!r}: must be None or an int >= 0")
-
-
-def _normalize_window(window_size):
-    left, right = window_size if window_size is not None else (None, None)
-    # flash-attn spells "unbounded" as -1 too
-    left = None if left is not None and left < 0 else left
-    right = None if right is not None and right < 0 else right
-    return left, right
+    softmax_scale = check_softmax_scale(softmax_scale, d)
+    for name, flag in (("causal", causal), ("deterministic", deterministic)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"{name} must be a bool, got {flag!r}")
+    window = normalize_window(window_size)
+    require_sm90(q.device, "sm90_bwd")
+    return softmax_scale, window
 
 
 def _to_cute(t: torch.Tensor, align: int = 16, static_last: bool = True):
@@ -84,27 +88,15 @@ def _to_cute(t: torch.Tensor, align: int = 16, static_last: bool = True):
     return ct
 
 
-@contextlib.contextmanager
-def _dsl_runtime_arch(arch: str):
-    """Compile a launchable function for ``arch`` whatever CUTE_DSL_ARCH said at import (the
-    test suite defaults it to sm_100a for cross-compiles); restores the previous value."""
-    from cutlass.cutlass_dsl import CuTeDSL
-
-    env = CuTeDSL._get_dsl().envar
-    previous, env.arch = env.arch, arch
-    try:
-        yield
-    finally:
-        env.arch = previous
-
-
 def _compiled(kind: str, key, build, *args):
     """Compile once per (kind, key) for the sm_90 device ``sm90_bwd`` runs on."""
     import cutlass.cute as cute
 
+    from fa_sm100.hopper.common import dsl_runtime_arch
+
     cache_key = (kind, key)
     if cache_key not in _compile_cache:
-        with _dsl_runtime_arch(SM90_ARCH):
+        with dsl_runtime_arch(SM90_ARCH):
             _compile_cache[cache_key] = cute.compile(build(), *args,
                                                      options=f"--gpu-arch {SM90_ARCH}")
     return _compile_cache[cache_key]
@@ -118,19 +110,20 @@ def sm90_bwd(dout, q, k, v, out, lse, softmax_scale: Optional[float] = None, cau
              window_size=(None, None), deterministic: bool = False,
              config: Optional[BwdConfig] = None):
     """Gradients (dq, dk, dv) of attention on an SM90 GPU; see the module docstring."""
-    validate_bwd_inputs(dout, q, k, v, out, lse, window_size)
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-    left, right = _normalize_window(window_size)
+    softmax_scale, (left, right) = validate_bwd_inputs(dout, q, k, v, out, lse, softmax_scale,
+                                                       causal, window_size, deterministic)
     b, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     group = hq // hk
+    dtype = normalize_dtype(q.dtype)
     if config is None:
-        config = select_bwd_config(head_dim=d, dtype=_TORCH_DTYPES[q.dtype], causal=causal,
+        config = select_bwd_config(head_dim=d, dtype=dtype, causal=causal,
                                    window_left=left, window_right=right,
                                    qhead_per_kvhead=group, deterministic=deterministic)
     else:
-        config = config.replace(head_dim=d, head_dim_v=d, dtype=_TORCH_DTYPES[q.dtype],
+        if not isinstance(config, BwdConfig):
+            raise ValueError(f"config must be a BwdConfig, got {type(config).__name__}")
+        config = config.replace(head_dim=d, head_dim_v=d, dtype=dtype,
                                 causal=causal, window_left=left, window_right=right,
                                 qhead_per_kvhead=group, deterministic=deterministic).validate()
 
@@ -198,7 +191,7 @@ def fake_arguments(config: BwdConfig):
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
-    from fa_sm100.hopper.bwd_kernel import cutlass_dtype
+    from fa_sm100.config import cutlass_dtype
 
     dt = cutlass_dtype(config.dtype)
     d = config.head_dim

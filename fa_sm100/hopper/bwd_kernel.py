@@ -30,21 +30,10 @@ cores while dS = P (dP - Delta) is computed. Per iteration the WGMMA groups are 
 dK and retire in that order: ``wait_group(1)`` after dK means dV and dQ are done (release
 ``do``, hand dQ over) while dK still reads Q; ``wait_group(0)`` then releases ``q``.
 
-dQ is accumulated in float32 in global memory, by one of two switchable paths (``dq_accum``):
-"bulk" stages the scaled dQ tile in SMEM (rows padded by DQ_ROW_PAD floats: conflict-free
-stores; GMEM holds the same padded image) and the dq-store warp adds it with one bulk reduce;
-"red" issues ``red.global.add.f32`` from the MMA registers. Deterministic mode orders the
-additions: the CTAs that touch a query block add in increasing ``n_block`` order, through a
-per-(batch, head, m_block) semaphore.
-
-Note [dQ SMEM handoff] ("bulk"): per query block the dq-store warp waits until its previous
-bulk reduce has read the tile (``cp.async.bulk.wait_group.read 0``), arrives on ``DQ_EMPTY``,
-then waits on ``DQ_FULL``; the MMA warpgroups wait on ``DQ_EMPTY``, store the tile, fence the
-async proxy and arrive on ``DQ_FULL``.
+dQ is accumulated in float32 in global memory by one of two switchable paths (``dq_accum``);
+the stores of dQ, dK and dV are in ``bwd_store.py`` (``BwdStoreRole``, with Note [dQ SMEM
+handoff]).
 """
-
-import math
-from enum import IntEnum
 
 import cutlass
 import cutlass.cute as cute
@@ -52,74 +41,24 @@ import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_helpers
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
-from cutlass.experimental import primitives as prims
 from cutlass.utils import LayoutEnum
 
+from fa_sm100.config import WARP_SIZE, cutlass_dtype
 from fa_sm100.hopper.bwd_config import (BwdConfig, effective_window_right, first_n_block,
                                          m_block_range)
+from fa_sm100.hopper.bwd_store import BwdStoreRole
+from fa_sm100.hopper.common import NO_WAIT, rows_cols_view, transpose_view, wgmma
+from fa_sm100.hopper.config import SMEM_ALIGN, WARPGROUP_THREADS, WGMMA_M
+from fa_sm100.hopper.named_barriers import Sm90BwdBarrier
+from fa_sm100.softmax_math import LOG2_E
 
-LOG2_E = math.log2(math.e)
-
-
-class Sm90BwdBarrier(IntEnum):
-    """Named barriers of the SM90 backward (0 is ``__syncthreads``)."""
-
-    # Both MMA warpgroups (256 threads): P and dS of this query block are in SMEM.
-    DS_READY = 1
-    # Both MMA warpgroups: dQ semaphore observed (deterministic mode only).
-    DQ_TURN = 2
-    # Both MMA warpgroups: every dQ addition of this CTA for this query block is issued.
-    DQ_DONE = 3
-    # "bulk" dQ: the dq-store warp (32 threads) arrives when the SMEM dQ tile may be
-    # overwritten; the MMA warpgroups (256) wait. 288 threads.
-    DQ_EMPTY = 4
-    # "bulk" dQ: the MMA warpgroups arrive when the dQ tile is in SMEM; the dq-store warp waits.
-    DQ_FULL = 5
-    # early dV: warpgroup w's 128 threads have stored their P (6 + w).
-    P_READY_WG0 = 6
-    P_READY_WG1 = 7
+# Warpgroup 0 (warps 0-3) is the producer warpgroup; warpgroups 1 and 2 run the MMAs.
+PRODUCER_WARPS = WARPGROUP_THREADS // WARP_SIZE
+LOAD_WARP = 0
+DQ_STORE_WARP = 1  # "bulk" dQ only
 
 
-def cutlass_dtype(name: str):
-    return {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[name]
-
-
-def acc_rows_cols(t: cute.Tensor) -> cute.Tensor:
-    """View a WGMMA accumulator ((2, 2, V), MMA_M, MMA_N) as (rows, cols) of the C tile.
-
-    Within one 64 x N WGMMA atom a thread holds 2 rows (r, r + 8) and pairs of adjacent
-    columns: mode 0 is (column pair, row half, column group). Works on register fragments and
-    on partitions of identity (coordinate) tensors alike.
-    """
-    compact = cute.make_layout(t.layout.shape)
-    s, d = compact.shape, compact.stride
-    rows = ((s[0][1], s[1]), (d[0][1], d[1]))
-    cols = ((s[0][0], s[0][2], s[2]), (d[0][0], d[0][2], d[2]))
-    mn = cute.make_layout((rows[0], cols[0]), stride=(rows[1], cols[1]))
-    return cute.make_tensor(t.iterator, cute.composition(t.layout, mn))
-
-
-def transpose_smem(t: cute.Tensor) -> cute.Tensor:
-    """Swap the first two modes of an SMEM tensor (the MN-major view used by dV, dK, dQ)."""
-    shape = (t.shape[1], t.shape[0], *t.shape[2:])
-    order = (1, 0, *range(2, cute.rank(t)))
-    return cute.composition(t, cute.make_ordered_layout(shape, order=order))
-
-
-@cute.jit
-def wgmma(tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor,
-          zero_init: cutlass.Constexpr[bool]):
-    """Issue one warpgroup GEMM over all K slices of the fragments and commit it (no wait)."""
-    warpgroup.fence()
-    atom = cute.make_mma_atom(tiled_mma.op)
-    atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
-    for k in cutlass.range_constexpr(cute.size(tA.shape[2])):
-        cute.gemm(atom, acc, tA[None, None, k], tB[None, None, k], acc)
-        atom.set(warpgroup.Field.ACCUMULATE, True)
-    warpgroup.commit_group()
-
-
-class Sm90FlashBackward:
+class Sm90FlashBackward(BwdStoreRole):
     """Builds and launches the main backward kernel for one ``BwdConfig``."""
 
     def __init__(self, cfg: BwdConfig):
@@ -127,7 +66,7 @@ class Sm90FlashBackward:
         self.dtype = cutlass_dtype(cfg.dtype)
         self.tile_m, self.tile_n = cfg.tile_m, cfg.tile_n
         self.hdim, self.hdimv = cfg.head_dim, cfg.head_dim_v
-        self.num_mma_threads = 128 * cfg.num_mma_warpgroups
+        self.num_mma_threads = WARPGROUP_THREADS * cfg.num_mma_warpgroups
         self.num_threads = cfg.threads_per_cta
 
     # ---- layouts and MMAs (trace time) ---------------------------------------------------
@@ -157,19 +96,19 @@ class Sm90FlashBackward:
         half_n = self.tile_n // 2
         # S = Q K^T and dP = dO V^T: (tile_m, tile_n), warpgroups side by side along N.
         mma_sdp = sm90_helpers.make_trivial_tiled_mma(
-            self.dtype, self.dtype, K, K, Float32, (1, 2, 1), (64, half_n))
+            self.dtype, self.dtype, K, K, Float32, (1, 2, 1), (WGMMA_M, half_n))
         # dV = P^T dO and dK = dS^T Q: (tile_n, hdim), warpgroups stacked along M (keys).
         mma_dkv = sm90_helpers.make_trivial_tiled_mma(
-            self.dtype, self.dtype, MN, MN, Float32, (2, 1, 1), (64, self.hdim))
+            self.dtype, self.dtype, MN, MN, Float32, (2, 1, 1), (WGMMA_M, self.hdim))
         # dQ = dS K: (tile_m, hdim), warpgroups side by side along N (head dim).
         mma_dq = sm90_helpers.make_trivial_tiled_mma(
-            self.dtype, self.dtype, K, MN, Float32, (1, 2, 1), (64, self.hdim // 2))
+            self.dtype, self.dtype, K, MN, Float32, (1, 2, 1), (WGMMA_M, self.hdim // 2))
         return mma_sdp, mma_dkv, mma_dq
 
     def _shared_storage(self):
         c = self.cfg
         buf = lambda layout: cute.struct.Align[
-            cute.struct.MemRange[self.dtype, cute.cosize(layout)], 1024]
+            cute.struct.MemRange[self.dtype, cute.cosize(layout)], SMEM_ALIGN]
 
         @cute.struct
         class SharedStorage:
@@ -182,11 +121,13 @@ class Sm90FlashBackward:
             sV: buf(self.sV_layout)
             sP: buf(self.sP_layout)
             sdS: buf(self.sdS_layout)
-            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, self._sdq_elems()], 1024]
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, self._sdq_elems()], SMEM_ALIGN]
 
         return SharedStorage
 
     def _sdq_elems(self) -> int:
+        """Float32 elements of the SMEM dQ tile: the padded tile for "bulk"; "red" stages
+        nothing and keeps a 16-byte placeholder (the struct field needs a size)."""
         if self.cfg.dq_accum == "bulk":
             return self.tile_m * self.cfg.dq_row_pitch
         return 4
@@ -259,18 +200,19 @@ class Sm90FlashBackward:
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
-        if warp_idx == 0:
+        if warp_idx == LOAD_WARP:
             for atom in (tma_Q, tma_K, tma_V, tma_dO):
                 cpasync.prefetch_descriptor(atom)
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(SharedStorage)
         mbar_kv = storage.mbar_kv.data_ptr()
-        if warp_idx == 0:
+        if warp_idx == LOAD_WARP:
             with cute.arch.elect_one():
                 cute.arch.mbarrier_init(mbar_kv, 1)
         producer = pipeline.CooperativeGroup(pipeline.Agent.Thread)
         # consumer_release arrives once per warp (lane 0): 8 MMA warps.
-        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads // 32)
+        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                              self.num_mma_threads // WARP_SIZE)
         pipe_q = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar_q.data_ptr(), num_stages=self.cfg.q_stage,
             producer_group=producer, consumer_group=consumers, tx_count=self.bytes_q,
@@ -291,21 +233,21 @@ class Sm90FlashBackward:
         n_block, head, batch = cute.arch.block_idx()
         m_block_min, m_block_max = self._m_block_range(n_block, seqlen_q, seqlen_k)
 
-        if warp_idx < 4:
+        if warp_idx < PRODUCER_WARPS:
             cute.arch.setmaxregister_decrease(self.cfg.regs_producer)
-            if warp_idx == 0:
+            if warp_idx == LOAD_WARP:
                 self.load(mQ, mK, mV, mdO, tma_Q, tma_K, tma_V, tma_dO, sQ, sK, sV, sdO,
                           mbar_kv, pipe_q, pipe_do, n_block, head, batch, group,
                           m_block_min, m_block_max)
             if const_expr(self.cfg.dq_accum == "bulk"):
-                if warp_idx == 1:
+                if warp_idx == DQ_STORE_WARP:
                     self.dq_store(mdQacc, mdQsem, sdQ, n_block, head, batch, seqlen_q, seqlen_k,
                                   m_block_min, m_block_max)
         else:
             cute.arch.setmaxregister_increase(self.cfg.regs_mma)
             self.mma(mma_sdp, mma_dkv, mma_dq, sQ, sK, sV, sdO, sP, sdS, sdQ,
                      mLSE2, mDelta, mdQacc, mdK, mdV, mdQsem, mbar_kv, pipe_q, pipe_do,
-                     tidx - 128, n_block, head, batch, group, seqlen_q, seqlen_k,
+                     tidx - WARPGROUP_THREADS, n_block, head, batch, group, seqlen_q, seqlen_k,
                      softmax_scale, scale_log2, m_block_min, m_block_max)
 
     # ---- block ranges and masks ----------------------------------------------------------
@@ -368,8 +310,8 @@ class Sm90FlashBackward:
         P, dS -> SMEM; ``DS_READY``; dV += P^T dO, dK += dS^T Q, dQ = dS K; release ``q``, ``do``;
         dQ -> global float32 (atomic, or in n_block order when deterministic). After the last
         block: dK *= scale, then dK, dV -> global."""
-        wg = cute.arch.make_warp_uniform(tidx // 128)
-        wg_thread = wg * 128
+        wg = cute.arch.make_warp_uniform(tidx // WARPGROUP_THREADS)
+        wg_thread = wg * WARPGROUP_THREADS
         thr_sdp = mma_sdp.get_slice(tidx)
         wg_sdp, wg_dkv, wg_dq = (m.get_slice(wg_thread) for m in (mma_sdp, mma_dkv, mma_dq))
         # operand fragments (SMEM descriptors)
@@ -377,12 +319,12 @@ class Sm90FlashBackward:
         tSrK = mma_sdp.make_fragment_B(wg_sdp.partition_B(sK))  # (MMA, MMA_N, MMA_K)
         tdPrdO = mma_sdp.make_fragment_A(wg_sdp.partition_A(sdO))  # (MMA, MMA_M, MMA_K, DO_STAGE)
         tdPrV = mma_sdp.make_fragment_B(wg_sdp.partition_B(sV))
-        tdVrPt = mma_dkv.make_fragment_A(wg_dkv.partition_A(transpose_smem(sP)))
-        tdVrdOt = mma_dkv.make_fragment_B(wg_dkv.partition_B(transpose_smem(sdO)))
-        tdKrdSt = mma_dkv.make_fragment_A(wg_dkv.partition_A(transpose_smem(sdS)))
-        tdKrQt = mma_dkv.make_fragment_B(wg_dkv.partition_B(transpose_smem(sQ)))
+        tdVrPt = mma_dkv.make_fragment_A(wg_dkv.partition_A(transpose_view(sP)))
+        tdVrdOt = mma_dkv.make_fragment_B(wg_dkv.partition_B(transpose_view(sdO)))
+        tdKrdSt = mma_dkv.make_fragment_A(wg_dkv.partition_A(transpose_view(sdS)))
+        tdKrQt = mma_dkv.make_fragment_B(wg_dkv.partition_B(transpose_view(sQ)))
         tdQrdS = mma_dq.make_fragment_A(wg_dq.partition_A(sdS))  # (MMA, MMA_M, MMA_K, DS_STAGE)
-        tdQrKt = mma_dq.make_fragment_B(wg_dq.partition_B(transpose_smem(sK)))
+        tdQrKt = mma_dq.make_fragment_B(wg_dq.partition_B(transpose_view(sK)))
         # accumulators
         acc_dV = cute.make_rmem_tensor(mma_dkv.partition_shape_C((self.tile_n, self.hdimv)), Float32)
         acc_dK = cute.make_rmem_tensor(mma_dkv.partition_shape_C((self.tile_n, self.hdim)), Float32)
@@ -396,7 +338,7 @@ class Sm90FlashBackward:
         tPsP = st_thr.partition_D(sP)
         tdSsdS = st_thr.partition_D(sdS)
         # coordinates of this thread's S elements within the (tile_m, tile_n) tile
-        tScS = acc_rows_cols(thr_sdp.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
+        tScS = rows_cols_view(thr_sdp.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
 
         cute.arch.mbarrier_wait(mbar_kv, 0)
         state_q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.cfg.q_stage)
@@ -408,12 +350,12 @@ class Sm90FlashBackward:
             # S = Q K^T, dP = dO V^T
             pipe_q.consumer_wait(state_q)
             acc_S = cute.make_rmem_tensor(mma_sdp.partition_shape_C((self.tile_m, self.tile_n)), Float32)
-            wgmma(mma_sdp, acc_S, tSrQ[None, None, None, state_q.index], tSrK, True)
+            wgmma(mma_sdp, acc_S, tSrQ[None, None, None, state_q.index], tSrK, True, NO_WAIT)
             pipe_do.consumer_wait(state_do)
             acc_dP = cute.make_rmem_tensor(mma_sdp.partition_shape_C((self.tile_m, self.tile_n)), Float32)
-            wgmma(mma_sdp, acc_dP, tdPrdO[None, None, None, state_do.index], tdPrV, True)
-            S = acc_rows_cols(acc_S)
-            dP = acc_rows_cols(acc_dP)
+            wgmma(mma_sdp, acc_dP, tdPrdO[None, None, None, state_do.index], tdPrV, True, NO_WAIT)
+            S = rows_cols_view(acc_S)
+            dP = rows_cols_view(acc_dP)
             lse = cute.make_rmem_tensor(cute.size(S, mode=[0]), Float32)
             dpsum = cute.make_rmem_tensor(cute.size(S, mode=[0]), Float32)
             for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
@@ -433,8 +375,8 @@ class Sm90FlashBackward:
                 # Note [early dV]: P is this warpgroup's own; dV runs while dS is computed.
                 cute.arch.fence_view_async_shared()
                 cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.P_READY_WG0) + wg,
-                                  number_of_threads=128)
-                wgmma(mma_dkv, acc_dV, tdVrPt, tdVrdOt[None, None, None, state_do.index], False)
+                                  number_of_threads=WARPGROUP_THREADS)
+                wgmma(mma_dkv, acc_dV, tdVrPt, tdVrdOt[None, None, None, state_do.index], False, NO_WAIT)
                 warpgroup.wait_group(1)  # dP done; dV may still run
             else:
                 warpgroup.wait_group(0)
@@ -449,11 +391,11 @@ class Sm90FlashBackward:
                               number_of_threads=self.num_mma_threads)
             # dV += P^T dO (unless issued early), dQ = dS K, dK += dS^T Q; groups retire in order
             if const_expr(not self.cfg.early_dv):
-                wgmma(mma_dkv, acc_dV, tdVrPt, tdVrdOt[None, None, None, state_do.index], False)
+                wgmma(mma_dkv, acc_dV, tdVrPt, tdVrdOt[None, None, None, state_do.index], False, NO_WAIT)
             acc_dQ = cute.make_rmem_tensor(mma_dq.partition_shape_C((self.tile_m, self.hdim)), Float32)
-            wgmma(mma_dq, acc_dQ, tdQrdS[None, None, None, ds_idx], tdQrKt, True)
+            wgmma(mma_dq, acc_dQ, tdQrdS[None, None, None, ds_idx], tdQrKt, True, NO_WAIT)
             wgmma(mma_dkv, acc_dK, tdKrdSt[None, None, None, ds_idx],
-                  tdKrQt[None, None, None, state_q.index], False)
+                  tdKrQt[None, None, None, state_q.index], False, NO_WAIT)
             warpgroup.wait_group(1)  # dV and dQ done, dK may still run
             pipe_do.consumer_release(state_do)
             if const_expr(self.cfg.dq_accum == "bulk"):
@@ -502,134 +444,3 @@ class Sm90FlashBackward:
                     out = out | (col < row + off - left)
                 if out:
                     S[r, c] = -Float32.inf
-
-    @cute.jit
-    def _stage_dq(self, mma_dq, acc_dQ, sdQ, tidx, softmax_scale):
-        """"bulk" dQ, MMA side of Note [dQ SMEM handoff]: scaled dQ tile -> padded SMEM rows."""
-        pitch = self.cfg.dq_row_pitch
-        sdQ_tile = cute.make_tensor(sdQ.iterator,
-                                    cute.make_layout((self.tile_m, self.hdim), stride=(pitch, 1)))
-        tdQsdQ = mma_dq.get_slice(tidx).partition_C(sdQ_tile)
-        handoff = self.num_mma_threads + 32
-        cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.DQ_EMPTY), number_of_threads=handoff)
-        for i in cutlass.range_constexpr(cute.size(acc_dQ)):
-            tdQsdQ[i] = acc_dQ[i] * softmax_scale
-        cute.arch.fence_view_async_shared()
-        cute.arch.barrier_arrive(barrier_id=int(Sm90BwdBarrier.DQ_FULL), number_of_threads=handoff)
-
-    @cute.jit
-    def dq_store(self, mdQacc, mdQsem, sdQ, n_block, head, batch, seqlen_q, seqlen_k,
-                 m_block_min, m_block_max):
-        """Warp 1 ("bulk" dQ), Note [dQ SMEM handoff]. Per query block m: wait until the last
-        bulk reduce has read SMEM, arrive ``DQ_EMPTY``, wait ``DQ_FULL``, then add the padded
-        tile into dQacc[batch, head, m * tile_m : (m + 1) * tile_m, :] with one
-        cp.reduce.async.bulk.add.f32. Deterministic: first wait for this CTA's turn on the
-        query block's semaphore; after the reduce has completed, pass the turn on."""
-        pitch = self.cfg.dq_row_pitch
-        tile_elems = self.tile_m * pitch
-        handoff = self.num_mma_threads + 32
-        gdQ = mdQacc[batch, head, None, None]
-        lane = cute.arch.lane_idx()
-        for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
-            cute.arch.barrier_arrive(barrier_id=int(Sm90BwdBarrier.DQ_EMPTY),
-                                     number_of_threads=handoff)
-            cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.DQ_FULL), number_of_threads=handoff)
-            dst = gdQ.iterator + m_block * tile_elems
-            if const_expr(self.cfg.deterministic):
-                sem_ptr = mdQsem[batch, head, None].iterator + m_block
-                turn = n_block - self._n_block_first(m_block, seqlen_q, seqlen_k)
-                if lane == 0:
-                    seen = cute.arch.load(sem_ptr, Int32, sem="acquire", scope="gpu")
-                    while seen != turn:
-                        seen = cute.arch.load(sem_ptr, Int32, sem="acquire", scope="gpu")
-                cute.arch.sync_warp()
-            with cute.arch.elect_one():
-                prims.cp_reduce_async_bulk_global_shared_cta(
-                    dst, sdQ.iterator, tile_elems * 4,
-                    op=prims.CpReduceOp.ADD, type=prims.CpReduceType.F32)
-            cute.arch.cp_async_bulk_commit_group()
-            if const_expr(self.cfg.deterministic):
-                cute.arch.cp_async_bulk_wait_group(0, read=False)
-                cute.arch.fence_acq_rel_gpu()
-                if lane == 0:
-                    cute.arch.red(sem_ptr, Int32(1), op="add", dtype="s32", sem="release",
-                                  scope="gpu")
-        cute.arch.cp_async_bulk_wait_group(0, read=True)
-
-    @cute.jit
-    def _store_dq(self, mma_dq, acc_dQ, mdQacc, mdQsem, tidx, m_block, n_block, head, batch,
-                  seqlen_q, seqlen_k, softmax_scale):
-        """Add this CTA's dQ tile (times the softmax scale) into the float32 accumulator."""
-        thr_dq = mma_dq.get_slice(tidx)
-        gdQ = cute.local_tile(mdQacc[batch, head, None, None], (self.tile_m, self.hdim), (m_block, 0))
-        tdQgdQ = thr_dq.partition_C(gdQ)
-        if const_expr(self.cfg.deterministic):
-            sem = mdQsem[batch, head, None]
-            sem_ptr = sem.iterator + m_block
-            turn = n_block - self._n_block_first(m_block, seqlen_q, seqlen_k)
-            if tidx == 0:
-                seen = cute.arch.load(sem_ptr, Int32, sem="acquire", scope="gpu")
-                while seen != turn:
-                    seen = cute.arch.load(sem_ptr, Int32, sem="acquire", scope="gpu")
-            cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.DQ_TURN),
-                              number_of_threads=self.num_mma_threads)
-        for i in cutlass.range_constexpr(cute.size(acc_dQ)):
-            ptr = tdQgdQ.iterator + cute.crd2idx(i, tdQgdQ.layout)
-            cute.arch.red(ptr, acc_dQ[i] * softmax_scale, op="add", dtype="f32",
-                                  sem="relaxed", scope="gpu")
-        if const_expr(self.cfg.deterministic):
-            cute.arch.fence_acq_rel_gpu()
-            cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.DQ_DONE),
-                              number_of_threads=self.num_mma_threads)
-            if tidx == 0:
-                cute.arch.red(mdQsem[batch, head, None].iterator + m_block, Int32(1), op="add",
-                              dtype="s32", sem="release", scope="gpu")
-
-    @cute.jit
-    def _store_dkdv(self, mma_dkv, acc_dK, acc_dV, mdK, mdV, tidx, n_block, head, batch, group,
-                    seqlen_k, softmax_scale):
-        """dK (scaled) and dV of this key block to global memory.
-
-        MHA: converted to the input dtype and stored into (batch, seqlen_k, heads, hdim), rows
-        past seqlen_k skipped. GQA ``buffers``: float32 stores into this query head's slice of
-        (batch, heads, seqlen_k_pad, hdim). GQA ``atomic``: float32 ``red.add`` into the KV
-        head's slice of (batch, heads_kv, seqlen_k_pad, hdim)."""
-        thr = mma_dkv.get_slice(tidx)
-        cD = cute.make_identity_tensor((self.tile_n, self.hdim))
-        tDcD = thr.partition_C(cD)
-        for i in cutlass.range_constexpr(cute.size(acc_dK)):
-            acc_dK[i] = acc_dK[i] * softmax_scale
-        if const_expr(not self.cfg.uses_gqa_buffers):
-            gdK = cute.local_tile(mdK[batch, None, head, None], (self.tile_n, self.hdim), (n_block, 0))
-            gdV = cute.local_tile(mdV[batch, None, head, None], (self.tile_n, self.hdimv), (n_block, 0))
-            tdKgdK = thr.partition_C(gdK)
-            tdVgdV = thr.partition_C(gdV)
-            rdK = cute.make_fragment_like(acc_dK, self.dtype)
-            rdK.store(acc_dK.load().to(self.dtype))
-            rdV = cute.make_fragment_like(acc_dV, self.dtype)
-            rdV.store(acc_dV.load().to(self.dtype))
-            for i in cutlass.range_constexpr(cute.size(acc_dK)):
-                if n_block * self.tile_n + tDcD[i][0] < seqlen_k:
-                    tdKgdK[i] = rdK[i]
-                    tdVgdV[i] = rdV[i]
-        else:
-            h_acc = head
-            if const_expr(self.cfg.gqa_reduce == "atomic"):
-                h_acc = head // group
-            gdK = cute.local_tile(mdK[batch, h_acc, None, None], (self.tile_n, self.hdim), (n_block, 0))
-            gdV = cute.local_tile(mdV[batch, h_acc, None, None], (self.tile_n, self.hdimv), (n_block, 0))
-            tdKgdK = thr.partition_C(gdK)
-            tdVgdV = thr.partition_C(gdV)
-            if const_expr(self.cfg.gqa_reduce == "atomic"):
-                for i in cutlass.range_constexpr(cute.size(acc_dK)):
-                    cute.arch.red(tdKgdK.iterator + cute.crd2idx(i, tdKgdK.layout), acc_dK[i],
-                                  op="add", dtype="f32",
-                                  sem="relaxed", scope="gpu")
-                    cute.arch.red(tdVgdV.iterator + cute.crd2idx(i, tdVgdV.layout), acc_dV[i],
-                                  op="add", dtype="f32",
-                                  sem="relaxed", scope="gpu")
-            else:
-                for i in cutlass.range_constexpr(cute.size(acc_dK)):
-                    tdKgdK[i] = acc_dK[i]
-                    tdVgdV[i] = acc_dV[i]

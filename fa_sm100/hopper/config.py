@@ -16,14 +16,26 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Iterable
 
-from fa_sm100.config import DTYPE_BYTES, DTYPES, REGISTER_FILE, normalize_dtype, parse_overrides
+from fa_sm100.config import (
+    DTYPE_BYTES,
+    DTYPES,
+    WARP_SIZE,
+    WARPGROUP_WARPS,
+    check_register_budget,
+    check_setmaxnreg,
+    default_head_dim_v,
+    normalize_dtype,
+    parse_overrides,
+)
+from layouts.smem import SMEM_BUDGET
 
+SM90_ARCH = "sm_90a"
 # (qk, v) head-dimension pairs the SM90 forward supports.
 SM90_HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (192, 128), (256, 256))
 # Dynamic SMEM one CTA may opt into on sm_90a (227 KiB).
-SM90_SMEM_BUDGET = 232448
+SM90_SMEM_BUDGET = SMEM_BUDGET[SM90_ARCH]
 SMEM_ALIGN = 1024  # every buffer starts on a 1 KiB boundary (128-byte swizzle atoms repeat)
-WARPGROUP_THREADS = 128
+WARPGROUP_THREADS = WARPGROUP_WARPS * WARP_SIZE  # 128
 WGMMA_M = 64  # rows of one warpgroup MMA
 
 
@@ -132,15 +144,12 @@ class Sm90FwdConfig:
         if not 0.0 <= self.ex2_emu_fraction <= 1.0:
             raise ValueError(f"ex2_emu_fraction={self.ex2_emu_fraction}: must lie in [0, 1]")
         for name in ("regs_consumer", "regs_producer"):
-            r = getattr(self, name)
-            if r % 8 or not 24 <= r <= 256:
-                raise ValueError(f"{name}={r}: setmaxnreg takes a multiple of 8 in [24, 256]")
-        if self.registers_used() > REGISTER_FILE:
-            raise ValueError(
-                f"register budget {self.registers_used()} exceeds the register file "
-                f"({REGISTER_FILE}): 128 x ({self.regs_producer} + {self.num_consumer_wg} x "
-                f"{self.regs_consumer})"
-            )
+            check_setmaxnreg(name, getattr(self, name))
+        check_register_budget(
+            self.registers_used(),
+            f"{WARPGROUP_THREADS} x ({self.regs_producer} + {self.num_consumer_wg} x "
+            f"{self.regs_consumer})",
+        )
         if self.smem_bytes() > SM90_SMEM_BUDGET:
             raise ValueError(
                 f"SMEM {self.smem_bytes()} bytes ({self.smem_parts()}) exceeds the sm_90a budget "
@@ -153,8 +162,9 @@ class Sm90FwdConfig:
 _REGS = {2: (240, 24), 3: (160, 32)}
 
 
-def default_tile(head_dim: int, causal: bool) -> tuple[int, int]:
-    """(num_consumer_wg, n_block) for a head dim: the largest tiles the registers and SMEM allow."""
+def default_tile(head_dim: int) -> tuple[int, int]:
+    """(num_consumer_wg, n_block) for a head dim: the largest tiles the registers and SMEM allow.
+    (Short causal problems narrow the tile in ``select_sm90_fwd_config``.)"""
     if head_dim <= 64:
         return 3, 128  # 192 x 128: small accumulators leave room for a third consumer
     if head_dim <= 128:
@@ -175,11 +185,12 @@ def select_sm90_fwd_config(head_dim: int = 128, head_dim_v=None, dtype="bfloat16
                            write_lse=True, seqlen_k=None, **overrides) -> Sm90FwdConfig:
     """The default SM90 config for a problem, with ``overrides`` applied, validated.
 
+    ``head_dim_v`` defaults to ``fa_sm100.config.default_head_dim_v(head_dim)`` (128 for 192).
     ``seqlen_k`` (optional) picks persistent scheduling for short key sequences when the
     separate O buffer fits in SMEM.
     """
-    head_dim_v = head_dim if head_dim_v is None else head_dim_v
-    num_wg, n_block = default_tile(head_dim, causal)
+    head_dim_v = default_head_dim_v(head_dim) if head_dim_v is None else head_dim_v
+    num_wg, n_block = default_tile(head_dim)
     if num_wg == 3 and causal and seqlen_k is not None and seqlen_k <= SHORT_CAUSAL_SEQLEN_K:
         # Short causal rows: 192-row tiles waste most of the diagonal tile; measured on H200
         # (hdim 64, seqlen 1k, persistent): 303 TFLOP/s with 128-row tiles vs 274 with 192.
@@ -212,6 +223,4 @@ def sm90_fwd_config_from_overrides(items: Iterable[str]) -> Sm90FwdConfig:
     changes = parse_overrides(items, cls=Sm90FwdConfig)
     problem = {k: changes.pop(k) for k in ("head_dim", "head_dim_v", "dtype", "causal", "write_lse")
                if k in changes}
-    if "head_dim" in problem and "head_dim_v" not in problem:
-        problem["head_dim_v"] = 128 if problem["head_dim"] == 192 else problem["head_dim"]
-    return select_sm90_fwd_config(**problem, **changes)
+    return select_sm90_fwd_config(**problem, **changes)  # head_dim_v: default_head_dim_v

@@ -22,12 +22,12 @@ pre-arrives on its own barrier once, so it goes first.
 
 from __future__ import annotations
 
-
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
+from fa_sm100.hopper.common import NO_WAIT, rows_cols_view, transpose_view, wgmma
 from fa_sm100.hopper.config import WARPGROUP_THREADS
 from fa_sm100.hopper.fwd_math import (
     apply_mask,
@@ -36,32 +36,8 @@ from fa_sm100.hopper.fwd_math import (
     online_softmax_step,
     operand_a_view,
     rescale_rows,
-    rows_cols_view,
 )
 from fa_sm100.hopper.named_barriers import Sm90FwdBarrier
-
-
-def _transpose_view(t: cute.Tensor) -> cute.Tensor:
-    """Swap the first two modes of an SMEM tensor (V (n, dv, STAGE) -> V^T (dv, n, STAGE))."""
-    shape = (t.shape[1], t.shape[0], *t.shape[2:])
-    order = (1, 0, *range(2, cute.rank(t)))
-    return cute.composition(t, cute.make_ordered_layout(shape, order=order))
-
-
-@cute.jit
-def wgmma(tiled_mma: cute.TiledMma, acc: cute.Tensor, frag_a: cute.Tensor, frag_b: cute.Tensor,
-          zero_init: cutlass.Constexpr[bool], wait: cutlass.Constexpr[int]):
-    """Issue one warpgroup GEMM over the K mode; wait until at most ``wait`` groups are pending
-    (-1: do not wait)."""
-    warpgroup.fence()
-    atom = cute.make_mma_atom(tiled_mma.op)
-    atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
-    for k in cutlass.range_constexpr(cute.size(frag_a.shape[2])):
-        cute.gemm(atom, acc, frag_a[None, None, k], frag_b[None, None, k], acc)
-        atom.set(warpgroup.Field.ACCUMULATE, True)
-    warpgroup.commit_group()
-    if const_expr(wait >= 0):
-        warpgroup.wait_group(wait)
 
 
 class ConsumerFrags:
@@ -141,7 +117,7 @@ class ConsumerRole:
             tiled_mma_pv=tiled_mma_pv,
             tSrQ=wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ)),
             tSrK=wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(sK)),
-            tOrV=wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(_transpose_view(sV))),
+            tOrV=wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(transpose_view(sV))),
             tOrP=wg_mma_pv.make_fragment_A(wg_mma_pv.partition_shape_A((cfg.m_block, cfg.n_block))),
             acc_O=cute.make_rmem_tensor(
                 wg_mma_pv.partition_shape_C((cfg.m_block, cfg.head_dim_v)), Float32),
@@ -251,11 +227,11 @@ class ConsumerRole:
         state.advance()
         pipe_k.consumer_wait(state, pipe_k.consumer_try_wait(state))
         self.pingpong_wait(wg)
-        acc_S = self.qk_gemm(f, state.index, -1)
+        acc_S = self.qk_gemm(f, state.index, NO_WAIT)
         pipe_v.consumer_wait(state_v, pipe_v.consumer_try_wait(state_v))
         if const_expr(self.cfg.rescale_o_before_pv):
             rescale_rows(rows_cols_view(f.acc_O), f.row_scale)  # while S(n) is computed
-        self.pv_gemm(f, state_v.index, -1)
+        self.pv_gemm(f, state_v.index, NO_WAIT)
         self.pingpong_pass(wg)
         warpgroup.wait_group(1)  # S(n) is ready; the PV GEMM may still run
         pipe_k.consumer_release(state)
@@ -274,7 +250,7 @@ class ConsumerRole:
         """One KV tile without intra-warpgroup overlap: S, softmax, then PV (each GEMM waited on)."""
         pipe_k.consumer_wait(state, pipe_k.consumer_try_wait(state))
         self.pingpong_wait(wg)
-        acc_S = self.qk_gemm(f, state.index, -1)
+        acc_S = self.qk_gemm(f, state.index, NO_WAIT)
         self.pingpong_pass(wg)
         warpgroup.wait_group(0)
         pipe_k.consumer_release(state)
@@ -283,7 +259,7 @@ class ConsumerRole:
         rescale_rows(rows_cols_view(f.acc_O), f.row_scale)
         pipe_v.consumer_wait(state, pipe_v.consumer_try_wait(state))
         self.pingpong_wait(wg)
-        self.pv_gemm(f, state.index, -1)
+        self.pv_gemm(f, state.index, NO_WAIT)
         self.pingpong_pass(wg)
         warpgroup.wait_group(0)
         pipe_v.consumer_release(state)

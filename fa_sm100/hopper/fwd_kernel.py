@@ -19,8 +19,6 @@ order: the consumers need K[j-1] before V[j]).
 
 from __future__ import annotations
 
-import math
-
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
@@ -30,16 +28,16 @@ from cutlass import Float32, Int32, const_expr, pipeline
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
+from fa_sm100.config import WARP_SIZE, cutlass_dtype
 from fa_sm100.hopper.config import WARPGROUP_THREADS, Sm90FwdConfig
 from fa_sm100.hopper.fwd_consumer import ConsumerRole
+from fa_sm100.softmax_math import LOG2_E
 
 # L2 bytes a causal section's K and V may occupy (H100/H200 have 50 MB of L2).
 L2_BYTES_FOR_KV = 40 * 1024 * 1024
-_TORCH_TO_CUTLASS = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
-
-
-def cutlass_dtype(name: str):
-    return _TORCH_TO_CUTLASS[name]
+# Warpgroup 0 is the producer: warp 0 issues the TMA loads, the others only donate registers.
+PRODUCER_WARPS = WARPGROUP_THREADS // WARP_SIZE
+PRODUCER_WARP = 0
 
 
 def _select(t: cute.Tensor, modes) -> cute.Tensor:
@@ -147,7 +145,7 @@ class Sm90FwdKernel(ConsumerRole):
         grid_x = total_tiles
         if const_expr(cfg.persistent):
             grid_x = cutlass.min(total_tiles, num_ctas)
-        scale_log2 = softmax_scale * math.log2(math.e)
+        scale_log2 = softmax_scale * LOG2_E
         self.kernel(
             tma_mQ, tma_mK, tma_mV, tma_mO, mLSE, total_tiles,
             tma_q, tma_k, tma_v, tma_o,
@@ -186,7 +184,7 @@ class Sm90FwdKernel(ConsumerRole):
         """Set up shared storage and pipelines, then dispatch to the producer or a consumer."""
         cfg = self.cfg
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        if warp_idx == 0:
+        if warp_idx == PRODUCER_WARP:
             for atom in (tma_q, tma_k, tma_v, tma_o):
                 cpasync.prefetch_descriptor(atom)
 
@@ -217,9 +215,9 @@ class Sm90FwdKernel(ConsumerRole):
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
 
-        if warp_idx < 4:
+        if warp_idx < PRODUCER_WARPS:
             cute.arch.setmaxregister_decrease(cfg.regs_producer)
-            if warp_idx == 0:
+            if warp_idx == PRODUCER_WARP:
                 self.producer(mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v,
                               total_tiles, l2_heads)
         else:

@@ -1,4 +1,4 @@
-"""Register-level pieces of the SM90 forward consumer: accumulator views, masking, softmax.
+"""Register-level pieces of the SM90 forward consumer: the P operand view, masking, softmax.
 
 The accumulator of one m64nNk16 WGMMA holds, per thread, the value mode ``(2, 2, N/8)``:
 two adjacent columns, two rows 8 apart, and N/8 column groups of 8. Its rows are the thread's
@@ -8,8 +8,6 @@ and row statistics need two shuffles (``threads_in_group=4``).
 
 from __future__ import annotations
 
-import math
-
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
@@ -17,27 +15,7 @@ from cutlass._mlir.dialects import arith, llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from fa_sm100 import softmax_math
-
-LOG2_E = math.log2(math.e)
-LN_2 = math.log(2.0)
-
-
-def _compact(shape):
-    return cute.make_layout(shape)
-
-
-def rows_cols_view(t: cute.Tensor) -> cute.Tensor:
-    """View an accumulator-shaped tensor ``((2, 2, V), M, N)`` as ``((2, M), (2, V, N))``.
-
-    Mode 0 indexes the thread's rows, mode 1 its columns. Works for register fragments and
-    for identity (coordinate) tensors partitioned the same way.
-    """
-    c = _compact(t.layout.shape)
-    view = cute.make_layout(
-        ((c.shape[0][1], c.shape[1]), (c.shape[0][0], c.shape[0][2], c.shape[2])),
-        stride=((c.stride[0][1], c.stride[1]), (c.stride[0][0], c.stride[0][2], c.stride[2])),
-    )
-    return cute.make_tensor(t.iterator, cute.composition(t.layout, view))
+from fa_sm100.softmax_math import LN_2
 
 
 def operand_a_view(acc: cute.Tensor) -> cute.Tensor:
@@ -46,7 +24,7 @@ def operand_a_view(acc: cute.Tensor) -> cute.Tensor:
     One k16 slice of the A operand is two adjacent 8-column groups of the accumulator, so the
     linear element order is unchanged: P can be converted element by element.
     """
-    c = _compact(acc.layout.shape)
+    c = cute.make_layout(acc.layout.shape)  # compact: strides count fragment elements
     groups = c.shape[0][2]
     assert groups % 2 == 0, "n_block must be a multiple of 16"
     view = cute.make_layout(
@@ -71,9 +49,11 @@ def apply_mask(
 ):
     """Set S to -inf where the key is past seqlen_k or, if causal, right of the diagonal.
 
-    Columns are compared as thread-0 column (a constant) against a limit shifted by this
-    thread's own column, so each compare has an immediate operand.
+    A thread's column c is its own first column plus thread 0's column c, which the tracer
+    knows as a constant. The thread's first column is therefore taken off the limit once per
+    row, and each element is one compare of a constant against that limit.
     """
+    # Column-limit technique as in FlashAttention-4 (BSD-3), flash_attn/cute/mask.py.
     thr_col = coord_rc[0, 0][1]
     col_limit_seqlen = seqlen_k - col_base - thr_col
     for r in cutlass.range_constexpr(cute.size(s_rc, mode=[0])):
@@ -90,12 +70,13 @@ def apply_mask(
             s_rc[r, c] = Float32(cutlass.select_(coord0_rc[0, c][1] >= limit, -Float32.inf, s_rc[r, c]))
 
 
-# 1.5 * 2^23: x + this, rounded toward -inf, keeps floor(x) in the low mantissa bits.
-_FLOOR_MAGIC = float(2**23 + 2**22)
+# exp2 on the FMA pipe, technique as in FlashAttention-4 (BSD-3), flash_attn/cute/utils.py;
+# the constants and the rounding rule are fa_sm100.softmax_math's (EX2_*).
 
 
 @dsl_user_op
 def _add_round_down(a, b, *, loc=None, ip=None) -> Float32:
+    """``a + b`` in float32, rounded toward -inf (PTX ``add.rm.f32``)."""
     return Float32(llvm.inline_asm(
         T.f32(), [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
         "add.rm.f32 $0, $1, $2;", "=f,f,f", has_side_effects=False, is_align_stack=False,
@@ -114,17 +95,23 @@ def _from_bits(x, *, loc=None, ip=None) -> Float32:
 
 @cute.jit
 def exp2_on_fma_pipe(x: Float32) -> Float32:
-    """2^x without MUFU.EX2 (Hopper has no packed f32x2 math, so one element at a time):
-    clamp, split into floor n and fraction f, degree-3 Horner for 2^f, add n to the exponent.
-    Constants and rounding rule are ``fa_sm100.softmax_math``'s."""
+    """2^x without MUFU.EX2, one element at a time (Hopper has no packed f32x2 math).
+
+    x >= EX2_CLAMP_MIN after the clamp. ``floor_in_bits`` = x + EX2_FLOOR_MAGIC rounded down
+    is a float whose low mantissa bits hold floor(x) as an integer; subtracting the magic
+    again gives floor(x) exactly, so ``frac`` = x - floor(x) lies in [0, 1). The degree-3
+    polynomial (Horner) gives 2^frac in [1, 2); shifting the bits of ``floor_in_bits`` up by
+    the 23 mantissa bits adds floor(x) to its exponent.
+    """
     x = cute.arch.fmax(x, Float32(softmax_math.EX2_CLAMP_MIN))
-    rounded = _add_round_down(x, Float32(_FLOOR_MAGIC))
-    frac = x - (rounded - Float32(_FLOOR_MAGIC))
-    c = softmax_math.EX2_POLY_COEFFS
-    q = Float32(c[softmax_math.EX2_POLY_DEGREE])
+    magic = Float32(softmax_math.EX2_FLOOR_MAGIC)
+    floor_in_bits = _add_round_down(x, magic)
+    frac = x - (floor_in_bits - magic)
+    coeffs = softmax_math.EX2_POLY_COEFFS
+    pow2_frac = Float32(coeffs[softmax_math.EX2_POLY_DEGREE])
     for i in cutlass.range_constexpr(softmax_math.EX2_POLY_DEGREE - 1, -1, -1):
-        q = q * frac + Float32(c[i])
-    return _from_bits(_bits(q) + (_bits(rounded) << 23))
+        pow2_frac = pow2_frac * frac + Float32(coeffs[i])
+    return _from_bits(_bits(pow2_frac) + (_bits(floor_in_bits) << 23))
 
 
 @cute.jit

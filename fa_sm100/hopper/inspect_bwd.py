@@ -8,6 +8,7 @@ kernels are plain CUDA-core code and are not part of the report.
 
 from fa_sm100.config import parse_overrides
 from fa_sm100.hopper.bwd_config import BwdConfig, select_bwd_config
+from fa_sm100.hopper.config import SM90_ARCH
 from fa_sm100.registry import KernelBuild, KernelEntry
 
 
@@ -17,22 +18,12 @@ def make_config(overrides) -> BwdConfig:
     return select_bwd_config(**changes)
 
 
-def build(cfg: BwdConfig, arch: str = "sm_90a") -> KernelBuild:
-    if arch != "sm_90a":
-        raise ValueError(f"sm90_bwd compiles for sm_90a only, not {arch}")
+def build(cfg: BwdConfig, arch: str = SM90_ARCH) -> KernelBuild:
     from fa_sm100.hopper.bwd_interface import fake_arguments
     from fa_sm100.hopper.bwd_kernel import Sm90FlashBackward
+    from fa_sm100.hopper.common import sm90_kernel_build
 
-    return KernelBuild(
-        fn=Sm90FlashBackward(cfg),
-        args=fake_arguments(cfg),
-        arch=arch,
-        config=cfg,
-        smem_bytes=cfg.smem_bytes(),
-        tmem_cols=None,
-        setmaxnreg=cfg.setmaxnreg(),
-        cluster=(1, 1, 1),
-    )
+    return sm90_kernel_build("sm90_bwd", cfg, arch, Sm90FlashBackward, fake_arguments)
 
 
-KERNEL = KernelEntry(name="sm90_bwd", archs=("sm_90a",), make_config=make_config, build=build)
+KERNEL = KernelEntry(name="sm90_bwd", archs=(SM90_ARCH,), make_config=make_config, build=build)

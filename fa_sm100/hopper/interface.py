@@ -1,24 +1,33 @@
-"""``sm90_fwd``: validate, pick the config, compile once per config, launch on the torch stream."""
+"""``sm90_fwd``: validate, pick the config, compile once per config, launch on the torch stream.
+
+``prepare_sm90_fwd`` does everything but the launch and returns the launch as a callable (what
+``scripts/benchmark.py`` times).
+"""
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from typing import Optional
 
 import torch
 
-from fa_sm100.hopper.config import SM90_HEAD_DIMS, Sm90FwdConfig, select_sm90_fwd_config
-from fa_sm100.validation import tma_ready, validate_attention_inputs
+from fa_sm100.config import normalize_dtype
+from fa_sm100.hopper.config import (SM90_ARCH, SM90_HEAD_DIMS, Sm90FwdConfig,
+                                    select_sm90_fwd_config)
+from fa_sm100.validation import require_sm90, tma_ready, validate_attention_inputs
 
-_TORCH_DTYPE_NAME = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _compile_cache: dict = {}
 _compile_lock = threading.Lock()
 
 
-def sm90_config_for(problem, config: Optional[Sm90FwdConfig]) -> Sm90FwdConfig:
-    """The config for a validated problem: the default one, or ``config`` checked against it."""
-    dtype = _TORCH_DTYPE_NAME[problem.dtype]
+def sm90_config_for(problem, config: Optional[Sm90FwdConfig], need_lse: bool = False) -> Sm90FwdConfig:
+    """The config for a validated problem: the default one, or ``config`` checked against it.
+
+    ``need_lse``: the caller reads LSE (``return_lse``, an ``lse`` buffer, or the backward of
+    autograd, which always asks for it); a config with ``write_lse=False`` would leave that
+    buffer unwritten, so it is a ValueError.
+    """
+    dtype = normalize_dtype(problem.dtype)
     if config is None:
         return select_sm90_fwd_config(problem.head_dim, problem.head_dim_v, dtype, problem.causal,
                                       seqlen_k=problem.seqlen_k)
@@ -31,6 +40,9 @@ def sm90_config_for(problem, config: Optional[Sm90FwdConfig]) -> Sm90FwdConfig:
         if getattr(config, field) != value:
             raise ValueError(f"config.{field}={getattr(config, field)!r} does not match the inputs "
                              f"({field}={value!r})")
+    if need_lse and not config.write_lse:
+        raise ValueError("config.write_lse=False, but LSE is needed (return_lse=True, an lse "
+                         "buffer, or gradients): use a config with write_lse=True")
     return config
 
 
@@ -41,7 +53,7 @@ def fake_arguments(cfg: Sm90FwdConfig):
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 
-    from fa_sm100.hopper.fwd_kernel import cutlass_dtype
+    from fa_sm100.config import cutlass_dtype
 
     dt = cutlass_dtype(cfg.dtype)
     b, sq, sk, h, hk = (cute.sym_int(symbol=s) for s in ("b", "sq", "sk", "h", "hk"))
@@ -61,58 +73,41 @@ def fake_arguments(cfg: Sm90FwdConfig):
             make_fake_stream(use_tvm_ffi_env_stream=True))
 
 
-@contextlib.contextmanager
-def _runtime_arch(arch: str):
-    """Tell the DSL that the machine runs ``arch`` while compiling for launch.
-
-    The DSL builds a launchable function only when its runtime arch (CUTE_DSL_ARCH, read once
-    at import; the test suite defaults it to sm_100a for cross-compiles) equals the compile
-    target. sm90_fwd only compiles after the device was found to be sm_90, so this is true;
-    the previous value is restored for other users of the process.
-    """
-    from cutlass.cutlass_dsl import CuTeDSL
-
-    env = CuTeDSL._get_dsl().envar
-    previous = env.arch
-    env.arch = arch
-    try:
-        yield
-    finally:
-        env.arch = previous
-
-
-def compile_sm90_fwd(cfg: Sm90FwdConfig, arch: str = "sm_90a"):
+def compile_sm90_fwd(cfg: Sm90FwdConfig, arch: str = SM90_ARCH):
     """Compile (once per config) for launching from torch through TVM FFI."""
     key = (cfg, arch)
     with _compile_lock:
         if key not in _compile_cache:
             import cutlass.cute as cute
 
+            from fa_sm100.hopper.common import dsl_runtime_arch
             from fa_sm100.hopper.fwd_kernel import Sm90FwdKernel
 
-            with _runtime_arch(arch):
+            with dsl_runtime_arch(arch):
                 _compile_cache[key] = cute.compile(
                     Sm90FwdKernel(cfg), *fake_arguments(cfg),
                     options=f"--gpu-arch {arch} --enable-tvm-ffi")
         return _compile_cache[key]
 
 
-def sm90_fwd(q, k, v, softmax_scale=None, causal=False, window_size=(None, None), return_lse=False,
-             config: Optional[Sm90FwdConfig] = None, *, out=None, lse=None):
-    """Attention forward on an SM90 GPU. BSHD tensors; returns ``out`` or ``(out, lse)``.
+def prepare_sm90_fwd(q, k, v, softmax_scale=None, causal=False, window_size=(None, None),
+                     return_lse=False, config: Optional[Sm90FwdConfig] = None, *, out=None,
+                     lse=None):
+    """Everything ``sm90_fwd`` does before the launch: validate, pick and compile the config,
+    allocate ``out`` / ``lse``, query the SM count. Returns a no-argument callable that
+    launches the kernel on these tensors and returns ``out`` or ``(out, lse)``.
 
-    ``out`` / ``lse`` may be given (e.g. poisoned buffers in tests): they are written in place.
-    LSE is (batch, heads, seqlen_q) float32 in natural-log units, -inf for rows with no key.
+    Each call of the callable recomputes attention of the current contents of q, k, v (their
+    shapes, strides and storage must stay as they were). Benchmarks time the callable, so the
+    per-call work is the launch alone.
     """
     problem = validate_attention_inputs(q, k, v, softmax_scale, causal, window_size,
                                         head_dims=SM90_HEAD_DIMS)
     if problem.window != (None, None):
         raise ValueError(f"window_size={problem.window}: sliding windows are not supported by the "
                          "SM90 forward (use causal=True for a causal mask)")
-    cfg = sm90_config_for(problem, config)
-    cap = torch.cuda.get_device_capability(q.device)
-    if cap != (9, 0):
-        raise ValueError(f"sm90_fwd needs an sm_90 GPU, {q.device} is sm_{cap[0]}{cap[1]}")
+    cfg = sm90_config_for(problem, config, need_lse=return_lse or lse is not None)
+    require_sm90(q.device, "sm90_fwd")
     b, sq, h, dv = problem.batch, problem.seqlen_q, problem.heads, problem.head_dim_v
     if out is None:
         out = torch.empty((b, sq, h, dv), dtype=q.dtype, device=q.device)
@@ -126,7 +121,24 @@ def sm90_fwd(q, k, v, softmax_scale=None, causal=False, window_size=(None, None)
     o_buf = tma_ready(out)
     compiled = compile_sm90_fwd(cfg)
     num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    compiled(q, k, v, o_buf, lse if cfg.write_lse else None, problem.softmax_scale, num_sms)
-    if o_buf is not out:
-        out.copy_(o_buf)
-    return (out, lse) if return_lse else out
+    lse_arg = lse if cfg.write_lse else None
+    scale = problem.softmax_scale
+
+    def launch():
+        compiled(q, k, v, o_buf, lse_arg, scale, num_sms)
+        if o_buf is not out:
+            out.copy_(o_buf)
+        return (out, lse) if return_lse else out
+
+    return launch
+
+
+def sm90_fwd(q, k, v, softmax_scale=None, causal=False, window_size=(None, None), return_lse=False,
+             config: Optional[Sm90FwdConfig] = None, *, out=None, lse=None):
+    """Attention forward on an SM90 GPU. BSHD tensors; returns ``out`` or ``(out, lse)``.
+
+    ``out`` / ``lse`` may be given (e.g. poisoned buffers in tests): they are written in place.
+    LSE is (batch, heads, seqlen_q) float32 in natural-log units, -inf for rows with no key.
+    """
+    return prepare_sm90_fwd(q, k, v, softmax_scale, causal, window_size, return_lse, config,
+                            out=out, lse=lse)()

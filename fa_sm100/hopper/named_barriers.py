@@ -1,4 +1,7 @@
-"""Named barriers of the SM90 forward. Id 0 is ``__syncthreads``; ours start at 1."""
+"""Named barriers of the SM90 kernels. Id 0 is ``__syncthreads``; ours start at 1.
+
+The forward and the backward are separate kernels, so their ids may overlap.
+"""
 
 from enum import IntEnum
 
@@ -11,3 +14,20 @@ class Sm90FwdBarrier(IntEnum):
     PINGPONG_WG0 = 2
     PINGPONG_WG1 = 3
     PINGPONG_WG2 = 4
+
+
+class Sm90BwdBarrier(IntEnum):
+    # Both MMA warpgroups (256 threads): P and dS of this query block are in SMEM.
+    DS_READY = 1
+    # Both MMA warpgroups: dQ semaphore observed (deterministic mode only).
+    DQ_TURN = 2
+    # Both MMA warpgroups: every dQ addition of this CTA for this query block is issued.
+    DQ_DONE = 3
+    # "bulk" dQ: the dq-store warp (32 threads) arrives when the SMEM dQ tile may be
+    # overwritten; the MMA warpgroups (256) wait. 288 threads.
+    DQ_EMPTY = 4
+    # "bulk" dQ: the MMA warpgroups arrive when the dQ tile is in SMEM; the dq-store warp waits.
+    DQ_FULL = 5
+    # early dV: warpgroup w's 128 threads have stored their P (P_READY_WG0 + w).
+    P_READY_WG0 = 6
+    P_READY_WG1 = 7

@@ -13,5 +13,6 @@ from .memory import EmulationError
 from .parser import PtxParseError, parse_ptx
 
 __all__ = ["Capture", "TensorMap", "capture_launch", "compile_kernel", "emulate",
-           "build_launch", "launch_from_ptx", "instruction_coverage", "write_trace", "EmulationError", "UnsupportedInstruction", "PtxParseError",
+           "build_launch", "launch_from_ptx", "instruction_coverage", "write_trace",
+           "EmulationError", "UnsupportedInstruction", "PtxParseError",
            "parse_ptx"]

@@ -33,14 +33,13 @@ def handler(*names):
 
 
 class Op:
-    __slots__ = ("instr", "fn", "collective", "members", "advances")
+    __slots__ = ("instr", "fn", "collective", "members")
 
-    def __init__(self, instr: Instr, fn, collective=None, advances=True):
+    def __init__(self, instr: Instr, fn, collective=None):
         self.instr = instr
         self.fn = fn
         self.collective = True if collective else None
         self.members = _member_mask if collective else None
-        self.advances = advances
 
     def run(self, m, w, idx):
         ins = self.instr
@@ -107,7 +106,12 @@ def reader(opnd, typ: str, kernel: PtxKernel, copy: bool = False) -> Callable:
             if not copy and w.ld_pending and name.name in w.ld_pending:
                 raise EmulationError(f"register {name.name} is read before tcgen05.wait::ld "
                                      "(it was written by an asynchronous tcgen05.ld)")
-            return bits_to(typ, w.reg(name)[idx])
+            r = w.reg(name)
+            init = w.reg_init[name.name][idx]
+            if not init.all():
+                raise EmulationError(f"register {name.name} is read before it was written "
+                                     f"(lanes {idx[~init].tolist()[:8]})")
+            return bits_to(typ, r[idx])
         return read_reg
     if isinstance(opnd, Imm):
         val = imm_value(opnd, typ)
@@ -158,6 +162,7 @@ def writer(opnd, typ: str) -> Callable:
         def write(m, w, idx, v):
             r = w.reg(name)
             r[idx] = to_bits(typ, v, r.dtype)
+            w.reg_init[name.name][idx] = True
             if w.ld_pending:
                 w.ld_pending.discard(name.name)
         return write

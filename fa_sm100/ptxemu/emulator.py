@@ -43,7 +43,7 @@ def build_launch(cap: Capture, index: int = 0) -> Launch:
 
 
 def emulate(cap: Capture, buffers: Sequence, seed: int = 0, index: Optional[int] = None,
-            trace: Optional[list] = None, max_steps: int = 50_000_000):
+            trace: Optional[list] = None, max_steps: int = 2_000_000):
     """Execute the captured launch(es) on the CPU. ``buffers`` are the contiguous CPU
     tensors whose memory the kernel may touch (its global memory); results land in them.
     Returns the last Machine (for inspection of step counts and traces)."""
@@ -105,11 +105,19 @@ def instruction_coverage(ptx: str) -> tuple:
     return counts, missing
 
 
-def write_trace(trace: list, path: str, kernel):
-    """Per-warp event trace as JSON: one event per executed warp instruction, in order."""
+def write_trace(trace: list, path: str, kernel, roles: Optional[dict] = None):
+    """Per-warp event trace as JSON: one event per executed warp instruction, in execution
+    order (``step`` is the logical time: the emulator has no clock). ``roles`` maps a warp id
+    to its role name (e.g. ``WarpRoles.role_warps()`` inverted) for readers that group by
+    role."""
     import json
-    events = [{"cluster": cl, "warp": gid, "step": i, "line": kernel.instrs[pc].line,
-               "op": kernel.instrs[pc].opcode, "lanes": n}
-              for i, (cl, gid, pc, n) in enumerate(trace)]
+    events = []
+    for i, (cl, gid, pc, n) in enumerate(trace):
+        ev = {"cluster": cl, "warp": gid, "step": i, "line": kernel.instrs[pc].line,
+              "op": kernel.instrs[pc].opcode, "lanes": n}
+        if roles:
+            ev["role"] = roles.get(int(gid.rsplit("warp", 1)[1]), "")
+        events.append(ev)
     with open(path, "w") as f:
-        json.dump({"kernel": kernel.name, "events": events}, f)
+        json.dump({"kernel": kernel.name, "time": "logical (execution order)",
+                   "events": events}, f)

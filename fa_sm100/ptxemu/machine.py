@@ -2,8 +2,8 @@
 scheduler, and the waits (barriers, mbarrier phases, warp convergence) threads block on.
 
 Execution model (independent thread scheduling): every lane has its own PC. A warp step
-picks the lanes that are runnable (alive, not waiting) at the lowest PC and executes that
-instruction for all of them at once with NumPy (lanes at one PC are converged). A
+picks the runnable lanes (alive, not waiting) at one PC -- a random one, seeded, when the
+warp has diverged -- and executes that instruction for all of them at once with NumPy. A
 warp-collective instruction (``.sync``/``.aligned``: shfl, vote, elect, bar.warp.sync,
 tcgen05) runs only when every lane of its member mask stands at it; until then those lanes
 wait. The scheduler picks a runnable warp at random (seeded) and runs it for a random
@@ -128,6 +128,7 @@ class Warp:
         self.tid_linear = wid * WARP + np.arange(WARP)
         self.waits: list = []                       # [(Wait, lane mask)]
         self.regs: dict = {}
+        self.reg_init: dict = {}                    # register -> lanes written so far
         self.kernel = kernel
         self.steps = 0
         self.maxnreg: Optional[int] = None          # from setmaxnreg
@@ -139,6 +140,7 @@ class Warp:
         if arr is None:
             arr = np.zeros(WARP, dtype=storage_dtype(self.kernel_type(r.name)))
             self.regs[r.name] = arr
+            self.reg_init[r.name] = np.zeros(WARP, dtype=bool)
         return arr
 
     def kernel_type(self, name: str) -> str:
@@ -195,7 +197,7 @@ class Machine:
     """Runs one cluster's worth of CTAs at a time (clusters run one after another)."""
 
     def __init__(self, launch: Launch, gmem: GlobalMemory, seed: int = 0,
-                 max_steps: int = 50_000_000, trace: Optional[list] = None):
+                 max_steps: int = 2_000_000, trace: Optional[list] = None):
         from . import ops                              # noqa: F401 (handler registration)
         from .decode import decode_kernel
         self.launch = launch
@@ -276,6 +278,10 @@ class Machine:
                 return done
             pcs = w.pc[run]
             pc = int(pcs.min())
+            if pc != int(pcs.max()):
+                # diverged lanes: any group may go first under independent thread scheduling
+                choices = np.unique(pcs)
+                pc = int(choices[self.rng.integers(len(choices))])
             group = run & (w.pc == pc)
             if pc >= len(code):
                 raise EmulationError(f"{w.gid}: fell off the end of the kernel")

@@ -1,9 +1,9 @@
 """Semantics of the arithmetic, conversion, data-movement and control instructions.
 
-Integer ops wrap modulo 2^width as the ISA specifies; f32 add/sub/mul use NumPy float32
-(IEEE round-to-nearest-even), fma is a correctly rounded fused multiply-add (values.fma_f32),
-``.ftz`` flushes f32 subnormal inputs and results. ``ex2.approx``/``lg2.approx``/``rcp.approx``
-/``rsqrt.approx`` are modelled by the float64 function rounded once to float32: the hardware's
+Integer ops wrap modulo 2^width as the ISA specifies; f32 add/sub/mul/fma (scalar and packed
+f32x2) are computed exactly and rounded once with the instruction's rounding modifier (.rn
+default, .rz, .rm, .rp; values.round_f32); ``.ftz`` flushes f32 subnormal inputs and results.
+``ex2.approx``/``lg2.approx``/``rcp.approx``/``rsqrt.approx`` are modelled by the float64 function rounded once to float32: the hardware's
 approximations differ from them by a few ulp, which the ISA leaves unspecified.
 Synchronisation instructions live in ``ops_sync``; memory in ``ops_mem``.
 """
@@ -16,8 +16,8 @@ from .decode import (carry_pending, handler, last_type, mods, reader, reg_names,
                      unsupported, writer)
 from .memory import EmulationError
 from .parser import Pair, Vec
-from .values import (UINT, bf16_to_f32, f32_to_bf16_rn, f32_to_bf16_rz,
-                     f32_to_f16_rn, fma_f32, ftz32, numpy_dtype, type_width)
+from .values import (UINT, add_f32, bf16_to_f32, f32_to_bf16_rn, f32_to_bf16_rz,
+                     f32_to_f16_rn, fma_f32, ftz32, mul_f32, numpy_dtype, type_width)
 
 from . import ops_mem, ops_sync, ops_tcgen05, ops_tma   # noqa: F401  (register their handlers)
 
@@ -30,6 +30,24 @@ def _srcs(ins, typ, kernel, first=1):
 
 def _is_float(t):
     return t[0] == "f" and t not in ("f32x2",)
+
+
+def _rnd(md) -> str:
+    """The IEEE rounding modifier of a float instruction (default .rn)."""
+    modes = [m for m in ("rn", "rz", "rm", "rp") if m in md]
+    return modes[0] if modes else "rn"
+
+
+def _f_add(x, y, md):
+    return add_f32(x, y, _rnd(md)) if x.dtype == np.float32 else x + y
+
+
+def _f_sub(x, y, md):
+    return add_f32(x, -y, _rnd(md)) if x.dtype == np.float32 else x - y
+
+
+def _f_mul(x, y, md):
+    return mul_f32(x, y, _rnd(md)) if x.dtype == np.float32 else x * y
 
 
 def _post_float(ins, typ, v):
@@ -213,11 +231,20 @@ def _cvta(ins, k):
 # Integer and float arithmetic
 
 
-def _binary(fn_int, fn_float=None):
+def _binary(fn_int, fn_float=None, three_inputs=False):
+    """Factory for two-source ops; ``three_inputs`` also accepts ``op d, a, b, c`` (sm_100's
+    three-input min/max), applied as op(op(a, b), c). Any other operand count is refused."""
     def factory(ins, k):
         typ = last_type(ins)
         md = mods(ins)
+        nsrc = len(ins.operands) - 1
+        if nsrc != 2 and not (three_inputs and nsrc == 3):
+            unsupported(ins, f"{nsrc} source operands")
+        if any(p in md for p in ("xorsign", "relu")):
+            unsupported(ins, "modifier not modelled")
         if typ in ("f32x2",):
+            if nsrc != 2:
+                unsupported(ins, f"{nsrc} source operands")
             return _packed_f32x2(ins, k, fn_float)
         if typ in ("bf16", "bf16x2", "f16x2"):
             unsupported(ins, "16-bit float arithmetic is not modelled yet")
@@ -226,7 +253,7 @@ def _binary(fn_int, fn_float=None):
             dst_t = typ[0] + str(2 * type_width(typ))
         else:
             src_t = dst_t = typ
-        a, b = _srcs(ins, src_t, k)[:2]
+        srcs = _srcs(ins, src_t, k)
         wr = writer(ins.operands[0], dst_t)
         if _is_float(typ):
             if fn_float is None:
@@ -234,17 +261,26 @@ def _binary(fn_int, fn_float=None):
 
             def runf(m, w, idx):
                 with np.errstate(**_ERR):
-                    x, y = a(m, w, idx), b(m, w, idx)
+                    vals = [f(m, w, idx) for f in srcs]
                     if typ == "f32" and "ftz" in md:
-                        x, y = ftz32(x), ftz32(y)
-                    wr(m, w, idx, _post_float(ins, typ, fn_float(x, y, md)))
+                        vals = [ftz32(v) for v in vals]
+                    r = fn_float(vals[0], vals[1], md)
+                    if len(vals) == 3:
+                        r = fn_float(r, vals[2], md)
+                        if "NaN" in md:              # NaN if any of the three is NaN
+                            r = np.where(np.isnan(vals[0]) | np.isnan(vals[1]) |
+                                         np.isnan(vals[2]), np.float32(np.nan), r).astype(r.dtype)
+                    wr(m, w, idx, _post_float(ins, typ, r))
             return runf
         wide_t = numpy_dtype(dst_t)
 
         def runi(m, w, idx):
             with np.errstate(**_ERR):
-                x, y = a(m, w, idx), b(m, w, idx)
-                wr(m, w, idx, fn_int(x.astype(wide_t), y.astype(wide_t), md, typ))
+                vals = [f(m, w, idx).astype(wide_t) for f in srcs]
+                r = fn_int(vals[0], vals[1], md, typ)
+                if len(vals) == 3:
+                    r = fn_int(r, vals[2], md, typ)
+                wr(m, w, idx, r)
         return runi
     return factory
 
@@ -291,20 +327,30 @@ def _minmax(fn):
     return f
 
 
-handler("add")(_binary(lambda x, y, md, t: x + y, lambda x, y, md: x + y))
-handler("sub")(_binary(lambda x, y, md, t: x - y, lambda x, y, md: x - y))
-handler("mul")(_binary(_mul_int, lambda x, y, md: x * y))
-handler("min")(_binary(_minmax(np.minimum), _minmax(np.fmin)))
-handler("max")(_binary(_minmax(np.maximum), _minmax(np.fmax)))
+handler("add")(_binary(lambda x, y, md, t: x + y, _f_add))
+handler("sub")(_binary(lambda x, y, md, t: x - y, _f_sub))
+handler("mul")(_binary(_mul_int, _f_mul))
+handler("min")(_binary(_minmax(np.minimum), _minmax(np.fmin), three_inputs=True))
+handler("max")(_binary(_minmax(np.maximum), _minmax(np.fmax), three_inputs=True))
 handler("and")(_binary(lambda x, y, md, t: x & y))
 handler("or")(_binary(lambda x, y, md, t: x | y))
 handler("xor")(_binary(lambda x, y, md, t: x ^ y))
 handler("shl")(_binary(_shift_left))
 handler("shr")(_binary(_shift_right))
-handler("div")(_binary(lambda x, y, md, t: np.where(y == 0, 0, x // np.where(y == 0, 1, y)) if t[0] == "u"
-                       else np.where(y == 0, 0, np.fix(x / np.where(y == 0, 1, y))).astype(x.dtype),
-                       lambda x, y, md: x / y))
-handler("rem")(_binary(lambda x, y, md, t: np.where(y == 0, 0, np.fmod(x, np.where(y == 0, 1, y))).astype(x.dtype)))
+def _div_int(x, y, md, t):
+    """Integer division truncating toward zero; division by zero gives 0 (the ISA leaves it
+    unspecified)."""
+    safe = np.where(y == 0, 1, y)
+    q = x // safe if t[0] == "u" else np.fix(x / safe)
+    return np.where(y == 0, 0, q).astype(x.dtype)
+
+
+def _rem_int(x, y, md, t):
+    return np.where(y == 0, 0, np.fmod(x, np.where(y == 0, 1, y))).astype(x.dtype)
+
+
+handler("div")(_binary(_div_int, lambda x, y, md: x / y))
+handler("rem")(_binary(_rem_int))
 
 
 def _packed_f32x2(ins, k, fn):
@@ -321,7 +367,7 @@ def _packed_f32x2(ins, k, fn):
         with np.errstate(**_ERR):
             if "ftz" in md:
                 parts = [ftz32(p) for p in parts]
-            r = fn(*parts, md) if fn is not None else fma_f32(*parts)
+            r = fn(*parts, md) if fn is not None else fma_f32(*parts, mode=_rnd(md))
             if "ftz" in md:
                 r = ftz32(r)
         wr(m, w, idx, np.ascontiguousarray(r.astype(np.float32)).view(np.uint64).reshape(-1))
@@ -343,7 +389,7 @@ def _fma(ins, k):
             if typ == "f32" and "ftz" in md:
                 x, y, z = ftz32(x), ftz32(y), ftz32(z)
             if typ == "f32":
-                r = fma_f32(x, y, z)
+                r = fma_f32(x, y, z, mode=_rnd(md))
             else:
                 r = (x * y + z).astype(x.dtype)
             wr(m, w, idx, _post_float(ins, typ, r))
@@ -390,7 +436,6 @@ handler("neg")(_unary(lambda x: (0 - x).astype(x.dtype), lambda x: -x))
 handler("abs")(_unary(lambda x: np.abs(x).astype(x.dtype), np.abs))
 handler("not")(_unary(lambda x: ~x))
 handler("cnot")(_unary(lambda x: (x == 0).astype(x.dtype)))
-handler("popc")(_unary(lambda x: np.array([bin(int(v)).count("1") for v in x.view(UINT[x.dtype.itemsize * 8])], dtype=x.dtype)))
 handler("ex2")(_unary(None, lambda x: np.exp2(x.astype(np.float64)).astype(np.float32)))
 handler("lg2")(_unary(None, lambda x: np.log2(x.astype(np.float64)).astype(np.float32)))
 handler("rcp")(_unary(None, lambda x: np.float32(1) / x))
@@ -398,106 +443,6 @@ handler("sqrt")(_unary(None, np.sqrt))
 handler("rsqrt")(_unary(None, lambda x: (1.0 / np.sqrt(x.astype(np.float64))).astype(np.float32)))
 handler("sin")(_unary(None, np.sin))
 handler("cos")(_unary(None, np.cos))
-
-
-@handler("clz")
-def _clz(ins, k):
-    typ = last_type(ins)
-    a, wr = reader(ins.operands[1], typ, k), writer(ins.operands[0], "u32")
-    wdt = type_width(typ)
-    return lambda m, w, idx: wr(m, w, idx, np.array(
-        [wdt - int(v).bit_length() for v in a(m, w, idx).view(UINT[wdt])], dtype=np.uint32))
-
-
-@handler("brev")
-def _brev(ins, k):
-    typ = last_type(ins)
-    a, wr = reader(ins.operands[1], typ, k), writer(ins.operands[0], typ)
-    wdt = type_width(typ)
-    return lambda m, w, idx: wr(m, w, idx, np.array(
-        [int(format(int(v), f"0{wdt}b")[::-1], 2) for v in a(m, w, idx).view(UINT[wdt])],
-        dtype=UINT[wdt]))
-
-
-@handler("bfe")
-def _bfe(ins, k):
-    typ = last_type(ins)
-    wdt = type_width(typ)
-    a = reader(ins.operands[1], typ, k)
-    pos, ln = reader(ins.operands[2], "u32", k), reader(ins.operands[3], "u32", k)
-    wr = writer(ins.operands[0], typ)
-
-    def run(m, w, idx):
-        x = a(m, w, idx).view(UINT[wdt]).astype(np.uint64)
-        p = np.minimum(pos(m, w, idx).astype(np.uint64) & 0xFF, wdt)
-        n = np.minimum(ln(m, w, idx).astype(np.uint64) & 0xFF, wdt)
-        field = (x >> np.minimum(p, 63)) & ((np.uint64(1) << np.minimum(n, 63)) - np.uint64(1))
-        field = np.where(p >= wdt, 0, field)
-        if typ[0] == "s":
-            sbit = np.where(n == 0, 0, (field >> np.maximum(n, 1) - 1) & 1)
-            field = np.where(sbit == 1, field | (~((np.uint64(1) << n) - np.uint64(1))), field)
-        wr(m, w, idx, (field & np.uint64((1 << wdt) - 1) if wdt < 64 else field).astype(UINT[wdt]).view(numpy_dtype(typ)))
-    return run
-
-
-@handler("bfi")
-def _bfi(ins, k):
-    typ = last_type(ins)
-    wdt = type_width(typ)
-    a, b = reader(ins.operands[1], typ, k), reader(ins.operands[2], typ, k)
-    pos, ln = reader(ins.operands[3], "u32", k), reader(ins.operands[4], "u32", k)
-    wr = writer(ins.operands[0], typ)
-
-    def run(m, w, idx):
-        x, y = a(m, w, idx).astype(np.uint64), b(m, w, idx).astype(np.uint64)
-        p = pos(m, w, idx).astype(np.uint64) & 0xFF
-        n = ln(m, w, idx).astype(np.uint64) & 0xFF
-        mask = (((np.uint64(1) << np.minimum(n, 63)) - np.uint64(1)) << np.minimum(p, 63))
-        mask = np.where(p >= wdt, 0, mask) & np.uint64((1 << wdt) - 1 if wdt < 64 else ~0 & 0xFFFFFFFFFFFFFFFF)
-        wr(m, w, idx, ((y & ~mask) | ((x << np.minimum(p, 63)) & mask)).astype(UINT[wdt]))
-    return run
-
-
-@handler("prmt")
-def _prmt(ins, k):
-    md = mods(ins)
-    if md - {"b32"}:
-        unsupported(ins, "only the default prmt mode is modelled")
-    a, b, c = _srcs(ins, "b32", k)
-    wr = writer(ins.operands[0], "b32")
-
-    def run(m, w, idx):
-        x = a(m, w, idx).astype(np.uint64) | (b(m, w, idx).astype(np.uint64) << np.uint64(32))
-        sel = c(m, w, idx).astype(np.uint64)
-        out = np.zeros(len(idx), dtype=np.uint64)
-        for i in range(4):
-            s = (sel >> np.uint64(4 * i)) & np.uint64(0xF)
-            byte = (x >> ((s & np.uint64(7)) * np.uint64(8))) & np.uint64(0xFF)
-            sign = np.where((byte & np.uint64(0x80)) != 0, np.uint64(0xFF), np.uint64(0))
-            byte = np.where((s & np.uint64(8)) != 0, sign, byte)
-            out |= byte << np.uint64(8 * i)
-        wr(m, w, idx, out.astype(np.uint32))
-    return run
-
-
-@handler("lop3")
-def _lop3(ins, k):
-    typ = last_type(ins)
-    a, b, c = _srcs(ins, typ, k)[:3]
-    lut = ins.operands[4].value
-    wr = writer(ins.operands[0], typ)
-
-    def run(m, w, idx):
-        x, y, z = a(m, w, idx), b(m, w, idx), c(m, w, idx)
-        out = np.zeros_like(x)
-        for i in range(8):
-            if lut >> i & 1:
-                tx = x if i & 4 else ~x
-                ty = y if i & 2 else ~y
-                tz = z if i & 1 else ~z
-                out |= tx & ty & tz
-        wr(m, w, idx, out)
-    return run
 
 
 # -----------------------------------------------------------------------------------------
@@ -583,3 +528,6 @@ def _fence(ins, k):
 @handler("pmevent", "nanosleep")
 def _nop(ins, k):
     return lambda m, w, idx: None
+
+
+from . import ops_bits  # noqa: E402,F401  (bit-manipulation handlers; they use _unary)

@@ -60,6 +60,11 @@ def resolve_shared(m, w, addr: np.ndarray, space: str):
     return [(m.cta_of_rank(int(r)), offs[ranks == r], ranks == r) for r in np.unique(ranks)]
 
 
+def _window(generic: np.ndarray) -> np.ndarray:
+    """Generic shared address -> shared window address."""
+    return (generic - np.uint64(SHARED_GENERIC_BASE)).astype(np.int64)
+
+
 def mem_read(m, w, space: str, addr: np.ndarray, width: int, what: str) -> np.ndarray:
     if space == "param":
         out = np.empty((len(addr), width), dtype=np.uint8)
@@ -76,11 +81,11 @@ def mem_read(m, w, space: str, addr: np.ndarray, width: int, what: str) -> np.nd
                             width, what)
         sh = (a64 >= np.uint64(SHARED_GENERIC_BASE)) & (a64 < np.uint64(SHARED_GENERIC_END))
         if sh.all():
-            return mem_read(m, w, "shared", (a64 - np.uint64(SHARED_GENERIC_BASE)).astype(np.int64), width, what)
+            return mem_read(m, w, "shared", _window(a64), width, what)
         if not sh.any():
             return m.gmem.read(a64, width, what)
         out = np.empty((len(addr), width), dtype=np.uint8)
-        out[sh] = mem_read(m, w, "shared", (a64[sh] - np.uint64(SHARED_GENERIC_BASE)).astype(np.int64), width, what)
+        out[sh] = mem_read(m, w, "shared", _window(a64[sh]), width, what)
         out[~sh] = m.gmem.read(a64[~sh], width, what)
         return out
     if space == "global":
@@ -104,7 +109,7 @@ def mem_write(m, w, space: str, addr: np.ndarray, data: np.ndarray, what: str):
         a64 = addr.astype(np.uint64)
         sh = (a64 >= np.uint64(SHARED_GENERIC_BASE)) & (a64 < np.uint64(SHARED_GENERIC_END))
         if sh.any():
-            mem_write(m, w, "shared", (a64[sh] - np.uint64(SHARED_GENERIC_BASE)).astype(np.int64), data[sh], what)
+            mem_write(m, w, "shared", _window(a64[sh]), data[sh], what)
         if (~sh).any():
             m.gmem.write(a64[~sh], data[~sh], what)
         return

@@ -161,7 +161,11 @@ def _bar(ins, k):
     arrive_only = "arrive" in md
     if not arrive_only and "sync" not in md:
         unsupported(ins)
-    bid = reader(ins.operands[0], "u32", k) if ins.operands else (lambda m, w, idx: np.zeros(len(idx), np.uint32))
+    if ins.operands:
+        bid = reader(ins.operands[0], "u32", k)
+    else:
+        def bid(m, w, idx):
+            return np.zeros(len(idx), np.uint32)
     cnt = reader(ins.operands[1], "u32", k) if len(ins.operands) > 1 else None
     aligned = "aligned" in md or ins.parts[0] == "bar"
 

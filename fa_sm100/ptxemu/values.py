@@ -90,29 +90,66 @@ def ftz32(x: np.ndarray) -> np.ndarray:
     return x
 
 
-def fma_f32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
-    """Correctly rounded (single rounding, round to nearest even) f32 fused multiply-add.
-
-    a*b is exact in f64; the f64 sum s = p + c is corrected with its TwoSum error e, which
-    only matters when s lies exactly halfway between two f32 values."""
+def round_f32(s: np.ndarray, e: np.ndarray, mode: str = "rn") -> np.ndarray:
+    """Round the exact value s + e (s float64, |e| below half an ulp of s) to float32 with
+    the PTX rounding modifier ``mode``: rn (nearest even), rz, rm (toward -inf), rp."""
     with np.errstate(all="ignore"):
-        p = a.astype(np.float64) * b.astype(np.float64)
-        c64 = c.astype(np.float64)
-        s = p + c64
-        bp = s - p
-        e = (p - (s - bp)) + (c64 - bp)
         r = s.astype(np.float32)
         d = s - r.astype(np.float64)
-        tie = (e != 0) & (d != 0) & np.isfinite(s)
-        if tie.any():
-            up = np.nextafter(r, np.float32(np.inf))
-            dn = np.nextafter(r, np.float32(-np.inf))
-            other = np.where(d > 0, up, dn)
-            half = np.abs(other.astype(np.float64) - r.astype(np.float64)) / 2
-            mid = tie & (np.abs(d) == half) & (np.sign(e) == np.sign(d))
-            r = np.where(mid, other, r).astype(np.float32)
-        # exact zero results keep the sign rule of IEEE (x + (-x) = +0 in RN)
-        return r
+        if mode == "rn":
+            tie = (e != 0) & (d != 0) & np.isfinite(s)
+            if tie.any():
+                up = np.nextafter(r, np.float32(np.inf))
+                dn = np.nextafter(r, np.float32(-np.inf))
+                other = np.where(d > 0, up, dn)
+                half = np.abs(other.astype(np.float64) - r.astype(np.float64)) / 2
+                mid = tie & (np.abs(d) == half) & (np.sign(e) == np.sign(d))
+                r = np.where(mid, other, r).astype(np.float32)
+            return r
+        # sign of (exact - r): d when it is nonzero (|e| is far below one ulp of s), else e
+        above = np.where(d != 0, d > 0, e > 0) & np.isfinite(s)
+        below = np.where(d != 0, d < 0, e < 0) & np.isfinite(s)
+        if mode == "rm":
+            return np.where(below, np.nextafter(r, np.float32(-np.inf)), r).astype(np.float32)
+        if mode == "rp":
+            return np.where(above, np.nextafter(r, np.float32(np.inf)), r).astype(np.float32)
+        if mode == "rz":
+            away = np.where(r > 0, below, above) & (r != 0)
+            return np.where(away, np.nextafter(r, np.float32(0)), r).astype(np.float32)
+        raise ValueError(f"rounding mode .{mode}")
+
+
+def two_sum(a64: np.ndarray, b64: np.ndarray):
+    with np.errstate(all="ignore"):
+        s = a64 + b64
+        bp = s - a64
+        e = (a64 - (s - bp)) + (b64 - bp)
+        return s, np.where(np.isfinite(s), e, 0.0)
+
+
+def add_f32(a, b, mode="rn"):
+    """f32 a + b rounded once with ``mode`` (the exact sum is s + e in float64)."""
+    s, e = two_sum(a.astype(np.float64), b.astype(np.float64))
+    return round_f32(s, e, mode)
+
+
+def mul_f32(a, b, mode="rn"):
+    """f32 a * b rounded once with ``mode`` (the product of two f32 is exact in float64)."""
+    with np.errstate(all="ignore"):
+        p = a.astype(np.float64) * b.astype(np.float64)
+    return round_f32(p, np.zeros_like(p), mode)
+
+
+def fma_f32(a: np.ndarray, b: np.ndarray, c: np.ndarray, mode: str = "rn") -> np.ndarray:
+    """Correctly rounded (single rounding) f32 fused multiply-add with rounding ``mode``.
+
+    a*b is exact in f64; the f64 sum s = p + c is corrected with its TwoSum error e, which
+    only matters when s lies exactly halfway between two f32 values (rn) or is itself an
+    f32 value (directed modes)."""
+    with np.errstate(all="ignore"):
+        p = a.astype(np.float64) * b.astype(np.float64)
+        s, e = two_sum(p, c.astype(np.float64))
+        return round_f32(s, e, mode)
 
 
 def f32_to_bf16_rn(x: np.ndarray) -> np.ndarray:

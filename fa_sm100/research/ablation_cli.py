@@ -52,7 +52,10 @@ def to_json(res: ab.AblationResult) -> dict:
             "iterations": res.calibration.iterations,
         },
         "published": [{"name": p.name, "causal": p.problem.causal, "published_tflops": p.tflops,
-                       "predicted_tflops": pred} for p, pred in res.published],
+                       "predicted_tflops": pred, "switches": []} for p, pred in res.published]
+                     + [{"name": p.name, "causal": p.problem.causal, "published_tflops": p.tflops,
+                         "predicted_tflops": pred, "switches": list(sw)}
+                        for p, sw, pred in res.published_as_fa4],
         "rows": [{"switches": r.combo.values, "kv_stage": r.combo.cfg.kv_stage,
                   "tile_us": None if r.tile_ns != r.tile_ns else r.tile_ns / 1000,  # NaN: not measured
                   "total_ms": r.total_ns / 1e6, "tflops": r.tflops,

@@ -33,6 +33,20 @@ def _timing():
     return timing
 
 
+def _simulate(cfg: FmhaConfig, n_blocks: int, work_tiles: int, costs=None, programs=None):
+    """``simulate_timing``, refusing a run in which the protocol did not complete: a run that
+    stalls (a deadlock in the replayed programs) ends early with fewer finished tiles, and
+    its times would look like a fast kernel."""
+    res = _timing().simulate_timing(cfg, n_blocks, work_tiles, costs, programs=programs)
+    done = len(res.tile_end_clk)
+    if done < work_tiles:
+        raise RuntimeError(
+            f"the timing mode finished {done} of {work_tiles} work tiles for {n_blocks} K/V blocks: "
+            "the replayed protocol stalled, so there is no timeline to show. "
+            "`python -m pipelines.check` names the protocol finding.")
+    return res
+
+
 def _merge(spans):
     out = []
     for a, b in sorted(spans):
@@ -139,7 +153,7 @@ def model_timeline(cfg: FmhaConfig, title: str, overrides: Sequence[str] = (), n
                    work_tiles: int = 2, costs=None, source: str = "design") -> Timeline:
     """Simulate ``cfg`` with the timing mode and return the chart timeline (MODEL OUTPUT)."""
     programs = role_programs(cfg, source)
-    result = _timing().simulate_timing(cfg, n_blocks, work_tiles, costs, programs=programs)
+    result = _simulate(cfg, n_blocks, work_tiles, costs, programs)
     tl = convert(result, title, overrides)
     src = ("protocol: pipelines/design.py (the design's role programs)" if source == "design" else
            "protocol: recorded from the SM100 kernel's own code while cross-compiling it")
@@ -157,7 +171,7 @@ def _sim_key(cfg: FmhaConfig) -> FmhaConfig:
 def _total_ns(cfg: FmhaConfig, n: int, work_tiles: int, costs) -> float:
     """Simulated ns of ``work_tiles`` tiles of ``n`` blocks (configs and cost tables are frozen
     dataclasses, so equal inputs share one simulation per process)."""
-    res = _timing().simulate_timing(cfg, n, work_tiles, costs)
+    res = _simulate(cfg, n, work_tiles, costs)
     return res.total_clk / res.costs.clock_ghz
 
 
@@ -270,7 +284,7 @@ def cost_table_summary(costs=None) -> list[str]:
 
 def simulate_raw(cfg: FmhaConfig, n_blocks: int, work_tiles: int, costs=None):
     """The timing mode's own result (for tests that compare against the adapter)."""
-    return _timing().simulate_timing(cfg, n_blocks, work_tiles, costs)
+    return _simulate(cfg, n_blocks, work_tiles, costs)
 
 
 __all__ = ["model_timeline", "tile_timer", "timer_factory", "TileTimer", "convert",

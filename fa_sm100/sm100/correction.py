@@ -22,7 +22,6 @@ the PV MMA of block k-1, so that MMA has finished writing O_i.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import cutlass
@@ -30,6 +29,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import tcgen05
 
+from fa_sm100 import softmax_math
 from fa_sm100.sm100 import masking
 from fa_sm100.sm100.context import STAT_MAX, STAT_SCALE, STAT_SUM
 from fa_sm100.sm100.scheduler import rows_per_tile
@@ -165,7 +165,7 @@ def correction(cfg, tmem, smem, gmem, pipes, prob, sched, cta_v: Int32):
                     row = (wt.m_block * rows_per_tile(cfg)
                            + (stage * cfg.cta_group + cta_v) * cfg.m_block + tidx)
                     lse = (row_max_log2 + cute.math.log2(row_sum, fastmath=True)) * Float32(
-                        math.log(2.0))
+                        softmax_math.LN_2)
                     if empty_row:
                         lse = -Float32.inf
                     if row < prob.seqlen_q:

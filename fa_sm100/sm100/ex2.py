@@ -15,9 +15,6 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 
 from fa_sm100 import softmax_math
 
-# 1.5 * 2^23: adding it (rounding toward -inf) leaves floor(x) in the low mantissa bits.
-_ROUND_MAGIC = float(2**23 + 2**22)
-
 
 @dsl_user_op
 def _f32_as_i32(x: Float32, *, loc=None, ip=None) -> Int32:
@@ -34,7 +31,8 @@ def exp2_poly_pair(x: Float32, y: Float32):
     """(2^x, 2^y) for x, y <= softmax_math.EX2_INPUT_MAX, computed without MUFU.EX2."""
     lo = Float32(softmax_math.EX2_CLAMP_MIN)
     xy = (cute.arch.fmax(x, lo), cute.arch.fmax(y, lo))
-    magic = (Float32(_ROUND_MAGIC), Float32(_ROUND_MAGIC))
+    # 1.5 * 2^23: adding it (rounding toward -inf) leaves floor(x) in the low mantissa bits.
+    magic = (Float32(softmax_math.EX2_FLOOR_MAGIC), Float32(softmax_math.EX2_FLOOR_MAGIC))
     rounded = cute.arch.add_packed_f32x2(xy, magic, rnd="rm")  # floor in the low bits
     floor = cute.arch.sub_packed_f32x2(rounded, magic)
     frac = cute.arch.sub_packed_f32x2(xy, floor)  # in [0, 1]

@@ -65,6 +65,13 @@ def build(cfg: FmhaConfig, arch: str = "sm_100a") -> KernelBuild:
         smem_bytes=SmemPlan.for_config(cfg).total,
         tmem_cols=TmemPlan.for_config(cfg).alloc_cols,
         setmaxnreg=roles.setmaxnreg(),
+        # setmaxnreg acts per warpgroup: both softmax warpgroups, the correction warpgroup, and
+        # warpgroup 3 (MMA, epilogue, load, empty) for "other".
+        setmaxnreg_warps={
+            "softmax": roles.softmax0 + roles.softmax1,
+            "correction": roles.correction,
+            "other": (roles.mma, roles.epilogue, roles.load, roles.empty),
+        },
         cluster=cfg.cluster_shape,
     )
 

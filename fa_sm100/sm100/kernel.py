@@ -273,6 +273,6 @@ def _tmem_sync(bar, record_it: bool = True):
     from cutlass._mlir.dialects import nvvm
 
     if record_it:
-        record.emit("named_sync", NamedBarrier.TMEM_ALLOC.name)
+        record.emit("named_sync", NamedBarrier.TMEM_ALLOC.name, threads=bar.num_threads)
     nvvm.barrier_cta_sync(Int32(bar.barrier_id).ir_value(),
                           thread_count=Int32(bar.num_threads).ir_value(), aligned=False)

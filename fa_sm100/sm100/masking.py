@@ -71,23 +71,29 @@ def col_limits(cfg, row: Int32, n_blk: Int32, seqlen_q: Int32, seqlen_k: Int32):
 
 
 @cute.jit
-def needs_mask(cfg, lo: Int32, hi: Int32):
-    """True when some column of the block is masked for this row."""
-    out = hi < cfg.n_block
-    if cutlass.const_expr(cfg.window_left is not None):
-        out = out | (lo > 0)
-    return out
+def _mask_from(tSrS: cute.Tensor, tScS: cute.Tensor, hi: Int32):
+    """Scores in columns >= hi -> -inf."""
+    for i in cutlass.range(cute.size(tSrS), unroll_full=True):
+        tSrS[i] = tSrS[i] if tScS[i][1] < hi else -Float32.inf
+
+
+@cute.jit
+def _mask_below(tSrS: cute.Tensor, tScS: cute.Tensor, lo: Int32):
+    """Scores in columns < lo -> -inf."""
+    for i in cutlass.range(cute.size(tSrS), unroll_full=True):
+        tSrS[i] = tSrS[i] if tScS[i][1] >= lo else -Float32.inf
 
 
 @cute.jit
 def apply_mask(cfg, tSrS: cute.Tensor, tScS: cute.Tensor, lo: Int32, hi: Int32):
     """Set scores whose column (from the identity tensor ``tScS``) is outside [lo, hi) to -inf.
 
-    The column of each register is a constant of the unrolled loop, so this is compares
-    against run-time limits of one row."""
-    for i in cutlass.range(cute.size(tSrS), unroll_full=True):
-        col = tScS[i][1]
-        if cutlass.const_expr(cfg.window_left is not None):
-            tSrS[i] = tSrS[i] if (col < hi) & (col >= lo) else -Float32.inf
-        else:
-            tSrS[i] = tSrS[i] if col < hi else -Float32.inf
+    One bound per pass, each only when it cuts into the block: the column of each register is
+    a constant of the unrolled loop, so a pass is one compare per score against a run-time
+    limit of the row (a combined two-sided test costs registers the 192-register softmax
+    warpgroup does not have)."""
+    if cutlass.const_expr(cfg.window_left is not None):
+        if lo > 0:
+            _mask_below(tSrS, tScS, lo)
+    if hi < cfg.n_block:
+        _mask_from(tSrS, tScS, hi)

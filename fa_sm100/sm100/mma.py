@@ -119,65 +119,68 @@ def mma(cfg, tiled_mma_qk, tiled_mma_pv, smem, tmem, pipes, prob, sched, is_lead
     spo_phase = Int32(0)  # s_p_o: the MMA commits S before its first acquire of P
     split_phase = Int32(0)
     oacc_phase = Int32(1)
-    if is_leader:
-        tile = sched.initial()
-        num_tiles = sched.num_tiles
-        with record.loop("work_tiles"):
-            while tile < num_tiles:
-                wt = sched.decode(tile)
-                n_min, n_max = masking.n_block_range(cfg, wt.m_block, prob.seqlen_q,
-                                                     prob.seqlen_k)
-                n_blocks = n_max - n_min
-                for stage in cutlass.range_constexpr(cfg.q_stage):
-                    pipes.q.consumer_wait(stage, q_phase, stage_hint=stage)
-                q_phase ^= 1
-                pipes.kv.consumer_wait(kv_index, kv_phase)  # K[n-1]
-                for stage in cutlass.range_constexpr(cfg.q_stage):
-                    _s_mma(cfg, stage, tiled_mma_qk, tmem, tSrQ, tSrK, kv_index, pipes, 0)
-                pipes.kv.consumer_release(kv_index)
-                kv_index, kv_phase = _advance(kv_index, kv_phase, kvs)
-                for stage in cutlass.range_constexpr(cfg.q_stage):
-                    # The previous tile's O_i has been read out by the correction warps.
-                    pipes.o_acc.producer_acquire(stage, oacc_phase, stage_hint=stage)
-                with record.loop("n_blocks - 1"):
-                    for i in cutlass.range(n_blocks - 1, unroll=1):
-                        pipes.kv.consumer_wait(kv_index, kv_phase)  # V[j]
-                        vi = kv_index
-                        kv_index, kv_phase = _advance(kv_index, kv_phase, kvs)
-                        if cutlass.const_expr(kvs == 1):
-                            # One K/V stage: V[j] must be handed back before K[j-1] can land.
-                            for stage in cutlass.range_constexpr(cfg.q_stage):
-                                _pv_mma(cfg, stage, tiled_mma_pv, tmem, tOrV, vi, i > 0, pipes,
-                                        spo_phase, split_phase, 0)
-                            pipes.kv.consumer_release(vi)
-                            pipes.kv.consumer_wait(kv_index, kv_phase)  # K[j-1]
-                            for stage in cutlass.range_constexpr(cfg.q_stage):
-                                _s_mma(cfg, stage, tiled_mma_qk, tmem, tSrQ, tSrK, kv_index,
-                                       pipes, 0)
-                        else:
-                            for stage in cutlass.range_constexpr(cfg.q_stage):
-                                _pv_mma(cfg, stage, tiled_mma_pv, tmem, tOrV, vi, i > 0, pipes,
-                                        spo_phase, split_phase, 0 if stage == 0 else 1)
-                                if cutlass.const_expr(stage == cfg.q_stage - 1):
-                                    pipes.kv.consumer_release(vi)  # last PV reading V[j] issued
-                                if cutlass.const_expr(stage == 0):
-                                    pipes.kv.consumer_wait(kv_index, kv_phase)  # K[j-1]
-                                _s_mma(cfg, stage, tiled_mma_qk, tmem, tSrQ, tSrK, kv_index,
-                                       pipes, 0)
-                        pipes.kv.consumer_release(kv_index)
-                        kv_index, kv_phase = _advance(kv_index, kv_phase, kvs)
-                        spo_phase ^= 1
-                        split_phase ^= 1
-                for stage in cutlass.range_constexpr(cfg.q_stage):
-                    pipes.q.consumer_release(stage, stage_hint=stage)
-                pipes.kv.consumer_wait(kv_index, kv_phase)  # V[0]
-                for stage in cutlass.range_constexpr(cfg.q_stage):
-                    _pv_mma(cfg, stage, tiled_mma_pv, tmem, tOrV, kv_index, n_blocks > 1, pipes,
-                            spo_phase, split_phase, 0)
-                    pipes.o_acc.producer_commit(stage, stage_hint=stage, note="O final")
-                pipes.kv.consumer_release(kv_index)
-                kv_index, kv_phase = _advance(kv_index, kv_phase, kvs)
-                spo_phase ^= 1
-                split_phase ^= 1
-                oacc_phase ^= 1
-                tile = sched.next(tile)
+    # The recorded branch lets the protocol model build the non-leader CTA's MMA warp too:
+    # it has joined the TMEM_ALLOC named barrier (kernel.py) and issues nothing here.
+    with record.branch("is_leader_cta"):
+        if is_leader:
+            tile = sched.initial()
+            num_tiles = sched.num_tiles
+            with record.loop("work_tiles"):
+                while tile < num_tiles:
+                    wt = sched.decode(tile)
+                    n_min, n_max = masking.n_block_range(cfg, wt.m_block, prob.seqlen_q,
+                                                         prob.seqlen_k)
+                    n_blocks = n_max - n_min
+                    for stage in cutlass.range_constexpr(cfg.q_stage):
+                        pipes.q.consumer_wait(stage, q_phase, stage_hint=stage)
+                    q_phase ^= 1
+                    pipes.kv.consumer_wait(kv_index, kv_phase)  # K[n-1]
+                    for stage in cutlass.range_constexpr(cfg.q_stage):
+                        _s_mma(cfg, stage, tiled_mma_qk, tmem, tSrQ, tSrK, kv_index, pipes, 0)
+                    pipes.kv.consumer_release(kv_index)
+                    kv_index, kv_phase = _advance(kv_index, kv_phase, kvs)
+                    for stage in cutlass.range_constexpr(cfg.q_stage):
+                        # The previous tile's O_i has been read out by the correction warps.
+                        pipes.o_acc.producer_acquire(stage, oacc_phase, stage_hint=stage)
+                    with record.loop("n_blocks - 1"):
+                        for i in cutlass.range(n_blocks - 1, unroll=1):
+                            pipes.kv.consumer_wait(kv_index, kv_phase)  # V[j]
+                            vi = kv_index
+                            kv_index, kv_phase = _advance(kv_index, kv_phase, kvs)
+                            if cutlass.const_expr(kvs == 1):
+                                # One K/V stage: V[j] must be handed back before K[j-1] can land.
+                                for stage in cutlass.range_constexpr(cfg.q_stage):
+                                    _pv_mma(cfg, stage, tiled_mma_pv, tmem, tOrV, vi, i > 0, pipes,
+                                            spo_phase, split_phase, 0)
+                                pipes.kv.consumer_release(vi)
+                                pipes.kv.consumer_wait(kv_index, kv_phase)  # K[j-1]
+                                for stage in cutlass.range_constexpr(cfg.q_stage):
+                                    _s_mma(cfg, stage, tiled_mma_qk, tmem, tSrQ, tSrK, kv_index,
+                                           pipes, 0)
+                            else:
+                                for stage in cutlass.range_constexpr(cfg.q_stage):
+                                    _pv_mma(cfg, stage, tiled_mma_pv, tmem, tOrV, vi, i > 0, pipes,
+                                            spo_phase, split_phase, 0 if stage == 0 else 1)
+                                    if cutlass.const_expr(stage == cfg.q_stage - 1):
+                                        pipes.kv.consumer_release(vi)  # last PV reading V[j] issued
+                                    if cutlass.const_expr(stage == 0):
+                                        pipes.kv.consumer_wait(kv_index, kv_phase)  # K[j-1]
+                                    _s_mma(cfg, stage, tiled_mma_qk, tmem, tSrQ, tSrK, kv_index,
+                                           pipes, 0)
+                            pipes.kv.consumer_release(kv_index)
+                            kv_index, kv_phase = _advance(kv_index, kv_phase, kvs)
+                            spo_phase ^= 1
+                            split_phase ^= 1
+                    for stage in cutlass.range_constexpr(cfg.q_stage):
+                        pipes.q.consumer_release(stage, stage_hint=stage)
+                    pipes.kv.consumer_wait(kv_index, kv_phase)  # V[0]
+                    for stage in cutlass.range_constexpr(cfg.q_stage):
+                        _pv_mma(cfg, stage, tiled_mma_pv, tmem, tOrV, kv_index, n_blocks > 1, pipes,
+                                spo_phase, split_phase, 0)
+                        pipes.o_acc.producer_commit(stage, stage_hint=stage, note="O final")
+                    pipes.kv.consumer_release(kv_index)
+                    kv_index, kv_phase = _advance(kv_index, kv_phase, kvs)
+                    spo_phase ^= 1
+                    split_phase ^= 1
+                    oacc_phase ^= 1
+                    tile = sched.next(tile)

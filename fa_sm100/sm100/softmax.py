@@ -124,8 +124,7 @@ def softmax_step(cfg, stage: cutlass.Constexpr, v: SoftmaxViews, tidx: Int32, n_
     # tcgen05.wait::ld: S is in registers before it is used, and before P overwrites its columns.
     cute.arch.fence_view_async_tmem_load()
     lo, hi = masking.col_limits(cfg, row, n_blk, prob.seqlen_q, prob.seqlen_k)
-    if masking.needs_mask(cfg, lo, hi):
-        masking.apply_mask(cfg, tSrS, v.tScS, lo, hi)
+    masking.apply_mask(cfg, tSrS, v.tScS, lo, hi)
 
     new_max, acc_scale = _row_stats_update(cfg, tSrS, row_max, prob.scale_log2)
     pipes.sm_stats.producer_acquire(stage, stats_phase, stage_hint=stage)

@@ -1,0 +1,162 @@
+"""The stores of the SM90 backward (a mixin of ``Sm90FlashBackward``): dQ into its float32
+accumulator, and dK, dV at the end of a CTA.
+
+dQ is accumulated in float32 in global memory, by one of two switchable paths (``dq_accum``):
+"bulk" stages the scaled dQ tile in SMEM (rows padded by DQ_ROW_PAD floats: conflict-free
+stores; GMEM holds the same padded image) and the dq-store warp adds it with one bulk reduce;
+"red" issues ``red.global.add.f32`` from the MMA registers. Deterministic mode orders the
+additions: the CTAs that touch a query block add in increasing ``n_block`` order, through a
+per-(batch, head, m_block) semaphore.
+
+Note [dQ SMEM handoff] ("bulk"): per query block the dq-store warp waits until its previous
+bulk reduce has read the tile (``cp.async.bulk.wait_group.read 0``), arrives on ``DQ_EMPTY``,
+then waits on ``DQ_FULL``; the MMA warpgroups wait on ``DQ_EMPTY``, store the tile, fence the
+async proxy and arrive on ``DQ_FULL``.
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+from cutlass.experimental import primitives as prims
+
+from fa_sm100.config import WARP_SIZE
+from fa_sm100.hopper.named_barriers import Sm90BwdBarrier
+
+
+class BwdStoreRole:
+    """Mixin of ``Sm90FlashBackward``: the dQ paths (``dq_accum``) and the dK/dV epilogue.
+
+    Uses the kernel's ``cfg``, ``dtype``, ``tile_m``, ``tile_n``, ``hdim``, ``hdimv``,
+    ``num_mma_threads`` and ``_n_block_first``.
+    """
+
+    @cute.jit
+    def _stage_dq(self, mma_dq, acc_dQ, sdQ, tidx, softmax_scale):
+        """"bulk" dQ, MMA side of Note [dQ SMEM handoff]: scaled dQ tile -> padded SMEM rows."""
+        pitch = self.cfg.dq_row_pitch
+        sdQ_tile = cute.make_tensor(sdQ.iterator,
+                                    cute.make_layout((self.tile_m, self.hdim), stride=(pitch, 1)))
+        tdQsdQ = mma_dq.get_slice(tidx).partition_C(sdQ_tile)
+        handoff = self.num_mma_threads + WARP_SIZE  # MMA warpgroups + the dq-store warp
+        cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.DQ_EMPTY), number_of_threads=handoff)
+        for i in cutlass.range_constexpr(cute.size(acc_dQ)):
+            tdQsdQ[i] = acc_dQ[i] * softmax_scale
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier_arrive(barrier_id=int(Sm90BwdBarrier.DQ_FULL), number_of_threads=handoff)
+
+    @cute.jit
+    def dq_store(self, mdQacc, mdQsem, sdQ, n_block, head, batch, seqlen_q, seqlen_k,
+                 m_block_min, m_block_max):
+        """Warp 1 ("bulk" dQ), Note [dQ SMEM handoff]. Per query block m: wait until the last
+        bulk reduce has read SMEM, arrive ``DQ_EMPTY``, wait ``DQ_FULL``, then add the padded
+        tile into dQacc[batch, head, m * tile_m : (m + 1) * tile_m, :] with one
+        cp.reduce.async.bulk.add.f32. Deterministic: first wait for this CTA's turn on the
+        query block's semaphore; after the reduce has completed, pass the turn on."""
+        pitch = self.cfg.dq_row_pitch
+        tile_elems = self.tile_m * pitch
+        handoff = self.num_mma_threads + WARP_SIZE  # MMA warpgroups + the dq-store warp
+        gdQ = mdQacc[batch, head, None, None]
+        lane = cute.arch.lane_idx()
+        for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+            cute.arch.barrier_arrive(barrier_id=int(Sm90BwdBarrier.DQ_EMPTY),
+                                     number_of_threads=handoff)
+            cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.DQ_FULL), number_of_threads=handoff)
+            dst = gdQ.iterator + m_block * tile_elems
+            if const_expr(self.cfg.deterministic):
+                sem_ptr = mdQsem[batch, head, None].iterator + m_block
+                turn = n_block - self._n_block_first(m_block, seqlen_q, seqlen_k)
+                if lane == 0:
+                    seen = cute.arch.load(sem_ptr, Int32, sem="acquire", scope="gpu")
+                    while seen != turn:
+                        seen = cute.arch.load(sem_ptr, Int32, sem="acquire", scope="gpu")
+                cute.arch.sync_warp()
+            with cute.arch.elect_one():
+                prims.cp_reduce_async_bulk_global_shared_cta(
+                    dst, sdQ.iterator, tile_elems * (Float32.width // 8),  # bytes
+                    op=prims.CpReduceOp.ADD, type=prims.CpReduceType.F32)
+            cute.arch.cp_async_bulk_commit_group()
+            if const_expr(self.cfg.deterministic):
+                cute.arch.cp_async_bulk_wait_group(0, read=False)
+                cute.arch.fence_acq_rel_gpu()
+                if lane == 0:
+                    cute.arch.red(sem_ptr, Int32(1), op="add", dtype="s32", sem="release",
+                                  scope="gpu")
+        cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def _store_dq(self, mma_dq, acc_dQ, mdQacc, mdQsem, tidx, m_block, n_block, head, batch,
+                  seqlen_q, seqlen_k, softmax_scale):
+        """Add this CTA's dQ tile (times the softmax scale) into the float32 accumulator."""
+        thr_dq = mma_dq.get_slice(tidx)
+        gdQ = cute.local_tile(mdQacc[batch, head, None, None], (self.tile_m, self.hdim), (m_block, 0))
+        tdQgdQ = thr_dq.partition_C(gdQ)
+        if const_expr(self.cfg.deterministic):
+            sem = mdQsem[batch, head, None]
+            sem_ptr = sem.iterator + m_block
+            turn = n_block - self._n_block_first(m_block, seqlen_q, seqlen_k)
+            if tidx == 0:
+                seen = cute.arch.load(sem_ptr, Int32, sem="acquire", scope="gpu")
+                while seen != turn:
+                    seen = cute.arch.load(sem_ptr, Int32, sem="acquire", scope="gpu")
+            cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.DQ_TURN),
+                              number_of_threads=self.num_mma_threads)
+        for i in cutlass.range_constexpr(cute.size(acc_dQ)):
+            ptr = tdQgdQ.iterator + cute.crd2idx(i, tdQgdQ.layout)
+            cute.arch.red(ptr, acc_dQ[i] * softmax_scale, op="add", dtype="f32",
+                                  sem="relaxed", scope="gpu")
+        if const_expr(self.cfg.deterministic):
+            cute.arch.fence_acq_rel_gpu()
+            cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.DQ_DONE),
+                              number_of_threads=self.num_mma_threads)
+            if tidx == 0:
+                cute.arch.red(mdQsem[batch, head, None].iterator + m_block, Int32(1), op="add",
+                              dtype="s32", sem="release", scope="gpu")
+
+    @cute.jit
+    def _store_dkdv(self, mma_dkv, acc_dK, acc_dV, mdK, mdV, tidx, n_block, head, batch, group,
+                    seqlen_k, softmax_scale):
+        """dK (scaled) and dV of this key block to global memory.
+
+        MHA: converted to the input dtype and stored into (batch, seqlen_k, heads, hdim), rows
+        past seqlen_k skipped. GQA ``buffers``: float32 stores into this query head's slice of
+        (batch, heads, seqlen_k_pad, hdim). GQA ``atomic``: float32 ``red.add`` into the KV
+        head's slice of (batch, heads_kv, seqlen_k_pad, hdim)."""
+        thr = mma_dkv.get_slice(tidx)
+        cD = cute.make_identity_tensor((self.tile_n, self.hdim))
+        tDcD = thr.partition_C(cD)
+        for i in cutlass.range_constexpr(cute.size(acc_dK)):
+            acc_dK[i] = acc_dK[i] * softmax_scale
+        if const_expr(not self.cfg.uses_gqa_buffers):
+            gdK = cute.local_tile(mdK[batch, None, head, None], (self.tile_n, self.hdim), (n_block, 0))
+            gdV = cute.local_tile(mdV[batch, None, head, None], (self.tile_n, self.hdimv), (n_block, 0))
+            tdKgdK = thr.partition_C(gdK)
+            tdVgdV = thr.partition_C(gdV)
+            rdK = cute.make_fragment_like(acc_dK, self.dtype)
+            rdK.store(acc_dK.load().to(self.dtype))
+            rdV = cute.make_fragment_like(acc_dV, self.dtype)
+            rdV.store(acc_dV.load().to(self.dtype))
+            for i in cutlass.range_constexpr(cute.size(acc_dK)):
+                if n_block * self.tile_n + tDcD[i][0] < seqlen_k:
+                    tdKgdK[i] = rdK[i]
+                    tdVgdV[i] = rdV[i]
+        else:
+            h_acc = head
+            if const_expr(self.cfg.gqa_reduce == "atomic"):
+                h_acc = head // group
+            gdK = cute.local_tile(mdK[batch, h_acc, None, None], (self.tile_n, self.hdim), (n_block, 0))
+            gdV = cute.local_tile(mdV[batch, h_acc, None, None], (self.tile_n, self.hdimv), (n_block, 0))
+            tdKgdK = thr.partition_C(gdK)
+            tdVgdV = thr.partition_C(gdV)
+            if const_expr(self.cfg.gqa_reduce == "atomic"):
+                for i in cutlass.range_constexpr(cute.size(acc_dK)):
+                    cute.arch.red(tdKgdK.iterator + cute.crd2idx(i, tdKgdK.layout), acc_dK[i],
+                                  op="add", dtype="f32",
+                                  sem="relaxed", scope="gpu")
+                    cute.arch.red(tdVgdV.iterator + cute.crd2idx(i, tdVgdV.layout), acc_dV[i],
+                                  op="add", dtype="f32",
+                                  sem="relaxed", scope="gpu")
+            else:
+                for i in cutlass.range_constexpr(cute.size(acc_dK)):
+                    tdKgdK[i] = acc_dK[i]
+                    tdVgdV[i] = acc_dV[i]

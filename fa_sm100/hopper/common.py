@@ -1,0 +1,109 @@
+"""What the SM90 forward and backward share.
+
+Kernel side (trace time): the rows/columns view of a WGMMA accumulator, the transposed view of
+an SMEM operand, and the helper that issues one warpgroup GEMM. Host side: the switch that
+makes the DSL build a launchable function for sm_90a, and the registry build of an SM90 kernel
+for ``scripts/inspect.py`` and the compile-contract tests.
+
+Importing this module imports CuTe DSL; host modules import it lazily, where they compile.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import const_expr
+from cutlass.cute.nvgpu import warpgroup
+
+from fa_sm100.hopper.config import SM90_ARCH
+
+# ``wgmma(..., wait=NO_WAIT)`` commits the GEMM and returns; the caller waits later.
+NO_WAIT = -1
+
+
+# ---- kernel side -------------------------------------------------------------------------------
+
+def rows_cols_view(t: cute.Tensor) -> cute.Tensor:
+    """View an accumulator-shaped tensor ``((2, 2, V), M, N)`` as ``((2, M), (2, V, N))``.
+
+    Within one 64 x N WGMMA atom a thread holds two rows (r, r + 8) and pairs of adjacent
+    columns: mode 0 of the value is (column pair, row half, column group). In the view, mode 0
+    indexes the thread's rows and mode 1 its columns. Works for register fragments and for
+    identity (coordinate) tensors partitioned the same way.
+    """
+    c = cute.make_layout(t.layout.shape)  # compact: strides count elements of the fragment
+    view = cute.make_layout(
+        ((c.shape[0][1], c.shape[1]), (c.shape[0][0], c.shape[0][2], c.shape[2])),
+        stride=((c.stride[0][1], c.stride[1]), (c.stride[0][0], c.stride[0][2], c.stride[2])),
+    )
+    return cute.make_tensor(t.iterator, cute.composition(t.layout, view))
+
+
+def transpose_view(t: cute.Tensor) -> cute.Tensor:
+    """Swap the first two modes of an SMEM tensor, e.g. V (n, dv, STAGE) -> V^T (dv, n, STAGE):
+    the MN-major operand view of a K-major buffer."""
+    shape = (t.shape[1], t.shape[0], *t.shape[2:])
+    order = (1, 0, *range(2, cute.rank(t)))
+    return cute.composition(t, cute.make_ordered_layout(shape, order=order))
+
+
+@cute.jit
+def wgmma(tiled_mma: cute.TiledMma, acc: cute.Tensor, frag_a: cute.Tensor, frag_b: cute.Tensor,
+          zero_init: cutlass.Constexpr[bool], wait: cutlass.Constexpr[int]):
+    """Issue one warpgroup GEMM over every K slice of the fragments and commit it as one group;
+    then wait until at most ``wait`` groups are pending (``NO_WAIT``: return at once)."""
+    warpgroup.fence()
+    atom = cute.make_mma_atom(tiled_mma.op)
+    atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+    for k in cutlass.range_constexpr(cute.size(frag_a.shape[2])):
+        cute.gemm(atom, acc, frag_a[None, None, k], frag_b[None, None, k], acc)
+        atom.set(warpgroup.Field.ACCUMULATE, True)
+    warpgroup.commit_group()
+    if const_expr(wait != NO_WAIT):
+        warpgroup.wait_group(wait)
+
+
+# ---- host side ---------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def dsl_runtime_arch(arch: str):
+    """Tell the DSL that the machine runs ``arch`` while compiling a launchable function.
+
+    The DSL builds a launchable function only when its runtime arch (CUTE_DSL_ARCH, read once
+    at import; the test suite defaults it to sm_100a for cross-compiles) equals the compile
+    target. ``sm90_fwd`` and ``sm90_bwd`` compile only after the device was found to be sm_90,
+    so this holds; the previous value is restored for other users of the process.
+    """
+    from cutlass.cutlass_dsl import CuTeDSL
+
+    env = CuTeDSL._get_dsl().envar
+    previous = env.arch
+    env.arch = arch
+    try:
+        yield
+    finally:
+        env.arch = previous
+
+
+def sm90_kernel_build(name: str, cfg, arch: str, make_kernel, make_args):
+    """The registry's ``KernelBuild`` of an SM90 kernel (no cluster, no TMEM).
+
+    ``make_kernel(cfg)`` gives the ``@cute.jit`` callable, ``make_args(cfg)`` its fake
+    arguments; neither is called for an arch other than sm_90a (ValueError).
+    """
+    from fa_sm100.registry import KernelBuild
+
+    if arch != SM90_ARCH:
+        raise ValueError(f"{name} compiles for {SM90_ARCH} only, not {arch}")
+    return KernelBuild(
+        fn=make_kernel(cfg),
+        args=make_args(cfg),
+        arch=arch,
+        config=cfg,
+        smem_bytes=cfg.smem_bytes(),
+        tmem_cols=None,
+        setmaxnreg=cfg.setmaxnreg(),
+        cluster=(1, 1, 1),
+    )

@@ -1,0 +1,119 @@
+"""Bit-manipulation instructions: popc, clz, brev, bfe, bfi, prmt (default mode), lop3."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .decode import handler, last_type, mods, reader, unsupported, writer
+from .ops import _srcs, _unary
+from .values import UINT, numpy_dtype, type_width
+
+
+def _popc(x):
+    bits = x.view(UINT[x.dtype.itemsize * 8])
+    return np.array([bin(int(v)).count("1") for v in bits], dtype=x.dtype)
+
+
+handler("popc")(_unary(_popc))
+
+
+@handler("clz")
+def _clz(ins, k):
+    typ = last_type(ins)
+    a, wr = reader(ins.operands[1], typ, k), writer(ins.operands[0], "u32")
+    wdt = type_width(typ)
+    return lambda m, w, idx: wr(m, w, idx, np.array(
+        [wdt - int(v).bit_length() for v in a(m, w, idx).view(UINT[wdt])], dtype=np.uint32))
+
+
+@handler("brev")
+def _brev(ins, k):
+    typ = last_type(ins)
+    a, wr = reader(ins.operands[1], typ, k), writer(ins.operands[0], typ)
+    wdt = type_width(typ)
+    return lambda m, w, idx: wr(m, w, idx, np.array(
+        [int(format(int(v), f"0{wdt}b")[::-1], 2) for v in a(m, w, idx).view(UINT[wdt])],
+        dtype=UINT[wdt]))
+
+
+@handler("bfe")
+def _bfe(ins, k):
+    typ = last_type(ins)
+    wdt = type_width(typ)
+    a = reader(ins.operands[1], typ, k)
+    pos, ln = reader(ins.operands[2], "u32", k), reader(ins.operands[3], "u32", k)
+    wr = writer(ins.operands[0], typ)
+
+    def run(m, w, idx):
+        x = a(m, w, idx).view(UINT[wdt]).astype(np.uint64)
+        p = np.minimum(pos(m, w, idx).astype(np.uint64) & 0xFF, wdt)
+        n = np.minimum(ln(m, w, idx).astype(np.uint64) & 0xFF, wdt)
+        field = (x >> np.minimum(p, 63)) & ((np.uint64(1) << np.minimum(n, 63)) - np.uint64(1))
+        field = np.where(p >= wdt, 0, field)
+        if typ[0] == "s":
+            sbit = np.where(n == 0, 0, (field >> np.maximum(n, 1) - 1) & 1)
+            field = np.where(sbit == 1, field | (~((np.uint64(1) << n) - np.uint64(1))), field)
+        if wdt < 64:
+            field = field & np.uint64((1 << wdt) - 1)
+        wr(m, w, idx, field.astype(UINT[wdt]).view(numpy_dtype(typ)))
+    return run
+
+
+@handler("bfi")
+def _bfi(ins, k):
+    typ = last_type(ins)
+    wdt = type_width(typ)
+    a, b = reader(ins.operands[1], typ, k), reader(ins.operands[2], typ, k)
+    pos, ln = reader(ins.operands[3], "u32", k), reader(ins.operands[4], "u32", k)
+    wr = writer(ins.operands[0], typ)
+
+    def run(m, w, idx):
+        x, y = a(m, w, idx).astype(np.uint64), b(m, w, idx).astype(np.uint64)
+        p = pos(m, w, idx).astype(np.uint64) & 0xFF
+        n = ln(m, w, idx).astype(np.uint64) & 0xFF
+        mask = (((np.uint64(1) << np.minimum(n, 63)) - np.uint64(1)) << np.minimum(p, 63))
+        mask = np.where(p >= wdt, 0, mask) & np.uint64((1 << min(wdt, 64)) - 1)
+        wr(m, w, idx, ((y & ~mask) | ((x << np.minimum(p, 63)) & mask)).astype(UINT[wdt]))
+    return run
+
+
+@handler("prmt")
+def _prmt(ins, k):
+    md = mods(ins)
+    if md - {"b32"}:
+        unsupported(ins, "only the default prmt mode is modelled")
+    a, b, c = _srcs(ins, "b32", k)
+    wr = writer(ins.operands[0], "b32")
+
+    def run(m, w, idx):
+        x = a(m, w, idx).astype(np.uint64) | (b(m, w, idx).astype(np.uint64) << np.uint64(32))
+        sel = c(m, w, idx).astype(np.uint64)
+        out = np.zeros(len(idx), dtype=np.uint64)
+        for i in range(4):
+            s = (sel >> np.uint64(4 * i)) & np.uint64(0xF)
+            byte = (x >> ((s & np.uint64(7)) * np.uint64(8))) & np.uint64(0xFF)
+            sign = np.where((byte & np.uint64(0x80)) != 0, np.uint64(0xFF), np.uint64(0))
+            byte = np.where((s & np.uint64(8)) != 0, sign, byte)
+            out |= byte << np.uint64(8 * i)
+        wr(m, w, idx, out.astype(np.uint32))
+    return run
+
+
+@handler("lop3")
+def _lop3(ins, k):
+    typ = last_type(ins)
+    a, b, c = _srcs(ins, typ, k)[:3]
+    lut = ins.operands[4].value
+    wr = writer(ins.operands[0], typ)
+
+    def run(m, w, idx):
+        x, y, z = a(m, w, idx), b(m, w, idx), c(m, w, idx)
+        out = np.zeros_like(x)
+        for i in range(8):
+            if lut >> i & 1:
+                tx = x if i & 4 else ~x
+                ty = y if i & 2 else ~y
+                tz = z if i & 1 else ~z
+                out |= tx & ty & tz
+        wr(m, w, idx, out)
+    return run
