@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from pipelines import record
+from pipelines.dsl_values import NoLoopCarriedValues
 
 # ---------------------------------------------------------------------------------------------
 # Elect-one helpers
@@ -172,7 +173,7 @@ class PairInfo:
 # Pipelines
 
 
-class MbarrierPipeline:
+class MbarrierPipeline(NoLoopCarriedValues):
     """A producer/consumer pipeline over ``stages`` pairs of mbarriers (full[i], empty[i]).
 
     Barrier layout from ``base``: full[0..stages), then empty[0..stages). Subclasses fix how
@@ -205,18 +206,6 @@ class MbarrierPipeline:
         if arrive == "expect_tx":
             return "local"
         return "leader" if waiter_is_mma else "local"
-
-    # A pipeline object carries no loop-carried run-time values (its barrier pointers and
-    # pair ranks are defined before any loop), so dynamic loops and branches that call its
-    # methods pass it through unchanged.
-    def __get_mlir_types__(self):
-        return []
-
-    def __extract_mlir_values__(self):
-        return []
-
-    def __new_from_mlir_values__(self, values):
-        return self
 
     # -- barriers --------------------------------------------------------------------------
     def full_barrier(self, index):

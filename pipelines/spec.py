@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from fa_sm100.config import WARP_SIZE, FmhaConfig, WarpRoles
+from pipelines.dsl_values import NoLoopCarriedValues
 
 # An mbarrier phase counts at most 2^20 - 1 pending arrivals.
 MBARRIER_MAX_ARRIVALS = (1 << 20) - 1
@@ -229,7 +230,7 @@ def barrier_offsets(cfg: FmhaConfig) -> dict[str, int]:
     return out
 
 
-class PipelineSet:
+class PipelineSet(NoLoopCarriedValues):
     """The built pipelines: ``pipes.kv`` or ``pipes["kv"]``; a disabled one (p_lastsplit with
     split_p off) is None."""
 
@@ -249,15 +250,6 @@ class PipelineSet:
     def names(self) -> tuple[str, ...]:
         return tuple(self._pipes)
 
-    # Passed through dynamic loops/branches unchanged (see MbarrierPipeline).
-    def __get_mlir_types__(self):
-        return []
-
-    def __extract_mlir_values__(self):
-        return []
-
-    def __new_from_mlir_values__(self, values):
-        return self
 
 
 def build_pipelines(cfg: FmhaConfig, roles: Optional[WarpRoles] = None, barrier_storage=None,
