@@ -1,16 +1,21 @@
 """Matplotlib (Agg) figures of model timelines: one Gantt panel per config, side by side.
 
 ``plot_timelines`` returns a ``PlotInfo`` describing what it drew (panel titles, row labels,
-the figure title) so tests check the figure's content without reading pixels.
+the figure title) so tests check the figure's content without reading pixels. With an
+emulator trace (``emu_trace.EmuTrace``) a panel of the PTX emulator's execution order is drawn
+right below the first (base config) panel.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from fa_sm100.research.timeline import MODEL_LABEL, ROLE_ROWS, Timeline
+
+if TYPE_CHECKING:
+    from fa_sm100.research.emu_trace import EmuTrace
 
 ROLE_COLORS = {
     "load": "#4C72B0",
@@ -30,6 +35,7 @@ class PlotInfo:
     panel_titles: tuple[str, ...]
     row_labels: tuple[tuple[str, ...], ...]
     bytes: int
+    emu_title: str = ""  # the PTX emulator panel's title; "" when none was drawn
 
 
 def _pyplot():
@@ -41,9 +47,12 @@ def _pyplot():
     return plt
 
 
-def plot_timelines(timelines: Sequence[Timeline], path: str, title: str = "") -> PlotInfo:
+def plot_timelines(timelines: Sequence[Timeline], path: str, title: str = "",
+                   emu_trace: Optional["EmuTrace"] = None) -> PlotInfo:
     """Draw each timeline as a Gantt panel (rows LOAD..EPILOGUE, busy in the role's colour,
-    waiting hatched grey) with its per-role busy share beside it, and save a PNG at ``path``."""
+    waiting hatched grey) with its per-role busy share beside it, and save a PNG at ``path``.
+    ``emu_trace``: also draw the PTX emulator's trace (x = execution step, no clock) below the
+    first panel."""
     if not timelines:
         raise ValueError("plot_timelines: no timeline to draw")
     if not str(path).lower().endswith(".png"):
@@ -51,14 +60,21 @@ def plot_timelines(timelines: Sequence[Timeline], path: str, title: str = "") ->
     plt = _pyplot()
     from matplotlib.patches import Patch
 
-    n = len(timelines)
+    n = len(timelines) + (emu_trace is not None)
     fig = plt.figure(figsize=(13, 1.0 + 2.35 * n))
     grid = fig.add_gridspec(n, 2, width_ratios=(5, 1), hspace=0.55, wspace=0.06)
     xmax = max(tl.span[1] - tl.span[0] for tl in timelines) / 1000.0
     panel_titles, row_labels = [], []
+    emu_title = ""
+    if emu_trace is not None:
+        from fa_sm100.research.emu_trace import draw_emu_panel
+
+        emu_title = draw_emu_panel(fig.add_subplot(grid[1, 0]), fig.add_subplot(grid[1, 1]),
+                                   emu_trace, ROLE_COLORS)
     for k, tl in enumerate(timelines):
-        ax = fig.add_subplot(grid[k, 0])
-        bars = fig.add_subplot(grid[k, 1])
+        slot = k + (emu_trace is not None and k > 0)
+        ax = fig.add_subplot(grid[slot, 0])
+        bars = fig.add_subplot(grid[slot, 1])
         lo = tl.span[0]
         rows = tl.rows()
         labels = []
@@ -93,12 +109,19 @@ def plot_timelines(timelines: Sequence[Timeline], path: str, title: str = "") ->
     handles = [Patch(facecolor=ROLE_COLORS[r], label=f"{lab} busy") for r, lab in ROLE_ROWS]
     handles.append(Patch(facecolor=WAIT_COLOR, edgecolor="#A0A0A0", hatch="///",
                          label="waiting on a barrier"))
-    fig.legend(handles=handles, loc="lower center", ncol=7, fontsize=8, frameon=False)
+    if emu_trace is not None:
+        from fa_sm100.research.emu_trace import EMU_AXIS_LABEL, WAIT_COLOR as EMU_WAIT_COLOR
+
+        handles.append(Patch(facecolor=EMU_WAIT_COLOR, label="emulator: barrier waits"))
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
     suptitle = (title + "\n" if title else "") + MODEL_LABEL
+    if emu_trace is not None:
+        suptitle += f"; second panel: {EMU_AXIS_LABEL}"
     fig.suptitle(suptitle, fontsize=11, color="#8B0000")
     fig.subplots_adjust(top=1 - 0.55 / (1.0 + 2.35 * n) - 0.03, bottom=0.9 / (1.0 + 2.35 * n),
                         left=0.08, right=0.98)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=90)
     plt.close(fig)
-    return PlotInfo(str(path), suptitle, tuple(panel_titles), tuple(row_labels), os.path.getsize(path))
+    return PlotInfo(str(path), suptitle, tuple(panel_titles), tuple(row_labels), os.path.getsize(path),
+                    emu_title)

@@ -5,9 +5,13 @@
                                                                  # split_p=false, rescale_threshold=0
     python scripts/timeline.py --group q_stage=1 --group kv_stage=2 --out PATH.png
     python scripts/timeline.py --compare --calibrate --out PATH.png  # cost table as ablation.py
+    python scripts/timeline.py --set ... --emu-trace t.json --out PATH.png
+        # t.json from `scripts/emulate_sm100.py --set ... --trace t.json` (same --set): a panel of
+        # the PTX emulator's per-role execution order (no clock) below the model's panel
 
 Every panel is MODEL OUTPUT of the protocol model's timing mode (pipelines/), never a
-measurement. The text rendering of each panel goes to stdout.
+measurement. The text rendering of each panel goes to stdout. The ``--emu-trace`` panel is the
+PTX emulator's execution order (``step``), not time; its per-role summary goes to stdout too.
 """
 
 from __future__ import annotations
@@ -81,6 +85,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--calibrate", action="store_true",
                     help="scale the cost table as scripts/ablation.py does (default config = FA4's "
                          "published B200 1535 TFLOP/s) before simulating")
+    ap.add_argument("--emu-trace", default=None, metavar="PATH",
+                    help="per-warp trace of scripts/emulate_sm100.py --trace (run with the same "
+                         "--set): drawn per role below the model's panel, x = execution step "
+                         "(the emulator has no clock)")
     args = ap.parse_args(argv)
     try:
         if args.n_blocks < 1 or args.work_tiles < 1:
@@ -91,6 +99,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from fa_sm100.research import model_backend
 
         costs = model_backend.cost_table(args.cost)
+        emu = None
+        if args.emu_trace is not None:
+            from fa_sm100.research.emu_trace import load_emu_trace
+
+            emu = load_emu_trace(args.emu_trace)
     except ValueError as e:
         print(f"timeline.py: error: {e}", file=sys.stderr)
         return 2
@@ -113,8 +126,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print()
     print(compare_table(timelines))
     title = f"SM100 forward, {args.n_blocks} K/V blocks x {args.work_tiles} work tiles per CTA"
-    info = plot_timelines(timelines, args.out, title=title)
-    print(f"wrote {info.path} ({info.bytes} bytes, {len(info.panel_titles)} panels)")
+    if emu is not None:
+        print()
+        print(emu.summary_text())
+    info = plot_timelines(timelines, args.out, title=title, emu_trace=emu)
+    emu_note = " + the PTX emulator panel" if info.emu_title else ""
+    print(f"wrote {info.path} ({info.bytes} bytes, {len(info.panel_titles)} panels{emu_note})")
     return 0
 
 
