@@ -33,7 +33,10 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+try:  # first import: keeps scripts/inspect.py from shadowing the standard `inspect`
+    import _paths  # noqa: F401
+except ImportError:  # loaded as a module (tests): this folder is not on sys.path
+    pass
 
 PROVIDERS = ("ours", "fa4", "cudnn", "flash")
 

@@ -7,7 +7,12 @@ cubin, for a side-by-side reading with ours (scripts/inspect.py --kernel sm90_fw
 
 import argparse
 
-import torch
+try:  # first import: keeps scripts/inspect.py from shadowing the standard `inspect`
+    import _paths  # noqa: F401
+except ImportError:  # loaded as a module (tests): this folder is not on sys.path
+    pass
+
+import torch  # noqa: E402
 
 
 def main():

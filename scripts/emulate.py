@@ -30,11 +30,10 @@ import os
 import sys
 import time
 
-# scripts/ holds inspect.py, which would shadow the standard library's inspect module: run with
-# the repository root on the path instead of this directory.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
-sys.path.insert(0, os.path.dirname(_HERE))
+try:  # first import: keeps scripts/inspect.py from shadowing the standard `inspect`
+    import _paths  # noqa: F401
+except ImportError:  # loaded as a module (tests): this folder is not on sys.path
+    pass
 
 
 def _switches(case) -> str:

@@ -22,11 +22,10 @@ import os
 import sys
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_100a")
-# scripts/ holds inspect.py, which would shadow the standard library's inspect module:
-# replace the script directory on sys.path by the repository root
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
-sys.path.insert(0, os.path.dirname(_HERE))
+try:  # first import: keeps scripts/inspect.py from shadowing the standard `inspect`
+    import _paths  # noqa: F401
+except ImportError:  # loaded as a module (tests): this folder is not on sys.path
+    pass
 
 
 def main(argv=None) -> int:

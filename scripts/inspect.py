@@ -11,16 +11,13 @@ input (unknown kernel, bad --set, arch), a kernel that is not available yet, or 
 disassembler; 1 when a compile fails.
 """
 
-import os
-import sys
+try:  # first import: keeps scripts/inspect.py from shadowing the standard `inspect`
+    import _paths  # noqa: F401
+except ImportError:  # loaded as a module (tests): this folder is not on sys.path
+    pass
 
-# This file is named like the standard library's `inspect`; keep its directory off the import
-# path so `import inspect` anywhere below gets the standard module.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.getcwd()) != _HERE]
-_ROOT = os.path.dirname(_HERE)
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
+import os  # noqa: E402
+import sys  # noqa: E402
 
 import argparse  # noqa: E402
 import json  # noqa: E402

@@ -184,18 +184,19 @@ def test_measure_on_sm100(sm100_device):
 
 
 def test_scripts_start_as_commands():
-    """scripts/ holds inspect.py, named like a standard module: the thin scripts must not let it
-    shadow `inspect` (dataclasses imports it)."""
+    """scripts/ holds inspect.py, named like a standard module: no script may let it shadow
+    `inspect` (dataclasses and torch import it); each imports scripts/_paths.py first."""
     import os
     import subprocess
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    for name in ("ablation.py", "timeline.py"):
+    for name in ("ablation.py", "timeline.py", "inspect.py", "benchmark.py", "emulate.py",
+                 "emulate_sm100.py", "dump_fa4_sm90.py"):
         proc = subprocess.run([sys.executable, os.path.join(root, "scripts", name), "--help"],
                               capture_output=True, text=True, timeout=120)
-        assert proc.returncode == 0, proc.stderr
-        assert "usage:" in proc.stdout
+        assert proc.returncode == 0, (name, proc.stderr)
+        assert "usage:" in proc.stdout, name
 
 
 def test_sweep_parses_validates_and_orders_kv_stages(calibrated):
