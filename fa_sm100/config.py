@@ -226,10 +226,11 @@ class FmhaConfig:
         return dataclasses.replace(self, **changes)
 
     def warp_roles(self) -> WarpRoles:
-        """The warp roles and register budgets this config compiles with."""
-        if self.q_stage == 2:
-            return WarpRoles(regs_softmax=192, regs_correction=80, regs_other=48)
-        # One softmax warpgroup has work; the budget is the same (no warp id moves).
+        """The warp roles and register budgets this config compiles with.
+
+        The same for every config: with q_stage 1 the softmax-1 warpgroup has no work but keeps
+        its warp ids and its budget (no warp id moves with an option).
+        """
         return WarpRoles(regs_softmax=192, regs_correction=80, regs_other=48)
 
     def validate(self) -> "FmhaConfig":

@@ -14,6 +14,7 @@ import json
 from dataclasses import dataclass
 from typing import Optional
 
+from fa_sm100.research.plotting import draw_share_bars
 from fa_sm100.research.timeline import ROLE_ROWS
 
 EMU_AXIS_LABEL = "PTX emulator, execution order (no clock)"
@@ -160,12 +161,5 @@ def draw_emu_panel(ax, bars, trace: EmuTrace, colors: dict) -> str:
     counts = [len(trace.steps[r]) for r, _ in ROLE_ROWS]
     total = max(1, sum(counts))
     fracs = [100 * c / total for c in counts]
-    bars.barh(range(len(labels)), fracs, color=[colors[r] for r, _ in ROLE_ROWS])
-    bars.set_ylim(len(labels) - 0.5, -0.5)
-    bars.set_yticks([])
-    bars.set_xlim(0, 100)
-    bars.set_xlabel("instructions %", fontsize=8)
-    bars.tick_params(axis="x", labelsize=8)
-    for y, c in enumerate(counts):
-        bars.text(min(fracs[y] + 2, 70), y, str(c), va="center", fontsize=7)
+    draw_share_bars(bars, fracs, colors, "instructions %", [str(c) for c in counts])
     return title

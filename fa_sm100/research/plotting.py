@@ -47,6 +47,19 @@ def _pyplot():
     return plt
 
 
+def draw_share_bars(bars, fracs, colors, xlabel: str, texts) -> None:
+    """The side panel of a role chart: one horizontal bar per role row, as a percentage."""
+    n = len(ROLE_ROWS)
+    bars.barh(range(n), fracs, color=[colors[r] for r, _ in ROLE_ROWS])
+    bars.set_ylim(n - 0.5, -0.5)
+    bars.set_yticks([])
+    bars.set_xlim(0, 100)
+    bars.set_xlabel(xlabel, fontsize=8)
+    bars.tick_params(axis="x", labelsize=8)
+    for y, (f, text) in enumerate(zip(fracs, texts)):
+        bars.text(min(f + 2, 70), y, text, va="center", fontsize=7)
+
+
 def plot_timelines(timelines: Sequence[Timeline], path: str, title: str = "",
                    emu_trace: Optional["EmuTrace"] = None) -> PlotInfo:
     """Draw each timeline as a Gantt panel (rows LOAD..EPILOGUE, busy in the role's colour,
@@ -96,14 +109,7 @@ def plot_timelines(timelines: Sequence[Timeline], path: str, title: str = "",
         panel = f"{tl.title}: {tl.time_per_tile / 1000:.3f} us per work tile{rows_txt} (model)"
         ax.set_title(panel, fontsize=10, loc="left")
         fracs = [100 * tl.busy_fraction(role) for role, _ in ROLE_ROWS]
-        bars.barh(range(len(labels)), fracs, color=[ROLE_COLORS[r] for r, _ in ROLE_ROWS])
-        bars.set_ylim(len(labels) - 0.5, -0.5)
-        bars.set_yticks([])
-        bars.set_xlim(0, 100)
-        bars.set_xlabel("busy %", fontsize=8)
-        bars.tick_params(axis="x", labelsize=8)
-        for y, f in enumerate(fracs):
-            bars.text(min(f + 2, 70), y, f"{f:.0f}%", va="center", fontsize=7)
+        draw_share_bars(bars, fracs, ROLE_COLORS, "busy %", [f"{f:.0f}%" for f in fracs])
         panel_titles.append(panel)
         row_labels.append(tuple(labels))
     handles = [Patch(facecolor=ROLE_COLORS[r], label=f"{lab} busy") for r, lab in ROLE_ROWS]
