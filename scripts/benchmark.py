@@ -64,9 +64,9 @@ def parse_args(argv=None):
     p.add_argument("--ours-variant", action="append", default=[], metavar="NAME:FIELD=VALUE[,...]",
                    help="also time ours with these SM90 config overrides, as provider ours:NAME "
                         "(repeatable), e.g. --ours-variant nopp:pingpong=false")
-    p.add_argument("--repeat", type=int, default=1,
-                   help="rounds per cell, provider order rotated each round; the upper median "
-                        "of the rounds is kept (the slower of two)")
+    p.add_argument("--repeat", type=int, default=3,
+                   help="rounds per cell, provider order rotated each round; the median of the "
+                        "rounds is kept (the slower one of two)")
     p.add_argument("--warmup", type=int, default=25, help="ms of warmup per cell")
     p.add_argument("--rep", type=int, default=100, help="ms of timed repetitions per cell")
     p.add_argument("--csv")
@@ -197,35 +197,48 @@ def check_output(out, q, k, v, causal, torch):
 def run_cell(providers, q, k, v, causal, repeat, measure, torch, on_step=None):
     """Time every provider on one cell: ``repeat`` rounds, provider order rotated each round.
 
-    A provider's first call in the cell is prepared (untimed) and checked (``check_output``);
-    ``measure(run)`` times it afterwards. Returns ({name: [ms, ...]}, {name: error}).
+    First every provider is prepared (compiled) and its first output checked
+    (``check_output``), all untimed; then one discarded ``measure`` of the first good provider
+    brings the GPU's clocks back up after the compiles (which leave it idle for seconds), so
+    the first timed provider is not the one that pays for the ramp. Then the rounds.
+    Returns ({name: [ms, ...]}, {name: error}).
     """
     names = list(providers)
     times = {name: [] for name in names}
     runs, errors = {}, {}
+    for name in names:
+        try:
+            run = providers[name](q, k, v, causal)
+            out = run()
+            if q.is_cuda:
+                torch.cuda.synchronize()
+            wrong = check_output(out, q, k, v, causal, torch)
+            if wrong is not None:
+                errors[name] = f"wrong output: {wrong}"
+            else:
+                runs[name] = run
+        except Exception as e:  # noqa: BLE001 - a provider that cannot run a cell says why
+            errors[name] = _error_text(e)
+    if runs:
+        measure(next(iter(runs.values())))  # warm-up, discarded
     for rnd in range(repeat):
         # Rotate the order each round so no provider always runs first (clocks, caches).
         for name in names[rnd % len(names):] + names[:rnd % len(names)]:
             if on_step is not None:
                 on_step(name)
-            if name in errors:
+            if name not in runs or name in errors:
                 continue
             try:
-                if name not in runs:
-                    run = providers[name](q, k, v, causal)
-                    out = run()
-                    if q.is_cuda:
-                        torch.cuda.synchronize()
-                    wrong = check_output(out, q, k, v, causal, torch)
-                    if wrong is not None:
-                        errors[name] = f"wrong output: {wrong}"
-                        continue
-                    runs[name] = run
                 times[name].append(measure(runs[name]))
-            except Exception as e:  # noqa: BLE001 - a provider that cannot run a cell says why
-                msg = str(e).splitlines()[0][:120] if str(e) else ""
-                errors[name] = f"{type(e).__name__}: {msg}"
+            except Exception as e:  # noqa: BLE001
+                errors[name] = _error_text(e)
+                times[name] = []
     return times, errors
+
+
+def _error_text(e: Exception) -> str:
+    msg = str(e).splitlines()[0][:120] if str(e) else ""
+    return f"{type(e).__name__}: {msg}"
 
 
 def exit_status(rows) -> int:

@@ -134,7 +134,7 @@ def test_run_cell_checks_first_outputs_and_times_only_right_providers():
     assert errors["zeros"].startswith("wrong output") and "good" not in errors
     assert errors["broken"] == "RuntimeError: no kernel for this cell"
     assert prepared.count(_kernel_like) == 1  # prepared once per cell, outside the timing
-    assert len(measured) == 3
+    assert len(measured) == 1 + 3  # one discarded warm-up, then the rounds
 
 
 def test_exit_status_fails_on_wrong_output_or_failing_ours():

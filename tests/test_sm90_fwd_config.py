@@ -43,6 +43,8 @@ def test_defaults_are_valid_and_fit(dims, causal):
         ({"regs_consumer": 256, "regs_producer": 64}, "register budget"),
         ({"kv_stage": 8}, "SMEM"),
         ({"rescale_o_before_pv": True, "intra_wg_overlap": False}, "needs intra_wg_overlap"),
+        ({"l2_section_mib": 0}, "l2_section_mib"),
+        ({"l2_section_mib": 2048}, "32-bit"),
     ],
 )
 def test_validate_names_the_rule(changes, match):
@@ -117,6 +119,10 @@ def test_seqlen_hints_pick_the_measured_schedule():
     short = select_sm90_fwd_config(128, causal=False, seqlen_k=1024)
     long = select_sm90_fwd_config(128, causal=False, seqlen_k=8192)
     assert short.persistent and not long.persistent
+    # causal rows turn to one tile per CTA sooner (uneven tile lengths balance badly)
+    assert select_sm90_fwd_config(128, causal=True, seqlen_k=1024).persistent
+    assert not select_sm90_fwd_config(128, causal=True, seqlen_k=2048).persistent
+    assert select_sm90_fwd_config(128, causal=False, seqlen_k=2048).persistent
     assert not select_sm90_fwd_config(256, causal=False, seqlen_k=1024).persistent  # SMEM
     causal64 = select_sm90_fwd_config(64, causal=True, seqlen_k=1024)
     assert (causal64.num_consumer_wg, causal64.m_block, causal64.regs_consumer) == (2, 128, 240)

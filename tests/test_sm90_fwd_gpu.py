@@ -101,6 +101,8 @@ def test_flash_attn_func_dispatches_to_sm90(sm90_device):
     "intra_wg_overlap=false", "pingpong=false", "kv_stage=3", "persistent=true",
     "persistent=true,intra_wg_overlap=false", "num_consumer_wg=3,n_block=64",
     "ex2_emu_fraction=0.25", "persistent=false",
+    # causal sections of 2 and of 5 (batch, head) pairs: 32 pairs, the last section short
+    "l2_section_mib=1", "l2_section_mib=2",
 ])
 def test_sm90_fwd_switches_keep_numerics(sm90_device, switch):
     """Every switch of the config computes the same attention (they change speed only).

@@ -33,8 +33,6 @@ from fa_sm100.hopper.config import WARPGROUP_THREADS, Sm90FwdConfig
 from fa_sm100.hopper.fwd_consumer import ConsumerRole
 from fa_sm100.softmax_math import LOG2_E
 
-# L2 bytes a causal section's K and V may occupy (H100/H200 have 50 MB of L2).
-L2_BYTES_FOR_KV = 40 * 1024 * 1024
 # Warpgroup 0 is the producer: warp 0 issues the TMA loads, the others only donate registers.
 PRODUCER_WARPS = WARPGROUP_THREADS // WARP_SIZE
 PRODUCER_WARP = 0
@@ -141,7 +139,7 @@ class Sm90FwdKernel(ConsumerRole):
         # Causal tiles run longest first in sections of (batch, head) pairs whose K and V fit
         # in L2 (see tile_coords).
         kv_bytes_per_head = mK.shape[0] * (cfg.head_dim + cfg.head_dim_v) * self.cfg.dtype_bytes
-        l2_heads = cutlass.max(Int32(L2_BYTES_FOR_KV) // cutlass.max(kv_bytes_per_head, 1), 1)
+        l2_heads = cutlass.max(Int32(cfg.l2_section_mib << 20) // cutlass.max(kv_bytes_per_head, 1), 1)
         grid_x = total_tiles
         if const_expr(cfg.persistent):
             grid_x = cutlass.min(total_tiles, num_ctas)
