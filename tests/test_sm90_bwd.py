@@ -10,8 +10,13 @@
   384 threads, HGMMA present, setmaxnreg 24/240 in the PTX and the SASS, no local memory or
   spills, SMEM within the 227 KiB budget, and the dQ path the config asks for
   (UBLKRED bulk reduce, or REDG float adds); the preprocess and postprocess kernels compile.
+  The five GEMMs stay five WGMMA groups (one ``gsb0`` commit each: ptxas did not serialize
+  them). ``sdp_swap_ab``: dV and dK become RS HGMMAs (a register A operand in the SASS), the P
+  stmatrix is gone and dS is stored with the transposing stmatrix, in 16 KiB less SMEM.
 """
 
+import glob
+import re
 
 import pytest
 import torch
@@ -38,6 +43,11 @@ from fa_sm100.testing import attention_mask
     (dict(window_left=-1), "window_left"),
     (dict(window_right=True), "window_right"),
     (dict(dtype="float32"), "dtype"),
+    (dict(sdp_swap_ab=1), "sdp_swap_ab"),
+    (dict(sdp_swap_ab="true"), "sdp_swap_ab"),
+    (dict(overlap_dk=1), "overlap_dk"),
+    (dict(overlap_dk=True, sdp_swap_ab=True), "needs sdp_swap_ab=False"),
+    (dict(overlap_dk=True, q_stage=1), "needs q_stage=2"),
 ])
 def test_bad_config_raises_value_error_naming_the_rule(changes, rule):
     with pytest.raises(ValueError, match=rule):
@@ -54,6 +64,15 @@ def test_default_configs_fit_smem_and_follow_the_measured_choices():
     assert not select_bwd_config(window_left=10).early_dv
     with pytest.raises(ValueError, match="deterministic"):
         select_bwd_config(qhead_per_kvhead=4, deterministic=True, gqa_reduce="atomic")
+    assert not select_bwd_config().sdp_swap_ab and select_bwd_config(sdp_swap_ab=True).sdp_swap_ab
+    assert not select_bwd_config().overlap_dk and select_bwd_config(overlap_dk=True).overlap_dk
+
+
+def test_swapped_sdp_has_no_p_buffer():
+    for d in (64, 96, 128):
+        plain = select_bwd_config(head_dim=d)
+        swapped = plain.replace(sdp_swap_ab=True).validate()
+        assert plain.smem_bytes() - swapped.smem_bytes() == plain.tile_m * plain.tile_n * 2
 
 
 # ---- input validation (CPU tensors never reach a kernel) ----------------------------------
@@ -167,20 +186,46 @@ def test_block_ranges_cover_the_band_and_dq_order_is_consecutive(sq, sk, causal,
 
 # ---- compile contract ----------------------------------------------------------------------
 
+def _sass_text(keep_dir) -> str:
+    (path,) = glob.glob(str(keep_dir / "*.sass"))
+    with open(path) as f:
+        return f.read()
+
+
+def _hgmma_commits(sass: str) -> int:
+    """HGMMAs that close a WGMMA group (``gsb0``): the kernel's five GEMMs, unless ptxas
+    serialized them (then every HGMMA commits and waits)."""
+    return len(re.findall(r"HGMMA\.[^;]*gsb0", sass))
+
+
+def _hgmma_operands(sass: str) -> dict:
+    """HGMMA instructions of a SASS listing by the kind of their A operand: "RS" (a register,
+    ``HGMMA.64x128x16.F32.BF16 R24, R228, gdesc[UR12].tnspB, R24``) or "SS" (a descriptor)."""
+    kinds = {"RS": 0, "SS": 0}
+    for m in re.finditer(r"HGMMA\.\S+\s+R\d+,\s*(\S+?),", sass):
+        kinds["SS" if m.group(1).startswith("gdesc") else "RS"] += 1
+    return kinds
+
+
 CONTRACT_CASES = [
     ([], "UBLKRED"),
     (["causal=true", "deterministic=true", "qhead_per_kvhead=4", "window_left=100"], "UBLKRED"),
     (["head_dim=96", "dq_accum=red", "early_dv=false", "dtype=float16"], "REDG.E.ADD.F32"),
+    (["sdp_swap_ab=true", "causal=true", "deterministic=true", "qhead_per_kvhead=4"], "UBLKRED"),
+    (["sdp_swap_ab=true", "head_dim=64", "dq_accum=red", "early_dv=false"], "REDG.E.ADD.F32"),
+    (["overlap_dk=true", "causal=true", "qhead_per_kvhead=4"], "UBLKRED"),
+    (["overlap_dk=true", "head_dim=64", "dq_accum=red", "deterministic=true"], "REDG.E.ADD.F32"),
 ]
 
 
 @pytest.mark.compile
 @pytest.mark.parametrize("overrides,dq_mnemonic", CONTRACT_CASES,
                          ids=[",".join(c[0]) or "default" for c in CONTRACT_CASES])
-def test_sm90_bwd_compile_contract(overrides, dq_mnemonic):
+def test_sm90_bwd_compile_contract(overrides, dq_mnemonic, tmp_path):
     from fa_sm100.inspection import inspect_kernel
 
-    r = inspect_kernel("sm90_bwd", "sm_90a", overrides)
+    r = inspect_kernel("sm90_bwd", "sm_90a", overrides, keep_dir=tmp_path)
+    assert _hgmma_commits(_sass_text(tmp_path)) == 5, "WGMMAs serialized (one commit each)"
     sass = r["sass_full"]
     assert r["threads_per_cta"] == 384
     assert r["cluster"] in ([1, 1, 1], (1, 1, 1))
@@ -196,19 +241,47 @@ def test_sm90_bwd_compile_contract(overrides, dq_mnemonic):
 
 @pytest.mark.compile
 def test_preprocess_and_postprocess_cross_compile_for_sm90a():
-    """The two CUDA-core kernels compile with the run-time/static split sm90_bwd uses."""
-    from cutlass.cute.runtime import make_fake_stream
-
-    from fa_sm100.hopper.bwd_interface import _compiled, _to_cute
+    """The two CUDA-core kernels compile for TVM FFI with the run-time/static split sm90_bwd
+    uses (and so take torch tensors directly, with no per-call conversion)."""
+    from fa_sm100.config import cutlass_dtype
+    from fa_sm100.hopper.bwd_interface import _compiled, fake_post_arguments, fake_pre_arguments
     from fa_sm100.hopper.bwd_prepost import BwdPostprocess, BwdPreprocess
 
-    o = torch.randn(1, 100, 4, 128, dtype=torch.bfloat16)
-    lse, lse2, delta = torch.randn(1, 4, 100), torch.empty(1, 4, 128), torch.empty(1, 4, 128)
-    acc, out = torch.zeros(1, 4, 128, 136), torch.empty(1, 100, 2, 128, dtype=torch.bfloat16)
-    stream = make_fake_stream()
-    pre = _compiled("test-pre", 128, lambda: BwdPreprocess(128), _to_cute(o), _to_cute(o),
-                    _to_cute(lse, 4, False), _to_cute(lse2, 16, False),
-                    _to_cute(delta, 16, False), stream)
-    post = _compiled("test-post", 128, lambda: BwdPostprocess(128, 2), _to_cute(acc),
-                     _to_cute(out), stream)
-    assert callable(pre) and callable(post)
+    dt = cutlass_dtype("bfloat16")
+    pre = _compiled("test-pre", 128, lambda: BwdPreprocess(128), fake_pre_arguments(dt, 128))
+    post = _compiled("test-post", 128, lambda: BwdPostprocess(128, 2),
+                     fake_post_arguments(dt, 128, 136))
+    for fn in (pre, post):
+        assert callable(fn) and "TVMFFI" in type(fn).__name__
+
+
+SWAP_CASES = [[], ["causal=true", "head_dim=64"], ["head_dim=96", "dq_accum=red", "early_dv=false"]]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("overrides", SWAP_CASES,
+                         ids=[",".join(c) or "default" for c in SWAP_CASES])
+def test_sm90_bwd_swapped_sdp_feeds_dv_dk_from_registers(overrides, tmp_path):
+    """sdp_swap_ab moves the A operand of dV and dK (K = tile_m = 64: 4 k16 slices each) from
+    SMEM descriptors to registers, drops the P stmatrix and stores dS transposed, without
+    spills and in less SMEM."""
+    from fa_sm100.inspection import inspect_kernel
+
+    reports, kinds = {}, {}
+    for swap in (False, True):
+        keep = tmp_path / f"swap_{swap}"
+        r = inspect_kernel("sm90_bwd", "sm_90a", overrides + [f"sdp_swap_ab={swap}"], keep_dir=keep)
+        sass = _sass_text(keep)
+        kinds[swap] = _hgmma_operands(sass)
+        assert _hgmma_commits(sass) == 5
+        reports[swap] = r
+        assert r["spill_bytes"] == 0 and r["local_bytes"] == 0
+        assert r["setmaxnreg"] == {"producer": 24, "mma": 240}, r["warnings"]
+    dkv_slices = 2 * 64 // 16
+    assert kinds[False]["RS"] == 0
+    assert kinds[True]["RS"] == dkv_slices
+    assert kinds[True]["SS"] == kinds[False]["SS"] - dkv_slices
+    plain, swapped = reports[False]["sass_full"], reports[True]["sass_full"]
+    assert plain.get("STSM.16.M88.4", 0) == 8 and "STSM.16.MT88.4" not in plain  # P and dS
+    assert swapped.get("STSM.16.MT88.4", 0) == 4 and "STSM.16.M88.4" not in swapped  # dS^T only
+    assert reports[False]["smem_bytes"] - reports[True]["smem_bytes"] == 64 * 128 * 2

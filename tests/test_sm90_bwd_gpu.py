@@ -1,7 +1,8 @@
 """SM90 backward on an H100/H200: gradients against float64 autograd, determinism.
 
 Contract: for every feature (MHA/GQA/MQA, causal, sliding window, ragged sequence lengths,
-seqlen_q > seqlen_k, head dims 64/96/128, bf16/fp16) each of dq, dk, dv satisfies the project
+seqlen_q > seqlen_k, head dims 64/96/128, bf16/fp16), with S/dP unswapped and swapped
+(``sdp_swap_ab``), each of dq, dk, dv satisfies the project
 rule err(kernel) <= 2 x err(plain) + atol against the float64 reference gradient, where
 "plain" is the same attention differentiated by torch autograd in the input precision. The
 forward O and LSE fed to the backward come from the float64 reference, so this file tests the
@@ -60,45 +61,67 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("sdp_swap_ab", [False, True], ids=["sdp", "sdp_swapped"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"b{c[0]}-q{c[1]}-k{c[2]}-h{c[3]}/{c[4]}-d{c[5]}"
                          f"-{'causal' if c[6] else 'full'}-w{c[7][0]},{c[7][1]}-{str(c[8])[6:]}")
-def test_sm90_bwd_matches_float64(sm90_device, case):
-    b, sq, sk, hq, hk, d, causal, window, dtype = case
-    _run_case(b, sq, sk, hq, hk, d, causal, window, dtype)
-
-
-@pytest.mark.parametrize("gqa_reduce", ["atomic", "buffers"])
-def test_sm90_bwd_gqa_reduce_modes(sm90_device, gqa_reduce):
+def test_sm90_bwd_matches_float64(sm90_device, case, sdp_swap_ab):
     from fa_sm100.hopper.bwd_config import select_bwd_config
 
-    cfg = select_bwd_config(head_dim=128, qhead_per_kvhead=4, gqa_reduce=gqa_reduce)
+    b, sq, sk, hq, hk, d, causal, window, dtype = case
+    cfg = select_bwd_config(head_dim=d, causal=causal, window_left=window[0],
+                            window_right=window[1], sdp_swap_ab=sdp_swap_ab)
+    _run_case(b, sq, sk, hq, hk, d, causal, window, dtype, config=cfg)
+
+
+@pytest.mark.parametrize("sdp_swap_ab", [False, True])
+@pytest.mark.parametrize("gqa_reduce", ["atomic", "buffers"])
+def test_sm90_bwd_gqa_reduce_modes(sm90_device, gqa_reduce, sdp_swap_ab):
+    from fa_sm100.hopper.bwd_config import select_bwd_config
+
+    cfg = select_bwd_config(head_dim=128, qhead_per_kvhead=4, gqa_reduce=gqa_reduce,
+                            sdp_swap_ab=sdp_swap_ab)
     _run_case(1, 256, 300, 8, 2, 128, True, (None, None), torch.bfloat16, config=cfg)
 
 
-SWITCHES = [("red", False), ("red", True), ("bulk", False)]
+SWITCHES = [
+    dict(dq_accum="red", early_dv=False), dict(dq_accum="red", early_dv=True),
+    dict(dq_accum="bulk", early_dv=False),
+    dict(sdp_swap_ab=True, dq_accum="bulk", early_dv=True),
+    dict(sdp_swap_ab=True, dq_accum="bulk", early_dv=False),
+    dict(sdp_swap_ab=True, dq_accum="red", early_dv=True),
+    dict(sdp_swap_ab=True, dq_accum="red", early_dv=False),
+    dict(overlap_dk=True, dq_accum="bulk", early_dv=True),
+    dict(overlap_dk=True, dq_accum="red", early_dv=False),
+]
 
 
-@pytest.mark.parametrize("dq_accum,early_dv", SWITCHES)
+@pytest.mark.parametrize("switches", SWITCHES,
+                         ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()))
 @pytest.mark.parametrize("case", [(2, 333, 300, 4, 2, 128, True, (None, None)),
                                   (1, 400, 500, 2, 2, 64, False, (80, 10))],
                          ids=["gqa-causal", "window-d64"])
-def test_sm90_bwd_switches_keep_gradients_right(sm90_device, dq_accum, early_dv, case):
-    """Every switch of BwdConfig (dQ path, early dV) computes the same gradients."""
+def test_sm90_bwd_switches_keep_gradients_right(sm90_device, switches, case):
+    """Every switch of BwdConfig (dQ path, early dV, swapped S/dP, overlapped dK) computes the
+    same gradients."""
     from fa_sm100.hopper.bwd_config import select_bwd_config
 
     b, sq, sk, hq, hk, d, causal, window = case
-    cfg = select_bwd_config(head_dim=d, dq_accum=dq_accum, early_dv=early_dv)
+    cfg = select_bwd_config(head_dim=d, **switches)
     _run_case(b, sq, sk, hq, hk, d, causal, window, torch.bfloat16, config=cfg)
 
 
-@pytest.mark.parametrize("hk,causal,window,dq_accum", [
-    (4, False, (None, None), "bulk"), (4, True, (None, None), "bulk"),
-    (1, True, (None, None), "bulk"), (4, False, (96, 0), "bulk"), (2, True, (None, None), "red")])
-def test_sm90_bwd_deterministic_is_bitwise_reproducible(sm90_device, hk, causal, window, dq_accum):
+@pytest.mark.parametrize("hk,causal,window,dq_accum,switch", [
+    (4, False, (None, None), "bulk", None), (4, True, (None, None), "bulk", None),
+    (1, True, (None, None), "bulk", None), (4, False, (96, 0), "bulk", None),
+    (2, True, (None, None), "red", None), (2, True, (None, None), "bulk", "sdp_swap_ab"),
+    (4, False, (96, 0), "red", "sdp_swap_ab"), (4, True, (None, None), "bulk", "overlap_dk")])
+def test_sm90_bwd_deterministic_is_bitwise_reproducible(sm90_device, hk, causal, window, dq_accum,
+                                                        switch):
     from fa_sm100.hopper.bwd_config import select_bwd_config
     from fa_sm100.hopper.bwd_interface import sm90_bwd
 
-    cfg = select_bwd_config(head_dim=128, dq_accum=dq_accum, gqa_reduce="buffers")
+    switches = {} if switch is None else {switch: True}
+    cfg = select_bwd_config(head_dim=128, dq_accum=dq_accum, gqa_reduce="buffers", **switches)
     inputs, first = _run_case(2, 1000, 1000, 4, hk, 128, causal, window, torch.bfloat16,
                               deterministic=True, config=cfg)
     q, k, v, out, lse, dout = inputs

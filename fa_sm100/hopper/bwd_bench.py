@@ -168,6 +168,45 @@ def run_from_benchmark_args(args):
     return rows
 
 
+def kernel_breakdown(fn, reps=10):
+    """Where the time of one backward call goes: {kernel name: mean ms per call} from the
+    CUDA profiler, plus ``"(call, events)"``, the CUDA-event time of one call as ``time_ms``
+    measures it; the difference to the kernels' sum is host time the GPU waited for."""
+    from torch.profiler import ProfilerActivity, profile
+
+    call_ms = time_ms(fn, reps=reps)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    per_kernel = {}
+    for ev in prof.key_averages():
+        device_us = getattr(ev, "device_time_total", None)
+        if device_us is None:
+            device_us = ev.cuda_time_total
+        if device_us > 0 and ev.count >= reps:
+            per_kernel[ev.key[:70]] = device_us / 1000 / reps
+    per_kernel["(call, events)"] = call_ms
+    return per_kernel
+
+
+def breakdown_cell(b, h, s, d, causal, dtype=torch.bfloat16):
+    """``kernel_breakdown`` of ours and of FA4 on one cell (``--breakdown``)."""
+    from fa_sm100.hopper.bwd_interface import sm90_bwd
+
+    q, k, v, dout = (torch.randn(b, s, h, d, device="cuda", dtype=dtype) for _ in range(4))
+    out, lse = _torch_forward(q, k, v, causal)
+    result = {"ours": kernel_breakdown(lambda: sm90_bwd(dout, q, k, v, out, lse, causal=causal))}
+    fa4, _ = _fa4_fn()
+    if fa4 is not None:
+        qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        o4 = fa4(qg, kg, vg, causal=causal)
+        o4 = o4[0] if isinstance(o4, tuple) else o4
+        result["fa4"] = kernel_breakdown(
+            lambda: torch.autograd.grad(o4, (qg, kg, vg), dout, retain_graph=True))
+    return result
+
+
 def format_row(r):
     cells = [f"d={r['head_dim']:3d} s={r['seqlen']:5d} b={r['batch']:2d} h={r['heads']}/{r['heads_kv']}"
              f" {'causal' if r['causal'] else 'full  '}"]
@@ -188,7 +227,22 @@ def main(argv=None):
     p.add_argument("--variant", action="append", default=[], metavar="NAME:FIELD=VALUE[,...]",
                    help="also time sm90_bwd with these BwdConfig overrides")
     p.add_argument("--json", default=None)
+    p.add_argument("--breakdown", action="store_true",
+                   help="per-kernel times (CUDA profiler) of ours and FA4 instead of the grid")
     a = p.parse_args(argv)
+    if a.breakdown:
+        rows = []
+        for d in a.head_dims:
+            for s in a.seqlens:
+                for causal in (False, True):
+                    b, h = max(1, TOKENS // s), MODEL_DIM // d
+                    rows.append({"head_dim": d, "seqlen": s, "causal": causal,
+                                 **breakdown_cell(b, h, s, d, causal)})
+                    print(json.dumps(rows[-1], indent=1), flush=True)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(rows, f, indent=1)
+        return rows
     rows = run_grid(a.seqlens, a.head_dims, gqa_ratio=a.gqa_ratio, deterministic=a.deterministic,
                     variants=[parse_variant(v) for v in a.variant])
     if a.json:

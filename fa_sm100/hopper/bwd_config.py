@@ -57,6 +57,12 @@ class BwdConfig:
     # Issue dV += P^T dO right after P is in SMEM, overlapping it with the dS math
     # (select_bwd_config: on for non-causal problems, where it measured faster).
     early_dv: bool = True
+    # Compute S^T = K Q^T and dP^T = V dO^T (warpgroups stacked along the keys) so that P^T and
+    # dS^T feed dV and dK from registers (RS WGMMA): no P in SMEM, dV/dK read only Q/dO there.
+    sdp_swap_ab: bool = False
+    # Leave this query block's dK GEMM running while the next block's S and dP are issued
+    # (the q stage is released one block late). Unswapped S/dP only.
+    overlap_dk: bool = False
     # registers after setmaxnreg: producer warpgroup and each of the two MMA warpgroups
     regs_producer: int = 24
     regs_mma: int = 240
@@ -92,13 +98,14 @@ class BwdConfig:
         return {"producer": self.regs_producer, "mma": self.regs_mma}
 
     def smem_bytes(self) -> int:
-        """Dynamic shared memory of one CTA: Q, dO stages, K, V, P, dS stages, barriers."""
+        """Dynamic shared memory of one CTA: Q, dO stages, K, V, P (not with ``sdp_swap_ab``),
+        dS stages, the "bulk" dQ tile, barriers."""
         b = self.dtype_bytes
         q = self.tile_m * self.head_dim * b * self.q_stage
         do = self.tile_m * self.head_dim_v * b * self.do_stage
         k = self.tile_n * self.head_dim * b
         v = self.tile_n * self.head_dim_v * b
-        p = self.tile_m * self.tile_n * b
+        p = 0 if self.sdp_swap_ab else self.tile_m * self.tile_n * b
         ds = self.tile_m * self.tile_n * b * self.ds_stage
         dq = self.tile_m * self.dq_row_pitch * 4 if self.dq_accum == "bulk" else 0
         barriers = 8 * (1 + 2 * self.q_stage + 2 * self.do_stage)
@@ -133,6 +140,19 @@ class BwdConfig:
                 "deterministic=True with GQA/MQA needs gqa_reduce='buffers' (atomics add in a "
                 "run-dependent order)"
             )
+        for name in ("sdp_swap_ab", "overlap_dk"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r}: must be a bool")
+        if self.overlap_dk and self.sdp_swap_ab:
+            raise ValueError(
+                "overlap_dk=True needs sdp_swap_ab=False: a dK GEMM still reading dS^T from "
+                "registers across the loop's back edge makes ptxas serialize every WGMMA"
+            )
+        if self.overlap_dk and self.q_stage < 2:
+            raise ValueError(
+                "overlap_dk=True needs q_stage=2: block i's Q stage is released only after "
+                "block i+1's S GEMM, which needs the next stage"
+            )
         for name in ("window_left", "window_right"):
             w = getattr(self, name)
             if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 0):
@@ -160,6 +180,8 @@ def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = Fals
     Measured on an H200 (docs/hopper_backward.md): GQA/MQA dK/dV through per-query-head
     buffers ("buffers") is as fast as or faster than atomics and deterministic, so it is the
     default; early dV helps non-causal problems and costs a few percent on causal ones.
+    ``sdp_swap_ab`` (register-fed dV/dK) and ``overlap_dk`` are off until they have been
+    measured.
     """
     gqa_reduce = overrides.pop("gqa_reduce", "buffers")
     early_dv = overrides.pop("early_dv", not (causal or window_left is not None
@@ -175,6 +197,8 @@ def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = Fals
         deterministic=deterministic,
         gqa_reduce=gqa_reduce,
         early_dv=early_dv,
+        sdp_swap_ab=overrides.pop("sdp_swap_ab", False),
+        overlap_dk=overrides.pop("overlap_dk", False),
     )
     return cfg.replace(**overrides).validate()
 

@@ -75,21 +75,10 @@ def validate_bwd_inputs(dout, q, k, v, out, lse, softmax_scale=None, causal=Fals
     return softmax_scale, window
 
 
-def _to_cute(t: torch.Tensor, align: int = 16, static_last: bool = True):
-    """A compact tensor whose modes are run-time values, except the last one when
-    ``static_last`` (the head dim of Q/K/V/O-shaped tensors); row vectors such as LSE
-    (batch, heads, seqlen) must pass ``static_last=False``: their last mode is a length."""
-    from cutlass.cute.runtime import from_dlpack
-
-    ct = from_dlpack(t.detach(), assumed_align=align)
-    order = tuple(t.dim_order())
-    for mode in range(t.dim() - (1 if static_last else 0)):
-        ct = ct.mark_compact_shape_dynamic(mode=mode, stride_order=order)
-    return ct
-
-
-def _compiled(kind: str, key, build, *args):
-    """Compile once per (kind, key) for the sm_90 device ``sm90_bwd`` runs on."""
+def _compiled(kind: str, key, build, fake_args):
+    """Compile once per (kind, key) for the sm_90 device, for TVM FFI: the result takes torch
+    tensors (checked against ``fake_args``: dtypes, static head dims, compact strides,
+    alignment) and launches on the current torch stream, with no per-call conversions."""
     import cutlass.cute as cute
 
     from fa_sm100.hopper.common import dsl_runtime_arch
@@ -97,8 +86,8 @@ def _compiled(kind: str, key, build, *args):
     cache_key = (kind, key)
     if cache_key not in _compile_cache:
         with dsl_runtime_arch(SM90_ARCH):
-            _compile_cache[cache_key] = cute.compile(build(), *args,
-                                                     options=f"--gpu-arch {SM90_ARCH}")
+            _compile_cache[cache_key] = cute.compile(
+                build(), *fake_args, options=f"--gpu-arch {SM90_ARCH} --enable-tvm-ffi")
     return _compile_cache[cache_key]
 
 
@@ -127,9 +116,7 @@ def sm90_bwd(dout, q, k, v, out, lse, softmax_scale: Optional[float] = None, cau
                                 causal=causal, window_left=left, window_right=right,
                                 qhead_per_kvhead=group, deterministic=deterministic).validate()
 
-    import cuda.bindings.driver as cuda
-    import cutlass
-
+    from fa_sm100.config import cutlass_dtype
     from fa_sm100.hopper.bwd_kernel import Sm90FlashBackward
     from fa_sm100.hopper.bwd_prepost import BwdPostprocess, BwdPreprocess
 
@@ -154,42 +141,41 @@ def sm90_bwd(dout, q, k, v, out, lse, softmax_scale: Optional[float] = None, cau
     else:
         dk, dv = torch.empty_like(k), torch.empty_like(v)
         dk_arg, dv_arg = dk, dv
-    stream = cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream)
-
-    pre_args = [_to_cute(t) for t in (out, dout)] + [
-        _to_cute(lse, 4, False), _to_cute(lse2, 16, False), _to_cute(delta, 16, False)]
-    pre = _compiled("pre", (d, q.dtype), lambda: BwdPreprocess(d), *pre_args, stream)
-    pre(*pre_args, stream)
-
-    main_args = [_to_cute(t) for t in (q, k, v, dout)]
-    main_args += [_to_cute(lse2, 16, False), _to_cute(delta, 16, False)]
-    main_args += [_to_cute(t) for t in (dq_acc, dk_arg, dv_arg)]
-    main_args += [_to_cute(dq_sem, 4, False), cutlass.Float32(softmax_scale)]
-    main = _compiled("main", config, lambda: Sm90FlashBackward(config), *main_args, stream)
-    main(*main_args, stream)
-
-    post_dq_args = [_to_cute(dq_acc), _to_cute(dq)]
+    dt = cutlass_dtype(dtype)
+    pre = _compiled("pre", (d, dtype), lambda: BwdPreprocess(d), fake_pre_arguments(dt, d))
+    pre(out, dout, lse, lse2, delta)
+    main = _compiled("main", config, lambda: Sm90FlashBackward(config),
+                     fake_arguments(config, env_stream=True))
+    main(q, k, v, dout, lse2, delta, dq_acc, dk_arg, dv_arg, dq_sem, softmax_scale)
     # the accumulator's row pitch is a static shape: part of the compile key
-    post = _compiled("post", (d, 1, q.dtype, dq_acc.shape[-1]), lambda: BwdPostprocess(d, 1),
-                     *post_dq_args, stream)
-    post(*post_dq_args, stream)
+    post = _compiled("post", (d, 1, dtype, dq_acc.shape[-1]), lambda: BwdPostprocess(d, 1),
+                     fake_post_arguments(dt, d, dq_acc.shape[-1]))
+    post(dq_acc, dq)
     if config.uses_gqa_buffers:
         g = group if config.gqa_reduce == "buffers" else 1
+        post_kv = _compiled("post", (d, g, dtype, d), lambda: BwdPostprocess(d, g),
+                            fake_post_arguments(dt, d, d))
         for acc, res in ((dk_acc, dk), (dv_acc, dv)):
-            args = [_to_cute(acc), _to_cute(res)]
-            fn = _compiled("post", (d, g, q.dtype, acc.shape[-1]), lambda: BwdPostprocess(d, g),
-                           *args, stream)
-            fn(*args, stream)
+            post_kv(acc, res)
     return dq, dk, dv
 
 
-def fake_arguments(config: BwdConfig):
+def _rowmajor(dtype, shape, align=16):
+    """A fake compact row-major tensor (``.contiguous()`` torch tensors have this layout)."""
+    from cutlass.cute.runtime import make_fake_compact_tensor
+
+    return make_fake_compact_tensor(dtype, shape, stride_order=tuple(range(len(shape) - 1, -1, -1)),
+                                    assumed_align=align)
+
+
+def fake_arguments(config: BwdConfig, env_stream: bool = False):
     """Fake arguments of the main kernel with the run-time/static split ``sm90_bwd`` uses:
     batch, sequence lengths, head counts (and so strides) are run-time values, head dims
-    static. For cross-compiling on a CPU (``inspect_bwd``, the compile contract)."""
+    static. ``sm90_bwd`` compiles with them for TVM FFI (``env_stream``: the launch takes the
+    current torch stream); ``inspect_bwd`` and the compile contract cross-compile with them."""
     import cutlass
     import cutlass.cute as cute
-    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+    from cutlass.cute.runtime import make_fake_stream
 
     from fa_sm100.config import cutlass_dtype
 
@@ -197,17 +183,41 @@ def fake_arguments(config: BwdConfig):
     d = config.head_dim
     b, sq, sk, h, hk = (cute.sym_int() for _ in range(5))
     sq_pad, sk_pad, h_acc, n_m = (cute.sym_int() for _ in range(4))
-    rowmajor = lambda dtype, shape, align=16: make_fake_compact_tensor(
-        dtype, shape, stride_order=tuple(range(len(shape) - 1, -1, -1)), assumed_align=align)
-    q, do = rowmajor(dt, (b, sq, h, d)), rowmajor(dt, (b, sq, h, d))
-    k, v = rowmajor(dt, (b, sk, hk, d)), rowmajor(dt, (b, sk, hk, d))
-    lse2, delta = rowmajor(cutlass.Float32, (b, h, sq_pad)), rowmajor(cutlass.Float32, (b, h, sq_pad))
-    dq_acc = rowmajor(cutlass.Float32, (b, h, sq_pad, config.dq_row_pitch))
+    q, do = _rowmajor(dt, (b, sq, h, d)), _rowmajor(dt, (b, sq, h, d))
+    k, v = _rowmajor(dt, (b, sk, hk, d)), _rowmajor(dt, (b, sk, hk, d))
+    lse2, delta = _rowmajor(cutlass.Float32, (b, h, sq_pad)), _rowmajor(cutlass.Float32, (b, h, sq_pad))
+    dq_acc = _rowmajor(cutlass.Float32, (b, h, sq_pad, config.dq_row_pitch))
     if config.uses_gqa_buffers:
-        dk = rowmajor(cutlass.Float32, (b, h_acc, sk_pad, d))
-        dv = rowmajor(cutlass.Float32, (b, h_acc, sk_pad, d))
+        dk = _rowmajor(cutlass.Float32, (b, h_acc, sk_pad, d))
+        dv = _rowmajor(cutlass.Float32, (b, h_acc, sk_pad, d))
     else:
-        dk, dv = rowmajor(dt, (b, sk, h, d)), rowmajor(dt, (b, sk, h, d))
-    sem = rowmajor(cutlass.Int32, (b, h, n_m), 4)
+        dk, dv = _rowmajor(dt, (b, sk, h, d)), _rowmajor(dt, (b, sk, h, d))
+    sem = _rowmajor(cutlass.Int32, (b, h, n_m), 4)
     return (q, k, v, do, lse2, delta, dq_acc, dk, dv, sem, cutlass.Float32(0.125),
-            make_fake_stream())
+            make_fake_stream(use_tvm_ffi_env_stream=env_stream))
+
+
+def fake_pre_arguments(dt, head_dim: int):
+    """Fake arguments of the preprocess: O, dO (b, sq, h, d); LSE (b, h, sq); LSE2, Delta
+    (b, h, sq_pad); the current torch stream."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_stream
+
+    b, sq, h, sq_pad = (cute.sym_int() for _ in range(4))
+    o, do = _rowmajor(dt, (b, sq, h, head_dim)), _rowmajor(dt, (b, sq, h, head_dim))
+    lse = _rowmajor(cutlass.Float32, (b, h, sq), 4)
+    lse2, delta = _rowmajor(cutlass.Float32, (b, h, sq_pad)), _rowmajor(cutlass.Float32, (b, h, sq_pad))
+    return o, do, lse, lse2, delta, make_fake_stream(use_tvm_ffi_env_stream=True)
+
+
+def fake_post_arguments(dt, head_dim: int, pitch: int):
+    """Fake arguments of the postprocess: the float32 accumulator (b, h_acc, s_pad, pitch),
+    the output (b, s, h, d); the current torch stream."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_stream
+
+    b, h_acc, s_pad, s, h = (cute.sym_int() for _ in range(5))
+    return (_rowmajor(cutlass.Float32, (b, h_acc, s_pad, pitch)),
+            _rowmajor(dt, (b, s, h, head_dim)), make_fake_stream(use_tvm_ffi_env_stream=True))

@@ -17,18 +17,41 @@ The two MMA warpgroups split every GEMM in half: S and dP by key columns (warpgr
 keys 64w .. 64w+63), dV and dK by key rows (the same keys, so P and the dK operand dS^T
 never cross warpgroups), dQ by head-dim columns (this one reads all of dS).
 
+Note [swapped S/dP] (``sdp_swap_ab``): the warpgroups compute S^T = K Q^T and dP^T = V dO^T
+instead (A = K / V, B = Q / dO, both from SMEM; warpgroup w owns key rows 64w .. 64w+63 and
+all tile_m query columns). The accumulator of an m64 WGMMA with N = tile_m = 64 has, element
+for element, the register layout of the A operand of an m64 WGMMA with K = 64, so P^T and dS^T
+are converted to 16 bits in place and dV += P^T dO, dK += dS^T Q are RS WGMMAs: no P buffer, no
+``P_READY`` barrier, and dV/dK read only dO/Q from SMEM. LSE2 and Delta belong to the queries,
+now the accumulator's columns (16 per thread instead of 2 rows), and the mask sees (key, query)
+coordinates. dQ = dS K still reads dS from SMEM, M = queries, K = keys: each warpgroup stores
+its dS^T with a transposing stmatrix into the same dS image the unswapped path writes (keys
+contiguous), so the dQ GEMM and Note [dS double buffer] are unchanged.
+
 Note [dS double buffer]: dQ = dS K reads both warpgroups' halves of dS, so a warpgroup may
 only overwrite dS once the other has finished the dQ GEMM of the previous query block. dS has
 two SMEM buffers (``ds_stage == 2``): iteration i writes buffer i % 2 and then waits on the
 ``DS_READY`` barrier; a warpgroup that passed ``DS_READY`` of iteration i has retired all
-GEMMs of iteration i-1 (``wait_group(0)`` ends every iteration), so buffer (i+1) % 2 is free.
-P is written and read by one warpgroup only and needs a single buffer.
+GEMMs of iteration i-1 (``wait_group(0)`` ends every iteration, or see Note [overlapped dK]),
+so buffer (i+1) % 2 is free.
+P is written and read by one warpgroup only and needs a single buffer (none when swapped).
 
 Note [early dV] (``early_dv``): dV += P^T dO needs only this warpgroup's P, so it is issued as
-soon as the warpgroup's 128 threads have stored P (``P_READY_WG0 + w``) and runs on the tensor
-cores while dS = P (dP - Delta) is computed. Per iteration the WGMMA groups are S, dP, dV, dQ,
-dK and retire in that order: ``wait_group(1)`` after dK means dV and dQ are done (release
-``do``, hand dQ over) while dK still reads Q; ``wait_group(0)`` then releases ``q``.
+soon as the warpgroup's 128 threads have stored P (``P_READY_WG0 + w``; swapped, as soon as P^T
+is in registers) and runs on the tensor cores while dS = P (dP - Delta) is computed. Per
+iteration the WGMMA groups are S, dP, dV, dQ, dK and retire in that order: ``wait_group(1)``
+after dK means dV and dQ are done (release ``do``, hand dQ over) while dK still reads Q;
+``wait_group(0)`` then releases ``q``.
+
+Note [overlapped dK] (``overlap_dk``, unswapped S/dP only): the iteration ends without
+``wait_group(0)``, so dK of block i still runs when S and dP of block i+1 are issued and the
+tensor cores go from one to the other without a gap. The ``wait_group(1)`` after dP of block
+i+1 (groups retire in order) covers dK of block i, and only then is the ``q`` stage of block i
+released (block i+1's Q must sit in the other stage: ``q_stage == 2``); after the loop
+``wait_group(0)`` waits for the last dK. Note [dS double buffer] still holds: that
+``wait_group(1)`` comes before ``DS_READY`` of block i+1. With ``sdp_swap_ab`` dK would read
+dS^T from registers across the loop's back edge, and ptxas then serializes every WGMMA of the
+kernel, hence the config rule.
 
 dQ is accumulated in float32 in global memory by one of two switchable paths (``dq_accum``);
 the stores of dQ, dK and dV are in ``bwd_store.py`` (``BwdStoreRole``, with Note [dQ SMEM
@@ -49,6 +72,7 @@ from fa_sm100.hopper.bwd_config import (BwdConfig, effective_window_right, first
 from fa_sm100.hopper.bwd_store import BwdStoreRole
 from fa_sm100.hopper.common import NO_WAIT, rows_cols_view, transpose_view, wgmma
 from fa_sm100.hopper.config import SMEM_ALIGN, WARPGROUP_THREADS, WGMMA_M
+from fa_sm100.hopper.fwd_math import convert_to, operand_a_view
 from fa_sm100.hopper.named_barriers import Sm90BwdBarrier
 from fa_sm100.softmax_math import LOG2_E
 
@@ -86,23 +110,35 @@ class Sm90FlashBackward(BwdStoreRole):
         # K is also the MN-major B of dQ, whose N (head dim) is split over the two warpgroups.
         self.sK_layout = self._smem_layout(self.tile_n, self.hdim, None, self.hdim // 2)
         self.sV_layout = self._smem_layout(self.tile_n, self.hdimv, None, self.hdimv)
-        # P and dS: each warpgroup's 64 key columns form one swizzle atom row.
+        # P and dS: each warpgroup's 64 key columns form one swizzle atom row. With sdp_swap_ab
+        # P stays in registers and has no buffer.
         half_n = self.tile_n // 2
-        self.sP_layout = self._smem_layout(self.tile_m, self.tile_n, None, half_n)
+        self.sP_layout = None
+        if not c.sdp_swap_ab:
+            self.sP_layout = self._smem_layout(self.tile_m, self.tile_n, None, half_n)
         self.sdS_layout = self._smem_layout(self.tile_m, self.tile_n, c.ds_stage, half_n)
 
     def _tiled_mmas(self):
         K, MN = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
         half_n = self.tile_n // 2
+        # dQ = dS K: (tile_m, hdim), warpgroups side by side along N (head dim).
+        mma_dq = sm90_helpers.make_trivial_tiled_mma(
+            self.dtype, self.dtype, K, MN, Float32, (1, 2, 1), (WGMMA_M, self.hdim // 2))
+        if self.cfg.sdp_swap_ab:
+            # S^T = K Q^T and dP^T = V dO^T: (tile_n, tile_m), warpgroups stacked along M (keys).
+            mma_sdp = sm90_helpers.make_trivial_tiled_mma(
+                self.dtype, self.dtype, K, K, Float32, (2, 1, 1), (WGMMA_M, self.tile_m))
+            # dV = P^T dO and dK = dS^T Q with P^T, dS^T from registers (an RS A is K-major).
+            mma_dkv = sm90_helpers.make_trivial_tiled_mma(
+                self.dtype, self.dtype, K, MN, Float32, (2, 1, 1), (WGMMA_M, self.hdim),
+                a_source=warpgroup.OperandSource.RMEM)
+            return mma_sdp, mma_dkv, mma_dq
         # S = Q K^T and dP = dO V^T: (tile_m, tile_n), warpgroups side by side along N.
         mma_sdp = sm90_helpers.make_trivial_tiled_mma(
             self.dtype, self.dtype, K, K, Float32, (1, 2, 1), (WGMMA_M, half_n))
         # dV = P^T dO and dK = dS^T Q: (tile_n, hdim), warpgroups stacked along M (keys).
         mma_dkv = sm90_helpers.make_trivial_tiled_mma(
             self.dtype, self.dtype, MN, MN, Float32, (2, 1, 1), (WGMMA_M, self.hdim))
-        # dQ = dS K: (tile_m, hdim), warpgroups side by side along N (head dim).
-        mma_dq = sm90_helpers.make_trivial_tiled_mma(
-            self.dtype, self.dtype, K, MN, Float32, (1, 2, 1), (WGMMA_M, self.hdim // 2))
         return mma_sdp, mma_dkv, mma_dq
 
     def _shared_storage(self):
@@ -119,7 +155,8 @@ class Sm90FlashBackward(BwdStoreRole):
             sdO: buf(self.sdO_layout)
             sK: buf(self.sK_layout)
             sV: buf(self.sV_layout)
-            sP: buf(self.sP_layout)
+            if not c.sdp_swap_ab:
+                sP: buf(self.sP_layout)
             sdS: buf(self.sdS_layout)
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, self._sdq_elems()], SMEM_ALIGN]
 
@@ -226,7 +263,9 @@ class Sm90FlashBackward(BwdStoreRole):
         sdO = storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
-        sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
+        sP = None
+        if const_expr(not self.cfg.sdp_swap_ab):
+            sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
         sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
         sdQ = storage.sdQ.get_tensor(cute.make_layout(self._sdq_elems()))
 
@@ -309,19 +348,20 @@ class Sm90FlashBackward(BwdStoreRole):
         S, dP (WGMMA); P = exp2(S * scale_log2 - LSE2) with the band mask; dS = P (dP - Delta);
         P, dS -> SMEM; ``DS_READY``; dV += P^T dO, dK += dS^T Q, dQ = dS K; release ``q``, ``do``;
         dQ -> global float32 (atomic, or in n_block order when deterministic). After the last
-        block: dK *= scale, then dK, dV -> global."""
+        block: dK *= scale, then dK, dV -> global.
+
+        With ``sdp_swap_ab`` (Note [swapped S/dP]) the S and dP accumulators hold S^T and dP^T,
+        P^T and dS^T stay in registers as the A operands of dV and dK, and only dS^T goes to
+        SMEM (transposed, into the dS image that dQ reads)."""
+        swap = self.cfg.sdp_swap_ab
         wg = cute.arch.make_warp_uniform(tidx // WARPGROUP_THREADS)
         wg_thread = wg * WARPGROUP_THREADS
         thr_sdp = mma_sdp.get_slice(tidx)
         wg_sdp, wg_dkv, wg_dq = (m.get_slice(wg_thread) for m in (mma_sdp, mma_dkv, mma_dq))
-        # operand fragments (SMEM descriptors)
-        tSrQ = mma_sdp.make_fragment_A(wg_sdp.partition_A(sQ))  # (MMA, MMA_M, MMA_K, Q_STAGE)
-        tSrK = mma_sdp.make_fragment_B(wg_sdp.partition_B(sK))  # (MMA, MMA_N, MMA_K)
-        tdPrdO = mma_sdp.make_fragment_A(wg_sdp.partition_A(sdO))  # (MMA, MMA_M, MMA_K, DO_STAGE)
-        tdPrV = mma_sdp.make_fragment_B(wg_sdp.partition_B(sV))
-        tdVrPt = mma_dkv.make_fragment_A(wg_dkv.partition_A(transpose_view(sP)))
+        # operand fragments (SMEM descriptors); the Q/dO ones carry a stage mode
+        tSrQ, tSrK = self._sdp_fragments(mma_sdp, wg_sdp, sQ, sK)
+        tdPrdO, tdPrV = self._sdp_fragments(mma_sdp, wg_sdp, sdO, sV)
         tdVrdOt = mma_dkv.make_fragment_B(wg_dkv.partition_B(transpose_view(sdO)))
-        tdKrdSt = mma_dkv.make_fragment_A(wg_dkv.partition_A(transpose_view(sdS)))
         tdKrQt = mma_dkv.make_fragment_B(wg_dkv.partition_B(transpose_view(sQ)))
         tdQrdS = mma_dq.make_fragment_A(wg_dq.partition_A(sdS))  # (MMA, MMA_M, MMA_K, DS_STAGE)
         tdQrKt = mma_dq.make_fragment_B(wg_dq.partition_B(transpose_view(sK)))
@@ -330,72 +370,105 @@ class Sm90FlashBackward(BwdStoreRole):
         acc_dK = cute.make_rmem_tensor(mma_dkv.partition_shape_C((self.tile_n, self.hdim)), Float32)
         acc_dV.fill(0.0)
         acc_dK.fill(0.0)
-        # P / dS register -> SMEM copies (stmatrix)
+        # P / dS register -> SMEM copies (stmatrix); swapped, dS^T is stored transposed
         st_atom = cute.make_copy_atom(
-            cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+            cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=swap, num_matrices=4), self.dtype)
         st_copy = cute.make_tiled_copy_C(st_atom, mma_sdp)
         st_thr = st_copy.get_slice(tidx)
-        tPsP = st_thr.partition_D(sP)
-        tdSsdS = st_thr.partition_D(sdS)
-        # coordinates of this thread's S elements within the (tile_m, tile_n) tile
-        tScS = rows_cols_view(thr_sdp.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
+        sdp_shape = (self.tile_m, self.tile_n)
+        if const_expr(swap):
+            sdp_shape = (self.tile_n, self.tile_m)
+            tdSsdS = st_thr.partition_D(transpose_view(sdS))
+        else:
+            tdVrPt = mma_dkv.make_fragment_A(wg_dkv.partition_A(transpose_view(sP)))
+            tdKrdSt = mma_dkv.make_fragment_A(wg_dkv.partition_A(transpose_view(sdS)))
+            tPsP = st_thr.partition_D(sP)
+            tdSsdS = st_thr.partition_D(sdS)
+        # this thread's S coordinates in the tile: (query, key); swapped (key, query)
+        tScS = rows_cols_view(thr_sdp.partition_C(cute.make_identity_tensor(sdp_shape)))
+        # LSE2 and Delta are per query: per accumulator row, swapped per column
+        stat_mode = 1 if swap else 0
 
         cute.arch.mbarrier_wait(mbar_kv, 0)
         state_q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.cfg.q_stage)
         state_do = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.cfg.do_stage)
         mLSE2_cur = mLSE2[batch, head, None]
         mDelta_cur = mDelta[batch, head, None]
+        if const_expr(self.cfg.overlap_dk):
+            state_q_prev = state_q.clone()  # the stage the previous block's dK reads
         for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
             ds_idx = (m_block - m_block_min) % 2
-            # S = Q K^T, dP = dO V^T
+            # S = Q K^T, dP = dO V^T (swapped: S^T = K Q^T, dP^T = V dO^T)
             pipe_q.consumer_wait(state_q)
-            acc_S = cute.make_rmem_tensor(mma_sdp.partition_shape_C((self.tile_m, self.tile_n)), Float32)
-            wgmma(mma_sdp, acc_S, tSrQ[None, None, None, state_q.index], tSrK, True, NO_WAIT)
+            acc_S = cute.make_rmem_tensor(mma_sdp.partition_shape_C(sdp_shape), Float32)
+            self._sdp_gemm(mma_sdp, acc_S, tSrQ[None, None, None, state_q.index], tSrK)
             pipe_do.consumer_wait(state_do)
-            acc_dP = cute.make_rmem_tensor(mma_sdp.partition_shape_C((self.tile_m, self.tile_n)), Float32)
-            wgmma(mma_sdp, acc_dP, tdPrdO[None, None, None, state_do.index], tdPrV, True, NO_WAIT)
+            acc_dP = cute.make_rmem_tensor(mma_sdp.partition_shape_C(sdp_shape), Float32)
+            self._sdp_gemm(mma_sdp, acc_dP, tdPrdO[None, None, None, state_do.index], tdPrV)
             S = rows_cols_view(acc_S)
             dP = rows_cols_view(acc_dP)
-            lse = cute.make_rmem_tensor(cute.size(S, mode=[0]), Float32)
-            dpsum = cute.make_rmem_tensor(cute.size(S, mode=[0]), Float32)
-            for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
-                row = m_block * self.tile_m + tScS[r, 0][0]
-                lse[r] = mLSE2_cur[row]
-                dpsum[r] = mDelta_cur[row]
-            warpgroup.wait_group(1)
+            lse = cute.make_rmem_tensor(cute.size(S, mode=[stat_mode]), Float32)
+            dpsum = cute.make_rmem_tensor(cute.size(S, mode=[stat_mode]), Float32)
+            if const_expr(swap):
+                lse.store(self._column_stats(mLSE2_cur, m_block, thr_sdp, sdp_shape).load())
+                dpsum.store(self._column_stats(mDelta_cur, m_block, thr_sdp, sdp_shape).load())
+            else:
+                for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
+                    row = m_block * self.tile_m + tScS[r, 0][0]
+                    lse[r] = mLSE2_cur[row]
+                    dpsum[r] = mDelta_cur[row]
+            warpgroup.wait_group(1)  # S done (Note [overlapped dK]: so is the previous dK)
+            if const_expr(self.cfg.overlap_dk):
+                if m_block > m_block_min:
+                    pipe_q.consumer_release(state_q_prev)
             if self._block_needs_mask(m_block, n_block, seqlen_q, seqlen_k):
                 self._mask(S, tScS, m_block, n_block, seqlen_q, seqlen_k)
             for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
                 for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
-                    S[r, c] = cute.math.exp2(S[r, c] * scale_log2 - lse[r], fastmath=True)
+                    q = c if swap else r
+                    S[r, c] = cute.math.exp2(S[r, c] * scale_log2 - lse[q], fastmath=True)
             rP = cute.make_fragment_like(acc_S, self.dtype)
-            rP.store(acc_S.load().to(self.dtype))
-            cute.copy(st_copy, st_thr.retile(rP), tPsP)
+            if const_expr(swap):
+                convert_to(rP, acc_S)  # whole registers: the A operand of dV as it is
+                tdVrPt_cur = operand_a_view(rP)
+            else:
+                rP.store(acc_S.load().to(self.dtype))
+                cute.copy(st_copy, st_thr.retile(rP), tPsP)
+                tdVrPt_cur = tdVrPt
             if const_expr(self.cfg.early_dv):
                 # Note [early dV]: P is this warpgroup's own; dV runs while dS is computed.
-                cute.arch.fence_view_async_shared()
-                cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.P_READY_WG0) + wg,
-                                  number_of_threads=WARPGROUP_THREADS)
-                wgmma(mma_dkv, acc_dV, tdVrPt, tdVrdOt[None, None, None, state_do.index], False, NO_WAIT)
+                if const_expr(not swap):
+                    cute.arch.fence_view_async_shared()
+                    cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.P_READY_WG0) + wg,
+                                      number_of_threads=WARPGROUP_THREADS)
+                wgmma(mma_dkv, acc_dV, tdVrPt_cur, tdVrdOt[None, None, None, state_do.index], False,
+                      NO_WAIT)
                 warpgroup.wait_group(1)  # dP done; dV may still run
             else:
                 warpgroup.wait_group(0)
             for r in cutlass.range_constexpr(cute.size(dP, mode=[0])):
                 for c in cutlass.range_constexpr(cute.size(dP, mode=[1])):
-                    dP[r, c] = S[r, c] * (dP[r, c] - dpsum[r])
+                    q = c if swap else r
+                    dP[r, c] = S[r, c] * (dP[r, c] - dpsum[q])
             rdS = cute.make_fragment_like(acc_dP, self.dtype)
-            rdS.store(acc_dP.load().to(self.dtype))
+            if const_expr(swap):
+                convert_to(rdS, acc_dP)
+                tdKrdSt_cur = operand_a_view(rdS)
+            else:
+                rdS.store(acc_dP.load().to(self.dtype))
+                tdKrdSt_cur = tdKrdSt[None, None, None, ds_idx]
             cute.copy(st_copy, st_thr.retile(rdS), tdSsdS[None, None, None, ds_idx])
             cute.arch.fence_view_async_shared()
             cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.DS_READY),
                               number_of_threads=self.num_mma_threads)
             # dV += P^T dO (unless issued early), dQ = dS K, dK += dS^T Q; groups retire in order
             if const_expr(not self.cfg.early_dv):
-                wgmma(mma_dkv, acc_dV, tdVrPt, tdVrdOt[None, None, None, state_do.index], False, NO_WAIT)
+                wgmma(mma_dkv, acc_dV, tdVrPt_cur, tdVrdOt[None, None, None, state_do.index], False,
+                      NO_WAIT)
             acc_dQ = cute.make_rmem_tensor(mma_dq.partition_shape_C((self.tile_m, self.hdim)), Float32)
             wgmma(mma_dq, acc_dQ, tdQrdS[None, None, None, ds_idx], tdQrKt, True, NO_WAIT)
-            wgmma(mma_dkv, acc_dK, tdKrdSt[None, None, None, ds_idx],
-                  tdKrQt[None, None, None, state_q.index], False, NO_WAIT)
+            wgmma(mma_dkv, acc_dK, tdKrdSt_cur, tdKrQt[None, None, None, state_q.index], False,
+                  NO_WAIT)
             warpgroup.wait_group(1)  # dV and dQ done, dK may still run
             pipe_do.consumer_release(state_do)
             if const_expr(self.cfg.dq_accum == "bulk"):
@@ -403,12 +476,51 @@ class Sm90FlashBackward(BwdStoreRole):
             else:
                 self._store_dq(mma_dq, acc_dQ, mdQacc, mdQsem, tidx, m_block, n_block, head,
                                batch, seqlen_q, seqlen_k, softmax_scale)
-            warpgroup.wait_group(0)
-            pipe_q.consumer_release(state_q)
+            if const_expr(self.cfg.overlap_dk):
+                state_q_prev = state_q.clone()  # dK runs on behind the next S and dP
+            else:
+                warpgroup.wait_group(0)
+                pipe_q.consumer_release(state_q)
             state_q.advance()
             state_do.advance()
+        if const_expr(self.cfg.overlap_dk):
+            warpgroup.wait_group(0)  # the last dK
+            if m_block_max > m_block_min:
+                pipe_q.consumer_release(state_q_prev)
         self._store_dkdv(mma_dkv, acc_dK, acc_dV, mdK, mdV, tidx, n_block, head, batch, group,
                          seqlen_k, softmax_scale)
+
+    def _sdp_fragments(self, mma_sdp, wg_sdp, s_query, s_key):
+        """WGMMA descriptors of a query-side (Q, dO) and a key-side (K, V) SMEM operand of
+        S = Q K^T / dP = dO V^T: A and B, or B and A with ``sdp_swap_ab``. Returns them as
+        (query side, key side)."""
+        if self.cfg.sdp_swap_ab:
+            return (mma_sdp.make_fragment_B(wg_sdp.partition_B(s_query)),
+                    mma_sdp.make_fragment_A(wg_sdp.partition_A(s_key)))
+        return (mma_sdp.make_fragment_A(wg_sdp.partition_A(s_query)),
+                mma_sdp.make_fragment_B(wg_sdp.partition_B(s_key)))
+
+    @cute.jit
+    def _sdp_gemm(self, mma_sdp, acc, frag_query, frag_key):
+        """Issue S = Q K^T (or dP = dO V^T) into ``acc``; with ``sdp_swap_ab`` its transpose."""
+        if const_expr(self.cfg.sdp_swap_ab):
+            wgmma(mma_sdp, acc, frag_key, frag_query, True, NO_WAIT)
+        else:
+            wgmma(mma_sdp, acc, frag_query, frag_key, True, NO_WAIT)
+
+    @cute.jit
+    def _column_stats(self, mStat, m_block, thr_sdp, sdp_shape):
+        """This thread's per-query values (LSE2 or Delta) of query block ``m_block`` in the
+        column order of its S^T accumulator (``sdp_swap_ab``), as a global-memory view.
+
+        The view broadcasts the query block's values over the keys (stride 0) and is
+        partitioned like the accumulator. The block starts 16-byte aligned (rows padded to
+        a multiple of tile_m, base 16-byte aligned), which lets adjacent columns load as one
+        64-bit access."""
+        base = cute.make_ptr(Float32, (mStat.iterator + m_block * self.tile_m).toint(),
+                             cute.AddressSpace.gmem, assumed_align=16)
+        block = cute.make_tensor(base, cute.make_layout(sdp_shape, stride=(0, 1)))
+        return rows_cols_view(thr_sdp.partition_C(block))[0, None]
 
     @cute.jit
     def _block_needs_mask(self, m_block, n_block, seqlen_q, seqlen_k):
@@ -429,14 +541,16 @@ class Sm90FlashBackward(BwdStoreRole):
 
     @cute.jit
     def _mask(self, S, tScS, m_block, n_block, seqlen_q, seqlen_k):
-        """Set S to -inf outside the causal/sliding-window band and past seqlen_k."""
+        """Set S to -inf outside the causal/sliding-window band and past seqlen_k (with
+        ``sdp_swap_ab`` S^T: the keys are its rows, the queries its columns)."""
         right = effective_window_right(self.cfg)
         left = self.cfg.window_left
         off = seqlen_k - seqlen_q
+        q_mode, k_mode = (1, 0) if self.cfg.sdp_swap_ab else (0, 1)
         for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
-            row = m_block * self.tile_m + tScS[r, 0][0]
             for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
-                col = n_block * self.tile_n + tScS[r, c][1]
+                row = m_block * self.tile_m + tScS[r, c][q_mode]
+                col = n_block * self.tile_n + tScS[r, c][k_mode]
                 out = col >= seqlen_k
                 if const_expr(right is not None):
                     out = out | (col > row + off + right)
