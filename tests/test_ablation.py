@@ -192,7 +192,7 @@ def test_scripts_start_as_commands():
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     for name in ("ablation.py", "timeline.py", "inspect.py", "benchmark.py", "emulate.py",
-                 "emulate_sm100.py", "dump_fa4_sm90.py"):
+                 "emulate_sm100.py", "dump_fa4_sm90.py", "dump_fa4_sm90_sass.py"):
         proc = subprocess.run([sys.executable, os.path.join(root, "scripts", name), "--help"],
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, (name, proc.stderr)

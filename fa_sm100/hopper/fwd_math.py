@@ -114,6 +114,39 @@ def exp2_on_fma_pipe(x: Float32) -> Float32:
     return _from_bits(_bits(pow2_frac) + (_bits(floor_in_bits) << 23))
 
 
+def _max_tree(vals: list) -> Float32:
+    """max of a list of Float32 as a balanced tree of ``fmax`` (FMNMX; log2(n) deep)."""
+    while len(vals) > 1:
+        paired = [cute.arch.fmax(vals[i], vals[i + 1]) for i in range(0, len(vals) - 1, 2)]
+        vals = paired + vals[len(vals) - len(vals) % 2:]
+    return vals[0]
+
+
+@cute.jit
+def quad_max(x: Float32) -> Float32:
+    """max over the 4 threads of a quad (one accumulator row): two butterfly shuffles, each
+    followed by one FMNMX."""
+    for offset in cutlass.range_constexpr(2, 0, -1):  # 2, then 1
+        x = cute.arch.fmax(x, cute.arch.shuffle_sync_bfly(x, offset=offset))
+    return x
+
+
+@cute.jit
+def row_max_of(s_rc: cute.Tensor, r: cutlass.Constexpr[int], init) -> Float32:
+    """max of row r of a rows/cols view, and of ``init`` unless None, reduced over the quad.
+
+    Plain ``fmax`` (FMNMX) throughout. ``TensorSSA.reduce(MAX)`` lowers to the NaN-propagating
+    FMNMX.NAN and ``cute.arch.warp_reduction_max`` on its result to FSETP.NAN + FSETP.GTU +
+    FSEL per shuffle: two more dependent instructions per shuffle on the path from the QK
+    GEMM's wait to the first exp2 (FlashAttention-4 reduces with plain fmax too). A max is
+    exact, so for S without NaN the result is bit-identical; a NaN in S is skipped by the max
+    instead of propagated, and still reaches the row's sum and output through its exp2."""
+    vals = [s_rc[r, c] for c in range(cute.size(s_rc, mode=[1]))]
+    if const_expr(init is not None):
+        vals.append(init)
+    return quad_max(_max_tree(vals))
+
+
 @cute.jit
 def online_softmax_step(
     s_rc: cute.Tensor,  # (ROWS, COLS) S on entry, exp2-scaled P (float32) on exit
@@ -130,11 +163,7 @@ def online_softmax_step(
     pairs, spread along the thread's row) use ``exp2_on_fma_pipe``; the rest MUFU.EX2."""
     for r in cutlass.range_constexpr(cute.size(s_rc, mode=[0])):
         vals = s_rc[r, None].load()
-        if const_expr(is_first):
-            cur = vals.reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
-        else:
-            cur = vals.reduce(cute.ReductionOp.MAX, row_max[r], 0)
-        cur = cute.arch.warp_reduction_max(cur, threads_in_group=4)
+        cur = row_max_of(s_rc, r, None if is_first else row_max[r])
         prev = row_max[r]
         row_max[r] = cur
         # A row with every key masked so far keeps max -inf: exponentiate against 0 instead.

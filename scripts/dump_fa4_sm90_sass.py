@@ -1,0 +1,242 @@
+#!/usr/bin/env python
+"""Cross-compile FlashAttention-4's SM90 forward on a machine with no GPU, keep its PTX, cubin
+and SASS, and (``--diff``) compare its main loop with ours instruction by instruction.
+
+    python scripts/dump_fa4_sm90_sass.py --hdim 256 --out /tmp/fa4_h256
+    python scripts/dump_fa4_sm90_sass.py --hdim 128 --out /tmp/cmp_h128 --diff
+    python scripts/dump_fa4_sm90_sass.py --hdim 128 --diff --pythonpath /tmp/triton_site
+
+FA4 is compiled in a child process through its public ``flash_attn_func`` under torch's
+FakeTensorMode (FLASH_ATTENTION_ARCH=sm_90 selects the SM90 kernel, CUTE_DSL_ARCH=sm_90a the
+target, FLASH_ATTENTION_NUM_SMS the SM count of an H100/H200), so it builds the same
+``FlashAttentionForwardSm90`` object it would on an H200 (its ``_tile_size_fwd_sm90`` tiles);
+the constructor arguments it used are printed. As in the benchmark, the inputs do not require
+grad, so FA4 writes no LSE (ours does unless ``--set write_lse=false``).
+
+Files in --out: ``fa4/*.sm_90a.{ptx,cubin}`` and ``fa4.sass``; with --diff also ``ours/`` and
+``ours.sass`` (``scripts/inspect.py --kernel sm90_fwd`` for the same head dims and causality,
+``--set`` overrides passed through).
+
+The "main loop" of a kernel is the loop closed by a conditional backward branch that holds the
+most HGMMAs (the consumers' unmasked n-block loop; out-of-line mbarrier retry stubs branch back
+unconditionally and are skipped). --diff prints both loops' instruction counts by kind.
+
+Needs flash-attn-4 and what ``import flash_attn.cute`` imports (triton, einops): put them on
+the child's path with --pythonpath when they are not installed; nvdisasm as for inspect.py.
+"""
+
+from __future__ import annotations
+
+try:  # first import: keeps scripts/inspect.py from shadowing the standard `inspect`
+    import _paths  # noqa: F401
+except ImportError:  # loaded as a module (tests): this folder is not on sys.path
+    pass
+
+import argparse  # noqa: E402
+import collections  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import re  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hdim", type=int, default=128, help="head dim of Q/K (default 128)")
+    p.add_argument("--hdim-v", type=int, default=None, help="head dim of V (default: --hdim)")
+    p.add_argument("--causal", action="store_true")
+    p.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
+    p.add_argument("--seqlen", type=int, default=8192, help="problem size FA4 is asked for")
+    p.add_argument("--num-sms", type=int, default=132, help="SM count FA4 assumes (H100/H200: 132)")
+    p.add_argument("--out", default="/tmp/fa4_sm90_sass", help="output folder (default %(default)s)")
+    p.add_argument("--pythonpath", default=None,
+                   help="prepended to the FA4 child's PYTHONPATH (e.g. where triton/einops are)")
+    p.add_argument("--diff", action="store_true",
+                   help="also compile ours and print both main loops' instruction counts")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
+                   help="with --diff: an Sm90FwdConfig override for ours (repeatable)")
+    p.add_argument("--full-opcodes", action="store_true",
+                   help="with --diff: count opcodes with all modifiers (default: by base opcode)")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+# ---- FA4 compile (child process) ------------------------------------------------------------
+
+def _child(args) -> int:
+    """Runs with CUTE_DSL_* and FLASH_ATTENTION_* set by the parent: compile FA4, report args."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import flash_attn.cute.flash_fwd_sm90 as fwd_mod
+    from flash_attn.cute.interface import flash_attn_func
+
+    seen = []
+    original_init = fwd_mod.FlashAttentionForwardSm90.__init__
+
+    def init(self, *a, **kw):
+        original_init(self, *a, **kw)
+        seen.append((a, kw))
+
+    fwd_mod.FlashAttentionForwardSm90.__init__ = init
+    dtype = getattr(torch, args.dtype)
+    hdim_v = args.hdim_v or args.hdim
+    heads = max(1, 2048 // args.hdim)
+    batch = max(1, 16384 // args.seqlen)
+    with FakeTensorMode():
+        q = torch.empty(batch, args.seqlen, heads, args.hdim, dtype=dtype, device="cuda")
+        k = torch.empty(batch, args.seqlen, heads, args.hdim, dtype=dtype, device="cuda")
+        v = torch.empty(batch, args.seqlen, heads, hdim_v, dtype=dtype, device="cuda")
+        flash_attn_func(q, k, v, causal=args.causal)
+    if not seen:
+        print("FA4 did not construct FlashAttentionForwardSm90", file=sys.stderr)
+        return 1
+    a, kw = seen[-1]
+    print("FA4_ARGS " + json.dumps({"args": [repr(x) for x in a],
+                                    "kwargs": {k: repr(v) for k, v in kw.items()}}))
+    return 0
+
+
+def compile_fa4(args, out: Path) -> Path:
+    """Compile FA4 into out/fa4; return the disassembled SASS's path (out/fa4.sass)."""
+    from fa_sm100.compile_tools import disassemble, find_nvdisasm
+
+    nvdisasm = find_nvdisasm()
+    dump = out / "fa4"
+    dump.mkdir(parents=True, exist_ok=True)
+    for old in list(dump.glob("*.sm_90a.*")):
+        old.unlink()
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", FLASH_ATTENTION_ARCH="sm_90",
+               FLASH_ATTENTION_NUM_SMS=str(args.num_sms), CUTE_DSL_KEEP="ptx,cubin",
+               CUTE_DSL_DUMP_DIR=str(dump))
+    if args.pythonpath:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (args.pythonpath, env.get("PYTHONPATH")) if p)
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", "--hdim", str(args.hdim),
+           "--dtype", args.dtype, "--seqlen", str(args.seqlen)]
+    if args.hdim_v:
+        cmd += ["--hdim-v", str(args.hdim_v)]
+    if args.causal:
+        cmd.append("--causal")
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
+        raise SystemExit(f"compiling FA4's SM90 forward failed (exit {proc.returncode}):\n{tail}")
+    for line in proc.stdout.splitlines():
+        if line.startswith("FA4_ARGS "):
+            info = json.loads(line[len("FA4_ARGS "):])
+            print("FA4 FlashAttentionForwardSm90" + "(" + ", ".join(
+                info["args"] + [f"{k}={v}" for k, v in info["kwargs"].items()]) + ")")
+    cubins = sorted(dump.glob("*.sm_90a.cubin"))
+    if len(cubins) != 1:
+        raise SystemExit(f"expected one FA4 cubin in {dump}, found {[c.name for c in cubins]}")
+    sass = out / "fa4.sass"
+    sass.write_text(disassemble(cubins[0], nvdisasm))
+    return sass
+
+
+def compile_ours(args, out: Path) -> Path:
+    os.environ["CUTE_DSL_ARCH"] = "sm_90a"
+    from fa_sm100.inspection import inspect_kernel
+
+    overrides = [f"head_dim={args.hdim}", f"causal={args.causal}", f"dtype={args.dtype}"]
+    if args.hdim_v:
+        overrides.append(f"head_dim_v={args.hdim_v}")
+    keep = out / "ours"
+    keep.mkdir(parents=True, exist_ok=True)
+    inspect_kernel("sm90_fwd", "sm_90a", overrides + list(args.overrides), keep_dir=keep)
+    sass_files = sorted(keep.glob("*.sass"))
+    sass = out / "ours.sass"
+    sass.write_text(sass_files[-1].read_text())
+    return sass
+
+
+# ---- SASS main-loop analysis ----------------------------------------------------------------
+
+_LINE = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+_LABEL = re.compile(r"^\s*(\.L_x_\d+):")
+_GUARD = re.compile(r"^@!?U?P\w+\s+")
+
+
+def parse_sass(text: str):
+    """[(address, instruction)] and {label: address} of nvdisasm output."""
+    ins, labels, pending = [], {}, []
+    for line in text.splitlines():
+        m = _LABEL.match(line)
+        if m:
+            pending.append(m.group(1))
+            continue
+        m = _LINE.match(line)
+        if m:
+            addr = int(m.group(1), 16)
+            for name in pending:
+                labels[name] = addr
+            pending = []
+            ins.append((addr, m.group(2).strip()))
+    return ins, labels
+
+
+def opcode(instr: str) -> str:
+    return _GUARD.sub("", instr).split()[0]
+
+
+def main_loop(text: str):
+    """The instructions of the loop (conditional backward branch) holding the most HGMMAs."""
+    ins, labels = parse_sass(text)
+    best = None
+    for addr, instr in ins:
+        if not opcode(instr).startswith("BRA") or not _GUARD.match(instr):
+            continue
+        m = re.search(r"\((\.L_x_\d+)\)", instr)
+        start = labels.get(m.group(1)) if m else None
+        if start is None or start > addr:
+            continue
+        body = [x for x in ins if start <= x[0] <= addr]
+        n = sum(opcode(t).startswith("HGMMA") for _, t in body)
+        if best is None or (n, -len(body)) > (best[0], -len(best[1])):
+            best = (n, body)
+    if best is None or best[0] == 0:
+        raise SystemExit("no loop with an HGMMA found in the SASS")
+    return best[1]
+
+
+def histogram(body, full: bool) -> collections.Counter:
+    h = collections.Counter()
+    for _, instr in body:
+        op = opcode(instr)
+        h[op if full or op.startswith("HGMMA") else op.split(".")[0]] += 1
+    return h
+
+
+def print_diff(named_bodies, full: bool) -> None:
+    hists = [(name, histogram(body, full), body) for name, body in named_bodies]
+    for name, _, body in hists:
+        print(f"{name}: main loop {body[0][0]:#x}..{body[-1][0]:#x}, {len(body)} instructions")
+    keys = sorted(set().union(*(h for _, h, _ in hists)),
+                  key=lambda k: (-max(h[k] for _, h, _ in hists), k))
+    print(f"{'opcode':34}" + "".join(f"{name:>10}" for name, _, _ in hists))
+    for k in keys:
+        vals = [h[k] for _, h, _ in hists]
+        print(f"{k:34}" + "".join(f"{v:10d}" for v in vals) + ("" if len(set(vals)) == 1 else "  *"))
+    print(f"{'TOTAL':34}" + "".join(f"{len(b):10d}" for _, _, b in hists))
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.child:
+        return _child(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    fa4_sass = compile_fa4(args, out)
+    print(f"FA4 SASS: {fa4_sass}")
+    if args.diff:
+        ours_sass = compile_ours(args, out)
+        print(f"our SASS: {ours_sass}")
+        print_diff([("fa4", main_loop(fa4_sass.read_text())),
+                    ("ours", main_loop(ours_sass.read_text()))], args.full_opcodes)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
