@@ -13,6 +13,9 @@
   The five GEMMs stay five WGMMA groups (one ``gsb0`` commit each: ptxas did not serialize
   them). ``sdp_swap_ab``: dV and dK become RS HGMMAs (a register A operand in the SASS), the P
   stmatrix is gone and dS is stored with the transposing stmatrix, in 16 KiB less SMEM.
+- ``tile_m=128`` (swapped, hdim 64): the config rules, block ranges and compile contract at
+  128 query rows, twice the RS K slices, N = 128 S^T/dP^T, and the LSE2/Delta shuffle of
+  Note [tile_m 128] checked against the real WGMMA accumulator partition.
 """
 
 import glob
@@ -32,7 +35,12 @@ from fa_sm100.testing import attention_mask
 @pytest.mark.parametrize("changes,rule", [
     (dict(head_dim=256, head_dim_v=256), "head dims"),
     (dict(head_dim_v=64), "head dims"),
-    (dict(tile_m=128), "tile_m"),
+    (dict(tile_m=128), "tile_m=128 needs sdp_swap_ab=True"),
+    (dict(tile_m=128, sdp_swap_ab=True, head_dim=128, head_dim_v=128),
+     "tile_m=128 with head_dim=128"),
+    (dict(tile_m=128, sdp_swap_ab=True, head_dim=96, head_dim_v=96), "tile_m=128 with head_dim=96"),
+    (dict(tile_m=96, sdp_swap_ab=True), "tile_m=96"),
+    (dict(tile_m=32), "tile_m=32"),
     (dict(tile_n=64), "tile_n"),
     (dict(q_stage=3), "q_stage"),
     (dict(gqa_reduce="tree"), "gqa_reduce"),
@@ -66,6 +74,78 @@ def test_default_configs_fit_smem_and_follow_the_measured_choices():
         select_bwd_config(qhead_per_kvhead=4, deterministic=True, gqa_reduce="atomic")
     assert not select_bwd_config().sdp_swap_ab and select_bwd_config(sdp_swap_ab=True).sdp_swap_ab
     assert not select_bwd_config().overlap_dk and select_bwd_config(overlap_dk=True).overlap_dk
+
+
+def test_tile_m_128_is_swapped_hdim64_only_and_overridable():
+    """tile_m=128 (Note [tile_m 128]): allowed with sdp_swap_ab at hdim 64, reachable through
+    select_bwd_config, fits SMEM with 2-stage Q/dO; the defaults keep tile_m=64."""
+    for d in (64, 96, 128):
+        assert select_bwd_config(head_dim=d).tile_m == 64
+        assert select_bwd_config(head_dim=d, sdp_swap_ab=True).tile_m == 64
+    for kw in (dict(), dict(causal=True), dict(qhead_per_kvhead=4, deterministic=True),
+               dict(window_left=100, window_right=0), dict(dq_accum="red")):
+        cfg = select_bwd_config(head_dim=64, tile_m=128, sdp_swap_ab=True, **kw)
+        assert cfg.tile_m == 128 and cfg.sdp_swap_ab and cfg.dq_split_rows
+        assert cfg.smem_bytes() <= SM90_SMEM_BYTES
+    cfg = select_bwd_config(head_dim=64, tile_m=128, sdp_swap_ab=True)
+    # Q, dO: 2 x 2 x 16 KiB; K, V: 2 x 16 KiB; dS: 2 x 32 KiB; dQ: 128 x 72 x 4 B
+    assert cfg.smem_bytes() == 1024 + 4 * 16384 + 2 * 16384 + 2 * 32768 + 128 * 72 * 4
+    assert not select_bwd_config(head_dim=64).dq_split_rows
+    with pytest.raises(ValueError, match="needs sdp_swap_ab=True"):
+        select_bwd_config(head_dim=64, tile_m=128)
+    with pytest.raises(ValueError, match="head_dim=128"):
+        select_bwd_config(head_dim=128, tile_m=128, sdp_swap_ab=True)
+
+
+def test_tile_m_128_stat_shuffle_sources_are_a_bijection():
+    """Note [tile_m 128]: the 4 LSE2/Delta values a lane holds (``held_query``) are 128
+    distinct queries, and ``query_stat_source`` inverts it for every column of a lane group."""
+    from fa_sm100.hopper.bwd_kernel import held_query, query_stat_source
+
+    held = {held_query(lane, slot): (lane, slot) for lane in range(32) for slot in range(4)}
+    assert sorted(held) == list(range(128))
+    for q0 in [8 * j + p for j in range(16) for p in (0, 1)]:  # thread 0's columns
+        for lane in range(32):
+            base, slot = query_stat_source(q0)
+            assert held_query(base + lane % 4, slot) == q0 + 2 * (lane % 4)
+
+
+@pytest.mark.compile
+def test_tile_m_128_stat_shuffle_matches_the_wgmma_accumulator_layout():
+    """The shuffle of Note [tile_m 128] assumes that every thread's S^T query columns are thread
+    0's plus 2 (lane % 4). Read the real partition of the S^T tiled MMA (tile_m=128) for the
+    lanes of one warp per warpgroup while cross-compiling, and check that each column's value
+    is fetched from the lane and slot that hold it."""
+    import cutlass
+    import cutlass.cute as cute
+
+    from fa_sm100.hopper.bwd_kernel import Sm90FlashBackward, held_query, query_stat_source
+    from fa_sm100.hopper.common import rows_cols_view
+
+    cfg = select_bwd_config(head_dim=64, tile_m=128, sdp_swap_ab=True)
+    kernel = Sm90FlashBackward(cfg)
+    cols = {}
+
+    @cute.jit
+    def probe():
+        mma_sdp, _, _ = kernel._tiled_mmas()
+        ident = cute.make_identity_tensor((cfg.tile_n, cfg.tile_m))
+        for lane in cutlass.range_constexpr(32):
+            for t in (lane, 160 + lane):  # warp 0 (warpgroup 0), warp 5 (warpgroup 1)
+                rc = rows_cols_view(mma_sdp.get_slice(t).partition_C(ident))
+                cols[t] = [int(rc[0, c][1]) for c in range(cute.size(rc, mode=[1]))]
+
+    cute.compile(probe, options="--gpu-arch sm_90a")
+    assert len(cols) == 64 and all(len(v) == 32 for v in cols.values())
+    assert cols[5][:4] == [2, 3, 10, 11]  # lane 5: 2 (5 % 4) + {0, 1} + 8 j
+    for t, qs in cols.items():
+        lane = t % 32
+        for c, q in enumerate(qs):
+            base, slot = query_stat_source(cols[0][c])
+            assert held_query(base + lane % 4, slot) == q, (t, c, q)
+        # every thread sees 32 distinct queries, and the 4 lanes of a row group all 128
+        assert len(set(qs)) == 32
+    assert sorted(q for t in range(4) for q in cols[t]) == list(range(128))
 
 
 def test_swapped_sdp_has_no_p_buffer():
@@ -165,10 +245,11 @@ RANGE_CASES = [
 ]
 
 
+@pytest.mark.parametrize("tile_m", [64, 128])
 @pytest.mark.parametrize("sq,sk,causal,window", RANGE_CASES)
-def test_block_ranges_cover_the_band_and_dq_order_is_consecutive(sq, sk, causal, window):
+def test_block_ranges_cover_the_band_and_dq_order_is_consecutive(sq, sk, causal, window, tile_m):
     cfg = select_bwd_config(head_dim=64, causal=causal, window_left=window[0],
-                            window_right=window[1])
+                            window_right=window[1], tile_m=tile_m, sdp_swap_ab=tile_m == 128)
     tm, tn = cfg.tile_m, cfg.tile_n
     n_blocks, m_blocks = -(-sk // tn), -(-sq // tm)
     ranges = [m_block_range(cfg, n, sq, sk) for n in range(n_blocks)]
@@ -215,6 +296,15 @@ CONTRACT_CASES = [
     (["sdp_swap_ab=true", "head_dim=64", "dq_accum=red", "early_dv=false"], "REDG.E.ADD.F32"),
     (["overlap_dk=true", "causal=true", "qhead_per_kvhead=4"], "UBLKRED"),
     (["overlap_dk=true", "head_dim=64", "dq_accum=red", "deterministic=true"], "REDG.E.ADD.F32"),
+    # tile_m=128 (Note [tile_m 128]): both early-dV variants, masks, GQA, deterministic, red
+    (["sdp_swap_ab=true", "tile_m=128", "head_dim=64"], "UBLKRED"),
+    (["sdp_swap_ab=true", "tile_m=128", "head_dim=64", "early_dv=false"], "UBLKRED"),
+    (["sdp_swap_ab=true", "tile_m=128", "head_dim=64", "causal=true", "deterministic=true",
+      "qhead_per_kvhead=4"], "UBLKRED"),
+    (["sdp_swap_ab=true", "tile_m=128", "head_dim=64", "window_left=100", "window_right=30",
+      "dtype=float16"], "UBLKRED"),
+    (["sdp_swap_ab=true", "tile_m=128", "head_dim=64", "dq_accum=red", "deterministic=true",
+      "causal=true", "early_dv=true"], "REDG.E.ADD.F32"),
 ]
 
 
@@ -285,3 +375,41 @@ def test_sm90_bwd_swapped_sdp_feeds_dv_dk_from_registers(overrides, tmp_path):
     assert plain.get("STSM.16.M88.4", 0) == 8 and "STSM.16.MT88.4" not in plain  # P and dS
     assert swapped.get("STSM.16.MT88.4", 0) == 4 and "STSM.16.M88.4" not in swapped  # dS^T only
     assert reports[False]["smem_bytes"] - reports[True]["smem_bytes"] == 64 * 128 * 2
+
+
+TILE_M_128_CASES = [["head_dim=64"], ["head_dim=64", "early_dv=false", "causal=true"]]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("overrides", TILE_M_128_CASES, ids=[",".join(c) for c in TILE_M_128_CASES])
+def test_sm90_bwd_tile_m_128_doubles_the_gemms_per_query_block(overrides, tmp_path):
+    """Swapped S/dP with tile_m=128 against tile_m=64: the WGMMAs that run over the queries
+    double their K slices (dV, dK: RS, 8 -> 16 per thread; dQ: M 64 rows per warpgroup over the
+    whole head dim, 8 k16 slices over the keys either way, N 32 -> 64), S^T and dP^T keep 4 each
+    with N 64 -> 128; still five groups, no spills. dS^T takes twice the transposing stmatrix,
+    LSE2/Delta are shuffled (64 SHFL per query block) and the SMEM grows by the Q/dO/dS/dQ
+    tiles."""
+    from fa_sm100.inspection import inspect_kernel
+
+    reports, kinds, sass_text = {}, {}, {}
+    for tile_m in (64, 128):
+        keep = tmp_path / f"m{tile_m}"
+        r = inspect_kernel("sm90_bwd", "sm_90a",
+                           overrides + ["sdp_swap_ab=true", f"tile_m={tile_m}"], keep_dir=keep)
+        sass_text[tile_m] = _sass_text(keep)
+        kinds[tile_m] = _hgmma_operands(sass_text[tile_m])
+        assert _hgmma_commits(sass_text[tile_m]) == 5, "WGMMAs serialized"
+        assert r["spill_bytes"] == 0 and r["local_bytes"] == 0
+        assert r["setmaxnreg"] == {"producer": 24, "mma": 240}, r["warnings"]
+        reports[tile_m] = r
+    assert kinds[64]["RS"] == 8 and kinds[128]["RS"] == 16
+    # SS: S^T 4 + dP^T 4 + dQ 8 at both tile sizes
+    assert kinds[64]["SS"] == kinds[128]["SS"] == 16
+    assert re.search(r"HGMMA\.64x128x16\.F32", sass_text[128]), "S^T/dP^T should be N=128"
+    assert re.search(r"HGMMA\.64x64x16\.F32", sass_text[128]), "dQ should be N=hdim=64"
+    s64, s128 = reports[64]["sass_full"], reports[128]["sass_full"]
+    assert s64.get("STSM.16.MT88.4", 0) == 4 and s128.get("STSM.16.MT88.4", 0) == 8
+    assert sum(v for k, v in s128.items() if k.startswith("SHFL")) >= 64
+    growth = reports[128]["smem_bytes"] - reports[64]["smem_bytes"]
+    assert growth == 4 * 64 * 64 * 2 + 2 * 64 * 128 * 2 + 64 * 72 * 4
+    assert reports[128]["smem_bytes"] <= SM90_SMEM_BYTES

@@ -2,7 +2,7 @@
 
 Contract: for every feature (MHA/GQA/MQA, causal, sliding window, ragged sequence lengths,
 seqlen_q > seqlen_k, head dims 64/96/128, bf16/fp16), with S/dP unswapped and swapped
-(``sdp_swap_ab``), each of dq, dk, dv satisfies the project
+(``sdp_swap_ab``, also with tile_m=128 at hdim 64), each of dq, dk, dv satisfies the project
 rule err(kernel) <= 2 x err(plain) + atol against the float64 reference gradient, where
 "plain" is the same attention differentiated by torch autograd in the input precision. The
 forward O and LSE fed to the backward come from the float64 reference, so this file tests the
@@ -73,6 +73,56 @@ def test_sm90_bwd_matches_float64(sm90_device, case, sdp_swap_ab):
     _run_case(b, sq, sk, hq, hk, d, causal, window, dtype, config=cfg)
 
 
+# tile_m=128 (swapped S/dP, hdim 64 only; Note [tile_m 128]): query-block tails of 1, 17, 1000
+# (1000 = 7 x 128 + 104), 4097 rows; seqlen_q != seqlen_k both ways; GQA/MQA; windows.
+TILE_M_128_CASES = [
+    # (b, sq, sk, hq, hk, causal, window, dtype)
+    (2, 1, 1, 2, 2, False, (None, None), torch.bfloat16),
+    (2, 17, 17, 2, 2, True, (None, None), torch.bfloat16),
+    (1, 1000, 1000, 4, 4, False, (None, None), torch.bfloat16),
+    (1, 1000, 1000, 4, 4, True, (None, None), torch.float16),
+    (1, 4097, 4097, 2, 2, False, (None, None), torch.bfloat16),
+    (1, 4097, 4097, 2, 2, True, (None, None), torch.bfloat16),
+    (1, 17, 1000, 2, 2, True, (None, None), torch.bfloat16),
+    (2, 1000, 17, 2, 2, True, (None, None), torch.bfloat16),  # rows that see no key
+    (2, 1000, 1000, 8, 2, True, (None, None), torch.bfloat16),  # GQA
+    (1, 1000, 1000, 4, 1, False, (None, None), torch.bfloat16),  # MQA
+    (1, 1000, 1000, 2, 2, False, (100, 30), torch.bfloat16),  # sliding window
+    (1, 4097, 4097, 4, 2, False, (256, 0), torch.bfloat16),  # causal-like window, GQA
+]
+
+
+@pytest.mark.parametrize("early_dv", [True, False], ids=["early_dv", "late_dv"])
+@pytest.mark.parametrize("case", TILE_M_128_CASES,
+                         ids=lambda c: f"tile_m128-b{c[0]}-q{c[1]}-k{c[2]}-h{c[3]}/{c[4]}"
+                         f"-{'causal' if c[5] else 'full'}-w{c[6][0]},{c[6][1]}-{str(c[7])[6:]}")
+def test_sm90_bwd_tile_m_128_matches_float64(sm90_device, case, early_dv):
+    """tile_m=128 with swapped S/dP: both early-dV variants (with early dV, dS is computed from
+    the 16-bit P^T that dV uses)."""
+    from fa_sm100.hopper.bwd_config import select_bwd_config
+
+    b, sq, sk, hq, hk, causal, window, dtype = case
+    cfg = select_bwd_config(head_dim=64, causal=causal, window_left=window[0],
+                            window_right=window[1], qhead_per_kvhead=hq // hk, tile_m=128,
+                            sdp_swap_ab=True, early_dv=early_dv)
+    _run_case(b, sq, sk, hq, hk, 64, causal, window, dtype, config=cfg)
+
+
+@pytest.mark.parametrize("switches", [dict(dq_accum="red", early_dv=True),
+                                      dict(dq_accum="red", early_dv=False),
+                                      dict(gqa_reduce="atomic"), dict(q_stage=1, do_stage=1)],
+                         ids=lambda d: "tile_m128-" + ",".join(f"{k}={v}" for k, v in d.items()))
+@pytest.mark.parametrize("case", [(2, 1000, 1000, 4, 2, True, (None, None)),
+                                  (1, 4097, 4000, 2, 2, False, (300, 20))],
+                         ids=["gqa-causal", "window"])
+def test_sm90_bwd_tile_m_128_switches(sm90_device, switches, case):
+    from fa_sm100.hopper.bwd_config import select_bwd_config
+
+    b, sq, sk, hq, hk, causal, window = case
+    cfg = select_bwd_config(head_dim=64, tile_m=128, sdp_swap_ab=True, **switches)
+    _run_case(b, sq, sk, hq, hk, 64, causal, window, torch.bfloat16, config=cfg)
+
+
 @pytest.mark.parametrize("sdp_swap_ab", [False, True])
 @pytest.mark.parametrize("gqa_reduce", ["atomic", "buffers"])
 def test_sm90_bwd_gqa_reduce_modes(sm90_device, gqa_reduce, sdp_swap_ab):
@@ -123,6 +173,27 @@ def test_sm90_bwd_deterministic_is_bitwise_reproducible(sm90_device, hk, causal,
     switches = {} if switch is None else {switch: True}
     cfg = select_bwd_config(head_dim=128, dq_accum=dq_accum, gqa_reduce="buffers", **switches)
     inputs, first = _run_case(2, 1000, 1000, 4, hk, 128, causal, window, torch.bfloat16,
+                              deterministic=True, config=cfg)
+    q, k, v, out, lse, dout = inputs
+    for _ in range(3):
+        again = sm90_bwd(dout, q, k, v, out, lse, causal=causal, window_size=window,
+                         deterministic=True, config=cfg)
+        for a, b in zip(first, again):
+            assert torch.equal(a, b), "deterministic backward changed between runs"
+
+
+@pytest.mark.parametrize("hk,causal,window,dq_accum", [
+    (4, False, (None, None), "bulk"), (1, True, (None, None), "bulk"),
+    (2, True, (None, None), "red"), (4, False, (96, 0), "bulk")],
+    ids=lambda x: str(x))
+def test_sm90_bwd_tile_m_128_deterministic_is_bitwise_reproducible(sm90_device, hk, causal,
+                                                                   window, dq_accum):
+    """The dQ semaphore counts 128-row query blocks (tile_m=128)."""
+    from fa_sm100.hopper.bwd_config import select_bwd_config
+    from fa_sm100.hopper.bwd_interface import sm90_bwd
+
+    cfg = select_bwd_config(head_dim=64, dq_accum=dq_accum, tile_m=128, sdp_swap_ab=True)
+    inputs, first = _run_case(2, 1000, 1100, 4, hk, 64, causal, window, torch.bfloat16,
                               deterministic=True, config=cfg)
     q, k, v, out, lse, dout = inputs
     for _ in range(3):

@@ -27,6 +27,8 @@ SM90_BWD_HEAD_DIMS = (64, 96, 128)
 GQA_REDUCE_MODES = ("atomic", "buffers")
 DQ_ACCUM_MODES = ("bulk", "red")
 DQ_ROW_PAD = 8  # float32 columns of padding per dQ row in SMEM/GMEM (bank-conflict-free stores)
+TILE_M_ATOM = 64  # query rows of one WGMMA M atom
+TILE_M_128_HEAD_DIMS = (64,)  # head dims that fit tile_m = 128 (registers: docs/hopper_backward.md)
 SM90_SMEM_BYTES = SMEM_BUDGET[SM90_ARCH]  # 227 KiB of dynamic shared memory per CTA on H100/H200
 
 
@@ -43,7 +45,10 @@ class BwdConfig:
     window_right: Optional[int] = None
     qhead_per_kvhead: int = 1
     # tiles and pipelines
-    tile_m: int = 64  # query rows per inner iteration (one WGMMA M atom)
+    # query rows per inner iteration: 64 (one WGMMA M atom), or 128 with sdp_swap_ab (S^T and
+    # dP^T are 64 keys x 128 queries per warpgroup; dQ is split by query rows, see
+    # ``dq_split_rows``)
+    tile_m: int = 64
     tile_n: int = 128  # key rows owned by one CTA (dK/dV accumulated in registers)
     q_stage: int = 2  # Q (+LSE) stages in flight
     do_stage: int = 2  # dO (+Delta) stages in flight
@@ -90,6 +95,12 @@ class BwdConfig:
         return dataclasses.replace(self, **changes)
 
     @property
+    def dq_split_rows(self) -> bool:
+        """dQ = dS K split over the two MMA warpgroups by query rows (64 each; tile_m = 128)
+        instead of by head-dim columns (tile_m = 64)."""
+        return self.tile_m == 2 * TILE_M_ATOM
+
+    @property
     def dq_row_pitch(self) -> int:
         """Float32 elements per dQ-accumulator row (padded in "bulk" mode: SMEM == GMEM image)."""
         return self.head_dim + (DQ_ROW_PAD if self.dq_accum == "bulk" else 0)
@@ -120,8 +131,8 @@ class BwdConfig:
                 f"head dims (qk={self.head_dim}, v={self.head_dim_v}): the SM90 backward supports "
                 f"head_dim == head_dim_v in {SM90_BWD_HEAD_DIMS}"
             )
-        if self.tile_m != 64:
-            raise ValueError(f"tile_m={self.tile_m}: must be 64 (one WGMMA M atom per iteration)")
+        if self.tile_m not in (TILE_M_ATOM, 2 * TILE_M_ATOM):
+            raise ValueError(f"tile_m={self.tile_m}: must be 64, or 128 with sdp_swap_ab=True")
         if self.tile_n != 128:
             raise ValueError(f"tile_n={self.tile_n}: must be 128 (64 key rows per MMA warpgroup)")
         for name in ("q_stage", "do_stage", "ds_stage"):
@@ -143,6 +154,20 @@ class BwdConfig:
         for name in ("sdp_swap_ab", "overlap_dk"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be a bool")
+        if self.tile_m == 2 * TILE_M_ATOM:
+            if not self.sdp_swap_ab:
+                raise ValueError(
+                    "tile_m=128 needs sdp_swap_ab=True: the unswapped S/dP path runs tile_m=64 "
+                    "(one 64-row WGMMA M atom per query block, warpgroups split by keys)"
+                )
+            if self.head_dim not in TILE_M_128_HEAD_DIMS:
+                raise ValueError(
+                    f"tile_m=128 with head_dim={self.head_dim}: supported for head_dim in "
+                    f"{TILE_M_128_HEAD_DIMS} only: S^T and dP^T take 64 float32 registers each "
+                    f"per thread, and beside the larger dK/dV accumulators of hdim 96/128 ptxas "
+                    f"spills and serializes every WGMMA (with 2-stage Q/dO the SMEM does not "
+                    f"fit either)"
+                )
         if self.overlap_dk and self.sdp_swap_ab:
             raise ValueError(
                 "overlap_dk=True needs sdp_swap_ab=False: a dK GEMM still reading dS^T from "
@@ -181,7 +206,7 @@ def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = Fals
     buffers ("buffers") is as fast as or faster than atomics and deterministic, so it is the
     default; early dV helps non-causal problems and costs a few percent on causal ones.
     ``sdp_swap_ab`` (register-fed dV/dK) and ``overlap_dk`` are off until they have been
-    measured.
+    measured; ``tile_m=128`` (with ``sdp_swap_ab=True``, hdim 64 only) is an override too.
     """
     gqa_reduce = overrides.pop("gqa_reduce", "buffers")
     early_dv = overrides.pop("early_dv", not (causal or window_left is not None

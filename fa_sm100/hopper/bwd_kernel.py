@@ -2,7 +2,8 @@
 
 One CTA owns one (key block ``n_block``, query head, batch): it keeps K and V of its 128 key
 rows in SMEM and accumulates dK and dV in registers while it walks the query blocks that can
-see those keys. Per query block (64 rows) it recomputes S and dP and produces P and dS.
+see those keys. Per query block (``tile_m`` = 64 rows, or 128 with ``sdp_swap_ab``) it
+recomputes S and dP and produces P and dS.
 
 Warps (384 threads):
 
@@ -15,7 +16,8 @@ Warps (384 threads):
 
 The two MMA warpgroups split every GEMM in half: S and dP by key columns (warpgroup w owns
 keys 64w .. 64w+63), dV and dK by key rows (the same keys, so P and the dK operand dS^T
-never cross warpgroups), dQ by head-dim columns (this one reads all of dS).
+never cross warpgroups), dQ by head-dim columns (this one reads all of dS; with tile_m 128
+by query rows, Note [tile_m 128]).
 
 Note [swapped S/dP] (``sdp_swap_ab``): the warpgroups compute S^T = K Q^T and dP^T = V dO^T
 instead (A = K / V, B = Q / dO, both from SMEM; warpgroup w owns key rows 64w .. 64w+63 and
@@ -27,6 +29,24 @@ now the accumulator's columns (16 per thread instead of 2 rows), and the mask se
 coordinates. dQ = dS K still reads dS from SMEM, M = queries, K = keys: each warpgroup stores
 its dS^T with a transposing stmatrix into the same dS image the unswapped path writes (keys
 contiguous), so the dQ GEMM and Note [dS double buffer] are unchanged.
+
+Note [tile_m 128] (``tile_m=128``, swapped only, hdim 64): per warpgroup S^T and dP^T are
+64 keys x 128 queries (WGMMA N = 128, 64 float32 registers each), dV and dK are RS WGMMAs with
+K = 128, and dQ = dS K (M = 128 queries) is split by query rows: warpgroup w computes rows
+64w .. 64w+63 over the whole head dim (K is then one MN-major B of hdim columns), so the dQ
+tile, its SMEM image and bulk reduce are simply tile_m rows. What keeps it in 240 registers:
+- LSE2 / Delta: a thread's S^T columns are 32 queries, 2 (lane % 4) + {0, 1} + 8 j, and the
+  8 lanes with the same lane % 4 need the same 32 values. Lane l holds only the queries
+  2 l + {0, 1} and 64 + 2 l + {0, 1} (4 registers, two 64-bit loads); ``_query_stat``
+  fetches a column's value with one shuffle (columns outer in the exp2 and dS loops), and
+  Delta is loaded only after P is computed.
+- P^T is never held in float32 and 16 bits beside dP^T: without ``early_dv`` it is converted
+  to 16 bits after dS = P (dP - Delta); with ``early_dv`` (dV issued before the dS math, so
+  16-bit P^T must exist first) dS is computed from the 16-bit P^T, the value dV uses (a
+  rounding of P that the tile_m 64 paths do not make). Holding both made ptxas spill and
+  serialize every WGMMA.
+hdim 96/128 do not fit (larger dK/dV accumulators: ptxas spills ~0.9-1.4 KB and serializes
+every WGMMA even with 1-stage Q/dO), hence the config rule.
 
 Note [dS double buffer]: dQ = dS K reads both warpgroups' halves of dS, so a warpgroup may
 only overwrite dS once the other has finished the dQ GEMM of the previous query block. dS has
@@ -82,6 +102,19 @@ LOAD_WARP = 0
 DQ_STORE_WARP = 1  # "bulk" dQ only
 
 
+def query_stat_source(q0: int):
+    """Note [tile_m 128]: where the LSE2/Delta value of an S^T column lies, given thread 0's
+    query column ``q0`` of it (compile-time; lane l's column is q0 + 2 (l % 4)): in register
+    ``slot`` of lane ``lane_base + l % 4``. Inverse of ``held_query``."""
+    return (q0 % 64) // 2, 2 * (q0 // 64) + q0 % 2
+
+
+def held_query(lane: int, slot: int) -> int:
+    """Note [tile_m 128]: the query (within the block) whose LSE2/Delta lane ``lane`` holds in
+    register ``slot``: 2 lane + {0, 1}, and 64 more for slots 2, 3 (``_shuffled_stats``)."""
+    return 2 * lane + slot % 2 + 64 * (slot // 2)
+
+
 class Sm90FlashBackward(BwdStoreRole):
     """Builds and launches the main backward kernel for one ``BwdConfig``."""
 
@@ -107,8 +140,10 @@ class Sm90FlashBackward(BwdStoreRole):
         # Q and dO serve as K-major A (S, dP) and as MN-major B over the full head dim (dK, dV).
         self.sQ_layout = self._smem_layout(self.tile_m, self.hdim, c.q_stage, self.hdim)
         self.sdO_layout = self._smem_layout(self.tile_m, self.hdimv, c.do_stage, self.hdimv)
-        # K is also the MN-major B of dQ, whose N (head dim) is split over the two warpgroups.
-        self.sK_layout = self._smem_layout(self.tile_n, self.hdim, None, self.hdim // 2)
+        # K is also the MN-major B of dQ: split by head-dim columns over the two warpgroups
+        # (tile_m 64), or read whole by both (tile_m 128, dQ split by query rows).
+        k_major = self.hdim if c.dq_split_rows else self.hdim // 2
+        self.sK_layout = self._smem_layout(self.tile_n, self.hdim, None, k_major)
         self.sV_layout = self._smem_layout(self.tile_n, self.hdimv, None, self.hdimv)
         # P and dS: each warpgroup's 64 key columns form one swizzle atom row. With sdp_swap_ab
         # P stays in registers and has no buffer.
@@ -121,9 +156,14 @@ class Sm90FlashBackward(BwdStoreRole):
     def _tiled_mmas(self):
         K, MN = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
         half_n = self.tile_n // 2
-        # dQ = dS K: (tile_m, hdim), warpgroups side by side along N (head dim).
-        mma_dq = sm90_helpers.make_trivial_tiled_mma(
-            self.dtype, self.dtype, K, MN, Float32, (1, 2, 1), (WGMMA_M, self.hdim // 2))
+        # dQ = dS K: (tile_m, hdim). tile_m 64: warpgroups side by side along N (head dim);
+        # tile_m 128: stacked along M (64 query rows each, all of the head dim).
+        if self.cfg.dq_split_rows:
+            mma_dq = sm90_helpers.make_trivial_tiled_mma(
+                self.dtype, self.dtype, K, MN, Float32, (2, 1, 1), (WGMMA_M, self.hdim))
+        else:
+            mma_dq = sm90_helpers.make_trivial_tiled_mma(
+                self.dtype, self.dtype, K, MN, Float32, (1, 2, 1), (WGMMA_M, self.hdim // 2))
         if self.cfg.sdp_swap_ab:
             # S^T = K Q^T and dP^T = V dO^T: (tile_n, tile_m), warpgroups stacked along M (keys).
             mma_sdp = sm90_helpers.make_trivial_tiled_mma(
@@ -354,6 +394,9 @@ class Sm90FlashBackward(BwdStoreRole):
         P^T and dS^T stay in registers as the A operands of dV and dK, and only dS^T goes to
         SMEM (transposed, into the dS image that dQ reads)."""
         swap = self.cfg.sdp_swap_ab
+        m128 = self.cfg.dq_split_rows  # tile_m 128 (swapped only): Note [tile_m 128]
+        late_p = m128 and not self.cfg.early_dv  # P^T converted after dS
+        ds_from_p16 = m128 and self.cfg.early_dv  # dS = P^T (16 bits) (dP^T - Delta)
         wg = cute.arch.make_warp_uniform(tidx // WARPGROUP_THREADS)
         wg_thread = wg * WARPGROUP_THREADS
         thr_sdp = mma_sdp.get_slice(tidx)
@@ -388,6 +431,9 @@ class Sm90FlashBackward(BwdStoreRole):
         tScS = rows_cols_view(thr_sdp.partition_C(cute.make_identity_tensor(sdp_shape)))
         # LSE2 and Delta are per query: per accumulator row, swapped per column
         stat_mode = 1 if swap else 0
+        # thread 0's coordinates: compile-time, for Note [tile_m 128]
+        tScS0 = rows_cols_view(
+            mma_sdp.get_slice(0).partition_C(cute.make_identity_tensor(sdp_shape)))
 
         cute.arch.mbarrier_wait(mbar_kv, 0)
         state_q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.cfg.q_stage)
@@ -407,34 +453,36 @@ class Sm90FlashBackward(BwdStoreRole):
             self._sdp_gemm(mma_sdp, acc_dP, tdPrdO[None, None, None, state_do.index], tdPrV)
             S = rows_cols_view(acc_S)
             dP = rows_cols_view(acc_dP)
-            lse = cute.make_rmem_tensor(cute.size(S, mode=[stat_mode]), Float32)
-            dpsum = cute.make_rmem_tensor(cute.size(S, mode=[stat_mode]), Float32)
-            if const_expr(swap):
-                lse.store(self._column_stats(mLSE2_cur, m_block, thr_sdp, sdp_shape).load())
-                dpsum.store(self._column_stats(mDelta_cur, m_block, thr_sdp, sdp_shape).load())
+            if const_expr(m128):
+                lse = self._shuffled_stats(mLSE2_cur, m_block)
             else:
-                for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
-                    row = m_block * self.tile_m + tScS[r, 0][0]
-                    lse[r] = mLSE2_cur[row]
-                    dpsum[r] = mDelta_cur[row]
+                lse = cute.make_rmem_tensor(cute.size(S, mode=[stat_mode]), Float32)
+                dpsum = cute.make_rmem_tensor(cute.size(S, mode=[stat_mode]), Float32)
+                if const_expr(swap):
+                    lse.store(self._column_stats(mLSE2_cur, m_block, thr_sdp, sdp_shape).load())
+                    dpsum.store(self._column_stats(mDelta_cur, m_block, thr_sdp, sdp_shape).load())
+                else:
+                    for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
+                        row = m_block * self.tile_m + tScS[r, 0][0]
+                        lse[r] = mLSE2_cur[row]
+                        dpsum[r] = mDelta_cur[row]
             warpgroup.wait_group(1)  # S done (Note [overlapped dK]: so is the previous dK)
             if const_expr(self.cfg.overlap_dk):
                 if m_block > m_block_min:
                     pipe_q.consumer_release(state_q_prev)
             if self._block_needs_mask(m_block, n_block, seqlen_q, seqlen_k):
                 self._mask(S, tScS, m_block, n_block, seqlen_q, seqlen_k)
-            for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
-                for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
-                    q = c if swap else r
-                    S[r, c] = cute.math.exp2(S[r, c] * scale_log2 - lse[q], fastmath=True)
+            self._exp2_rows(S, lse, scale_log2, tScS0)
+            if const_expr(m128):  # Delta after P: its registers never live beside LSE2's
+                dpsum = self._shuffled_stats(mDelta_cur, m_block)
             rP = cute.make_fragment_like(acc_S, self.dtype)
-            if const_expr(swap):
-                convert_to(rP, acc_S)  # whole registers: the A operand of dV as it is
-                tdVrPt_cur = operand_a_view(rP)
-            else:
+            if const_expr(not swap):
                 rP.store(acc_S.load().to(self.dtype))
                 cute.copy(st_copy, st_thr.retile(rP), tPsP)
                 tdVrPt_cur = tdVrPt
+            elif const_expr(not late_p):
+                convert_to(rP, acc_S)  # whole registers: the A operand of dV as it is
+                tdVrPt_cur = operand_a_view(rP)
             if const_expr(self.cfg.early_dv):
                 # Note [early dV]: P is this warpgroup's own; dV runs while dS is computed.
                 if const_expr(not swap):
@@ -446,10 +494,7 @@ class Sm90FlashBackward(BwdStoreRole):
                 warpgroup.wait_group(1)  # dP done; dV may still run
             else:
                 warpgroup.wait_group(0)
-            for r in cutlass.range_constexpr(cute.size(dP, mode=[0])):
-                for c in cutlass.range_constexpr(cute.size(dP, mode=[1])):
-                    q = c if swap else r
-                    dP[r, c] = S[r, c] * (dP[r, c] - dpsum[q])
+            self._ds_rows(dP, rows_cols_view(rP) if const_expr(ds_from_p16) else S, dpsum, tScS0)
             rdS = cute.make_fragment_like(acc_dP, self.dtype)
             if const_expr(swap):
                 convert_to(rdS, acc_dP)
@@ -457,6 +502,9 @@ class Sm90FlashBackward(BwdStoreRole):
             else:
                 rdS.store(acc_dP.load().to(self.dtype))
                 tdKrdSt_cur = tdKrdSt[None, None, None, ds_idx]
+            if const_expr(late_p):
+                convert_to(rP, acc_S)  # Note [tile_m 128]: only now, S^T is dead after this
+                tdVrPt_cur = operand_a_view(rP)
             cute.copy(st_copy, st_thr.retile(rdS), tdSsdS[None, None, None, ds_idx])
             cute.arch.fence_view_async_shared()
             cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.DS_READY),
@@ -507,6 +555,59 @@ class Sm90FlashBackward(BwdStoreRole):
             wgmma(mma_sdp, acc, frag_key, frag_query, True, NO_WAIT)
         else:
             wgmma(mma_sdp, acc, frag_query, frag_key, True, NO_WAIT)
+
+    @cute.jit
+    def _query_stat(self, stat, r, c, tScS0):
+        """The statistic of the query of accumulator element (r, c) (compile-time r, c)."""
+        if const_expr(not self.cfg.sdp_swap_ab):
+            return stat[r]
+        if const_expr(not self.cfg.dq_split_rows):
+            return stat[c]
+        # Note [tile_m 128]: this thread's query column is q0 + 2 (lane % 4), q0 = thread 0's column
+        lane_base, slot = query_stat_source(tScS0[0, c][1])
+        return cute.arch.shuffle_sync(stat[slot], lane_base + cute.arch.lane_idx() % 4)
+
+    @cute.jit
+    def _exp2_rows(self, S, lse, scale_log2, tScS0):
+        """P = exp2(S * scale_log2 - LSE2) in place (tile_m 128: columns outer, one shuffle
+        per column)."""
+        if const_expr(self.cfg.dq_split_rows):  # tile_m 128 (swapped)
+            for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
+                lse_q = self._query_stat(lse, 0, c, tScS0)
+                for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
+                    S[r, c] = cute.math.exp2(S[r, c] * scale_log2 - lse_q, fastmath=True)
+        else:
+            for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
+                for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
+                    S[r, c] = cute.math.exp2(S[r, c] * scale_log2
+                                             - self._query_stat(lse, r, c, tScS0), fastmath=True)
+
+    @cute.jit
+    def _ds_rows(self, dP, P, dpsum, tScS0):
+        """dS = P (dP - Delta) in place of dP (tile_m 128: columns outer, one shuffle per
+        column; ``P`` may be the 16-bit P^T, Note [tile_m 128])."""
+        if const_expr(self.cfg.dq_split_rows):  # tile_m 128 (swapped)
+            for c in cutlass.range_constexpr(cute.size(dP, mode=[1])):
+                d_q = self._query_stat(dpsum, 0, c, tScS0)
+                for r in cutlass.range_constexpr(cute.size(dP, mode=[0])):
+                    dP[r, c] = P[r, c].to(Float32) * (dP[r, c] - d_q)
+        else:
+            for r in cutlass.range_constexpr(cute.size(dP, mode=[0])):
+                for c in cutlass.range_constexpr(cute.size(dP, mode=[1])):
+                    dP[r, c] = P[r, c] * (dP[r, c] - self._query_stat(dpsum, r, c, tScS0))
+
+    @cute.jit
+    def _shuffled_stats(self, mStat, m_block):
+        """LSE2 or Delta of query block ``m_block`` as Note [tile_m 128] distributes them: lane l
+        holds queries 2 l + {0, 1} and 64 + 2 l + {0, 1} (4 registers, two 64-bit loads);
+        ``_query_stat`` shuffles a query's value to the lanes that use it."""
+        held = cute.make_rmem_tensor(cute.make_layout((2, self.tile_m // 64)), Float32)
+        base = cute.make_ptr(
+            Float32, (mStat.iterator + m_block * self.tile_m + 2 * cute.arch.lane_idx()).toint(),
+            cute.AddressSpace.gmem, assumed_align=8)
+        src = cute.make_tensor(base, cute.make_layout((2, self.tile_m // 64), stride=(1, 64)))
+        cute.autovec_copy(src, held)
+        return held
 
     @cute.jit
     def _column_stats(self, mStat, m_block, thr_sdp, sdp_shape):
