@@ -78,9 +78,18 @@ def test_default_configs_fit_smem_and_follow_the_measured_choices():
 
 def test_tile_m_128_is_swapped_hdim64_only_and_overridable():
     """tile_m=128 (Note [tile_m 128]): allowed with sdp_swap_ab at hdim 64, reachable through
-    select_bwd_config, fits SMEM with 2-stage Q/dO; the defaults keep tile_m=64."""
-    for d in (64, 96, 128):
-        assert select_bwd_config(head_dim=d).tile_m == 64
+    select_bwd_config, fits SMEM with 2-stage Q/dO; the measured defaults: swapped with 128
+    rows at hdim 64, swapped for causal/windowed hdim 128, 64 rows everywhere else."""
+    for causal in (False, True):
+        assert select_bwd_config(head_dim=64, causal=causal).tile_m == 128
+        assert select_bwd_config(head_dim=64, causal=causal).sdp_swap_ab
+        assert select_bwd_config(head_dim=64, causal=causal, sdp_swap_ab=False).tile_m == 64
+        assert select_bwd_config(head_dim=96, causal=causal).tile_m == 64
+        assert not select_bwd_config(head_dim=96, causal=causal).sdp_swap_ab
+        assert select_bwd_config(head_dim=128, causal=causal).tile_m == 64
+        assert select_bwd_config(head_dim=128, causal=causal).sdp_swap_ab == causal
+    assert select_bwd_config(head_dim=128, window_left=100).sdp_swap_ab
+    for d in (96, 128):
         assert select_bwd_config(head_dim=d, sdp_swap_ab=True).tile_m == 64
     for kw in (dict(), dict(causal=True), dict(qhead_per_kvhead=4, deterministic=True),
                dict(window_left=100, window_right=0), dict(dq_accum="red")):
@@ -88,11 +97,14 @@ def test_tile_m_128_is_swapped_hdim64_only_and_overridable():
         assert cfg.tile_m == 128 and cfg.sdp_swap_ab and cfg.dq_split_rows
         assert cfg.smem_bytes() <= SM90_SMEM_BYTES
     cfg = select_bwd_config(head_dim=64, tile_m=128, sdp_swap_ab=True)
-    # Q, dO: 2 x 2 x 16 KiB; K, V: 2 x 16 KiB; dS: 2 x 32 KiB; dQ: 128 x 72 x 4 B
-    assert cfg.smem_bytes() == 1024 + 4 * 16384 + 2 * 16384 + 2 * 32768 + 128 * 72 * 4
-    assert not select_bwd_config(head_dim=64).dq_split_rows
+    # Q, dO: 2 x 2 x 16 KiB; K, V: 2 x 16 KiB; dS: 2 x 32 KiB; dQ: 128 x 72 x 4 B;
+    # LSE2, Delta: 2 stages x 128 x 4 B each (stats_smem)
+    assert cfg.smem_bytes() == (1024 + 4 * 16384 + 2 * 16384 + 2 * 32768 + 128 * 72 * 4
+                                + 2 * 2 * 128 * 4)
+    assert cfg.replace(stats_smem=False).smem_bytes() == cfg.smem_bytes() - 2 * 2 * 128 * 4
+    assert not select_bwd_config(head_dim=64, tile_m=64).dq_split_rows
     with pytest.raises(ValueError, match="needs sdp_swap_ab=True"):
-        select_bwd_config(head_dim=64, tile_m=128)
+        select_bwd_config(head_dim=64, tile_m=128, sdp_swap_ab=False)
     with pytest.raises(ValueError, match="head_dim=128"):
         select_bwd_config(head_dim=128, tile_m=128, sdp_swap_ab=True)
 
@@ -150,7 +162,7 @@ def test_tile_m_128_stat_shuffle_matches_the_wgmma_accumulator_layout():
 
 def test_swapped_sdp_has_no_p_buffer():
     for d in (64, 96, 128):
-        plain = select_bwd_config(head_dim=d)
+        plain = select_bwd_config(head_dim=d, sdp_swap_ab=False)
         swapped = plain.replace(sdp_swap_ab=True).validate()
         assert plain.smem_bytes() - swapped.smem_bytes() == plain.tile_m * plain.tile_n * 2
 
@@ -294,8 +306,9 @@ CONTRACT_CASES = [
     (["head_dim=96", "dq_accum=red", "early_dv=false", "dtype=float16"], "REDG.E.ADD.F32"),
     (["sdp_swap_ab=true", "causal=true", "deterministic=true", "qhead_per_kvhead=4"], "UBLKRED"),
     (["sdp_swap_ab=true", "head_dim=64", "dq_accum=red", "early_dv=false"], "REDG.E.ADD.F32"),
-    (["overlap_dk=true", "causal=true", "qhead_per_kvhead=4"], "UBLKRED"),
-    (["overlap_dk=true", "head_dim=64", "dq_accum=red", "deterministic=true"], "REDG.E.ADD.F32"),
+    (["overlap_dk=true", "sdp_swap_ab=false", "causal=true", "qhead_per_kvhead=4"], "UBLKRED"),
+    (["overlap_dk=true", "sdp_swap_ab=false", "head_dim=64", "dq_accum=red",
+      "deterministic=true"], "REDG.E.ADD.F32"),
     # tile_m=128 (Note [tile_m 128]): both early-dV variants, masks, GQA, deterministic, red
     (["sdp_swap_ab=true", "tile_m=128", "head_dim=64"], "UBLKRED"),
     (["sdp_swap_ab=true", "tile_m=128", "head_dim=64", "early_dv=false"], "UBLKRED"),
@@ -360,7 +373,9 @@ def test_sm90_bwd_swapped_sdp_feeds_dv_dk_from_registers(overrides, tmp_path):
     reports, kinds = {}, {}
     for swap in (False, True):
         keep = tmp_path / f"swap_{swap}"
-        r = inspect_kernel("sm90_bwd", "sm_90a", overrides + [f"sdp_swap_ab={swap}"], keep_dir=keep)
+        # tile_m=64 on both sides (the hdim-64 default of 128 rows needs the swap)
+        r = inspect_kernel("sm90_bwd", "sm_90a", overrides + [f"sdp_swap_ab={swap}", "tile_m=64"],
+                           keep_dir=keep)
         sass = _sass_text(keep)
         kinds[swap] = _hgmma_operands(sass)
         assert _hgmma_commits(sass) == 5
@@ -411,5 +426,28 @@ def test_sm90_bwd_tile_m_128_doubles_the_gemms_per_query_block(overrides, tmp_pa
     assert s64.get("STSM.16.MT88.4", 0) == 4 and s128.get("STSM.16.MT88.4", 0) == 8
     assert sum(v for k, v in s128.items() if k.startswith("SHFL")) >= 64
     growth = reports[128]["smem_bytes"] - reports[64]["smem_bytes"]
-    assert growth == 4 * 64 * 64 * 2 + 2 * 64 * 128 * 2 + 64 * 72 * 4
+    # Q, dO stages; dS stages; dQ tile; LSE2 and Delta stages (stats_smem): 64 more rows each
+    assert growth == 4 * 64 * 64 * 2 + 2 * 64 * 128 * 2 + 64 * 72 * 4 + 2 * 2 * 64 * 4
     assert reports[128]["smem_bytes"] <= SM90_SMEM_BYTES
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("overrides", [[], ["causal=true"], ["head_dim=64"]],
+                         ids=["d128", "d128-causal-swapped", "d64-m128"])
+def test_sm90_bwd_stats_come_with_their_stage(overrides, tmp_path):
+    """stats_smem: the load warp bulk-copies LSE2 and Delta (one UBLKCP each per query block,
+    on the Q / dO stage's mbarrier) and the MMA warpgroups read them from SMEM: fewer global
+    loads than with stats_smem=false, no spills, the five WGMMA groups kept."""
+    from fa_sm100.inspection import inspect_kernel
+
+    sass = {}
+    for on in (True, False):
+        keep = tmp_path / f"stats_{on}"
+        r = inspect_kernel("sm90_bwd", "sm_90a", overrides + [f"stats_smem={on}"], keep_dir=keep)
+        assert r["spill_bytes"] == 0 and r["local_bytes"] == 0
+        sass[on] = _sass_text(keep)
+        assert _hgmma_commits(sass[on]) == 5, "WGMMAs serialized"
+    assert len(re.findall(r"UBLKCP", sass[True])) == 2
+    assert "UBLKCP" not in sass[False]
+    ldg = {on: len(re.findall(r"\bLDG\.", sass[on])) for on in sass}
+    assert ldg[True] < ldg[False]

@@ -133,15 +133,21 @@ def test_sm90_bwd_gqa_reduce_modes(sm90_device, gqa_reduce, sdp_swap_ab):
     _run_case(1, 256, 300, 8, 2, 128, True, (None, None), torch.bfloat16, config=cfg)
 
 
+# sdp_swap_ab is named in every entry: its default depends on the head dim and causality.
+# Swapped entries take the head dim's default tile_m (128 at hdim 64), except the one that
+# pins the 64-row swapped path.
 SWITCHES = [
-    dict(dq_accum="red", early_dv=False), dict(dq_accum="red", early_dv=True),
-    dict(dq_accum="bulk", early_dv=False),
+    dict(sdp_swap_ab=False, dq_accum="red", early_dv=False),
+    dict(sdp_swap_ab=False, dq_accum="red", early_dv=True),
+    dict(sdp_swap_ab=False, dq_accum="bulk", early_dv=False),
     dict(sdp_swap_ab=True, dq_accum="bulk", early_dv=True),
     dict(sdp_swap_ab=True, dq_accum="bulk", early_dv=False),
     dict(sdp_swap_ab=True, dq_accum="red", early_dv=True),
     dict(sdp_swap_ab=True, dq_accum="red", early_dv=False),
-    dict(overlap_dk=True, dq_accum="bulk", early_dv=True),
-    dict(overlap_dk=True, dq_accum="red", early_dv=False),
+    dict(sdp_swap_ab=True, tile_m=64, dq_accum="bulk", early_dv=True),
+    dict(sdp_swap_ab=False, overlap_dk=True, dq_accum="bulk", early_dv=True),
+    dict(sdp_swap_ab=False, overlap_dk=True, dq_accum="red", early_dv=False),
+    dict(sdp_swap_ab=False, stats_smem=False), dict(sdp_swap_ab=True, stats_smem=False),
 ]
 
 

@@ -89,7 +89,8 @@ def bench_cell(b, h, hk, s, d, causal, dtype=torch.bfloat16, deterministic=False
         row["ours_ms"] = ms
         row["ours_tflops"] = flops / ms / 1e9
         for name, overrides in variants:
-            cfg = select_bwd_config(head_dim=d, qhead_per_kvhead=h // hk,
+            # the cell's causality picks the variant's other defaults (early dV, swap, tile_m)
+            cfg = select_bwd_config(head_dim=d, causal=causal, qhead_per_kvhead=h // hk,
                                     deterministic=deterministic, **overrides)
             msv = time_ms(lambda: sm90_bwd(dout, q, k, v, out, lse, causal=causal,
                                            deterministic=deterministic, config=cfg))

@@ -25,6 +25,8 @@ from layouts.smem import SMEM_BUDGET
 
 SM90_BWD_HEAD_DIMS = (64, 96, 128)
 GQA_REDUCE_MODES = ("atomic", "buffers")
+# Query rows per iteration of the swapped hdim-64 default (the only head dim 128 rows fit).
+TILE_M_SWAPPED_HDIM64 = 128
 DQ_ACCUM_MODES = ("bulk", "red")
 DQ_ROW_PAD = 8  # float32 columns of padding per dQ row in SMEM/GMEM (bank-conflict-free stores)
 TILE_M_ATOM = 64  # query rows of one WGMMA M atom
@@ -68,6 +70,10 @@ class BwdConfig:
     # Leave this query block's dK GEMM running while the next block's S and dP are issued
     # (the q stage is released one block late). Unswapped S/dP only.
     overlap_dk: bool = False
+    # LSE2 and Delta of each query block come into SMEM with its Q / dO stage (one bulk copy
+    # each, on the same mbarrier); off: the MMA warpgroups load them from global memory in the
+    # iteration that uses them, and wait for that load.
+    stats_smem: bool = True
     # registers after setmaxnreg: producer warpgroup and each of the two MMA warpgroups
     regs_producer: int = 24
     regs_mma: int = 240
@@ -119,9 +125,17 @@ class BwdConfig:
         p = 0 if self.sdp_swap_ab else self.tile_m * self.tile_n * b
         ds = self.tile_m * self.tile_n * b * self.ds_stage
         dq = self.tile_m * self.dq_row_pitch * 4 if self.dq_accum == "bulk" else 0
+        stats = self.stats_smem_bytes()
         barriers = 8 * (1 + 2 * self.q_stage + 2 * self.do_stage)
         # each buffer is 1024-byte aligned (swizzle atoms); the barriers sit in the first KiB
-        return 1024 + q + do + k + v + p + ds + dq + max(0, barriers - 1024)
+        return 1024 + q + do + k + v + p + ds + dq + stats + max(0, barriers - 1024)
+
+    def stats_smem_bytes(self) -> int:
+        """LSE2 per Q stage and Delta per dO stage (``stats_smem``), 128-byte aligned."""
+        if not self.stats_smem:
+            return 0
+        up = lambda n: -(-n // 128) * 128
+        return up(self.tile_m * 4 * self.q_stage) + up(self.tile_m * 4 * self.do_stage)
 
     def validate(self) -> "BwdConfig":
         if self.dtype not in DTYPES:
@@ -151,7 +165,7 @@ class BwdConfig:
                 "deterministic=True with GQA/MQA needs gqa_reduce='buffers' (atomics add in a "
                 "run-dependent order)"
             )
-        for name in ("sdp_swap_ab", "overlap_dk"):
+        for name in ("sdp_swap_ab", "overlap_dk", "stats_smem"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be a bool")
         if self.tile_m == 2 * TILE_M_ATOM:
@@ -202,15 +216,20 @@ def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = Fals
                       **overrides) -> BwdConfig:
     """Defaults for a problem; ``overrides`` replace any field.
 
-    Measured on an H200 (docs/hopper_backward.md): GQA/MQA dK/dV through per-query-head
-    buffers ("buffers") is as fast as or faster than atomics and deterministic, so it is the
-    default; early dV helps non-causal problems and costs a few percent on causal ones.
-    ``sdp_swap_ab`` (register-fed dV/dK) and ``overlap_dk`` are off until they have been
-    measured; ``tile_m=128`` (with ``sdp_swap_ab=True``, hdim 64 only) is an override too.
+    Measured on an H200 (docs/hopper_backward.md, bf16, 16k tokens, TFLOP/s):
+    - GQA/MQA dK/dV through per-query-head buffers ("buffers") is as fast as or faster than
+      atomics and deterministic, so it is the default.
+    - early dV helps non-causal problems and costs a few percent on causal ones.
+    - hdim 64: swapped S/dP with 128 query rows per iteration, 317 -> 391 (4k) and 370 -> 437
+      (16k) non-causal, 254 -> 319 and 353 -> 414 causal.
+    - hdim 128: swapped S/dP pays on causal problems (383 -> 393 at 4k, 483 -> 499 at 16k),
+      not on non-causal ones (494 -> 479, 530 -> 526). hdim 96 is unmeasured: unswapped.
     """
+    windowed = window_left is not None or window_right is not None
     gqa_reduce = overrides.pop("gqa_reduce", "buffers")
-    early_dv = overrides.pop("early_dv", not (causal or window_left is not None
-                                               or window_right is not None))
+    early_dv = overrides.pop("early_dv", not (causal or windowed))
+    swap = overrides.pop("sdp_swap_ab", head_dim == 64 or (head_dim == 128 and (causal or windowed)))
+    tile_m = overrides.pop("tile_m", TILE_M_SWAPPED_HDIM64 if swap and head_dim == 64 else 64)
     cfg = BwdConfig(
         head_dim=head_dim,
         head_dim_v=overrides.pop("head_dim_v", head_dim),
@@ -222,7 +241,8 @@ def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = Fals
         deterministic=deterministic,
         gqa_reduce=gqa_reduce,
         early_dv=early_dv,
-        sdp_swap_ab=overrides.pop("sdp_swap_ab", False),
+        sdp_swap_ab=swap,
+        tile_m=tile_m,
         overlap_dk=overrides.pop("overlap_dk", False),
     )
     return cfg.replace(**overrides).validate()

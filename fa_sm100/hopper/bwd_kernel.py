@@ -84,6 +84,7 @@ import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_helpers
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.experimental import primitives as prims
 from cutlass.utils import LayoutEnum
 
 from fa_sm100.config import WARP_SIZE, cutlass_dtype
@@ -199,6 +200,9 @@ class Sm90FlashBackward(BwdStoreRole):
                 sP: buf(self.sP_layout)
             sdS: buf(self.sdS_layout)
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, self._sdq_elems()], SMEM_ALIGN]
+            if c.stats_smem:  # bulk-copy destinations: 16-byte alignment is the rule
+                sLSE2: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * c.q_stage], 128]
+                sDelta: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * c.do_stage], 128]
 
         return SharedStorage
 
@@ -290,13 +294,15 @@ class Sm90FlashBackward(BwdStoreRole):
         # consumer_release arrives once per warp (lane 0): 8 MMA warps.
         consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread,
                                               self.num_mma_threads // WARP_SIZE)
+        # with stats_smem each Q (dO) stage also carries the block's LSE2 (Delta)
+        stat_bytes = self.tile_m * 4 if const_expr(self.cfg.stats_smem) else 0
         pipe_q = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar_q.data_ptr(), num_stages=self.cfg.q_stage,
-            producer_group=producer, consumer_group=consumers, tx_count=self.bytes_q,
+            producer_group=producer, consumer_group=consumers, tx_count=self.bytes_q + stat_bytes,
             defer_sync=True)
         pipe_do = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar_do.data_ptr(), num_stages=self.cfg.do_stage,
-            producer_group=producer, consumer_group=consumers, tx_count=self.bytes_do,
+            producer_group=producer, consumer_group=consumers, tx_count=self.bytes_do + stat_bytes,
             defer_sync=False)  # fences the mbarrier inits and syncs the CTA
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
@@ -308,6 +314,10 @@ class Sm90FlashBackward(BwdStoreRole):
             sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
         sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
         sdQ = storage.sdQ.get_tensor(cute.make_layout(self._sdq_elems()))
+        sLSE2 = sDelta = None
+        if const_expr(self.cfg.stats_smem):
+            sLSE2 = storage.sLSE2.get_tensor(cute.make_layout((self.tile_m, self.cfg.q_stage)))
+            sDelta = storage.sDelta.get_tensor(cute.make_layout((self.tile_m, self.cfg.do_stage)))
 
         n_block, head, batch = cute.arch.block_idx()
         m_block_min, m_block_max = self._m_block_range(n_block, seqlen_q, seqlen_k)
@@ -316,6 +326,7 @@ class Sm90FlashBackward(BwdStoreRole):
             cute.arch.setmaxregister_decrease(self.cfg.regs_producer)
             if warp_idx == LOAD_WARP:
                 self.load(mQ, mK, mV, mdO, tma_Q, tma_K, tma_V, tma_dO, sQ, sK, sV, sdO,
+                          mLSE2, mDelta, sLSE2, sDelta,
                           mbar_kv, pipe_q, pipe_do, n_block, head, batch, group,
                           m_block_min, m_block_max)
             if const_expr(self.cfg.dq_accum == "bulk"):
@@ -324,7 +335,7 @@ class Sm90FlashBackward(BwdStoreRole):
                                   m_block_min, m_block_max)
         else:
             cute.arch.setmaxregister_increase(self.cfg.regs_mma)
-            self.mma(mma_sdp, mma_dkv, mma_dq, sQ, sK, sV, sdO, sP, sdS, sdQ,
+            self.mma(mma_sdp, mma_dkv, mma_dq, sQ, sK, sV, sdO, sP, sdS, sdQ, sLSE2, sDelta,
                      mLSE2, mDelta, mdQacc, mdK, mdV, mdQsem, mbar_kv, pipe_q, pipe_do,
                      tidx - WARPGROUP_THREADS, n_block, head, batch, group, seqlen_q, seqlen_k,
                      softmax_scale, scale_log2, m_block_min, m_block_max)
@@ -343,10 +354,12 @@ class Sm90FlashBackward(BwdStoreRole):
 
     @cute.jit
     def load(self, mQ, mK, mV, mdO, tma_Q, tma_K, tma_V, tma_dO, sQ, sK, sV, sdO,
+             mLSE2, mDelta, sLSE2, sDelta,
              mbar_kv, pipe_q, pipe_do, n_block, head, batch, group, m_block_min, m_block_max):
         """Warp 0. K, V of ``n_block`` once (``mbar_kv``); then for each query block m in
-        [m_block_min, m_block_max): acquire a ``q`` stage, TMA Q[m]; acquire a ``do`` stage,
-        TMA dO[m]. The MMA warpgroups release the stages."""
+        [m_block_min, m_block_max): acquire a ``q`` stage, TMA Q[m] (and, with ``stats_smem``,
+        bulk-copy LSE2[m]); acquire a ``do`` stage, TMA dO[m] (and Delta[m]). The MMA
+        warpgroups release the stages."""
         head_kv = head // group
         gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.hdim), (n_block, 0))
         gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.hdimv), (n_block, 0))
@@ -371,16 +384,33 @@ class Sm90FlashBackward(BwdStoreRole):
             pipe_q.producer_acquire(state_q)
             cute.copy(tma_Q, tQgQ[None, m_block], tQsQ[None, state_q.index],
                       tma_bar_ptr=pipe_q.producer_get_barrier(state_q))
+            if const_expr(self.cfg.stats_smem):
+                self._load_stats(mLSE2, sLSE2, pipe_q.producer_get_barrier(state_q), batch,
+                                 head, m_block, state_q.index)
             pipe_do.producer_acquire(state_do)
             cute.copy(tma_dO, tdOgdO[None, m_block], tdOsdO[None, state_do.index],
                       tma_bar_ptr=pipe_do.producer_get_barrier(state_do))
+            if const_expr(self.cfg.stats_smem):
+                self._load_stats(mDelta, sDelta, pipe_do.producer_get_barrier(state_do), batch,
+                                 head, m_block, state_do.index)
             state_q.advance()
             state_do.advance()
+
+    @cute.jit
+    def _load_stats(self, mStat, sStat, mbar, batch, head, m_block, stage):
+        """One bulk copy of query block ``m_block``'s tile_m values of LSE2 or Delta into SMEM
+        stage ``stage``, completing on the stage's mbarrier (its tx count includes them).
+        Rows are padded to a multiple of tile_m and start 16-byte aligned, as bulk copies
+        require."""
+        src = mStat[batch, head, None].iterator + m_block * self.tile_m
+        with cute.arch.elect_one():
+            prims.cp_async_bulk_shared_cluster_global(
+                sStat[None, stage].iterator, src, mbar, self.tile_m * 4)
 
     # ---- MMA role ------------------------------------------------------------------------
 
     @cute.jit
-    def mma(self, mma_sdp, mma_dkv, mma_dq, sQ, sK, sV, sdO, sP, sdS, sdQ,
+    def mma(self, mma_sdp, mma_dkv, mma_dq, sQ, sK, sV, sdO, sP, sdS, sdQ, sLSE2, sDelta,
             mLSE2, mDelta, mdQacc, mdK, mdV, mdQsem, mbar_kv, pipe_q, pipe_do,
             tidx, n_block, head, batch, group, seqlen_q, seqlen_k,
             softmax_scale, scale_log2, m_block_min, m_block_max):
@@ -453,19 +483,22 @@ class Sm90FlashBackward(BwdStoreRole):
             self._sdp_gemm(mma_sdp, acc_dP, tdPrdO[None, None, None, state_do.index], tdPrV)
             S = rows_cols_view(acc_S)
             dP = rows_cols_view(acc_dP)
+            lse_block = self._stat_block(mLSE2_cur, sLSE2, m_block, state_q.index)
+            delta_block = self._stat_block(mDelta_cur, sDelta, m_block, state_do.index)
             if const_expr(m128):
-                lse = self._shuffled_stats(mLSE2_cur, m_block)
+                lse = self._shuffled_stats(lse_block)
             else:
                 lse = cute.make_rmem_tensor(cute.size(S, mode=[stat_mode]), Float32)
                 dpsum = cute.make_rmem_tensor(cute.size(S, mode=[stat_mode]), Float32)
                 if const_expr(swap):
-                    lse.store(self._column_stats(mLSE2_cur, m_block, thr_sdp, sdp_shape).load())
-                    dpsum.store(self._column_stats(mDelta_cur, m_block, thr_sdp, sdp_shape).load())
+                    lse.store(self._column_stats(lse_block, thr_sdp, sdp_shape).load())
+                    dpsum.store(self._column_stats(delta_block, thr_sdp, sdp_shape).load())
                 else:
+                    lse_rows = cute.make_tensor(lse_block, cute.make_layout(self.tile_m))
+                    delta_rows = cute.make_tensor(delta_block, cute.make_layout(self.tile_m))
                     for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
-                        row = m_block * self.tile_m + tScS[r, 0][0]
-                        lse[r] = mLSE2_cur[row]
-                        dpsum[r] = mDelta_cur[row]
+                        lse[r] = lse_rows[tScS[r, 0][0]]
+                        dpsum[r] = delta_rows[tScS[r, 0][0]]
             warpgroup.wait_group(1)  # S done (Note [overlapped dK]: so is the previous dK)
             if const_expr(self.cfg.overlap_dk):
                 if m_block > m_block_min:
@@ -474,7 +507,7 @@ class Sm90FlashBackward(BwdStoreRole):
                 self._mask(S, tScS, m_block, n_block, seqlen_q, seqlen_k)
             self._exp2_rows(S, lse, scale_log2, tScS0)
             if const_expr(m128):  # Delta after P: its registers never live beside LSE2's
-                dpsum = self._shuffled_stats(mDelta_cur, m_block)
+                dpsum = self._shuffled_stats(delta_block)
             rP = cute.make_fragment_like(acc_S, self.dtype)
             if const_expr(not swap):
                 rP.store(acc_S.load().to(self.dtype))
@@ -597,31 +630,39 @@ class Sm90FlashBackward(BwdStoreRole):
                     dP[r, c] = P[r, c] * (dP[r, c] - self._query_stat(dpsum, r, c, tScS0))
 
     @cute.jit
-    def _shuffled_stats(self, mStat, m_block):
-        """LSE2 or Delta of query block ``m_block`` as Note [tile_m 128] distributes them: lane l
+    def _stat_block(self, mStat_cur, sStat, m_block, stage):
+        """Pointer to the tile_m values (LSE2 or Delta) of query block ``m_block``: the SMEM
+        stage the load warp filled (``stats_smem``; its mbarrier has been waited on), else the
+        block in global memory. Either starts 16-byte aligned."""
+        if const_expr(self.cfg.stats_smem):
+            return sStat[None, stage].iterator
+        return mStat_cur.iterator + m_block * self.tile_m
+
+    @cute.jit
+    def _shuffled_stats(self, block):
+        """LSE2 or Delta of one query block (``block``, see ``_stat_block``) as Note [tile_m 128]
+        distributes them: lane l
         holds queries 2 l + {0, 1} and 64 + 2 l + {0, 1} (4 registers, two 64-bit loads);
         ``_query_stat`` shuffles a query's value to the lanes that use it."""
         held = cute.make_rmem_tensor(cute.make_layout((2, self.tile_m // 64)), Float32)
-        base = cute.make_ptr(
-            Float32, (mStat.iterator + m_block * self.tile_m + 2 * cute.arch.lane_idx()).toint(),
-            cute.AddressSpace.gmem, assumed_align=8)
+        base = cute.make_ptr(Float32, (block + 2 * cute.arch.lane_idx()).toint(), block.memspace,
+                             assumed_align=8)
         src = cute.make_tensor(base, cute.make_layout((2, self.tile_m // 64), stride=(1, 64)))
         cute.autovec_copy(src, held)
         return held
 
     @cute.jit
-    def _column_stats(self, mStat, m_block, thr_sdp, sdp_shape):
-        """This thread's per-query values (LSE2 or Delta) of query block ``m_block`` in the
-        column order of its S^T accumulator (``sdp_swap_ab``), as a global-memory view.
+    def _column_stats(self, block, thr_sdp, sdp_shape):
+        """This thread's per-query values (LSE2 or Delta) of one query block (``block``, see
+        ``_stat_block``) in the column order of its S^T accumulator (``sdp_swap_ab``).
 
         The view broadcasts the query block's values over the keys (stride 0) and is
         partitioned like the accumulator. The block starts 16-byte aligned (rows padded to
         a multiple of tile_m, base 16-byte aligned), which lets adjacent columns load as one
         64-bit access."""
-        base = cute.make_ptr(Float32, (mStat.iterator + m_block * self.tile_m).toint(),
-                             cute.AddressSpace.gmem, assumed_align=16)
-        block = cute.make_tensor(base, cute.make_layout(sdp_shape, stride=(0, 1)))
-        return rows_cols_view(thr_sdp.partition_C(block))[0, None]
+        base = cute.make_ptr(Float32, block.toint(), block.memspace, assumed_align=16)
+        view = cute.make_tensor(base, cute.make_layout(sdp_shape, stride=(0, 1)))
+        return rows_cols_view(thr_sdp.partition_C(view))[0, None]
 
     @cute.jit
     def _block_needs_mask(self, m_block, n_block, seqlen_q, seqlen_k):
