@@ -166,6 +166,18 @@ def test_sm90_bwd_switches_keep_gradients_right(sm90_device, switches, case):
     _run_case(b, sq, sk, hq, hk, d, causal, window, torch.bfloat16, config=cfg)
 
 
+def _assert_reproducible(inputs, first, causal, window, cfg, runs=3):
+    """``runs`` more deterministic backward passes give gradients bitwise equal to ``first``."""
+    from fa_sm100.hopper.bwd_interface import sm90_bwd
+
+    q, k, v, out, lse, dout = inputs
+    for _ in range(runs):
+        again = sm90_bwd(dout, q, k, v, out, lse, causal=causal, window_size=window,
+                         deterministic=True, config=cfg)
+        for a, b in zip(first, again):
+            assert torch.equal(a, b), "deterministic backward changed between runs"
+
+
 @pytest.mark.parametrize("hk,causal,window,dq_accum,switch", [
     (4, False, (None, None), "bulk", None), (4, True, (None, None), "bulk", None),
     (1, True, (None, None), "bulk", None), (4, False, (96, 0), "bulk", None),
@@ -174,18 +186,12 @@ def test_sm90_bwd_switches_keep_gradients_right(sm90_device, switches, case):
 def test_sm90_bwd_deterministic_is_bitwise_reproducible(sm90_device, hk, causal, window, dq_accum,
                                                         switch):
     from fa_sm100.hopper.bwd_config import select_bwd_config
-    from fa_sm100.hopper.bwd_interface import sm90_bwd
 
     switches = {} if switch is None else {switch: True}
     cfg = select_bwd_config(head_dim=128, dq_accum=dq_accum, gqa_reduce="buffers", **switches)
     inputs, first = _run_case(2, 1000, 1000, 4, hk, 128, causal, window, torch.bfloat16,
                               deterministic=True, config=cfg)
-    q, k, v, out, lse, dout = inputs
-    for _ in range(3):
-        again = sm90_bwd(dout, q, k, v, out, lse, causal=causal, window_size=window,
-                         deterministic=True, config=cfg)
-        for a, b in zip(first, again):
-            assert torch.equal(a, b), "deterministic backward changed between runs"
+    _assert_reproducible(inputs, first, causal, window, cfg)
 
 
 @pytest.mark.parametrize("hk,causal,window,dq_accum", [
@@ -196,14 +202,8 @@ def test_sm90_bwd_tile_m_128_deterministic_is_bitwise_reproducible(sm90_device, 
                                                                    window, dq_accum):
     """The dQ semaphore counts 128-row query blocks (tile_m=128)."""
     from fa_sm100.hopper.bwd_config import select_bwd_config
-    from fa_sm100.hopper.bwd_interface import sm90_bwd
 
     cfg = select_bwd_config(head_dim=64, dq_accum=dq_accum, tile_m=128, sdp_swap_ab=True)
     inputs, first = _run_case(2, 1000, 1100, 4, hk, 64, causal, window, torch.bfloat16,
                               deterministic=True, config=cfg)
-    q, k, v, out, lse, dout = inputs
-    for _ in range(3):
-        again = sm90_bwd(dout, q, k, v, out, lse, causal=causal, window_size=window,
-                         deterministic=True, config=cfg)
-        for a, b in zip(first, again):
-            assert torch.equal(a, b), "deterministic backward changed between runs"
+    _assert_reproducible(inputs, first, causal, window, cfg)

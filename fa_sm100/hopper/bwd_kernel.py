@@ -9,7 +9,7 @@ Warps (384 threads):
 
 | warpgroup | warps | role | does |
 |---|---|---|---|
-| 0 | 0 | load | TMA: K and V once; Q and dO per query block (``q``/``do`` pipelines) |
+| 0 | 0 | load | TMA: K and V once; Q and dO per query block (``q``/``do`` pipelines), each stage with its block's LSE2 / Delta (Note [stats with their stage]) |
 | 0 | 1 | dq-store | "bulk" dQ: one cp.reduce.async.bulk.add.f32 of the SMEM dQ tile per query block |
 | 0 | 2-3 | idle | register donors (setmaxnreg down to ``regs_producer``) |
 | 1, 2 | 4-11 | mma | S = Q K^T, dP = dO V^T, P, dS, dV += P^T dO, dK += dS^T Q, dQ = dS K |
@@ -37,7 +37,8 @@ K = 128, and dQ = dS K (M = 128 queries) is split by query rows: warpgroup w com
 tile, its SMEM image and bulk reduce are simply tile_m rows. What keeps it in 240 registers:
 - LSE2 / Delta: a thread's S^T columns are 32 queries, 2 (lane % 4) + {0, 1} + 8 j, and the
   8 lanes with the same lane % 4 need the same 32 values. Lane l holds only the queries
-  2 l + {0, 1} and 64 + 2 l + {0, 1} (4 registers, two 64-bit loads); ``_query_stat``
+  2 l + {0, 1} and 64 + 2 l + {0, 1} (4 registers, two 64-bit loads, from SMEM with
+  ``stats_smem``); ``_query_stat``
   fetches a column's value with one shuffle (columns outer in the exp2 and dS loops), and
   Delta is loaded only after P is computed.
 - P^T is never held in float32 and 16 bits beside dP^T: without ``early_dv`` it is converted
@@ -72,6 +73,13 @@ released (block i+1's Q must sit in the other stage: ``q_stage == 2``); after th
 ``wait_group(1)`` comes before ``DS_READY`` of block i+1. With ``sdp_swap_ab`` dK would read
 dS^T from registers across the loop's back edge, and ptxas then serializes every WGMMA of the
 kernel, hence the config rule.
+
+Note [stats with their stage] (``stats_smem``): the exp2 needs LSE2 of the block's queries
+right after the S GEMM, and dS needs Delta right after dP. Loaded from global memory in that
+iteration, their latency sits on the critical path between the GEMMs and the pointwise math.
+Instead the load warp bulk-copies each block's tile_m values of LSE2 (Delta) into a per-stage
+SMEM slot next to the Q (dO) TMA, on the same mbarrier, whose transaction count includes
+them; the MMA warpgroups have waited on that stage anyway, and the slot is released with it.
 
 dQ is accumulated in float32 in global memory by one of two switchable paths (``dq_accum``);
 the stores of dQ, dK and dV are in ``bwd_store.py`` (``BwdStoreRole``, with Note [dQ SMEM
