@@ -226,13 +226,14 @@ def run_cell(providers, q, k, v, causal, repeat, measure, torch, on_step=None):
         for name in names[rnd % len(names):] + names[:rnd % len(names)]:
             if on_step is not None:
                 on_step(name)
-            if name not in runs or name in errors:
+            if name not in runs:  # failed its check, or an earlier round
                 continue
             try:
                 times[name].append(measure(runs[name]))
             except Exception as e:  # noqa: BLE001
                 errors[name] = _error_text(e)
                 times[name] = []
+                del runs[name]
     return times, errors
 
 

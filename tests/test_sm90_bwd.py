@@ -351,11 +351,15 @@ def test_preprocess_and_postprocess_cross_compile_for_sm90a():
     from fa_sm100.hopper.bwd_prepost import BwdPostprocess, BwdPreprocess
 
     dt = cutlass_dtype("bfloat16")
-    pre = _compiled("test-pre", 128, lambda: BwdPreprocess(128), fake_pre_arguments(dt, 128))
+    pre = _compiled("test-pre", 128, lambda: BwdPreprocess(128),
+                    lambda: fake_pre_arguments(dt, 128))
     post = _compiled("test-post", 128, lambda: BwdPostprocess(128, 2),
-                     fake_post_arguments(dt, 128, 136))
+                     lambda: fake_post_arguments(dt, 128, 136))
     for fn in (pre, post):
         assert callable(fn) and "TVMFFI" in type(fn).__name__
+    # a cached kernel is returned without building or faking anything again (sm90_bwd's hot path)
+    never = lambda: pytest.fail("built on a cache hit")  # noqa: E731
+    assert _compiled("test-pre", 128, never, never) is pre
 
 
 SWAP_CASES = [[], ["causal=true", "head_dim=64"], ["head_dim=96", "dq_accum=red", "early_dv=false"]]

@@ -50,6 +50,15 @@ def _fa4_fn():
     return flash_attn_func, None
 
 
+def _fa4_backward(fa4, q, k, v, dout, causal, deterministic=False):
+    """FA4's forward run once on leaf copies of q, k, v; returns the call that times its
+    backward (``torch.autograd.grad``, its own pre/postprocess included)."""
+    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+    o4 = fa4(qg, kg, vg, causal=causal, deterministic=deterministic)
+    o4 = o4[0] if isinstance(o4, tuple) else o4
+    return lambda: torch.autograd.grad(o4, (qg, kg, vg), dout, retain_graph=True)
+
+
 def parse_variant(spec: str):
     """"NAME:field=value,field=value" -> (NAME, BwdConfig overrides dict)."""
     from fa_sm100.config import parse_overrides
@@ -96,10 +105,7 @@ def bench_cell(b, h, hk, s, d, causal, dtype=torch.bfloat16, deterministic=False
                                            deterministic=deterministic, config=cfg))
             row[f"ours:{name}_ms"], row[f"ours:{name}_tflops"] = msv, flops / msv / 1e9
     if fa4 is not None:
-        qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
-        o4 = fa4(qg, kg, vg, causal=causal, deterministic=deterministic)
-        o4 = o4[0] if isinstance(o4, tuple) else o4
-        ms4 = time_ms(lambda: torch.autograd.grad(o4, (qg, kg, vg), dout, retain_graph=True))
+        ms4 = time_ms(_fa4_backward(fa4, q, k, v, dout, causal, deterministic))
         row["fa4_ms"], row["fa4_tflops"] = ms4, flops / ms4 / 1e9
     else:
         row["fa4_error"] = why
@@ -200,11 +206,7 @@ def breakdown_cell(b, h, s, d, causal, dtype=torch.bfloat16):
     result = {"ours": kernel_breakdown(lambda: sm90_bwd(dout, q, k, v, out, lse, causal=causal))}
     fa4, _ = _fa4_fn()
     if fa4 is not None:
-        qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
-        o4 = fa4(qg, kg, vg, causal=causal)
-        o4 = o4[0] if isinstance(o4, tuple) else o4
-        result["fa4"] = kernel_breakdown(
-            lambda: torch.autograd.grad(o4, (qg, kg, vg), dout, retain_graph=True))
+        result["fa4"] = kernel_breakdown(_fa4_backward(fa4, q, k, v, dout, causal))
     return result
 
 

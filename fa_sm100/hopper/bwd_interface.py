@@ -75,10 +75,12 @@ def validate_bwd_inputs(dout, q, k, v, out, lse, softmax_scale=None, causal=Fals
     return softmax_scale, window
 
 
-def _compiled(kind: str, key, build, fake_args):
+def _compiled(kind: str, key, build, make_fake_args):
     """Compile once per (kind, key) for the sm_90 device, for TVM FFI: the result takes torch
-    tensors (checked against ``fake_args``: dtypes, static head dims, compact strides,
-    alignment) and launches on the current torch stream, with no per-call conversions."""
+    tensors (checked against the fake arguments: dtypes, static head dims, compact strides,
+    alignment) and launches on the current torch stream, with no per-call conversions.
+    ``build`` and ``make_fake_args`` run only on a cache miss, so a cached call does no
+    trace-time work."""
     import cutlass.cute as cute
 
     from fa_sm100.hopper.common import dsl_runtime_arch
@@ -87,7 +89,7 @@ def _compiled(kind: str, key, build, fake_args):
     if cache_key not in _compile_cache:
         with dsl_runtime_arch(SM90_ARCH):
             _compile_cache[cache_key] = cute.compile(
-                build(), *fake_args, options=f"--gpu-arch {SM90_ARCH} --enable-tvm-ffi")
+                build(), *make_fake_args(), options=f"--gpu-arch {SM90_ARCH} --enable-tvm-ffi")
     return _compile_cache[cache_key]
 
 
@@ -141,20 +143,21 @@ def sm90_bwd(dout, q, k, v, out, lse, softmax_scale: Optional[float] = None, cau
     else:
         dk, dv = torch.empty_like(k), torch.empty_like(v)
         dk_arg, dv_arg = dk, dv
-    dt = cutlass_dtype(dtype)
-    pre = _compiled("pre", (d, dtype), lambda: BwdPreprocess(d), fake_pre_arguments(dt, d))
+    pre = _compiled("pre", (d, dtype), lambda: BwdPreprocess(d),
+                    lambda: fake_pre_arguments(cutlass_dtype(dtype), d))
     pre(out, dout, lse, lse2, delta)
     main = _compiled("main", config, lambda: Sm90FlashBackward(config),
-                     fake_arguments(config, env_stream=True))
+                     lambda: fake_arguments(config, env_stream=True))
     main(q, k, v, dout, lse2, delta, dq_acc, dk_arg, dv_arg, dq_sem, softmax_scale)
     # the accumulator's row pitch is a static shape: part of the compile key
-    post = _compiled("post", (d, 1, dtype, dq_acc.shape[-1]), lambda: BwdPostprocess(d, 1),
-                     fake_post_arguments(dt, d, dq_acc.shape[-1]))
+    pitch = dq_acc.shape[-1]
+    post = _compiled("post", (d, 1, dtype, pitch), lambda: BwdPostprocess(d, 1),
+                     lambda: fake_post_arguments(cutlass_dtype(dtype), d, pitch))
     post(dq_acc, dq)
     if config.uses_gqa_buffers:
         g = group if config.gqa_reduce == "buffers" else 1
         post_kv = _compiled("post", (d, g, dtype, d), lambda: BwdPostprocess(d, g),
-                            fake_post_arguments(dt, d, d))
+                            lambda: fake_post_arguments(cutlass_dtype(dtype), d, d))
         for acc, res in ((dk_acc, dk), (dv_acc, dv)):
             post_kv(acc, res)
     return dq, dk, dv

@@ -649,9 +649,8 @@ class Sm90FlashBackward(BwdStoreRole):
     @cute.jit
     def _shuffled_stats(self, block):
         """LSE2 or Delta of one query block (``block``, see ``_stat_block``) as Note [tile_m 128]
-        distributes them: lane l
-        holds queries 2 l + {0, 1} and 64 + 2 l + {0, 1} (4 registers, two 64-bit loads);
-        ``_query_stat`` shuffles a query's value to the lanes that use it."""
+        distributes them: lane l holds queries 2 l + {0, 1} and 64 + 2 l + {0, 1} (4 registers,
+        two 64-bit loads); ``_query_stat`` shuffles a query's value to the lanes that use it."""
         held = cute.make_rmem_tensor(cute.make_layout((2, self.tile_m // 64)), Float32)
         base = cute.make_ptr(Float32, (block + 2 * cute.arch.lane_idx()).toint(), block.memspace,
                              assumed_align=8)
