@@ -45,6 +45,7 @@ from fa_sm100.config import (
     parse_overrides,
 )
 from fa_sm100.registry import KernelBuild, KernelEntry
+from layouts.smem import ALIGN, align_up
 
 ROWS_PER_CTA = 128  # M of the tile per CTA = TMEM lanes
 K_ATOM = 64  # one 128-byte swizzle atom of a 16-bit type
@@ -53,7 +54,7 @@ EPILOGUE_WARPS = (0, 1, 2, 3)
 LOAD_WARP = 4
 MMA_WARP = 5
 PRODUCER_WARPS = (4, 5, 6, 7)  # warpgroup 1: load, mma and the two idle warps
-SMEM_ALIGN = 1024
+SMEM_ALIGN = ALIGN
 
 
 class DemoBarrier(enum.IntEnum):
@@ -102,7 +103,7 @@ class DemoConfig:
         """Shared storage per CTA: 4 mbarriers + the TMEM address word, then sA and sB, each
         1024-byte aligned (the struct the kernel allocates; a test checks the traced size)."""
         head = 4 * 8 + 4
-        return _align(head) + _align(self.a_bytes) + _align(self.b_bytes)
+        return align_up(head) + align_up(self.a_bytes) + align_up(self.b_bytes)
 
     def validate(self) -> "DemoConfig":
         if normalize_dtype(self.dtype) != self.dtype:
@@ -114,10 +115,6 @@ class DemoConfig:
         for name in ("regs_epilogue", "regs_producer"):
             check_setmaxnreg(name, getattr(self, name))
         return self
-
-
-def _align(n: int, a: int = SMEM_ALIGN) -> int:
-    return (n + a - 1) // a * a
 
 
 def make_config(overrides=()) -> DemoConfig:

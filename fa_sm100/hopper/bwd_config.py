@@ -21,7 +21,7 @@ from typing import Optional
 
 from fa_sm100.config import DTYPES, check_register_budget, check_setmaxnreg, normalize_dtype
 from fa_sm100.hopper.config import SM90_ARCH, WARPGROUP_THREADS
-from layouts.smem import SMEM_BUDGET
+from layouts.smem import SMEM_BUDGET, align_up
 
 SM90_BWD_HEAD_DIMS = (64, 96, 128)
 GQA_REDUCE_MODES = ("atomic", "buffers")
@@ -134,8 +134,8 @@ class BwdConfig:
         """LSE2 per Q stage and Delta per dO stage (``stats_smem``), 128-byte aligned."""
         if not self.stats_smem:
             return 0
-        up = lambda n: -(-n // 128) * 128
-        return up(self.tile_m * 4 * self.q_stage) + up(self.tile_m * 4 * self.do_stage)
+        return (align_up(self.tile_m * 4 * self.q_stage, 128)
+                + align_up(self.tile_m * 4 * self.do_stage, 128))
 
     def validate(self) -> "BwdConfig":
         if self.dtype not in DTYPES:

@@ -27,20 +27,16 @@ from fa_sm100.config import (
     normalize_dtype,
     parse_overrides,
 )
-from layouts.smem import SMEM_BUDGET
+from layouts.smem import ALIGN, SMEM_BUDGET, align_up
 
 SM90_ARCH = "sm_90a"
 # (qk, v) head-dimension pairs the SM90 forward supports.
 SM90_HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (192, 128), (256, 256))
 # Dynamic SMEM one CTA may opt into on sm_90a (227 KiB).
 SM90_SMEM_BUDGET = SMEM_BUDGET[SM90_ARCH]
-SMEM_ALIGN = 1024  # every buffer starts on a 1 KiB boundary (128-byte swizzle atoms repeat)
+SMEM_ALIGN = ALIGN  # every buffer starts on a 1 KiB boundary (128-byte swizzle atoms repeat)
 WARPGROUP_THREADS = WARPGROUP_WARPS * WARP_SIZE  # 128
 WGMMA_M = 64  # rows of one warpgroup MMA
-
-
-def _align(n: int, a: int = SMEM_ALIGN) -> int:
-    return (n + a - 1) // a * a
 
 
 @dataclass(frozen=True)
@@ -100,15 +96,15 @@ class Sm90FwdConfig:
         """Bytes of each SMEM buffer (O is staged in Q's buffer; barriers are 8 bytes each)."""
         e = self.dtype_bytes
         if self.persistent:  # the next tile's Q may land while this tile's O is staged
-            q_o = {"q": _align(self.m_block * self.head_dim * e),
-                   "o": _align(self.m_block * self.head_dim_v * e)}
+            q_o = {"q": align_up(self.m_block * self.head_dim * e),
+                   "o": align_up(self.m_block * self.head_dim_v * e)}
         else:
-            q_o = {"q_and_o": _align(self.m_block * max(self.head_dim, self.head_dim_v) * e)}
+            q_o = {"q_and_o": align_up(self.m_block * max(self.head_dim, self.head_dim_v) * e)}
         return {
             **q_o,
-            "k": _align(self.kv_stage * self.n_block * self.head_dim * e),
-            "v": _align(self.kv_stage * self.n_block * self.head_dim_v * e),
-            "mbarriers": _align(8 * (2 + 4 * self.kv_stage)),
+            "k": align_up(self.kv_stage * self.n_block * self.head_dim * e),
+            "v": align_up(self.kv_stage * self.n_block * self.head_dim_v * e),
+            "mbarriers": align_up(8 * (2 + 4 * self.kv_stage)),
         }
 
     def smem_bytes(self) -> int:

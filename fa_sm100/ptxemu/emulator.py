@@ -7,10 +7,7 @@ from typing import Optional, Sequence
 from .capture import Capture
 from .machine import Launch, Machine
 from .memory import RESERVED_SMEM, GlobalMemory
-
-
-def _align(x: int, a: int) -> int:
-    return (x + a - 1) // a * a
+from layouts.smem import align_up
 
 
 def build_launch(cap: Capture, index: int = 0) -> Launch:
@@ -18,19 +15,19 @@ def build_launch(cap: Capture, index: int = 0) -> Launch:
     kernel = cap.kernel
     offsets, pos = {}, 0
     for p in kernel.params:
-        pos = _align(pos, p.align)
+        pos = align_up(pos, p.align)
         offsets[p.name] = pos
         pos += p.size
     shared, off = {}, RESERVED_SMEM
     for v in cap.module.shared_vars:
         if not v.extern:
-            off = _align(off, v.align)
+            off = align_up(off, v.align)
             shared[v.name] = off
             off += v.size
     static = off - RESERVED_SMEM
     for v in cap.module.shared_vars:
         if v.extern:
-            off = _align(off, v.align)
+            off = align_up(off, v.align)
             shared[v.name] = off
     static = max(static, off - RESERVED_SMEM)
     if kernel.reqntid is not None and tuple(kernel.reqntid) != tuple(rec.block):
