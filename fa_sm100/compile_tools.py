@@ -299,6 +299,56 @@ def sass_histogram(sass: str, always: Iterable[str] = ()) -> dict[str, int]:
     return dict(sorted(hist.items()))
 
 
+_SASS_ADDRESSED = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+_SASS_LABEL = re.compile(r"^\s*(\.L_x_\d+):")
+
+
+def sass_listing(sass: str) -> tuple[list[tuple[int, str]], dict[str, int]]:
+    """[(address, instruction)] and {label: address} of an nvdisasm listing."""
+    ins, labels, pending = [], {}, []
+    for line in sass.splitlines():
+        m = _SASS_LABEL.match(line)
+        if m:
+            pending.append(m.group(1))
+            continue
+        m = _SASS_ADDRESSED.match(line)
+        if m:
+            addr = int(m.group(1), 16)
+            for name in pending:
+                labels[name] = addr
+            pending = []
+            ins.append((addr, m.group(2).strip()))
+    return ins, labels
+
+
+def sass_opcode(instr: str) -> str:
+    """The opcode with its modifiers, guard predicate dropped."""
+    return _GUARD.sub("", instr).split()[0]
+
+
+def sass_main_loop(sass: str) -> list[tuple[int, str]]:
+    """The instructions of the loop that holds the most HGMMAs: a conditional backward branch
+    and everything from its target to it (ties: the shortest). Out-of-line mbarrier retry
+    stubs branch back unconditionally and are skipped. Raises ValueError if no loop has an
+    HGMMA."""
+    ins, labels = sass_listing(sass)
+    best = None
+    for addr, instr in ins:
+        if not sass_opcode(instr).startswith("BRA") or not _GUARD.match(instr):
+            continue
+        m = re.search(r"\((\.L_x_\d+)\)", instr)
+        start = labels.get(m.group(1)) if m else None
+        if start is None or start > addr:
+            continue
+        body = [x for x in ins if start <= x[0] <= addr]
+        n = sum(sass_opcode(t).startswith("HGMMA") for _, t in body)
+        if best is None or (n, -len(body)) > (best[0], -len(best[1])):
+            best = (n, body)
+    if best is None or best[0] == 0:
+        raise ValueError("no loop with an HGMMA found in the SASS")
+    return best[1]
+
+
 # --------------------------------------------------------------------------------------------
 # PTX
 # --------------------------------------------------------------------------------------------

@@ -31,12 +31,13 @@ import json
 import math
 import os
 import sys
-import time
 
 try:  # first import: keeps scripts/inspect.py from shadowing the standard `inspect`
     import _paths  # noqa: F401
 except ImportError:  # loaded as a module (tests): this folder is not on sys.path
     pass
+
+from fa_sm100.benchmarking import median, time_ms  # noqa: E402
 
 PROVIDERS = ("ours", "fa4", "cudnn", "flash")
 
@@ -195,51 +196,14 @@ def check_output(out, q, k, v, causal, torch):
 
 
 def run_cell(providers, q, k, v, causal, repeat, measure, torch, on_step=None):
-    """Time every provider on one cell: ``repeat`` rounds, provider order rotated each round.
+    """``fa_sm100.benchmarking.run_cell`` on one forward cell: ``providers[name](q, k, v,
+    causal)`` prepares, ``check_output`` checks the first output of each."""
+    from fa_sm100.benchmarking import run_cell as run_rounds
 
-    First every provider is prepared (compiled) and its first output checked
-    (``check_output``), all untimed; then one discarded ``measure`` of the first good provider
-    brings the GPU's clocks back up after the compiles (which leave it idle for seconds), so
-    the first timed provider is not the one that pays for the ramp. Then the rounds.
-    Returns ({name: [ms, ...]}, {name: error}).
-    """
-    names = list(providers)
-    times = {name: [] for name in names}
-    runs, errors = {}, {}
-    for name in names:
-        try:
-            run = providers[name](q, k, v, causal)
-            out = run()
-            if q.is_cuda:
-                torch.cuda.synchronize()
-            wrong = check_output(out, q, k, v, causal, torch)
-            if wrong is not None:
-                errors[name] = f"wrong output: {wrong}"
-            else:
-                runs[name] = run
-        except Exception as e:  # noqa: BLE001 - a provider that cannot run a cell says why
-            errors[name] = _error_text(e)
-    if runs:
-        measure(next(iter(runs.values())))  # warm-up, discarded
-    for rnd in range(repeat):
-        # Rotate the order each round so no provider always runs first (clocks, caches).
-        for name in names[rnd % len(names):] + names[:rnd % len(names)]:
-            if on_step is not None:
-                on_step(name)
-            if name not in runs:  # failed its check, or an earlier round
-                continue
-            try:
-                times[name].append(measure(runs[name]))
-            except Exception as e:  # noqa: BLE001
-                errors[name] = _error_text(e)
-                times[name] = []
-                del runs[name]
-    return times, errors
-
-
-def _error_text(e: Exception) -> str:
-    msg = str(e).splitlines()[0][:120] if str(e) else ""
-    return f"{type(e).__name__}: {msg}"
+    prepares = {name: (lambda p=p: p(q, k, v, causal)) for name, p in providers.items()}
+    return run_rounds(prepares, lambda out: check_output(out, q, k, v, causal, torch), repeat,
+                      measure, sync=torch.cuda.synchronize if q.is_cuda else None,
+                      on_step=on_step)
 
 
 def exit_status(rows) -> int:
@@ -249,26 +213,6 @@ def exit_status(rows) -> int:
         if err.startswith("wrong output") or (r["provider"].startswith("ours") and err):
             return 1
     return 0
-
-
-def time_ms(fn, warmup, rep, torch):
-    try:
-        from triton.testing import do_bench
-
-        return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
-    except ImportError:
-        fn()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        times = []
-        deadline = time.time() + rep / 1000
-        while time.time() < deadline or len(times) < 5:
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        return sorted(times)[len(times) // 2]
 
 
 def progress(i, n, label):
@@ -316,7 +260,7 @@ def run_grid(args):
             row = {"provider": name, "hdim": d, "causal": causal, "seqlen": s, "batch": b,
                    "heads": h, "ms": None, "tflops": None, "error": errors.get(name)}
             if times[name]:
-                ms = sorted(times[name])[len(times[name]) // 2]
+                ms = median(times[name])
                 row["ms"] = ms
                 row["tflops"] = flops(b, h, s, s, d, d, causal) / (ms * 1e-3) / 1e12
             rows.append(row)
@@ -386,8 +330,7 @@ def main(argv=None):
     if args.mode == "bwd":
         from fa_sm100.hopper.bwd_bench import run_from_benchmark_args
 
-        run_from_benchmark_args(args)
-        return 0
+        return run_from_benchmark_args(args)
     rows, device, unavailable = run_grid(args)
     providers = list(args.providers) + [f"ours:{v.partition(':')[0]}" for v in args.ours_variant]
     print(f"device: {device}")

@@ -1,10 +1,16 @@
 #!/usr/bin/env python
-"""Cross-compile FlashAttention-4's SM90 forward on a machine with no GPU, keep its PTX, cubin
-and SASS, and (``--diff``) compare its main loop with ours instruction by instruction.
+"""Cross-compile FlashAttention-4's SM90 forward (or backward) on a machine with no GPU, keep
+its PTX, cubin and SASS, and (``--diff``) compare its main loop with ours instruction by
+instruction.
 
     python scripts/dump_fa4_sm90_sass.py --hdim 256 --out /tmp/fa4_h256
     python scripts/dump_fa4_sm90_sass.py --hdim 128 --out /tmp/cmp_h128 --diff
     python scripts/dump_fa4_sm90_sass.py --hdim 128 --diff --pythonpath /tmp/triton_site
+    python scripts/dump_fa4_sm90_sass.py --mode bwd --hdim 128 --causal --diff
+
+``--mode bwd`` compiles FA4's backward (``_flash_attn_bwd`` with its own SM90 tile choice) and
+keeps the main kernel's cubin (the one with HGMMAs; the pre/postprocess are skipped); ours is
+``sm90_bwd`` with its ``select_bwd_config`` defaults for the same problem.
 
 FA4 is compiled in a child process through its public ``flash_attn_func`` under torch's
 FakeTensorMode (FLASH_ATTENTION_ARCH=sm_90 selects the SM90 kernel, CUTE_DSL_ARCH=sm_90a the
@@ -36,14 +42,16 @@ import argparse  # noqa: E402
 import collections  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
-import re  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+from fa_sm100.compile_tools import sass_main_loop, sass_opcode  # noqa: E402
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mode", choices=("fwd", "bwd"), default="fwd", help="forward or backward kernel")
     p.add_argument("--hdim", type=int, default=128, help="head dim of Q/K (default 128)")
     p.add_argument("--hdim-v", type=int, default=None, help="head dim of V (default: --hdim)")
     p.add_argument("--causal", action="store_true")
@@ -56,7 +64,7 @@ def parse_args(argv=None):
     p.add_argument("--diff", action="store_true",
                    help="also compile ours and print both main loops' instruction counts")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
-                   help="with --diff: an Sm90FwdConfig override for ours (repeatable)")
+                   help="with --diff: a config override for ours (Sm90FwdConfig / BwdConfig; repeatable)")
     p.add_argument("--full-opcodes", action="store_true",
                    help="with --diff: count opcodes with all modifiers (default: by base opcode)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -70,17 +78,20 @@ def _child(args) -> int:
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    import flash_attn.cute.flash_bwd_sm90 as bwd_mod
     import flash_attn.cute.flash_fwd_sm90 as fwd_mod
-    from flash_attn.cute.interface import flash_attn_func
+    from flash_attn.cute.interface import _flash_attn_bwd, flash_attn_func
 
+    cls = (bwd_mod.FlashAttentionBackwardSm90 if args.mode == "bwd"
+           else fwd_mod.FlashAttentionForwardSm90)
     seen = []
-    original_init = fwd_mod.FlashAttentionForwardSm90.__init__
+    original_init = cls.__init__
 
     def init(self, *a, **kw):
         original_init(self, *a, **kw)
         seen.append((a, kw))
 
-    fwd_mod.FlashAttentionForwardSm90.__init__ = init
+    cls.__init__ = init
     dtype = getattr(torch, args.dtype)
     hdim_v = args.hdim_v or args.hdim
     heads = max(1, 2048 // args.hdim)
@@ -89,14 +100,23 @@ def _child(args) -> int:
         q = torch.empty(batch, args.seqlen, heads, args.hdim, dtype=dtype, device="cuda")
         k = torch.empty(batch, args.seqlen, heads, args.hdim, dtype=dtype, device="cuda")
         v = torch.empty(batch, args.seqlen, heads, hdim_v, dtype=dtype, device="cuda")
-        flash_attn_func(q, k, v, causal=args.causal)
+        if args.mode == "bwd":
+            out, dout = (torch.empty(batch, args.seqlen, heads, hdim_v, dtype=dtype, device="cuda")
+                         for _ in range(2))
+            lse = torch.empty(batch, heads, args.seqlen, dtype=torch.float32, device="cuda")
+            _flash_attn_bwd(q, k, v, out, dout, lse, causal=args.causal)
+        else:
+            flash_attn_func(q, k, v, causal=args.causal)
     if not seen:
-        print("FA4 did not construct FlashAttentionForwardSm90", file=sys.stderr)
+        print(f"FA4 did not construct {cls.__name__}", file=sys.stderr)
         return 1
     a, kw = seen[-1]
     print("FA4_ARGS " + json.dumps({"args": [repr(x) for x in a],
                                     "kwargs": {k: repr(v) for k, v in kw.items()}}))
     return 0
+
+
+_FA4_CLASS = {"fwd": "FlashAttentionForwardSm90", "bwd": "FlashAttentionBackwardSm90"}
 
 
 def compile_fa4(args, out: Path) -> Path:
@@ -113,7 +133,7 @@ def compile_fa4(args, out: Path) -> Path:
                CUTE_DSL_DUMP_DIR=str(dump))
     if args.pythonpath:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (args.pythonpath, env.get("PYTHONPATH")) if p)
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", "--hdim", str(args.hdim),
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", "--mode", args.mode, "--hdim", str(args.hdim),
            "--dtype", args.dtype, "--seqlen", str(args.seqlen)]
     if args.hdim_v:
         cmd += ["--hdim-v", str(args.hdim_v)]
@@ -122,17 +142,19 @@ def compile_fa4(args, out: Path) -> Path:
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
-        raise SystemExit(f"compiling FA4's SM90 forward failed (exit {proc.returncode}):\n{tail}")
+        raise SystemExit(f"compiling FA4's SM90 {args.mode} failed (exit {proc.returncode}):\n{tail}")
     for line in proc.stdout.splitlines():
         if line.startswith("FA4_ARGS "):
             info = json.loads(line[len("FA4_ARGS "):])
-            print("FA4 FlashAttentionForwardSm90" + "(" + ", ".join(
+            print(f"FA4 {_FA4_CLASS[args.mode]}(" + ", ".join(
                 info["args"] + [f"{k}={v}" for k, v in info["kwargs"].items()]) + ")")
-    cubins = sorted(dump.glob("*.sm_90a.cubin"))
-    if len(cubins) != 1:
-        raise SystemExit(f"expected one FA4 cubin in {dump}, found {[c.name for c in cubins]}")
+    # the backward also compiles its pre/postprocess: keep the kernel with tensor-core MMAs
+    texts = {c: disassemble(c, nvdisasm) for c in sorted(dump.glob("*.sm_90a.cubin"))}
+    mma = [c for c, text in texts.items() if "HGMMA" in text]
+    if len(mma) != 1:
+        raise SystemExit(f"expected one FA4 cubin with HGMMAs in {dump}, found {[c.name for c in mma]}")
     sass = out / "fa4.sass"
-    sass.write_text(disassemble(cubins[0], nvdisasm))
+    sass.write_text(texts[mma[0]])
     return sass
 
 
@@ -145,7 +167,8 @@ def compile_ours(args, out: Path) -> Path:
         overrides.append(f"head_dim_v={args.hdim_v}")
     keep = out / "ours"
     keep.mkdir(parents=True, exist_ok=True)
-    inspect_kernel("sm90_fwd", "sm_90a", overrides + list(args.overrides), keep_dir=keep)
+    kernel = "sm90_bwd" if args.mode == "bwd" else "sm90_fwd"
+    inspect_kernel(kernel, "sm_90a", overrides + list(args.overrides), keep_dir=keep)
     sass_files = sorted(keep.glob("*.sass"))
     sass = out / "ours.sass"
     sass.write_text(sass_files[-1].read_text())
@@ -154,57 +177,18 @@ def compile_ours(args, out: Path) -> Path:
 
 # ---- SASS main-loop analysis ----------------------------------------------------------------
 
-_LINE = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
-_LABEL = re.compile(r"^\s*(\.L_x_\d+):")
-_GUARD = re.compile(r"^@!?U?P\w+\s+")
-
-
-def parse_sass(text: str):
-    """[(address, instruction)] and {label: address} of nvdisasm output."""
-    ins, labels, pending = [], {}, []
-    for line in text.splitlines():
-        m = _LABEL.match(line)
-        if m:
-            pending.append(m.group(1))
-            continue
-        m = _LINE.match(line)
-        if m:
-            addr = int(m.group(1), 16)
-            for name in pending:
-                labels[name] = addr
-            pending = []
-            ins.append((addr, m.group(2).strip()))
-    return ins, labels
-
-
-def opcode(instr: str) -> str:
-    return _GUARD.sub("", instr).split()[0]
-
-
 def main_loop(text: str):
-    """The instructions of the loop (conditional backward branch) holding the most HGMMAs."""
-    ins, labels = parse_sass(text)
-    best = None
-    for addr, instr in ins:
-        if not opcode(instr).startswith("BRA") or not _GUARD.match(instr):
-            continue
-        m = re.search(r"\((\.L_x_\d+)\)", instr)
-        start = labels.get(m.group(1)) if m else None
-        if start is None or start > addr:
-            continue
-        body = [x for x in ins if start <= x[0] <= addr]
-        n = sum(opcode(t).startswith("HGMMA") for _, t in body)
-        if best is None or (n, -len(body)) > (best[0], -len(best[1])):
-            best = (n, body)
-    if best is None or best[0] == 0:
-        raise SystemExit("no loop with an HGMMA found in the SASS")
-    return best[1]
+    """``compile_tools.sass_main_loop``, with a failure as the script's exit message."""
+    try:
+        return sass_main_loop(text)
+    except ValueError as e:
+        raise SystemExit(str(e))
 
 
 def histogram(body, full: bool) -> collections.Counter:
     h = collections.Counter()
     for _, instr in body:
-        op = opcode(instr)
+        op = sass_opcode(instr)
         h[op if full or op.startswith("HGMMA") else op.split(".")[0]] += 1
     return h
 

@@ -82,6 +82,31 @@ def test_fma_single_rounding_including_a_double_rounding_trap():
     np.testing.assert_array_equal(got.view(np.float32), want)
 
 
+@pytest.mark.parametrize("src_t", ["bf16", "f16"])
+def test_mixed_precision_fma_and_add_widen_16_bit_sources(src_t):
+    """sm_100's ``fma.rn.f32.bf16 d, a, b, c`` / ``add.rn.f32.bf16 d, a, c`` (what LLVM makes of
+    a 16-bit product summed in f32): a and b are the low halves of %r2, %r3 read as 16-bit
+    floats, widened exactly, the result rounded once as f32. Reading the 16-bit bits as f32
+    gives subnormal garbage, which is what the emulator did before it modelled these forms."""
+    rng = np.random.default_rng(2)
+    t16 = torch.bfloat16 if src_t == "bf16" else torch.float16
+    a16 = torch.from_numpy(rng.standard_normal(32).astype(np.float32)).to(t16)
+    b16 = torch.from_numpy(rng.standard_normal(32).astype(np.float32)).to(t16)
+    bits = lambda t: t.view(torch.int16).numpy().view(np.uint16).astype(np.uint32)  # noqa: E731
+    a, b = bits(a16), bits(b16)
+    c = np.float32(0.3125)
+    prologue = (f"mov.b32 %r5, 0f{int(c.view(np.uint32)):08X};\n"
+                "cvt.u16.u32 %rs1, %r2;\n cvt.u16.u32 %rs2, %r3;\n")
+    decl = ".reg .b16 %rs<3>;\n"
+    fma = run_binary(decl + prologue + f"fma.rn.f32.{src_t} %r4, %rs1, %rs2, %r5;", a, b)
+    add = run_binary(decl + prologue + f"add.rn.f32.{src_t} %r4, %rs1, %r5;", a, b)
+    x, y = a16.double().numpy(), b16.double().numpy()
+    want_fma = np.array([round_f32_exact(Fraction(float(p)) * Fraction(float(q)) + Fraction(float(c)))
+                         for p, q in zip(x, y)], dtype=np.float32)
+    np.testing.assert_array_equal(fma.view(np.float32), want_fma)
+    np.testing.assert_array_equal(add.view(np.float32), (x + np.float64(c)).astype(np.float32))
+
+
 def test_cvt_bf16x2_packs_hi_lo_round_nearest_even():
     rng = np.random.default_rng(1)
     a, b = f32(rng.standard_normal(32) * 100), f32(rng.standard_normal(32))

@@ -74,6 +74,12 @@ def test_default_configs_fit_smem_and_follow_the_measured_choices():
         select_bwd_config(qhead_per_kvhead=4, deterministic=True, gqa_reduce="atomic")
     assert not select_bwd_config().sdp_swap_ab and select_bwd_config(sdp_swap_ab=True).sdp_swap_ab
     assert not select_bwd_config().overlap_dk and select_bwd_config(overlap_dk=True).overlap_dk
+    # Note [try first]: on, except with a left window and swapped S/dP (ptxas spills there)
+    assert select_bwd_config().try_wait and select_bwd_config(causal=True).try_wait
+    assert not select_bwd_config(head_dim=64, window_left=10).try_wait
+    assert not select_bwd_config(window_left=10).try_wait
+    assert select_bwd_config(window_left=10, sdp_swap_ab=False).try_wait
+    assert not select_bwd_config(causal=True, stats_smem=False).try_wait
 
 
 def test_tile_m_128_is_swapped_hdim64_only_and_overridable():
@@ -340,6 +346,32 @@ def test_sm90_bwd_compile_contract(overrides, dq_mnemonic, tmp_path):
     assert 0 < r["smem_bytes"] <= SM90_SMEM_BYTES
     assert any(k.startswith(dq_mnemonic) for k in sass), f"{dq_mnemonic} missing: {sorted(sass)}"
     assert sass.get("UTMALDG.4D", 0) >= 4, "Q, dO, K, V are loaded by TMA"
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("overrides", [["causal=true"], ["head_dim=64", "window_left=100"]],
+                         ids=["hdim128-causal", "hdim64-window"])
+def test_sm90_bwd_try_wait_polls_before_the_blocking_wait(overrides, tmp_path):
+    """Note [try first]: with ``try_wait`` the MMA warpgroups' two stage waits (q, dO) leave
+    the main loop's body (try-wait + NANOSLEEP there) for a poll and an out-of-line retry,
+    and the kernel still has no spills; the switch is what selects it."""
+    from fa_sm100.compile_tools import sass_main_loop, sass_opcode
+    from fa_sm100.inspection import inspect_kernel
+
+    sleeps, spills = {}, {}
+    for on in (False, True):
+        keep = tmp_path / f"try_{on}"
+        r = inspect_kernel("sm90_bwd", "sm_90a", overrides + [f"try_wait={str(on).lower()}"],
+                           keep_dir=keep)
+        loop = sass_main_loop(_sass_text(keep))
+        sleeps[on] = sum(sass_opcode(t).startswith("NANOSLEEP") for _, t in loop)
+        spills[on] = r["spill_bytes"]
+    assert sleeps == {False: 2, True: 0}, sleeps
+    assert spills[False] == 0
+    if "window_left=100" in overrides:  # why select_bwd_config turns it off here
+        assert spills[True] > 0, "the windowed swapped kernel no longer spills: revisit the rule"
+    else:
+        assert spills[True] == 0
 
 
 @pytest.mark.compile

@@ -2,10 +2,18 @@
 
 Used by ``scripts/benchmark.py --mode bwd`` and runnable as
 ``python -m fa_sm100.hopper.bwd_bench [--json out.json]``. Every cell draws fresh random
-inputs, times each implementation in the same process with CUDA events (median of repeats,
-after warm-up), and reports TFLOP/s with the backward's conventional FLOP count
-2.5 x the forward's: 2.5 * 4 * b * h * sq * sk * d, halved for causal.
-The peers' times include their own preprocess/postprocess kernels, as ours do.
+inputs and times each implementation in the same process with the forward benchmark's method
+(``fa_sm100.benchmarking.run_cell``): every provider prepared and its first gradients checked
+before any timing, a discarded warm-up, then ``repeat`` rounds in a rotated order, each the
+median of ``triton.testing.do_bench``; the cell keeps the median round. TFLOP/s use the
+backward's conventional FLOP count 2.5 x the forward's: 2.5 * 4 * b * h * sq * sk * d,
+halved for causal. The peers' times include their own preprocess/postprocess kernels, as
+ours do.
+
+Check: dQ, dK, dV of batch 0 for the first and the last KV head (with their query heads)
+against float32 autograd of the same attention, with the project's rule (error <= 2 x the
+error of the same computation in the input precision + 1e-3). A provider that fails it is not
+timed on that cell and its ``<name>_error`` says why.
 """
 
 import argparse
@@ -14,32 +22,18 @@ import math
 
 import torch
 
+from fa_sm100.benchmarking import median, run_cell, time_ms
+
 DEFAULT_SEQLENS = (1024, 4096, 16384)
 DEFAULT_HEAD_DIMS = (64, 128)
 TOKENS = 16384  # batch * seqlen per cell
 MODEL_DIM = 2048  # heads * head_dim per cell
+WARMUP_MS, REP_MS, REPEAT = 25, 100, 3
 
 
 def bwd_flops(b, h, sq, sk, d, causal):
     f = 2.5 * 4 * b * h * sq * sk * d
     return f / 2 if causal else f
-
-
-def time_ms(fn, warmup=3, reps=10):
-    """Median time of ``fn`` in milliseconds, measured with CUDA events."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
-    return times[len(times) // 2]
 
 
 def _fa4_fn():
@@ -69,7 +63,73 @@ def parse_variant(spec: str):
     return name, parse_overrides(items, cls=BwdConfig)
 
 
-def bench_cell(b, h, hk, s, d, causal, dtype=torch.bfloat16, deterministic=False, variants=()):
+def checked_heads(h, hk):
+    """(kv head, its query heads) pairs the check covers: the first and the last KV head."""
+    g = h // hk
+    return [(kh, list(range(kh * g, (kh + 1) * g))) for kh in sorted({0, hk - 1})]
+
+
+def reference_grads(q, k, v, dout, causal, dtype):
+    """dQ, dK, dV of batch 0 for ``checked_heads``, by autograd of plain attention computed in
+    ``dtype`` (float32: the reference; the input dtype: the baseline of the error rule).
+    Causal is bottom-right aligned. Returns [(kv head, query heads, (dq, dk, dv))]."""
+    s, h, d = q.shape[1], q.shape[2], q.shape[3]
+    sk, hk = k.shape[1], k.shape[2]
+    out = []
+    for kh, qh in checked_heads(h, hk):
+        qs = q[0, :, qh].transpose(0, 1).to(dtype).requires_grad_()  # (g, s, d)
+        ks, vs = (t[0, :, kh].to(dtype).requires_grad_() for t in (k, v))
+        scores = torch.einsum("gqd,kd->gqk", qs, ks) * (1.0 / math.sqrt(d))
+        if causal:
+            visible = (torch.arange(sk, device=q.device)[None, :]
+                       <= torch.arange(s, device=q.device)[:, None] + (sk - s))
+            scores = scores.masked_fill(~visible, float("-inf"))
+        p = torch.softmax(scores.float(), dim=-1).to(dtype)
+        o = torch.einsum("gqk,kd->gqd", p, vs)
+        dq, dk, dv = torch.autograd.grad(o, (qs, ks, vs), dout[0, :, qh].transpose(0, 1).to(dtype))
+        out.append((kh, qh, (dq.transpose(0, 1), dk, dv)))
+        del scores, p, o
+    return out
+
+
+def check_grads(grads, ref, plain):
+    """None when a provider's (dq, dk, dv) (BSHD) meet the error rule on the checked heads
+    (``reference_grads`` in float32 and in the input dtype), else the reason."""
+    from fa_sm100.testing import check_against_reference
+
+    for (kh, qh, want), (_, _, base) in zip(ref, plain):
+        got = (grads[0][0, :, qh], grads[1][0, :, kh], grads[2][0, :, kh])
+        for name, x, r, b in zip(("dq", "dk", "dv"), got, want, base):
+            if tuple(x.shape) != tuple(r.shape):
+                return f"{name} shape {tuple(x.shape)}, expected {tuple(r.shape)}"
+            try:
+                check_against_reference(x, r, b, atol=1e-3, what=f"{name} (kv head {kh})")
+            except AssertionError as e:
+                return str(e)
+    return None
+
+
+def _cudnn_backward(q, k, v, dout, causal):
+    """torch SDPA forced onto cuDNN, run forward once; returns the call that times its
+    backward, giving BSHD (dq, dk, dv)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    h, hk = q.shape[2], k.shape[2]
+    qt, kt, vt = (t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v))
+    kt_, vt_ = ((x.repeat_interleave(h // hk, dim=1) for x in (kt, vt)) if hk != h else (kt, vt))
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        oc = torch.nn.functional.scaled_dot_product_attention(qt, kt_, vt_, is_causal=causal)
+    doc = dout.transpose(1, 2)
+
+    def run():
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            grads = torch.autograd.grad(oc, (qt, kt, vt), doc, retain_graph=True)
+        return tuple(g.transpose(1, 2) for g in grads)
+    return run
+
+
+def bench_cell(b, h, hk, s, d, causal, dtype=torch.bfloat16, deterministic=False, variants=(),
+               repeat=REPEAT, warmup=WARMUP_MS, rep=REP_MS):
     from fa_sm100.hopper.bwd_config import SM90_BWD_HEAD_DIMS, select_bwd_config
     from fa_sm100.hopper.bwd_interface import sm90_bwd
 
@@ -80,8 +140,6 @@ def bench_cell(b, h, hk, s, d, causal, dtype=torch.bfloat16, deterministic=False
     flops = bwd_flops(b, h, s, s, d, causal)
     row = {"batch": b, "heads": h, "heads_kv": hk, "seqlen": s, "head_dim": d,
            "causal": causal, "deterministic": deterministic}
-    if d not in SM90_BWD_HEAD_DIMS:
-        row["ours_error"] = f"head_dim {d} is not supported by sm90_bwd ({SM90_BWD_HEAD_DIMS})"
     fa4, why = _fa4_fn()
     # O and LSE for our backward: FA4's forward when present, else the math in float32 chunks.
     if fa4 is not None:
@@ -92,38 +150,35 @@ def bench_cell(b, h, hk, s, d, causal, dtype=torch.bfloat16, deterministic=False
         lse = lse.float().contiguous()
     else:
         out, lse = _torch_forward(q, k, v, causal)
-    if "ours_error" not in row:
-        ms = time_ms(lambda: sm90_bwd(dout, q, k, v, out, lse, causal=causal,
-                                      deterministic=deterministic))
-        row["ours_ms"] = ms
-        row["ours_tflops"] = flops / ms / 1e9
+        row["fa4_error"] = why
+    prepares = {}
+    if d in SM90_BWD_HEAD_DIMS:
+        prepares["ours"] = lambda: (lambda: sm90_bwd(dout, q, k, v, out, lse, causal=causal,
+                                                      deterministic=deterministic))
         for name, overrides in variants:
             # the cell's causality picks the variant's other defaults (early dV, swap, tile_m)
             cfg = select_bwd_config(head_dim=d, causal=causal, qhead_per_kvhead=h // hk,
                                     deterministic=deterministic, **overrides)
-            msv = time_ms(lambda: sm90_bwd(dout, q, k, v, out, lse, causal=causal,
-                                           deterministic=deterministic, config=cfg))
-            row[f"ours:{name}_ms"], row[f"ours:{name}_tflops"] = msv, flops / msv / 1e9
-    if fa4 is not None:
-        ms4 = time_ms(_fa4_backward(fa4, q, k, v, dout, causal, deterministic))
-        row["fa4_ms"], row["fa4_tflops"] = ms4, flops / ms4 / 1e9
+            prepares[f"ours:{name}"] = lambda cfg=cfg: (
+                lambda: sm90_bwd(dout, q, k, v, out, lse, causal=causal,
+                                 deterministic=deterministic, config=cfg))
     else:
-        row["fa4_error"] = why
-    try:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        qt, kt, vt = (t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v))
-        if hk != h:
-            kt_, vt_ = (x.repeat_interleave(h // hk, dim=1) for x in (kt, vt))
-        else:
-            kt_, vt_ = kt, vt
-        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-            oc = torch.nn.functional.scaled_dot_product_attention(qt, kt_, vt_, is_causal=causal)
-            doc = dout.transpose(1, 2)
-            msc = time_ms(lambda: torch.autograd.grad(oc, (qt, kt, vt), doc, retain_graph=True))
-        row["cudnn_ms"], row["cudnn_tflops"] = msc, flops / msc / 1e9
-    except Exception as exc:
-        row["cudnn_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+        row["ours_error"] = f"head_dim {d} is not supported by sm90_bwd ({SM90_BWD_HEAD_DIMS})"
+    if fa4 is not None:
+        prepares["fa4"] = lambda: _fa4_backward(fa4, q, k, v, dout, causal, deterministic)
+    prepares["cudnn"] = lambda: _cudnn_backward(q, k, v, dout, causal)
+    ref = reference_grads(q, k, v, dout, causal, torch.float32)
+    plain = reference_grads(q, k, v, dout, causal, dtype)
+    times, errors = run_cell(prepares, lambda grads: check_grads(grads, ref, plain), repeat,
+                             lambda fn: time_ms(fn, warmup, rep, torch),
+                             sync=torch.cuda.synchronize)
+    del ref, plain
+    for name in prepares:
+        if times[name]:
+            ms = median(times[name])
+            row[f"{name}_ms"], row[f"{name}_tflops"] = ms, flops / ms / 1e9
+        if name in errors:
+            row[f"{name}_error"] = errors[name]
     peers = [row[k] for k in ("fa4_tflops", "cudnn_tflops") if k in row]
     if peers and "ours_tflops" in row:
         row["ratio_vs_best_peer"] = row["ours_tflops"] / max(peers)
@@ -149,7 +204,8 @@ def _torch_forward(q, k, v, causal):
 
 
 def run_grid(seqlens=DEFAULT_SEQLENS, head_dims=DEFAULT_HEAD_DIMS, causals=(False, True),
-             gqa_ratio=1, deterministic=False, variants=(), tokens=TOKENS, model_dim=MODEL_DIM):
+             gqa_ratio=1, deterministic=False, variants=(), tokens=TOKENS, model_dim=MODEL_DIM,
+             repeat=REPEAT, warmup=WARMUP_MS, rep=REP_MS):
     rows = []
     for d in head_dims:
         h = model_dim // d
@@ -157,31 +213,34 @@ def run_grid(seqlens=DEFAULT_SEQLENS, head_dims=DEFAULT_HEAD_DIMS, causals=(Fals
             b = max(1, tokens // s)
             for causal in causals:
                 rows.append(bench_cell(b, h, h // gqa_ratio, s, d, causal,
-                                       deterministic=deterministic, variants=variants))
+                                       deterministic=deterministic, variants=variants,
+                                       repeat=repeat, warmup=warmup, rep=rep))
                 print(format_row(rows[-1]), flush=True)
     return rows
 
 
 def run_from_benchmark_args(args):
     """``scripts/benchmark.py --mode bwd``: the forward grid's flags, timed for the backward.
-    ``--ours-variant NAME:field=value,...`` takes BwdConfig fields here."""
+    ``--ours-variant NAME:field=value,...`` takes BwdConfig fields here. Returns the exit
+    status (``exit_status``)."""
     variants = [parse_variant(v) for v in args.ours_variant]
     rows = run_grid(args.seqlen, args.hdim, args.causal, variants=variants,
-                    tokens=args.total_tokens, model_dim=args.hidden)
+                    tokens=args.total_tokens, model_dim=args.hidden, repeat=args.repeat,
+                    warmup=args.warmup, rep=args.rep)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"mode": "bwd", "device": torch.cuda.get_device_name(), "rows": rows},
                       f, indent=1)
-    return rows
+    return exit_status(rows)
 
 
 def kernel_breakdown(fn, reps=10):
     """Where the time of one backward call goes: {kernel name: mean ms per call} from the
-    CUDA profiler, plus ``"(call, events)"``, the CUDA-event time of one call as ``time_ms``
-    measures it; the difference to the kernels' sum is host time the GPU waited for."""
+    CUDA profiler, plus ``"(call, events)"``, the time of one call as the grid measures it;
+    the difference to the kernels' sum is host time the GPU waited for."""
     from torch.profiler import ProfilerActivity, profile
 
-    call_ms = time_ms(fn, reps=reps)
+    call_ms = time_ms(fn, WARMUP_MS, REP_MS, torch)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
             fn()
@@ -211,14 +270,29 @@ def breakdown_cell(b, h, s, d, causal, dtype=torch.bfloat16):
 
 
 def format_row(r):
+    """One line per cell: TFLOP/s of each provider (n/a when it has no time), the ratio, and
+    the reason of every provider that failed or could not run."""
     cells = [f"d={r['head_dim']:3d} s={r['seqlen']:5d} b={r['batch']:2d} h={r['heads']}/{r['heads_kv']}"
              f" {'causal' if r['causal'] else 'full  '}"]
-    names = ["ours"] + sorted(k[:-7] for k in r if k.startswith("ours:") and k.endswith("_tflops"))
+    names = ["ours"] + sorted({k.rsplit("_", 1)[0] for k in r if k.startswith("ours:")})
     for peer in names + ["fa4", "cudnn"]:
         cells.append(f"{peer} {r[peer + '_tflops']:6.1f}" if peer + "_tflops" in r else f"{peer} n/a")
     if "ratio_vs_best_peer" in r:
         cells.append(f"ratio {r['ratio_vs_best_peer']:.2f}x")
-    return " | ".join(cells) + " TFLOP/s"
+    line = " | ".join(cells) + " TFLOP/s"
+    for peer in names + ["fa4", "cudnn"]:
+        if peer + "_error" in r:
+            line += f"\n    {peer}: {r[peer + '_error']}"
+    return line
+
+
+def exit_status(rows) -> int:
+    """1 when a provider gave wrong gradients, or ours (or a variant) failed on a cell."""
+    for r in rows:
+        for key, err in r.items():
+            if key.endswith("_error") and (key.startswith("ours") or err.startswith("wrong output")):
+                return 1
+    return 0
 
 
 def main(argv=None):
@@ -229,6 +303,9 @@ def main(argv=None):
     p.add_argument("--deterministic", action="store_true")
     p.add_argument("--variant", action="append", default=[], metavar="NAME:FIELD=VALUE[,...]",
                    help="also time sm90_bwd with these BwdConfig overrides")
+    p.add_argument("--repeat", type=int, default=REPEAT, help="rounds per cell (median kept)")
+    p.add_argument("--warmup", type=int, default=WARMUP_MS, help="ms of warm-up per measurement")
+    p.add_argument("--rep", type=int, default=REP_MS, help="ms of timed calls per measurement")
     p.add_argument("--json", default=None)
     p.add_argument("--breakdown", action="store_true",
                    help="per-kernel times (CUDA profiler) of ours and FA4 instead of the grid")
@@ -247,7 +324,8 @@ def main(argv=None):
                 json.dump(rows, f, indent=1)
         return rows
     rows = run_grid(a.seqlens, a.head_dims, gqa_ratio=a.gqa_ratio, deterministic=a.deterministic,
-                    variants=[parse_variant(v) for v in a.variant])
+                    variants=[parse_variant(v) for v in a.variant], repeat=a.repeat,
+                    warmup=a.warmup, rep=a.rep)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)
@@ -255,4 +333,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(exit_status(main()))

@@ -74,6 +74,9 @@ class BwdConfig:
     # each, on the same mbarrier); off: the MMA warpgroups load them from global memory in the
     # iteration that uses them, and wait for that load.
     stats_smem: bool = True
+    # Poll a Q / dO stage's mbarrier once before the blocking wait (Note [try first] in
+    # bwd_kernel.py); off where the extra live register makes ptxas spill.
+    try_wait: bool = True
     # registers after setmaxnreg: producer warpgroup and each of the two MMA warpgroups
     regs_producer: int = 24
     regs_mma: int = 240
@@ -165,7 +168,7 @@ class BwdConfig:
                 "deterministic=True with GQA/MQA needs gqa_reduce='buffers' (atomics add in a "
                 "run-dependent order)"
             )
-        for name in ("sdp_swap_ab", "overlap_dk", "stats_smem"):
+        for name in ("sdp_swap_ab", "overlap_dk", "stats_smem", "try_wait"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be a bool")
         if self.tile_m == 2 * TILE_M_ATOM:
@@ -230,6 +233,7 @@ def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = Fals
     early_dv = overrides.pop("early_dv", not (causal or windowed))
     swap = overrides.pop("sdp_swap_ab", head_dim == 64 or (head_dim == 128 and (causal or windowed)))
     tile_m = overrides.pop("tile_m", TILE_M_SWAPPED_HDIM64 if swap and head_dim == 64 else 64)
+    stats_smem = overrides.pop("stats_smem", True)
     cfg = BwdConfig(
         head_dim=head_dim,
         head_dim_v=overrides.pop("head_dim_v", head_dim),
@@ -244,6 +248,11 @@ def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = Fals
         sdp_swap_ab=swap,
         tile_m=tile_m,
         overlap_dk=overrides.pop("overlap_dk", False),
+        stats_smem=stats_smem,
+        # swapped S/dP with a left window's extra compares, or with the stats held in
+        # registers, leaves no register for the token (the compile tests)
+        try_wait=overrides.pop("try_wait", not (swap and (window_left is not None
+                                                          or not stats_smem))),
     )
     return cfg.replace(**overrides).validate()
 

@@ -4,7 +4,8 @@
 
 1. preprocess: Delta = rowsum(O * dO), LSE in log2 units (padded rows: Delta 0, LSE +inf);
 2. main kernel (``Sm90FlashBackward``): dK, dV per key block, dQ added into float32;
-3. postprocess: dQ (and GQA dK/dV) float32 -> input dtype, BSHD, GQA heads summed.
+3. postprocess: dQ (and GQA dK/dV) float32 -> input dtype, BSHD, GQA heads summed; dQ times
+   the softmax scale.
 
 Everything that can be wrong with the inputs raises ValueError before anything is compiled
 or launched. Compiled kernels are cached per (config, kind); shapes other than the head dims
@@ -153,13 +154,13 @@ def sm90_bwd(dout, q, k, v, out, lse, softmax_scale: Optional[float] = None, cau
     pitch = dq_acc.shape[-1]
     post = _compiled("post", (d, 1, dtype, pitch), lambda: BwdPostprocess(d, 1),
                      lambda: fake_post_arguments(cutlass_dtype(dtype), d, pitch))
-    post(dq_acc, dq)
+    post(dq_acc, dq, softmax_scale)  # the main kernel's dQ tiles are unscaled
     if config.uses_gqa_buffers:
         g = group if config.gqa_reduce == "buffers" else 1
         post_kv = _compiled("post", (d, g, dtype, d), lambda: BwdPostprocess(d, g),
                             lambda: fake_post_arguments(cutlass_dtype(dtype), d, d))
         for acc, res in ((dk_acc, dk), (dv_acc, dv)):
-            post_kv(acc, res)
+            post_kv(acc, res, 1.0)  # dK arrives scaled
     return dq, dk, dv
 
 
@@ -216,11 +217,12 @@ def fake_pre_arguments(dt, head_dim: int):
 
 def fake_post_arguments(dt, head_dim: int, pitch: int):
     """Fake arguments of the postprocess: the float32 accumulator (b, h_acc, s_pad, pitch),
-    the output (b, s, h, d); the current torch stream."""
+    the output (b, s, h, d), the scale; the current torch stream."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream
 
     b, h_acc, s_pad, s, h = (cute.sym_int() for _ in range(5))
     return (_rowmajor(cutlass.Float32, (b, h_acc, s_pad, pitch)),
-            _rowmajor(dt, (b, s, h, head_dim)), make_fake_stream(use_tvm_ffi_env_stream=True))
+            _rowmajor(dt, (b, s, h, head_dim)), cutlass.Float32(1.0),
+            make_fake_stream(use_tvm_ffi_env_stream=True))

@@ -81,6 +81,14 @@ Instead the load warp bulk-copies each block's tile_m values of LSE2 (Delta) int
 SMEM slot next to the Q (dO) TMA, on the same mbarrier, whose transaction count includes
 them; the MMA warpgroups have waited on that stage anyway, and the slot is released with it.
 
+Note [try first] (``try_wait``): the MMA warpgroups' waits for a ``q`` / ``do`` stage first
+poll the mbarrier once (``consumer_try_wait``) and pass the result as the token of the
+blocking wait, which runs only if the poll failed. Without the token the wait lowers to
+try-wait + ``NANOSLEEP.SYNCS`` inside the loop body; with it, to a test and a branch to an
+out-of-line retry loop, as in the forward and in FA4. The token is one more live register:
+with swapped S/dP and a left window, or with ``stats_smem=False``, ptxas then spills, so
+``select_bwd_config`` turns it off there.
+
 dQ is accumulated in float32 in global memory by one of two switchable paths (``dq_accum``);
 the stores of dQ, dK and dV are in ``bwd_store.py`` (``BwdStoreRole``, with Note [dQ SMEM
 handoff]).
@@ -483,10 +491,10 @@ class Sm90FlashBackward(BwdStoreRole):
         for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
             ds_idx = (m_block - m_block_min) % 2
             # S = Q K^T, dP = dO V^T (swapped: S^T = K Q^T, dP^T = V dO^T)
-            pipe_q.consumer_wait(state_q)
+            self._consumer_wait(pipe_q, state_q)
             acc_S = cute.make_rmem_tensor(mma_sdp.partition_shape_C(sdp_shape), Float32)
             self._sdp_gemm(mma_sdp, acc_S, tSrQ[None, None, None, state_q.index], tSrK)
-            pipe_do.consumer_wait(state_do)
+            self._consumer_wait(pipe_do, state_do)
             acc_dP = cute.make_rmem_tensor(mma_sdp.partition_shape_C(sdp_shape), Float32)
             self._sdp_gemm(mma_sdp, acc_dP, tdPrdO[None, None, None, state_do.index], tdPrV)
             S = rows_cols_view(acc_S)
@@ -561,10 +569,10 @@ class Sm90FlashBackward(BwdStoreRole):
             warpgroup.wait_group(1)  # dV and dQ done, dK may still run
             pipe_do.consumer_release(state_do)
             if const_expr(self.cfg.dq_accum == "bulk"):
-                self._stage_dq(mma_dq, acc_dQ, sdQ, tidx, softmax_scale)
+                self._stage_dq(mma_dq, acc_dQ, sdQ, tidx)
             else:
                 self._store_dq(mma_dq, acc_dQ, mdQacc, mdQsem, tidx, m_block, n_block, head,
-                               batch, seqlen_q, seqlen_k, softmax_scale)
+                               batch, seqlen_q, seqlen_k)
             if const_expr(self.cfg.overlap_dk):
                 state_q_prev = state_q.clone()  # dK runs on behind the next S and dP
             else:
@@ -578,6 +586,14 @@ class Sm90FlashBackward(BwdStoreRole):
                 pipe_q.consumer_release(state_q_prev)
         self._store_dkdv(mma_dkv, acc_dK, acc_dV, mdK, mdV, tidx, n_block, head, batch, group,
                          seqlen_k, softmax_scale)
+
+    @cute.jit
+    def _consumer_wait(self, pipe, state):
+        """Wait for a ``q`` / ``do`` stage (Note [try first])."""
+        if const_expr(self.cfg.try_wait):
+            pipe.consumer_wait(state, pipe.consumer_try_wait(state))
+        else:
+            pipe.consumer_wait(state)
 
     def _sdp_fragments(self, mma_sdp, wg_sdp, s_query, s_key):
         """WGMMA descriptors of a query-side (Q, dO) and a key-side (K, V) SMEM operand of

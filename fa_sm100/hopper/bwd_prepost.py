@@ -1,16 +1,21 @@
 """Backward preprocess and postprocess kernels (SM90; plain CUDA-core code, no tensor cores).
 
-Preprocess, one thread per query row of one (batch, head):
+Preprocess, per query row of one (batch, head):
     Delta[b, h, i] = sum_d O[b, i, h, d] * dO[b, i, h, d]           (float32)
     LSE2[b, h, i]  = LSE[b, h, i] * log2(e), with -inf (fully masked row) -> +inf
 and on the padding rows seqlen_q <= i < seqlen_q_pad: Delta = 0, LSE2 = +inf, so that the main
 kernel's P = exp2(S * scale_log2 - LSE2) is exactly 0 there without any row predicate.
 
-Postprocess, one thread per output row:
-    out[b, i, h, :] = sum_{g < G} acc[b, h * G + g, i, :]   converted to the output dtype
-G = 1 for dQ (float32 accumulator -> input dtype and BSHD layout) and for GQA dK/dV reduced
-with atomics; G = qhead_per_kvhead for GQA dK/dV kept in per-query-head buffers (the sum runs
-in a fixed order, so it is deterministic).
+Postprocess, per output row:
+    out[b, i, h, :] = scale * sum_{g < G} acc[b, h * G + g, i, :]   converted to the output dtype
+G = 1 for dQ (float32 accumulator -> input dtype and BSHD layout; scale = softmax_scale, which
+the main kernel leaves out of its per-block dQ tiles) and for GQA dK/dV reduced with atomics;
+G = qhead_per_kvhead for GQA dK/dV kept in per-query-head buffers (the sum runs in a fixed
+order, so it is deterministic; dK/dV arrive scaled, scale = 1).
+
+Both kernels give a row to ``THREADS_PER_ROW`` adjacent threads, each owning head_dim / 16
+contiguous columns, so a warp reads two whole rows per access (coalesced); the preprocess sums
+its partial dot products with butterfly shuffles inside the 16 lanes of a row.
 """
 
 import math
@@ -19,15 +24,24 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 
-ROWS_PER_CTA = 128
+THREADS_PER_ROW = 16
+CTA_THREADS = 256
+ROWS_PER_CTA = CTA_THREADS // THREADS_PER_ROW
 LOG2_E = math.log2(math.e)
+
+
+def _row_part(row, part: int, cols: int):
+    """Columns [part * cols, (part + 1) * cols) of a 1-D row tensor."""
+    return cute.local_tile(row, (cols,), (part,))
 
 
 class BwdPreprocess:
     """Delta = rowsum(O * dO) and LSE in log2 units, padded (see the module docstring)."""
 
     def __init__(self, head_dim_v: int):
+        assert head_dim_v % THREADS_PER_ROW == 0, head_dim_v
         self.hdimv = head_dim_v
+        self.cols = head_dim_v // THREADS_PER_ROW
 
     @cute.jit
     def __call__(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
@@ -36,25 +50,29 @@ class BwdPreprocess:
         # mLSE2, mDelta: (batch, heads, seqlen_q_pad) f32
         grid_x = cute.ceil_div(mLSE2.shape[2], ROWS_PER_CTA)
         self.kernel(mO, mdO, mLSE, mLSE2, mDelta).launch(
-            grid=[grid_x, mO.shape[2], mO.shape[0]], block=[ROWS_PER_CTA, 1, 1], stream=stream)
+            grid=[grid_x, mO.shape[2], mO.shape[0]], block=[CTA_THREADS, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mO, mdO, mLSE, mLSE2, mDelta):
         tidx, _, _ = cute.arch.thread_idx()
         bx, head, batch = cute.arch.block_idx()
-        row = bx * ROWS_PER_CTA + tidx
+        row = bx * ROWS_PER_CTA + tidx // THREADS_PER_ROW
+        part = tidx % THREADS_PER_ROW
         seqlen_q = mO.shape[1]
-        if row < mLSE2.shape[2]:
-            delta = Float32(0.0)
+        # every lane of a row takes part in the shuffles, so only the stores are predicated
+        delta = Float32(0.0)
+        if row < seqlen_q:
+            rO = cute.make_rmem_tensor((self.cols,), mO.element_type)
+            rdO = cute.make_rmem_tensor((self.cols,), mdO.element_type)
+            cute.autovec_copy(_row_part(mO[batch, row, head, None], part, self.cols), rO)
+            cute.autovec_copy(_row_part(mdO[batch, row, head, None], part, self.cols), rdO)
+            delta = (rO.load().to(Float32) * rdO.load().to(Float32)).reduce(
+                cute.ReductionOp.ADD, Float32(0.0), 0)
+        for offset in cutlass.range_constexpr(THREADS_PER_ROW.bit_length() - 2, -1, -1):
+            delta = delta + cute.arch.shuffle_sync_bfly(delta, offset=1 << offset)
+        if part == 0 and row < mLSE2.shape[2]:
             lse2 = Float32.inf
             if row < seqlen_q:
-                rO = cute.make_rmem_tensor((self.hdimv,), mO.element_type)
-                rdO = cute.make_rmem_tensor((self.hdimv,), mdO.element_type)
-                cute.autovec_copy(mO[batch, row, head, None], rO)
-                cute.autovec_copy(mdO[batch, row, head, None], rdO)
-                o = rO.load().to(Float32)
-                do = rdO.load().to(Float32)
-                delta = (o * do).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
                 lse = mLSE[batch, head, row]
                 if lse != -Float32.inf:
                     lse2 = lse * LOG2_E
@@ -63,35 +81,39 @@ class BwdPreprocess:
 
 
 class BwdPostprocess:
-    """out (batch, seqlen, heads_out, hdim) = sum over groups of acc (batch, heads_acc,
+    """out (batch, seqlen, heads_out, hdim) = scale * sum over groups of acc (batch, heads_acc,
     seqlen_pad, pitch >= hdim)."""
 
     def __init__(self, head_dim: int, group: int):
+        assert head_dim % THREADS_PER_ROW == 0, head_dim
         self.hdim = head_dim
         self.group = group
+        self.cols = head_dim // THREADS_PER_ROW
 
-    def _acc_row(self, mAcc, batch, head, row):
-        """The first ``hdim`` floats of one accumulator row (rows may be padded)."""
-        return cute.make_tensor(mAcc[batch, head, row, None].iterator, cute.make_layout(self.hdim))
+    def _acc_part(self, mAcc, batch, head, row, part):
+        """This thread's columns of one accumulator row (rows may be padded past hdim)."""
+        row_t = cute.make_tensor(mAcc[batch, head, row, None].iterator, cute.make_layout(self.hdim))
+        return _row_part(row_t, part, self.cols)
 
     @cute.jit
-    def __call__(self, mAcc: cute.Tensor, mOut: cute.Tensor, stream):
+    def __call__(self, mAcc: cute.Tensor, mOut: cute.Tensor, scale: Float32, stream):
         grid_x = cute.ceil_div(mOut.shape[1], ROWS_PER_CTA)
-        self.kernel(mAcc, mOut).launch(
-            grid=[grid_x, mOut.shape[2], mOut.shape[0]], block=[ROWS_PER_CTA, 1, 1], stream=stream)
+        self.kernel(mAcc, mOut, scale).launch(
+            grid=[grid_x, mOut.shape[2], mOut.shape[0]], block=[CTA_THREADS, 1, 1], stream=stream)
 
     @cute.kernel
-    def kernel(self, mAcc, mOut):
+    def kernel(self, mAcc, mOut, scale: Float32):
         tidx, _, _ = cute.arch.thread_idx()
         bx, head, batch = cute.arch.block_idx()
-        row = bx * ROWS_PER_CTA + tidx
+        row = bx * ROWS_PER_CTA + tidx // THREADS_PER_ROW
+        part = tidx % THREADS_PER_ROW
         if row < mOut.shape[1]:
-            total = cute.make_rmem_tensor((self.hdim,), Float32)
-            cute.autovec_copy(self._acc_row(mAcc, batch, head * self.group, row), total)
+            total = cute.make_rmem_tensor((self.cols,), Float32)
+            cute.autovec_copy(self._acc_part(mAcc, batch, head * self.group, row, part), total)
             for g in cutlass.range_constexpr(1, self.group):
-                part = cute.make_rmem_tensor((self.hdim,), Float32)
-                cute.autovec_copy(self._acc_row(mAcc, batch, head * self.group + g, row), part)
-                total.store(total.load() + part.load())
-            out = cute.make_rmem_tensor((self.hdim,), mOut.element_type)
-            out.store(total.load().to(mOut.element_type))
-            cute.autovec_copy(out, mOut[batch, row, head, None])
+                acc = cute.make_rmem_tensor((self.cols,), Float32)
+                cute.autovec_copy(self._acc_part(mAcc, batch, head * self.group + g, row, part), acc)
+                total.store(total.load() + acc.load())
+            out = cute.make_rmem_tensor((self.cols,), mOut.element_type)
+            out.store((total.load() * scale).to(mOut.element_type))
+            cute.autovec_copy(out, _row_part(mOut[batch, row, head, None], part, self.cols))

@@ -2,11 +2,12 @@
 accumulator, and dK, dV at the end of a CTA.
 
 dQ is accumulated in float32 in global memory, by one of two switchable paths (``dq_accum``):
-"bulk" stages the scaled dQ tile in SMEM (rows padded by DQ_ROW_PAD floats: conflict-free
+"bulk" stages the dQ tile in SMEM (rows padded by DQ_ROW_PAD floats: conflict-free
 stores; GMEM holds the same padded image) and the dq-store warp adds it with one bulk reduce;
 "red" issues ``red.global.add.f32`` from the MMA registers. Deterministic mode orders the
 additions: the CTAs that touch a query block add in increasing ``n_block`` order, through a
-per-(batch, head, m_block) semaphore.
+per-(batch, head, m_block) semaphore. Both add dS K without the softmax scale: the
+postprocess applies it once per element (instead of a multiply per element per key block).
 
 Note [dQ SMEM handoff] ("bulk"): per query block the dq-store warp waits until its previous
 bulk reduce has read the tile (``cp.async.bulk.wait_group.read 0``), arrives on ``DQ_EMPTY``,
@@ -31,8 +32,8 @@ class BwdStoreRole:
     """
 
     @cute.jit
-    def _stage_dq(self, mma_dq, acc_dQ, sdQ, tidx, softmax_scale):
-        """"bulk" dQ, MMA side of Note [dQ SMEM handoff]: scaled dQ tile -> padded SMEM rows."""
+    def _stage_dq(self, mma_dq, acc_dQ, sdQ, tidx):
+        """"bulk" dQ, MMA side of Note [dQ SMEM handoff]: dQ tile (unscaled) -> padded SMEM rows."""
         pitch = self.cfg.dq_row_pitch
         sdQ_tile = cute.make_tensor(sdQ.iterator,
                                     cute.make_layout((self.tile_m, self.hdim), stride=(pitch, 1)))
@@ -40,7 +41,7 @@ class BwdStoreRole:
         handoff = self.num_mma_threads + WARP_SIZE  # MMA warpgroups + the dq-store warp
         cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.DQ_EMPTY), number_of_threads=handoff)
         for i in cutlass.range_constexpr(cute.size(acc_dQ)):
-            tdQsdQ[i] = acc_dQ[i] * softmax_scale
+            tdQsdQ[i] = acc_dQ[i]
         cute.arch.fence_view_async_shared()
         cute.arch.barrier_arrive(barrier_id=int(Sm90BwdBarrier.DQ_FULL), number_of_threads=handoff)
 
@@ -86,8 +87,8 @@ class BwdStoreRole:
 
     @cute.jit
     def _store_dq(self, mma_dq, acc_dQ, mdQacc, mdQsem, tidx, m_block, n_block, head, batch,
-                  seqlen_q, seqlen_k, softmax_scale):
-        """Add this CTA's dQ tile (times the softmax scale) into the float32 accumulator."""
+                  seqlen_q, seqlen_k):
+        """Add this CTA's dQ tile (unscaled) into the float32 accumulator."""
         thr_dq = mma_dq.get_slice(tidx)
         gdQ = cute.local_tile(mdQacc[batch, head, None, None], (self.tile_m, self.hdim), (m_block, 0))
         tdQgdQ = thr_dq.partition_C(gdQ)
@@ -103,7 +104,7 @@ class BwdStoreRole:
                               number_of_threads=self.num_mma_threads)
         for i in cutlass.range_constexpr(cute.size(acc_dQ)):
             ptr = tdQgdQ.iterator + cute.crd2idx(i, tdQgdQ.layout)
-            cute.arch.red(ptr, acc_dQ[i] * softmax_scale, op="add", dtype="f32",
+            cute.arch.red(ptr, acc_dQ[i], op="add", dtype="f32",
                                   sem="relaxed", scope="gpu")
         if const_expr(self.cfg.deterministic):
             cute.arch.fence_acq_rel_gpu()

@@ -17,7 +17,8 @@ from .decode import (carry_pending, handler, last_type, mods, reader, reg_names,
 from .memory import EmulationError
 from .parser import Pair, Vec
 from .values import (UINT, add_f32, bf16_to_f32, f32_to_bf16_rn, f32_to_bf16_rz,
-                     f32_to_f16_rn, fma_f32, ftz32, mul_f32, numpy_dtype, type_width)
+                     f16_to_f32, f32_to_f16_rn, fma_f32, ftz32, mul_f32, numpy_dtype,
+                     type_width)
 
 from . import ops_mem, ops_sync, ops_tcgen05, ops_tma   # noqa: F401  (register their handlers)
 
@@ -246,6 +247,8 @@ def _binary(fn_int, fn_float=None, three_inputs=False):
             if nsrc != 2:
                 unsupported(ins, f"{nsrc} source operands")
             return _packed_f32x2(ins, k, fn_float)
+        if _mixed_f32(ins) and fn_float in _MIXED_OK and nsrc == 2:  # add/sub.f32.bf16 d, a, c
+            return _mixed_precision(ins, k, 1, lambda v, md: fn_float(v[0], v[1], md))
         if typ in ("bf16", "bf16x2", "f16x2"):
             unsupported(ins, "16-bit float arithmetic is not modelled yet")
         if "wide" in md:
@@ -327,6 +330,7 @@ def _minmax(fn):
     return f
 
 
+_MIXED_OK = (_f_add, _f_sub)  # the float ops with a mixed-precision .f32.{bf16,f16} form
 handler("add")(_binary(lambda x, y, md, t: x + y, _f_add))
 handler("sub")(_binary(lambda x, y, md, t: x - y, _f_sub))
 handler("mul")(_binary(_mul_int, _f_mul))
@@ -374,12 +378,50 @@ def _packed_f32x2(ins, k, fn):
     return run
 
 
+def _mixed_f32(ins):
+    """The 16-bit source type of sm_100's mixed-precision float forms (``fma.rn.f32.bf16 d, a,
+    b, c``, ``add.f32.f16 d, a, c``: the 16-bit sources widened exactly, the arithmetic and
+    rounding those of f32), or None for a single-type instruction."""
+    ts = types_of(ins)
+    if len(ts) == 2 and ts[0] == "f32" and ts[1] in ("bf16", "f16"):
+        return ts[1]
+    return None
+
+
+def _widened_reader(opnd, src_t, k):
+    """Reader of a 16-bit float operand as exact float32 values."""
+    bits = reader(opnd, "b16", k)
+    widen = bf16_to_f32 if src_t == "bf16" else f16_to_f32
+    return lambda m, w, idx: widen(bits(m, w, idx))
+
+
+def _mixed_precision(ins, k, n16: int, fn):
+    """``op.f32.{bf16,f16} d, s...``: the first ``n16`` sources are 16-bit floats, the rest
+    f32; ``fn(values, md)`` computes the float32 result."""
+    src_t = _mixed_f32(ins)
+    md = mods(ins)
+    if any(p in md for p in ("sat", "relu", "ftz")):
+        unsupported(ins, "modifier not modelled with mixed precision")
+    srcs = [(_widened_reader(o, src_t, k) if i < n16 else reader(o, "f32", k))
+            for i, o in enumerate(ins.operands[1:])]
+    wr = writer(ins.operands[0], "f32")
+
+    def run(m, w, idx):
+        with np.errstate(**_ERR):
+            wr(m, w, idx, fn([f(m, w, idx) for f in srcs], md))
+    return run
+
+
 @handler("fma", "mad")
 def _fma(ins, k):
     typ = last_type(ins)
     md = mods(ins)
     if typ == "f32x2":
         return _packed_f32x2(ins, k, None)
+    if _mixed_f32(ins):  # a * b of two widened 16-bit values is exact in f32: one rounding
+        return _mixed_precision(ins, k, 2, lambda v, md: fma_f32(v[0], v[1], v[2], mode=_rnd(md)))
+    if typ in ("bf16", "f16", "bf16x2", "f16x2"):
+        unsupported(ins, "16-bit float arithmetic is not modelled yet")
     if _is_float(typ):
         a, b, c = _srcs(ins, typ, k)
         wr = writer(ins.operands[0], typ)

@@ -1,0 +1,62 @@
+"""The backward benchmark's correctness check and reporting, on the CPU (the timing itself
+needs an SM90 GPU and runs on the lent one: ``scripts/benchmark.py --mode bwd``)."""
+
+import math
+
+import pytest
+import torch
+
+from fa_sm100.hopper import bwd_bench
+
+
+def _cell(seed=0, b=2, s=48, h=4, hk=2, d=32):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(b, s, n, d, generator=gen).bfloat16() for n in (h, hk, hk, h)]
+
+
+def _grads64(q, k, v, dout, causal):
+    """All of (dq, dk, dv), BSHD, by float64 autograd of torch's own attention."""
+    g = q.shape[2] // k.shape[2]
+    qt, kt, vt = (t.double().transpose(1, 2).requires_grad_() for t in (q, k, v))
+    o = torch.nn.functional.scaled_dot_product_attention(
+        qt, kt.repeat_interleave(g, 1), vt.repeat_interleave(g, 1), is_causal=causal)
+    grads = torch.autograd.grad(o, (qt, kt, vt), dout.double().transpose(1, 2))
+    return tuple(x.transpose(1, 2) for x in grads)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_check_accepts_right_gradients_and_names_wrong_ones(causal):
+    q, k, v, dout = _cell(int(causal))
+    ref = bwd_bench.reference_grads(q, k, v, dout, causal, torch.float32)
+    plain = bwd_bench.reference_grads(q, k, v, dout, causal, torch.bfloat16)
+    good = tuple(x.bfloat16() for x in _grads64(q, k, v, dout, causal))
+    assert bwd_bench.check_grads(good, ref, plain) is None
+    assert "max error" in bwd_bench.check_grads(
+        tuple(x.bfloat16() for x in _grads64(q, k, v, dout, not causal)), ref, plain)
+    dk = good[1].clone()
+    dk[0, :, -1] += 0.5  # the last KV head is checked
+    assert "dk (kv head 1)" in bwd_bench.check_grads((good[0], dk, good[2]), ref, plain)
+    dq = good[0].clone()
+    dq[0, 3, 0, 0] = math.nan
+    assert "NaN" in bwd_bench.check_grads((dq, good[1], good[2]), ref, plain)
+    assert "shape" in bwd_bench.check_grads((good[0][..., :16], good[1], good[2]), ref, plain)
+
+
+def test_checked_heads_cover_first_and_last_group():
+    assert bwd_bench.checked_heads(16, 16) == [(0, [0]), (15, [15])]
+    assert bwd_bench.checked_heads(8, 2) == [(0, [0, 1, 2, 3]), (1, [4, 5, 6, 7])]
+    assert bwd_bench.checked_heads(4, 1) == [(0, [0, 1, 2, 3])]
+
+
+def test_format_row_and_exit_status_report_failures():
+    row = {"head_dim": 128, "seqlen": 4096, "batch": 4, "heads": 16, "heads_kv": 16,
+           "causal": True, "ours_ms": 1.0, "ours_tflops": 500.0, "ours:x_error": "ValueError: y",
+           "fa4_ms": 1.0, "fa4_tflops": 550.0, "cudnn_error": "RuntimeError: no kernel",
+           "ratio_vs_best_peer": 500 / 550}
+    text = bwd_bench.format_row(row)
+    assert "ours  500.0" in text and "ours:x n/a" in text and "ratio 0.91x" in text
+    assert "cudnn: RuntimeError: no kernel" in text and "ours:x: ValueError: y" in text
+    assert bwd_bench.exit_status([row]) == 1  # a variant of ours failed
+    ok = {k: v for k, v in row.items() if k != "ours:x_error"}
+    assert bwd_bench.exit_status([ok]) == 0  # a peer that cannot run does not fail the run
+    assert bwd_bench.exit_status([{**ok, "fa4_error": "wrong output: max error"}]) == 1

@@ -1,0 +1,92 @@
+"""The SM90 backward's preprocess and postprocess kernels, EMULATED on the CPU: their sm_90a
+PTX (the code the H200 runs, minus the TVM-FFI wrapper) executed by ``fa_sm100.ptxemu`` on
+small problems, against float64 references (STYLE.md rule) and, where the kernel's order of
+float32 operations is fixed, bit for bit against the same operations in torch."""
+
+import math
+
+import pytest
+import torch
+
+cutlass = pytest.importorskip("cutlass")
+
+from cutlass.cute.runtime import from_dlpack, make_fake_compact_tensor, make_fake_stream  # noqa: E402
+
+from fa_sm100.config import cutlass_dtype  # noqa: E402
+from fa_sm100.hopper.bwd_prepost import BwdPostprocess, BwdPreprocess  # noqa: E402
+from fa_sm100.ptxemu import capture_launch, emulate  # noqa: E402
+from fa_sm100.testing import check_against_reference  # noqa: E402
+
+pytestmark = pytest.mark.compile
+TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _fake(dt, shape):
+    return make_fake_compact_tensor(dt, shape, stride_order=tuple(range(len(shape) - 1, -1, -1)),
+                                    assumed_align=16)
+
+
+def _run(kernel, fakes, tensors, scalars=()):
+    """Capture the sm_90a launch of ``kernel`` and emulate it on the CPU tensors."""
+    import cuda.bindings.driver as cuda
+
+    real = tuple(from_dlpack(t) for t in tensors) + tuple(scalars) + (cuda.CUstream(0),)
+    cap = capture_launch(kernel, tuple(fakes) + tuple(scalars) + (make_fake_stream(),), real,
+                         arch="sm_90a")
+    emulate(cap, list(tensors), seed=0)
+
+
+@pytest.mark.parametrize("head_dim,dtype", [(64, "bfloat16"), (96, "float16"), (128, "bfloat16")])
+def test_preprocess_delta_lse2_and_padding(head_dim, dtype):
+    """Delta = rowsum(O * dO) (16 lanes per row, butterfly sum) within the error rule;
+    LSE2 = LSE * log2(e) bit for bit, -inf (a row that sees no key) -> +inf; the padding rows
+    seqlen_q <= i < seqlen_q_pad get Delta 0 and LSE2 +inf. 37 rows: a partial last CTA."""
+    torch.manual_seed(head_dim)
+    b, sq, h, pad = 2, 37, 3, 64
+    t = TORCH_DTYPES[dtype]
+    dt, f32 = cutlass_dtype(dtype), cutlass.Float32
+    o, do = torch.randn(b, sq, h, head_dim).to(t), torch.randn(b, sq, h, head_dim).to(t)
+    lse = torch.randn(b, h, sq) * 4
+    lse[1, 2, 5] = -math.inf
+    lse2 = torch.full((b, h, pad), 7.0)  # poisoned: every element must be written
+    delta = torch.full((b, h, pad), 7.0)
+    _run(BwdPreprocess(head_dim),
+         (_fake(dt, o.shape), _fake(dt, do.shape), _fake(f32, lse.shape),
+          _fake(f32, lse2.shape), _fake(f32, delta.shape)),
+         (o, do, lse, lse2, delta))
+    ref64 = (o.double() * do.double()).sum(-1).transpose(1, 2)
+    plain = (o.float() * do.float()).sum(-1).transpose(1, 2)
+    check_against_reference(delta[..., :sq], ref64, plain, what="Delta")
+    want = lse * torch.tensor(math.log2(math.e), dtype=torch.float32)
+    want[1, 2, 5] = math.inf
+    assert torch.equal(lse2[..., :sq], want)
+    assert torch.equal(delta[..., sq:], torch.zeros(b, h, pad - sq))
+    assert torch.equal(lse2[..., sq:], torch.full((b, h, pad - sq), math.inf))
+
+
+@pytest.mark.parametrize("head_dim,group,pitch,scale", [
+    (128, 1, 136, 0.0883883),  # dQ: padded accumulator rows, the softmax scale applied here
+    (96, 3, 96, 1.0),          # GQA dK/dV buffers: three query heads summed per KV head
+    (64, 2, 64, 0.125),
+])
+def test_postprocess_sums_groups_scales_and_converts(head_dim, group, pitch, scale):
+    """out[b, i, h, :] = scale * sum_g acc[b, h G + g, i, :hdim] in float32, in group order,
+    then rounded to bf16: bit for bit the same operations in torch, and within the error rule
+    of the float64 sum. Accumulator rows past seqlen and columns past hdim are never read into
+    the output (they hold NaN)."""
+    torch.manual_seed(group)
+    b, s, h, s_pad = 2, 21, 2, 64
+    dt, f32 = cutlass_dtype("bfloat16"), cutlass.Float32
+    acc = torch.full((b, h * group, s_pad, pitch), math.nan)
+    acc[:, :, :s, :head_dim] = torch.randn(b, h * group, s, head_dim) * 3
+    out = torch.full((b, s, h, head_dim), 7.0).bfloat16()
+    _run(BwdPostprocess(head_dim, group), (_fake(f32, acc.shape), _fake(dt, out.shape)),
+         (acc, out), scalars=(f32(scale),))
+    parts = acc[:, :, :s, :head_dim].reshape(b, h, group, s, head_dim)
+    total = parts[:, :, 0]
+    for g in range(1, group):
+        total = total + parts[:, :, g]
+    want = (total * torch.tensor(scale, dtype=torch.float32)).bfloat16().transpose(1, 2)
+    assert torch.equal(out, want)
+    ref64 = (parts.double().sum(2) * scale).transpose(1, 2)
+    check_against_reference(out, ref64, want, what="postprocess")
