@@ -375,6 +375,32 @@ def test_sm90_bwd_try_wait_polls_before_the_blocking_wait(overrides, tmp_path):
 
 
 @pytest.mark.compile
+@pytest.mark.parametrize("overrides", [["causal=true"], ["sdp_swap_ab=false", "head_dim=96"]],
+                         ids=["swapped", "unswapped"])
+def test_sm90_bwd_stats_first_loads_before_the_gemms(overrides, tmp_path):
+    """Note [stats before the GEMMs]: with ``stats_first`` the LSE2/Delta loads of the main
+    loop start before the first HGMMA and all precede the first wait for a GEMM; without it
+    they come after HGMMAs. No spills either way."""
+    from fa_sm100.compile_tools import sass_main_loop, sass_opcode
+    from fa_sm100.inspection import inspect_kernel
+
+    for on in (True, False):
+        keep = tmp_path / f"first_{on}"
+        r = inspect_kernel("sm90_bwd", "sm_90a", overrides + [f"stats_first={str(on).lower()}"],
+                           keep_dir=keep)
+        assert r["spill_bytes"] == 0
+        ops = [sass_opcode(t) for _, t in sass_main_loop(_sass_text(keep))]
+        loads = [i for i, op in enumerate(ops) if op.startswith("LDS")]
+        first_gemm = next(i for i, op in enumerate(ops) if op.startswith("HGMMA"))
+        assert loads, "no LDS of the stats in the main loop"
+        if on:  # all before the first wait for a GEMM, the first ones before any GEMM
+            first_wait = next(i for i, op in enumerate(ops) if op.startswith("WARPGROUP.DEPBAR"))
+            assert loads[0] < first_gemm and loads[-1] < first_wait
+        else:
+            assert loads[0] > first_gemm
+
+
+@pytest.mark.compile
 def test_preprocess_and_postprocess_cross_compile_for_sm90a():
     """The two CUDA-core kernels compile for TVM FFI with the run-time/static split sm90_bwd
     uses (and so take torch tensors directly, with no per-call conversion)."""

@@ -148,6 +148,9 @@ SWITCHES = [
     dict(sdp_swap_ab=False, overlap_dk=True, dq_accum="bulk", early_dv=True),
     dict(sdp_swap_ab=False, overlap_dk=True, dq_accum="red", early_dv=False),
     dict(sdp_swap_ab=False, stats_smem=False), dict(sdp_swap_ab=True, stats_smem=False),
+    dict(sdp_swap_ab=True, tile_m=64, stats_first=True),
+    dict(sdp_swap_ab=False, stats_first=True, stats_smem=False),
+    dict(sdp_swap_ab=True, try_wait=False), dict(sdp_swap_ab=False, try_wait=True),
 ]
 
 
@@ -157,8 +160,8 @@ SWITCHES = [
                                   (1, 400, 500, 2, 2, 64, False, (80, 10))],
                          ids=["gqa-causal", "window-d64"])
 def test_sm90_bwd_switches_keep_gradients_right(sm90_device, switches, case):
-    """Every switch of BwdConfig (dQ path, early dV, swapped S/dP, overlapped dK) computes the
-    same gradients."""
+    """Every switch of BwdConfig (dQ path, early dV, swapped S/dP, overlapped dK, where the
+    stats live and when they are read, how stage waits poll) computes the same gradients."""
     from fa_sm100.hopper.bwd_config import select_bwd_config
 
     b, sq, sk, hq, hk, d, causal, window = case

@@ -74,6 +74,10 @@ class BwdConfig:
     # each, on the same mbarrier); off: the MMA warpgroups load them from global memory in the
     # iteration that uses them, and wait for that load.
     stats_smem: bool = True
+    # Read a block's LSE2 (Delta) into registers right after its Q (dO) stage is ready and
+    # before the S (dP) GEMM is issued, not after both GEMMs (Note [stats before the GEMMs]
+    # in bwd_kernel.py). tile_m 128 keeps its own order (Note [tile_m 128]).
+    stats_first: bool = False
     # Poll a Q / dO stage's mbarrier once before the blocking wait (Note [try first] in
     # bwd_kernel.py); off where the extra live register makes ptxas spill.
     try_wait: bool = True
@@ -168,7 +172,7 @@ class BwdConfig:
                 "deterministic=True with GQA/MQA needs gqa_reduce='buffers' (atomics add in a "
                 "run-dependent order)"
             )
-        for name in ("sdp_swap_ab", "overlap_dk", "stats_smem", "try_wait"):
+        for name in ("sdp_swap_ab", "overlap_dk", "stats_smem", "try_wait", "stats_first"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be a bool")
         if self.tile_m == 2 * TILE_M_ATOM:

@@ -81,6 +81,13 @@ Instead the load warp bulk-copies each block's tile_m values of LSE2 (Delta) int
 SMEM slot next to the Q (dO) TMA, on the same mbarrier, whose transaction count includes
 them; the MMA warpgroups have waited on that stage anyway, and the slot is released with it.
 
+Note [stats before the GEMMs] (``stats_first``): a block's LSE2 / Delta are read into
+registers (16 LDS.64 per thread swapped, from the stage's SMEM slot) right after the ``q`` /
+``do`` wait and before the S / dP GEMM is issued, instead of after both GEMMs. Placed after
+them, ptxas issues the loads between the HGMMAs, and they and the HGMMAs wait on each other in
+the MIO queue (Nsight Compute, hdim 128 causal 4k: MIO throttle was 23% of the MMA warps'
+stall samples against FA4's 5%); placed first, their latency hides behind the GEMMs.
+
 Note [try first] (``try_wait``): the MMA warpgroups' waits for a ``q`` / ``do`` stage first
 poll the mbarrier once (``consumer_try_wait``) and pass the result as the token of the
 blocking wait, which runs only if the poll failed. Without the token the wait lowers to
@@ -443,6 +450,7 @@ class Sm90FlashBackward(BwdStoreRole):
         m128 = self.cfg.dq_split_rows  # tile_m 128 (swapped only): Note [tile_m 128]
         late_p = m128 and not self.cfg.early_dv  # P^T converted after dS
         ds_from_p16 = m128 and self.cfg.early_dv  # dS = P^T (16 bits) (dP^T - Delta)
+        stats_first = self.cfg.stats_first and not m128  # tile_m 128 shuffles them later
         wg = cute.arch.make_warp_uniform(tidx // WARPGROUP_THREADS)
         wg_thread = wg * WARPGROUP_THREADS
         thr_sdp = mma_sdp.get_slice(tidx)
@@ -475,8 +483,6 @@ class Sm90FlashBackward(BwdStoreRole):
             tdSsdS = st_thr.partition_D(sdS)
         # this thread's S coordinates in the tile: (query, key); swapped (key, query)
         tScS = rows_cols_view(thr_sdp.partition_C(cute.make_identity_tensor(sdp_shape)))
-        # LSE2 and Delta are per query: per accumulator row, swapped per column
-        stat_mode = 1 if swap else 0
         # thread 0's coordinates: compile-time, for Note [tile_m 128]
         tScS0 = rows_cols_view(
             mma_sdp.get_slice(0).partition_C(cute.make_identity_tensor(sdp_shape)))
@@ -492,29 +498,24 @@ class Sm90FlashBackward(BwdStoreRole):
             ds_idx = (m_block - m_block_min) % 2
             # S = Q K^T, dP = dO V^T (swapped: S^T = K Q^T, dP^T = V dO^T)
             self._consumer_wait(pipe_q, state_q)
+            lse_block = self._stat_block(mLSE2_cur, sLSE2, m_block, state_q.index)
+            if const_expr(stats_first):  # Note [stats before the GEMMs]
+                lse = self._query_stats(lse_block, thr_sdp, sdp_shape, tScS)
             acc_S = cute.make_rmem_tensor(mma_sdp.partition_shape_C(sdp_shape), Float32)
             self._sdp_gemm(mma_sdp, acc_S, tSrQ[None, None, None, state_q.index], tSrK)
             self._consumer_wait(pipe_do, state_do)
+            delta_block = self._stat_block(mDelta_cur, sDelta, m_block, state_do.index)
+            if const_expr(stats_first):
+                dpsum = self._query_stats(delta_block, thr_sdp, sdp_shape, tScS)
             acc_dP = cute.make_rmem_tensor(mma_sdp.partition_shape_C(sdp_shape), Float32)
             self._sdp_gemm(mma_sdp, acc_dP, tdPrdO[None, None, None, state_do.index], tdPrV)
             S = rows_cols_view(acc_S)
             dP = rows_cols_view(acc_dP)
-            lse_block = self._stat_block(mLSE2_cur, sLSE2, m_block, state_q.index)
-            delta_block = self._stat_block(mDelta_cur, sDelta, m_block, state_do.index)
             if const_expr(m128):
                 lse = self._shuffled_stats(lse_block)
-            else:
-                lse = cute.make_rmem_tensor(cute.size(S, mode=[stat_mode]), Float32)
-                dpsum = cute.make_rmem_tensor(cute.size(S, mode=[stat_mode]), Float32)
-                if const_expr(swap):
-                    lse.store(self._column_stats(lse_block, thr_sdp, sdp_shape).load())
-                    dpsum.store(self._column_stats(delta_block, thr_sdp, sdp_shape).load())
-                else:
-                    lse_rows = cute.make_tensor(lse_block, cute.make_layout(self.tile_m))
-                    delta_rows = cute.make_tensor(delta_block, cute.make_layout(self.tile_m))
-                    for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
-                        lse[r] = lse_rows[tScS[r, 0][0]]
-                        dpsum[r] = delta_rows[tScS[r, 0][0]]
+            elif const_expr(not stats_first):
+                lse = self._query_stats(lse_block, thr_sdp, sdp_shape, tScS)
+                dpsum = self._query_stats(delta_block, thr_sdp, sdp_shape, tScS)
             warpgroup.wait_group(1)  # S done (Note [overlapped dK]: so is the previous dK)
             if const_expr(self.cfg.overlap_dk):
                 if m_block > m_block_min:
@@ -652,6 +653,20 @@ class Sm90FlashBackward(BwdStoreRole):
             for r in cutlass.range_constexpr(cute.size(dP, mode=[0])):
                 for c in cutlass.range_constexpr(cute.size(dP, mode=[1])):
                     dP[r, c] = P[r, c] * (dP[r, c] - self._query_stat(dpsum, r, c, tScS0))
+
+    @cute.jit
+    def _query_stats(self, block, thr_sdp, sdp_shape, tScS):
+        """This thread's LSE2 or Delta values (``block``, see ``_stat_block``), one per
+        accumulator row (per column with ``sdp_swap_ab``), in registers (tile_m 64)."""
+        if const_expr(self.cfg.sdp_swap_ab):
+            stats = cute.make_rmem_tensor(cute.size(tScS, mode=[1]), Float32)
+            stats.store(self._column_stats(block, thr_sdp, sdp_shape).load())
+        else:
+            stats = cute.make_rmem_tensor(cute.size(tScS, mode=[0]), Float32)
+            rows = cute.make_tensor(block, cute.make_layout(self.tile_m))
+            for r in cutlass.range_constexpr(cute.size(tScS, mode=[0])):
+                stats[r] = rows[tScS[r, 0][0]]
+        return stats
 
     @cute.jit
     def _stat_block(self, mStat_cur, sStat, m_block, stage):
