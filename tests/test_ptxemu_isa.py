@@ -107,6 +107,43 @@ def test_mixed_precision_fma_and_add_widen_16_bit_sources(src_t):
     np.testing.assert_array_equal(add.view(np.float32), (x + np.float64(c)).astype(np.float32))
 
 
+def test_packed_integer_dot_products_dp4a_dp2a():
+    """dp4a: c + the four byte products of a and b; dp2a.lo/.hi: c + a's two 16-bit halves
+    times bytes 0, 1 / 2, 3 of b; signed lanes for .s32, wrapping at 32 bits (LLVM emits
+    dp2a.lo.u32.u32 for index arithmetic in the SM90 dQ postprocess)."""
+    rng = np.random.default_rng(3)
+    a = rng.integers(0, 2 ** 32, 32, dtype=np.uint64).astype(np.uint32)
+    b = rng.integers(0, 2 ** 32, 32, dtype=np.uint64).astype(np.uint32)
+    c = 0x7FFFFFF0
+
+    def lanes(x, bits, signed):
+        v = [(int(x) >> (bits * i)) & ((1 << bits) - 1) for i in range(32 // bits)]
+        return [u - (1 << bits) if signed and u >= 1 << (bits - 1) else u for u in v]
+
+    for op, signed, pick in (("dp4a.u32.u32", False, None), ("dp4a.s32.s32", True, None),
+                             ("dp2a.lo.u32.u32", False, slice(0, 2)),
+                             ("dp2a.hi.s32.s32", True, slice(2, 4))):
+        got = run_binary(f"mov.b32 %r5, {c};\n {op} %r4, %r2, %r3, %r5;", a, b)
+        want = []
+        for x, y in zip(a, b):
+            la = lanes(x, 8 if pick is None else 16, signed)
+            lb = lanes(y, 8, signed)
+            lb = lb if pick is None else lb[pick]
+            want.append((c + sum(p * q for p, q in zip(la, lb))) & 0xFFFFFFFF)
+        np.testing.assert_array_equal(got, np.array(want, dtype=np.uint32), err_msg=op)
+
+
+def test_prmt_may_select_from_a_register_nothing_wrote():
+    """LLVM passes undef registers to prmt for don't-care bytes; reading them there is not an
+    error (anywhere else it is), and the bytes taken from the written operand are exact."""
+    a = np.arange(32, dtype=np.uint32) * 0x01010101
+    b = np.zeros(32, dtype=np.uint32)
+    got = run_binary("prmt.b32 %r4, %r2, %r9, 0x4410;", a, b)  # %r9: never written
+    np.testing.assert_array_equal(got & 0xFFFF, a & 0xFFFF)
+    with pytest.raises(EmulationError, match="read before it was written"):
+        run_binary("add.u32 %r4, %r2, %r9;", a, b)
+
+
 def test_cvt_bf16x2_packs_hi_lo_round_nearest_even():
     rng = np.random.default_rng(1)
     a, b = f32(rng.standard_normal(32) * 100), f32(rng.standard_normal(32))

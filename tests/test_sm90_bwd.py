@@ -103,9 +103,9 @@ def test_tile_m_128_is_swapped_hdim64_only_and_overridable():
         assert cfg.tile_m == 128 and cfg.sdp_swap_ab and cfg.dq_split_rows
         assert cfg.smem_bytes() <= SM90_SMEM_BYTES
     cfg = select_bwd_config(head_dim=64, tile_m=128, sdp_swap_ab=True)
-    # Q, dO: 2 x 2 x 16 KiB; K, V: 2 x 16 KiB; dS: 2 x 32 KiB; dQ: 128 x 72 x 4 B;
-    # LSE2, Delta: 2 stages x 128 x 4 B each (stats_smem)
-    assert cfg.smem_bytes() == (1024 + 4 * 16384 + 2 * 16384 + 2 * 32768 + 128 * 72 * 4
+    # Q, dO: 2 x 2 x 16 KiB; K, V: 2 x 16 KiB; dS: 2 x 32 KiB; dQ: 128 x 64 x 4 B (fragment
+    # order, no padding); LSE2, Delta: 2 stages x 128 x 4 B each (stats_smem)
+    assert cfg.smem_bytes() == (1024 + 4 * 16384 + 2 * 16384 + 2 * 32768 + 128 * 64 * 4
                                 + 2 * 2 * 128 * 4)
     assert cfg.replace(stats_smem=False).smem_bytes() == cfg.smem_bytes() - 2 * 2 * 128 * 4
     assert not select_bwd_config(head_dim=64, tile_m=64).dq_split_rows
@@ -401,19 +401,42 @@ def test_sm90_bwd_stats_first_loads_before_the_gemms(overrides, tmp_path):
 
 
 @pytest.mark.compile
+@pytest.mark.parametrize("overrides", [[], ["head_dim=64"], ["head_dim=96", "causal=true"]],
+                         ids=["d128", "d64-tile_m128", "d96"])
+def test_sm90_bwd_dq_leaves_in_16_byte_stores(overrides, tmp_path):
+    """Note [dQ in fragment order]: each MMA thread stores its dQ tile to SMEM in dq_groups
+    STS.128 (no STS.64: the row-major padded tile took twice as many), and the SMEM tile is
+    exactly tile_m x hdim floats."""
+    from fa_sm100.compile_tools import sass_main_loop, sass_opcode
+    from fa_sm100.hopper.inspect_bwd import make_config
+    from fa_sm100.inspection import inspect_kernel
+
+    cfg = make_config(overrides)
+    inspect_kernel("sm90_bwd", "sm_90a", overrides, keep_dir=tmp_path)
+    ops = [sass_opcode(t) for _, t in sass_main_loop(_sass_text(tmp_path))]
+    assert cfg.dq_groups == cfg.tile_m * cfg.head_dim // 1024  # 256 threads x 4 floats
+    assert [op for op in ops if op.startswith("STS.")] == ["STS.128"] * cfg.dq_groups
+    assert cfg.dq_block_elems == cfg.tile_m * cfg.head_dim
+
+
+@pytest.mark.compile
 def test_preprocess_and_postprocess_cross_compile_for_sm90a():
     """The two CUDA-core kernels compile for TVM FFI with the run-time/static split sm90_bwd
     uses (and so take torch tensors directly, with no per-call conversion)."""
     from fa_sm100.config import cutlass_dtype
-    from fa_sm100.hopper.bwd_interface import _compiled, fake_post_arguments, fake_pre_arguments
-    from fa_sm100.hopper.bwd_prepost import BwdPostprocess, BwdPreprocess
+    from fa_sm100.hopper.bwd_interface import (_compiled, fake_dq_post_arguments,
+                                               fake_post_arguments, fake_pre_arguments)
+    from fa_sm100.hopper.bwd_prepost import BwdPostprocess, BwdPreprocess, DqPostprocess
 
     dt = cutlass_dtype("bfloat16")
     pre = _compiled("test-pre", 128, lambda: BwdPreprocess(128),
                     lambda: fake_pre_arguments(dt, 128))
     post = _compiled("test-post", 128, lambda: BwdPostprocess(128, 2),
-                     lambda: fake_post_arguments(dt, 128, 136))
-    for fn in (pre, post):
+                     lambda: fake_post_arguments(dt, 128, 128))
+    cfg = select_bwd_config(head_dim=128)
+    post_dq = _compiled("test-post-dq", 128, lambda: DqPostprocess(cfg),
+                        lambda: fake_dq_post_arguments(cfg))
+    for fn in (pre, post, post_dq):
         assert callable(fn) and "TVMFFI" in type(fn).__name__
     # a cached kernel is returned without building or faking anything again (sm90_bwd's hot path)
     never = lambda: pytest.fail("built on a cache hit")  # noqa: E731
@@ -489,7 +512,7 @@ def test_sm90_bwd_tile_m_128_doubles_the_gemms_per_query_block(overrides, tmp_pa
     assert sum(v for k, v in s128.items() if k.startswith("SHFL")) >= 64
     growth = reports[128]["smem_bytes"] - reports[64]["smem_bytes"]
     # Q, dO stages; dS stages; dQ tile; LSE2 and Delta stages (stats_smem): 64 more rows each
-    assert growth == 4 * 64 * 64 * 2 + 2 * 64 * 128 * 2 + 64 * 72 * 4 + 2 * 2 * 64 * 4
+    assert growth == 4 * 64 * 64 * 2 + 2 * 64 * 128 * 2 + 64 * 64 * 4 + 2 * 2 * 64 * 4
     assert reports[128]["smem_bytes"] <= SM90_SMEM_BYTES
 
 

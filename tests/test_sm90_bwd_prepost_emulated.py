@@ -13,7 +13,8 @@ cutlass = pytest.importorskip("cutlass")
 from cutlass.cute.runtime import from_dlpack, make_fake_compact_tensor, make_fake_stream  # noqa: E402
 
 from fa_sm100.config import cutlass_dtype  # noqa: E402
-from fa_sm100.hopper.bwd_prepost import BwdPostprocess, BwdPreprocess  # noqa: E402
+from fa_sm100.hopper.bwd_config import dq_fragment_index, select_bwd_config  # noqa: E402
+from fa_sm100.hopper.bwd_prepost import BwdPostprocess, BwdPreprocess, DqPostprocess  # noqa: E402
 from fa_sm100.ptxemu import capture_launch, emulate  # noqa: E402
 from fa_sm100.testing import check_against_reference  # noqa: E402
 
@@ -65,9 +66,9 @@ def test_preprocess_delta_lse2_and_padding(head_dim, dtype):
 
 
 @pytest.mark.parametrize("head_dim,group,pitch,scale", [
-    (128, 1, 136, 0.0883883),  # dQ: padded accumulator rows, the softmax scale applied here
-    (96, 3, 96, 1.0),          # GQA dK/dV buffers: three query heads summed per KV head
-    (64, 2, 64, 0.125),
+    (128, 1, 128, 1.0),   # GQA dK/dV reduced with atomics: one buffer per KV head
+    (96, 3, 96, 1.0),     # GQA dK/dV buffers: three query heads summed per KV head
+    (64, 2, 72, 0.125),   # padded rows and a scale: the kernel's general contract
 ])
 def test_postprocess_sums_groups_scales_and_converts(head_dim, group, pitch, scale):
     """out[b, i, h, :] = scale * sum_g acc[b, h G + g, i, :hdim] in float32, in group order,
@@ -90,3 +91,30 @@ def test_postprocess_sums_groups_scales_and_converts(head_dim, group, pitch, sca
     assert torch.equal(out, want)
     ref64 = (parts.double().sum(2) * scale).transpose(1, 2)
     check_against_reference(out, ref64, want, what="postprocess")
+
+
+@pytest.mark.parametrize("overrides", [dict(head_dim=128), dict(head_dim=64),
+                                       dict(head_dim=96, dtype="float16")],
+                         ids=["d128-split-columns", "d64-tile_m128-split-rows", "d96-fp16"])
+def test_dq_postprocess_inverts_the_fragment_order(overrides):
+    """Note [dQ in fragment order]: a row-major dQ tile written into the accumulator at
+    ``dq_fragment_index`` (the PTX ISA's WGMMA accumulator layout, in Python) comes back out of
+    ``DqPostprocess`` (which maps registers to rows and columns with the kernel's own tiled
+    MMA) as scale * tile in the output dtype, bit for bit, for every row below seqlen_q of a
+    ragged last block; two derivations of the same layout that must agree."""
+    cfg = select_bwd_config(**overrides)
+    tm, d = cfg.tile_m, cfg.head_dim
+    b, h, s = 1, 2, tm + 37
+    n_m = -(-s // tm)
+    torch.manual_seed(d)
+    tiles = torch.randn(b, h, n_m, tm, d) * 2
+    index = torch.tensor([[dq_fragment_index(cfg, r, c) for c in range(d)] for r in range(tm)])
+    acc = torch.empty(b, h, n_m, tm * d)
+    acc[..., index.flatten()] = tiles.reshape(b, h, n_m, tm * d)
+    t = TORCH_DTYPES[cfg.dtype]
+    out = torch.full((b, s, h, d), 7.0).to(t)
+    dt, f32 = cutlass_dtype(cfg.dtype), cutlass.Float32
+    _run(DqPostprocess(cfg), (_fake(f32, acc.shape), _fake(dt, out.shape)), (acc, out),
+         scalars=(f32(0.125),))
+    want = (tiles * 0.125).to(t).reshape(b, h, n_m * tm, d)[:, :, :s].transpose(1, 2)
+    assert torch.equal(out, want)

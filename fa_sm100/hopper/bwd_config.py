@@ -28,7 +28,7 @@ GQA_REDUCE_MODES = ("atomic", "buffers")
 # Query rows per iteration of the swapped hdim-64 default (the only head dim 128 rows fit).
 TILE_M_SWAPPED_HDIM64 = 128
 DQ_ACCUM_MODES = ("bulk", "red")
-DQ_ROW_PAD = 8  # float32 columns of padding per dQ row in SMEM/GMEM (bank-conflict-free stores)
+DQ_VEC = 4  # float32 per dQ-accumulator store: one 16-byte STS.128 / bulk-reduce element run
 TILE_M_ATOM = 64  # query rows of one WGMMA M atom
 TILE_M_128_HEAD_DIMS = (64,)  # head dims that fit tile_m = 128 (registers: docs/hopper_backward.md)
 SM90_SMEM_BYTES = SMEM_BUDGET[SM90_ARCH]  # 227 KiB of dynamic shared memory per CTA on H100/H200
@@ -114,9 +114,14 @@ class BwdConfig:
         return self.tile_m == 2 * TILE_M_ATOM
 
     @property
-    def dq_row_pitch(self) -> int:
-        """Float32 elements per dQ-accumulator row (padded in "bulk" mode: SMEM == GMEM image)."""
-        return self.head_dim + (DQ_ROW_PAD if self.dq_accum == "bulk" else 0)
+    def dq_block_elems(self) -> int:
+        """Float32 elements of one query block's dQ accumulator (Note [dQ in fragment order])."""
+        return self.tile_m * self.head_dim
+
+    @property
+    def dq_groups(self) -> int:
+        """16-byte groups of dQ accumulator registers per MMA thread (4 per group)."""
+        return self.dq_block_elems // (WARPGROUP_THREADS * self.num_mma_warpgroups * DQ_VEC)
 
     def setmaxnreg(self) -> dict:
         return {"producer": self.regs_producer, "mma": self.regs_mma}
@@ -131,7 +136,7 @@ class BwdConfig:
         v = self.tile_n * self.head_dim_v * b
         p = 0 if self.sdp_swap_ab else self.tile_m * self.tile_n * b
         ds = self.tile_m * self.tile_n * b * self.ds_stage
-        dq = self.tile_m * self.dq_row_pitch * 4 if self.dq_accum == "bulk" else 0
+        dq = self.dq_block_elems * 4 if self.dq_accum == "bulk" else 0
         stats = self.stats_smem_bytes()
         barriers = 8 * (1 + 2 * self.q_stage + 2 * self.do_stage)
         # each buffer is 1024-byte aligned (swizzle atoms); the barriers sit in the first KiB
@@ -259,6 +264,26 @@ def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = Fals
                                                           or not stats_smem))),
     )
     return cfg.replace(**overrides).validate()
+
+
+def dq_fragment_index(cfg: BwdConfig, row: int, col: int) -> int:
+    """Where element (row, col) of a query block's dQ tile lies in its accumulator block
+    (Note [dQ in fragment order] in bwd_store.py): MMA thread T = 128 w + t holds accumulator
+    registers e = 4 i + j of its warpgroup's WGMMA tile, stored at ((w * dq_groups + i) * 128
+    + t) * 4 + j. The register layout is the PTX ISA's for an m64nN f32 accumulator: in warp
+    u, lane l, register e holds row 16 u + 8 ((e // 2) % 2) + l // 4, column 8 (e // 4) +
+    2 (l % 4) + e % 2. The warpgroups split the tile by head-dim columns (tile_m 64) or by
+    query rows (tile_m 128). Python integers: what the tests check the kernels against."""
+    if cfg.dq_split_rows:
+        w, r, c = row // TILE_M_ATOM, row % TILE_M_ATOM, col
+    else:
+        half = cfg.head_dim // 2
+        w, r, c = col // half, row, col % half
+    u, rr = r // 16, r % 16
+    lane = 4 * (rr % 8) + (c % 8) // 2
+    e = 4 * (c // 8) + 2 * (rr // 8) + c % 2
+    t = 32 * u + lane
+    return ((w * cfg.dq_groups + e // DQ_VEC) * WARPGROUP_THREADS + t) * DQ_VEC + e % DQ_VEC
 
 
 def effective_window_right(cfg: BwdConfig) -> Optional[int]:

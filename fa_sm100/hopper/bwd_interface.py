@@ -121,7 +121,7 @@ def sm90_bwd(dout, q, k, v, out, lse, softmax_scale: Optional[float] = None, cau
 
     from fa_sm100.config import cutlass_dtype
     from fa_sm100.hopper.bwd_kernel import Sm90FlashBackward
-    from fa_sm100.hopper.bwd_prepost import BwdPostprocess, BwdPreprocess
+    from fa_sm100.hopper.bwd_prepost import BwdPostprocess, BwdPreprocess, DqPostprocess
 
     q, k, v, out, dout = (t.contiguous() for t in (q, k, v, out, dout))
     lse = lse.contiguous()
@@ -131,7 +131,8 @@ def sm90_bwd(dout, q, k, v, out, lse, softmax_scale: Optional[float] = None, cau
     n_m_blocks = sq_pad // config.tile_m
     lse2 = torch.empty(b, hq, sq_pad, device=dev, dtype=torch.float32)
     delta = torch.empty(b, hq, sq_pad, device=dev, dtype=torch.float32)
-    dq_acc = torch.zeros(b, hq, sq_pad, config.dq_row_pitch, device=dev, dtype=torch.float32)
+    # Note [dQ in fragment order] (bwd_store.py): one block of tile_m * d floats per query block
+    dq_acc = torch.zeros(b, hq, n_m_blocks, config.dq_block_elems, device=dev, dtype=torch.float32)
     dq_sem = torch.zeros(b, hq, n_m_blocks if config.deterministic else 1, device=dev, dtype=torch.int32)
     dq = torch.empty_like(q)
     if config.uses_gqa_buffers:
@@ -150,11 +151,10 @@ def sm90_bwd(dout, q, k, v, out, lse, softmax_scale: Optional[float] = None, cau
     main = _compiled("main", config, lambda: Sm90FlashBackward(config),
                      lambda: fake_arguments(config, env_stream=True))
     main(q, k, v, dout, lse2, delta, dq_acc, dk_arg, dv_arg, dq_sem, softmax_scale)
-    # the accumulator's row pitch is a static shape: part of the compile key
-    pitch = dq_acc.shape[-1]
-    post = _compiled("post", (d, 1, dtype, pitch), lambda: BwdPostprocess(d, 1),
-                     lambda: fake_post_arguments(cutlass_dtype(dtype), d, pitch))
-    post(dq_acc, dq, softmax_scale)  # the main kernel's dQ tiles are unscaled
+    # the fragment order depends on tile_m (which warpgroup split) and the head dim
+    post_dq = _compiled("post_dq", (config.tile_m, d, dtype), lambda: DqPostprocess(config),
+                        lambda: fake_dq_post_arguments(config))
+    post_dq(dq_acc, dq, softmax_scale)  # the main kernel's dQ tiles are unscaled
     if config.uses_gqa_buffers:
         g = group if config.gqa_reduce == "buffers" else 1
         post_kv = _compiled("post", (d, g, dtype, d), lambda: BwdPostprocess(d, g),
@@ -190,7 +190,7 @@ def fake_arguments(config: BwdConfig, env_stream: bool = False):
     q, do = _rowmajor(dt, (b, sq, h, d)), _rowmajor(dt, (b, sq, h, d))
     k, v = _rowmajor(dt, (b, sk, hk, d)), _rowmajor(dt, (b, sk, hk, d))
     lse2, delta = _rowmajor(cutlass.Float32, (b, h, sq_pad)), _rowmajor(cutlass.Float32, (b, h, sq_pad))
-    dq_acc = _rowmajor(cutlass.Float32, (b, h, sq_pad, config.dq_row_pitch))
+    dq_acc = _rowmajor(cutlass.Float32, (b, h, n_m, config.dq_block_elems))
     if config.uses_gqa_buffers:
         dk = _rowmajor(cutlass.Float32, (b, h_acc, sk_pad, d))
         dv = _rowmajor(cutlass.Float32, (b, h_acc, sk_pad, d))
@@ -226,3 +226,18 @@ def fake_post_arguments(dt, head_dim: int, pitch: int):
     return (_rowmajor(cutlass.Float32, (b, h_acc, s_pad, pitch)),
             _rowmajor(dt, (b, s, h, head_dim)), cutlass.Float32(1.0),
             make_fake_stream(use_tvm_ffi_env_stream=True))
+
+
+def fake_dq_post_arguments(config: BwdConfig):
+    """Fake arguments of the dQ postprocess: the fragment-order accumulator (b, h, m_blocks,
+    tile_m * hdim), dq (b, s, h, d), the scale; the current torch stream."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_stream
+
+    from fa_sm100.config import cutlass_dtype
+
+    b, h, n_m, s = (cute.sym_int() for _ in range(4))
+    return (_rowmajor(cutlass.Float32, (b, h, n_m, config.dq_block_elems)),
+            _rowmajor(cutlass_dtype(config.dtype), (b, s, h, config.head_dim)),
+            cutlass.Float32(1.0), make_fake_stream(use_tvm_ffi_env_stream=True))

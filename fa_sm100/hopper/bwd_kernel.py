@@ -113,7 +113,7 @@ from cutlass.utils import LayoutEnum
 from fa_sm100.config import WARP_SIZE, cutlass_dtype
 from fa_sm100.hopper.bwd_config import (BwdConfig, effective_window_right, first_n_block,
                                          m_block_range)
-from fa_sm100.hopper.bwd_store import BwdStoreRole
+from fa_sm100.hopper.bwd_store import BwdStoreRole, dq_tiled_mma
 from fa_sm100.hopper.common import NO_WAIT, rows_cols_view, transpose_view, wgmma
 from fa_sm100.hopper.config import SMEM_ALIGN, WARPGROUP_THREADS, WGMMA_M
 from fa_sm100.hopper.fwd_math import convert_to, operand_a_view
@@ -180,14 +180,7 @@ class Sm90FlashBackward(BwdStoreRole):
     def _tiled_mmas(self):
         K, MN = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
         half_n = self.tile_n // 2
-        # dQ = dS K: (tile_m, hdim). tile_m 64: warpgroups side by side along N (head dim);
-        # tile_m 128: stacked along M (64 query rows each, all of the head dim).
-        if self.cfg.dq_split_rows:
-            mma_dq = sm90_helpers.make_trivial_tiled_mma(
-                self.dtype, self.dtype, K, MN, Float32, (2, 1, 1), (WGMMA_M, self.hdim))
-        else:
-            mma_dq = sm90_helpers.make_trivial_tiled_mma(
-                self.dtype, self.dtype, K, MN, Float32, (1, 2, 1), (WGMMA_M, self.hdim // 2))
+        mma_dq = dq_tiled_mma(self.cfg, self.dtype)
         if self.cfg.sdp_swap_ab:
             # S^T = K Q^T and dP^T = V dO^T: (tile_n, tile_m), warpgroups stacked along M (keys).
             mma_sdp = sm90_helpers.make_trivial_tiled_mma(
@@ -230,10 +223,11 @@ class Sm90FlashBackward(BwdStoreRole):
         return SharedStorage
 
     def _sdq_elems(self) -> int:
-        """Float32 elements of the SMEM dQ tile: the padded tile for "bulk"; "red" stages
-        nothing and keeps a 16-byte placeholder (the struct field needs a size)."""
+        """Float32 elements of the SMEM dQ tile: the whole tile for "bulk" (Note [dQ in
+        fragment order]); "red" stages nothing and keeps a 16-byte placeholder (the struct
+        field needs a size)."""
         if self.cfg.dq_accum == "bulk":
-            return self.tile_m * self.cfg.dq_row_pitch
+            return self.cfg.dq_block_elems
         return 4
 
     # ---- host entry ------------------------------------------------------------------------
@@ -247,7 +241,7 @@ class Sm90FlashBackward(BwdStoreRole):
         mdO: cute.Tensor,  # (batch, seqlen_q, heads, hdimv)
         mLSE2: cute.Tensor,  # (batch, heads, seqlen_q_pad) f32, log2 units, +inf on padding
         mDelta: cute.Tensor,  # (batch, heads, seqlen_q_pad) f32, rowsum(O * dO)
-        mdQacc: cute.Tensor,  # (batch, heads, seqlen_q_pad, hdim) f32, zeroed
+        mdQacc: cute.Tensor,  # (batch, heads, m_blocks, tile_m * hdim) f32, zeroed, fragment order
         mdK: cute.Tensor,  # MHA: (batch, seqlen_k, heads, hdim) dtype; GQA: f32 (batch, h, seqlen_k_pad, hdim)
         mdV: cute.Tensor,
         mdQsem: cute.Tensor,  # (batch, heads, num_m_blocks) i32, zeroed (deterministic only)
@@ -570,10 +564,10 @@ class Sm90FlashBackward(BwdStoreRole):
             warpgroup.wait_group(1)  # dV and dQ done, dK may still run
             pipe_do.consumer_release(state_do)
             if const_expr(self.cfg.dq_accum == "bulk"):
-                self._stage_dq(mma_dq, acc_dQ, sdQ, tidx)
+                self._stage_dq(acc_dQ, sdQ, tidx)
             else:
-                self._store_dq(mma_dq, acc_dQ, mdQacc, mdQsem, tidx, m_block, n_block, head,
-                               batch, seqlen_q, seqlen_k)
+                self._store_dq(acc_dQ, mdQacc, mdQsem, tidx, m_block, n_block, head, batch,
+                               seqlen_q, seqlen_k)
             if const_expr(self.cfg.overlap_dk):
                 state_q_prev = state_q.clone()  # dK runs on behind the next S and dP
             else:

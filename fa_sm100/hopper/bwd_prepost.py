@@ -6,16 +6,23 @@ Preprocess, per query row of one (batch, head):
 and on the padding rows seqlen_q <= i < seqlen_q_pad: Delta = 0, LSE2 = +inf, so that the main
 kernel's P = exp2(S * scale_log2 - LSE2) is exactly 0 there without any row predicate.
 
-Postprocess, per output row:
-    out[b, i, h, :] = scale * sum_{g < G} acc[b, h * G + g, i, :]   converted to the output dtype
-G = 1 for dQ (float32 accumulator -> input dtype and BSHD layout; scale = softmax_scale, which
-the main kernel leaves out of its per-block dQ tiles) and for GQA dK/dV reduced with atomics;
-G = qhead_per_kvhead for GQA dK/dV kept in per-query-head buffers (the sum runs in a fixed
-order, so it is deterministic; dK/dV arrive scaled, scale = 1).
+dQ postprocess (``DqPostprocess``), per query block of one (batch, head):
+    dq[b, rows, h, :] = softmax_scale * acc[b, h, block]   converted to the input dtype
+where the accumulator block is in fragment order (Note [dQ in fragment order] in
+bwd_store.py): 256 threads stand in for the main kernel's MMA threads, each loads its own
+dq_groups x 16 bytes (coalesced) and writes them to the rows and columns the same tiled MMA
+(``dq_tiled_mma``) assigns, two columns (4 bytes) per store. The scale is applied here because
+the main kernel leaves it out of its per-block dQ tiles.
 
-Both kernels give a row to ``THREADS_PER_ROW`` adjacent threads, each owning head_dim / 16
-contiguous columns, so a warp reads two whole rows per access (coalesced); the preprocess sums
-its partial dot products with butterfly shuffles inside the 16 lanes of a row.
+GQA dK/dV postprocess (``BwdPostprocess``), per output row:
+    out[b, i, h, :] = scale * sum_{g < G} acc[b, h * G + g, i, :]   converted to the output dtype
+G = 1 for dK/dV reduced with atomics; G = qhead_per_kvhead for dK/dV kept in per-query-head
+buffers (the sum runs in a fixed order, so it is deterministic); they arrive scaled (scale 1).
+
+The preprocess and ``BwdPostprocess`` give a row to ``THREADS_PER_ROW`` adjacent threads, each
+owning head_dim / 16 contiguous columns, so a warp reads two whole rows per access
+(coalesced); the preprocess sums its partial dot products with butterfly shuffles inside the
+16 lanes of a row.
 """
 
 import math
@@ -23,6 +30,10 @@ import math
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
+
+from fa_sm100.hopper.bwd_config import DQ_VEC
+from fa_sm100.hopper.bwd_store import dq_tiled_mma
+from fa_sm100.hopper.config import WARPGROUP_THREADS
 
 THREADS_PER_ROW = 16
 CTA_THREADS = 256
@@ -117,3 +128,50 @@ class BwdPostprocess:
             out = cute.make_rmem_tensor((self.cols,), mOut.element_type)
             out.store((total.load() * scale).to(mOut.element_type))
             cute.autovec_copy(out, _row_part(mOut[batch, row, head, None], part, self.cols))
+
+
+class DqPostprocess:
+    """dq (batch, seqlen_q, heads, hdim) = scale * the fragment-order accumulator
+    (batch, heads, m_blocks, tile_m * hdim) of the main kernel (``BwdConfig`` ``cfg``)."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.tile_m, self.hdim = cfg.tile_m, cfg.head_dim
+        self.threads = WARPGROUP_THREADS * cfg.num_mma_warpgroups
+
+    @cute.jit
+    def __call__(self, mAcc: cute.Tensor, mOut: cute.Tensor, scale: Float32, stream):
+        mma = dq_tiled_mma(self.cfg, mOut.element_type)
+        self.kernel(mAcc, mOut, scale, mma).launch(
+            grid=[mAcc.shape[2], mOut.shape[2], mOut.shape[0]], block=[self.threads, 1, 1],
+            stream=stream)
+
+    @cute.kernel
+    def kernel(self, mAcc, mOut, scale: Float32, mma: cute.TiledMma):
+        tidx, _, _ = cute.arch.thread_idx()
+        m_block, head, batch = cute.arch.block_idx()
+        thr = mma.get_slice(tidx)
+        acc = cute.make_rmem_tensor(mma.partition_shape_C((self.tile_m, self.hdim)), Float32)
+        src = cute.make_ptr(Float32, mAcc[batch, head, m_block, None].iterator.toint(),
+                            cute.AddressSpace.gmem, assumed_align=16)
+        groups = self.cfg.dq_groups
+        wg, t = tidx // WARPGROUP_THREADS, tidx % WARPGROUP_THREADS
+        frag = cute.make_tensor(src + (wg * groups * WARPGROUP_THREADS + t) * DQ_VEC,
+                                cute.make_layout((DQ_VEC, groups),
+                                                 stride=(1, WARPGROUP_THREADS * DQ_VEC)))
+        cute.autovec_copy(frag, cute.make_tensor(acc.iterator, cute.make_layout((DQ_VEC, groups))))
+        out = cute.make_fragment_like(acc, mOut.element_type)
+        out.store((acc.load() * scale).to(mOut.element_type))
+        gOut = cute.local_tile(mOut[batch, None, head, None], (self.tile_m, self.hdim), (m_block, 0))
+        tOgO = thr.partition_C(gOut)
+        tOcO = thr.partition_C(cute.make_identity_tensor((self.tile_m, self.hdim)))
+        rows_left = mOut.shape[1] - m_block * self.tile_m
+        # pairs of adjacent columns (mode 0 of the accumulator's first mode): one 4-byte store
+        for v in cutlass.range_constexpr(cute.size(out) // 2):
+            if tOcO[2 * v][0] < rows_left:
+                cute.autovec_copy(_pair(out, v), _pair(tOgO, v))
+
+
+def _pair(t, v: int):
+    """Elements 2 v and 2 v + 1 of an accumulator-shaped tensor (adjacent columns)."""
+    return cute.make_tensor(t.iterator + cute.crd2idx(2 * v, t.layout), cute.make_layout(2))

@@ -2,12 +2,20 @@
 accumulator, and dK, dV at the end of a CTA.
 
 dQ is accumulated in float32 in global memory, by one of two switchable paths (``dq_accum``):
-"bulk" stages the dQ tile in SMEM (rows padded by DQ_ROW_PAD floats: conflict-free
-stores; GMEM holds the same padded image) and the dq-store warp adds it with one bulk reduce;
-"red" issues ``red.global.add.f32`` from the MMA registers. Deterministic mode orders the
-additions: the CTAs that touch a query block add in increasing ``n_block`` order, through a
+"bulk" stages the dQ tile in SMEM and the dq-store warp adds it with one bulk reduce; "red"
+issues ``red.global.add.f32`` from the MMA registers. Deterministic mode orders the additions:
+the CTAs that touch a query block add in increasing ``n_block`` order, through a
 per-(batch, head, m_block) semaphore. Both add dS K without the softmax scale: the
 postprocess applies it once per element (instead of a multiply per element per key block).
+
+Note [dQ in fragment order]: the accumulator of one query block is not a row-major tile but
+the MMA threads' registers in their order: thread T = 128 w + t stores its registers 4 i ..
+4 i + 3 at ((w * dq_groups + i) * 128 + t) * 4 (``bwd_config.dq_fragment_index`` spells out
+the element that lands there). So every thread's dQ leaves in dq_groups 16-byte STS.128 (a
+warp's 32 stores cover 512 contiguous bytes: no bank conflict and no padding; row-major it
+took twice as many STS.64 into padded rows), the SMEM tile is one contiguous range for the
+bulk reduce, and GMEM holds the same image per (batch, head, query block). The postprocess
+(``bwd_prepost.DqPostprocess``) maps it back to rows and columns with the same tiled MMA.
 
 Note [dQ SMEM handoff] ("bulk"): per query block the dq-store warp waits until its previous
 bulk reduce has read the tile (``cp.async.bulk.wait_group.read 0``), arrives on ``DQ_EMPTY``,
@@ -17,11 +25,27 @@ async proxy and arrive on ``DQ_FULL``.
 
 import cutlass
 import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_helpers
 from cutlass import Float32, Int32, const_expr
 from cutlass.experimental import primitives as prims
 
 from fa_sm100.config import WARP_SIZE
+from fa_sm100.hopper.bwd_config import DQ_VEC
+from fa_sm100.hopper.config import WARPGROUP_THREADS, WGMMA_M
 from fa_sm100.hopper.named_barriers import Sm90BwdBarrier
+
+
+def dq_tiled_mma(cfg, dtype):
+    """The tiled WGMMA of dQ = dS K, (tile_m, hdim): with tile_m 64 the two MMA warpgroups side
+    by side along N (head-dim halves); with tile_m 128 stacked along M (64 query rows each, all
+    of the head dim). Its accumulator partition is also the map the postprocess inverts (Note
+    [dQ in fragment order])."""
+    K, MN = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
+    if cfg.dq_split_rows:
+        return sm90_helpers.make_trivial_tiled_mma(
+            dtype, dtype, K, MN, Float32, (2, 1, 1), (WGMMA_M, cfg.head_dim))
+    return sm90_helpers.make_trivial_tiled_mma(
+        dtype, dtype, K, MN, Float32, (1, 2, 1), (WGMMA_M, cfg.head_dim // 2))
 
 
 class BwdStoreRole:
@@ -31,17 +55,28 @@ class BwdStoreRole:
     ``num_mma_threads`` and ``_n_block_first``.
     """
 
+    def _dq_fragment_view(self, ptr, tidx):
+        """This MMA thread's dq_groups x 4 floats of a dQ accumulator block at ``ptr`` (SMEM
+        or GMEM), Note [dQ in fragment order]: (4, dq_groups) with strides (1, 512)."""
+        groups = self.cfg.dq_groups
+        wg, t = tidx // WARPGROUP_THREADS, tidx % WARPGROUP_THREADS
+        base = ptr + (wg * groups * WARPGROUP_THREADS + t) * DQ_VEC
+        return cute.make_tensor(base, cute.make_layout((DQ_VEC, groups),
+                                                       stride=(1, WARPGROUP_THREADS * DQ_VEC)))
+
+    def _dq_registers(self, acc_dQ):
+        """The dQ accumulator as (4, dq_groups) in register order."""
+        return cute.make_tensor(acc_dQ.iterator, cute.make_layout((DQ_VEC, self.cfg.dq_groups)))
+
     @cute.jit
-    def _stage_dq(self, mma_dq, acc_dQ, sdQ, tidx):
-        """"bulk" dQ, MMA side of Note [dQ SMEM handoff]: dQ tile (unscaled) -> padded SMEM rows."""
-        pitch = self.cfg.dq_row_pitch
-        sdQ_tile = cute.make_tensor(sdQ.iterator,
-                                    cute.make_layout((self.tile_m, self.hdim), stride=(pitch, 1)))
-        tdQsdQ = mma_dq.get_slice(tidx).partition_C(sdQ_tile)
+    def _stage_dq(self, acc_dQ, sdQ, tidx):
+        """"bulk" dQ, MMA side of Note [dQ SMEM handoff]: the tile (unscaled) into SMEM in
+        fragment order (dq_groups STS.128 per thread)."""
         handoff = self.num_mma_threads + WARP_SIZE  # MMA warpgroups + the dq-store warp
         cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.DQ_EMPTY), number_of_threads=handoff)
-        for i in cutlass.range_constexpr(cute.size(acc_dQ)):
-            tdQsdQ[i] = acc_dQ[i]
+        smem = cute.make_ptr(Float32, sdQ.iterator.toint(), sdQ.iterator.memspace,
+                             assumed_align=16)
+        cute.autovec_copy(self._dq_registers(acc_dQ), self._dq_fragment_view(smem, tidx))
         cute.arch.fence_view_async_shared()
         cute.arch.barrier_arrive(barrier_id=int(Sm90BwdBarrier.DQ_FULL), number_of_threads=handoff)
 
@@ -50,11 +85,10 @@ class BwdStoreRole:
                  m_block_min, m_block_max):
         """Warp 1 ("bulk" dQ), Note [dQ SMEM handoff]. Per query block m: wait until the last
         bulk reduce has read SMEM, arrive ``DQ_EMPTY``, wait ``DQ_FULL``, then add the padded
-        tile into dQacc[batch, head, m * tile_m : (m + 1) * tile_m, :] with one
-        cp.reduce.async.bulk.add.f32. Deterministic: first wait for this CTA's turn on the
+        tile into dQacc[batch, head, m] with one cp.reduce.async.bulk.add.f32 (both are in
+        fragment order, Note [dQ in fragment order]). Deterministic: first wait for this CTA's turn on the
         query block's semaphore; after the reduce has completed, pass the turn on."""
-        pitch = self.cfg.dq_row_pitch
-        tile_elems = self.tile_m * pitch
+        tile_elems = self.cfg.dq_block_elems
         handoff = self.num_mma_threads + WARP_SIZE  # MMA warpgroups + the dq-store warp
         gdQ = mdQacc[batch, head, None, None]
         lane = cute.arch.lane_idx()
@@ -86,12 +120,12 @@ class BwdStoreRole:
         cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
-    def _store_dq(self, mma_dq, acc_dQ, mdQacc, mdQsem, tidx, m_block, n_block, head, batch,
+    def _store_dq(self, acc_dQ, mdQacc, mdQsem, tidx, m_block, n_block, head, batch,
                   seqlen_q, seqlen_k):
-        """Add this CTA's dQ tile (unscaled) into the float32 accumulator."""
-        thr_dq = mma_dq.get_slice(tidx)
-        gdQ = cute.local_tile(mdQacc[batch, head, None, None], (self.tile_m, self.hdim), (m_block, 0))
-        tdQgdQ = thr_dq.partition_C(gdQ)
+        """Add this CTA's dQ tile (unscaled) into the float32 accumulator, in fragment order
+        (Note [dQ in fragment order])."""
+        gdQ = self._dq_fragment_view(mdQacc[batch, head, m_block, None].iterator, tidx)
+        rdQ = self._dq_registers(acc_dQ)
         if const_expr(self.cfg.deterministic):
             sem = mdQsem[batch, head, None]
             sem_ptr = sem.iterator + m_block
@@ -102,9 +136,9 @@ class BwdStoreRole:
                     seen = cute.arch.load(sem_ptr, Int32, sem="acquire", scope="gpu")
             cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.DQ_TURN),
                               number_of_threads=self.num_mma_threads)
-        for i in cutlass.range_constexpr(cute.size(acc_dQ)):
-            ptr = tdQgdQ.iterator + cute.crd2idx(i, tdQgdQ.layout)
-            cute.arch.red(ptr, acc_dQ[i], op="add", dtype="f32",
+        for i in cutlass.range_constexpr(cute.size(rdQ)):
+            ptr = gdQ.iterator + cute.crd2idx(i, gdQ.layout)
+            cute.arch.red(ptr, rdQ[i], op="add", dtype="f32",
                                   sem="relaxed", scope="gpu")
         if const_expr(self.cfg.deterministic):
             cute.arch.fence_acq_rel_gpu()

@@ -93,12 +93,16 @@ def unsupported(ins: Instr, why: str = ""):
 # Operand access
 
 
-def reader(opnd, typ: str, kernel: PtxKernel, copy: bool = False) -> Callable:
+def reader(opnd, typ: str, kernel: PtxKernel, copy: bool = False,
+           undef_ok: bool = False) -> Callable:
     """Closure (m, w, idx) -> np.ndarray of ``typ`` values for the lanes ``idx``.
 
     Reading a register an asynchronous ``tcgen05.ld`` wrote before ``tcgen05.wait::ld`` is
     an error, except for plain copies (``copy=True``: mov, pack, unpack), which the compiler
-    emits before the wait and which carry the pending state to their destination."""
+    emits before the wait and which carry the pending state to their destination. Reading a
+    register nothing wrote is an error, except with ``undef_ok`` (byte selects: LLVM passes
+    undef registers to ``prmt`` for bytes the result's users ignore); such a read gives the
+    register's current bits."""
     if isinstance(opnd, Reg):
         name = opnd
 
@@ -108,7 +112,7 @@ def reader(opnd, typ: str, kernel: PtxKernel, copy: bool = False) -> Callable:
                                      "(it was written by an asynchronous tcgen05.ld)")
             r = w.reg(name)
             init = w.reg_init[name.name][idx]
-            if not init.all():
+            if not undef_ok and not init.all():
                 raise EmulationError(f"register {name.name} is read before it was written "
                                      f"(lanes {idx[~init].tolist()[:8]})")
             return bits_to(typ, r[idx])

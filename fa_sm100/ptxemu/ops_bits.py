@@ -1,4 +1,5 @@
-"""Bit-manipulation instructions: popc, clz, brev, bfe, bfi, prmt (default mode), lop3."""
+"""Bit-manipulation instructions: popc, clz, brev, bfe, bfi, prmt (default mode), lop3, and
+the packed integer dot products dp2a / dp4a (which LLVM also uses for index arithmetic)."""
 
 from __future__ import annotations
 
@@ -77,12 +78,54 @@ def _bfi(ins, k):
     return run
 
 
+def _lanes(x: np.ndarray, bits: int, signed: bool) -> list:
+    """The 32 // bits packed lanes of u32 values, low lane first, as int64."""
+    x = x.astype(np.uint32).astype(np.int64)
+    out = []
+    for i in range(32 // bits):
+        v = (x >> (bits * i)) & ((1 << bits) - 1)
+        out.append(np.where(v >= 1 << (bits - 1), v - (1 << bits), v) if signed else v)
+    return out
+
+
+@handler("dp2a", "dp4a")
+def _dot_packed(ins, k):
+    """``dp4a.atype.btype d, a, b, c``: d = c + sum of the 4 byte products of a and b;
+    ``dp2a.{lo,hi}.atype.btype d, a, b, c``: d = c + the two 16-bit lanes of a times bytes
+    0, 1 (.lo) or 2, 3 (.hi) of b. Bytes and halves are signed for .s32 operands; the sum
+    wraps at 32 bits."""
+    ts = [t for t in ins.parts[1:] if t in ("u32", "s32")]
+    if len(ts) != 2:
+        unsupported(ins, "expected two integer operand types")
+    a_t, b_t = ts
+    md = mods(ins)
+    a, b, c = (reader(o, t, k) for o, t in zip(ins.operands[1:], (a_t, b_t, "u32")))
+    wr = writer(ins.operands[0], "u32")
+    two = ins.parts[0] == "dp2a"
+    if two and not ({"lo", "hi"} & md):
+        unsupported(ins, "dp2a needs .lo or .hi")
+    hi = "hi" in md
+
+    def run(m, w, idx):
+        xa = _lanes(a(m, w, idx).view(np.uint32), 16 if two else 8, a_t == "s32")
+        xb = _lanes(b(m, w, idx).view(np.uint32), 8, b_t == "s32")
+        if two:
+            xb = xb[2:] if hi else xb[:2]
+        acc = c(m, w, idx).view(np.uint32).astype(np.int64)
+        for p, q in zip(xa, xb):
+            acc = acc + p * q
+        wr(m, w, idx, (acc & 0xFFFFFFFF).astype(np.uint32))
+    return run
+
+
 @handler("prmt")
 def _prmt(ins, k):
     md = mods(ins)
     if md - {"b32"}:
         unsupported(ins, "only the default prmt mode is modelled")
-    a, b, c = _srcs(ins, "b32", k)
+    # LLVM feeds undef registers to prmt where the selected bytes are don't-cares
+    a, b = (reader(o, "b32", k, undef_ok=True) for o in ins.operands[1:3])
+    c = reader(ins.operands[3], "b32", k)
     wr = writer(ins.operands[0], "b32")
 
     def run(m, w, idx):
