@@ -104,9 +104,8 @@ def sm90_bwd(dout, q, k, v, out, lse, softmax_scale: Optional[float] = None, cau
     """Gradients (dq, dk, dv) of attention on an SM90 GPU; see the module docstring."""
     softmax_scale, (left, right) = validate_bwd_inputs(dout, q, k, v, out, lse, softmax_scale,
                                                        causal, window_size, deterministic)
-    b, sq, hq, d = q.shape
-    sk, hk = k.shape[1], k.shape[2]
-    group = hq // hk
+    d = q.shape[3]
+    group = q.shape[2] // k.shape[2]
     dtype = normalize_dtype(q.dtype)
     if config is None:
         config = select_bwd_config(head_dim=d, dtype=dtype, causal=causal,
@@ -119,49 +118,71 @@ def sm90_bwd(dout, q, k, v, out, lse, softmax_scale: Optional[float] = None, cau
                                 causal=causal, window_left=left, window_right=right,
                                 qhead_per_kvhead=group, deterministic=deterministic).validate()
 
+    q, k, v, out, dout = (t.contiguous() for t in (q, k, v, out, dout))
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    for kind, key, build, make_fake_args, args in launch_plan(
+            config, q, k, v, out, dout, lse.contiguous(), dq, dk, dv, softmax_scale):
+        _compiled(kind, key, build, make_fake_args)(*args)
+    return dq, dk, dv
+
+
+def launch_plan(config: BwdConfig, q, k, v, out, dout, lse, dq, dk, dv, softmax_scale):
+    """The kernel calls of one backward, in order, as (kind, compile key, build, fake
+    arguments, arguments): preprocess, main kernel, dQ postprocess, and for GQA/MQA the dK and
+    dV postprocess. ``sm90_bwd`` compiles (once per key) and runs them; the tests check that
+    each call's arguments fit its fake compile arguments."""
     from fa_sm100.config import cutlass_dtype
     from fa_sm100.hopper.bwd_kernel import Sm90FlashBackward
     from fa_sm100.hopper.bwd_prepost import BwdPostprocess, BwdPreprocess, DqPostprocess
 
-    q, k, v, out, dout = (t.contiguous() for t in (q, k, v, out, dout))
-    lse = lse.contiguous()
-    dev = q.device
-    sq_pad = _round_up(sq, config.tile_m)
-    sk_pad = _round_up(sk, config.tile_n)
-    n_m_blocks = sq_pad // config.tile_m
-    lse2 = torch.empty(b, hq, sq_pad, device=dev, dtype=torch.float32)
-    delta = torch.empty(b, hq, sq_pad, device=dev, dtype=torch.float32)
-    # Note [dQ in fragment order] (bwd_store.py): one block of tile_m * d floats per query block
-    dq_acc = torch.zeros(b, hq, n_m_blocks, config.dq_block_elems, device=dev, dtype=torch.float32)
-    dq_sem = torch.zeros(b, hq, n_m_blocks if config.deterministic else 1, device=dev, dtype=torch.int32)
-    dq = torch.empty_like(q)
+    d, dtype = config.head_dim, config.dtype
+    dt = cutlass_dtype(dtype)
+    ws = workspace(config, q, k)
+    dk_arg, dv_arg = (ws["dk_acc"], ws["dv_acc"]) if config.uses_gqa_buffers else (dk, dv)
+    plan = [
+        ("pre", (d, dtype), lambda: BwdPreprocess(d), lambda: fake_pre_arguments(dt, d),
+         (out, dout, lse, ws["lse2"], ws["delta"])),
+        ("main", config, lambda: Sm90FlashBackward(config),
+         lambda: fake_arguments(config, env_stream=True),
+         (q, k, v, dout, ws["lse2"], ws["delta"], ws["dq_acc"], dk_arg, dv_arg, ws["dq_sem"],
+          softmax_scale)),
+        # the fragment order depends on tile_m (which warpgroup split) and the head dim; the
+        # main kernel's dQ tiles are unscaled
+        ("post_dq", (config.tile_m, d, dtype), lambda: DqPostprocess(config),
+         lambda: fake_dq_post_arguments(config), (ws["dq_acc"], dq, softmax_scale)),
+    ]
+    if config.uses_gqa_buffers:
+        g = config.qhead_per_kvhead if config.gqa_reduce == "buffers" else 1
+        for acc, res in ((dk_arg, dk), (dv_arg, dv)):  # dK arrives scaled
+            plan.append(("post", (d, g, dtype, d), lambda: BwdPostprocess(d, g),
+                         lambda: fake_post_arguments(dt, d, d), (acc, res, 1.0)))
+    return plan
+
+
+def workspace(config: BwdConfig, q, k) -> dict:
+    """The float32 buffers of one backward call, on q's device: LSE2 and Delta (rows padded to
+    tile_m), the zeroed dQ accumulator (one block of tile_m * d floats per query block: Note
+    [dQ in fragment order] in bwd_store.py), the dQ semaphores (one per query block when
+    deterministic), and for GQA/MQA the dK/dV accumulators (one per query head with
+    "buffers", zeroed and one per KV head with "atomic")."""
+    b, sq, hq, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    dev, f32 = q.device, torch.float32
+    n_m_blocks = -(-sq // config.tile_m)
+    sq_pad, sk_pad = n_m_blocks * config.tile_m, _round_up(sk, config.tile_n)
+    ws = {
+        "lse2": torch.empty(b, hq, sq_pad, device=dev, dtype=f32),
+        "delta": torch.empty(b, hq, sq_pad, device=dev, dtype=f32),
+        "dq_acc": torch.zeros(b, hq, n_m_blocks, config.dq_block_elems, device=dev, dtype=f32),
+        "dq_sem": torch.zeros(b, hq, n_m_blocks if config.deterministic else 1, device=dev,
+                              dtype=torch.int32),
+    }
     if config.uses_gqa_buffers:
         h_acc = hq if config.gqa_reduce == "buffers" else hk
         alloc = torch.empty if config.gqa_reduce == "buffers" else torch.zeros
-        dk_acc = alloc(b, h_acc, sk_pad, d, device=dev, dtype=torch.float32)
-        dv_acc = alloc(b, h_acc, sk_pad, d, device=dev, dtype=torch.float32)
-        dk, dv = torch.empty_like(k), torch.empty_like(v)
-        dk_arg, dv_arg = dk_acc, dv_acc
-    else:
-        dk, dv = torch.empty_like(k), torch.empty_like(v)
-        dk_arg, dv_arg = dk, dv
-    pre = _compiled("pre", (d, dtype), lambda: BwdPreprocess(d),
-                    lambda: fake_pre_arguments(cutlass_dtype(dtype), d))
-    pre(out, dout, lse, lse2, delta)
-    main = _compiled("main", config, lambda: Sm90FlashBackward(config),
-                     lambda: fake_arguments(config, env_stream=True))
-    main(q, k, v, dout, lse2, delta, dq_acc, dk_arg, dv_arg, dq_sem, softmax_scale)
-    # the fragment order depends on tile_m (which warpgroup split) and the head dim
-    post_dq = _compiled("post_dq", (config.tile_m, d, dtype), lambda: DqPostprocess(config),
-                        lambda: fake_dq_post_arguments(config))
-    post_dq(dq_acc, dq, softmax_scale)  # the main kernel's dQ tiles are unscaled
-    if config.uses_gqa_buffers:
-        g = group if config.gqa_reduce == "buffers" else 1
-        post_kv = _compiled("post", (d, g, dtype, d), lambda: BwdPostprocess(d, g),
-                            lambda: fake_post_arguments(cutlass_dtype(dtype), d, d))
-        for acc, res in ((dk_acc, dk), (dv_acc, dv)):
-            post_kv(acc, res, 1.0)  # dK arrives scaled
-    return dq, dk, dv
+        ws["dk_acc"] = alloc(b, h_acc, sk_pad, d, device=dev, dtype=f32)
+        ws["dv_acc"] = alloc(b, h_acc, sk_pad, d, device=dev, dtype=f32)
+    return ws
 
 
 def _rowmajor(dtype, shape, align=16):
@@ -186,7 +207,8 @@ def fake_arguments(config: BwdConfig, env_stream: bool = False):
     dt = cutlass_dtype(config.dtype)
     d = config.head_dim
     b, sq, sk, h, hk = (cute.sym_int() for _ in range(5))
-    sq_pad, sk_pad, h_acc, n_m = (cute.sym_int() for _ in range(4))
+    # the dQ blocks and the semaphores: equal only when deterministic (one symbol each)
+    sq_pad, sk_pad, h_acc, n_m, n_sem = (cute.sym_int() for _ in range(5))
     q, do = _rowmajor(dt, (b, sq, h, d)), _rowmajor(dt, (b, sq, h, d))
     k, v = _rowmajor(dt, (b, sk, hk, d)), _rowmajor(dt, (b, sk, hk, d))
     lse2, delta = _rowmajor(cutlass.Float32, (b, h, sq_pad)), _rowmajor(cutlass.Float32, (b, h, sq_pad))
@@ -196,7 +218,7 @@ def fake_arguments(config: BwdConfig, env_stream: bool = False):
         dv = _rowmajor(cutlass.Float32, (b, h_acc, sk_pad, d))
     else:
         dk, dv = _rowmajor(dt, (b, sk, h, d)), _rowmajor(dt, (b, sk, h, d))
-    sem = _rowmajor(cutlass.Int32, (b, h, n_m), 4)
+    sem = _rowmajor(cutlass.Int32, (b, h, n_sem), 4)
     return (q, k, v, do, lse2, delta, dq_acc, dk, dv, sem, cutlass.Float32(0.125),
             make_fake_stream(use_tvm_ffi_env_stream=env_stream))
 
