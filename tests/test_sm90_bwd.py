@@ -56,6 +56,8 @@ from fa_sm100.testing import attention_mask
     (dict(overlap_dk=1), "overlap_dk"),
     (dict(overlap_dk=True, sdp_swap_ab=True), "needs sdp_swap_ab=False"),
     (dict(overlap_dk=True, q_stage=1), "needs q_stage=2"),
+    (dict(dv_before_barrier=True, early_dv=True), "needs early_dv=False"),
+    (dict(stats_first=1), "stats_first=1: must be a bool"),
 ])
 def test_bad_config_raises_value_error_naming_the_rule(changes, rule):
     with pytest.raises(ValueError, match=rule):
@@ -324,6 +326,10 @@ CONTRACT_CASES = [
       "dtype=float16"], "UBLKRED"),
     (["sdp_swap_ab=true", "tile_m=128", "head_dim=64", "dq_accum=red", "deterministic=true",
       "causal=true", "early_dv=true"], "REDG.E.ADD.F32"),
+    # Note [dV before the dS barrier]: swapped (P^T in registers) and unswapped (P in SMEM)
+    (["causal=true", "dv_before_barrier=true"], "UBLKRED"),
+    (["sdp_swap_ab=false", "early_dv=false", "dv_before_barrier=true", "head_dim=96"], "UBLKRED"),
+    (["head_dim=64", "causal=true", "dv_before_barrier=true"], "UBLKRED"),
 ]
 
 

@@ -151,6 +151,8 @@ SWITCHES = [
     dict(sdp_swap_ab=True, tile_m=64, stats_first=True),
     dict(sdp_swap_ab=False, stats_first=True, stats_smem=False),
     dict(sdp_swap_ab=True, try_wait=False), dict(sdp_swap_ab=False, try_wait=True),
+    dict(sdp_swap_ab=True, early_dv=False, dv_before_barrier=True),
+    dict(sdp_swap_ab=False, early_dv=False, dv_before_barrier=True),
 ]
 
 

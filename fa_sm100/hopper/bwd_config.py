@@ -64,6 +64,9 @@ class BwdConfig:
     # Issue dV += P^T dO right after P is in SMEM, overlapping it with the dS math
     # (select_bwd_config: on for non-causal problems, where it measured faster).
     early_dv: bool = True
+    # Without early_dv: issue dV once dS is stored, before the barrier that waits for both
+    # warpgroups' dS (Note [dV before the dS barrier] in bwd_kernel.py), not after it.
+    dv_before_barrier: bool = False
     # Compute S^T = K Q^T and dP^T = V dO^T (warpgroups stacked along the keys) so that P^T and
     # dS^T feed dV and dK from registers (RS WGMMA): no P in SMEM, dV/dK read only Q/dO there.
     sdp_swap_ab: bool = False
@@ -177,7 +180,8 @@ class BwdConfig:
                 "deterministic=True with GQA/MQA needs gqa_reduce='buffers' (atomics add in a "
                 "run-dependent order)"
             )
-        for name in ("sdp_swap_ab", "overlap_dk", "stats_smem", "try_wait", "stats_first"):
+        for name in ("sdp_swap_ab", "overlap_dk", "stats_smem", "try_wait", "stats_first",
+                     "dv_before_barrier"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be a bool")
         if self.tile_m == 2 * TILE_M_ATOM:
@@ -194,6 +198,11 @@ class BwdConfig:
                     f"spills and serializes every WGMMA (with 2-stage Q/dO the SMEM does not "
                     f"fit either)"
                 )
+        if self.dv_before_barrier and self.early_dv:
+            raise ValueError(
+                "dv_before_barrier=True needs early_dv=False: with early_dv, dV is issued "
+                "before the dS math already"
+            )
         if self.overlap_dk and self.sdp_swap_ab:
             raise ValueError(
                 "overlap_dk=True needs sdp_swap_ab=False: a dK GEMM still reading dS^T from "

@@ -49,6 +49,12 @@ tile, its SMEM image and bulk reduce are simply tile_m rows. What keeps it in 24
 hdim 96/128 do not fit (larger dK/dV accumulators: ptxas spills ~0.9-1.4 KB and serializes
 every WGMMA even with 1-stage Q/dO), hence the config rule.
 
+Note [dV before the dS barrier] (``dv_before_barrier``, without ``early_dv``): dV += P^T dO
+is issued once this warpgroup has stored its dS (and, unswapped, its P: one 128-thread
+``P_READY`` barrier), before the 256-thread ``DS_READY`` barrier, so the tensor cores run dV
+while the warpgroups meet there; dQ and dK follow the barrier as before (FA4's order). The
+groups still retire dV, dQ, dK.
+
 Note [dS double buffer]: dQ = dS K reads both warpgroups' halves of dS, so a warpgroup may
 only overwrite dS once the other has finished the dQ GEMM of the previous query block. dS has
 two SMEM buffers (``ds_stage == 2``): iteration i writes buffer i % 2 and then waits on the
@@ -445,6 +451,7 @@ class Sm90FlashBackward(BwdStoreRole):
         late_p = m128 and not self.cfg.early_dv  # P^T converted after dS
         ds_from_p16 = m128 and self.cfg.early_dv  # dS = P^T (16 bits) (dP^T - Delta)
         stats_first = self.cfg.stats_first and not m128  # tile_m 128 shuffles them later
+        dv_mid = self.cfg.dv_before_barrier  # validate(): only without early_dv
         wg = cute.arch.make_warp_uniform(tidx // WARPGROUP_THREADS)
         wg_thread = wg * WARPGROUP_THREADS
         thr_sdp = mma_sdp.get_slice(tidx)
@@ -551,10 +558,16 @@ class Sm90FlashBackward(BwdStoreRole):
                 tdVrPt_cur = operand_a_view(rP)
             cute.copy(st_copy, st_thr.retile(rdS), tdSsdS[None, None, None, ds_idx])
             cute.arch.fence_view_async_shared()
+            if const_expr(dv_mid):  # Note [dV before the dS barrier]
+                if const_expr(not swap):  # P in SMEM: this warpgroup's stores are done
+                    cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.P_READY_WG0) + wg,
+                                      number_of_threads=WARPGROUP_THREADS)
+                wgmma(mma_dkv, acc_dV, tdVrPt_cur, tdVrdOt[None, None, None, state_do.index], False,
+                      NO_WAIT)
             cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.DS_READY),
                               number_of_threads=self.num_mma_threads)
-            # dV += P^T dO (unless issued early), dQ = dS K, dK += dS^T Q; groups retire in order
-            if const_expr(not self.cfg.early_dv):
+            # dV += P^T dO (unless issued before), dQ = dS K, dK += dS^T Q; groups retire in order
+            if const_expr(not self.cfg.early_dv and not dv_mid):
                 wgmma(mma_dkv, acc_dV, tdVrPt_cur, tdVrdOt[None, None, None, state_do.index], False,
                       NO_WAIT)
             acc_dQ = cute.make_rmem_tensor(mma_dq.partition_shape_C((self.tile_m, self.hdim)), Float32)
