@@ -355,8 +355,10 @@ def test_sm90_bwd_compile_contract(overrides, dq_mnemonic, tmp_path):
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("overrides", [["causal=true"], ["head_dim=64", "window_left=100"]],
-                         ids=["hdim128-causal", "hdim64-window"])
+@pytest.mark.parametrize("overrides", [
+    ["causal=true"],
+    ["causal=true", "deterministic=true", "qhead_per_kvhead=4", "window_left=100"],
+], ids=["hdim128-causal", "hdim128-gqa-window"])
 def test_sm90_bwd_try_wait_polls_before_the_blocking_wait(overrides, tmp_path):
     """Note [try first]: with ``try_wait`` the MMA warpgroups' two stage waits (q, dO) leave
     the main loop's body (try-wait + NANOSLEEP there) for a poll and an out-of-line retry,
@@ -374,7 +376,7 @@ def test_sm90_bwd_try_wait_polls_before_the_blocking_wait(overrides, tmp_path):
         spills[on] = r["spill_bytes"]
     assert sleeps == {False: 2, True: 0}, sleeps
     assert spills[False] == 0
-    if "window_left=100" in overrides:  # why select_bwd_config turns it off here
+    if "window_left=100" in overrides:  # why select_bwd_config turns it off with left windows
         assert spills[True] > 0, "the windowed swapped kernel no longer spills: revisit the rule"
     else:
         assert spills[True] == 0
@@ -466,6 +468,27 @@ def test_launch_arguments_fit_the_fake_compile_arguments(case):
 
 
 @pytest.mark.compile
+@pytest.mark.parametrize("overrides,tma", [([], True), (["causal=true", "head_dim=64"], True),
+                                           (["dkv_tma_store=false"], False),
+                                           (["qhead_per_kvhead=4"], False)],
+                         ids=["mha", "mha-d64", "direct", "gqa"])
+def test_sm90_bwd_dk_dv_leave_by_tma_for_mha(overrides, tma, tmp_path):
+    """Note [dK/dV by TMA]: MHA dK/dV go to SMEM by stmatrix and out by TMA stores (no STG);
+    with dkv_tma_store=false, and for GQA's float32 buffers, every thread stores directly."""
+    from fa_sm100.inspection import inspect_kernel
+
+    r = inspect_kernel("sm90_bwd", "sm_90a", overrides, keep_dir=tmp_path)
+    stores = {k: v for k, v in r["sass_full"].items() if k.startswith(("UTMASTG", "STG"))}
+    assert r["spill_bytes"] == 0
+    if tma:
+        assert any(k.startswith("UTMASTG") for k in stores), stores
+        assert not any(k.startswith("STG") for k in stores), stores
+    else:
+        assert not any(k.startswith("UTMASTG") for k in stores), stores
+        assert sum(v for k, v in stores.items() if k.startswith("STG")) >= 64, stores
+
+
+@pytest.mark.compile
 def test_preprocess_and_postprocess_cross_compile_for_sm90a():
     """The two CUDA-core kernels compile for TVM FFI with the run-time/static split sm90_bwd
     uses (and so take torch tensors directly, with no per-call conversion)."""
@@ -501,13 +524,16 @@ def test_sm90_bwd_swapped_sdp_feeds_dv_dk_from_registers(overrides, tmp_path):
     spills and in less SMEM."""
     from fa_sm100.inspection import inspect_kernel
 
-    reports, kinds = {}, {}
+    from fa_sm100.compile_tools import sass_main_loop, sass_opcode
+
+    reports, kinds, loops = {}, {}, {}
     for swap in (False, True):
         keep = tmp_path / f"swap_{swap}"
         # tile_m=64 on both sides (the hdim-64 default of 128 rows needs the swap)
         r = inspect_kernel("sm90_bwd", "sm_90a", overrides + [f"sdp_swap_ab={swap}", "tile_m=64"],
                            keep_dir=keep)
         sass = _sass_text(keep)
+        loops[swap] = [sass_opcode(t) for _, t in sass_main_loop(sass)]
         kinds[swap] = _hgmma_operands(sass)
         assert _hgmma_commits(sass) == 5
         reports[swap] = r
@@ -517,9 +543,10 @@ def test_sm90_bwd_swapped_sdp_feeds_dv_dk_from_registers(overrides, tmp_path):
     assert kinds[False]["RS"] == 0
     assert kinds[True]["RS"] == dkv_slices
     assert kinds[True]["SS"] == kinds[False]["SS"] - dkv_slices
-    plain, swapped = reports[False]["sass_full"], reports[True]["sass_full"]
-    assert plain.get("STSM.16.M88.4", 0) == 8 and "STSM.16.MT88.4" not in plain  # P and dS
-    assert swapped.get("STSM.16.MT88.4", 0) == 4 and "STSM.16.M88.4" not in swapped  # dS^T only
+    # in the main loop (the MHA dK/dV epilogue stores by stmatrix too: Note [dK/dV by TMA])
+    plain, swapped = loops[False], loops[True]
+    assert plain.count("STSM.16.M88.4") == 8 and "STSM.16.MT88.4" not in plain  # P and dS
+    assert swapped.count("STSM.16.MT88.4") == 4 and "STSM.16.M88.4" not in swapped  # dS^T only
     assert reports[False]["smem_bytes"] - reports[True]["smem_bytes"] == 64 * 128 * 2
 
 
@@ -554,7 +581,7 @@ def test_sm90_bwd_tile_m_128_doubles_the_gemms_per_query_block(overrides, tmp_pa
     assert re.search(r"HGMMA\.64x128x16\.F32", sass_text[128]), "S^T/dP^T should be N=128"
     assert re.search(r"HGMMA\.64x64x16\.F32", sass_text[128]), "dQ should be N=hdim=64"
     s64, s128 = reports[64]["sass_full"], reports[128]["sass_full"]
-    assert s64.get("STSM.16.MT88.4", 0) == 4 and s128.get("STSM.16.MT88.4", 0) == 8
+    assert s64.get("STSM.16.MT88.4", 0) == 4 and s128.get("STSM.16.MT88.4", 0) == 8  # dS^T
     assert sum(v for k, v in s128.items() if k.startswith("SHFL")) >= 64
     growth = reports[128]["smem_bytes"] - reports[64]["smem_bytes"]
     # Q, dO stages; dS stages; dQ tile; LSE2 and Delta stages (stats_smem): 64 more rows each

@@ -153,6 +153,8 @@ SWITCHES = [
     dict(sdp_swap_ab=True, try_wait=False), dict(sdp_swap_ab=False, try_wait=True),
     dict(sdp_swap_ab=True, early_dv=False, dv_before_barrier=True),
     dict(sdp_swap_ab=False, early_dv=False, dv_before_barrier=True),
+    dict(sdp_swap_ab=True, dkv_tma_store=False), dict(sdp_swap_ab=False, dkv_tma_store=False),
+    dict(sdp_swap_ab=True, early_dv=True),
 ]
 
 

@@ -64,6 +64,10 @@ class BwdConfig:
     # Issue dV += P^T dO right after P is in SMEM, overlapping it with the dS math
     # (select_bwd_config: on for non-causal problems, where it measured faster).
     early_dv: bool = True
+    # MHA: dK/dV leave through SMEM by TMA stores (Note [dK/dV by TMA] in bwd_store.py);
+    # off, each thread stores its elements directly. GQA/MQA ignore it (float32 buffers,
+    # stored directly): see ``stores_dkv_by_tma``.
+    dkv_tma_store: bool = True
     # Without early_dv: issue dV once dS is stored, before the barrier that waits for both
     # warpgroups' dS (Note [dV before the dS barrier] in bwd_kernel.py), not after it.
     dv_before_barrier: bool = False
@@ -106,6 +110,11 @@ class BwdConfig:
     def uses_gqa_buffers(self) -> bool:
         """dK/dV go through float32 buffers (GQA/MQA); MHA stores them directly."""
         return self.qhead_per_kvhead > 1
+
+    @property
+    def stores_dkv_by_tma(self) -> bool:
+        """dK/dV through SMEM and TMA: ``dkv_tma_store`` and MHA (Note [dK/dV by TMA])."""
+        return self.dkv_tma_store and not self.uses_gqa_buffers
 
     def replace(self, **changes) -> "BwdConfig":
         return dataclasses.replace(self, **changes)
@@ -181,7 +190,7 @@ class BwdConfig:
                 "run-dependent order)"
             )
         for name in ("sdp_swap_ab", "overlap_dk", "stats_smem", "try_wait", "stats_first",
-                     "dv_before_barrier"):
+                     "dv_before_barrier", "dkv_tma_store"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be a bool")
         if self.tile_m == 2 * TILE_M_ATOM:
@@ -245,12 +254,19 @@ def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = Fals
       (16k) non-causal, 254 -> 319 and 353 -> 414 causal.
     - hdim 128: swapped S/dP pays on causal problems (383 -> 393 at 4k, 483 -> 499 at 16k),
       not on non-causal ones (494 -> 479, 530 -> 526). hdim 96 is unmeasured: unswapped.
+    - 128-row blocks (hdim 64): dV issued before the dS barrier instead of before the dS math,
+      non-causal 438 -> 472 (4k) and 477 -> 514 (16k); causal within noise (399 -> 405,
+      493 -> 482).
     """
     windowed = window_left is not None or window_right is not None
     gqa_reduce = overrides.pop("gqa_reduce", "buffers")
-    early_dv = overrides.pop("early_dv", not (causal or windowed))
     swap = overrides.pop("sdp_swap_ab", head_dim == 64 or (head_dim == 128 and (causal or windowed)))
     tile_m = overrides.pop("tile_m", TILE_M_SWAPPED_HDIM64 if swap and head_dim == 64 else 64)
+    # 128-row blocks: dV right before the dS barrier (unless early dV is asked for)
+    early_dv = overrides.pop("early_dv", None)
+    dv_mid = overrides.pop("dv_before_barrier", tile_m == 2 * TILE_M_ATOM and not early_dv)
+    if early_dv is None:
+        early_dv = not (causal or windowed or dv_mid)
     stats_smem = overrides.pop("stats_smem", True)
     cfg = BwdConfig(
         head_dim=head_dim,
@@ -263,6 +279,7 @@ def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = Fals
         deterministic=deterministic,
         gqa_reduce=gqa_reduce,
         early_dv=early_dv,
+        dv_before_barrier=dv_mid,
         sdp_swap_ab=swap,
         tile_m=tile_m,
         overlap_dk=overrides.pop("overlap_dk", False),

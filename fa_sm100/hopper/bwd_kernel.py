@@ -99,8 +99,9 @@ poll the mbarrier once (``consumer_try_wait``) and pass the result as the token 
 blocking wait, which runs only if the poll failed. Without the token the wait lowers to
 try-wait + ``NANOSLEEP.SYNCS`` inside the loop body; with it, to a test and a branch to an
 out-of-line retry loop, as in the forward and in FA4. The token is one more live register:
-with swapped S/dP and a left window, or with ``stats_smem=False``, ptxas then spills, so
-``select_bwd_config`` turns it off there.
+with swapped S/dP and a left window (GQA, deterministic) ptxas then spills, so
+``select_bwd_config`` turns it off with swapped S/dP and a left window, or with
+``stats_smem=False`` (which spilled before the dQ and dK/dV stores were reworked).
 
 dQ is accumulated in float32 in global memory by one of two switchable paths (``dq_accum``);
 the stores of dQ, dK and dV are in ``bwd_store.py`` (``BwdStoreRole``, with Note [dQ SMEM
@@ -269,13 +270,21 @@ class Sm90FlashBackward(BwdStoreRole):
             g2s, mK_t, self.sK_layout, (self.tile_n, self.hdim))
         tma_V, tma_mV = cpasync.make_tiled_tma_atom(
             g2s, mV_t, self.sV_layout, (self.tile_n, self.hdimv))
+        # MHA dK/dV leave through SMEM (K's and V's buffers) by TMA (Note [dK/dV by TMA])
+        tma_dK = tma_mdK = tma_dV = tma_mdV = None
+        if const_expr(self.cfg.stores_dkv_by_tma):
+            s2g = cpasync.CopyBulkTensorTileS2GOp()
+            tma_dK, tma_mdK = cpasync.make_tiled_tma_atom(
+                s2g, to_sdhb(mdK), self.sK_layout, (self.tile_n, self.hdim))
+            tma_dV, tma_mdV = cpasync.make_tiled_tma_atom(
+                s2g, to_sdhb(mdV), self.sV_layout, (self.tile_n, self.hdimv))
         self.bytes_q = self.tile_m * self.hdim * self.dtype.width // 8
         self.bytes_do = self.tile_m * self.hdimv * self.dtype.width // 8
         self.bytes_kv = self.tile_n * (self.hdim + self.hdimv) * self.dtype.width // 8
         num_n_blocks = cute.ceil_div(mK.shape[1], self.tile_n)
         self.kernel(
             tma_mQ, tma_mK, tma_mV, tma_mdO, tma_Q, tma_K, tma_V, tma_dO,
-            mLSE2, mDelta, mdQacc, mdK, mdV, mdQsem,
+            mLSE2, mDelta, mdQacc, mdK, mdV, mdQsem, tma_dK, tma_mdK, tma_dV, tma_mdV,
             mQ.shape[1], mK.shape[1], mQ.shape[2] // mK.shape[2],
             softmax_scale, softmax_scale * LOG2_E,
             mma_sdp, mma_dkv, mma_dq,
@@ -293,7 +302,7 @@ class Sm90FlashBackward(BwdStoreRole):
     @cute.kernel
     def kernel(
         self, mQ, mK, mV, mdO, tma_Q, tma_K, tma_V, tma_dO,
-        mLSE2, mDelta, mdQacc, mdK, mdV, mdQsem,
+        mLSE2, mDelta, mdQacc, mdK, mdV, mdQsem, tma_dK, tma_mdK, tma_dV, tma_mdV,
         seqlen_q: Int32, seqlen_k: Int32, group: Int32,
         softmax_scale: Float32, scale_log2: Float32,
         mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma, mma_dq: cute.TiledMma,
@@ -359,7 +368,8 @@ class Sm90FlashBackward(BwdStoreRole):
         else:
             cute.arch.setmaxregister_increase(self.cfg.regs_mma)
             self.mma(mma_sdp, mma_dkv, mma_dq, sQ, sK, sV, sdO, sP, sdS, sdQ, sLSE2, sDelta,
-                     mLSE2, mDelta, mdQacc, mdK, mdV, mdQsem, mbar_kv, pipe_q, pipe_do,
+                     mLSE2, mDelta, mdQacc, (mdK, mdV, tma_dK, tma_mdK, tma_dV, tma_mdV),
+                     mdQsem, mbar_kv, pipe_q, pipe_do,
                      tidx - WARPGROUP_THREADS, n_block, head, batch, group, seqlen_q, seqlen_k,
                      softmax_scale, scale_log2, m_block_min, m_block_max)
 
@@ -434,7 +444,7 @@ class Sm90FlashBackward(BwdStoreRole):
 
     @cute.jit
     def mma(self, mma_sdp, mma_dkv, mma_dq, sQ, sK, sV, sdO, sP, sdS, sdQ, sLSE2, sDelta,
-            mLSE2, mDelta, mdQacc, mdK, mdV, mdQsem, mbar_kv, pipe_q, pipe_do,
+            mLSE2, mDelta, mdQacc, dkv_out, mdQsem, mbar_kv, pipe_q, pipe_do,
             tidx, n_block, head, batch, group, seqlen_q, seqlen_k,
             softmax_scale, scale_log2, m_block_min, m_block_max):
         """Warpgroups 1-2 (``tidx`` 0..255 here). Per query block m: wait ``q``, ``do``;
@@ -592,8 +602,13 @@ class Sm90FlashBackward(BwdStoreRole):
             warpgroup.wait_group(0)  # the last dK
             if m_block_max > m_block_min:
                 pipe_q.consumer_release(state_q_prev)
-        self._store_dkdv(mma_dkv, acc_dK, acc_dV, mdK, mdV, tidx, n_block, head, batch, group,
-                         seqlen_k, softmax_scale)
+        mdK, mdV, tma_dK, tma_mdK, tma_dV, tma_mdV = dkv_out
+        if const_expr(self.cfg.stores_dkv_by_tma):
+            self._store_dkdv_tma(mma_dkv, acc_dK, acc_dV, sK, sV, tma_dK, tma_mdK, tma_dV,
+                                 tma_mdV, tidx, n_block, head, batch, softmax_scale)
+        else:
+            self._store_dkdv(mma_dkv, acc_dK, acc_dV, mdK, mdV, tidx, n_block, head, batch,
+                             group, seqlen_k, softmax_scale)
 
     @cute.jit
     def _consumer_wait(self, pipe, state):

@@ -17,6 +17,14 @@ took twice as many STS.64 into padded rows), the SMEM tile is one contiguous ran
 bulk reduce, and GMEM holds the same image per (batch, head, query block). The postprocess
 (``bwd_prepost.DqPostprocess``) maps it back to rows and columns with the same tiled MMA.
 
+Note [dK/dV by TMA] (``dkv_tma_store``, MHA): after the last query block every GEMM of
+both warpgroups has retired (``EPILOGUE`` barrier), so K's and V's SMEM buffers are free; the
+warpgroups write scaled dK and dV there with stmatrix, fence, meet again, and one warp stores
+both tiles with two TMA stores (rows past seqlen_k are clipped by the TMA unit) and waits for
+them to read SMEM before the CTA exits. The direct path (``dkv_tma_store=False``, and GQA's
+float32 buffers) stores 2-byte elements from registers: 128 STG.U16 per thread at hdim 128,
+each touching 8 rows of 16 bytes.
+
 Note [dQ SMEM handoff] ("bulk"): per query block the dq-store warp waits until its previous
 bulk reduce has read the tile (``cp.async.bulk.wait_group.read 0``), arrives on ``DQ_EMPTY``,
 then waits on ``DQ_FULL``; the MMA warpgroups wait on ``DQ_EMPTY``, store the tile, fence the
@@ -27,6 +35,7 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_helpers
 from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync
 from cutlass.experimental import primitives as prims
 
 from fa_sm100.config import WARP_SIZE
@@ -147,6 +156,40 @@ class BwdStoreRole:
             if tidx == 0:
                 cute.arch.red(mdQsem[batch, head, None].iterator + m_block, Int32(1), op="add",
                               dtype="s32", sem="release", scope="gpu")
+
+    @cute.jit
+    def _store_dkdv_tma(self, mma_dkv, acc_dK, acc_dV, sK, sV, tma_dK, tma_mdK, tma_dV, tma_mdV,
+                        tidx, n_block, head, batch, softmax_scale):
+        """MHA dK (scaled) and dV -> SMEM (K's, V's buffers) -> GMEM by TMA (Note [dK/dV by
+        TMA])."""
+        for i in cutlass.range_constexpr(cute.size(acc_dK)):
+            acc_dK[i] = acc_dK[i] * softmax_scale
+        rdK = cute.make_fragment_like(acc_dK, self.dtype)
+        rdK.store(acc_dK.load().to(self.dtype))
+        rdV = cute.make_fragment_like(acc_dV, self.dtype)
+        rdV.store(acc_dV.load().to(self.dtype))
+        # every dQ GEMM (reads K) and S/dP GEMM (K, V) of both warpgroups has retired
+        cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.EPILOGUE),
+                          number_of_threads=self.num_mma_threads)
+        st_atom = cute.make_copy_atom(
+            cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+        thr = cute.make_tiled_copy_C(st_atom, mma_dkv).get_slice(tidx)
+        cute.copy(st_atom, thr.retile(rdK), thr.partition_D(sK))
+        cute.copy(st_atom, thr.retile(rdV), thr.partition_D(sV))
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.EPILOGUE),
+                          number_of_threads=self.num_mma_threads)
+        if tidx // WARP_SIZE == 0:
+            one = cute.make_layout(1)
+            for tma, m_out, s_tile, cols in ((tma_dK, tma_mdK, sK, self.hdim),
+                                             (tma_dV, tma_mdV, sV, self.hdimv)):
+                g_tile = cute.local_tile(m_out[None, None, head, batch], (self.tile_n, cols),
+                                         (n_block, 0))
+                t_s, t_g = cpasync.tma_partition(tma, 0, one, cute.group_modes(s_tile, 0, 2),
+                                                 cute.group_modes(g_tile, 0, 2))
+                cute.copy(tma, t_s, t_g)
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)  # SMEM is read before the exit
 
     @cute.jit
     def _store_dkdv(self, mma_dkv, acc_dK, acc_dV, mdK, mdV, tidx, n_block, head, batch, group,

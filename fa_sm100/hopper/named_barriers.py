@@ -31,3 +31,6 @@ class Sm90BwdBarrier(IntEnum):
     # early dV: warpgroup w's 128 threads have stored their P (P_READY_WG0 + w).
     P_READY_WG0 = 6
     P_READY_WG1 = 7
+    # MHA dK/dV by TMA: both MMA warpgroups' GEMMs have retired (K and V may be overwritten),
+    # then dK and dV are in SMEM (256 threads).
+    EPILOGUE = 8
