@@ -40,6 +40,7 @@ from cutlass.experimental import primitives as prims
 
 from fa_sm100.config import WARP_SIZE
 from fa_sm100.hopper.bwd_config import DQ_VEC
+from fa_sm100.hopper.common import stmatrix_to_smem
 from fa_sm100.hopper.config import WARPGROUP_THREADS, WGMMA_M
 from fa_sm100.hopper.named_barriers import Sm90BwdBarrier
 
@@ -171,11 +172,7 @@ class BwdStoreRole:
         # every dQ GEMM (reads K) and S/dP GEMM (K, V) of both warpgroups has retired
         cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.EPILOGUE),
                           number_of_threads=self.num_mma_threads)
-        st_atom = cute.make_copy_atom(
-            cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
-        thr = cute.make_tiled_copy_C(st_atom, mma_dkv).get_slice(tidx)
-        cute.copy(st_atom, thr.retile(rdK), thr.partition_D(sK))
-        cute.copy(st_atom, thr.retile(rdV), thr.partition_D(sV))
+        stmatrix_to_smem(mma_dkv, self.dtype, tidx, ((rdK, sK), (rdV, sV)))
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.EPILOGUE),
                           number_of_threads=self.num_mma_threads)

@@ -27,7 +27,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from fa_sm100.hopper.common import NO_WAIT, rows_cols_view, transpose_view, wgmma
+from fa_sm100.hopper.common import NO_WAIT, rows_cols_view, stmatrix_to_smem, transpose_view, wgmma
 from fa_sm100.hopper.config import WARPGROUP_THREADS
 from fa_sm100.hopper.fwd_math import (
     apply_mask,
@@ -285,10 +285,7 @@ class ConsumerRole:
         # read sO before anyone writes O there.
         cute.arch.barrier(barrier_id=int(Sm90FwdBarrier.EPILOGUE),
                           number_of_threads=self.num_consumer_threads)
-        store_atom = cute.make_copy_atom(
-            cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
-        thr_store = cute.make_tiled_copy_C(store_atom, tiled_mma_pv).get_slice(tidx)
-        cute.copy(store_atom, thr_store.retile(rO), thr_store.partition_D(sO))
+        stmatrix_to_smem(tiled_mma_pv, self.dtype, tidx, ((rO, sO),))
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=int(Sm90FwdBarrier.EPILOGUE),
                           number_of_threads=self.num_consumer_threads)
