@@ -94,10 +94,10 @@ class BwdStoreRole:
     def dq_store(self, mdQacc, mdQsem, sdQ, n_block, head, batch, seqlen_q, seqlen_k,
                  m_block_min, m_block_max):
         """Warp 1 ("bulk" dQ), Note [dQ SMEM handoff]. Per query block m: wait until the last
-        bulk reduce has read SMEM, arrive ``DQ_EMPTY``, wait ``DQ_FULL``, then add the padded
-        tile into dQacc[batch, head, m] with one cp.reduce.async.bulk.add.f32 (both are in
-        fragment order, Note [dQ in fragment order]). Deterministic: first wait for this CTA's turn on the
-        query block's semaphore; after the reduce has completed, pass the turn on."""
+        bulk reduce has read SMEM, arrive ``DQ_EMPTY``, wait ``DQ_FULL``, then add the tile
+        into dQacc[batch, head, m] with one cp.reduce.async.bulk.add.f32 (both in fragment
+        order, Note [dQ in fragment order]). Deterministic: first wait for this CTA's turn on
+        the query block's semaphore; after the reduce has completed, pass the turn on."""
         tile_elems = self.cfg.dq_block_elems
         handoff = self.num_mma_threads + WARP_SIZE  # MMA warpgroups + the dq-store warp
         gdQ = mdQacc[batch, head, None, None]
