@@ -44,8 +44,13 @@ def run_cell(prepares: dict, check: Callable, repeat: int, measure: Callable,
                 runs[name] = run
         except Exception as e:  # noqa: BLE001 - a provider that cannot run a cell says why
             errors[name] = error_text(e)
-    if runs:
-        measure(next(iter(runs.values())))  # warm-up, discarded
+    for name in list(runs):  # warm-up, discarded: the first provider that measures
+        try:
+            measure(runs[name])
+            break
+        except Exception as e:  # noqa: BLE001
+            errors[name] = error_text(e)
+            del runs[name]
     for rnd in range(repeat):
         # Rotate the order each round so no provider always runs first (clocks, caches).
         for name in names[rnd % len(names):] + names[:rnd % len(names)]:

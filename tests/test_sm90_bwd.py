@@ -413,8 +413,7 @@ def test_sm90_bwd_stats_first_loads_before_the_gemms(overrides, tmp_path):
                          ids=["d128", "d64-tile_m128", "d96"])
 def test_sm90_bwd_dq_leaves_in_16_byte_stores(overrides, tmp_path):
     """Note [dQ in fragment order]: each MMA thread stores its dQ tile to SMEM in dq_groups
-    STS.128 (no STS.64: the row-major padded tile took twice as many), and the SMEM tile is
-    exactly tile_m x hdim floats."""
+    STS.128 and nothing else (the row-major padded tile took twice as many STS.64)."""
     from fa_sm100.compile_tools import sass_main_loop, sass_opcode
     from fa_sm100.hopper.inspect_bwd import make_config
     from fa_sm100.inspection import inspect_kernel
@@ -424,7 +423,6 @@ def test_sm90_bwd_dq_leaves_in_16_byte_stores(overrides, tmp_path):
     ops = [sass_opcode(t) for _, t in sass_main_loop(_sass_text(tmp_path))]
     assert cfg.dq_groups == cfg.tile_m * cfg.head_dim // 1024  # 256 threads x 4 floats
     assert [op for op in ops if op.startswith("STS.")] == ["STS.128"] * cfg.dq_groups
-    assert cfg.dq_block_elems == cfg.tile_m * cfg.head_dim
 
 
 PLAN_CASES = [  # (b, sq, sk, hq, hk, d, config overrides)
@@ -486,6 +484,32 @@ def test_sm90_bwd_dk_dv_leave_by_tma_for_mha(overrides, tma, tmp_path):
     else:
         assert not any(k.startswith("UTMASTG") for k in stores), stores
         assert sum(v for k, v in stores.items() if k.startswith("STG")) >= 64, stores
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("overrides", [["causal=true"], ["head_dim=64"]],
+                         ids=["d128-causal", "d64-tile_m128"])
+def test_sm90_bwd_dv_before_barrier_issues_dv_before_the_ds_barrier(overrides, tmp_path):
+    """Note [dV before the dS barrier] (swapped: dV and dK are the RS HGMMAs): on, the first RS
+    HGMMA (dV) precedes the DS_READY barrier (``BAR.SYNC 0x1``) in the main loop; off (and
+    early_dv off), every RS HGMMA follows it. Five WGMMA groups either way."""
+    from fa_sm100.compile_tools import sass_main_loop
+    from fa_sm100.hopper.named_barriers import Sm90BwdBarrier
+    from fa_sm100.inspection import inspect_kernel
+
+    barrier = f"BAR.SYNC.DEFER_BLOCKING {int(Sm90BwdBarrier.DS_READY):#x},"
+    for on in (True, False):
+        keep = tmp_path / f"mid_{on}"
+        inspect_kernel("sm90_bwd", "sm_90a", overrides + [
+            "early_dv=false", f"dv_before_barrier={str(on).lower()}"], keep_dir=keep)
+        sass = _sass_text(keep)
+        assert _hgmma_commits(sass) == 5
+        loop = [t for _, t in sass_main_loop(sass)]
+        at_barrier = next(i for i, t in enumerate(loop) if t.startswith(barrier))
+        rs = [i for i, t in enumerate(loop) if re.match(r"HGMMA\.\S+\s+R\d+,\s*R\d+", t)]
+        assert rs, "no RS HGMMA in the main loop"
+        assert (rs[0] < at_barrier) == on, (on, rs[:2], at_barrier)
+        assert all(i > at_barrier for i in rs[1:] if not on)
 
 
 @pytest.mark.compile

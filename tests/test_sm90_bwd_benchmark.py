@@ -60,3 +60,31 @@ def test_format_row_and_exit_status_report_failures():
     ok = {k: v for k, v in row.items() if k != "ours:x_error"}
     assert bwd_bench.exit_status([ok]) == 0  # a peer that cannot run does not fail the run
     assert bwd_bench.exit_status([{**ok, "fa4_error": "wrong output: max error"}]) == 1
+
+
+def test_a_head_dim_ours_lacks_is_reported_not_failed():
+    """A cell ours does not cover (hdim 256) says why in ``ours_skipped`` and does not make the
+    run fail; the peers' numbers are still shown."""
+    row = {"head_dim": 256, "seqlen": 1024, "batch": 16, "heads": 8, "heads_kv": 8,
+           "causal": False, "ours_skipped": "head_dim 256 is not supported by sm90_bwd",
+           "fa4_ms": 1.0, "fa4_tflops": 300.0}
+    assert bwd_bench.exit_status([row]) == 0
+    text = bwd_bench.format_row(row)
+    assert "ours n/a" in text and "ours: head_dim 256 is not supported" in text
+
+
+def test_run_cell_drops_a_provider_whose_warm_up_fails():
+    """The shared method: a provider that passes its check but raises when first timed (the
+    discarded warm-up) is dropped with its reason; the next one takes the warm-up and all
+    rounds."""
+    from fa_sm100.benchmarking import run_cell
+
+    def measure(run):
+        if run() == "flaky":
+            raise RuntimeError("out of memory in do_bench")
+        return 2.0
+
+    prepares = {"flaky": lambda: (lambda: "flaky"), "good": lambda: (lambda: "good")}
+    times, errors = run_cell(prepares, lambda out: None, 3, measure)
+    assert times == {"flaky": [], "good": [2.0, 2.0, 2.0]}
+    assert errors == {"flaky": "RuntimeError: out of memory in do_bench"}

@@ -133,7 +133,8 @@ def test_sm90_bwd_gqa_reduce_modes(sm90_device, gqa_reduce, sdp_swap_ab):
     _run_case(1, 256, 300, 8, 2, 128, True, (None, None), torch.bfloat16, config=cfg)
 
 
-# sdp_swap_ab is named in every entry: its default depends on the head dim and causality.
+# sdp_swap_ab is named in every entry: its default depends on the head dim and causality; so
+# is dv_before_barrier wherever early_dv=False (its default is on with 128-row blocks).
 # Swapped entries take the head dim's default tile_m (128 at hdim 64), except the one that
 # pins the 64-row swapped path.
 SWITCHES = [
@@ -141,9 +142,9 @@ SWITCHES = [
     dict(sdp_swap_ab=False, dq_accum="red", early_dv=True),
     dict(sdp_swap_ab=False, dq_accum="bulk", early_dv=False),
     dict(sdp_swap_ab=True, dq_accum="bulk", early_dv=True),
-    dict(sdp_swap_ab=True, dq_accum="bulk", early_dv=False),
+    dict(sdp_swap_ab=True, dq_accum="bulk", early_dv=False, dv_before_barrier=False),
     dict(sdp_swap_ab=True, dq_accum="red", early_dv=True),
-    dict(sdp_swap_ab=True, dq_accum="red", early_dv=False),
+    dict(sdp_swap_ab=True, dq_accum="red", early_dv=False, dv_before_barrier=False),
     dict(sdp_swap_ab=True, tile_m=64, dq_accum="bulk", early_dv=True),
     dict(sdp_swap_ab=False, overlap_dk=True, dq_accum="bulk", early_dv=True),
     dict(sdp_swap_ab=False, overlap_dk=True, dq_accum="red", early_dv=False),
@@ -154,7 +155,6 @@ SWITCHES = [
     dict(sdp_swap_ab=True, early_dv=False, dv_before_barrier=True),
     dict(sdp_swap_ab=False, early_dv=False, dv_before_barrier=True),
     dict(sdp_swap_ab=True, dkv_tma_store=False), dict(sdp_swap_ab=False, dkv_tma_store=False),
-    dict(sdp_swap_ab=True, early_dv=True),
 ]
 
 
@@ -169,7 +169,8 @@ def test_sm90_bwd_switches_keep_gradients_right(sm90_device, switches, case):
     from fa_sm100.hopper.bwd_config import select_bwd_config
 
     b, sq, sk, hq, hk, d, causal, window = case
-    cfg = select_bwd_config(head_dim=d, **switches)
+    cfg = select_bwd_config(head_dim=d, causal=causal, window_left=window[0],
+                            window_right=window[1], qhead_per_kvhead=hq // hk, **switches)
     _run_case(b, sq, sk, hq, hk, d, causal, window, torch.bfloat16, config=cfg)
 
 

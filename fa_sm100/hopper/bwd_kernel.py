@@ -100,8 +100,8 @@ blocking wait, which runs only if the poll failed. Without the token the wait lo
 try-wait + ``NANOSLEEP.SYNCS`` inside the loop body; with it, to a test and a branch to an
 out-of-line retry loop, as in the forward and in FA4. The token is one more live register:
 with swapped S/dP and a left window (GQA, deterministic) ptxas then spills, so
-``select_bwd_config`` turns it off with swapped S/dP and a left window, or with
-``stats_smem=False`` (which spilled before the dQ and dK/dV stores were reworked).
+``select_bwd_config`` turns it off with swapped S/dP and either a left window or
+``stats_smem=False`` (the latter spilled before the dQ and dK/dV stores were reworked).
 
 dQ is accumulated in float32 in global memory by one of two switchable paths (``dq_accum``);
 the stores of dQ, dK and dV are in ``bwd_store.py`` (``BwdStoreRole``, with Note [dQ SMEM

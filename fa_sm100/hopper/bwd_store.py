@@ -20,8 +20,8 @@ bulk reduce, and GMEM holds the same image per (batch, head, query block). The p
 Note [dK/dV by TMA] (``dkv_tma_store``, MHA): after the last query block every GEMM of
 both warpgroups has retired (``EPILOGUE`` barrier), so K's and V's SMEM buffers are free; the
 warpgroups write scaled dK and dV there with stmatrix, fence, meet again, and one warp stores
-both tiles with two TMA stores (rows past seqlen_k are clipped by the TMA unit) and waits for
-them to read SMEM before the CTA exits. The direct path (``dkv_tma_store=False``, and GQA's
+both tiles by TMA (one store per swizzle box; rows past seqlen_k are clipped by the TMA unit)
+and waits for them to read SMEM before the CTA exits. The direct path (``dkv_tma_store=False``, and GQA's
 float32 buffers) stores 2-byte elements from registers: 128 STG.U16 per thread at hdim 128,
 each touching 8 rows of 16 bytes.
 

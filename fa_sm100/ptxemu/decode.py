@@ -102,7 +102,8 @@ def reader(opnd, typ: str, kernel: PtxKernel, copy: bool = False,
     emits before the wait and which carry the pending state to their destination. Reading a
     register nothing wrote is an error, except with ``undef_ok`` (byte selects: LLVM passes
     undef registers to ``prmt`` for bytes the result's users ignore); such a read gives the
-    register's current bits."""
+    register's current bits, and since definedness is tracked per register, not per byte, a
+    prmt that really uses such a byte goes unnoticed."""
     if isinstance(opnd, Reg):
         name = opnd
 

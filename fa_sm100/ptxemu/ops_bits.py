@@ -123,7 +123,10 @@ def _prmt(ins, k):
     md = mods(ins)
     if md - {"b32"}:
         unsupported(ins, "only the default prmt mode is modelled")
-    # LLVM feeds undef registers to prmt where the selected bytes are don't-cares
+    # LLVM feeds undef registers to prmt for bytes no later instruction uses (in the SM90 dQ
+    # postprocess, two instructions later: a dp2a.lo that ignores them). Registers carry no
+    # per-byte definedness here, so a prmt that really uses a never-written byte is not
+    # caught either.
     a, b = (reader(o, "b32", k, undef_ok=True) for o in ins.operands[1:3])
     c = reader(ins.operands[3], "b32", k)
     wr = writer(ins.operands[0], "b32")
