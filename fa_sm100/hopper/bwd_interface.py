@@ -21,6 +21,7 @@ from fa_sm100.hopper.bwd_config import SM90_BWD_HEAD_DIMS, BwdConfig, select_bwd
 from fa_sm100.hopper.config import SM90_ARCH
 from fa_sm100.validation import (SUPPORTED_DTYPES, check_softmax_scale, normalize_window,
                                  require_sm90)
+from layouts.smem import align_up
 
 _compile_cache: dict = {}
 
@@ -94,10 +95,6 @@ def _compiled(kind: str, key, build, make_fake_args):
     return _compile_cache[cache_key]
 
 
-def _round_up(x: int, m: int) -> int:
-    return (x + m - 1) // m * m
-
-
 def sm90_bwd(dout, q, k, v, out, lse, softmax_scale: Optional[float] = None, causal: bool = False,
              window_size=(None, None), deterministic: bool = False,
              config: Optional[BwdConfig] = None):
@@ -168,8 +165,8 @@ def workspace(config: BwdConfig, q, k) -> dict:
     b, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     dev, f32 = q.device, torch.float32
-    n_m_blocks = -(-sq // config.tile_m)
-    sq_pad, sk_pad = n_m_blocks * config.tile_m, _round_up(sk, config.tile_n)
+    sq_pad, sk_pad = align_up(sq, config.tile_m), align_up(sk, config.tile_n)
+    n_m_blocks = sq_pad // config.tile_m
     ws = {
         "lse2": torch.empty(b, hq, sq_pad, device=dev, dtype=f32),
         "delta": torch.empty(b, hq, sq_pad, device=dev, dtype=f32),

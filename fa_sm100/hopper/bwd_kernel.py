@@ -602,13 +602,15 @@ class Sm90FlashBackward(BwdStoreRole):
             warpgroup.wait_group(0)  # the last dK
             if m_block_max > m_block_min:
                 pipe_q.consumer_release(state_q_prev)
+        for i in cutlass.range_constexpr(cute.size(acc_dK)):  # dK = scale * dS^T Q
+            acc_dK[i] = acc_dK[i] * softmax_scale
         mdK, mdV, tma_dK, tma_mdK, tma_dV, tma_mdV = dkv_out
         if const_expr(self.cfg.stores_dkv_by_tma):
             self._store_dkdv_tma(mma_dkv, acc_dK, acc_dV, sK, sV, tma_dK, tma_mdK, tma_dV,
-                                 tma_mdV, tidx, n_block, head, batch, softmax_scale)
+                                 tma_mdV, tidx, n_block, head, batch)
         else:
             self._store_dkdv(mma_dkv, acc_dK, acc_dV, mdK, mdV, tidx, n_block, head, batch,
-                             group, seqlen_k, softmax_scale)
+                             group, seqlen_k)
 
     @cute.jit
     def _consumer_wait(self, pipe, state):

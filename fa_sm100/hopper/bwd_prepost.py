@@ -31,8 +31,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 
-from fa_sm100.hopper.bwd_config import DQ_VEC
-from fa_sm100.hopper.bwd_store import dq_tiled_mma
+from fa_sm100.hopper.bwd_store import dq_fragment_view, dq_registers, dq_tiled_mma
 from fa_sm100.hopper.config import WARPGROUP_THREADS
 
 THREADS_PER_ROW = 16
@@ -154,12 +153,7 @@ class DqPostprocess:
         acc = cute.make_rmem_tensor(mma.partition_shape_C((self.tile_m, self.hdim)), Float32)
         src = cute.make_ptr(Float32, mAcc[batch, head, m_block, None].iterator.toint(),
                             cute.AddressSpace.gmem, assumed_align=16)
-        groups = self.cfg.dq_groups
-        wg, t = tidx // WARPGROUP_THREADS, tidx % WARPGROUP_THREADS
-        frag = cute.make_tensor(src + (wg * groups * WARPGROUP_THREADS + t) * DQ_VEC,
-                                cute.make_layout((DQ_VEC, groups),
-                                                 stride=(1, WARPGROUP_THREADS * DQ_VEC)))
-        cute.autovec_copy(frag, cute.make_tensor(acc.iterator, cute.make_layout((DQ_VEC, groups))))
+        cute.autovec_copy(dq_fragment_view(self.cfg, src, tidx), dq_registers(self.cfg, acc))
         out = cute.make_fragment_like(acc, mOut.element_type)
         out.store((acc.load() * scale).to(mOut.element_type))
         gOut = cute.local_tile(mOut[batch, None, head, None], (self.tile_m, self.hdim), (m_block, 0))

@@ -58,25 +58,27 @@ def dq_tiled_mma(cfg, dtype):
         dtype, dtype, K, MN, Float32, (1, 2, 1), (WGMMA_M, cfg.head_dim // 2))
 
 
+def dq_fragment_view(cfg, ptr, tidx):
+    """MMA thread ``tidx``'s dq_groups x 4 floats of a dQ accumulator block at ``ptr`` (SMEM
+    or GMEM, 16-byte aligned), Note [dQ in fragment order]: (4, dq_groups), strides (1, 512).
+    The main kernel stores through it; ``DqPostprocess`` loads through it."""
+    groups = cfg.dq_groups
+    wg, t = tidx // WARPGROUP_THREADS, tidx % WARPGROUP_THREADS
+    layout = cute.make_layout((DQ_VEC, groups), stride=(1, WARPGROUP_THREADS * DQ_VEC))
+    return cute.make_tensor(ptr + (wg * groups * WARPGROUP_THREADS + t) * DQ_VEC, layout)
+
+
+def dq_registers(cfg, acc_dQ):
+    """A dQ accumulator (registers) as (4, dq_groups) in register order."""
+    return cute.make_tensor(acc_dQ.iterator, cute.make_layout((DQ_VEC, cfg.dq_groups)))
+
+
 class BwdStoreRole:
     """Mixin of ``Sm90FlashBackward``: the dQ paths (``dq_accum``) and the dK/dV epilogue.
 
     Uses the kernel's ``cfg``, ``dtype``, ``tile_m``, ``tile_n``, ``hdim``, ``hdimv``,
     ``num_mma_threads`` and ``_n_block_first``.
     """
-
-    def _dq_fragment_view(self, ptr, tidx):
-        """This MMA thread's dq_groups x 4 floats of a dQ accumulator block at ``ptr`` (SMEM
-        or GMEM), Note [dQ in fragment order]: (4, dq_groups) with strides (1, 512)."""
-        groups = self.cfg.dq_groups
-        wg, t = tidx // WARPGROUP_THREADS, tidx % WARPGROUP_THREADS
-        base = ptr + (wg * groups * WARPGROUP_THREADS + t) * DQ_VEC
-        return cute.make_tensor(base, cute.make_layout((DQ_VEC, groups),
-                                                       stride=(1, WARPGROUP_THREADS * DQ_VEC)))
-
-    def _dq_registers(self, acc_dQ):
-        """The dQ accumulator as (4, dq_groups) in register order."""
-        return cute.make_tensor(acc_dQ.iterator, cute.make_layout((DQ_VEC, self.cfg.dq_groups)))
 
     @cute.jit
     def _stage_dq(self, acc_dQ, sdQ, tidx):
@@ -86,7 +88,7 @@ class BwdStoreRole:
         cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.DQ_EMPTY), number_of_threads=handoff)
         smem = cute.make_ptr(Float32, sdQ.iterator.toint(), sdQ.iterator.memspace,
                              assumed_align=16)
-        cute.autovec_copy(self._dq_registers(acc_dQ), self._dq_fragment_view(smem, tidx))
+        cute.autovec_copy(dq_registers(self.cfg, acc_dQ), dq_fragment_view(self.cfg, smem, tidx))
         cute.arch.fence_view_async_shared()
         cute.arch.barrier_arrive(barrier_id=int(Sm90BwdBarrier.DQ_FULL), number_of_threads=handoff)
 
@@ -134,8 +136,8 @@ class BwdStoreRole:
                   seqlen_q, seqlen_k):
         """Add this CTA's dQ tile (unscaled) into the float32 accumulator, in fragment order
         (Note [dQ in fragment order])."""
-        gdQ = self._dq_fragment_view(mdQacc[batch, head, m_block, None].iterator, tidx)
-        rdQ = self._dq_registers(acc_dQ)
+        gdQ = dq_fragment_view(self.cfg, mdQacc[batch, head, m_block, None].iterator, tidx)
+        rdQ = dq_registers(self.cfg, acc_dQ)
         if const_expr(self.cfg.deterministic):
             sem = mdQsem[batch, head, None]
             sem_ptr = sem.iterator + m_block
@@ -160,15 +162,10 @@ class BwdStoreRole:
 
     @cute.jit
     def _store_dkdv_tma(self, mma_dkv, acc_dK, acc_dV, sK, sV, tma_dK, tma_mdK, tma_dV, tma_mdV,
-                        tidx, n_block, head, batch, softmax_scale):
-        """MHA dK (scaled) and dV -> SMEM (K's, V's buffers) -> GMEM by TMA (Note [dK/dV by
-        TMA])."""
-        for i in cutlass.range_constexpr(cute.size(acc_dK)):
-            acc_dK[i] = acc_dK[i] * softmax_scale
-        rdK = cute.make_fragment_like(acc_dK, self.dtype)
-        rdK.store(acc_dK.load().to(self.dtype))
-        rdV = cute.make_fragment_like(acc_dV, self.dtype)
-        rdV.store(acc_dV.load().to(self.dtype))
+                        tidx, n_block, head, batch):
+        """MHA dK (scaled by the caller) and dV -> SMEM (K's, V's buffers) -> GMEM by TMA (Note
+        [dK/dV by TMA])."""
+        rdK, rdV = self._in_dtype(acc_dK), self._in_dtype(acc_dV)
         # every dQ GEMM (reads K) and S/dP GEMM (K, V) of both warpgroups has retired
         cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.EPILOGUE),
                           number_of_threads=self.num_mma_threads)
@@ -189,9 +186,16 @@ class BwdStoreRole:
             cute.arch.cp_async_bulk_wait_group(0, read=True)  # SMEM is read before the exit
 
     @cute.jit
+    def _in_dtype(self, acc):
+        """An accumulator converted to the input dtype (a new register fragment)."""
+        out = cute.make_fragment_like(acc, self.dtype)
+        out.store(acc.load().to(self.dtype))
+        return out
+
+    @cute.jit
     def _store_dkdv(self, mma_dkv, acc_dK, acc_dV, mdK, mdV, tidx, n_block, head, batch, group,
-                    seqlen_k, softmax_scale):
-        """dK (scaled) and dV of this key block to global memory.
+                    seqlen_k):
+        """dK (scaled by the caller) and dV of this key block to global memory.
 
         MHA: converted to the input dtype and stored into (batch, seqlen_k, heads, hdim), rows
         past seqlen_k skipped. GQA ``buffers``: float32 stores into this query head's slice of
@@ -200,17 +204,12 @@ class BwdStoreRole:
         thr = mma_dkv.get_slice(tidx)
         cD = cute.make_identity_tensor((self.tile_n, self.hdim))
         tDcD = thr.partition_C(cD)
-        for i in cutlass.range_constexpr(cute.size(acc_dK)):
-            acc_dK[i] = acc_dK[i] * softmax_scale
         if const_expr(not self.cfg.uses_gqa_buffers):
             gdK = cute.local_tile(mdK[batch, None, head, None], (self.tile_n, self.hdim), (n_block, 0))
             gdV = cute.local_tile(mdV[batch, None, head, None], (self.tile_n, self.hdimv), (n_block, 0))
             tdKgdK = thr.partition_C(gdK)
             tdVgdV = thr.partition_C(gdV)
-            rdK = cute.make_fragment_like(acc_dK, self.dtype)
-            rdK.store(acc_dK.load().to(self.dtype))
-            rdV = cute.make_fragment_like(acc_dV, self.dtype)
-            rdV.store(acc_dV.load().to(self.dtype))
+            rdK, rdV = self._in_dtype(acc_dK), self._in_dtype(acc_dV)
             for i in cutlass.range_constexpr(cute.size(acc_dK)):
                 if n_block * self.tile_n + tDcD[i][0] < seqlen_k:
                     tdKgdK[i] = rdK[i]
