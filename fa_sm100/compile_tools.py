@@ -248,7 +248,7 @@ def disassemble(cubin_path: os.PathLike, nvdisasm: str) -> str:
 # SASS
 # --------------------------------------------------------------------------------------------
 
-_SASS_LINE = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?P<body>[^;]*);", re.IGNORECASE)
+_SASS_LINE = re.compile(r"^\s*/\*(?P<addr>[0-9a-f]{4,})\*/\s+(?P<body>[^;]*);", re.IGNORECASE)
 _GUARD = re.compile(r"^@!?U?P[0-9T]+\s+")
 
 
@@ -299,7 +299,6 @@ def sass_histogram(sass: str, always: Iterable[str] = ()) -> dict[str, int]:
     return dict(sorted(hist.items()))
 
 
-_SASS_ADDRESSED = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 _SASS_LABEL = re.compile(r"^\s*(\.L_x_\d+):")
 
 
@@ -311,13 +310,13 @@ def sass_listing(sass: str) -> tuple[list[tuple[int, str]], dict[str, int]]:
         if m:
             pending.append(m.group(1))
             continue
-        m = _SASS_ADDRESSED.match(line)
+        m = _SASS_LINE.match(line)
         if m:
-            addr = int(m.group(1), 16)
+            addr = int(m.group("addr"), 16)
             for name in pending:
                 labels[name] = addr
             pending = []
-            ins.append((addr, m.group(2).strip()))
+            ins.append((addr, m.group("body").strip()))
     return ins, labels
 
 

@@ -293,6 +293,14 @@ def _sass_text(keep_dir) -> str:
         return f.read()
 
 
+def _main_loop_ops(sass: str) -> list:
+    """The opcodes (modifiers kept, guards dropped) of the kernel's main loop: the loop with
+    the most HGMMAs (``compile_tools.sass_main_loop``)."""
+    from fa_sm100.compile_tools import sass_main_loop, sass_opcode
+
+    return [sass_opcode(t) for _, t in sass_main_loop(sass)]
+
+
 def _hgmma_commits(sass: str) -> int:
     """HGMMAs that close a WGMMA group (``gsb0``): the kernel's five GEMMs, unless ptxas
     serialized them (then every HGMMA commits and waits)."""
@@ -363,7 +371,6 @@ def test_sm90_bwd_try_wait_polls_before_the_blocking_wait(overrides, tmp_path):
     """Note [try first]: with ``try_wait`` the MMA warpgroups' two stage waits (q, dO) leave
     the main loop's body (try-wait + NANOSLEEP there) for a poll and an out-of-line retry,
     and the kernel still has no spills; the switch is what selects it."""
-    from fa_sm100.compile_tools import sass_main_loop, sass_opcode
     from fa_sm100.inspection import inspect_kernel
 
     sleeps, spills = {}, {}
@@ -371,8 +378,7 @@ def test_sm90_bwd_try_wait_polls_before_the_blocking_wait(overrides, tmp_path):
         keep = tmp_path / f"try_{on}"
         r = inspect_kernel("sm90_bwd", "sm_90a", overrides + [f"try_wait={str(on).lower()}"],
                            keep_dir=keep)
-        loop = sass_main_loop(_sass_text(keep))
-        sleeps[on] = sum(sass_opcode(t).startswith("NANOSLEEP") for _, t in loop)
+        sleeps[on] = sum(op.startswith("NANOSLEEP") for op in _main_loop_ops(_sass_text(keep)))
         spills[on] = r["spill_bytes"]
     assert sleeps == {False: 2, True: 0}, sleeps
     assert spills[False] == 0
@@ -389,7 +395,6 @@ def test_sm90_bwd_stats_first_loads_before_the_gemms(overrides, tmp_path):
     """Note [stats before the GEMMs]: with ``stats_first`` the LSE2/Delta loads of the main
     loop start before the first HGMMA and all precede the first wait for a GEMM; without it
     they come after HGMMAs. No spills either way."""
-    from fa_sm100.compile_tools import sass_main_loop, sass_opcode
     from fa_sm100.inspection import inspect_kernel
 
     for on in (True, False):
@@ -397,7 +402,7 @@ def test_sm90_bwd_stats_first_loads_before_the_gemms(overrides, tmp_path):
         r = inspect_kernel("sm90_bwd", "sm_90a", overrides + [f"stats_first={str(on).lower()}"],
                            keep_dir=keep)
         assert r["spill_bytes"] == 0
-        ops = [sass_opcode(t) for _, t in sass_main_loop(_sass_text(keep))]
+        ops = _main_loop_ops(_sass_text(keep))
         loads = [i for i, op in enumerate(ops) if op.startswith("LDS")]
         first_gemm = next(i for i, op in enumerate(ops) if op.startswith("HGMMA"))
         assert loads, "no LDS of the stats in the main loop"
@@ -414,13 +419,12 @@ def test_sm90_bwd_stats_first_loads_before_the_gemms(overrides, tmp_path):
 def test_sm90_bwd_dq_leaves_in_16_byte_stores(overrides, tmp_path):
     """Note [dQ in fragment order]: each MMA thread stores its dQ tile to SMEM in dq_groups
     STS.128 and nothing else (the row-major padded tile took twice as many STS.64)."""
-    from fa_sm100.compile_tools import sass_main_loop, sass_opcode
     from fa_sm100.hopper.inspect_bwd import make_config
     from fa_sm100.inspection import inspect_kernel
 
     cfg = make_config(overrides)
     inspect_kernel("sm90_bwd", "sm_90a", overrides, keep_dir=tmp_path)
-    ops = [sass_opcode(t) for _, t in sass_main_loop(_sass_text(tmp_path))]
+    ops = _main_loop_ops(_sass_text(tmp_path))
     assert cfg.dq_groups == cfg.tile_m * cfg.head_dim // 1024  # 256 threads x 4 floats
     assert [op for op in ops if op.startswith("STS.")] == ["STS.128"] * cfg.dq_groups
 
@@ -548,8 +552,6 @@ def test_sm90_bwd_swapped_sdp_feeds_dv_dk_from_registers(overrides, tmp_path):
     spills and in less SMEM."""
     from fa_sm100.inspection import inspect_kernel
 
-    from fa_sm100.compile_tools import sass_main_loop, sass_opcode
-
     reports, kinds, loops = {}, {}, {}
     for swap in (False, True):
         keep = tmp_path / f"swap_{swap}"
@@ -557,7 +559,7 @@ def test_sm90_bwd_swapped_sdp_feeds_dv_dk_from_registers(overrides, tmp_path):
         r = inspect_kernel("sm90_bwd", "sm_90a", overrides + [f"sdp_swap_ab={swap}", "tile_m=64"],
                            keep_dir=keep)
         sass = _sass_text(keep)
-        loops[swap] = [sass_opcode(t) for _, t in sass_main_loop(sass)]
+        loops[swap] = _main_loop_ops(sass)
         kinds[swap] = _hgmma_operands(sass)
         assert _hgmma_commits(sass) == 5
         reports[swap] = r

@@ -10,21 +10,16 @@ import torch
 
 cutlass = pytest.importorskip("cutlass")
 
-from cutlass.cute.runtime import from_dlpack, make_fake_compact_tensor, make_fake_stream  # noqa: E402
+from cutlass.cute.runtime import from_dlpack, make_fake_stream  # noqa: E402
 
 from fa_sm100.config import cutlass_dtype  # noqa: E402
 from fa_sm100.hopper.bwd_config import dq_fragment_index, select_bwd_config  # noqa: E402
+from fa_sm100.hopper.bwd_interface import _rowmajor  # noqa: E402
 from fa_sm100.hopper.bwd_prepost import BwdPostprocess, BwdPreprocess, DqPostprocess  # noqa: E402
 from fa_sm100.ptxemu import capture_launch, emulate  # noqa: E402
 from fa_sm100.testing import check_against_reference  # noqa: E402
 
 pytestmark = pytest.mark.compile
-TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def _fake(dt, shape):
-    return make_fake_compact_tensor(dt, shape, stride_order=tuple(range(len(shape) - 1, -1, -1)),
-                                    assumed_align=16)
 
 
 def _run(kernel, fakes, tensors, scalars=()):
@@ -44,7 +39,7 @@ def test_preprocess_delta_lse2_and_padding(head_dim, dtype):
     seqlen_q <= i < seqlen_q_pad get Delta 0 and LSE2 +inf. 37 rows: a partial last CTA."""
     torch.manual_seed(head_dim)
     b, sq, h, pad = 2, 37, 3, 64
-    t = TORCH_DTYPES[dtype]
+    t = getattr(torch, dtype)
     dt, f32 = cutlass_dtype(dtype), cutlass.Float32
     o, do = torch.randn(b, sq, h, head_dim).to(t), torch.randn(b, sq, h, head_dim).to(t)
     lse = torch.randn(b, h, sq) * 4
@@ -52,8 +47,8 @@ def test_preprocess_delta_lse2_and_padding(head_dim, dtype):
     lse2 = torch.full((b, h, pad), 7.0)  # poisoned: every element must be written
     delta = torch.full((b, h, pad), 7.0)
     _run(BwdPreprocess(head_dim),
-         (_fake(dt, o.shape), _fake(dt, do.shape), _fake(f32, lse.shape),
-          _fake(f32, lse2.shape), _fake(f32, delta.shape)),
+         (_rowmajor(dt, o.shape), _rowmajor(dt, do.shape), _rowmajor(f32, lse.shape),
+          _rowmajor(f32, lse2.shape), _rowmajor(f32, delta.shape)),
          (o, do, lse, lse2, delta))
     ref64 = (o.double() * do.double()).sum(-1).transpose(1, 2)
     plain = (o.float() * do.float()).sum(-1).transpose(1, 2)
@@ -81,7 +76,7 @@ def test_postprocess_sums_groups_scales_and_converts(head_dim, group, pitch, sca
     acc = torch.full((b, h * group, s_pad, pitch), math.nan)
     acc[:, :, :s, :head_dim] = torch.randn(b, h * group, s, head_dim) * 3
     out = torch.full((b, s, h, head_dim), 7.0).bfloat16()
-    _run(BwdPostprocess(head_dim, group), (_fake(f32, acc.shape), _fake(dt, out.shape)),
+    _run(BwdPostprocess(head_dim, group), (_rowmajor(f32, acc.shape), _rowmajor(dt, out.shape)),
          (acc, out), scalars=(f32(scale),))
     parts = acc[:, :, :s, :head_dim].reshape(b, h, group, s, head_dim)
     total = parts[:, :, 0]
@@ -111,10 +106,10 @@ def test_dq_postprocess_inverts_the_fragment_order(overrides):
     index = torch.tensor([[dq_fragment_index(cfg, r, c) for c in range(d)] for r in range(tm)])
     acc = torch.empty(b, h, n_m, tm * d)
     acc[..., index.flatten()] = tiles.reshape(b, h, n_m, tm * d)
-    t = TORCH_DTYPES[cfg.dtype]
+    t = getattr(torch, cfg.dtype)
     out = torch.full((b, s, h, d), 7.0).to(t)
     dt, f32 = cutlass_dtype(cfg.dtype), cutlass.Float32
-    _run(DqPostprocess(cfg), (_fake(f32, acc.shape), _fake(dt, out.shape)), (acc, out),
+    _run(DqPostprocess(cfg), (_rowmajor(f32, acc.shape), _rowmajor(dt, out.shape)), (acc, out),
          scalars=(f32(0.125),))
     want = (tiles * 0.125).to(t).reshape(b, h, n_m * tm, d)[:, :, :s].transpose(1, 2)
     assert torch.equal(out, want)

@@ -13,8 +13,8 @@ GPU time does not show for anyone.
 
 Check: dQ, dK, dV of batch 0 for the first and the last KV head (with their query heads)
 against float32 autograd of the same attention, with the project's rule (error <= 2 x the
-error of the same computation in the input precision + ``testing.grad_atol``). A provider that fails it is not
-timed on that cell and its ``<name>_error`` says why.
+error of the same computation in the input precision + ``testing.grad_atol``). A provider
+that fails it is not timed on that cell and its ``<name>_error`` says why.
 """
 
 import argparse
@@ -74,17 +74,18 @@ def reference_grads(q, k, v, dout, causal, dtype):
     """dQ, dK, dV of batch 0 for ``checked_heads``, by autograd of plain attention computed in
     ``dtype`` (float32: the reference; the input dtype: the baseline of the error rule).
     Causal is bottom-right aligned. Returns [(kv head, query heads, (dq, dk, dv))]."""
+    from fa_sm100.testing import attention_mask
+
     s, h, d = q.shape[1], q.shape[2], q.shape[3]
     sk, hk = k.shape[1], k.shape[2]
+    mask = attention_mask(s, sk, causal, device=q.device)  # None when nothing is masked
     out = []
     for kh, qh in checked_heads(h, hk):
         qs = q[0, :, qh].transpose(0, 1).to(dtype).requires_grad_()  # (g, s, d)
         ks, vs = (t[0, :, kh].to(dtype).requires_grad_() for t in (k, v))
         scores = torch.einsum("gqd,kd->gqk", qs, ks) * (1.0 / math.sqrt(d))
-        if causal:
-            visible = (torch.arange(sk, device=q.device)[None, :]
-                       <= torch.arange(s, device=q.device)[:, None] + (sk - s))
-            scores = scores.masked_fill(~visible, float("-inf"))
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
         p = torch.softmax(scores.float(), dim=-1).to(dtype)
         o = torch.einsum("gqk,kd->gqd", p, vs)
         dq, dk, dv = torch.autograd.grad(o, (qs, ks, vs), dout[0, :, qh].transpose(0, 1).to(dtype))
