@@ -152,9 +152,9 @@ def check_backward_supported(q, k, v):
     """Raise ValueError before the forward runs when its backward could not: head dims
     without a backward kernel, or (CUDA tensors) a GPU other than sm_90, e.g. an SM100 one."""
     d, dv = q.shape[-1], v.shape[-1]
-    if d != dv or d not in SM90_BWD_HEAD_DIMS:
+    if (d, dv) not in SM90_BWD_HEAD_DIMS:
         raise ValueError(f"head dims (qk={d}, v={dv}) have no backward kernel: gradients need "
-                         f"head_dim == head_dim_v in {SM90_BWD_HEAD_DIMS}")
+                         f"(head_dim, head_dim_v) in {SM90_BWD_HEAD_DIMS}")
     if q.device.type == "cuda":
         require_sm90(q.device, "the backward (gradients; there is no SM100 backward in this "
                                "project)")

@@ -20,10 +20,11 @@ from fa_sm100.autograd import flash_attn_autograd
 from fa_sm100.testing import attention_reference, check_against_reference, grad_atol
 
 
-def _inputs(b, sq, sk, hq, hk, d, dtype, device="cpu", seed=0):
+def _inputs(b, sq, sk, hq, hk, d, dtype, device="cpu", seed=0, dv=None):
+    dv = d if dv is None else dv
     g = torch.Generator(device=device).manual_seed(seed)
     mk = lambda *s: torch.randn(*s, generator=g, device=device, dtype=dtype)
-    return mk(b, sq, hq, d), mk(b, sk, hk, d), mk(b, sk, hk, d), mk(b, sq, hq, d)
+    return mk(b, sq, hq, d), mk(b, sk, hk, d), mk(b, sk, hk, dv), mk(b, sq, hq, dv)
 
 
 def _ref_grads(q, k, v, dout, causal, window, dtype, upcast):
@@ -34,8 +35,8 @@ def _ref_grads(q, k, v, dout, causal, window, dtype, upcast):
     return out.detach(), (qs.grad, ks.grad, vs.grad)
 
 
-def _check_grads(fn, b, sq, sk, hq, hk, d, causal, window, dtype, device):
-    q, k, v, dout = _inputs(b, sq, sk, hq, hk, d, dtype, device)
+def _check_grads(fn, b, sq, sk, hq, hk, d, causal, window, dtype, device, dv=None):
+    q, k, v, dout = _inputs(b, sq, sk, hq, hk, d, dtype, device, dv=dv)
     qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
     out = fn(qg, kg, vg)
     out.backward(dout)
@@ -73,13 +74,12 @@ def test_lse_is_returned_and_not_differentiable():
 def test_unsupported_backward_head_dim_raises_before_the_forward():
     from fa_sm100.autograd import check_backward_supported
 
-    q = torch.empty(1, 8, 2, 256)
-    with pytest.raises(ValueError, match="no backward kernel"):
-        check_backward_supported(q, q, q)
-    v = torch.empty(1, 8, 2, 128)
-    with pytest.raises(ValueError, match="no backward kernel"):
-        check_backward_supported(torch.empty(1, 8, 2, 192), torch.empty(1, 8, 2, 192), v)
-    check_backward_supported(v, v, v)  # hdim 128 is supported: no exception
+    x = lambda d: torch.empty(1, 8, 2, d)  # noqa: E731
+    for d, dv in ((80, 80), (192, 192), (256, 128), (128, 64)):
+        with pytest.raises(ValueError, match="no backward kernel"):
+            check_backward_supported(x(d), x(d), x(dv))
+    for d, dv in ((64, 64), (96, 96), (128, 128), (192, 128), (256, 256)):
+        check_backward_supported(x(d), x(d), x(dv))  # the forward's head dims: no exception
 
 
 def test_gradients_on_a_gpu_without_backward_raise_before_the_forward(monkeypatch):
@@ -149,12 +149,13 @@ def test_torch_compile_fullgraph_cpu_matches_eager():
 # ---- GPU (sm_90) -------------------------------------------------------------------------
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("causal,hk", [(False, 4), (True, 2)])
-def test_flash_attn_func_backward_on_sm90(sm90_device, causal, hk):
+@pytest.mark.parametrize("causal,hk,d,dv", [(False, 4, 128, 128), (True, 2, 128, 128),
+                                            (True, 2, 256, 256), (False, 1, 192, 128)])
+def test_flash_attn_func_backward_on_sm90(sm90_device, causal, hk, d, dv):
     from fa_sm100.interface import flash_attn_func
 
     fn = lambda q, k, v: flash_attn_func(q, k, v, causal=causal)
-    _check_grads(fn, 2, 300, 300, 4, hk, 128, causal, (None, None), torch.bfloat16, "cuda")
+    _check_grads(fn, 2, 300, 300, 4, hk, d, causal, (None, None), torch.bfloat16, "cuda", dv=dv)
 
 
 @pytest.mark.gpu

@@ -33,15 +33,22 @@ from fa_sm100.testing import attention_mask
 # ---- config rules ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("changes,rule", [
-    (dict(head_dim=256, head_dim_v=256), "head dims"),
+    (dict(head_dim=256, head_dim_v=128), "head dims"),
+    (dict(head_dim=192, head_dim_v=192), "head dims"),
     (dict(head_dim_v=64), "head dims"),
+    (dict(head_dim=256, head_dim_v=256), "tile_n=128 with head_dim=256"),
+    (dict(head_dim=192, head_dim_v=128, early_dv=False), "tile_n=128 with head_dim=192"),
+    (dict(tile_n=64), "tile_n=64 needs early_dv=False"),
+    (dict(tile_n=64, early_dv=False, sdp_swap_ab=True), "tile_n=64 needs sdp_swap_ab=False"),
+    (dict(tile_n=64, early_dv=False, dv_before_barrier=True),
+     "tile_n=64 needs dv_before_barrier=False"),
     (dict(tile_m=128), "tile_m=128 needs sdp_swap_ab=True"),
     (dict(tile_m=128, sdp_swap_ab=True, head_dim=128, head_dim_v=128),
      "tile_m=128 with head_dim=128"),
     (dict(tile_m=128, sdp_swap_ab=True, head_dim=96, head_dim_v=96), "tile_m=128 with head_dim=96"),
     (dict(tile_m=96, sdp_swap_ab=True), "tile_m=96"),
     (dict(tile_m=32), "tile_m=32"),
-    (dict(tile_n=64), "tile_n"),
+    (dict(tile_n=96), "tile_n=96"),
     (dict(q_stage=3), "q_stage"),
     (dict(gqa_reduce="tree"), "gqa_reduce"),
     (dict(dq_accum="tma"), "dq_accum"),
@@ -65,9 +72,14 @@ def test_bad_config_raises_value_error_naming_the_rule(changes, rule):
 
 
 def test_default_configs_fit_smem_and_follow_the_measured_choices():
-    for d in (64, 96, 128):
-        cfg = select_bwd_config(head_dim=d)
-        assert cfg.smem_bytes() <= SM90_SMEM_BYTES
+    for d in (64, 96, 128, 192, 256):
+        for kw in (dict(), dict(causal=True), dict(qhead_per_kvhead=4, deterministic=True)):
+            cfg = select_bwd_config(head_dim=d, **kw)
+            assert cfg.smem_bytes() <= SM90_SMEM_BYTES
+            # Note [dK/dV by columns]: the head dims above 128, and only those
+            assert cfg.dkv_split_cols == (d > 128) and (cfg.tile_n == 64) == (d > 128)
+    assert select_bwd_config(head_dim=192).head_dim_v == 128
+    assert select_bwd_config(head_dim=256).head_dim_v == 256
     assert select_bwd_config(qhead_per_kvhead=4).gqa_reduce == "buffers"
     assert select_bwd_config(qhead_per_kvhead=4, gqa_reduce="atomic").gqa_reduce == "atomic"
     assert select_bwd_config(causal=False).early_dv and not select_bwd_config(causal=True).early_dv
@@ -148,7 +160,7 @@ def test_tile_m_128_stat_shuffle_matches_the_wgmma_accumulator_layout():
 
     @cute.jit
     def probe():
-        mma_sdp, _, _ = kernel._tiled_mmas()
+        mma_sdp = kernel._tiled_mmas()[0]
         ident = cute.make_identity_tensor((cfg.tile_n, cfg.tile_m))
         for lane in cutlass.range_constexpr(32):
             for t in (lane, 160 + lane):  # warp 0 (warpgroup 0), warp 5 (warpgroup 1)
@@ -177,11 +189,12 @@ def test_swapped_sdp_has_no_p_buffer():
 
 # ---- input validation (CPU tensors never reach a kernel) ----------------------------------
 
-def _cpu_inputs(b=1, sq=32, sk=32, hq=2, hk=2, d=64, dtype=torch.bfloat16):
+def _cpu_inputs(b=1, sq=32, sk=32, hq=2, hk=2, d=64, dtype=torch.bfloat16, dv=None):
+    dv = d if dv is None else dv
     q = torch.randn(b, sq, hq, d, dtype=dtype)
     k = torch.randn(b, sk, hk, d, dtype=dtype)
-    v = torch.randn(b, sk, hk, d, dtype=dtype)
-    out, dout = torch.randn_like(q), torch.randn_like(q)
+    v = torch.randn(b, sk, hk, dv, dtype=dtype)
+    out, dout = torch.randn(b, sq, hq, dv, dtype=dtype), torch.randn(b, sq, hq, dv, dtype=dtype)
     lse = torch.randn(b, hq, sq, dtype=torch.float32)
     return dout, q, k, v, out, lse
 
@@ -205,8 +218,16 @@ def test_bad_inputs_raise_value_error(mutate, msg):
 
 
 def test_unsupported_head_dim_and_window_raise():
-    with pytest.raises(ValueError, match="head_dim=256"):
-        sm90_bwd(*_cpu_inputs(d=256))
+    for d, dv in ((80, 80), (256, 128), (192, 192)):
+        with pytest.raises(ValueError, match=rf"head dims \(qk={d}, v={dv}\) are not supported"):
+            sm90_bwd(*_cpu_inputs(d=d, dv=dv))
+    # out/dout take v's head dim
+    dout, q, k, v, out, lse = _cpu_inputs(d=192, dv=128)
+    with pytest.raises(ValueError, match="v's head dim"):
+        sm90_bwd(dout, q, k, v, torch.randn_like(q), lse)
+    for d, dv in ((192, 128), (256, 256)):  # supported: the device rule is reached
+        with pytest.raises(ValueError, match="CUDA"):
+            sm90_bwd(*_cpu_inputs(d=d, dv=dv))
     with pytest.raises(ValueError, match="window_size"):
         sm90_bwd(*_cpu_inputs(), window_size=(-3, None))
     # A bool is an int to Python, but not a window size.
@@ -338,6 +359,15 @@ CONTRACT_CASES = [
     (["causal=true", "dv_before_barrier=true"], "UBLKRED"),
     (["sdp_swap_ab=false", "early_dv=false", "dv_before_barrier=true", "head_dim=96"], "UBLKRED"),
     (["head_dim=64", "causal=true", "dv_before_barrier=true"], "UBLKRED"),
+    # Note [dK/dV by columns]: the wide head dims' defaults and switches, and hdim 128 by switch
+    (["head_dim=256"], "REDG.E.ADD.F32"),
+    (["head_dim=256", "dq_accum=bulk", "q_stage=1", "do_stage=1", "causal=true"], "UBLKRED"),
+    (["head_dim=256", "qhead_per_kvhead=2", "gqa_reduce=atomic", "overlap_dk=true"],
+     "REDG.E.ADD.F32"),
+    (["head_dim=192", "causal=true", "deterministic=true", "qhead_per_kvhead=4",
+      "window_left=100"], "UBLKRED"),
+    (["head_dim=192", "dtype=float16", "dq_accum=red", "stats_smem=false"], "REDG.E.ADD.F32"),
+    (["tile_n=64", "sdp_swap_ab=false", "early_dv=false"], "UBLKRED"),
 ]
 
 
@@ -414,8 +444,11 @@ def test_sm90_bwd_stats_first_loads_before_the_gemms(overrides, tmp_path):
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("overrides", [[], ["head_dim=64"], ["head_dim=96", "causal=true"]],
-                         ids=["d128", "d64-tile_m128", "d96"])
+@pytest.mark.parametrize("overrides", [[], ["head_dim=64"], ["head_dim=96", "causal=true"],
+                                       ["head_dim=192"],
+                                       ["head_dim=256", "dq_accum=bulk", "q_stage=1",
+                                        "do_stage=1"]],
+                         ids=["d128", "d64-tile_m128", "d96", "d192", "d256-bulk"])
 def test_sm90_bwd_dq_leaves_in_16_byte_stores(overrides, tmp_path):
     """Note [dQ in fragment order]: each MMA thread stores its dQ tile to SMEM in dq_groups
     STS.128 and nothing else (the row-major padded tile took twice as many STS.64)."""
@@ -429,10 +462,32 @@ def test_sm90_bwd_dq_leaves_in_16_byte_stores(overrides, tmp_path):
     assert [op for op in ops if op.startswith("STS.")] == ["STS.128"] * cfg.dq_groups
 
 
-PLAN_CASES = [  # (b, sq, sk, hq, hk, d, config overrides)
+@pytest.mark.compile
+@pytest.mark.parametrize("overrides", [["head_dim=256"], ["dq_accum=red", "deterministic=true"],
+                                       ["head_dim=64", "dq_accum=red"]],
+                         ids=["d256", "d128-deterministic", "d64-tile_m128"])
+def test_sm90_bwd_red_dq_adds_16_bytes_per_instruction(overrides, tmp_path):
+    """dq_accum="red": the fragment order (Note [dQ in fragment order]) puts each thread's four
+    registers of a group on 16 contiguous bytes, so the main loop adds its dQ with dq_groups
+    vector reductions (``REDG.E.ADD.F32x4``) and no scalar float reduction; 4x fewer than
+    scalar ones, which is what makes "red" the fast path at hdim 256."""
+    from fa_sm100.hopper.inspect_bwd import make_config
+    from fa_sm100.inspection import inspect_kernel
+
+    cfg = make_config(overrides)
+    assert cfg.dq_accum == "red"
+    inspect_kernel("sm90_bwd", "sm_90a", overrides, keep_dir=tmp_path)
+    reds = [op for op in _main_loop_ops(_sass_text(tmp_path)) if op.startswith("REDG.E.ADD.F32")]
+    assert len(reds) == cfg.dq_groups and all(op.startswith("REDG.E.ADD.F32x4") for op in reds), reds
+
+
+PLAN_CASES = [  # (b, sq, sk, hq, hk, d, config overrides); v's head dim: the forward's default
     (2, 300, 200, 4, 4, 128, {}), (1, 100, 333, 4, 4, 128, dict(deterministic=True)),
     (2, 257, 257, 8, 2, 64, {}), (1, 70, 90, 4, 1, 96, dict(gqa_reduce="atomic")),
     (3, 129, 64, 4, 2, 64, dict(deterministic=True, causal=True)),
+    (2, 130, 70, 4, 4, 256, {}), (1, 70, 190, 4, 2, 192, {}),
+    (1, 65, 63, 4, 1, 192, dict(gqa_reduce="atomic", deterministic=False)),
+    (2, 100, 100, 6, 2, 256, dict(deterministic=True)),
 ]
 
 
@@ -448,8 +503,11 @@ def test_launch_arguments_fit_the_fake_compile_arguments(case):
     b, sq, sk, hq, hk, d, overrides = case
     cfg = select_bwd_config(head_dim=d, qhead_per_kvhead=hq // hk, **overrides)
     meta = dict(device="meta", dtype=torch.bfloat16)
-    q, out, dout, dq = (torch.empty(b, sq, hq, d, **meta) for _ in range(4))
-    k, v, dk, dv = (torch.empty(b, sk, hk, d, **meta) for _ in range(4))
+    e = cfg.head_dim_v
+    q, dq = (torch.empty(b, sq, hq, d, **meta) for _ in range(2))
+    out, dout = (torch.empty(b, sq, hq, e, **meta) for _ in range(2))
+    k, dk = (torch.empty(b, sk, hk, d, **meta) for _ in range(2))
+    v, dv = (torch.empty(b, sk, hk, e, **meta) for _ in range(2))
     lse = torch.empty(b, hq, sq, device="meta", dtype=torch.float32)
     plan = launch_plan(cfg, q, k, v, out, dout, lse, dq, dk, dv, 0.1)
     assert [c[0] for c in plan] == ["pre", "main", "post_dq"] + ["post"] * (2 * (hq != hk))
@@ -458,7 +516,10 @@ def test_launch_arguments_fit_the_fake_compile_arguments(case):
         assert len(fakes) == len(args), kind
         bound = {}
         for i, (fake, real) in enumerate(zip(fakes, args)):
-            if not isinstance(real, torch.Tensor):
+            is_tensor = hasattr(fake, "shape")  # else a scalar (the softmax scale)
+            assert isinstance(real, torch.Tensor) == is_tensor, (
+                f"{kind} argument {i}: passed {type(real).__name__} for {type(fake).__name__}")
+            if not is_tensor:
                 continue
             assert len(fake.shape) == real.dim(), (kind, i)
             for dim, (f, r) in enumerate(zip(fake.shape, real.shape)):
@@ -471,9 +532,11 @@ def test_launch_arguments_fit_the_fake_compile_arguments(case):
 
 @pytest.mark.compile
 @pytest.mark.parametrize("overrides,tma", [([], True), (["causal=true", "head_dim=64"], True),
+                                           (["head_dim=192"], True),
                                            (["dkv_tma_store=false"], False),
+                                           (["head_dim=256", "dkv_tma_store=false"], False),
                                            (["qhead_per_kvhead=4"], False)],
-                         ids=["mha", "mha-d64", "direct", "gqa"])
+                         ids=["mha", "mha-d64", "mha-d192", "direct", "direct-d256", "gqa"])
 def test_sm90_bwd_dk_dv_leave_by_tma_for_mha(overrides, tma, tmp_path):
     """Note [dK/dV by TMA]: MHA dK/dV go to SMEM by stmatrix and out by TMA stores (no STG);
     with dkv_tma_store=false, and for GQA's float32 buffers, every thread stores directly."""
@@ -635,3 +698,38 @@ def test_sm90_bwd_stats_come_with_their_stage(overrides, tmp_path):
     assert "UBLKCP" not in sass[False]
     ldg = {on: len(re.findall(r"\bLDG\.", sass[on])) for on in sass}
     assert ldg[True] < ldg[False]
+
+
+WIDE_HEAD_CASES = [(["head_dim=256"], 256, 256), (["head_dim=192", "causal=true"], 192, 128),
+                   (["tile_n=64", "sdp_swap_ab=false", "early_dv=false"], 128, 128)]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("overrides,d,dv", WIDE_HEAD_CASES,
+                         ids=[",".join(c[0]) for c in WIDE_HEAD_CASES])
+def test_sm90_bwd_tile_n_64_splits_dk_dv_by_columns(overrides, d, dv, tmp_path):
+    """Note [dK/dV by columns]: with tile_n=64, S and dP are 64 x 32 per warpgroup (N = 32),
+    dK and dQ are N = hdim/2 and dV N = hdim_v/2 per warpgroup over K = 64 (4 k16 slices
+    each), and every dK/dV HGMMA follows the DS_READY barrier (they read both warpgroups' P
+    and dS). P and dS are stored by stmatrix (2 + 2 per thread); five WGMMA groups, no spills,
+    setmaxnreg kept."""
+    from fa_sm100.compile_tools import sass_main_loop
+    from fa_sm100.hopper.named_barriers import Sm90BwdBarrier
+    from fa_sm100.inspection import inspect_kernel
+
+    r = inspect_kernel("sm90_bwd", "sm_90a", overrides, keep_dir=tmp_path)
+    sass = _sass_text(tmp_path)
+    assert r["spill_bytes"] == 0 and r["local_bytes"] == 0
+    assert r["setmaxnreg"] == {"producer": 24, "mma": 240}, r["warnings"]
+    assert _hgmma_commits(sass) == 5
+    loop = [t for _, t in sass_main_loop(sass)]
+    shapes = [re.match(r"HGMMA\.64x(\d+)x16", t).group(1) for t in loop if t.startswith("HGMMA")]
+    want = {"32": (d + dv) // 16}  # S over hdim, dP over hdim_v
+    for n, gemms in ((d // 2, 2), (dv // 2, 1)):  # dK and dQ; dV
+        want[str(n)] = want.get(str(n), 0) + 4 * gemms
+    assert {n: shapes.count(n) for n in set(shapes)} == want
+    barrier = f"BAR.SYNC.DEFER_BLOCKING {int(Sm90BwdBarrier.DS_READY):#x},"
+    at_barrier = next(i for i, t in enumerate(loop) if t.startswith(barrier))
+    after = [t for t in loop[at_barrier:] if t.startswith("HGMMA")]
+    assert len(after) == 12, "dV, dQ and dK (4 k16 slices each) follow the dS barrier"
+    assert [t.split()[0] for t in loop].count("STSM.16.M88.4") == 4  # P and dS

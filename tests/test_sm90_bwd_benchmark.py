@@ -88,3 +88,38 @@ def test_run_cell_drops_a_provider_whose_warm_up_fails():
     times, errors = run_cell(prepares, lambda out: None, 3, measure)
     assert times == {"flaky": [], "good": [2.0, 2.0, 2.0]}
     assert errors == {"flaky": "RuntimeError: out of memory in do_bench"}
+
+
+def test_benchmark_bwd_flags_reach_every_cell(monkeypatch, tmp_path):
+    """``scripts/benchmark.py --mode bwd``: the grid, --dtype, the variants and the timing
+    flags reach ``bench_cell`` for every cell (--dtype once did not, and the run stopped with
+    a TypeError on the GPU); the JSON holds the rows. ``bench_cell`` is replaced: no GPU."""
+    import importlib.util
+    import json
+    import os
+
+    spec = importlib.util.spec_from_file_location(
+        "benchmark_cli", os.path.join(os.path.dirname(__file__), "..", "scripts", "benchmark.py"))
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    calls = []
+
+    def fake_cell(b, h, hk, s, d, causal, **kw):
+        calls.append((b, h, hk, s, d, causal, kw))
+        return {"batch": b, "heads": h, "heads_kv": hk, "seqlen": s, "head_dim": d,
+                "causal": causal, "ours_tflops": 1.0, "fa4_tflops": 1.0}
+
+    monkeypatch.setattr(bwd_bench, "bench_cell", fake_cell)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake")
+    out = tmp_path / "bwd.json"
+    args = cli.parse_args(["--mode", "bwd", "--hdim", "128", "256", "--seqlen", "1024", "4096",
+                           "--dtype", "fp16", "--ours-variant", "v:dq_accum=red",
+                           "--repeat", "2", "--json", str(out)])
+    assert bwd_bench.run_from_benchmark_args(args) == 0
+    assert [(d, s, c) for _, _, _, s, d, c, _ in calls] == [
+        (d, s, c) for d in (128, 256) for s in (1024, 4096) for c in (False, True)]
+    for b, h, hk, s, d, _, kw in calls:
+        assert b * s == 16384 and h * d == 2048 and hk == h
+        assert kw["dtype"] is torch.float16 and kw["repeat"] == 2
+        assert kw["variants"] == [("v", {"dq_accum": "red"})]
+    assert len(json.loads(out.read_text())["rows"]) == 8

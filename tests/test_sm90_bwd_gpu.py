@@ -1,8 +1,9 @@
 """SM90 backward on an H100/H200: gradients against float64 autograd, determinism.
 
 Contract: for every feature (MHA/GQA/MQA, causal, sliding window, ragged sequence lengths,
-seqlen_q > seqlen_k, head dims 64/96/128, bf16/fp16), with S/dP unswapped and swapped
-(``sdp_swap_ab``, also with tile_m=128 at hdim 64), each of dq, dk, dv satisfies the project
+seqlen_q > seqlen_k, head dims 64/96/128/(192,128)/256, bf16/fp16), with S/dP unswapped and
+swapped (``sdp_swap_ab``, also with tile_m=128 at hdim 64), and with dK/dV split by head-dim
+columns (tile_n=64: the wide head dims, and hdim 64/128 by switch), each of dq, dk, dv satisfies the project
 rule err(kernel) <= 2 x err(plain) + atol against the float64 reference gradient, where
 "plain" is the same attention differentiated by torch autograd in the input precision. The
 forward O and LSE fed to the backward come from the float64 reference, so this file tests the
@@ -28,13 +29,15 @@ def _grads(q, k, v, dout, causal, window, dtype, upcast):
 
 def _run_case(b, sq, sk, hq, hk, d, causal=False, window=(None, None), dtype=torch.bfloat16,
               deterministic=False, config=None, seed=0):
+    """``d``: the head dim, or a (qk, v) pair."""
     from fa_sm100.hopper.bwd_interface import sm90_bwd
 
+    d, dv = d if isinstance(d, tuple) else (d, d)
     g = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randn(b, sq, hq, d, device="cuda", dtype=dtype, generator=g)
     k = torch.randn(b, sk, hk, d, device="cuda", dtype=dtype, generator=g)
-    v = torch.randn(b, sk, hk, d, device="cuda", dtype=dtype, generator=g)
-    dout = torch.randn(b, sq, hq, d, device="cuda", dtype=dtype, generator=g)
+    v = torch.randn(b, sk, hk, dv, device="cuda", dtype=dtype, generator=g)
+    dout = torch.randn(b, sq, hq, dv, device="cuda", dtype=dtype, generator=g)
     out64, lse64, ref = _grads(q, k, v, dout, causal, window, torch.float64, True)
     _, _, plain = _grads(q, k, v, dout, causal, window, dtype, False)
     out = out64.to(dtype)
@@ -71,6 +74,52 @@ def test_sm90_bwd_matches_float64(sm90_device, case, sdp_swap_ab):
     cfg = select_bwd_config(head_dim=d, causal=causal, window_left=window[0],
                             window_right=window[1], sdp_swap_ab=sdp_swap_ab)
     _run_case(b, sq, sk, hq, hk, d, causal, window, dtype, config=cfg)
+
+
+# Head dims 192 (v 128) and 256: tile_n=64, dK/dV split by head-dim columns (Note [dK/dV by
+# columns]). The forward's lengths 1, 17, 1000, 4097, batch 1..8, every mask and head layout.
+WIDE_CASES = [
+    # (b, sq, sk, hq, hk, (d, dv), causal, window, dtype)
+    (2, 1, 1, 2, 2, (256, 256), False, (None, None), torch.bfloat16),
+    (3, 17, 17, 2, 2, (192, 128), True, (None, None), torch.bfloat16),
+    (1, 1000, 1000, 2, 2, (256, 256), True, (None, None), torch.float16),
+    (1, 1000, 1000, 4, 1, (192, 128), False, (None, None), torch.bfloat16),  # MQA
+    (1, 4097, 4097, 2, 2, (256, 256), False, (None, None), torch.bfloat16),
+    (1, 4097, 4097, 2, 2, (192, 128), True, (None, None), torch.float16),
+    (2, 300, 100, 2, 2, (256, 256), True, (None, None), torch.bfloat16),  # rows that see no key
+    (1, 17, 1000, 4, 2, (256, 256), True, (None, None), torch.bfloat16),  # GQA
+    (1, 333, 444, 4, 2, (192, 128), False, (64, None), torch.bfloat16),  # left window, GQA
+    (1, 500, 500, 2, 2, (256, 256), False, (100, 30), torch.bfloat16),  # sliding window
+    (8, 64, 64, 2, 2, (256, 256), False, (None, None), torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("case", WIDE_CASES,
+                         ids=lambda c: f"b{c[0]}-q{c[1]}-k{c[2]}-h{c[3]}/{c[4]}-d{c[5][0]},{c[5][1]}"
+                         f"-{'causal' if c[6] else 'full'}-w{c[7][0]},{c[7][1]}-{str(c[8])[6:]}")
+def test_sm90_bwd_wide_head_dims_match_float64(sm90_device, case):
+    b, sq, sk, hq, hk, d, causal, window, dtype = case
+    _run_case(b, sq, sk, hq, hk, d, causal, window, dtype)  # sm90_bwd's own defaults
+
+
+WIDE_SWITCHES = [  # (switches, kv heads of 4 query heads)
+    (dict(dq_accum="bulk", q_stage=1, do_stage=1), 4), (dict(dq_accum="red", do_stage=1), 2),
+    (dict(overlap_dk=True), 4), (dict(gqa_reduce="atomic"), 2), (dict(gqa_reduce="buffers"), 1),
+    (dict(dkv_tma_store=False), 4), (dict(stats_smem=False), 4), (dict(try_wait=False), 4),
+    (dict(stats_first=True), 2),
+]
+
+
+@pytest.mark.parametrize("switches,hk", WIDE_SWITCHES,
+                         ids=lambda x: ",".join(f"{k}={v}" for k, v in x.items())
+                         if isinstance(x, dict) else f"hk{x}")
+@pytest.mark.parametrize("d", [(256, 256), (192, 128)], ids=["d256", "d192"])
+def test_sm90_bwd_wide_head_dim_switches(sm90_device, switches, hk, d):
+    from fa_sm100.hopper.bwd_config import select_bwd_config
+
+    cfg = select_bwd_config(head_dim=d[0], head_dim_v=d[1], causal=True, qhead_per_kvhead=4 // hk,
+                            **switches)
+    _run_case(1, 333, 300, 4, hk, d, True, (None, None), torch.bfloat16, config=cfg)
 
 
 # tile_m=128 (swapped S/dP, hdim 64 only; Note [tile_m 128]): query-block tails of 1, 17, 1000
@@ -155,6 +204,10 @@ SWITCHES = [
     dict(sdp_swap_ab=True, early_dv=False, dv_before_barrier=True),
     dict(sdp_swap_ab=False, early_dv=False, dv_before_barrier=True),
     dict(sdp_swap_ab=True, dkv_tma_store=False), dict(sdp_swap_ab=False, dkv_tma_store=False),
+    # Note [dK/dV by columns] at hdim 64 / 128
+    dict(sdp_swap_ab=False, tile_m=64, tile_n=64, early_dv=False, dv_before_barrier=False),
+    dict(sdp_swap_ab=False, tile_m=64, tile_n=64, early_dv=False, dv_before_barrier=False,
+         dq_accum="red", overlap_dk=True),
 ]
 
 
@@ -215,3 +268,19 @@ def test_sm90_bwd_tile_m_128_deterministic_is_bitwise_reproducible(sm90_device, 
     inputs, first = _run_case(2, 1000, 1100, 4, hk, 64, causal, window, torch.bfloat16,
                               deterministic=True, config=cfg)
     _assert_reproducible(inputs, first, causal, window, cfg)
+
+
+@pytest.mark.parametrize("d,hk,window,dq_accum", [
+    ((256, 256), 4, (None, None), "red"), ((256, 256), 2, (96, 0), "bulk"),
+    ((192, 128), 1, (None, None), "bulk"), ((192, 128), 2, (None, None), "red")],
+    ids=lambda x: str(x))
+def test_sm90_bwd_wide_head_dims_deterministic_is_bitwise_reproducible(sm90_device, d, hk,
+                                                                       window, dq_accum):
+    """The dQ semaphore counts 64-row query blocks over 64-key blocks (tile_n=64)."""
+    from fa_sm100.hopper.bwd_config import select_bwd_config
+
+    stages = dict(q_stage=1, do_stage=1) if d[0] == 256 and dq_accum == "bulk" else {}
+    cfg = select_bwd_config(head_dim=d[0], head_dim_v=d[1], dq_accum=dq_accum, **stages)
+    inputs, first = _run_case(2, 700, 800, 4, hk, d, True, window, torch.bfloat16,
+                              deterministic=True, config=cfg)
+    _assert_reproducible(inputs, first, True, window, cfg)

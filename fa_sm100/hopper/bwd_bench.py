@@ -154,7 +154,7 @@ def bench_cell(b, h, hk, s, d, causal, dtype=torch.bfloat16, deterministic=False
         out, lse = _torch_forward(q, k, v, causal)
         row["fa4_error"] = why
     prepares = {}
-    if d in SM90_BWD_HEAD_DIMS:
+    if (d, d) in SM90_BWD_HEAD_DIMS:
         prepares["ours"] = lambda: (lambda: sm90_bwd(dout, q, k, v, out, lse, causal=causal,
                                                       deterministic=deterministic))
         for name, overrides in variants:
@@ -165,7 +165,8 @@ def bench_cell(b, h, hk, s, d, causal, dtype=torch.bfloat16, deterministic=False
                 lambda: sm90_bwd(dout, q, k, v, out, lse, causal=causal,
                                  deterministic=deterministic, config=cfg))
     else:  # a cell ours does not cover: reported, not a failure of the run
-        row["ours_skipped"] = f"head_dim {d} is not supported by sm90_bwd ({SM90_BWD_HEAD_DIMS})"
+        row["ours_skipped"] = (f"head dims ({d}, {d}) are not supported by sm90_bwd "
+                               f"({SM90_BWD_HEAD_DIMS})")
     if fa4 is not None:
         prepares["fa4"] = lambda: _fa4_backward(fa4, q, k, v, dout, causal, deterministic)
     prepares["cudnn"] = lambda: _cudnn_backward(q, k, v, dout, causal)
@@ -207,7 +208,7 @@ def _torch_forward(q, k, v, causal):
 
 def run_grid(seqlens=DEFAULT_SEQLENS, head_dims=DEFAULT_HEAD_DIMS, causals=(False, True),
              gqa_ratio=1, deterministic=False, variants=(), tokens=TOKENS, model_dim=MODEL_DIM,
-             repeat=REPEAT, warmup=WARMUP_MS, rep=REP_MS):
+             repeat=REPEAT, warmup=WARMUP_MS, rep=REP_MS, dtype=torch.bfloat16):
     rows = []
     for d in head_dims:
         h = model_dim // d

@@ -19,11 +19,16 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
-from fa_sm100.config import DTYPES, check_register_budget, check_setmaxnreg, normalize_dtype
-from fa_sm100.hopper.config import SM90_ARCH, WARPGROUP_THREADS
+from fa_sm100.config import (DTYPES, check_register_budget, check_setmaxnreg, default_head_dim_v,
+                             normalize_dtype)
+from fa_sm100.hopper.config import SM90_ARCH, WARPGROUP_THREADS, WGMMA_M
 from layouts.smem import SMEM_BUDGET, align_up
 
-SM90_BWD_HEAD_DIMS = (64, 96, 128)
+# (qk, v) head-dim pairs with a backward: those of the SM90 forward
+SM90_BWD_HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (192, 128), (256, 256))
+# tile_n 128 keeps 64 key rows of dK and dV per warpgroup: up to this head dim (registers);
+# larger head dims take tile_n 64, split by head-dim columns (Note [dK/dV by columns])
+TILE_N_128_MAX_HEAD_DIM = 128
 GQA_REDUCE_MODES = ("atomic", "buffers")
 # Query rows per iteration of the swapped hdim-64 default (the only head dim 128 rows fit).
 TILE_M_SWAPPED_HDIM64 = 128
@@ -51,7 +56,10 @@ class BwdConfig:
     # dP^T are 64 keys x 128 queries per warpgroup; dQ is split by query rows, see
     # ``dq_split_rows``)
     tile_m: int = 64
-    tile_n: int = 128  # key rows owned by one CTA (dK/dV accumulated in registers)
+    # key rows owned by one CTA (dK/dV accumulated in registers): 128, the warpgroups owning
+    # 64 key rows each; or 64, the warpgroups owning head-dim halves (Note [dK/dV by columns]
+    # in bwd_kernel.py)
+    tile_n: int = 128
     q_stage: int = 2  # Q (+LSE) stages in flight
     do_stage: int = 2  # dO (+Delta) stages in flight
     ds_stage: int = 2  # dS SMEM buffers (2 removes one barrier per iteration)
@@ -59,7 +67,8 @@ class BwdConfig:
     deterministic: bool = False
     gqa_reduce: str = "buffers"
     # dQ accumulation: "bulk" = tile staged in SMEM, added by the dq-store warp with one
-    # cp.reduce.async.bulk per query block; "red" = red.global.add.f32 from the MMA registers.
+    # cp.reduce.async.bulk per query block; "red" = red.global.add.v4.f32 from the MMA
+    # registers (no SMEM tile).
     dq_accum: str = "bulk"
     # Issue dV += P^T dO right after P is in SMEM, overlapping it with the dS math
     # (select_bwd_config: on for non-causal problems, where it measured faster).
@@ -126,6 +135,21 @@ class BwdConfig:
         return self.tile_m == 2 * TILE_M_ATOM
 
     @property
+    def dkv_split_cols(self) -> bool:
+        """dV = P^T dO and dK = dS^T Q split over the two MMA warpgroups by head-dim columns
+        (tile_n = 64, every warpgroup reads all of P and dS from SMEM) instead of by key rows
+        (tile_n = 128, each warpgroup its own keys' P and dS)."""
+        return self.tile_n == WGMMA_M
+
+    @property
+    def p_stage(self) -> int:
+        """P buffers in SMEM: none with ``sdp_swap_ab``; ``ds_stage`` when both warpgroups read
+        all of P (``dkv_split_cols``, Note [dS double buffer]); else one."""
+        if self.sdp_swap_ab:
+            return 0
+        return self.ds_stage if self.dkv_split_cols else 1
+
+    @property
     def dq_block_elems(self) -> int:
         """Float32 elements of one query block's dQ accumulator (Note [dQ in fragment order])."""
         return self.tile_m * self.head_dim
@@ -139,14 +163,14 @@ class BwdConfig:
         return {"producer": self.regs_producer, "mma": self.regs_mma}
 
     def smem_bytes(self) -> int:
-        """Dynamic shared memory of one CTA: Q, dO stages, K, V, P (not with ``sdp_swap_ab``),
+        """Dynamic shared memory of one CTA: Q, dO stages, K, V, P (``p_stage`` buffers),
         dS stages, the "bulk" dQ tile, barriers."""
         b = self.dtype_bytes
         q = self.tile_m * self.head_dim * b * self.q_stage
         do = self.tile_m * self.head_dim_v * b * self.do_stage
         k = self.tile_n * self.head_dim * b
         v = self.tile_n * self.head_dim_v * b
-        p = 0 if self.sdp_swap_ab else self.tile_m * self.tile_n * b
+        p = self.tile_m * self.tile_n * b * self.p_stage
         ds = self.tile_m * self.tile_n * b * self.ds_stage
         dq = self.dq_block_elems * 4 if self.dq_accum == "bulk" else 0
         stats = self.stats_smem_bytes()
@@ -164,15 +188,29 @@ class BwdConfig:
     def validate(self) -> "BwdConfig":
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r}: must be one of {DTYPES}")
-        if self.head_dim not in SM90_BWD_HEAD_DIMS or self.head_dim_v != self.head_dim:
+        if (self.head_dim, self.head_dim_v) not in SM90_BWD_HEAD_DIMS:
             raise ValueError(
                 f"head dims (qk={self.head_dim}, v={self.head_dim_v}): the SM90 backward supports "
-                f"head_dim == head_dim_v in {SM90_BWD_HEAD_DIMS}"
+                f"(qk, v) in {SM90_BWD_HEAD_DIMS}"
             )
         if self.tile_m not in (TILE_M_ATOM, 2 * TILE_M_ATOM):
             raise ValueError(f"tile_m={self.tile_m}: must be 64, or 128 with sdp_swap_ab=True")
-        if self.tile_n != 128:
-            raise ValueError(f"tile_n={self.tile_n}: must be 128 (64 key rows per MMA warpgroup)")
+        if self.tile_n not in (WGMMA_M, 2 * WGMMA_M):
+            raise ValueError(
+                f"tile_n={self.tile_n}: must be 128 (64 key rows per MMA warpgroup) or 64 "
+                f"(dK/dV split by head-dim columns)")
+        if self.tile_n == 2 * WGMMA_M and self.head_dim > TILE_N_128_MAX_HEAD_DIM:
+            raise ValueError(
+                f"tile_n=128 with head_dim={self.head_dim}: dK and dV of 64 key rows take "
+                f"{self.head_dim + self.head_dim_v} float32 registers per thread beside S and "
+                f"dP; head dims above {TILE_N_128_MAX_HEAD_DIM} need tile_n=64")
+        if self.dkv_split_cols:
+            for name, bad in (("sdp_swap_ab", self.sdp_swap_ab), ("early_dv", self.early_dv),
+                              ("dv_before_barrier", self.dv_before_barrier)):
+                if bad:
+                    raise ValueError(
+                        f"tile_n=64 needs {name}=False: dV reads both warpgroups' P, so it is "
+                        f"issued after the dS barrier from P in SMEM (Note [dK/dV by columns])")
         for name in ("q_stage", "do_stage", "ds_stage"):
             if getattr(self, name) not in (1, 2):
                 raise ValueError(f"{name}={getattr(self, name)}: must be 1 or 2")
@@ -243,8 +281,9 @@ class BwdConfig:
 def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = False,
                       window_left: Optional[int] = None, window_right: Optional[int] = None,
                       qhead_per_kvhead: int = 1, deterministic: bool = False,
-                      **overrides) -> BwdConfig:
-    """Defaults for a problem; ``overrides`` replace any field.
+                      head_dim_v: Optional[int] = None, **overrides) -> BwdConfig:
+    """Defaults for a problem; ``overrides`` replace any field. ``head_dim_v`` defaults to
+    ``fa_sm100.config.default_head_dim_v(head_dim)`` (128 for 192).
 
     Measured on an H200 (docs/hopper_backward.md, bf16, 16k tokens, TFLOP/s):
     - GQA/MQA dK/dV through per-query-head buffers ("buffers") is as fast as or faster than
@@ -257,8 +296,17 @@ def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = Fals
     - 128-row blocks (hdim 64): dV issued before the dS barrier instead of before the dS math,
       non-causal 438 -> 472 (4k) and 477 -> 514 (16k); causal within noise (399 -> 405,
       493 -> 482).
+    - head dims above 128: 64 key rows per CTA split by head-dim columns (Note [dK/dV by
+      columns]). hdim 256: dQ by vector reductions with 2-stage Q/dO, 330-422, against the
+      SMEM dQ tile with 1-stage Q/dO, 255-313 (``_wide_head_defaults``). (192, 128) is
+      unmeasured: "bulk", 2-stage.
     """
+    head_dim_v = default_head_dim_v(head_dim) if head_dim_v is None else head_dim_v
     windowed = window_left is not None or window_right is not None
+    wide = head_dim > TILE_N_128_MAX_HEAD_DIM
+    if wide:
+        for name, value in _wide_head_defaults(head_dim).items():
+            overrides.setdefault(name, value)
     gqa_reduce = overrides.pop("gqa_reduce", "buffers")
     swap = overrides.pop("sdp_swap_ab", head_dim == 64 or (head_dim == 128 and (causal or windowed)))
     tile_m = overrides.pop("tile_m", TILE_M_SWAPPED_HDIM64 if swap and head_dim == 64 else 64)
@@ -266,11 +314,11 @@ def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = Fals
     early_dv = overrides.pop("early_dv", None)
     dv_mid = overrides.pop("dv_before_barrier", tile_m == 2 * TILE_M_ATOM and not early_dv)
     if early_dv is None:
-        early_dv = not (causal or windowed or dv_mid)
+        early_dv = not (causal or windowed or dv_mid or wide)
     stats_smem = overrides.pop("stats_smem", True)
     cfg = BwdConfig(
         head_dim=head_dim,
-        head_dim_v=overrides.pop("head_dim_v", head_dim),
+        head_dim_v=head_dim_v,
         dtype=normalize_dtype(dtype),
         causal=causal,
         window_left=window_left,
@@ -290,6 +338,17 @@ def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = Fals
                                                           or not stats_smem))),
     )
     return cfg.replace(**overrides).validate()
+
+
+def _wide_head_defaults(head_dim: int) -> dict:
+    """Fields of the head dims above 128 (Note [dK/dV by columns] in bwd_kernel.py): tile_n 64,
+    unswapped S/dP. hdim 256: 2-stage Q and dO (64 KiB each) and the 64 KiB SMEM dQ tile do
+    not fit together; "red" with both 2-stage measured 1.3-1.4x faster than "bulk" with both
+    1-stage (H200, every cell of the benchmark grid)."""
+    fields = {"tile_n": WGMMA_M, "sdp_swap_ab": False}
+    if head_dim == 256:
+        fields["dq_accum"] = "red"
+    return fields
 
 
 def dq_fragment_index(cfg: BwdConfig, row: int, col: int) -> int:

@@ -52,18 +52,22 @@ def validate_bwd_inputs(dout, q, k, v, out, lse, softmax_scale=None, causal=Fals
         raise ValueError("all tensors must be on the same device")
     b, sq, hq, d = q.shape
     bk, sk, hk, dk = k.shape
-    if k.shape != v.shape[:3] + (v.shape[3],) or v.shape[:3] != k.shape[:3]:
+    dv = v.shape[3]
+    if v.shape[:3] != k.shape[:3]:
         raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same batch, seqlen, heads")
     if bk != b:
         raise ValueError(f"batch of k ({bk}) differs from batch of q ({b})")
-    if dk != d or v.shape[3] != d:
-        raise ValueError(f"head dims q={d}, k={dk}, v={v.shape[3]}: the SM90 backward needs them equal")
-    if d not in SM90_BWD_HEAD_DIMS:
-        raise ValueError(f"head_dim={d} is not supported by the SM90 backward: use one of {SM90_BWD_HEAD_DIMS}")
+    if dk != d:
+        raise ValueError(f"head dims q={d}, k={dk}: the SM90 backward needs them equal")
+    if (d, dv) not in SM90_BWD_HEAD_DIMS:
+        raise ValueError(f"head dims (qk={d}, v={dv}) are not supported by the SM90 backward: "
+                         f"use (qk, v) in {SM90_BWD_HEAD_DIMS}")
     if hq % hk:
         raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({hk})")
-    if out.shape != q.shape or dout.shape != q.shape:
-        raise ValueError(f"out {tuple(out.shape)} and dout {tuple(dout.shape)} must match q {tuple(q.shape)}")
+    o_shape = (b, sq, hq, dv)
+    if out.shape != o_shape or dout.shape != o_shape:
+        raise ValueError(f"out {tuple(out.shape)} and dout {tuple(dout.shape)} must be {o_shape} "
+                         f"(q's batch, seqlen, heads; v's head dim)")
     if lse.shape != (b, hq, sq) or lse.dtype != torch.float32:
         raise ValueError(f"lse must be float32 of shape {(b, hq, sq)}, got {lse.dtype} {tuple(lse.shape)}")
     if sq < 1 or sk < 1:
@@ -101,17 +105,17 @@ def sm90_bwd(dout, q, k, v, out, lse, softmax_scale: Optional[float] = None, cau
     """Gradients (dq, dk, dv) of attention on an SM90 GPU; see the module docstring."""
     softmax_scale, (left, right) = validate_bwd_inputs(dout, q, k, v, out, lse, softmax_scale,
                                                        causal, window_size, deterministic)
-    d = q.shape[3]
+    d, dv = q.shape[3], v.shape[3]
     group = q.shape[2] // k.shape[2]
     dtype = normalize_dtype(q.dtype)
     if config is None:
-        config = select_bwd_config(head_dim=d, dtype=dtype, causal=causal,
+        config = select_bwd_config(head_dim=d, head_dim_v=dv, dtype=dtype, causal=causal,
                                    window_left=left, window_right=right,
                                    qhead_per_kvhead=group, deterministic=deterministic)
     else:
         if not isinstance(config, BwdConfig):
             raise ValueError(f"config must be a BwdConfig, got {type(config).__name__}")
-        config = config.replace(head_dim=d, head_dim_v=d, dtype=dtype,
+        config = config.replace(head_dim=d, head_dim_v=dv, dtype=dtype,
                                 causal=causal, window_left=left, window_right=right,
                                 qhead_per_kvhead=group, deterministic=deterministic).validate()
 
@@ -132,12 +136,12 @@ def launch_plan(config: BwdConfig, q, k, v, out, dout, lse, dq, dk, dv, softmax_
     from fa_sm100.hopper.bwd_kernel import Sm90FlashBackward
     from fa_sm100.hopper.bwd_prepost import BwdPostprocess, BwdPreprocess, DqPostprocess
 
-    d, dtype = config.head_dim, config.dtype
+    d, d_v, dtype = config.head_dim, config.head_dim_v, config.dtype
     dt = cutlass_dtype(dtype)
     ws = workspace(config, q, k)
     dk_arg, dv_arg = (ws["dk_acc"], ws["dv_acc"]) if config.uses_gqa_buffers else (dk, dv)
     plan = [
-        ("pre", (d, dtype), lambda: BwdPreprocess(d), lambda: fake_pre_arguments(dt, d),
+        ("pre", (d_v, dtype), lambda: BwdPreprocess(d_v), lambda: fake_pre_arguments(dt, d_v),
          (out, dout, lse, ws["lse2"], ws["delta"])),
         ("main", config, lambda: Sm90FlashBackward(config),
          lambda: fake_arguments(config, env_stream=True),
@@ -150,9 +154,9 @@ def launch_plan(config: BwdConfig, q, k, v, out, dout, lse, dq, dk, dv, softmax_
     ]
     if config.uses_gqa_buffers:
         g = config.qhead_per_kvhead if config.gqa_reduce == "buffers" else 1
-        for acc, res in ((dk_arg, dk), (dv_arg, dv)):  # dK arrives scaled
-            plan.append(("post", (d, g, dtype, d), lambda: BwdPostprocess(d, g),
-                         lambda: fake_post_arguments(dt, d, d), (acc, res, 1.0)))
+        for acc, res, cols in ((dk_arg, dk, d), (dv_arg, dv, d_v)):  # dK arrives scaled
+            plan.append(("post", (cols, g, dtype, cols), lambda c=cols: BwdPostprocess(c, g),
+                         lambda c=cols: fake_post_arguments(dt, c, c), (acc, res, 1.0)))
     return plan
 
 
@@ -178,7 +182,7 @@ def workspace(config: BwdConfig, q, k) -> dict:
         h_acc = hq if config.gqa_reduce == "buffers" else hk
         alloc = torch.empty if config.gqa_reduce == "buffers" else torch.zeros
         ws["dk_acc"] = alloc(b, h_acc, sk_pad, d, device=dev, dtype=f32)
-        ws["dv_acc"] = alloc(b, h_acc, sk_pad, d, device=dev, dtype=f32)
+        ws["dv_acc"] = alloc(b, h_acc, sk_pad, config.head_dim_v, device=dev, dtype=f32)
     return ws
 
 
@@ -202,21 +206,21 @@ def fake_arguments(config: BwdConfig, env_stream: bool = False):
     from fa_sm100.config import cutlass_dtype
 
     dt = cutlass_dtype(config.dtype)
-    d = config.head_dim
+    d, dv = config.head_dim, config.head_dim_v
     b, sq, sk, h, hk = (cute.sym_int() for _ in range(5))
     # the dQ blocks and the semaphores: equal only when deterministic (one symbol each)
     sq_pad, sk_pad, h_acc, n_m, n_sem = (cute.sym_int() for _ in range(5))
-    q, do = _rowmajor(dt, (b, sq, h, d)), _rowmajor(dt, (b, sq, h, d))
-    k, v = _rowmajor(dt, (b, sk, hk, d)), _rowmajor(dt, (b, sk, hk, d))
+    q, do = _rowmajor(dt, (b, sq, h, d)), _rowmajor(dt, (b, sq, h, dv))
+    k, v = _rowmajor(dt, (b, sk, hk, d)), _rowmajor(dt, (b, sk, hk, dv))
     lse2, delta = _rowmajor(cutlass.Float32, (b, h, sq_pad)), _rowmajor(cutlass.Float32, (b, h, sq_pad))
     dq_acc = _rowmajor(cutlass.Float32, (b, h, n_m, config.dq_block_elems))
     if config.uses_gqa_buffers:
-        dk = _rowmajor(cutlass.Float32, (b, h_acc, sk_pad, d))
-        dv = _rowmajor(cutlass.Float32, (b, h_acc, sk_pad, d))
+        dk_out = _rowmajor(cutlass.Float32, (b, h_acc, sk_pad, d))
+        dv_out = _rowmajor(cutlass.Float32, (b, h_acc, sk_pad, dv))
     else:
-        dk, dv = _rowmajor(dt, (b, sk, h, d)), _rowmajor(dt, (b, sk, h, d))
+        dk_out, dv_out = _rowmajor(dt, (b, sk, h, d)), _rowmajor(dt, (b, sk, h, dv))
     sem = _rowmajor(cutlass.Int32, (b, h, n_sem), 4)
-    return (q, k, v, do, lse2, delta, dq_acc, dk, dv, sem, cutlass.Float32(0.125),
+    return (q, k, v, do, lse2, delta, dq_acc, dk_out, dv_out, sem, cutlass.Float32(0.125),
             make_fake_stream(use_tvm_ffi_env_stream=env_stream))
 
 

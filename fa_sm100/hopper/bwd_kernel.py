@@ -17,7 +17,19 @@ Warps (384 threads):
 The two MMA warpgroups split every GEMM in half: S and dP by key columns (warpgroup w owns
 keys 64w .. 64w+63), dV and dK by key rows (the same keys, so P and the dK operand dS^T
 never cross warpgroups), dQ by head-dim columns (this one reads all of dS; with tile_m 128
-by query rows, Note [tile_m 128]).
+by query rows, Note [tile_m 128]). Head dims above 128 split dV and dK by columns instead
+(Note [dK/dV by columns]).
+
+Note [dK/dV by columns] (``tile_n`` 64, ``BwdConfig.dkv_split_cols``; head dims 192 and
+256): with 128 key rows, dK and dV of a warpgroup's 64 keys are 64 x (hdim + hdim_v) float32,
+256 registers per thread at hdim 256. So the CTA owns 64 keys, S and dP are split by key
+columns (32 per warpgroup), and dV = P^T dO, dK = dS^T Q are split by head-dim columns:
+warpgroup w computes all 64 keys x columns [w hdim/2, (w+1) hdim/2), 64 + 64 registers at
+hdim 256 (Q's and dO's SMEM swizzle atoms are then hdim/2 wide, so that each half is whole
+atoms, e.g. 96 columns at hdim 192). Each warpgroup's dV and dK read both warpgroups' P and dS
+from SMEM, so dV is issued after the 256-thread ``DS_READY`` barrier (no early dV, no
+``P_READY``) and P is double-buffered like dS (Note [dS double buffer]: both warpgroups' dV
+of block i retired before either passes ``DS_READY`` of block i+1).
 
 Note [swapped S/dP] (``sdp_swap_ab``): the warpgroups compute S^T = K Q^T and dP^T = V dO^T
 instead (A = K / V, B = Q / dO, both from SMEM; warpgroup w owns key rows 64w .. 64w+63 and
@@ -61,7 +73,8 @@ two SMEM buffers (``ds_stage == 2``): iteration i writes buffer i % 2 and then w
 ``DS_READY`` barrier; a warpgroup that passed ``DS_READY`` of iteration i has retired all
 GEMMs of iteration i-1 (``wait_group(0)`` ends every iteration, or see Note [overlapped dK]),
 so buffer (i+1) % 2 is free.
-P is written and read by one warpgroup only and needs a single buffer (none when swapped).
+P is written and read by one warpgroup only and needs a single buffer (none when swapped;
+two with Note [dK/dV by columns], by the same argument as dS).
 
 Note [early dV] (``early_dv``): dV += P^T dO needs only this warpgroup's P, so it is issued as
 soon as the warpgroup's 128 threads have stored P (``P_READY_WG0 + w``; swapped, as soon as P^T
@@ -131,6 +144,7 @@ from fa_sm100.softmax_math import LOG2_E
 PRODUCER_WARPS = WARPGROUP_THREADS // WARP_SIZE
 LOAD_WARP = 0
 DQ_STORE_WARP = 1  # "bulk" dQ only
+PS_ATOM_COLS = 64  # key columns of one P / dS swizzle atom row (128 bytes)
 
 
 def query_stat_source(q0: int):
@@ -168,42 +182,51 @@ class Sm90FlashBackward(BwdStoreRole):
 
     def _setup_layouts(self):
         c = self.cfg
-        # Q and dO serve as K-major A (S, dP) and as MN-major B over the full head dim (dK, dV).
-        self.sQ_layout = self._smem_layout(self.tile_m, self.hdim, c.q_stage, self.hdim)
-        self.sdO_layout = self._smem_layout(self.tile_m, self.hdimv, c.do_stage, self.hdimv)
+        # Q and dO serve as K-major A (S, dP) and as MN-major B (dK, dV) over the whole head
+        # dim, or over head-dim halves (Note [dK/dV by columns]: each half whole swizzle atoms).
+        split = 2 if c.dkv_split_cols else 1
+        self.sQ_layout = self._smem_layout(self.tile_m, self.hdim, c.q_stage, self.hdim // split)
+        self.sdO_layout = self._smem_layout(self.tile_m, self.hdimv, c.do_stage,
+                                            self.hdimv // split)
         # K is also the MN-major B of dQ: split by head-dim columns over the two warpgroups
         # (tile_m 64), or read whole by both (tile_m 128, dQ split by query rows).
         k_major = self.hdim if c.dq_split_rows else self.hdim // 2
         self.sK_layout = self._smem_layout(self.tile_n, self.hdim, None, k_major)
         self.sV_layout = self._smem_layout(self.tile_n, self.hdimv, None, self.hdimv)
-        # P and dS: each warpgroup's 64 key columns form one swizzle atom row. With sdp_swap_ab
-        # P stays in registers and has no buffer.
-        half_n = self.tile_n // 2
+        # P and dS: 64 key columns form one 128-byte swizzle atom row (one warpgroup's keys, or
+        # with tile_n 64 both). With sdp_swap_ab P stays in registers and has no buffer.
         self.sP_layout = None
-        if not c.sdp_swap_ab:
-            self.sP_layout = self._smem_layout(self.tile_m, self.tile_n, None, half_n)
-        self.sdS_layout = self._smem_layout(self.tile_m, self.tile_n, c.ds_stage, half_n)
+        if c.p_stage:
+            self.sP_layout = self._smem_layout(self.tile_m, self.tile_n,
+                                               c.p_stage if c.p_stage > 1 else None, PS_ATOM_COLS)
+        self.sdS_layout = self._smem_layout(self.tile_m, self.tile_n, c.ds_stage, PS_ATOM_COLS)
 
     def _tiled_mmas(self):
+        """The tiled WGMMAs of S and dP, dK, dV and dQ."""
         K, MN = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
-        half_n = self.tile_n // 2
         mma_dq = dq_tiled_mma(self.cfg, self.dtype)
         if self.cfg.sdp_swap_ab:
             # S^T = K Q^T and dP^T = V dO^T: (tile_n, tile_m), warpgroups stacked along M (keys).
             mma_sdp = sm90_helpers.make_trivial_tiled_mma(
                 self.dtype, self.dtype, K, K, Float32, (2, 1, 1), (WGMMA_M, self.tile_m))
             # dV = P^T dO and dK = dS^T Q with P^T, dS^T from registers (an RS A is K-major).
-            mma_dkv = sm90_helpers.make_trivial_tiled_mma(
-                self.dtype, self.dtype, K, MN, Float32, (2, 1, 1), (WGMMA_M, self.hdim),
-                a_source=warpgroup.OperandSource.RMEM)
-            return mma_sdp, mma_dkv, mma_dq
+            mma_dk, mma_dv = (sm90_helpers.make_trivial_tiled_mma(
+                self.dtype, self.dtype, K, MN, Float32, (2, 1, 1), (WGMMA_M, cols),
+                a_source=warpgroup.OperandSource.RMEM) for cols in (self.hdim, self.hdimv))
+            return mma_sdp, mma_dk, mma_dv, mma_dq
         # S = Q K^T and dP = dO V^T: (tile_m, tile_n), warpgroups side by side along N.
         mma_sdp = sm90_helpers.make_trivial_tiled_mma(
-            self.dtype, self.dtype, K, K, Float32, (1, 2, 1), (WGMMA_M, half_n))
-        # dV = P^T dO and dK = dS^T Q: (tile_n, hdim), warpgroups stacked along M (keys).
-        mma_dkv = sm90_helpers.make_trivial_tiled_mma(
-            self.dtype, self.dtype, MN, MN, Float32, (2, 1, 1), (WGMMA_M, self.hdim))
-        return mma_sdp, mma_dkv, mma_dq
+            self.dtype, self.dtype, K, K, Float32, (1, 2, 1), (WGMMA_M, self.tile_n // 2))
+        # dK = dS^T Q and dV = P^T dO: (tile_n, hdim), warpgroups stacked along M (keys), or
+        # side by side along N (Note [dK/dV by columns]).
+        if self.cfg.dkv_split_cols:
+            atoms, split = (1, 2, 1), 2
+        else:
+            atoms, split = (2, 1, 1), 1
+        mma_dk, mma_dv = (sm90_helpers.make_trivial_tiled_mma(
+            self.dtype, self.dtype, MN, MN, Float32, atoms, (WGMMA_M, cols // split))
+            for cols in (self.hdim, self.hdimv))
+        return mma_sdp, mma_dk, mma_dv, mma_dq
 
     def _shared_storage(self):
         c = self.cfg
@@ -219,7 +242,7 @@ class Sm90FlashBackward(BwdStoreRole):
             sdO: buf(self.sdO_layout)
             sK: buf(self.sK_layout)
             sV: buf(self.sV_layout)
-            if not c.sdp_swap_ab:
+            if c.p_stage:
                 sP: buf(self.sP_layout)
             sdS: buf(self.sdS_layout)
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, self._sdq_elems()], SMEM_ALIGN]
@@ -256,7 +279,7 @@ class Sm90FlashBackward(BwdStoreRole):
         stream,
     ):
         self._setup_layouts()
-        mma_sdp, mma_dkv, mma_dq = self._tiled_mmas()
+        mma_sdp, mma_dk, mma_dv, mma_dq = self._tiled_mmas()
         SharedStorage = self._shared_storage()
         # (b, s, h, d) -> (s, d, h, b) so the TMA tile is (rows, head dim)
         to_sdhb = lambda t: cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
@@ -287,7 +310,7 @@ class Sm90FlashBackward(BwdStoreRole):
             mLSE2, mDelta, mdQacc, mdK, mdV, mdQsem, tma_dK, tma_mdK, tma_dV, tma_mdV,
             mQ.shape[1], mK.shape[1], mQ.shape[2] // mK.shape[2],
             softmax_scale, softmax_scale * LOG2_E,
-            mma_sdp, mma_dkv, mma_dq,
+            mma_sdp, mma_dk, mma_dv, mma_dq,
             self.sQ_layout, self.sdO_layout, self.sK_layout, self.sV_layout,
             self.sP_layout, self.sdS_layout, SharedStorage,
         ).launch(
@@ -305,7 +328,8 @@ class Sm90FlashBackward(BwdStoreRole):
         mLSE2, mDelta, mdQacc, mdK, mdV, mdQsem, tma_dK, tma_mdK, tma_dV, tma_mdV,
         seqlen_q: Int32, seqlen_k: Int32, group: Int32,
         softmax_scale: Float32, scale_log2: Float32,
-        mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma, mma_dq: cute.TiledMma,
+        mma_sdp: cute.TiledMma, mma_dk: cute.TiledMma, mma_dv: cute.TiledMma,
+        mma_dq: cute.TiledMma,
         sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
         sP_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout,
@@ -342,7 +366,7 @@ class Sm90FlashBackward(BwdStoreRole):
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         sP = None
-        if const_expr(not self.cfg.sdp_swap_ab):
+        if const_expr(self.cfg.p_stage):
             sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
         sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
         sdQ = storage.sdQ.get_tensor(cute.make_layout(self._sdq_elems()))
@@ -367,7 +391,7 @@ class Sm90FlashBackward(BwdStoreRole):
                                   m_block_min, m_block_max)
         else:
             cute.arch.setmaxregister_increase(self.cfg.regs_mma)
-            self.mma(mma_sdp, mma_dkv, mma_dq, sQ, sK, sV, sdO, sP, sdS, sdQ, sLSE2, sDelta,
+            self.mma(mma_sdp, mma_dk, mma_dv, mma_dq, sQ, sK, sV, sdO, sP, sdS, sdQ, sLSE2, sDelta,
                      mLSE2, mDelta, mdQacc, (mdK, mdV, tma_dK, tma_mdK, tma_dV, tma_mdV),
                      mdQsem, mbar_kv, pipe_q, pipe_do,
                      tidx - WARPGROUP_THREADS, n_block, head, batch, group, seqlen_q, seqlen_k,
@@ -443,7 +467,7 @@ class Sm90FlashBackward(BwdStoreRole):
     # ---- MMA role ------------------------------------------------------------------------
 
     @cute.jit
-    def mma(self, mma_sdp, mma_dkv, mma_dq, sQ, sK, sV, sdO, sP, sdS, sdQ, sLSE2, sDelta,
+    def mma(self, mma_sdp, mma_dk, mma_dv, mma_dq, sQ, sK, sV, sdO, sP, sdS, sdQ, sLSE2, sDelta,
             mLSE2, mDelta, mdQacc, dkv_out, mdQsem, mbar_kv, pipe_q, pipe_do,
             tidx, n_block, head, batch, group, seqlen_q, seqlen_k,
             softmax_scale, scale_log2, m_block_min, m_block_max):
@@ -462,20 +486,22 @@ class Sm90FlashBackward(BwdStoreRole):
         ds_from_p16 = m128 and self.cfg.early_dv  # dS = P^T (16 bits) (dP^T - Delta)
         stats_first = self.cfg.stats_first and not m128  # tile_m 128 shuffles them later
         dv_mid = self.cfg.dv_before_barrier  # validate(): only without early_dv
+        p_staged = self.cfg.p_stage > 1  # Note [dK/dV by columns]
         wg = cute.arch.make_warp_uniform(tidx // WARPGROUP_THREADS)
         wg_thread = wg * WARPGROUP_THREADS
         thr_sdp = mma_sdp.get_slice(tidx)
-        wg_sdp, wg_dkv, wg_dq = (m.get_slice(wg_thread) for m in (mma_sdp, mma_dkv, mma_dq))
+        wg_sdp, wg_dk, wg_dv, wg_dq = (m.get_slice(wg_thread)
+                                       for m in (mma_sdp, mma_dk, mma_dv, mma_dq))
         # operand fragments (SMEM descriptors); the Q/dO ones carry a stage mode
         tSrQ, tSrK = self._sdp_fragments(mma_sdp, wg_sdp, sQ, sK)
         tdPrdO, tdPrV = self._sdp_fragments(mma_sdp, wg_sdp, sdO, sV)
-        tdVrdOt = mma_dkv.make_fragment_B(wg_dkv.partition_B(transpose_view(sdO)))
-        tdKrQt = mma_dkv.make_fragment_B(wg_dkv.partition_B(transpose_view(sQ)))
+        tdVrdOt = mma_dv.make_fragment_B(wg_dv.partition_B(transpose_view(sdO)))
+        tdKrQt = mma_dk.make_fragment_B(wg_dk.partition_B(transpose_view(sQ)))
         tdQrdS = mma_dq.make_fragment_A(wg_dq.partition_A(sdS))  # (MMA, MMA_M, MMA_K, DS_STAGE)
         tdQrKt = mma_dq.make_fragment_B(wg_dq.partition_B(transpose_view(sK)))
         # accumulators
-        acc_dV = cute.make_rmem_tensor(mma_dkv.partition_shape_C((self.tile_n, self.hdimv)), Float32)
-        acc_dK = cute.make_rmem_tensor(mma_dkv.partition_shape_C((self.tile_n, self.hdim)), Float32)
+        acc_dV = cute.make_rmem_tensor(mma_dv.partition_shape_C((self.tile_n, self.hdimv)), Float32)
+        acc_dK = cute.make_rmem_tensor(mma_dk.partition_shape_C((self.tile_n, self.hdim)), Float32)
         acc_dV.fill(0.0)
         acc_dK.fill(0.0)
         # P / dS register -> SMEM copies (stmatrix); swapped, dS^T is stored transposed
@@ -488,8 +514,8 @@ class Sm90FlashBackward(BwdStoreRole):
             sdp_shape = (self.tile_n, self.tile_m)
             tdSsdS = st_thr.partition_D(transpose_view(sdS))
         else:
-            tdVrPt = mma_dkv.make_fragment_A(wg_dkv.partition_A(transpose_view(sP)))
-            tdKrdSt = mma_dkv.make_fragment_A(wg_dkv.partition_A(transpose_view(sdS)))
+            tdVrPt = mma_dv.make_fragment_A(wg_dv.partition_A(transpose_view(sP)))
+            tdKrdSt = mma_dk.make_fragment_A(wg_dk.partition_A(transpose_view(sdS)))
             tPsP = st_thr.partition_D(sP)
             tdSsdS = st_thr.partition_D(sdS)
         # this thread's S coordinates in the tile: (query, key); swapped (key, query)
@@ -539,8 +565,12 @@ class Sm90FlashBackward(BwdStoreRole):
             rP = cute.make_fragment_like(acc_S, self.dtype)
             if const_expr(not swap):
                 rP.store(acc_S.load().to(self.dtype))
-                cute.copy(st_copy, st_thr.retile(rP), tPsP)
-                tdVrPt_cur = tdVrPt
+                if const_expr(p_staged):  # Note [dK/dV by columns]
+                    cute.copy(st_copy, st_thr.retile(rP), tPsP[None, None, None, ds_idx])
+                    tdVrPt_cur = tdVrPt[None, None, None, ds_idx]
+                else:
+                    cute.copy(st_copy, st_thr.retile(rP), tPsP)
+                    tdVrPt_cur = tdVrPt
             elif const_expr(not late_p):
                 convert_to(rP, acc_S)  # whole registers: the A operand of dV as it is
                 tdVrPt_cur = operand_a_view(rP)
@@ -550,7 +580,7 @@ class Sm90FlashBackward(BwdStoreRole):
                     cute.arch.fence_view_async_shared()
                     cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.P_READY_WG0) + wg,
                                       number_of_threads=WARPGROUP_THREADS)
-                wgmma(mma_dkv, acc_dV, tdVrPt_cur, tdVrdOt[None, None, None, state_do.index], False,
+                wgmma(mma_dv, acc_dV, tdVrPt_cur, tdVrdOt[None, None, None, state_do.index], False,
                       NO_WAIT)
                 warpgroup.wait_group(1)  # dP done; dV may still run
             else:
@@ -572,17 +602,17 @@ class Sm90FlashBackward(BwdStoreRole):
                 if const_expr(not swap):  # P in SMEM: this warpgroup's stores are done
                     cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.P_READY_WG0) + wg,
                                       number_of_threads=WARPGROUP_THREADS)
-                wgmma(mma_dkv, acc_dV, tdVrPt_cur, tdVrdOt[None, None, None, state_do.index], False,
+                wgmma(mma_dv, acc_dV, tdVrPt_cur, tdVrdOt[None, None, None, state_do.index], False,
                       NO_WAIT)
             cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.DS_READY),
                               number_of_threads=self.num_mma_threads)
             # dV += P^T dO (unless issued before), dQ = dS K, dK += dS^T Q; groups retire in order
             if const_expr(not self.cfg.early_dv and not dv_mid):
-                wgmma(mma_dkv, acc_dV, tdVrPt_cur, tdVrdOt[None, None, None, state_do.index], False,
+                wgmma(mma_dv, acc_dV, tdVrPt_cur, tdVrdOt[None, None, None, state_do.index], False,
                       NO_WAIT)
             acc_dQ = cute.make_rmem_tensor(mma_dq.partition_shape_C((self.tile_m, self.hdim)), Float32)
             wgmma(mma_dq, acc_dQ, tdQrdS[None, None, None, ds_idx], tdQrKt, True, NO_WAIT)
-            wgmma(mma_dkv, acc_dK, tdKrdSt_cur, tdKrQt[None, None, None, state_q.index], False,
+            wgmma(mma_dk, acc_dK, tdKrdSt_cur, tdKrQt[None, None, None, state_q.index], False,
                   NO_WAIT)
             warpgroup.wait_group(1)  # dV and dQ done, dK may still run
             pipe_do.consumer_release(state_do)
@@ -606,10 +636,10 @@ class Sm90FlashBackward(BwdStoreRole):
             acc_dK[i] = acc_dK[i] * softmax_scale
         mdK, mdV, tma_dK, tma_mdK, tma_dV, tma_mdV = dkv_out
         if const_expr(self.cfg.stores_dkv_by_tma):
-            self._store_dkdv_tma(mma_dkv, acc_dK, acc_dV, sK, sV, tma_dK, tma_mdK, tma_dV,
+            self._store_dkdv_tma(mma_dk, mma_dv, acc_dK, acc_dV, sK, sV, tma_dK, tma_mdK, tma_dV,
                                  tma_mdV, tidx, n_block, head, batch)
         else:
-            self._store_dkdv(mma_dkv, acc_dK, acc_dV, mdK, mdV, tidx, n_block, head, batch,
+            self._store_dkdv(mma_dk, mma_dv, acc_dK, acc_dV, mdK, mdV, tidx, n_block, head, batch,
                              group, seqlen_k)
 
     @cute.jit
