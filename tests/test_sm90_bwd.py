@@ -49,7 +49,9 @@ from fa_sm100.testing import attention_mask
     (dict(tile_m=96, sdp_swap_ab=True), "tile_m=96"),
     (dict(tile_m=32), "tile_m=32"),
     (dict(tile_n=96), "tile_n=96"),
-    (dict(q_stage=3), "q_stage"),
+    (dict(q_stage=4), "q_stage=4"),
+    (dict(do_stage=0), "do_stage=0"),
+    (dict(q_stage=3, do_stage=3), "exceeds the SM90 budget"),  # with the SMEM dQ tile
     (dict(gqa_reduce="tree"), "gqa_reduce"),
     (dict(dq_accum="tma"), "dq_accum"),
     (dict(qhead_per_kvhead=4, deterministic=True, gqa_reduce="atomic"), "deterministic"),

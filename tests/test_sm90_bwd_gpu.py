@@ -204,6 +204,9 @@ SWITCHES = [
     dict(sdp_swap_ab=True, early_dv=False, dv_before_barrier=True),
     dict(sdp_swap_ab=False, early_dv=False, dv_before_barrier=True),
     dict(sdp_swap_ab=True, dkv_tma_store=False), dict(sdp_swap_ab=False, dkv_tma_store=False),
+    # 3-stage Q/dO pipelines (with "red" dQ: no SMEM dQ tile)
+    dict(sdp_swap_ab=False, dq_accum="red", q_stage=3, do_stage=3),
+    dict(sdp_swap_ab=True, dq_accum="red", q_stage=3, do_stage=3),
     # Note [dK/dV by columns] at hdim 64 / 128
     dict(sdp_swap_ab=False, tile_m=64, tile_n=64, early_dv=False, dv_before_barrier=False),
     dict(sdp_swap_ab=False, tile_m=64, tile_n=64, early_dv=False, dv_before_barrier=False,

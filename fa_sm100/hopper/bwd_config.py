@@ -60,8 +60,8 @@ class BwdConfig:
     # 64 key rows each; or 64, the warpgroups owning head-dim halves (Note [dK/dV by columns]
     # in bwd_kernel.py)
     tile_n: int = 128
-    q_stage: int = 2  # Q (+LSE) stages in flight
-    do_stage: int = 2  # dO (+Delta) stages in flight
+    q_stage: int = 2  # Q (+LSE) stages in flight (1-3; 3 measured no faster than 2)
+    do_stage: int = 2  # dO (+Delta) stages in flight (1-3)
     ds_stage: int = 2  # dS SMEM buffers (2 removes one barrier per iteration)
     # switches
     deterministic: bool = False
@@ -211,9 +211,9 @@ class BwdConfig:
                     raise ValueError(
                         f"tile_n=64 needs {name}=False: dV reads both warpgroups' P, so it is "
                         f"issued after the dS barrier from P in SMEM (Note [dK/dV by columns])")
-        for name in ("q_stage", "do_stage", "ds_stage"):
-            if getattr(self, name) not in (1, 2):
-                raise ValueError(f"{name}={getattr(self, name)}: must be 1 or 2")
+        for name in ("q_stage", "do_stage"):
+            if getattr(self, name) not in (1, 2, 3):
+                raise ValueError(f"{name}={getattr(self, name)}: must be 1, 2 or 3")
         if self.ds_stage != 2:
             raise ValueError("ds_stage must be 2: the single-buffer dS protocol is not implemented")
         if self.qhead_per_kvhead < 1:
