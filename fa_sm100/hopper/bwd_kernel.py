@@ -2,8 +2,8 @@
 
 One CTA owns one (key block ``n_block``, query head, batch): it keeps K and V of its
 ``tile_n`` key rows (128; 64 above hdim 128) in SMEM and accumulates dK and dV in registers
-while it walks the query blocks that can see those keys. Per query block (``tile_m`` = 64 rows, or 128 with ``sdp_swap_ab``) it
-recomputes S and dP and produces P and dS.
+while it walks the query blocks that can see those keys. Per query block (``tile_m`` = 64
+rows, or 128 with ``sdp_swap_ab``) it recomputes S and dP and produces P and dS.
 
 Warps (384 threads):
 
