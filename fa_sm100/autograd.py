@@ -77,7 +77,7 @@ def _cpu_backward(dout, q, k, v, out, lse, scale, causal, left, right):
     dk = torch.einsum("bhqk,bqhd->bkhd", ds, qf) * scale
     dv = torch.einsum("bhqk,bqhd->bkhd", p, dof)
     dk = dk.view(b, sk, hk, g, d).sum(3)
-    dv = dv.view(b, sk, hk, g, d).sum(3)
+    dv = dv.view(b, sk, hk, g, v.shape[-1]).sum(3)
     return tuple(t.to(dtype).contiguous() for t, dtype in ((dq, q.dtype), (dk, k.dtype), (dv, v.dtype)))
 
 

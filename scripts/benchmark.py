@@ -8,8 +8,9 @@
 Providers: ``ours`` (fa_sm100's forward), ``fa4`` (flash_attn.cute, when importable),
 ``cudnn`` and ``flash`` (torch SDPA with that backend forced). Each cell: batch =
 total_tokens / seqlen, heads = hidden / hdim, fresh random inputs, median time of
-``triton.testing.do_bench`` (CUDA events when triton is missing). TFLOP/s counts
-4 * b * h * s_q * s_k * d (the two GEMMs), halved for causal. Ratios are against the best
+``triton.testing.do_bench`` (CUDA events when triton is missing). V's head dim is the
+forward's default for hdim (``fa_sm100.config.default_head_dim_v``: 128 with 192, else hdim).
+TFLOP/s counts 2 * b * h * s_q * s_k * (d + dv) (the two GEMMs), halved for causal. Ratios are against the best
 peer measured in this run.
 
 On sm_90, ours is timed through ``prepare_sm90_fwd``: input validation, config choice, compile
@@ -227,6 +228,8 @@ def progress(i, n, label):
 def run_grid(args):
     import torch
 
+    from fa_sm100.config import default_head_dim_v
+
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     providers = {}
     unavailable = {}
@@ -245,8 +248,10 @@ def run_grid(args):
         b, h = args.total_tokens // s, args.hidden // d
         gen = torch.Generator(device="cuda")
         gen.manual_seed(1000 * d + s + int(causal))
-        q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=dtype, generator=gen)
-                   for _ in range(3))
+        dv = default_head_dim_v(d)
+        q, k = (torch.randn(b, s, h, d, device="cuda", dtype=dtype, generator=gen)
+                for _ in range(2))
+        v = torch.randn(b, s, h, dv, device="cuda", dtype=dtype, generator=gen)
 
         def on_step(name):
             nonlocal step
@@ -257,12 +262,12 @@ def run_grid(args):
                                  lambda fn: time_ms(fn, args.warmup, args.rep, torch), torch,
                                  on_step)
         for name in providers:
-            row = {"provider": name, "hdim": d, "causal": causal, "seqlen": s, "batch": b,
-                   "heads": h, "ms": None, "tflops": None, "error": errors.get(name)}
+            row = {"provider": name, "hdim": d, "hdim_v": dv, "causal": causal, "seqlen": s,
+                   "batch": b, "heads": h, "ms": None, "tflops": None, "error": errors.get(name)}
             if times[name]:
                 ms = median(times[name])
                 row["ms"] = ms
-                row["tflops"] = flops(b, h, s, s, d, d, causal) / (ms * 1e-3) / 1e12
+                row["tflops"] = flops(b, h, s, s, d, dv, causal) / (ms * 1e-3) / 1e12
             rows.append(row)
     for name, why in unavailable.items():
         for d, causal, s in cells:

@@ -48,18 +48,19 @@ def _check_grads(fn, b, sq, sk, hq, hk, d, causal, window, dtype, device, dv=Non
     return out
 
 
-CPU_CASES = [
-    (1, 40, 40, 2, 2, 64, False, (None, None)),
-    (2, 33, 50, 4, 2, 64, True, (None, None)),
-    (1, 48, 48, 4, 1, 32, False, (8, 4)),
+CPU_CASES = [  # (b, sq, sk, hq, hk, d, causal, window, dv)
+    (1, 40, 40, 2, 2, 64, False, (None, None), 64),
+    (2, 33, 50, 4, 2, 64, True, (None, None), 64),
+    (1, 48, 48, 4, 1, 32, False, (8, 4), 32),
+    (1, 24, 30, 4, 2, 192, True, (None, None), 128),  # head_dim != head_dim_v, GQA
 ]
 
 
 @pytest.mark.parametrize("case", CPU_CASES)
 def test_autograd_function_cpu_math_matches_float64(case):
-    b, sq, sk, hq, hk, d, causal, window = case
+    b, sq, sk, hq, hk, d, causal, window, dv = case
     fn = lambda q, k, v: flash_attn_autograd(q, k, v, causal=causal, window_size=window)
-    _check_grads(fn, b, sq, sk, hq, hk, d, causal, window, torch.bfloat16, "cpu")
+    _check_grads(fn, b, sq, sk, hq, hk, d, causal, window, torch.bfloat16, "cpu", dv=dv)
 
 
 def test_lse_is_returned_and_not_differentiable():

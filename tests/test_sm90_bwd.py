@@ -64,7 +64,7 @@ from fa_sm100.testing import attention_mask
     (dict(sdp_swap_ab="true"), "sdp_swap_ab"),
     (dict(overlap_dk=1), "overlap_dk"),
     (dict(overlap_dk=True, sdp_swap_ab=True), "needs sdp_swap_ab=False"),
-    (dict(overlap_dk=True, q_stage=1), "needs q_stage=2"),
+    (dict(overlap_dk=True, q_stage=1), "needs q_stage >= 2"),
     (dict(dv_before_barrier=True, early_dv=True), "needs early_dv=False"),
     (dict(stats_first=1), "stats_first=1: must be a bool"),
 ])
@@ -82,6 +82,17 @@ def test_default_configs_fit_smem_and_follow_the_measured_choices():
             assert cfg.dkv_split_cols == (d > 128) and (cfg.tile_n == 64) == (d > 128)
     assert select_bwd_config(head_dim=192).head_dim_v == 128
     assert select_bwd_config(head_dim=256).head_dim_v == 256
+    # dQ by vector reductions at hdim 256 only (2-stage Q/dO fit there only without the SMEM
+    # dQ tile), the SMEM tile elsewhere
+    for d in (64, 96, 128, 192, 256):
+        cfg = select_bwd_config(head_dim=d)
+        assert cfg.dq_accum == ("red" if d == 256 else "bulk")
+        assert (cfg.q_stage, cfg.do_stage) == (2, 2)
+    # tile_n=64 asked for at a narrow head dim takes the mode's other defaults
+    for d, causal in ((64, False), (64, True), (128, False), (128, True)):
+        cfg = select_bwd_config(head_dim=d, causal=causal, tile_n=64)
+        assert cfg.dkv_split_cols and cfg.tile_m == 64 and not cfg.sdp_swap_ab
+        assert not cfg.early_dv and not cfg.dv_before_barrier
     assert select_bwd_config(qhead_per_kvhead=4).gqa_reduce == "buffers"
     assert select_bwd_config(qhead_per_kvhead=4, gqa_reduce="atomic").gqa_reduce == "atomic"
     assert select_bwd_config(causal=False).early_dv and not select_bwd_config(causal=True).early_dv

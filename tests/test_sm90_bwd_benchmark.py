@@ -123,3 +123,12 @@ def test_benchmark_bwd_flags_reach_every_cell(monkeypatch, tmp_path):
         assert kw["dtype"] is torch.float16 and kw["repeat"] == 2
         assert kw["variants"] == [("v", {"dq_accum": "red"})]
     assert len(json.loads(out.read_text())["rows"]) == 8
+
+
+def test_backward_flops_are_two_and_a_half_forwards_with_v_head_dim():
+    """2.5 x the forward's two GEMMs, which count hdim for Q K^T and hdim_v for P V: (192, 128)
+    is 2.5 x 2 x (192 + 128) per (query, key) pair; halved for causal."""
+    pairs = 2 * 16 * 1024 * 1024
+    assert bwd_bench.bwd_flops(2, 16, 1024, 1024, 128, 128, False) == 2.5 * 4 * pairs * 128
+    assert bwd_bench.bwd_flops(2, 16, 1024, 1024, 192, 128, False) == 2.5 * 2 * pairs * 320
+    assert bwd_bench.bwd_flops(2, 16, 1024, 1024, 192, 128, True) == 2.5 * pairs * 320

@@ -6,8 +6,9 @@ inputs and times each implementation in the same process with the forward benchm
 (``fa_sm100.benchmarking.run_cell``): every provider prepared and its first gradients checked
 before any timing, a discarded warm-up, then ``repeat`` rounds in a rotated order, each the
 median of ``triton.testing.do_bench``; the cell keeps the median round. TFLOP/s use the
-backward's conventional FLOP count 2.5 x the forward's: 2.5 * 4 * b * h * sq * sk * d,
-halved for causal. The peers' times include their own preprocess/postprocess kernels, as
+backward's conventional FLOP count 2.5 x the forward's: 2.5 * 2 * b * h * sq * sk * (d + dv),
+halved for causal. V (and O, dO) take the forward's default V head dim for the head dim d
+(``fa_sm100.config.default_head_dim_v``: 128 with 192, else d). The peers' times include their own preprocess/postprocess kernels, as
 ours do; ``do_bench`` does not synchronize between calls, so host time shorter than a call's
 GPU time does not show for anyone.
 
@@ -32,8 +33,8 @@ MODEL_DIM = 2048  # heads * head_dim per cell
 WARMUP_MS, REP_MS, REPEAT = 25, 100, 3
 
 
-def bwd_flops(b, h, sq, sk, d, causal):
-    f = 2.5 * 4 * b * h * sq * sk * d
+def bwd_flops(b, h, sq, sk, d, dv, causal):
+    f = 2.5 * 2 * b * h * sq * sk * (d + dv)
     return f / 2 if causal else f
 
 
@@ -135,12 +136,15 @@ def bench_cell(b, h, hk, s, d, causal, dtype=torch.bfloat16, deterministic=False
     from fa_sm100.hopper.bwd_config import SM90_BWD_HEAD_DIMS, select_bwd_config
     from fa_sm100.hopper.bwd_interface import sm90_bwd
 
+    from fa_sm100.config import default_head_dim_v
+
+    dv = default_head_dim_v(d)
     q = torch.randn(b, s, h, d, device="cuda", dtype=dtype)
     k = torch.randn(b, s, hk, d, device="cuda", dtype=dtype)
-    v = torch.randn(b, s, hk, d, device="cuda", dtype=dtype)
-    dout = torch.randn(b, s, h, d, device="cuda", dtype=dtype)
-    flops = bwd_flops(b, h, s, s, d, causal)
-    row = {"batch": b, "heads": h, "heads_kv": hk, "seqlen": s, "head_dim": d,
+    v = torch.randn(b, s, hk, dv, device="cuda", dtype=dtype)
+    dout = torch.randn(b, s, h, dv, device="cuda", dtype=dtype)
+    flops = bwd_flops(b, h, s, s, d, dv, causal)
+    row = {"batch": b, "heads": h, "heads_kv": hk, "seqlen": s, "head_dim": d, "head_dim_v": dv,
            "causal": causal, "deterministic": deterministic, "dtype": str(dtype).split(".")[-1]}
     fa4, why = _fa4_fn()
     # O and LSE for our backward: FA4's forward when present, else the math in float32 chunks.
@@ -154,7 +158,7 @@ def bench_cell(b, h, hk, s, d, causal, dtype=torch.bfloat16, deterministic=False
         out, lse = _torch_forward(q, k, v, causal)
         row["fa4_error"] = why
     prepares = {}
-    if (d, d) in SM90_BWD_HEAD_DIMS:
+    if (d, dv) in SM90_BWD_HEAD_DIMS:
         prepares["ours"] = lambda: (lambda: sm90_bwd(dout, q, k, v, out, lse, causal=causal,
                                                       deterministic=deterministic))
         for name, overrides in variants:
@@ -165,7 +169,7 @@ def bench_cell(b, h, hk, s, d, causal, dtype=torch.bfloat16, deterministic=False
                 lambda: sm90_bwd(dout, q, k, v, out, lse, causal=causal,
                                  deterministic=deterministic, config=cfg))
     else:  # a cell ours does not cover: reported, not a failure of the run
-        row["ours_skipped"] = (f"head dims ({d}, {d}) are not supported by sm90_bwd "
+        row["ours_skipped"] = (f"head dims ({d}, {dv}) are not supported by sm90_bwd "
                                f"({SM90_BWD_HEAD_DIMS})")
     if fa4 is not None:
         prepares["fa4"] = lambda: _fa4_backward(fa4, q, k, v, dout, causal, deterministic)

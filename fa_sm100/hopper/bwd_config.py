@@ -202,8 +202,8 @@ class BwdConfig:
         if self.tile_n == 2 * WGMMA_M and self.head_dim > TILE_N_128_MAX_HEAD_DIM:
             raise ValueError(
                 f"tile_n=128 with head_dim={self.head_dim}: dK and dV of 64 key rows take "
-                f"{self.head_dim + self.head_dim_v} float32 registers per thread beside S and "
-                f"dP; head dims above {TILE_N_128_MAX_HEAD_DIM} need tile_n=64")
+                f"{(self.head_dim + self.head_dim_v) // 2} float32 registers per thread beside "
+                f"S and dP; head dims above {TILE_N_128_MAX_HEAD_DIM} need tile_n=64")
         if self.dkv_split_cols:
             for name, bad in (("sdp_swap_ab", self.sdp_swap_ab), ("early_dv", self.early_dv),
                               ("dv_before_barrier", self.dv_before_barrier)):
@@ -257,7 +257,7 @@ class BwdConfig:
             )
         if self.overlap_dk and self.q_stage < 2:
             raise ValueError(
-                "overlap_dk=True needs q_stage=2: block i's Q stage is released only after "
+                "overlap_dk=True needs q_stage >= 2: block i's Q stage is released only after "
                 "block i+1's S GEMM, which needs the next stage"
             )
         for name in ("window_left", "window_right"):
@@ -297,13 +297,15 @@ def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = Fals
       non-causal 438 -> 472 (4k) and 477 -> 514 (16k); causal within noise (399 -> 405,
       493 -> 482).
     - head dims above 128: 64 key rows per CTA split by head-dim columns (Note [dK/dV by
-      columns]). hdim 256: dQ by vector reductions with 2-stage Q/dO, 330-422, against the
-      SMEM dQ tile with 1-stage Q/dO, 255-313 (``_wide_head_defaults``). (192, 128) is
+      columns]). hdim 256: dQ by vector reductions with 2-stage Q/dO, 260-422, against the
+      SMEM dQ tile with 1-stage Q/dO, 216-313 (``_wide_head_defaults``). (192, 128) is
       unmeasured: "bulk", 2-stage.
     """
     head_dim_v = default_head_dim_v(head_dim) if head_dim_v is None else head_dim_v
     windowed = window_left is not None or window_right is not None
-    wide = head_dim > TILE_N_128_MAX_HEAD_DIM
+    # tile_n 64 (the wide head dims' default, or asked for): Note [dK/dV by columns]
+    default_tile_n = 2 * WGMMA_M if head_dim <= TILE_N_128_MAX_HEAD_DIM else WGMMA_M
+    wide = overrides.get("tile_n", default_tile_n) == WGMMA_M
     if wide:
         for name, value in _wide_head_defaults(head_dim).items():
             overrides.setdefault(name, value)
@@ -343,8 +345,8 @@ def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = Fals
 def _wide_head_defaults(head_dim: int) -> dict:
     """Fields of the head dims above 128 (Note [dK/dV by columns] in bwd_kernel.py): tile_n 64,
     unswapped S/dP. hdim 256: 2-stage Q and dO (64 KiB each) and the 64 KiB SMEM dQ tile do
-    not fit together; "red" with both 2-stage measured 1.3-1.4x faster than "bulk" with both
-    1-stage (H200, every cell of the benchmark grid)."""
+    not fit together; "red" with both 2-stage measured 1.20-1.41x faster than "bulk" with
+    both 1-stage (H200, each of the benchmark grid's 10 cells)."""
     fields = {"tile_n": WGMMA_M, "sdp_swap_ab": False}
     if head_dim == 256:
         fields["dq_accum"] = "red"

@@ -25,11 +25,12 @@ Note [dK/dV by columns] (``tile_n`` 64, ``BwdConfig.dkv_split_cols``; head dims 
 256 registers per thread at hdim 256. So the CTA owns 64 keys, S and dP are split by key
 columns (32 per warpgroup), and dV = P^T dO, dK = dS^T Q are split by head-dim columns:
 warpgroup w computes all 64 keys x columns [w hdim/2, (w+1) hdim/2), 64 + 64 registers at
-hdim 256 (Q's and dO's SMEM swizzle atoms are then hdim/2 wide, so that each half is whole
-atoms, e.g. 96 columns at hdim 192). Each warpgroup's dV and dK read both warpgroups' P and dS
-from SMEM, so dV is issued after the 256-thread ``DS_READY`` barrier (no early dV, no
-``P_READY``) and P is double-buffered like dS (Note [dS double buffer]: both warpgroups' dV
-of block i retired before either passes ``DS_READY`` of block i+1).
+hdim 256 (Q's and dO's SMEM swizzle atoms are then chosen for hdim/2 columns, so that each
+half is whole atoms: 32-column atoms for the 96 columns of hdim 192). Each warpgroup's dV and
+dK read both warpgroups' P and dS from SMEM, so dV is issued after the 256-thread
+``DS_READY`` barrier (no early dV, no ``P_READY``) and P is double-buffered like dS (Note
+[dS double buffer]: both warpgroups' dV of block i retired before either passes ``DS_READY``
+of block i+1).
 
 Note [swapped S/dP] (``sdp_swap_ab``): the warpgroups compute S^T = K Q^T and dP^T = V dO^T
 instead (A = K / V, B = Q / dO, both from SMEM; warpgroup w owns key rows 64w .. 64w+63 and
@@ -87,7 +88,7 @@ Note [overlapped dK] (``overlap_dk``, unswapped S/dP only): the iteration ends w
 ``wait_group(0)``, so dK of block i still runs when S and dP of block i+1 are issued and the
 tensor cores go from one to the other without a gap. The ``wait_group(1)`` after dP of block
 i+1 (groups retire in order) covers dK of block i, and only then is the ``q`` stage of block i
-released (block i+1's Q must sit in the other stage: ``q_stage == 2``); after the loop
+released (block i+1's Q must sit in another stage: ``q_stage >= 2``); after the loop
 ``wait_group(0)`` waits for the last dK. Note [dS double buffer] still holds: that
 ``wait_group(1)`` comes before ``DS_READY`` of block i+1. With ``sdp_swap_ab`` dK would read
 dS^T from registers across the loop's back edge, and ptxas then serializes every WGMMA of the

@@ -4,8 +4,8 @@ accumulator, and dK, dV at the end of a CTA.
 dQ is accumulated in float32 in global memory, by one of two switchable paths (``dq_accum``):
 "bulk" stages the dQ tile in SMEM and the dq-store warp adds it with one bulk reduce; "red"
 adds from the MMA registers, one ``red.global.add.v4.f32`` per four registers (16 contiguous
-bytes in fragment order: a quarter of the scalar reductions; at hdim 256 this made "red" 2.3x
-faster and the fastest path, docs/hopper_backward.md). Deterministic mode orders the additions:
+bytes in fragment order: a quarter of the scalar reductions; at hdim 256 this made "red"
+2.5-3.1x faster and the fastest path, docs/hopper_backward.md). Deterministic mode orders the additions:
 the CTAs that touch a query block add in increasing ``n_block`` order, through a
 per-(batch, head, m_block) semaphore. Both add dS K without the softmax scale: the
 postprocess applies it once per element (instead of a multiply per element per key block).
