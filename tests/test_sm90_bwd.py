@@ -145,7 +145,7 @@ def test_tile_m_128_is_swapped_hdim64_only_and_overridable():
 def test_tile_m_128_stat_shuffle_sources_are_a_bijection():
     """Note [tile_m 128]: the 4 LSE2/Delta values a lane holds (``held_query``) are 128
     distinct queries, and ``query_stat_source`` inverts it for every column of a lane group."""
-    from fa_sm100.hopper.bwd_kernel import held_query, query_stat_source
+    from fa_sm100.hopper.bwd_scores import held_query, query_stat_source
 
     held = {held_query(lane, slot): (lane, slot) for lane in range(32) for slot in range(4)}
     assert sorted(held) == list(range(128))
@@ -164,7 +164,8 @@ def test_tile_m_128_stat_shuffle_matches_the_wgmma_accumulator_layout():
     import cutlass
     import cutlass.cute as cute
 
-    from fa_sm100.hopper.bwd_kernel import Sm90FlashBackward, held_query, query_stat_source
+    from fa_sm100.hopper.bwd_kernel import Sm90FlashBackward
+    from fa_sm100.hopper.bwd_scores import held_query, query_stat_source
     from fa_sm100.hopper.common import rows_cols_view
 
     cfg = select_bwd_config(head_dim=64, tile_m=128, sdp_swap_ab=True)

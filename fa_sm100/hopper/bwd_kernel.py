@@ -51,9 +51,8 @@ tile, its SMEM image and bulk reduce are simply tile_m rows. What keeps it in 24
 - LSE2 / Delta: a thread's S^T columns are 32 queries, 2 (lane % 4) + {0, 1} + 8 j, and the
   8 lanes with the same lane % 4 need the same 32 values. Lane l holds only the queries
   2 l + {0, 1} and 64 + 2 l + {0, 1} (4 registers, two 64-bit loads, from SMEM with
-  ``stats_smem``); ``_query_stat``
-  fetches a column's value with one shuffle (columns outer in the exp2 and dS loops), and
-  Delta is loaded only after P is computed.
+  ``stats_smem``); ``_query_stat`` (bwd_scores.py) fetches a column's value with one shuffle
+  (columns outer in the exp2 and dS loops), and Delta is loaded only after P is computed.
 - P^T is never held in float32 and 16 bits beside dP^T: without ``early_dv`` it is converted
   to 16 bits after dS = P (dP - Delta); with ``early_dv`` (dV issued before the dS math, so
   16-bit P^T must exist first) dS is computed from the 16-bit P^T, the value dV uses (a
@@ -119,7 +118,8 @@ with swapped S/dP and a left window (GQA, deterministic) ptxas then spills, so
 
 dQ is accumulated in float32 in global memory by one of two switchable paths (``dq_accum``);
 the stores of dQ, dK and dV are in ``bwd_store.py`` (``BwdStoreRole``, with Note [dQ SMEM
-handoff]).
+handoff]); the per-element math (statistics, mask, P, dS) is in ``bwd_scores.py``
+(``BwdScoresRole``).
 """
 
 import cutlass
@@ -132,8 +132,8 @@ from cutlass.experimental import primitives as prims
 from cutlass.utils import LayoutEnum
 
 from fa_sm100.config import WARP_SIZE, cutlass_dtype
-from fa_sm100.hopper.bwd_config import (BwdConfig, effective_window_right, first_n_block,
-                                         m_block_range)
+from fa_sm100.hopper.bwd_config import BwdConfig, first_n_block, m_block_range
+from fa_sm100.hopper.bwd_scores import BwdScoresRole
 from fa_sm100.hopper.bwd_store import BwdStoreRole, dq_tiled_mma
 from fa_sm100.hopper.common import NO_WAIT, rows_cols_view, transpose_view, wgmma
 from fa_sm100.hopper.config import SMEM_ALIGN, WARPGROUP_THREADS, WGMMA_M
@@ -148,20 +148,7 @@ DQ_STORE_WARP = 1  # "bulk" dQ only
 PS_ATOM_COLS = 64  # key columns of one P / dS swizzle atom row (128 bytes)
 
 
-def query_stat_source(q0: int):
-    """Note [tile_m 128]: where the LSE2/Delta value of an S^T column lies, given thread 0's
-    query column ``q0`` of it (compile-time; lane l's column is q0 + 2 (l % 4)): in register
-    ``slot`` of lane ``lane_base + l % 4``. Inverse of ``held_query``."""
-    return (q0 % 64) // 2, 2 * (q0 // 64) + q0 % 2
-
-
-def held_query(lane: int, slot: int) -> int:
-    """Note [tile_m 128]: the query (within the block) whose LSE2/Delta lane ``lane`` holds in
-    register ``slot``: 2 lane + {0, 1}, and 64 more for slots 2, 3 (``_shuffled_stats``)."""
-    return 2 * lane + slot % 2 + 64 * (slot // 2)
-
-
-class Sm90FlashBackward(BwdStoreRole):
+class Sm90FlashBackward(BwdStoreRole, BwdScoresRole):
     """Builds and launches the main backward kernel for one ``BwdConfig``."""
 
     def __init__(self, cfg: BwdConfig):
@@ -668,128 +655,3 @@ class Sm90FlashBackward(BwdStoreRole):
             wgmma(mma_sdp, acc, frag_key, frag_query, True, NO_WAIT)
         else:
             wgmma(mma_sdp, acc, frag_query, frag_key, True, NO_WAIT)
-
-    @cute.jit
-    def _query_stat(self, stat, r, c, tScS0):
-        """The statistic of the query of accumulator element (r, c) (compile-time r, c)."""
-        if const_expr(not self.cfg.sdp_swap_ab):
-            return stat[r]
-        if const_expr(not self.cfg.dq_split_rows):
-            return stat[c]
-        # Note [tile_m 128]: this thread's query column is q0 + 2 (lane % 4), q0 = thread 0's column
-        lane_base, slot = query_stat_source(tScS0[0, c][1])
-        return cute.arch.shuffle_sync(stat[slot], lane_base + cute.arch.lane_idx() % 4)
-
-    @cute.jit
-    def _exp2_rows(self, S, lse, scale_log2, tScS0):
-        """P = exp2(S * scale_log2 - LSE2) in place (tile_m 128: columns outer, one shuffle
-        per column)."""
-        if const_expr(self.cfg.dq_split_rows):  # tile_m 128 (swapped)
-            for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
-                lse_q = self._query_stat(lse, 0, c, tScS0)
-                for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
-                    S[r, c] = cute.math.exp2(S[r, c] * scale_log2 - lse_q, fastmath=True)
-        else:
-            for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
-                for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
-                    S[r, c] = cute.math.exp2(S[r, c] * scale_log2
-                                             - self._query_stat(lse, r, c, tScS0), fastmath=True)
-
-    @cute.jit
-    def _ds_rows(self, dP, P, dpsum, tScS0):
-        """dS = P (dP - Delta) in place of dP (tile_m 128: columns outer, one shuffle per
-        column; ``P`` may be the 16-bit P^T, Note [tile_m 128])."""
-        if const_expr(self.cfg.dq_split_rows):  # tile_m 128 (swapped)
-            for c in cutlass.range_constexpr(cute.size(dP, mode=[1])):
-                d_q = self._query_stat(dpsum, 0, c, tScS0)
-                for r in cutlass.range_constexpr(cute.size(dP, mode=[0])):
-                    dP[r, c] = P[r, c].to(Float32) * (dP[r, c] - d_q)
-        else:
-            for r in cutlass.range_constexpr(cute.size(dP, mode=[0])):
-                for c in cutlass.range_constexpr(cute.size(dP, mode=[1])):
-                    dP[r, c] = P[r, c] * (dP[r, c] - self._query_stat(dpsum, r, c, tScS0))
-
-    @cute.jit
-    def _query_stats(self, block, thr_sdp, sdp_shape, tScS):
-        """This thread's LSE2 or Delta values (``block``, see ``_stat_block``), one per
-        accumulator row (per column with ``sdp_swap_ab``), in registers (tile_m 64)."""
-        if const_expr(self.cfg.sdp_swap_ab):
-            stats = cute.make_rmem_tensor(cute.size(tScS, mode=[1]), Float32)
-            stats.store(self._column_stats(block, thr_sdp, sdp_shape).load())
-        else:
-            stats = cute.make_rmem_tensor(cute.size(tScS, mode=[0]), Float32)
-            rows = cute.make_tensor(block, cute.make_layout(self.tile_m))
-            for r in cutlass.range_constexpr(cute.size(tScS, mode=[0])):
-                stats[r] = rows[tScS[r, 0][0]]
-        return stats
-
-    @cute.jit
-    def _stat_block(self, mStat_cur, sStat, m_block, stage):
-        """Pointer to the tile_m values (LSE2 or Delta) of query block ``m_block``: the SMEM
-        stage the load warp filled (``stats_smem``; its mbarrier has been waited on), else the
-        block in global memory. Either starts 16-byte aligned."""
-        if const_expr(self.cfg.stats_smem):
-            return sStat[None, stage].iterator
-        return mStat_cur.iterator + m_block * self.tile_m
-
-    @cute.jit
-    def _shuffled_stats(self, block):
-        """LSE2 or Delta of one query block (``block``, see ``_stat_block``) as Note [tile_m 128]
-        distributes them: lane l holds queries 2 l + {0, 1} and 64 + 2 l + {0, 1} (4 registers,
-        two 64-bit loads); ``_query_stat`` shuffles a query's value to the lanes that use it."""
-        held = cute.make_rmem_tensor(cute.make_layout((2, self.tile_m // 64)), Float32)
-        base = cute.make_ptr(Float32, (block + 2 * cute.arch.lane_idx()).toint(), block.memspace,
-                             assumed_align=8)
-        src = cute.make_tensor(base, cute.make_layout((2, self.tile_m // 64), stride=(1, 64)))
-        cute.autovec_copy(src, held)
-        return held
-
-    @cute.jit
-    def _column_stats(self, block, thr_sdp, sdp_shape):
-        """This thread's per-query values (LSE2 or Delta) of one query block (``block``, see
-        ``_stat_block``) in the column order of its S^T accumulator (``sdp_swap_ab``).
-
-        The view broadcasts the query block's values over the keys (stride 0) and is
-        partitioned like the accumulator. The block starts 16-byte aligned (rows padded to
-        a multiple of tile_m, base 16-byte aligned), which lets adjacent columns load as one
-        64-bit access."""
-        base = cute.make_ptr(Float32, block.toint(), block.memspace, assumed_align=16)
-        view = cute.make_tensor(base, cute.make_layout(sdp_shape, stride=(0, 1)))
-        return rows_cols_view(thr_sdp.partition_C(view))[0, None]
-
-    @cute.jit
-    def _block_needs_mask(self, m_block, n_block, seqlen_q, seqlen_k):
-        """Whether any element of the (m_block, n_block) tile lies outside the band or past
-        seqlen_k (uniform per CTA and iteration; most blocks need no mask)."""
-        right = effective_window_right(self.cfg)
-        left = self.cfg.window_left
-        off = seqlen_k - seqlen_q
-        col_min = n_block * self.tile_n
-        col_max = col_min + self.tile_n - 1
-        row_min = m_block * self.tile_m
-        need = col_max >= seqlen_k
-        if const_expr(right is not None):
-            need = need | (col_max > row_min + off + right)
-        if const_expr(left is not None):
-            need = need | (col_min < row_min + self.tile_m - 1 + off - left)
-        return need
-
-    @cute.jit
-    def _mask(self, S, tScS, m_block, n_block, seqlen_q, seqlen_k):
-        """Set S to -inf outside the causal/sliding-window band and past seqlen_k (with
-        ``sdp_swap_ab`` S^T: the keys are its rows, the queries its columns)."""
-        right = effective_window_right(self.cfg)
-        left = self.cfg.window_left
-        off = seqlen_k - seqlen_q
-        q_mode, k_mode = (1, 0) if self.cfg.sdp_swap_ab else (0, 1)
-        for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
-            for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
-                row = m_block * self.tile_m + tScS[r, c][q_mode]
-                col = n_block * self.tile_n + tScS[r, c][k_mode]
-                out = col >= seqlen_k
-                if const_expr(right is not None):
-                    out = out | (col > row + off + right)
-                if const_expr(left is not None):
-                    out = out | (col < row + off - left)
-                if out:
-                    S[r, c] = -Float32.inf
