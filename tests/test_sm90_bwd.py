@@ -47,6 +47,8 @@ from fa_sm100.testing import attention_mask
      "tile_m=128 with head_dim=128"),
     (dict(tile_m=128, sdp_swap_ab=True, head_dim=96, head_dim_v=96), "tile_m=128 with head_dim=96"),
     (dict(tile_m=96, sdp_swap_ab=True), "tile_m=96"),
+    (dict(tile_m=80), "tile_m=80 needs sdp_swap_ab=True"),
+    (dict(tile_m=80, sdp_swap_ab=True, head_dim=64, head_dim_v=64), "tile_m=80 needs"),
     (dict(tile_m=32), "tile_m=32"),
     (dict(tile_n=96), "tile_n=96"),
     (dict(q_stage=4), "q_stage=4"),
@@ -300,11 +302,12 @@ RANGE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("tile_m", [64, 128])
+@pytest.mark.parametrize("tile_m", [64, 80, 128])
 @pytest.mark.parametrize("sq,sk,causal,window", RANGE_CASES)
 def test_block_ranges_cover_the_band_and_dq_order_is_consecutive(sq, sk, causal, window, tile_m):
-    cfg = select_bwd_config(head_dim=64, causal=causal, window_left=window[0],
-                            window_right=window[1], tile_m=tile_m, sdp_swap_ab=tile_m == 128)
+    cfg = select_bwd_config(head_dim=128 if tile_m == 80 else 64, causal=causal,
+                            window_left=window[0], window_right=window[1], tile_m=tile_m,
+                            sdp_swap_ab=tile_m != 64)
     tm, tn = cfg.tile_m, cfg.tile_n
     n_blocks, m_blocks = -(-sk // tn), -(-sq // tm)
     ranges = [m_block_range(cfg, n, sq, sk) for n in range(n_blocks)]
@@ -382,6 +385,11 @@ CONTRACT_CASES = [
       "window_left=100"], "UBLKRED"),
     (["head_dim=192", "dtype=float16", "dq_accum=red", "stats_smem=false"], "REDG.E.ADD.F32"),
     (["tile_n=64", "sdp_swap_ab=false", "early_dv=false"], "UBLKRED"),
+    # Note [dQ transposed]: 80 query rows, dQ^T = K^T dS^T
+    (["tile_m=80", "sdp_swap_ab=true"], "UBLKRED"),
+    (["tile_m=80", "sdp_swap_ab=true", "early_dv=false", "causal=true", "deterministic=true",
+      "qhead_per_kvhead=4", "window_left=100"], "UBLKRED"),
+    (["tile_m=80", "sdp_swap_ab=true", "dq_accum=red", "dtype=float16"], "REDG.E.ADD.F32"),
 ]
 
 
@@ -747,3 +755,23 @@ def test_sm90_bwd_tile_n_64_splits_dk_dv_by_columns(overrides, d, dv, tmp_path):
     after = [t for t in loop[at_barrier:] if t.startswith("HGMMA")]
     assert len(after) == 12, "dV, dQ and dK (4 k16 slices each) follow the dS barrier"
     assert [t.split()[0] for t in loop].count("STSM.16.M88.4") == 4  # P and dS
+
+
+@pytest.mark.compile
+def test_sm90_bwd_tile_m_80_computes_dq_transposed(tmp_path):
+    """Note [dQ transposed]: with 80 query rows, S^T/dP^T are N = 80 (8 k16 slices each over
+    hdim 128), dV/dK RS with K = 80 (5 slices each), and dQ^T = K^T dS^T is M = 64 head-dim
+    rows per warpgroup, N = 80, over K = 128 keys (8 SS slices); LSE2/Delta are shuffled
+    (Note [tile_m 128]); five WGMMA groups, no spills."""
+    from fa_sm100.inspection import inspect_kernel
+
+    r = inspect_kernel("sm90_bwd", "sm_90a", ["tile_m=80", "sdp_swap_ab=true"], keep_dir=tmp_path)
+    sass = _sass_text(tmp_path)
+    assert r["spill_bytes"] == 0 and r["local_bytes"] == 0
+    assert _hgmma_commits(sass) == 5
+    loop = _main_loop_ops(sass)
+    shapes = [op.split(".")[1] for op in loop if op.startswith("HGMMA")]
+    assert shapes.count("64x80x16") == 8 + 8 + 8  # S^T, dP^T, dQ^T
+    assert shapes.count("64x128x16") == 5 + 5  # dV, dK
+    assert _hgmma_operands(sass) == {"RS": 10, "SS": 24}
+    assert sum(op.startswith("SHFL") for op in loop) >= 2 * 20  # one per LSE2 / Delta column

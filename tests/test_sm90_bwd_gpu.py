@@ -157,6 +157,22 @@ def test_sm90_bwd_tile_m_128_matches_float64(sm90_device, case, early_dv):
     _run_case(b, sq, sk, hq, hk, 64, causal, window, dtype, config=cfg)
 
 
+@pytest.mark.parametrize("early_dv", [True, False], ids=["early_dv", "late_dv"])
+@pytest.mark.parametrize("case", TILE_M_128_CASES,
+                         ids=lambda c: f"tile_m80-b{c[0]}-q{c[1]}-k{c[2]}-h{c[3]}/{c[4]}"
+                         f"-{'causal' if c[5] else 'full'}-w{c[6][0]},{c[6][1]}-{str(c[7])[6:]}")
+def test_sm90_bwd_tile_m_80_matches_float64(sm90_device, case, early_dv):
+    """tile_m=80 at hdim 128 (Note [dQ transposed]): dQ^T = K^T dS^T, 80-row query blocks and
+    their tails (1, 17, 1000 = 12 x 80 + 40, 4097 rows), both early-dV variants."""
+    from fa_sm100.hopper.bwd_config import select_bwd_config
+
+    b, sq, sk, hq, hk, causal, window, dtype = case
+    cfg = select_bwd_config(head_dim=128, causal=causal, window_left=window[0],
+                            window_right=window[1], qhead_per_kvhead=hq // hk, tile_m=80,
+                            sdp_swap_ab=True, early_dv=early_dv)
+    _run_case(b, sq, sk, hq, hk, 128, causal, window, dtype, config=cfg)
+
+
 @pytest.mark.parametrize("switches", [dict(dq_accum="red", early_dv=True),
                                       dict(dq_accum="red", early_dv=False),
                                       dict(gqa_reduce="atomic"), dict(q_stage=1, do_stage=1)],
@@ -287,3 +303,17 @@ def test_sm90_bwd_wide_head_dims_deterministic_is_bitwise_reproducible(sm90_devi
     inputs, first = _run_case(2, 700, 800, 4, hk, d, True, window, torch.bfloat16,
                               deterministic=True, config=cfg)
     _assert_reproducible(inputs, first, True, window, cfg)
+
+
+@pytest.mark.parametrize("hk,causal,window,dq_accum", [
+    (4, False, (None, None), "bulk"), (2, True, (None, None), "red"), (1, False, (96, 0), "bulk")],
+    ids=lambda x: str(x))
+def test_sm90_bwd_tile_m_80_deterministic_is_bitwise_reproducible(sm90_device, hk, causal,
+                                                                  window, dq_accum):
+    """The dQ semaphore counts 80-row query blocks (tile_m=80, Note [dQ transposed])."""
+    from fa_sm100.hopper.bwd_config import select_bwd_config
+
+    cfg = select_bwd_config(head_dim=128, dq_accum=dq_accum, tile_m=80, sdp_swap_ab=True)
+    inputs, first = _run_case(2, 1000, 1100, 4, hk, 128, causal, window, torch.bfloat16,
+                              deterministic=True, config=cfg)
+    _assert_reproducible(inputs, first, causal, window, cfg)

@@ -90,9 +90,10 @@ def test_postprocess_sums_groups_scales_and_converts(head_dim, group, pitch, sca
 
 @pytest.mark.parametrize("overrides", [dict(head_dim=128), dict(head_dim=64),
                                        dict(head_dim=96, dtype="float16"), dict(head_dim=192),
-                                       dict(head_dim=256)],
+                                       dict(head_dim=256),
+                                       dict(head_dim=128, tile_m=80, sdp_swap_ab=True)],
                          ids=["d128-split-columns", "d64-tile_m128-split-rows", "d96-fp16",
-                              "d192", "d256"])
+                              "d192", "d256", "d128-tile_m80-transposed"])
 def test_dq_postprocess_inverts_the_fragment_order(overrides):
     """Note [dQ in fragment order]: a row-major dQ tile written into the accumulator at
     ``dq_fragment_index`` (the PTX ISA's WGMMA accumulator layout, in Python) comes back out of

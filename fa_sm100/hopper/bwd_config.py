@@ -36,6 +36,10 @@ DQ_ACCUM_MODES = ("bulk", "red")
 DQ_VEC = 4  # float32 per dQ-accumulator store: one 16-byte STS.128 / bulk-reduce element run
 TILE_M_ATOM = 64  # query rows of one WGMMA M atom
 TILE_M_128_HEAD_DIMS = (64,)  # head dims that fit tile_m = 128 (registers: docs/hopper_backward.md)
+# 80 query rows (swapped S/dP, dQ computed transposed: Note [dQ transposed] in bwd_kernel.py):
+# hdim 128 only (dQ^T's M is the head dim, 64 rows per warpgroup)
+TILE_M_DQ_TRANSPOSED = 80
+TILE_M_80_HEAD_DIMS = (128,)
 SM90_SMEM_BYTES = SMEM_BUDGET[SM90_ARCH]  # 227 KiB of dynamic shared memory per CTA on H100/H200
 
 
@@ -150,6 +154,19 @@ class BwdConfig:
         return self.ds_stage if self.dkv_split_cols else 1
 
     @property
+    def shuffled_stats(self) -> bool:
+        """LSE2/Delta held 4 per lane and shuffled to the lanes that use them, P^T converted
+        late or dS computed from 16-bit P^T (Note [tile_m 128] in bwd_kernel.py): the swapped
+        S^T/dP^T of more than 64 query columns (tile_m 80 and 128)."""
+        return self.tile_m > TILE_M_ATOM
+
+    @property
+    def dq_swap_ab(self) -> bool:
+        """dQ computed transposed, dQ^T = K^T dS^T (M = head dim, N = tile_m): tile_m not a
+        multiple of the 64-row WGMMA M atom (Note [dQ transposed] in bwd_kernel.py)."""
+        return self.tile_m % TILE_M_ATOM != 0
+
+    @property
     def dq_block_elems(self) -> int:
         """Float32 elements of one query block's dQ accumulator (Note [dQ in fragment order])."""
         return self.tile_m * self.head_dim
@@ -193,8 +210,17 @@ class BwdConfig:
                 f"head dims (qk={self.head_dim}, v={self.head_dim_v}): the SM90 backward supports "
                 f"(qk, v) in {SM90_BWD_HEAD_DIMS}"
             )
-        if self.tile_m not in (TILE_M_ATOM, 2 * TILE_M_ATOM):
-            raise ValueError(f"tile_m={self.tile_m}: must be 64, or 128 with sdp_swap_ab=True")
+        if self.tile_m not in (TILE_M_ATOM, TILE_M_DQ_TRANSPOSED, 2 * TILE_M_ATOM):
+            raise ValueError(f"tile_m={self.tile_m}: must be 64, or 80 or 128 with "
+                             f"sdp_swap_ab=True")
+        if self.tile_m == TILE_M_DQ_TRANSPOSED:
+            if not self.sdp_swap_ab or self.head_dim not in TILE_M_80_HEAD_DIMS:
+                raise ValueError(
+                    f"tile_m=80 needs sdp_swap_ab=True and head_dim in {TILE_M_80_HEAD_DIMS}: "
+                    f"S^T/dP^T take the 80 queries as WGMMA N, and dQ^T = K^T dS^T splits the "
+                    f"head dim (its M) into the two warpgroups' 64-row atoms")
+            if self.tile_n != 2 * WGMMA_M:
+                raise ValueError("tile_m=80 needs tile_n=128")
         if self.tile_n not in (WGMMA_M, 2 * WGMMA_M):
             raise ValueError(
                 f"tile_n={self.tile_n}: must be 128 (64 key rows per MMA warpgroup) or 64 "
@@ -360,8 +386,12 @@ def dq_fragment_index(cfg: BwdConfig, row: int, col: int) -> int:
     + t) * 4 + j. The register layout is the PTX ISA's for an m64nN f32 accumulator: in warp
     u, lane l, register e holds row 16 u + 8 ((e // 2) % 2) + l // 4, column 8 (e // 4) +
     2 (l % 4) + e % 2. The warpgroups split the tile by head-dim columns (tile_m 64) or by
-    query rows (tile_m 128). Python integers: what the tests check the kernels against."""
-    if cfg.dq_split_rows:
+    query rows (tile_m 128); with tile_m 80 the accumulator is dQ^T, its rows the head dim
+    (64 per warpgroup) and its columns the queries (Note [dQ transposed]). Python integers:
+    what the tests check the kernels against."""
+    if cfg.dq_swap_ab:
+        w, r, c = col // TILE_M_ATOM, col % TILE_M_ATOM, row
+    elif cfg.dq_split_rows:
         w, r, c = row // TILE_M_ATOM, row % TILE_M_ATOM, col
     else:
         half = cfg.head_dim // 2

@@ -61,6 +61,17 @@ tile, its SMEM image and bulk reduce are simply tile_m rows. What keeps it in 24
 hdim 96/128 do not fit (larger dK/dV accumulators: ptxas spills ~0.9-1.4 KB and serializes
 every WGMMA even with 1-stage Q/dO), hence the config rule.
 
+Note [dQ transposed] (``tile_m`` 80, swapped S/dP, hdim 128; ``BwdConfig.dq_swap_ab``): 80
+query rows are not a whole number of 64-row WGMMA M atoms, so dQ = dS K cannot take the
+queries as M. The warpgroups compute dQ^T = K^T dS^T instead: M = the head dim (64 rows per
+warpgroup), N = the 80 queries, K = the 128 keys; A = K^T is K's SMEM buffer read MN-major,
+B = dS from the same dS image the other paths read (keys contiguous: K-major). The
+accumulator is (hdim, tile_m); the fragment order (Note [dQ in fragment order]) and the
+postprocess follow the tiled MMA, so the dQ stores and the bulk reduce do not change.
+S^T/dP^T have N = 80 and dV/dK are RS WGMMAs with K = 80 (five k16 slices); LSE2/Delta are
+held and shuffled as in Note [tile_m 128] (20 per thread otherwise: ptxas spilled ~300
+bytes), the lanes 0-7 holding queries 64-79. FA4 runs hdim 128 non-causal this way.
+
 Note [dV before the dS barrier] (``dv_before_barrier``, without ``early_dv``): dV += P^T dO
 is issued once this warpgroup has stored its dS (and, unswapped, its P: one 128-thread
 ``P_READY`` barrier), before the 256-thread ``DS_READY`` barrier, so the tensor cores run dV
@@ -134,7 +145,7 @@ from cutlass.utils import LayoutEnum
 from fa_sm100.config import WARP_SIZE, cutlass_dtype
 from fa_sm100.hopper.bwd_config import BwdConfig, first_n_block, m_block_range
 from fa_sm100.hopper.bwd_scores import BwdScoresRole
-from fa_sm100.hopper.bwd_store import BwdStoreRole, dq_tiled_mma
+from fa_sm100.hopper.bwd_store import BwdStoreRole, dq_tile_shape, dq_tiled_mma
 from fa_sm100.hopper.common import NO_WAIT, rows_cols_view, transpose_view, wgmma
 from fa_sm100.hopper.config import SMEM_ALIGN, WARPGROUP_THREADS, WGMMA_M
 from fa_sm100.hopper.fwd_math import convert_to, operand_a_view
@@ -469,7 +480,7 @@ class Sm90FlashBackward(BwdStoreRole, BwdScoresRole):
         P^T and dS^T stay in registers as the A operands of dV and dK, and only dS^T goes to
         SMEM (transposed, into the dS image that dQ reads)."""
         swap = self.cfg.sdp_swap_ab
-        m128 = self.cfg.dq_split_rows  # tile_m 128 (swapped only): Note [tile_m 128]
+        m128 = self.cfg.shuffled_stats  # tile_m 80 / 128 (swapped only): Note [tile_m 128]
         late_p = m128 and not self.cfg.early_dv  # P^T converted after dS
         ds_from_p16 = m128 and self.cfg.early_dv  # dS = P^T (16 bits) (dP^T - Delta)
         stats_first = self.cfg.stats_first and not m128  # tile_m 128 shuffles them later
@@ -485,8 +496,12 @@ class Sm90FlashBackward(BwdStoreRole, BwdScoresRole):
         tdPrdO, tdPrV = self._sdp_fragments(mma_sdp, wg_sdp, sdO, sV)
         tdVrdOt = mma_dv.make_fragment_B(wg_dv.partition_B(transpose_view(sdO)))
         tdKrQt = mma_dk.make_fragment_B(wg_dk.partition_B(transpose_view(sQ)))
-        tdQrdS = mma_dq.make_fragment_A(wg_dq.partition_A(sdS))  # (MMA, MMA_M, MMA_K, DS_STAGE)
-        tdQrKt = mma_dq.make_fragment_B(wg_dq.partition_B(transpose_view(sK)))
+        if const_expr(self.cfg.dq_swap_ab):  # Note [dQ transposed]: dQ^T = K^T dS^T
+            tdQrKt = mma_dq.make_fragment_A(wg_dq.partition_A(transpose_view(sK)))
+            tdQrdS = mma_dq.make_fragment_B(wg_dq.partition_B(sdS))  # (..., DS_STAGE)
+        else:
+            tdQrdS = mma_dq.make_fragment_A(wg_dq.partition_A(sdS))  # (..., DS_STAGE)
+            tdQrKt = mma_dq.make_fragment_B(wg_dq.partition_B(transpose_view(sK)))
         # accumulators
         acc_dV = cute.make_rmem_tensor(mma_dv.partition_shape_C((self.tile_n, self.hdimv)), Float32)
         acc_dK = cute.make_rmem_tensor(mma_dk.partition_shape_C((self.tile_n, self.hdim)), Float32)
@@ -598,8 +613,12 @@ class Sm90FlashBackward(BwdStoreRole, BwdScoresRole):
             if const_expr(not self.cfg.early_dv and not dv_mid):
                 wgmma(mma_dv, acc_dV, tdVrPt_cur, tdVrdOt[None, None, None, state_do.index], False,
                       NO_WAIT)
-            acc_dQ = cute.make_rmem_tensor(mma_dq.partition_shape_C((self.tile_m, self.hdim)), Float32)
-            wgmma(mma_dq, acc_dQ, tdQrdS[None, None, None, ds_idx], tdQrKt, True, NO_WAIT)
+            acc_dQ = cute.make_rmem_tensor(mma_dq.partition_shape_C(dq_tile_shape(self.cfg)),
+                                           Float32)
+            if const_expr(self.cfg.dq_swap_ab):
+                wgmma(mma_dq, acc_dQ, tdQrKt, tdQrdS[None, None, None, ds_idx], True, NO_WAIT)
+            else:
+                wgmma(mma_dq, acc_dQ, tdQrdS[None, None, None, ds_idx], tdQrKt, True, NO_WAIT)
             wgmma(mma_dk, acc_dK, tdKrdSt_cur, tdKrQt[None, None, None, state_q.index], False,
                   NO_WAIT)
             warpgroup.wait_group(1)  # dV and dQ done, dK may still run

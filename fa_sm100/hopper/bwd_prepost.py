@@ -29,9 +29,9 @@ import math
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32
+from cutlass import Float32, const_expr
 
-from fa_sm100.hopper.bwd_store import dq_fragment_view, dq_registers, dq_tiled_mma
+from fa_sm100.hopper.bwd_store import dq_fragment_view, dq_registers, dq_tile_shape, dq_tiled_mma
 from fa_sm100.hopper.config import WARPGROUP_THREADS
 
 THREADS_PER_ROW = 16
@@ -150,20 +150,30 @@ class DqPostprocess:
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
         thr = mma.get_slice(tidx)
-        acc = cute.make_rmem_tensor(mma.partition_shape_C((self.tile_m, self.hdim)), Float32)
+        swap = self.cfg.dq_swap_ab  # the accumulator is dQ^T (Note [dQ transposed])
+        acc = cute.make_rmem_tensor(mma.partition_shape_C(dq_tile_shape(self.cfg)), Float32)
         src = cute.make_ptr(Float32, mAcc[batch, head, m_block, None].iterator.toint(),
                             cute.AddressSpace.gmem, assumed_align=16)
         cute.autovec_copy(dq_fragment_view(self.cfg, src, tidx), dq_registers(self.cfg, acc))
         out = cute.make_fragment_like(acc, mOut.element_type)
         out.store((acc.load() * scale).to(mOut.element_type))
         gOut = cute.local_tile(mOut[batch, None, head, None], (self.tile_m, self.hdim), (m_block, 0))
+        if const_expr(swap):  # (hdim, tile_m), as the accumulator
+            gOut = cute.make_tensor(gOut.iterator, cute.select(gOut.layout, mode=[1, 0]))
         tOgO = thr.partition_C(gOut)
-        tOcO = thr.partition_C(cute.make_identity_tensor((self.tile_m, self.hdim)))
+        tOcO = thr.partition_C(cute.make_identity_tensor(dq_tile_shape(self.cfg)))
         rows_left = mOut.shape[1] - m_block * self.tile_m
-        # pairs of adjacent columns (mode 0 of the accumulator's first mode): one 4-byte store
-        for v in cutlass.range_constexpr(cute.size(out) // 2):
-            if tOcO[2 * v][0] < rows_left:
-                cute.autovec_copy(_pair(out, v), _pair(tOgO, v))
+        if const_expr(swap):
+            # adjacent accumulator columns are adjacent queries, a row apart in memory: one
+            # 2-byte store each (8 lanes write 16 contiguous bytes of one query row)
+            for i in cutlass.range_constexpr(cute.size(out)):
+                if tOcO[i][1] < rows_left:
+                    tOgO[i] = out[i]
+        else:
+            # pairs of adjacent columns (mode 0 of the accumulator's first mode): one 4-byte store
+            for v in cutlass.range_constexpr(cute.size(out) // 2):
+                if tOcO[2 * v][0] < rows_left:
+                    cute.autovec_copy(_pair(out, v), _pair(tOgO, v))
 
 
 def _pair(t, v: int):

@@ -41,7 +41,7 @@ class BwdScoresRole:
         """The statistic of the query of accumulator element (r, c) (compile-time r, c)."""
         if const_expr(not self.cfg.sdp_swap_ab):
             return stat[r]
-        if const_expr(not self.cfg.dq_split_rows):
+        if const_expr(not self.cfg.shuffled_stats):
             return stat[c]
         # Note [tile_m 128]: this thread's query column is q0 + 2 (lane % 4), q0 = thread 0's column
         lane_base, slot = query_stat_source(tScS0[0, c][1])
@@ -49,9 +49,9 @@ class BwdScoresRole:
 
     @cute.jit
     def _exp2_rows(self, S, lse, scale_log2, tScS0):
-        """P = exp2(S * scale_log2 - LSE2) in place (tile_m 128: columns outer, one shuffle
-        per column)."""
-        if const_expr(self.cfg.dq_split_rows):  # tile_m 128 (swapped)
+        """P = exp2(S * scale_log2 - LSE2) in place (tile_m 80 / 128: columns outer, one
+        shuffle per column)."""
+        if const_expr(self.cfg.shuffled_stats):
             for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
                 lse_q = self._query_stat(lse, 0, c, tScS0)
                 for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
@@ -64,9 +64,9 @@ class BwdScoresRole:
 
     @cute.jit
     def _ds_rows(self, dP, P, dpsum, tScS0):
-        """dS = P (dP - Delta) in place of dP (tile_m 128: columns outer, one shuffle per
+        """dS = P (dP - Delta) in place of dP (tile_m 80 / 128: columns outer, one shuffle per
         column; ``P`` may be the 16-bit P^T, Note [tile_m 128])."""
-        if const_expr(self.cfg.dq_split_rows):  # tile_m 128 (swapped)
+        if const_expr(self.cfg.shuffled_stats):
             for c in cutlass.range_constexpr(cute.size(dP, mode=[1])):
                 d_q = self._query_stat(dpsum, 0, c, tScS0)
                 for r in cutlass.range_constexpr(cute.size(dP, mode=[0])):
@@ -103,12 +103,21 @@ class BwdScoresRole:
     def _shuffled_stats(self, block):
         """LSE2 or Delta of one query block (``block``, see ``_stat_block``) as Note [tile_m 128]
         distributes them: lane l holds queries 2 l + {0, 1} and 64 + 2 l + {0, 1} (4 registers,
-        two 64-bit loads); ``_query_stat`` shuffles a query's value to the lanes that use it."""
-        held = cute.make_rmem_tensor(cute.make_layout((2, self.tile_m // 64)), Float32)
-        base = cute.make_ptr(Float32, (block + 2 * cute.arch.lane_idx()).toint(), block.memspace,
-                             assumed_align=8)
-        src = cute.make_tensor(base, cute.make_layout((2, self.tile_m // 64), stride=(1, 64)))
-        cute.autovec_copy(src, held)
+        two 64-bit loads); ``_query_stat`` shuffles a query's value to the lanes that use it.
+        With tile_m 80 only lanes 0-7 load the second pair (queries 64-79): the others would
+        read past the block."""
+        lane = cute.arch.lane_idx()
+        held = cute.make_rmem_tensor(cute.make_layout((2, 2)), Float32)
+        base = cute.make_ptr(Float32, (block + 2 * lane).toint(), block.memspace, assumed_align=8)
+        src = cute.make_tensor(base, cute.make_layout((2, 2), stride=(1, 64)))
+        cute.autovec_copy(src[None, 0], held[None, 0])
+        if const_expr(self.tile_m == 128):
+            cute.autovec_copy(src[None, 1], held[None, 1])
+        else:
+            held[0, 1] = Float32(0.0)
+            held[1, 1] = Float32(0.0)
+            if 2 * lane < self.tile_m - 64:
+                cute.autovec_copy(src[None, 1], held[None, 1])
         return held
 
     @cute.jit

@@ -50,9 +50,13 @@ from fa_sm100.hopper.named_barriers import Sm90BwdBarrier
 def dq_tiled_mma(cfg, dtype):
     """The tiled WGMMA of dQ = dS K, (tile_m, hdim): with tile_m 64 the two MMA warpgroups side
     by side along N (head-dim halves); with tile_m 128 stacked along M (64 query rows each, all
-    of the head dim). Its accumulator partition is also the map the postprocess inverts (Note
-    [dQ in fragment order])."""
+    of the head dim); with tile_m 80 it computes dQ^T = K^T dS^T, (hdim, tile_m), the
+    warpgroups stacked along M (64 head-dim rows each, Note [dQ transposed]). Its accumulator
+    partition is also the map the postprocess inverts (Note [dQ in fragment order])."""
     K, MN = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
+    if cfg.dq_swap_ab:
+        return sm90_helpers.make_trivial_tiled_mma(
+            dtype, dtype, MN, K, Float32, (2, 1, 1), (WGMMA_M, cfg.tile_m))
     if cfg.dq_split_rows:
         return sm90_helpers.make_trivial_tiled_mma(
             dtype, dtype, K, MN, Float32, (2, 1, 1), (WGMMA_M, cfg.head_dim))
@@ -68,6 +72,14 @@ def dq_fragment_view(cfg, ptr, tidx):
     wg, t = tidx // WARPGROUP_THREADS, tidx % WARPGROUP_THREADS
     layout = cute.make_layout((DQ_VEC, groups), stride=(1, WARPGROUP_THREADS * DQ_VEC))
     return cute.make_tensor(ptr + (wg * groups * WARPGROUP_THREADS + t) * DQ_VEC, layout)
+
+
+def dq_tile_shape(cfg):
+    """The shape of the dQ accumulator tile as ``dq_tiled_mma`` computes it: (tile_m, hdim),
+    or (hdim, tile_m) when dQ is computed transposed."""
+    if cfg.dq_swap_ab:
+        return (cfg.head_dim, cfg.tile_m)
+    return (cfg.tile_m, cfg.head_dim)
 
 
 def dq_registers(cfg, acc_dQ):
