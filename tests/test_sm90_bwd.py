@@ -97,35 +97,47 @@ def test_default_configs_fit_smem_and_follow_the_measured_choices():
         assert not cfg.early_dv and not cfg.dv_before_barrier
     assert select_bwd_config(qhead_per_kvhead=4).gqa_reduce == "buffers"
     assert select_bwd_config(qhead_per_kvhead=4, gqa_reduce="atomic").gqa_reduce == "atomic"
-    assert select_bwd_config(causal=False).early_dv and not select_bwd_config(causal=True).early_dv
-    assert not select_bwd_config(window_left=10).early_dv
+    # early dV: unswapped 64-row blocks (hdim 96), non-causal problems only
+    assert select_bwd_config(head_dim=96).early_dv
+    assert not select_bwd_config(head_dim=96, causal=True).early_dv
+    assert not select_bwd_config(head_dim=96, window_left=10).early_dv
+    # hdim 128 (Note [dQ transposed]): 80 swapped rows, dV before the dS barrier, every problem
+    for kw in (dict(), dict(causal=True), dict(window_left=100), dict(qhead_per_kvhead=4)):
+        cfg = select_bwd_config(head_dim=128, **kw)
+        assert (cfg.tile_m, cfg.sdp_swap_ab, cfg.dq_swap_ab) == (80, True, True)
+        assert cfg.dv_before_barrier and not cfg.early_dv
     with pytest.raises(ValueError, match="deterministic"):
         select_bwd_config(qhead_per_kvhead=4, deterministic=True, gqa_reduce="atomic")
-    assert not select_bwd_config().sdp_swap_ab and select_bwd_config(sdp_swap_ab=True).sdp_swap_ab
-    assert not select_bwd_config().overlap_dk and select_bwd_config(overlap_dk=True).overlap_dk
-    # Note [try first]: on, except with a left window and swapped S/dP (ptxas spills there)
+    assert not select_bwd_config(head_dim=96).sdp_swap_ab
+    assert select_bwd_config(head_dim=96, sdp_swap_ab=True).sdp_swap_ab
+    assert not select_bwd_config().overlap_dk
+    assert select_bwd_config(head_dim=96, overlap_dk=True).overlap_dk
+    # Note [try first]: on, except with a left window and swapped 64-row blocks (ptxas
+    # spills there)
     assert select_bwd_config().try_wait and select_bwd_config(causal=True).try_wait
-    assert not select_bwd_config(head_dim=64, window_left=10).try_wait
-    assert not select_bwd_config(window_left=10).try_wait
+    assert select_bwd_config(head_dim=64, window_left=10).try_wait
+    assert select_bwd_config(window_left=10).try_wait
+    assert not select_bwd_config(window_left=10, tile_m=64).try_wait
     assert select_bwd_config(window_left=10, sdp_swap_ab=False).try_wait
-    assert not select_bwd_config(causal=True, stats_smem=False).try_wait
+    assert select_bwd_config(causal=True, stats_smem=False).try_wait
 
 
 def test_tile_m_128_is_swapped_hdim64_only_and_overridable():
     """tile_m=128 (Note [tile_m 128]): allowed with sdp_swap_ab at hdim 64, reachable through
     select_bwd_config, fits SMEM with 2-stage Q/dO; the measured defaults: swapped with 128
-    rows at hdim 64, swapped for causal/windowed hdim 128, 64 rows everywhere else."""
+    rows at hdim 64, swapped with 80 rows at hdim 128 (Note [dQ transposed]), 64 rows
+    everywhere else."""
     for causal in (False, True):
         assert select_bwd_config(head_dim=64, causal=causal).tile_m == 128
         assert select_bwd_config(head_dim=64, causal=causal).sdp_swap_ab
         assert select_bwd_config(head_dim=64, causal=causal, sdp_swap_ab=False).tile_m == 64
         assert select_bwd_config(head_dim=96, causal=causal).tile_m == 64
         assert not select_bwd_config(head_dim=96, causal=causal).sdp_swap_ab
-        assert select_bwd_config(head_dim=128, causal=causal).tile_m == 64
-        assert select_bwd_config(head_dim=128, causal=causal).sdp_swap_ab == causal
-    assert select_bwd_config(head_dim=128, window_left=100).sdp_swap_ab
-    for d in (96, 128):
-        assert select_bwd_config(head_dim=d, sdp_swap_ab=True).tile_m == 64
+        assert select_bwd_config(head_dim=128, causal=causal).tile_m == 80
+        assert select_bwd_config(head_dim=128, causal=causal).sdp_swap_ab
+        assert select_bwd_config(head_dim=128, causal=causal, sdp_swap_ab=False).tile_m == 64
+    assert select_bwd_config(head_dim=96, sdp_swap_ab=True).tile_m == 64
+    assert select_bwd_config(head_dim=128, sdp_swap_ab=True, tile_m=64).dv_before_barrier is False
     for kw in (dict(), dict(causal=True), dict(qhead_per_kvhead=4, deterministic=True),
                dict(window_left=100, window_right=0), dict(dq_accum="red")):
         cfg = select_bwd_config(head_dim=64, tile_m=128, sdp_swap_ab=True, **kw)
@@ -418,7 +430,8 @@ def test_sm90_bwd_compile_contract(overrides, dq_mnemonic, tmp_path):
 @pytest.mark.parametrize("overrides", [
     ["causal=true"],
     ["causal=true", "deterministic=true", "qhead_per_kvhead=4", "window_left=100"],
-], ids=["hdim128-causal", "hdim128-gqa-window"])
+    ["causal=true", "deterministic=true", "qhead_per_kvhead=4", "window_left=100", "tile_m=64"],
+], ids=["hdim128-causal", "hdim128-gqa-window", "hdim128-gqa-window-tile_m64"])
 def test_sm90_bwd_try_wait_polls_before_the_blocking_wait(overrides, tmp_path):
     """Note [try first]: with ``try_wait`` the MMA warpgroups' two stage waits (q, dO) leave
     the main loop's body (try-wait + NANOSLEEP there) for a poll and an out-of-line retry,
@@ -434,14 +447,15 @@ def test_sm90_bwd_try_wait_polls_before_the_blocking_wait(overrides, tmp_path):
         spills[on] = r["spill_bytes"]
     assert sleeps == {False: 2, True: 0}, sleeps
     assert spills[False] == 0
-    if "window_left=100" in overrides:  # why select_bwd_config turns it off with left windows
+    if "tile_m=64" in overrides:  # why select_bwd_config turns it off there
         assert spills[True] > 0, "the windowed swapped kernel no longer spills: revisit the rule"
     else:
         assert spills[True] == 0
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("overrides", [["causal=true"], ["sdp_swap_ab=false", "head_dim=96"]],
+@pytest.mark.parametrize("overrides", [["causal=true", "tile_m=64"],
+                                       ["sdp_swap_ab=false", "head_dim=96"]],
                          ids=["swapped", "unswapped"])
 def test_sm90_bwd_stats_first_loads_before_the_gemms(overrides, tmp_path):
     """Note [stats before the GEMMs]: with ``stats_first`` the LSE2/Delta loads of the main
