@@ -789,3 +789,35 @@ def test_sm90_bwd_tile_m_80_computes_dq_transposed(tmp_path):
     assert shapes.count("64x128x16") == 5 + 5  # dV, dK
     assert _hgmma_operands(sass) == {"RS": 10, "SS": 24}
     assert sum(op.startswith("SHFL") for op in loop) >= 2 * 20  # one per LSE2 / Delta column
+
+
+SMEM_CASES = [dict(head_dim=128), dict(head_dim=128, tile_m=64, sdp_swap_ab=False),
+              dict(head_dim=128, tile_m=64, dq_accum="red", q_stage=3, do_stage=3),
+              dict(head_dim=64), dict(head_dim=64, stats_smem=False), dict(head_dim=96),
+              dict(head_dim=192), dict(head_dim=256),
+              dict(head_dim=256, dq_accum="bulk", q_stage=1, do_stage=1)]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("overrides", SMEM_CASES,
+                         ids=[",".join(f"{k}={v}" for k, v in c.items()) for c in SMEM_CASES])
+def test_smem_bytes_is_the_kernels_shared_storage_size(overrides):
+    """``BwdConfig.smem_bytes`` (what validate() holds to the 227 KiB budget and what the
+    compile contract reports) equals the size of the kernel's SharedStorage struct, which is
+    what a launch asks for. It once left out the 1 KiB round-up of the struct and the "red"
+    placeholder: a config the formula put at 232448 B needed 233472 B and failed to launch."""
+    import cutlass.cute as cute
+
+    from fa_sm100.hopper.bwd_kernel import Sm90FlashBackward
+
+    cfg = select_bwd_config(**overrides)
+    kernel = Sm90FlashBackward(cfg)
+    size = {}
+
+    @cute.jit
+    def probe():
+        kernel._setup_layouts()
+        size["struct"] = kernel._shared_storage().size_in_bytes()
+
+    cute.compile(probe, options="--gpu-arch sm_90a")
+    assert size["struct"] == cfg.smem_bytes() <= SM90_SMEM_BYTES

@@ -222,7 +222,7 @@ SWITCHES = [
     dict(sdp_swap_ab=True, dkv_tma_store=False), dict(sdp_swap_ab=False, dkv_tma_store=False),
     # 3-stage Q/dO pipelines (with "red" dQ: no SMEM dQ tile)
     dict(sdp_swap_ab=False, dq_accum="red", q_stage=3, do_stage=3),
-    dict(sdp_swap_ab=True, dq_accum="red", q_stage=3, do_stage=3),
+    dict(sdp_swap_ab=True, tile_m=64, dq_accum="red", q_stage=3, do_stage=3),
     # Note [dK/dV by columns] at hdim 64 / 128
     dict(sdp_swap_ab=False, tile_m=64, tile_n=64, early_dv=False, dv_before_barrier=False),
     dict(sdp_swap_ab=False, tile_m=64, tile_n=64, early_dv=False, dv_before_barrier=False,
@@ -268,6 +268,8 @@ def test_sm90_bwd_deterministic_is_bitwise_reproducible(sm90_device, hk, causal,
     from fa_sm100.hopper.bwd_config import select_bwd_config
 
     switches = {} if switch is None else {switch: True}
+    if switch == "overlap_dk":  # unswapped only, so 64-row blocks at hdim 128
+        switches["sdp_swap_ab"] = False
     cfg = select_bwd_config(head_dim=128, dq_accum=dq_accum, gqa_reduce="buffers", **switches)
     inputs, first = _run_case(2, 1000, 1000, 4, hk, 128, causal, window, torch.bfloat16,
                               deterministic=True, config=cfg)

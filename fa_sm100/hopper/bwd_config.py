@@ -40,6 +40,7 @@ TILE_M_128_HEAD_DIMS = (64,)  # head dims that fit tile_m = 128 (registers: docs
 # hdim 128 only (dQ^T's M is the head dim, 64 rows per warpgroup)
 TILE_M_DQ_TRANSPOSED = 80
 TILE_M_80_HEAD_DIMS = (128,)
+SMEM_BUFFER_ALIGN = 1024  # every SMEM buffer of the kernel starts on a swizzle-atom boundary
 SM90_SMEM_BYTES = SMEM_BUDGET[SM90_ARCH]  # 227 KiB of dynamic shared memory per CTA on H100/H200
 
 
@@ -180,27 +181,30 @@ class BwdConfig:
         return {"producer": self.regs_producer, "mma": self.regs_mma}
 
     def smem_bytes(self) -> int:
-        """Dynamic shared memory of one CTA: Q, dO stages, K, V, P (``p_stage`` buffers),
-        dS stages, the "bulk" dQ tile, barriers."""
+        """Dynamic shared memory of one CTA, laid out as the kernel's SharedStorage struct:
+        the mbarriers; Q, dO stages, K, V, P (``p_stage`` buffers), dS stages and the dQ tile
+        ("bulk"; "red" keeps a 16-byte placeholder), each 1024-byte aligned (swizzle atoms);
+        LSE2 and Delta stages (``stats_smem``), 128-byte aligned; the whole rounded up to its
+        1024-byte alignment (the struct's size, which is what a launch asks for: a test
+        compares the two)."""
         b = self.dtype_bytes
-        q = self.tile_m * self.head_dim * b * self.q_stage
-        do = self.tile_m * self.head_dim_v * b * self.do_stage
-        k = self.tile_n * self.head_dim * b
-        v = self.tile_n * self.head_dim_v * b
-        p = self.tile_m * self.tile_n * b * self.p_stage
-        ds = self.tile_m * self.tile_n * b * self.ds_stage
-        dq = self.dq_block_elems * 4 if self.dq_accum == "bulk" else 0
-        stats = self.stats_smem_bytes()
-        barriers = 8 * (1 + 2 * self.q_stage + 2 * self.do_stage)
-        # each buffer is 1024-byte aligned (swizzle atoms); the barriers sit in the first KiB
-        return 1024 + q + do + k + v + p + ds + dq + stats + max(0, barriers - 1024)
-
-    def stats_smem_bytes(self) -> int:
-        """LSE2 per Q stage and Delta per dO stage (``stats_smem``), 128-byte aligned."""
-        if not self.stats_smem:
-            return 0
-        return (align_up(self.tile_m * 4 * self.q_stage, 128)
-                + align_up(self.tile_m * 4 * self.do_stage, 128))
+        buffers = [
+            self.tile_m * self.head_dim * b * self.q_stage,  # Q
+            self.tile_m * self.head_dim_v * b * self.do_stage,  # dO
+            self.tile_n * self.head_dim * b,  # K
+            self.tile_n * self.head_dim_v * b,  # V
+            self.tile_m * self.tile_n * b * self.p_stage,  # P
+            self.tile_m * self.tile_n * b * self.ds_stage,  # dS
+            self.dq_block_elems * 4 if self.dq_accum == "bulk" else 16,  # dQ
+        ]
+        offset = 8 * (1 + 2 * self.q_stage + 2 * self.do_stage)  # mbarriers
+        for size in buffers:
+            if size:
+                offset = align_up(offset, SMEM_BUFFER_ALIGN) + size
+        if self.stats_smem:
+            for stages in (self.q_stage, self.do_stage):  # LSE2, Delta
+                offset = align_up(offset, 128) + self.tile_m * 4 * stages
+        return align_up(offset, SMEM_BUFFER_ALIGN)
 
     def validate(self) -> "BwdConfig":
         if self.dtype not in DTYPES:
