@@ -17,7 +17,8 @@ Warps (384 threads):
 The two MMA warpgroups split every GEMM in half: S and dP by key columns (warpgroup w owns
 keys 64w .. 64w+63), dV and dK by key rows (the same keys, so P and the dK operand dS^T
 never cross warpgroups), dQ by head-dim columns (this one reads all of dS; with tile_m 128
-by query rows, Note [tile_m 128]). Head dims above 128 split dV and dK by columns instead
+by query rows, Note [tile_m 128]; with tile_m 80 it is computed transposed, Note [dQ
+transposed]). Head dims above 128 split dV and dK by columns instead
 (Note [dK/dV by columns]).
 
 Note [dK/dV by columns] (``tile_n`` 64, ``BwdConfig.dkv_split_cols``; head dims 192 and
