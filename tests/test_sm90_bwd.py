@@ -170,11 +170,14 @@ def test_tile_m_128_stat_shuffle_sources_are_a_bijection():
 
 
 @pytest.mark.compile
-def test_tile_m_128_stat_shuffle_matches_the_wgmma_accumulator_layout():
+@pytest.mark.parametrize("tile_m,head_dim", [(128, 64), (80, 128)], ids=["tile_m128", "tile_m80"])
+def test_stat_shuffle_matches_the_wgmma_accumulator_layout(tile_m, head_dim):
     """The shuffle of Note [tile_m 128] assumes that every thread's S^T query columns are thread
-    0's plus 2 (lane % 4). Read the real partition of the S^T tiled MMA (tile_m=128) for the
-    lanes of one warp per warpgroup while cross-compiling, and check that each column's value
-    is fetched from the lane and slot that hold it."""
+    0's plus 2 (lane % 4). Read the real partition of the S^T tiled MMA (tile_m 128, and 80:
+    Note [dQ transposed]) for the lanes of one warp per warpgroup while cross-compiling, and
+    check that each column's value is fetched from the lane and slot that hold it, and, at
+    80 rows, that a slot-2/3 value comes from a lane that ``_shuffled_stats`` loaded (lanes
+    0-7: 64 + 2 lane < 80)."""
     import cutlass
     import cutlass.cute as cute
 
@@ -182,7 +185,7 @@ def test_tile_m_128_stat_shuffle_matches_the_wgmma_accumulator_layout():
     from fa_sm100.hopper.bwd_scores import held_query, query_stat_source
     from fa_sm100.hopper.common import rows_cols_view
 
-    cfg = select_bwd_config(head_dim=64, tile_m=128, sdp_swap_ab=True)
+    cfg = select_bwd_config(head_dim=head_dim, tile_m=tile_m, sdp_swap_ab=True)
     kernel = Sm90FlashBackward(cfg)
     cols = {}
 
@@ -196,16 +199,19 @@ def test_tile_m_128_stat_shuffle_matches_the_wgmma_accumulator_layout():
                 cols[t] = [int(rc[0, c][1]) for c in range(cute.size(rc, mode=[1]))]
 
     cute.compile(probe, options="--gpu-arch sm_90a")
-    assert len(cols) == 64 and all(len(v) == 32 for v in cols.values())
+    per_thread = tile_m // 4
+    assert len(cols) == 64 and all(len(v) == per_thread for v in cols.values())
     assert cols[5][:4] == [2, 3, 10, 11]  # lane 5: 2 (5 % 4) + {0, 1} + 8 j
     for t, qs in cols.items():
         lane = t % 32
         for c, q in enumerate(qs):
             base, slot = query_stat_source(cols[0][c])
-            assert held_query(base + lane % 4, slot) == q, (t, c, q)
-        # every thread sees 32 distinct queries, and the 4 lanes of a row group all 128
-        assert len(set(qs)) == 32
-    assert sorted(q for t in range(4) for q in cols[t]) == list(range(128))
+            src = base + lane % 4
+            assert held_query(src, slot) == q, (t, c, q)
+            assert slot < 2 or 2 * src < tile_m - 64, (t, c, src, slot)  # a loaded slot
+        # every thread sees distinct queries, and the 4 lanes of a row group all tile_m
+        assert len(set(qs)) == per_thread
+    assert sorted(q for t in range(4) for q in cols[t]) == list(range(tile_m))
 
 
 def test_swapped_sdp_has_no_p_buffer():
@@ -402,6 +408,7 @@ CONTRACT_CASES = [
     (["tile_m=80", "sdp_swap_ab=true", "early_dv=false", "causal=true", "deterministic=true",
       "qhead_per_kvhead=4", "window_left=100"], "UBLKRED"),
     (["tile_m=80", "sdp_swap_ab=true", "dq_accum=red", "dtype=float16"], "REDG.E.ADD.F32"),
+    (["tile_m=80", "sdp_swap_ab=true", "early_dv=true", "causal=true"], "UBLKRED"),
 ]
 
 
@@ -715,8 +722,8 @@ def test_sm90_bwd_tile_m_128_doubles_the_gemms_per_query_block(overrides, tmp_pa
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("overrides", [[], ["causal=true"], ["head_dim=64"]],
-                         ids=["d128", "d128-causal-swapped", "d64-m128"])
+@pytest.mark.parametrize("overrides", [["sdp_swap_ab=false"], ["causal=true"], ["head_dim=64"]],
+                         ids=["d128-unswapped", "d128-m80", "d64-m128"])
 def test_sm90_bwd_stats_come_with_their_stage(overrides, tmp_path):
     """stats_smem: the load warp bulk-copies LSE2 and Delta (one UBLKCP each per query block,
     on the Q / dO stage's mbarrier) and the MMA warpgroups read them from SMEM: fewer global

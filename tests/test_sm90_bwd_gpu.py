@@ -200,8 +200,8 @@ def test_sm90_bwd_gqa_reduce_modes(sm90_device, gqa_reduce, sdp_swap_ab):
 
 # sdp_swap_ab is named in every entry: its default depends on the head dim and causality; so
 # is dv_before_barrier wherever early_dv=False (its default is on with 128-row blocks).
-# Swapped entries take the head dim's default tile_m (128 at hdim 64), except the one that
-# pins the 64-row swapped path.
+# Swapped entries take the head dim's default tile_m (128 at hdim 64, 80 at hdim 128), except
+# the ones that pin the 64-row swapped path.
 SWITCHES = [
     dict(sdp_swap_ab=False, dq_accum="red", early_dv=False),
     dict(sdp_swap_ab=False, dq_accum="red", early_dv=True),
@@ -270,6 +270,8 @@ def test_sm90_bwd_deterministic_is_bitwise_reproducible(sm90_device, hk, causal,
     switches = {} if switch is None else {switch: True}
     if switch == "overlap_dk":  # unswapped only, so 64-row blocks at hdim 128
         switches["sdp_swap_ab"] = False
+    if switch == "sdp_swap_ab":  # the swapped 64-row path (the default is 80 rows)
+        switches["tile_m"] = 64
     cfg = select_bwd_config(head_dim=128, dq_accum=dq_accum, gqa_reduce="buffers", **switches)
     inputs, first = _run_case(2, 1000, 1000, 4, hk, 128, causal, window, torch.bfloat16,
                               deterministic=True, config=cfg)

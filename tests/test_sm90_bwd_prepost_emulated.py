@@ -88,7 +88,8 @@ def test_postprocess_sums_groups_scales_and_converts(head_dim, group, pitch, sca
     check_against_reference(out, ref64, want, what="postprocess")
 
 
-@pytest.mark.parametrize("overrides", [dict(head_dim=128), dict(head_dim=64),
+@pytest.mark.parametrize("overrides", [dict(head_dim=128, tile_m=64, sdp_swap_ab=False),
+                                       dict(head_dim=64),
                                        dict(head_dim=96, dtype="float16"), dict(head_dim=192),
                                        dict(head_dim=256),
                                        dict(head_dim=128, tile_m=80, sdp_swap_ab=True)],

@@ -57,9 +57,9 @@ class BwdConfig:
     window_right: Optional[int] = None
     qhead_per_kvhead: int = 1
     # tiles and pipelines
-    # query rows per inner iteration: 64 (one WGMMA M atom), or 128 with sdp_swap_ab (S^T and
+    # query rows per inner iteration: 64 (one WGMMA M atom), or with sdp_swap_ab 128 (S^T and
     # dP^T are 64 keys x 128 queries per warpgroup; dQ is split by query rows, see
-    # ``dq_split_rows``)
+    # ``dq_split_rows``) or 80 at hdim 128 (dQ computed transposed, see ``dq_swap_ab``)
     tile_m: int = 64
     # key rows owned by one CTA (dK/dV accumulated in registers): 128, the warpgroups owning
     # 64 key rows each; or 64, the warpgroups owning head-dim halves (Note [dK/dV by columns]
@@ -97,7 +97,7 @@ class BwdConfig:
     stats_smem: bool = True
     # Read a block's LSE2 (Delta) into registers right after its Q (dO) stage is ready and
     # before the S (dP) GEMM is issued, not after both GEMMs (Note [stats before the GEMMs]
-    # in bwd_kernel.py). tile_m 128 keeps its own order (Note [tile_m 128]).
+    # in bwd_kernel.py). Blocks of 80 / 128 rows keep their own order (Note [tile_m 128]).
     stats_first: bool = False
     # Poll a Q / dO stage's mbarrier once before the blocking wait (Note [try first] in
     # bwd_kernel.py); off where the extra live register makes ptxas spill.
@@ -344,7 +344,7 @@ def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = Fals
     gqa_reduce = overrides.pop("gqa_reduce", "buffers")
     swap = overrides.pop("sdp_swap_ab", head_dim in (64, 128))
     tile_m = overrides.pop("tile_m", _default_tile_m(head_dim, swap))
-    # 128-row blocks: dV right before the dS barrier (unless early dV is asked for)
+    # blocks of 80 / 128 rows: dV right before the dS barrier (unless early dV is asked for)
     early_dv = overrides.pop("early_dv", None)
     dv_mid = overrides.pop("dv_before_barrier", tile_m > TILE_M_ATOM and not early_dv)
     if early_dv is None:

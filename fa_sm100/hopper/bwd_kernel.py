@@ -3,7 +3,7 @@
 One CTA owns one (key block ``n_block``, query head, batch): it keeps K and V of its
 ``tile_n`` key rows (128; 64 above hdim 128) in SMEM and accumulates dK and dV in registers
 while it walks the query blocks that can see those keys. Per query block (``tile_m`` = 64
-rows, or 128 with ``sdp_swap_ab``) it recomputes S and dP and produces P and dS.
+rows, or 80 / 128 with ``sdp_swap_ab``) it recomputes S and dP and produces P and dS.
 
 Warps (384 threads):
 
@@ -124,9 +124,8 @@ poll the mbarrier once (``consumer_try_wait``) and pass the result as the token 
 blocking wait, which runs only if the poll failed. Without the token the wait lowers to
 try-wait + ``NANOSLEEP.SYNCS`` inside the loop body; with it, to a test and a branch to an
 out-of-line retry loop, as in the forward and in FA4. The token is one more live register:
-with swapped S/dP and a left window (GQA, deterministic) ptxas then spills, so
-``select_bwd_config`` turns it off with swapped S/dP and either a left window or
-``stats_smem=False`` (the latter spilled before the dQ and dK/dV stores were reworked).
+with swapped 64-row blocks and a left window (GQA, deterministic) ptxas then spills, so
+``select_bwd_config`` turns it off there and only there (the compile tests).
 
 dQ is accumulated in float32 in global memory by one of two switchable paths (``dq_accum``);
 the stores of dQ, dK and dV are in ``bwd_store.py`` (``BwdStoreRole``, with Note [dQ SMEM
@@ -188,8 +187,9 @@ class Sm90FlashBackward(BwdStoreRole, BwdScoresRole):
         self.sQ_layout = self._smem_layout(self.tile_m, self.hdim, c.q_stage, self.hdim // split)
         self.sdO_layout = self._smem_layout(self.tile_m, self.hdimv, c.do_stage,
                                             self.hdimv // split)
-        # K is also the MN-major B of dQ: split by head-dim columns over the two warpgroups
-        # (tile_m 64), or read whole by both (tile_m 128, dQ split by query rows).
+        # K is also the MN-major B of dQ, split by head-dim columns over the two warpgroups
+        # (tile_m 64), or read whole by both (tile_m 128, dQ split by query rows); with tile_m
+        # 80 K^T is dQ^T's MN-major A, split by head-dim halves (Note [dQ transposed]).
         k_major = self.hdim if c.dq_split_rows else self.hdim // 2
         self.sK_layout = self._smem_layout(self.tile_n, self.hdim, None, k_major)
         self.sV_layout = self._smem_layout(self.tile_n, self.hdimv, None, self.hdimv)
@@ -484,7 +484,7 @@ class Sm90FlashBackward(BwdStoreRole, BwdScoresRole):
         m128 = self.cfg.shuffled_stats  # tile_m 80 / 128 (swapped only): Note [tile_m 128]
         late_p = m128 and not self.cfg.early_dv  # P^T converted after dS
         ds_from_p16 = m128 and self.cfg.early_dv  # dS = P^T (16 bits) (dP^T - Delta)
-        stats_first = self.cfg.stats_first and not m128  # tile_m 128 shuffles them later
+        stats_first = self.cfg.stats_first and not m128  # shuffled stats come later
         dv_mid = self.cfg.dv_before_barrier  # validate(): only without early_dv
         p_staged = self.cfg.p_stage > 1  # Note [dK/dV by columns]
         wg = cute.arch.make_warp_uniform(tidx // WARPGROUP_THREADS)

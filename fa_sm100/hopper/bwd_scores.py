@@ -3,8 +3,8 @@ where each thread's LSE2 and Delta come from, P = exp2(S * scale_log2 - LSE2) wi
 causal / sliding-window / tail mask, and dS = P (dP - Delta).
 
 The accumulators these act on are S and dP (unswapped: rows are queries) or S^T and dP^T
-(``sdp_swap_ab``: rows are keys, Note [swapped S/dP] in bwd_kernel.py); with ``tile_m`` 128
-the LSE2/Delta values are shuffled between lanes (Note [tile_m 128]). The kernel's Notes
+(``sdp_swap_ab``: rows are keys, Note [swapped S/dP] in bwd_kernel.py); with ``tile_m`` 80
+or 128 the LSE2/Delta values are shuffled between lanes (Note [tile_m 128]). The kernel's Notes
 [stats with their stage] and [stats before the GEMMs] say where and when the statistics are
 read.
 """
