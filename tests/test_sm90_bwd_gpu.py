@@ -278,17 +278,19 @@ def test_sm90_bwd_deterministic_is_bitwise_reproducible(sm90_device, hk, causal,
     _assert_reproducible(inputs, first, causal, window, cfg)
 
 
+@pytest.mark.parametrize("tile_m,d", [(128, 64), (80, 128)], ids=["tile_m128", "tile_m80"])
 @pytest.mark.parametrize("hk,causal,window,dq_accum", [
     (4, False, (None, None), "bulk"), (1, True, (None, None), "bulk"),
     (2, True, (None, None), "red"), (4, False, (96, 0), "bulk")],
     ids=lambda x: str(x))
-def test_sm90_bwd_tile_m_128_deterministic_is_bitwise_reproducible(sm90_device, hk, causal,
-                                                                   window, dq_accum):
-    """The dQ semaphore counts 128-row query blocks (tile_m=128)."""
+def test_sm90_bwd_wide_blocks_deterministic_is_bitwise_reproducible(sm90_device, hk, causal,
+                                                                    window, dq_accum, tile_m, d):
+    """The dQ semaphore counts 128-row (hdim 64) and 80-row (hdim 128, Note [dQ transposed])
+    query blocks."""
     from fa_sm100.hopper.bwd_config import select_bwd_config
 
-    cfg = select_bwd_config(head_dim=64, dq_accum=dq_accum, tile_m=128, sdp_swap_ab=True)
-    inputs, first = _run_case(2, 1000, 1100, 4, hk, 64, causal, window, torch.bfloat16,
+    cfg = select_bwd_config(head_dim=d, dq_accum=dq_accum, tile_m=tile_m, sdp_swap_ab=True)
+    inputs, first = _run_case(2, 1000, 1100, 4, hk, d, causal, window, torch.bfloat16,
                               deterministic=True, config=cfg)
     _assert_reproducible(inputs, first, causal, window, cfg)
 
@@ -308,16 +310,3 @@ def test_sm90_bwd_wide_head_dims_deterministic_is_bitwise_reproducible(sm90_devi
                               deterministic=True, config=cfg)
     _assert_reproducible(inputs, first, True, window, cfg)
 
-
-@pytest.mark.parametrize("hk,causal,window,dq_accum", [
-    (4, False, (None, None), "bulk"), (2, True, (None, None), "red"), (1, False, (96, 0), "bulk")],
-    ids=lambda x: str(x))
-def test_sm90_bwd_tile_m_80_deterministic_is_bitwise_reproducible(sm90_device, hk, causal,
-                                                                  window, dq_accum):
-    """The dQ semaphore counts 80-row query blocks (tile_m=80, Note [dQ transposed])."""
-    from fa_sm100.hopper.bwd_config import select_bwd_config
-
-    cfg = select_bwd_config(head_dim=128, dq_accum=dq_accum, tile_m=80, sdp_swap_ab=True)
-    inputs, first = _run_case(2, 1000, 1100, 4, hk, 128, causal, window, torch.bfloat16,
-                              deterministic=True, config=cfg)
-    _assert_reproducible(inputs, first, causal, window, cfg)
