@@ -10,7 +10,8 @@ Providers: ``ours`` (fa_sm100's forward), ``fa4`` (flash_attn.cute, when importa
 total_tokens / seqlen, heads = hidden / hdim, fresh random inputs, median time of
 ``triton.testing.do_bench`` (CUDA events when triton is missing). V's head dim is the
 forward's default for hdim (``fa_sm100.config.default_head_dim_v``: 128 with 192, else hdim).
-TFLOP/s counts 2 * b * h * s_q * s_k * (d + dv) (the two GEMMs), halved for causal. Ratios are against the best
+TFLOP/s counts 2 * b * h * s_q * s_k * (d + dv) (the two GEMMs), halved for causal. Ratios
+are against the best
 peer measured in this run.
 
 On sm_90, ours is timed through ``prepare_sm90_fwd``: input validation, config choice, compile

@@ -342,14 +342,14 @@ def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = Fals
         for name, value in _wide_head_defaults(head_dim).items():
             overrides.setdefault(name, value)
     gqa_reduce = overrides.pop("gqa_reduce", "buffers")
-    swap = overrides.pop("sdp_swap_ab", head_dim in (64, 128))
+    # swapped where its wider query blocks fit (Notes [tile_m 128], [dQ transposed])
+    swap = overrides.pop("sdp_swap_ab", head_dim in TILE_M_128_HEAD_DIMS + TILE_M_80_HEAD_DIMS)
     tile_m = overrides.pop("tile_m", _default_tile_m(head_dim, swap))
     # blocks of 80 / 128 rows: dV right before the dS barrier (unless early dV is asked for)
     early_dv = overrides.pop("early_dv", None)
     dv_mid = overrides.pop("dv_before_barrier", tile_m > TILE_M_ATOM and not early_dv)
     if early_dv is None:
         early_dv = not (causal or windowed or dv_mid or wide)
-    stats_smem = overrides.pop("stats_smem", True)
     cfg = BwdConfig(
         head_dim=head_dim,
         head_dim_v=head_dim_v,
@@ -365,7 +365,6 @@ def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = Fals
         sdp_swap_ab=swap,
         tile_m=tile_m,
         overlap_dk=overrides.pop("overlap_dk", False),
-        stats_smem=stats_smem,
         # swapped 64-row blocks with a left window's extra compares leave no register for
         # the token (the compile tests)
         try_wait=overrides.pop("try_wait", not (swap and tile_m == TILE_M_ATOM
@@ -377,7 +376,7 @@ def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = Fals
 def _default_tile_m(head_dim: int, swap: bool) -> int:
     """Query rows per block: 128 for swapped hdim 64 (Note [tile_m 128]), 80 for swapped
     hdim 128 (Note [dQ transposed]), else 64."""
-    if swap and head_dim == 64:
+    if swap and head_dim in TILE_M_128_HEAD_DIMS:
         return TILE_M_SWAPPED_HDIM64
     if swap and head_dim in TILE_M_80_HEAD_DIMS:
         return TILE_M_DQ_TRANSPOSED

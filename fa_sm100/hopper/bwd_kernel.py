@@ -197,8 +197,7 @@ class Sm90FlashBackward(BwdStoreRole, BwdScoresRole):
         # with tile_n 64 both). With sdp_swap_ab P stays in registers and has no buffer.
         self.sP_layout = None
         if c.p_stage:
-            self.sP_layout = self._smem_layout(self.tile_m, self.tile_n,
-                                               c.p_stage if c.p_stage > 1 else None, PS_ATOM_COLS)
+            self.sP_layout = self._smem_layout(self.tile_m, self.tile_n, c.p_stage, PS_ATOM_COLS)
         self.sdS_layout = self._smem_layout(self.tile_m, self.tile_n, c.ds_stage, PS_ATOM_COLS)
 
     def _tiled_mmas(self):
@@ -481,12 +480,12 @@ class Sm90FlashBackward(BwdStoreRole, BwdScoresRole):
         P^T and dS^T stay in registers as the A operands of dV and dK, and only dS^T goes to
         SMEM (transposed, into the dS image that dQ reads)."""
         swap = self.cfg.sdp_swap_ab
-        m128 = self.cfg.shuffled_stats  # tile_m 80 / 128 (swapped only): Note [tile_m 128]
-        late_p = m128 and not self.cfg.early_dv  # P^T converted after dS
-        ds_from_p16 = m128 and self.cfg.early_dv  # dS = P^T (16 bits) (dP^T - Delta)
-        stats_first = self.cfg.stats_first and not m128  # shuffled stats come later
+        shuffled = self.cfg.shuffled_stats  # tile_m 80 / 128 (swapped only): Note [tile_m 128]
+        late_p = shuffled and not self.cfg.early_dv  # P^T converted after dS
+        ds_from_p16 = shuffled and self.cfg.early_dv  # dS = P^T (16 bits) (dP^T - Delta)
+        stats_first = self.cfg.stats_first and not shuffled  # shuffled stats come later
         dv_mid = self.cfg.dv_before_barrier  # validate(): only without early_dv
-        p_staged = self.cfg.p_stage > 1  # Note [dK/dV by columns]
+        p_staged = self.cfg.p_stage > 1  # Note [dK/dV by columns]: P double-buffered like dS
         wg = cute.arch.make_warp_uniform(tidx // WARPGROUP_THREADS)
         wg_thread = wg * WARPGROUP_THREADS
         thr_sdp = mma_sdp.get_slice(tidx)
@@ -552,7 +551,7 @@ class Sm90FlashBackward(BwdStoreRole, BwdScoresRole):
             self._sdp_gemm(mma_sdp, acc_dP, tdPrdO[None, None, None, state_do.index], tdPrV)
             S = rows_cols_view(acc_S)
             dP = rows_cols_view(acc_dP)
-            if const_expr(m128):
+            if const_expr(shuffled):
                 lse = self._shuffled_stats(lse_block)
             elif const_expr(not stats_first):
                 lse = self._query_stats(lse_block, thr_sdp, sdp_shape, tScS)
@@ -564,17 +563,14 @@ class Sm90FlashBackward(BwdStoreRole, BwdScoresRole):
             if self._block_needs_mask(m_block, n_block, seqlen_q, seqlen_k):
                 self._mask(S, tScS, m_block, n_block, seqlen_q, seqlen_k)
             self._exp2_rows(S, lse, scale_log2, tScS0)
-            if const_expr(m128):  # Delta after P: its registers never live beside LSE2's
+            if const_expr(shuffled):  # Delta after P: its registers never live beside LSE2's
                 dpsum = self._shuffled_stats(delta_block)
             rP = cute.make_fragment_like(acc_S, self.dtype)
             if const_expr(not swap):
                 rP.store(acc_S.load().to(self.dtype))
-                if const_expr(p_staged):  # Note [dK/dV by columns]
-                    cute.copy(st_copy, st_thr.retile(rP), tPsP[None, None, None, ds_idx])
-                    tdVrPt_cur = tdVrPt[None, None, None, ds_idx]
-                else:
-                    cute.copy(st_copy, st_thr.retile(rP), tPsP)
-                    tdVrPt_cur = tdVrPt
+                p_idx = ds_idx if p_staged else 0
+                cute.copy(st_copy, st_thr.retile(rP), tPsP[None, None, None, p_idx])
+                tdVrPt_cur = tdVrPt[None, None, None, p_idx]
             elif const_expr(not late_p):
                 convert_to(rP, acc_S)  # whole registers: the A operand of dV as it is
                 tdVrPt_cur = operand_a_view(rP)

@@ -12,8 +12,8 @@ where the accumulator block is in fragment order (Note [dQ in fragment order] in
 bwd_store.py): 256 threads stand in for the main kernel's MMA threads, each loads its own
 dq_groups x 16 bytes (coalesced) and writes them to the rows and columns the same tiled MMA
 (``dq_tiled_mma``) assigns, two columns (4 bytes) per store; a transposed accumulator
-(tile_m 80: adjacent registers are adjacent queries) is stored 2 bytes per element. The scale is applied here because
-the main kernel leaves it out of its per-block dQ tiles.
+(tile_m 80: adjacent registers are adjacent queries) is stored 2 bytes per element. The scale
+is applied here because the main kernel leaves it out of its per-block dQ tiles.
 
 GQA dK/dV postprocess (``BwdPostprocess``), per output row:
     out[b, i, h, :] = scale * sum_{g < G} acc[b, h * G + g, i, :]   converted to the output dtype

@@ -5,8 +5,8 @@ dQ is accumulated in float32 in global memory, by one of two switchable paths (`
 "bulk" stages the dQ tile in SMEM and the dq-store warp adds it with one bulk reduce; "red"
 adds from the MMA registers, one ``red.global.add.v4.f32`` per four registers (16 contiguous
 bytes in fragment order: a quarter of the scalar reductions; at hdim 256 this made "red"
-2.5-3.1x faster and the fastest path, docs/hopper_backward.md). Deterministic mode orders the additions:
-the CTAs that touch a query block add in increasing ``n_block`` order, through a
+2.5-3.1x faster and the fastest path, docs/hopper_backward.md). Deterministic mode orders the
+additions: the CTAs that touch a query block add in increasing ``n_block`` order, through a
 per-(batch, head, m_block) semaphore. Both add dS K without the softmax scale: the
 postprocess applies it once per element (instead of a multiply per element per key block).
 
@@ -23,9 +23,9 @@ Note [dK/dV by TMA] (``dkv_tma_store``, MHA): after the last query block every G
 both warpgroups has retired (``EPILOGUE`` barrier), so K's and V's SMEM buffers are free; the
 warpgroups write scaled dK and dV there with stmatrix, fence, meet again, and one warp stores
 both tiles by TMA (one store per swizzle box; rows past seqlen_k are clipped by the TMA unit)
-and waits for them to read SMEM before the CTA exits. The direct path (``dkv_tma_store=False``, and GQA's
-float32 buffers) stores 2-byte elements from registers: 128 STG.U16 per thread at hdim 128,
-each touching 8 rows of 16 bytes.
+and waits for them to read SMEM before the CTA exits. The direct path
+(``dkv_tma_store=False``, and GQA's float32 buffers) stores 2-byte elements from registers:
+128 STG.U16 per thread at hdim 128, each touching 8 rows of 16 bytes.
 
 Note [dQ SMEM handoff] ("bulk"): per query block the dq-store warp waits until its previous
 bulk reduce has read the tile (``cp.async.bulk.wait_group.read 0``), arrives on ``DQ_EMPTY``,
@@ -182,8 +182,8 @@ class BwdStoreRole:
         # every dQ GEMM (reads K) and S/dP GEMM (K, V) of both warpgroups has retired
         cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.EPILOGUE),
                           number_of_threads=self.num_mma_threads)
-        stmatrix_to_smem(mma_dk, self.dtype, tidx, ((rdK, sK),))
-        stmatrix_to_smem(mma_dv, self.dtype, tidx, ((rdV, sV),))
+        stmatrix_to_smem(mma_dk, self.dtype, tidx, rdK, sK)
+        stmatrix_to_smem(mma_dv, self.dtype, tidx, rdV, sV)
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.EPILOGUE),
                           number_of_threads=self.num_mma_threads)

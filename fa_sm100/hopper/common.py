@@ -65,15 +65,14 @@ def wgmma(tiled_mma: cute.TiledMma, acc: cute.Tensor, frag_a: cute.Tensor, frag_
         warpgroup.wait_group(wait)
 
 
-def stmatrix_to_smem(tiled_mma: cute.TiledMma, dtype, tidx, pairs):
-    """Store 16-bit register tensors shaped like ``tiled_mma``'s accumulator into SMEM tiles
-    with stmatrix (8x8 matrices, four per instruction): ``pairs`` of (registers, SMEM tile).
-    The epilogues of both kernels (O; dK and dV) go to SMEM this way before their TMA store."""
+def stmatrix_to_smem(tiled_mma: cute.TiledMma, dtype, tidx, regs, smem):
+    """Store a 16-bit register tensor shaped like ``tiled_mma``'s accumulator into an SMEM
+    tile with stmatrix (8x8 matrices, four per instruction). The epilogues of both kernels
+    (O; dK and dV) go to SMEM this way before their TMA store."""
     atom = cute.make_copy_atom(
         cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), dtype)
     thr = cute.make_tiled_copy_C(atom, tiled_mma).get_slice(tidx)
-    for regs, smem in pairs:
-        cute.copy(atom, thr.retile(regs), thr.partition_D(smem))
+    cute.copy(atom, thr.retile(regs), thr.partition_D(smem))
 
 
 # ---- host side ---------------------------------------------------------------------------------

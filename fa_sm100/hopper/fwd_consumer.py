@@ -285,7 +285,7 @@ class ConsumerRole:
         # read sO before anyone writes O there.
         cute.arch.barrier(barrier_id=int(Sm90FwdBarrier.EPILOGUE),
                           number_of_threads=self.num_consumer_threads)
-        stmatrix_to_smem(tiled_mma_pv, self.dtype, tidx, ((rO, sO),))
+        stmatrix_to_smem(tiled_mma_pv, self.dtype, tidx, rO, sO)
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=int(Sm90FwdBarrier.EPILOGUE),
                           number_of_threads=self.num_consumer_threads)
