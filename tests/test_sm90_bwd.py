@@ -120,6 +120,12 @@ def test_default_configs_fit_smem_and_follow_the_measured_choices():
     assert not select_bwd_config(window_left=10, tile_m=64).try_wait
     assert select_bwd_config(window_left=10, sdp_swap_ab=False).try_wait
     assert select_bwd_config(causal=True, stats_smem=False).try_wait
+    # Note [dQ SMEM handoff]: per warpgroup, except deterministic with a left window (spills)
+    assert select_bwd_config().dq_handoff_per_wg
+    assert select_bwd_config(window_left=10).dq_handoff_per_wg
+    assert select_bwd_config(deterministic=True, causal=True).dq_handoff_per_wg
+    assert not select_bwd_config(deterministic=True, window_left=10).dq_handoff_per_wg
+    assert not select_bwd_config(dq_handoff_per_wg=False).dq_handoff_per_wg
 
 
 def test_tile_m_128_is_swapped_hdim64_only_and_overridable():
@@ -409,6 +415,9 @@ CONTRACT_CASES = [
       "qhead_per_kvhead=4", "window_left=100"], "UBLKRED"),
     (["tile_m=80", "sdp_swap_ab=true", "dq_accum=red", "dtype=float16"], "REDG.E.ADD.F32"),
     (["tile_m=80", "sdp_swap_ab=true", "early_dv=true", "causal=true"], "UBLKRED"),
+    # Note [dQ SMEM handoff]: one handoff of the whole tile
+    (["dq_handoff_per_wg=false"], "UBLKRED"),
+    (["head_dim=64", "dq_handoff_per_wg=false", "deterministic=true", "causal=true"], "UBLKRED"),
 ]
 
 
@@ -503,6 +512,33 @@ def test_sm90_bwd_dq_leaves_in_16_byte_stores(overrides, tmp_path):
     ops = _main_loop_ops(_sass_text(tmp_path))
     assert cfg.dq_groups == cfg.tile_m * cfg.head_dim // 1024  # 256 threads x 4 floats
     assert [op for op in ops if op.startswith("STS.")] == ["STS.128"] * cfg.dq_groups
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("overrides,per_wg", [([], True), (["dq_handoff_per_wg=false"], False),
+                                              (["head_dim=64", "deterministic=true"], True),
+                                              (["head_dim=96", "dq_handoff_per_wg=false"], False)],
+                         ids=["d128", "d128-whole-tile", "d64-deterministic", "d96-whole-tile"])
+def test_sm90_bwd_dq_handoff_barriers(overrides, per_wg, tmp_path):
+    """Note [dQ SMEM handoff]: per warpgroup, the MMA warps wait on DQ_EMPTY_WG0 / _WG1 and
+    arrive on DQ_FULL_WG0 / _WG1 with 128 + 32 threads and the dq-store warp issues one bulk
+    reduce per warpgroup half; with one handoff, ids DQ_EMPTY_WG0 / DQ_FULL_WG0 only, with
+    256 + 32 threads, and one bulk reduce."""
+    from fa_sm100.hopper.named_barriers import Sm90BwdBarrier as B
+    from fa_sm100.inspection import inspect_kernel
+
+    inspect_kernel("sm90_bwd", "sm_90a", overrides, keep_dir=tmp_path)
+    sass = _sass_text(tmp_path)
+    # (barrier id, thread count) of every named barrier of a handoff's size (others: 128, 256)
+    bars = {(int(i, 16), int(c, 16))
+            for i, c in re.findall(r"BAR\.[\w.]+ (0x[0-9a-f]+), (0x[0-9a-f]+)", sass)
+            if int(c, 16) in (160, 288)}
+    if per_wg:
+        want = {(int(b), 160) for b in (B.DQ_EMPTY_WG0, B.DQ_EMPTY_WG1, B.DQ_FULL_WG0, B.DQ_FULL_WG1)}
+    else:
+        want = {(int(B.DQ_EMPTY_WG0), 288), (int(B.DQ_FULL_WG0), 288)}
+    assert bars == want
+    assert len(re.findall(r"UBLKRED", sass)) == (2 if per_wg else 1)
 
 
 @pytest.mark.compile
@@ -644,6 +680,28 @@ def test_preprocess_and_postprocess_cross_compile_for_sm90a():
     # a cached kernel is returned without building or faking anything again (sm90_bwd's hot path)
     never = lambda: pytest.fail("built on a cache hit")  # noqa: E731
     assert _compiled("test-pre", 128, never, never) is pre
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("overrides", [dict(head_dim=64), dict(head_dim=128),
+                                       dict(head_dim=96, tile_m=64, dtype="float16"),
+                                       dict(head_dim=256)],
+                         ids=["d64-tile_m128", "d128-tile_m80-transposed", "d96", "d256"])
+def test_dq_postprocess_stores_whole_16_byte_pieces(overrides):
+    """Note [dQ out through SMEM]: dq leaves in 16-byte STG.E.128 only (tile_m x hdim / 8
+    per CTA, spread over its 256 threads), read back from SMEM in LDS.128, with one barrier
+    between; stored straight from the MMA layout it took 4- or 2-byte STGs."""
+    from fa_sm100.compile_tools import cross_compile, sass_full_histogram
+    from fa_sm100.hopper.bwd_interface import fake_dq_post_arguments
+    from fa_sm100.hopper.bwd_prepost import DqPostprocess
+
+    cfg = select_bwd_config(**overrides)
+    art = cross_compile(DqPostprocess(cfg), fake_dq_post_arguments(cfg), "sm_90a")
+    ops = sass_full_histogram(art.sass)
+    per_thread = cfg.tile_m * cfg.head_dim // 8 // 256
+    assert {k: v for k, v in ops.items() if k.startswith("STG")} == {"STG.E.128": per_thread}
+    assert ops.get("LDS.128") == per_thread and ops.get("BAR.SYNC.DEFER_BLOCKING") == 1
+    assert ops.get("LDG.E.128") == cfg.dq_groups  # the fragment-order loads, unchanged
 
 
 SWAP_CASES = [[], ["causal=true", "head_dim=64"], ["head_dim=96", "dq_accum=red", "early_dv=false"]]

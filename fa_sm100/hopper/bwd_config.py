@@ -75,6 +75,11 @@ class BwdConfig:
     # cp.reduce.async.bulk per query block; "red" = red.global.add.v4.f32 from the MMA
     # registers (no SMEM tile).
     dq_accum: str = "bulk"
+    # "bulk" dQ: each MMA warpgroup hands its half of the SMEM dQ tile to the dq-store warp on
+    # its own pair of barriers, and the warp reduces the halves separately (Note [dQ SMEM
+    # handoff] in bwd_store.py); off: one handoff of the whole tile, which waits for both
+    # warpgroups.
+    dq_handoff_per_wg: bool = True
     # Issue dV += P^T dO right after P is in SMEM, overlapping it with the dS math
     # (select_bwd_config: on for non-causal problems, where it measured faster).
     early_dv: bool = True
@@ -369,6 +374,10 @@ def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = Fals
         # the token (the compile tests)
         try_wait=overrides.pop("try_wait", not (swap and tile_m == TILE_M_ATOM
                                                 and window_left is not None)),
+        # deterministic with a left window: per-warpgroup barrier selection tips ptxas into
+        # spilling (~180 B, and serialized WGMMAs) at tile_m 80 (the compile tests)
+        dq_handoff_per_wg=overrides.pop("dq_handoff_per_wg",
+                                        not (deterministic and window_left is not None)),
     )
     return cfg.replace(**overrides).validate()
 

@@ -10,10 +10,17 @@ dQ postprocess (``DqPostprocess``), per query block of one (batch, head):
     dq[b, rows, h, :] = softmax_scale * acc[b, h, block]   converted to the input dtype
 where the accumulator block is in fragment order (Note [dQ in fragment order] in
 bwd_store.py): 256 threads stand in for the main kernel's MMA threads, each loads its own
-dq_groups x 16 bytes (coalesced) and writes them to the rows and columns the same tiled MMA
-(``dq_tiled_mma``) assigns, two columns (4 bytes) per store; a transposed accumulator
-(tile_m 80: adjacent registers are adjacent queries) is stored 2 bytes per element. The scale
-is applied here because the main kernel leaves it out of its per-block dQ tiles.
+dq_groups x 16 bytes (coalesced) and writes them into a row-major SMEM tile at the rows and
+columns the same tiled MMA (``dq_tiled_mma``) assigns; then every thread stores whole
+16-byte row pieces of that tile to dq (Note [dQ out through SMEM]). The scale is applied here
+because the main kernel leaves it out of its per-block dQ tiles.
+
+Note [dQ out through SMEM]: stored straight from the MMA layout, a warp's stores hit 8 rows
+with 16 bytes each (4 bytes per lane; 2 with the transposed accumulator of tile_m 80): half
+sectors, which the L2 merges and the LSU queues (Nsight Compute, hdim 64, 1k: 2.3 TB/s,
+83 us against FA4's 4.0 TB/s, 45 us, its warps stalled on the LSU queue). Through SMEM each
+lane stores 16 contiguous bytes and a warp whole rows. The tile's rows are padded by 16
+bytes, so the MMA-layout writes (8 rows x 4 lanes per warp) fall in distinct banks.
 
 GQA dK/dV postprocess (``BwdPostprocess``), per output row:
     out[b, i, h, :] = scale * sum_{g < G} acc[b, h * G + g, i, :]   converted to the output dtype
@@ -38,6 +45,7 @@ from fa_sm100.hopper.config import WARPGROUP_THREADS
 THREADS_PER_ROW = 16
 CTA_THREADS = 256
 ROWS_PER_CTA = CTA_THREADS // THREADS_PER_ROW
+OUT_VEC = 8  # 16-bit elements per 16-byte store of the dQ postprocess
 LOG2_E = math.log2(math.e)
 
 
@@ -138,45 +146,56 @@ class DqPostprocess:
         self.cfg = cfg
         self.tile_m, self.hdim = cfg.tile_m, cfg.head_dim
         self.threads = WARPGROUP_THREADS * cfg.num_mma_warpgroups
+        # Note [dQ out through SMEM]: 16-byte pieces of the row-major tile, rows padded
+        self.pieces_per_row = self.hdim // OUT_VEC
+        self.pitch = self.hdim + OUT_VEC
+        assert (self.tile_m * self.pieces_per_row) % self.threads == 0, (self.tile_m, self.hdim)
+
+    def smem_bytes(self, dtype) -> int:
+        return self.tile_m * self.pitch * dtype.width // 8
 
     @cute.jit
     def __call__(self, mAcc: cute.Tensor, mOut: cute.Tensor, scale: Float32, stream):
         mma = dq_tiled_mma(self.cfg, mOut.element_type)
         self.kernel(mAcc, mOut, scale, mma).launch(
             grid=[mAcc.shape[2], mOut.shape[2], mOut.shape[0]], block=[self.threads, 1, 1],
-            stream=stream)
+            smem=self.smem_bytes(mOut.element_type), stream=stream)
 
     @cute.kernel
     def kernel(self, mAcc, mOut, scale: Float32, mma: cute.TiledMma):
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
         thr = mma.get_slice(tidx)
-        swap = self.cfg.dq_swap_ab  # the accumulator is dQ^T (Note [dQ transposed])
         acc = cute.make_rmem_tensor(mma.partition_shape_C(dq_tile_shape(self.cfg)), Float32)
         src = cute.make_ptr(Float32, mAcc[batch, head, m_block, None].iterator.toint(),
                             cute.AddressSpace.gmem, assumed_align=16)
         cute.autovec_copy(dq_fragment_view(self.cfg, src, tidx), dq_registers(self.cfg, acc))
         out = cute.make_fragment_like(acc, mOut.element_type)
         out.store((acc.load() * scale).to(mOut.element_type))
-        gOut = cute.local_tile(mOut[batch, None, head, None], (self.tile_m, self.hdim), (m_block, 0))
-        if const_expr(swap):  # (hdim, tile_m), as the accumulator
-            gOut = cute.make_tensor(gOut.iterator, cute.select(gOut.layout, mode=[1, 0]))
-        tOgO = thr.partition_C(gOut)
-        tOcO = thr.partition_C(cute.make_identity_tensor(dq_tile_shape(self.cfg)))
+        # 1. registers -> the row-major SMEM tile (tile_m, hdim), at the MMA's coordinates
+        smem = cutlass.utils.SmemAllocator()
+        sOut = smem.allocate_tensor(mOut.element_type,
+                                    cute.make_layout((self.tile_m, self.hdim), stride=(self.pitch, 1)),
+                                    byte_alignment=16)
+        sAcc = sOut
+        if const_expr(self.cfg.dq_swap_ab):  # the accumulator is dQ^T (Note [dQ transposed])
+            sAcc = cute.make_tensor(sOut.iterator, cute.select(sOut.layout, mode=[1, 0]))
+        cute.autovec_copy(out, thr.partition_C(sAcc))
+        cute.arch.barrier()
+        # 2. the tile -> dq, one 16-byte piece of a row per thread and step; rows of the block
+        # past seqlen_q are not stored
         rows_left = mOut.shape[1] - m_block * self.tile_m
-        if const_expr(swap):
-            # adjacent accumulator columns are adjacent queries, a row apart in memory: one
-            # 2-byte store each (8 lanes write 16 contiguous bytes of one query row)
-            for i in cutlass.range_constexpr(cute.size(out)):
-                if tOcO[i][1] < rows_left:
-                    tOgO[i] = out[i]
-        else:
-            # pairs of adjacent columns (mode 0 of the accumulator's first mode): one 4-byte store
-            for v in cutlass.range_constexpr(cute.size(out) // 2):
-                if tOcO[2 * v][0] < rows_left:
-                    cute.autovec_copy(_pair(out, v), _pair(tOgO, v))
+        gOut = cute.local_tile(mOut[batch, None, head, None], (self.tile_m, self.hdim), (m_block, 0))
+        for step in cutlass.range_constexpr(self.tile_m * self.pieces_per_row // self.threads):
+            piece = step * self.threads + tidx
+            row, col = piece // self.pieces_per_row, piece % self.pieces_per_row
+            if row < rows_left:
+                cute.autovec_copy(_piece(sOut[row, None], col), _piece(gOut[row, None], col))
 
 
-def _pair(t, v: int):
-    """Elements 2 v and 2 v + 1 of an accumulator-shaped tensor (adjacent columns)."""
-    return cute.make_tensor(t.iterator + cute.crd2idx(2 * v, t.layout), cute.make_layout(2))
+def _piece(row, col):
+    """16-byte piece ``col`` of a contiguous row of 16-bit elements, as one aligned vector
+    (rows start 16-byte aligned: dq's head dim is a multiple of 8, SMEM rows are padded by 8)."""
+    ptr = row.iterator + col * OUT_VEC
+    return cute.make_tensor(cute.make_ptr(row.element_type, ptr.toint(), ptr.memspace,
+                                          assumed_align=16), cute.make_layout(OUT_VEC))

@@ -23,14 +23,18 @@ class Sm90BwdBarrier(IntEnum):
     DQ_TURN = 2
     # Both MMA warpgroups: every dQ addition of this CTA for this query block is issued.
     DQ_DONE = 3
-    # "bulk" dQ: the dq-store warp (32 threads) arrives when the SMEM dQ tile may be
-    # overwritten; the MMA warpgroups (256) wait. 288 threads.
-    DQ_EMPTY = 4
-    # "bulk" dQ: the MMA warpgroups arrive when the dQ tile is in SMEM; the dq-store warp waits.
-    DQ_FULL = 5
+    # "bulk" dQ (Note [dQ SMEM handoff]): the dq-store warp (32 threads) arrives when the SMEM
+    # dQ tile may be overwritten and the MMA warpgroups wait; then the MMA warpgroups arrive
+    # when the tile is in SMEM and the dq-store warp waits. Per warpgroup w (its half of the
+    # tile, 128 + 32 threads): DQ_EMPTY_WG0 + w and DQ_FULL_WG0 + w; with one handoff of the
+    # whole tile (``dq_handoff_per_wg=False``): DQ_EMPTY_WG0 and DQ_FULL_WG0, 256 + 32 threads.
+    DQ_EMPTY_WG0 = 4
+    DQ_EMPTY_WG1 = 5
+    DQ_FULL_WG0 = 6
+    DQ_FULL_WG1 = 7
     # early dV: warpgroup w's 128 threads have stored their P (P_READY_WG0 + w).
-    P_READY_WG0 = 6
-    P_READY_WG1 = 7
+    P_READY_WG0 = 8
+    P_READY_WG1 = 9
     # MHA dK/dV by TMA: both MMA warpgroups' GEMMs have retired (K and V may be overwritten),
     # then dK and dV are in SMEM (256 threads).
-    EPILOGUE = 8
+    EPILOGUE = 10
