@@ -223,6 +223,7 @@ def _record_launches(out: list):
                 "block": _static_dims(kwargs.get("block")),
                 "cluster": _static_dims(kwargs.get("cluster")) or (1, 1, 1),
                 "smem": smem if isinstance(smem, int) else None,
+                "use_pdl": bool(kwargs.get("use_pdl", False)),
             })
         except Exception:  # recording must never change what the compile does
             pass

@@ -668,9 +668,9 @@ def test_preprocess_and_postprocess_cross_compile_for_sm90a():
     from fa_sm100.hopper.bwd_prepost import BwdPostprocess, BwdPreprocess, DqPostprocess
 
     dt = cutlass_dtype("bfloat16")
-    pre = _compiled("test-pre", 128, lambda: BwdPreprocess(128),
+    pre = _compiled("test-pre", 128, lambda: BwdPreprocess(128, 128, True),
                     lambda: fake_pre_arguments(dt, 128))
-    post = _compiled("test-post", 128, lambda: BwdPostprocess(128, 2),
+    post = _compiled("test-post", 128, lambda: BwdPostprocess(128, 2, True),
                      lambda: fake_post_arguments(dt, 128, 128))
     cfg = select_bwd_config(head_dim=128)
     post_dq = _compiled("test-post-dq", 128, lambda: DqPostprocess(cfg),
@@ -702,6 +702,36 @@ def test_dq_postprocess_stores_whole_16_byte_pieces(overrides):
     assert {k: v for k, v in ops.items() if k.startswith("STG")} == {"STG.E.128": per_thread}
     assert ops.get("LDS.128") == per_thread and ops.get("BAR.SYNC.DEFER_BLOCKING") == 1
     assert ops.get("LDG.E.128") == cfg.dq_groups  # the fragment-order loads, unchanged
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("pdl", [True, False])
+def test_chained_launches_wait_before_reading_the_kernel_before(pdl, tmp_path):
+    """Note [chained launches]: with ``pdl`` every kernel of the chain is launched as a
+    programmatic dependent and waits (``griddepcontrol.wait``) before it touches the previous
+    kernel's output: the main kernel once per role that does (load warp after K/V, dq-store
+    warp, MMA warpgroups), the preprocess once (and it lets the main kernel launch after its
+    loads), the dQ postprocess once. Without ``pdl``: plain launches, no waits."""
+    from fa_sm100.compile_tools import cross_compile
+    from fa_sm100.config import cutlass_dtype
+    from fa_sm100.hopper.bwd_interface import fake_dq_post_arguments, fake_pre_arguments
+    from fa_sm100.hopper.bwd_prepost import BwdPreprocess, DqPostprocess
+    from fa_sm100.inspection import inspect_kernel
+
+    r = inspect_kernel("sm90_bwd", "sm_90a", [f"pdl={pdl}".lower()], keep_dir=tmp_path)
+    (ptx_path,) = glob.glob(str(tmp_path / "*.ptx"))
+    ptx = open(ptx_path).read()
+    assert r["launch"]["use_pdl"] is pdl
+    assert ptx.count("griddepcontrol.wait") == (3 if pdl else 0)
+    assert "griddepcontrol.launch_dependents" not in ptx
+    cfg = select_bwd_config(pdl=pdl)
+    pre = cross_compile(BwdPreprocess(128, 128, pdl), fake_pre_arguments(
+        cutlass_dtype("bfloat16"), 128), "sm_90a")
+    post = cross_compile(DqPostprocess(cfg), fake_dq_post_arguments(cfg), "sm_90a")
+    for art, dependents in ((pre, 1), (post, 0)):
+        assert art.launches[0]["use_pdl"] is pdl
+        assert art.ptx.count("griddepcontrol.wait") == int(pdl)
+        assert art.ptx.count("griddepcontrol.launch_dependents") == (dependents if pdl else 0)
 
 
 SWAP_CASES = [[], ["causal=true", "head_dim=64"], ["head_dim=96", "dq_accum=red", "early_dv=false"]]

@@ -32,24 +32,34 @@ def _run(kernel, fakes, tensors, scalars=()):
     emulate(cap, list(tensors), seed=0)
 
 
-@pytest.mark.parametrize("head_dim,dtype", [(64, "bfloat16"), (96, "float16"), (128, "bfloat16")])
-def test_preprocess_delta_lse2_and_padding(head_dim, dtype):
+@pytest.mark.parametrize("head_dim,head_dim_v,dtype,tile_m,n_sem",
+                         [(64, 64, "bfloat16", 64, 1), (96, 96, "float16", 64, 2),
+                          (128, 128, "bfloat16", 80, 1), (192, 128, "bfloat16", 64, 2)])
+def test_preprocess_delta_lse2_padding_and_zeroed_dq(head_dim, head_dim_v, dtype, tile_m, n_sem):
     """Delta = rowsum(O * dO) (16 lanes per row, butterfly sum) within the error rule;
     LSE2 = LSE * log2(e) bit for bit, -inf (a row that sees no key) -> +inf; the padding rows
-    seqlen_q <= i < seqlen_q_pad get Delta 0 and LSE2 +inf. 37 rows: a partial last CTA."""
+    seqlen_q <= i < seqlen_q_pad get Delta 0 and LSE2 +inf. 37 rows: a partial last CTA.
+    The dQ accumulator (seqlen_q_pad x head_dim floats per head, in tile_m-row blocks) and the
+    dQ semaphores come out zero wherever they started (Note [chained launches])."""
     torch.manual_seed(head_dim)
-    b, sq, h, pad = 2, 37, 3, 64
+    b, sq, h = 2, 37, 3
+    pad = -(-sq // tile_m) * tile_m
     t = getattr(torch, dtype)
     dt, f32 = cutlass_dtype(dtype), cutlass.Float32
-    o, do = torch.randn(b, sq, h, head_dim).to(t), torch.randn(b, sq, h, head_dim).to(t)
+    o, do = torch.randn(b, sq, h, head_dim_v).to(t), torch.randn(b, sq, h, head_dim_v).to(t)
     lse = torch.randn(b, h, sq) * 4
     lse[1, 2, 5] = -math.inf
     lse2 = torch.full((b, h, pad), 7.0)  # poisoned: every element must be written
     delta = torch.full((b, h, pad), 7.0)
-    _run(BwdPreprocess(head_dim),
+    dq_acc = torch.full((b, h, pad // tile_m, tile_m * head_dim), math.nan)
+    dq_sem = torch.full((b, h, n_sem), 7, dtype=torch.int32)
+    _run(BwdPreprocess(head_dim_v, head_dim, pdl=True),
          (_rowmajor(dt, o.shape), _rowmajor(dt, do.shape), _rowmajor(f32, lse.shape),
-          _rowmajor(f32, lse2.shape), _rowmajor(f32, delta.shape)),
-         (o, do, lse, lse2, delta))
+          _rowmajor(f32, lse2.shape), _rowmajor(f32, delta.shape),
+          _rowmajor(f32, dq_acc.shape), _rowmajor(cutlass.Int32, dq_sem.shape, 4)),
+         (o, do, lse, lse2, delta, dq_acc, dq_sem))
+    assert torch.equal(dq_acc, torch.zeros_like(dq_acc))
+    assert torch.equal(dq_sem, torch.zeros_like(dq_sem))
     ref64 = (o.double() * do.double()).sum(-1).transpose(1, 2)
     plain = (o.float() * do.float()).sum(-1).transpose(1, 2)
     check_against_reference(delta[..., :sq], ref64, plain, what="Delta")
@@ -76,7 +86,7 @@ def test_postprocess_sums_groups_scales_and_converts(head_dim, group, pitch, sca
     acc = torch.full((b, h * group, s_pad, pitch), math.nan)
     acc[:, :, :s, :head_dim] = torch.randn(b, h * group, s, head_dim) * 3
     out = torch.full((b, s, h, head_dim), 7.0).bfloat16()
-    _run(BwdPostprocess(head_dim, group), (_rowmajor(f32, acc.shape), _rowmajor(dt, out.shape)),
+    _run(BwdPostprocess(head_dim, group, pdl=True), (_rowmajor(f32, acc.shape), _rowmajor(dt, out.shape)),
          (acc, out), scalars=(f32(scale),))
     parts = acc[:, :, :s, :head_dim].reshape(b, h, group, s, head_dim)
     total = parts[:, :, 0]

@@ -107,6 +107,10 @@ class BwdConfig:
     # Poll a Q / dO stage's mbarrier once before the blocking wait (Note [try first] in
     # bwd_kernel.py); off where the extra live register makes ptxas spill.
     try_wait: bool = True
+    # Launch the main kernel and the postprocess as programmatic dependents of the kernel
+    # before them, and have each wait for it only where it reads that kernel's output (Note
+    # [chained launches] in bwd_interface.py); off: plain stream order.
+    pdl: bool = True
     # registers after setmaxnreg: producer warpgroup and each of the two MMA warpgroups
     regs_producer: int = 24
     regs_mma: int = 240
@@ -263,7 +267,7 @@ class BwdConfig:
                 "run-dependent order)"
             )
         for name in ("sdp_swap_ab", "overlap_dk", "stats_smem", "try_wait", "stats_first",
-                     "dv_before_barrier", "dkv_tma_store"):
+                     "dv_before_barrier", "dkv_tma_store", "dq_handoff_per_wg", "pdl"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be a bool")
         if self.tile_m == 2 * TILE_M_ATOM:

@@ -131,7 +131,26 @@ def launch_plan(config: BwdConfig, q, k, v, out, dout, lse, dq, dk, dv, softmax_
     """The kernel calls of one backward, in order, as (kind, compile key, build, fake
     arguments, arguments): preprocess, main kernel, dQ postprocess, and for GQA/MQA the dK and
     dV postprocess. ``sm90_bwd`` compiles (once per key) and runs them; the tests check that
-    each call's arguments fit its fake compile arguments."""
+    each call's arguments fit its fake compile arguments.
+
+    Note [chained launches] (``BwdConfig.pdl``): every kernel of the chain is launched as a
+    programmatic dependent of the kernel before it in the stream, so the GPU may start it
+    while that kernel is still running; each thread calls ``griddepcontrol.wait`` (which
+    returns once the kernel before has completed and its writes are visible) before it
+    touches anything that kernel, or any kernel before it, wrote or read:
+    - the preprocess waits first thing, and after its loads of O and dO lets the main kernel
+      launch (``griddepcontrol.launch_dependents``);
+    - the main kernel's load warp issues K's and V's TMA (inputs nobody in the chain writes)
+      and then waits, before any Q / dO stage with its LSE2 / Delta; the MMA warpgroups and
+      the dq-store warp wait first thing (they read LSE2 / Delta, add into the zeroed dQ
+      accumulator, write dK / dV);
+    - each postprocess waits first thing.
+    Waiting is transitive (a kernel can only launch once the one before it has passed its
+    own wait), so nothing in the chain overlaps a write it depends on. What overlaps is the
+    launch and the CTAs' start-up: the preprocess's tail with the main kernel's K/V loads,
+    and the main kernel's tail with the postprocess's launch. The preprocess zeroes the dQ
+    accumulator and the semaphores in the same pass (FA4 does the same), so no separate
+    zero-fill kernel sits in the chain."""
     from fa_sm100.config import cutlass_dtype
     from fa_sm100.hopper.bwd_kernel import Sm90FlashBackward
     from fa_sm100.hopper.bwd_prepost import BwdPostprocess, BwdPreprocess, DqPostprocess
@@ -140,32 +159,34 @@ def launch_plan(config: BwdConfig, q, k, v, out, dout, lse, dq, dk, dv, softmax_
     dt = cutlass_dtype(dtype)
     ws = workspace(config, q, k)
     dk_arg, dv_arg = (ws["dk_acc"], ws["dv_acc"]) if config.uses_gqa_buffers else (dk, dv)
+    pdl = config.pdl
     plan = [
-        ("pre", (d_v, dtype), lambda: BwdPreprocess(d_v), lambda: fake_pre_arguments(dt, d_v),
-         (out, dout, lse, ws["lse2"], ws["delta"])),
+        ("pre", (d_v, d, dtype, pdl), lambda: BwdPreprocess(d_v, d, pdl),
+         lambda: fake_pre_arguments(dt, d_v),
+         (out, dout, lse, ws["lse2"], ws["delta"], ws["dq_acc"], ws["dq_sem"])),
         ("main", config, lambda: Sm90FlashBackward(config),
          lambda: fake_arguments(config, env_stream=True),
          (q, k, v, dout, ws["lse2"], ws["delta"], ws["dq_acc"], dk_arg, dv_arg, ws["dq_sem"],
           softmax_scale)),
         # the fragment order depends on tile_m (which warpgroup split) and the head dim; the
         # main kernel's dQ tiles are unscaled
-        ("post_dq", (config.tile_m, d, dtype), lambda: DqPostprocess(config),
+        ("post_dq", (config.tile_m, d, dtype, pdl), lambda: DqPostprocess(config),
          lambda: fake_dq_post_arguments(config), (ws["dq_acc"], dq, softmax_scale)),
     ]
     if config.uses_gqa_buffers:
         g = config.qhead_per_kvhead if config.gqa_reduce == "buffers" else 1
         for acc, res, cols in ((dk_arg, dk, d), (dv_arg, dv, d_v)):  # dK arrives scaled
-            plan.append(("post", (cols, g, dtype, cols), lambda c=cols: BwdPostprocess(c, g),
+            plan.append(("post", (cols, g, dtype, cols, pdl), lambda c=cols: BwdPostprocess(c, g, pdl),
                          lambda c=cols: fake_post_arguments(dt, c, c), (acc, res, 1.0)))
     return plan
 
 
 def workspace(config: BwdConfig, q, k) -> dict:
     """The float32 buffers of one backward call, on q's device: LSE2 and Delta (rows padded to
-    tile_m), the zeroed dQ accumulator (one block of tile_m * d floats per query block: Note
-    [dQ in fragment order] in bwd_store.py), the dQ semaphores (one per query block when
-    deterministic), and for GQA/MQA the dK/dV accumulators (one per query head with
-    "buffers", zeroed and one per KV head with "atomic")."""
+    tile_m), the dQ accumulator (one block of tile_m * d floats per query block: Note [dQ in
+    fragment order] in bwd_store.py) and the dQ semaphores (one per query block when
+    deterministic), both zeroed by the preprocess, and for GQA/MQA the dK/dV accumulators (one
+    per query head with "buffers", zeroed and one per KV head with "atomic")."""
     b, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     dev, f32 = q.device, torch.float32
@@ -174,8 +195,8 @@ def workspace(config: BwdConfig, q, k) -> dict:
     ws = {
         "lse2": torch.empty(b, hq, sq_pad, device=dev, dtype=f32),
         "delta": torch.empty(b, hq, sq_pad, device=dev, dtype=f32),
-        "dq_acc": torch.zeros(b, hq, n_m_blocks, config.dq_block_elems, device=dev, dtype=f32),
-        "dq_sem": torch.zeros(b, hq, n_m_blocks if config.deterministic else 1, device=dev,
+        "dq_acc": torch.empty(b, hq, n_m_blocks, config.dq_block_elems, device=dev, dtype=f32),
+        "dq_sem": torch.empty(b, hq, n_m_blocks if config.deterministic else 1, device=dev,
                               dtype=torch.int32),
     }
     if config.uses_gqa_buffers:
@@ -226,16 +247,20 @@ def fake_arguments(config: BwdConfig, env_stream: bool = False):
 
 def fake_pre_arguments(dt, head_dim: int):
     """Fake arguments of the preprocess: O, dO (b, sq, h, d); LSE (b, h, sq); LSE2, Delta
-    (b, h, sq_pad); the current torch stream."""
+    (b, h, sq_pad); the dQ accumulator (b, h, m_blocks, block) and semaphores (b, h, n); the
+    current torch stream."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream
 
-    b, sq, h, sq_pad = (cute.sym_int() for _ in range(4))
+    b, sq, h, sq_pad, n_m, block, n_sem = (cute.sym_int() for _ in range(7))
     o, do = _rowmajor(dt, (b, sq, h, head_dim)), _rowmajor(dt, (b, sq, h, head_dim))
     lse = _rowmajor(cutlass.Float32, (b, h, sq), 4)
     lse2, delta = _rowmajor(cutlass.Float32, (b, h, sq_pad)), _rowmajor(cutlass.Float32, (b, h, sq_pad))
-    return o, do, lse, lse2, delta, make_fake_stream(use_tvm_ffi_env_stream=True)
+    dq_acc = _rowmajor(cutlass.Float32, (b, h, n_m, block))
+    sem = _rowmajor(cutlass.Int32, (b, h, n_sem), 4)
+    return (o, do, lse, lse2, delta, dq_acc, sem,
+            make_fake_stream(use_tvm_ffi_env_stream=True))
 
 
 def fake_post_arguments(dt, head_dim: int, pitch: int):

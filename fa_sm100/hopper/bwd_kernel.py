@@ -317,6 +317,7 @@ class Sm90FlashBackward(BwdStoreRole, BwdScoresRole):
             block=[self.num_threads, 1, 1],
             stream=stream,
             min_blocks_per_mp=1,  # register count at entry known: ptxas keeps setmaxnreg
+            use_pdl=self.cfg.pdl,  # Note [chained launches] in bwd_interface.py
         )
 
     # ---- kernel: shared storage, registers, role dispatch ------------------------------------
@@ -386,10 +387,14 @@ class Sm90FlashBackward(BwdStoreRole, BwdScoresRole):
                           m_block_min, m_block_max)
             if const_expr(self.cfg.dq_accum == "bulk"):
                 if warp_idx == DQ_STORE_WARP:
+                    if const_expr(self.cfg.pdl):  # Note [chained launches]: dQacc is zeroed
+                        cute.arch.griddepcontrol_wait()
                     self.dq_store(mdQacc, mdQsem, sdQ, n_block, head, batch, seqlen_q, seqlen_k,
                                   m_block_min, m_block_max)
         else:
             cute.arch.setmaxregister_increase(self.cfg.regs_mma)
+            if const_expr(self.cfg.pdl):  # Note [chained launches]: the preprocess is done
+                cute.arch.griddepcontrol_wait()
             self.mma(mma_sdp, mma_dk, mma_dv, mma_dq, sQ, sK, sV, sdO, sP, sdS, sdQ, sLSE2, sDelta,
                      mLSE2, mDelta, mdQacc, (mdK, mdV, tma_dK, tma_mdK, tma_dV, tma_mdV),
                      mdQsem, mbar_kv, pipe_q, pipe_do,
@@ -434,6 +439,8 @@ class Sm90FlashBackward(BwdStoreRole, BwdScoresRole):
             cute.arch.mbarrier_arrive_and_expect_tx(mbar_kv, self.bytes_kv)
         cute.copy(tma_K, tKgK, tKsK, tma_bar_ptr=mbar_kv)
         cute.copy(tma_V, tVgV, tVsV, tma_bar_ptr=mbar_kv)
+        if const_expr(self.cfg.pdl):  # Note [chained launches]: K, V do not come from the
+            cute.arch.griddepcontrol_wait()  # preprocess; LSE2 / Delta (with Q / dO) do
         state_q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.cfg.q_stage)
         state_do = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.cfg.do_stage)
         for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):

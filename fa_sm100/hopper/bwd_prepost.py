@@ -37,8 +37,9 @@ import math
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, const_expr
+from cutlass import Float32, Int32, const_expr
 
+from fa_sm100.hopper.bwd_config import DQ_VEC
 from fa_sm100.hopper.bwd_store import dq_fragment_view, dq_registers, dq_tile_shape, dq_tiled_mma
 from fa_sm100.hopper.config import WARPGROUP_THREADS
 
@@ -49,35 +50,51 @@ OUT_VEC = 8  # 16-bit elements per 16-byte store of the dQ postprocess
 LOG2_E = math.log2(math.e)
 
 
+def _store_vec(vec, ptr):
+    """One 16-byte store of the 4 floats ``vec`` at the 16-byte aligned global ``ptr``."""
+    dst = cute.make_ptr(Float32, ptr.toint(), cute.AddressSpace.gmem, assumed_align=16)
+    cute.autovec_copy(vec, cute.make_tensor(dst, cute.make_layout(DQ_VEC)))
+
+
 def _row_part(row, part: int, cols: int):
     """Columns [part * cols, (part + 1) * cols) of a 1-D row tensor."""
     return cute.local_tile(row, (cols,), (part,))
 
 
 class BwdPreprocess:
-    """Delta = rowsum(O * dO) and LSE in log2 units, padded (see the module docstring)."""
+    """Delta = rowsum(O * dO) and LSE in log2 units, padded; zeroes the dQ accumulator and the
+    dQ semaphores (see the module docstring)."""
 
-    def __init__(self, head_dim_v: int):
+    def __init__(self, head_dim_v: int, head_dim: int, pdl: bool):
         assert head_dim_v % THREADS_PER_ROW == 0, head_dim_v
         self.hdimv = head_dim_v
         self.cols = head_dim_v // THREADS_PER_ROW
+        # the dQ accumulator: head_dim floats per padded query row, in 16-byte vectors
+        self.zero_vecs = ROWS_PER_CTA * head_dim // DQ_VEC
+        self.pdl = pdl
 
     @cute.jit
     def __call__(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
-                 mLSE2: cute.Tensor, mDelta: cute.Tensor, stream):
+                 mLSE2: cute.Tensor, mDelta: cute.Tensor, mdQacc: cute.Tensor,
+                 mdQsem: cute.Tensor, stream):
         # mO, mdO: (batch, seqlen_q, heads, hdimv); mLSE: (batch, heads, seqlen_q) f32;
-        # mLSE2, mDelta: (batch, heads, seqlen_q_pad) f32
+        # mLSE2, mDelta: (batch, heads, seqlen_q_pad) f32; mdQacc: (batch, heads, m_blocks,
+        # tile_m * hdim) f32, seqlen_q_pad * hdim floats per (batch, head); mdQsem: (batch,
+        # heads, n) i32
         grid_x = cute.ceil_div(mLSE2.shape[2], ROWS_PER_CTA)
-        self.kernel(mO, mdO, mLSE, mLSE2, mDelta).launch(
-            grid=[grid_x, mO.shape[2], mO.shape[0]], block=[CTA_THREADS, 1, 1], stream=stream)
+        self.kernel(mO, mdO, mLSE, mLSE2, mDelta, mdQacc, mdQsem).launch(
+            grid=[grid_x, mO.shape[2], mO.shape[0]], block=[CTA_THREADS, 1, 1], stream=stream,
+            use_pdl=self.pdl)
 
     @cute.kernel
-    def kernel(self, mO, mdO, mLSE, mLSE2, mDelta):
+    def kernel(self, mO, mdO, mLSE, mLSE2, mDelta, mdQacc, mdQsem):
         tidx, _, _ = cute.arch.thread_idx()
         bx, head, batch = cute.arch.block_idx()
         row = bx * ROWS_PER_CTA + tidx // THREADS_PER_ROW
         part = tidx % THREADS_PER_ROW
         seqlen_q = mO.shape[1]
+        if const_expr(self.pdl):  # Note [chained launches]: the kernel before has finished
+            cute.arch.griddepcontrol_wait()
         # every lane of a row takes part in the shuffles, so only the stores are predicated
         delta = Float32(0.0)
         if row < seqlen_q:
@@ -87,6 +104,24 @@ class BwdPreprocess:
             cute.autovec_copy(_row_part(mdO[batch, row, head, None], part, self.cols), rdO)
             delta = (rO.load().to(Float32) * rdO.load().to(Float32)).reduce(
                 cute.ReductionOp.ADD, Float32(0.0), 0)
+        if const_expr(self.pdl):  # the main kernel may launch; it waits before reading ours
+            cute.arch.griddepcontrol_launch_dependents()
+        # zero this CTA's ROWS_PER_CTA rows of the dQ accumulator (the main kernel adds into
+        # it; grid_x * ROWS_PER_CTA = seqlen_q_pad rows cover it exactly) ...
+        acc = mdQacc[batch, head, None, None].iterator + bx * self.zero_vecs * DQ_VEC
+        zeros = cute.make_rmem_tensor((DQ_VEC,), Float32)
+        zeros.fill(0.0)
+        full_steps = self.zero_vecs // CTA_THREADS
+        for step in cutlass.range_constexpr(full_steps):
+            _store_vec(zeros, acc + (step * CTA_THREADS + tidx) * DQ_VEC)
+        if const_expr(self.zero_vecs % CTA_THREADS):  # hdim 96: 1.5 vectors per thread
+            if full_steps * CTA_THREADS + tidx < self.zero_vecs:
+                _store_vec(zeros, acc + (full_steps * CTA_THREADS + tidx) * DQ_VEC)
+        # ... and the dQ semaphores (Note [dQ SMEM handoff]'s turns; one per (batch, head)
+        # unless deterministic)
+        sem = bx * CTA_THREADS + tidx
+        if sem < mdQsem.shape[2]:
+            mdQsem[batch, head, sem] = Int32(0)
         for offset in cutlass.range_constexpr(THREADS_PER_ROW.bit_length() - 2, -1, -1):
             delta = delta + cute.arch.shuffle_sync_bfly(delta, offset=1 << offset)
         if part == 0 and row < mLSE2.shape[2]:
@@ -103,11 +138,12 @@ class BwdPostprocess:
     """out (batch, seqlen, heads_out, hdim) = scale * sum over groups of acc (batch, heads_acc,
     seqlen_pad, pitch >= hdim)."""
 
-    def __init__(self, head_dim: int, group: int):
+    def __init__(self, head_dim: int, group: int, pdl: bool):
         assert head_dim % THREADS_PER_ROW == 0, head_dim
         self.hdim = head_dim
         self.group = group
         self.cols = head_dim // THREADS_PER_ROW
+        self.pdl = pdl
 
     def _acc_part(self, mAcc, batch, head, row, part):
         """This thread's columns of one accumulator row (rows may be padded past hdim)."""
@@ -118,12 +154,15 @@ class BwdPostprocess:
     def __call__(self, mAcc: cute.Tensor, mOut: cute.Tensor, scale: Float32, stream):
         grid_x = cute.ceil_div(mOut.shape[1], ROWS_PER_CTA)
         self.kernel(mAcc, mOut, scale).launch(
-            grid=[grid_x, mOut.shape[2], mOut.shape[0]], block=[CTA_THREADS, 1, 1], stream=stream)
+            grid=[grid_x, mOut.shape[2], mOut.shape[0]], block=[CTA_THREADS, 1, 1], stream=stream,
+            use_pdl=self.pdl)
 
     @cute.kernel
     def kernel(self, mAcc, mOut, scale: Float32):
         tidx, _, _ = cute.arch.thread_idx()
         bx, head, batch = cute.arch.block_idx()
+        if const_expr(self.pdl):  # Note [chained launches]: the kernel before has finished
+            cute.arch.griddepcontrol_wait()
         row = bx * ROWS_PER_CTA + tidx // THREADS_PER_ROW
         part = tidx % THREADS_PER_ROW
         if row < mOut.shape[1]:
@@ -159,12 +198,14 @@ class DqPostprocess:
         mma = dq_tiled_mma(self.cfg, mOut.element_type)
         self.kernel(mAcc, mOut, scale, mma).launch(
             grid=[mAcc.shape[2], mOut.shape[2], mOut.shape[0]], block=[self.threads, 1, 1],
-            smem=self.smem_bytes(mOut.element_type), stream=stream)
+            smem=self.smem_bytes(mOut.element_type), stream=stream, use_pdl=self.cfg.pdl)
 
     @cute.kernel
     def kernel(self, mAcc, mOut, scale: Float32, mma: cute.TiledMma):
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
+        if const_expr(self.cfg.pdl):  # Note [chained launches]: the main kernel has finished
+            cute.arch.griddepcontrol_wait()
         thr = mma.get_slice(tidx)
         acc = cute.make_rmem_tensor(mma.partition_shape_C(dq_tile_shape(self.cfg)), Float32)
         src = cute.make_ptr(Float32, mAcc[batch, head, m_block, None].iterator.toint(),
