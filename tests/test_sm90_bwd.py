@@ -126,6 +126,11 @@ def test_default_configs_fit_smem_and_follow_the_measured_choices():
     assert select_bwd_config(deterministic=True, causal=True).dq_handoff_per_wg
     assert not select_bwd_config(deterministic=True, window_left=10).dq_handoff_per_wg
     assert not select_bwd_config(dq_handoff_per_wg=False).dq_handoff_per_wg
+    # Note [tile_m 128]: wide blocks shuffle their stats unless asked not to; 64-row blocks
+    # have nothing to shuffle
+    assert select_bwd_config().shuffled_stats and select_bwd_config(head_dim=64).shuffled_stats
+    assert not select_bwd_config(stats_shuffle=False).shuffled_stats
+    assert not select_bwd_config(head_dim=96).shuffled_stats
 
 
 def test_tile_m_128_is_swapped_hdim64_only_and_overridable():
@@ -864,6 +869,28 @@ def test_sm90_bwd_tile_n_64_splits_dk_dv_by_columns(overrides, d, dv, tmp_path):
     after = [t for t in loop[at_barrier:] if t.startswith("HGMMA")]
     assert len(after) == 12, "dV, dQ and dK (4 k16 slices each) follow the dS barrier"
     assert [t.split()[0] for t in loop].count("STSM.16.M88.4") == 4  # P and dS
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("head_dim,shuffle", [(128, True), (128, False), (64, True), (64, False)])
+def test_sm90_bwd_wide_blocks_shuffle_or_load_their_stats(head_dim, shuffle, tmp_path):
+    """Note [tile_m 128] (``stats_shuffle``): with 80- or 128-row blocks each lane loads 4
+    LSE2/Delta values (two LDS.64 per statistic) and every S^T column's value comes by one
+    SHFL.IDX; without the shuffle every thread loads its own columns' values, two per LDS.64
+    (FA4's way), and the main loop has no SHFL. Both compile without spills."""
+    from fa_sm100.inspection import inspect_kernel
+
+    cfg = select_bwd_config(head_dim=head_dim, stats_shuffle=shuffle)
+    assert cfg.wide_query_block and cfg.shuffled_stats == shuffle
+    r = inspect_kernel("sm90_bwd", "sm_90a", [f"head_dim={head_dim}",
+                                              f"stats_shuffle={shuffle}".lower()], keep_dir=tmp_path)
+    assert r["spill_bytes"] == 0
+    ops = _main_loop_ops(_sass_text(tmp_path))
+    columns = cfg.tile_m // 4  # S^T columns (queries) per thread
+    if shuffle:
+        assert ops.count("SHFL.IDX") == 2 * columns and ops.count("LDS.64") == 4
+    else:
+        assert "SHFL.IDX" not in ops and ops.count("LDS.64") == columns  # 2 stats x columns / 2
 
 
 @pytest.mark.compile

@@ -104,6 +104,11 @@ class BwdConfig:
     # before the S (dP) GEMM is issued, not after both GEMMs (Note [stats before the GEMMs]
     # in bwd_kernel.py). Blocks of 80 / 128 rows keep their own order (Note [tile_m 128]).
     stats_first: bool = False
+    # Blocks of 80 / 128 query rows: hold LSE2 / Delta 4 per lane and shuffle each query's
+    # value to the lanes that need it (Note [tile_m 128] in bwd_kernel.py); off: every thread
+    # loads its own queries' values from SMEM (20 at tile_m 80, two per 64-bit load), as FA4
+    # does. Ignored with 64-row blocks.
+    stats_shuffle: bool = True
     # Poll a Q / dO stage's mbarrier once before the blocking wait (Note [try first] in
     # bwd_kernel.py); off where the extra live register makes ptxas spill.
     try_wait: bool = True
@@ -164,11 +169,17 @@ class BwdConfig:
         return self.ds_stage if self.dkv_split_cols else 1
 
     @property
-    def shuffled_stats(self) -> bool:
-        """LSE2/Delta held 4 per lane and shuffled to the lanes that use them, P^T converted
-        late or dS computed from 16-bit P^T (Note [tile_m 128] in bwd_kernel.py): the swapped
-        S^T/dP^T of more than 64 query columns (tile_m 80 and 128)."""
+    def wide_query_block(self) -> bool:
+        """Swapped S^T/dP^T of more than 64 query columns (tile_m 80 and 128): P^T converted
+        late or dS computed from 16-bit P^T, Delta read after P (Note [tile_m 128] in
+        bwd_kernel.py)."""
         return self.tile_m > TILE_M_ATOM
+
+    @property
+    def shuffled_stats(self) -> bool:
+        """LSE2/Delta held 4 per lane and shuffled to the lanes that use them (Note [tile_m
+        128]): wide query blocks with ``stats_shuffle``."""
+        return self.wide_query_block and self.stats_shuffle
 
     @property
     def dq_swap_ab(self) -> bool:
@@ -267,7 +278,8 @@ class BwdConfig:
                 "run-dependent order)"
             )
         for name in ("sdp_swap_ab", "overlap_dk", "stats_smem", "try_wait", "stats_first",
-                     "dv_before_barrier", "dkv_tma_store", "dq_handoff_per_wg", "pdl"):
+                     "dv_before_barrier", "dkv_tma_store", "dq_handoff_per_wg", "pdl",
+                     "stats_shuffle"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be a bool")
         if self.tile_m == 2 * TILE_M_ATOM:

@@ -487,10 +487,11 @@ class Sm90FlashBackward(BwdStoreRole, BwdScoresRole):
         P^T and dS^T stay in registers as the A operands of dV and dK, and only dS^T goes to
         SMEM (transposed, into the dS image that dQ reads)."""
         swap = self.cfg.sdp_swap_ab
-        shuffled = self.cfg.shuffled_stats  # tile_m 80 / 128 (swapped only): Note [tile_m 128]
-        late_p = shuffled and not self.cfg.early_dv  # P^T converted after dS
-        ds_from_p16 = shuffled and self.cfg.early_dv  # dS = P^T (16 bits) (dP^T - Delta)
-        stats_first = self.cfg.stats_first and not shuffled  # shuffled stats come later
+        wide = self.cfg.wide_query_block  # tile_m 80 / 128 (swapped only): Note [tile_m 128]
+        shuffled = self.cfg.shuffled_stats  # ... with LSE2 / Delta 4 per lane
+        late_p = wide and not self.cfg.early_dv  # P^T converted after dS
+        ds_from_p16 = wide and self.cfg.early_dv  # dS = P^T (16 bits) (dP^T - Delta)
+        stats_first = self.cfg.stats_first and not wide  # wide blocks read the stats later
         dv_mid = self.cfg.dv_before_barrier  # validate(): only without early_dv
         p_staged = self.cfg.p_stage > 1  # Note [dK/dV by columns]: P double-buffered like dS
         wg = cute.arch.make_warp_uniform(tidx // WARPGROUP_THREADS)
@@ -560,6 +561,8 @@ class Sm90FlashBackward(BwdStoreRole, BwdScoresRole):
             dP = rows_cols_view(acc_dP)
             if const_expr(shuffled):
                 lse = self._shuffled_stats(lse_block)
+            elif const_expr(wide):
+                lse = self._query_stats(lse_block, thr_sdp, sdp_shape, tScS)
             elif const_expr(not stats_first):
                 lse = self._query_stats(lse_block, thr_sdp, sdp_shape, tScS)
                 dpsum = self._query_stats(delta_block, thr_sdp, sdp_shape, tScS)
@@ -572,6 +575,8 @@ class Sm90FlashBackward(BwdStoreRole, BwdScoresRole):
             self._exp2_rows(S, lse, scale_log2, tScS0)
             if const_expr(shuffled):  # Delta after P: its registers never live beside LSE2's
                 dpsum = self._shuffled_stats(delta_block)
+            elif const_expr(wide):
+                dpsum = self._query_stats(delta_block, thr_sdp, sdp_shape, tScS)
             rP = cute.make_fragment_like(acc_S, self.dtype)
             if const_expr(not swap):
                 rP.store(acc_S.load().to(self.dtype))
