@@ -10,7 +10,7 @@ Warps (384 threads):
 | warpgroup | warps | role | does |
 |---|---|---|---|
 | 0 | 0 | load | TMA: K and V once; Q and dO per query block (``q``/``do`` pipelines), each stage with its block's LSE2 / Delta (Note [stats with their stage]) |
-| 0 | 1 | dq-store | "bulk" dQ: one cp.reduce.async.bulk.add.f32 of the SMEM dQ tile per query block |
+| 0 | 1 | dq-store | "bulk" dQ: per query block one cp.reduce.async.bulk.add.f32 per MMA warpgroup's half of the SMEM dQ tile (Note [dQ SMEM handoff]) |
 | 0 | 2-3 | idle | register donors (setmaxnreg down to ``regs_producer``) |
 | 1, 2 | 4-11 | mma | S = Q K^T, dP = dO V^T, P, dS, dV += P^T dO, dK += dS^T Q, dQ = dS K |
 
