@@ -132,3 +132,24 @@ def test_backward_flops_are_two_and_a_half_forwards_with_v_head_dim():
     assert bwd_bench.bwd_flops(2, 16, 1024, 1024, 128, 128, False) == 2.5 * 4 * pairs * 128
     assert bwd_bench.bwd_flops(2, 16, 1024, 1024, 192, 128, False) == 2.5 * 2 * pairs * 320
     assert bwd_bench.bwd_flops(2, 16, 1024, 1024, 192, 128, True) == 2.5 * pairs * 320
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_fallback_forward_takes_v_head_dim_and_matches_attention(causal):
+    """``_torch_forward`` (O and LSE for our backward when FA4 is absent, and for
+    ``--breakdown``): O has V's head dim ((192, 128) used to fail on O's shape), GQA heads
+    share their KV head, and O and LSE match float64 attention."""
+    from fa_sm100.testing import attention_reference, check_against_reference
+
+    gen = torch.Generator().manual_seed(int(causal))
+    b, s, h, hk = 2, 40, 4, 2
+    q = torch.randn(b, s, h, 192, generator=gen).bfloat16()
+    k = torch.randn(b, s, hk, 192, generator=gen).bfloat16()
+    v = torch.randn(b, s, hk, 128, generator=gen).bfloat16()
+    out, lse = bwd_bench._torch_forward(q, k, v, causal)
+    assert out.shape == (b, s, h, 128) and out.dtype == torch.bfloat16 and lse.shape == (b, h, s)
+    ref, ref_lse = attention_reference(q, k, v, causal=causal)  # float64
+    plain, _ = attention_reference(q, k, v, causal=causal, dtype=torch.bfloat16)
+    check_against_reference(out, ref, plain, what="O")
+    _, lse32 = attention_reference(q, k, v, causal=causal, dtype=torch.float32)
+    check_against_reference(lse, ref_lse, lse32, what="LSE")

@@ -199,7 +199,7 @@ def _torch_forward(q, k, v, causal):
     kf = k.float().repeat_interleave(group, dim=2)
     vf = v.float().repeat_interleave(group, dim=2)
     scale = 1.0 / math.sqrt(d)
-    out = torch.empty_like(q)
+    out = torch.empty(b, s, h, v.shape[3], device=q.device, dtype=q.dtype)
     lse = torch.empty(b, h, s, device=q.device, dtype=torch.float32)
     for i in range(b):
         sc = torch.einsum("qhd,khd->hqk", q[i].float(), kf[i]) * scale
@@ -269,7 +269,11 @@ def breakdown_cell(b, h, s, d, causal, dtype=torch.bfloat16):
     """``kernel_breakdown`` of ours and of FA4 on one cell (``--breakdown``)."""
     from fa_sm100.hopper.bwd_interface import sm90_bwd
 
-    q, k, v, dout = (torch.randn(b, s, h, d, device="cuda", dtype=dtype) for _ in range(4))
+    from fa_sm100.config import default_head_dim_v
+
+    dv = default_head_dim_v(d)  # as the grid does: (192, 128)
+    q, k = (torch.randn(b, s, h, d, device="cuda", dtype=dtype) for _ in range(2))
+    v, dout = (torch.randn(b, s, h, dv, device="cuda", dtype=dtype) for _ in range(2))
     out, lse = _torch_forward(q, k, v, causal)
     result = {"ours": kernel_breakdown(lambda: sm90_bwd(dout, q, k, v, out, lse, causal=causal))}
     fa4, _ = _fa4_fn()

@@ -117,8 +117,8 @@ class BwdPreprocess:
         if const_expr(self.zero_vecs % CTA_THREADS):  # hdim 96: 1.5 vectors per thread
             if full_steps * CTA_THREADS + tidx < self.zero_vecs:
                 _store_vec(zeros, acc + (full_steps * CTA_THREADS + tidx) * DQ_VEC)
-        # ... and the dQ semaphores (Note [dQ SMEM handoff]'s turns; one per (batch, head)
-        # unless deterministic)
+        # ... and the dQ semaphores (deterministic mode's turns, one per query block; a single
+        # unused one per (batch, head) otherwise)
         sem = bx * CTA_THREADS + tidx
         if sem < mdQsem.shape[2]:
             mdQsem[batch, head, sem] = Int32(0)
