@@ -488,7 +488,6 @@ class Sm90FlashBackward(BwdStoreRole, BwdScoresRole):
         SMEM (transposed, into the dS image that dQ reads)."""
         swap = self.cfg.sdp_swap_ab
         wide = self.cfg.wide_query_block  # tile_m 80 / 128 (swapped only): Note [tile_m 128]
-        shuffled = self.cfg.shuffled_stats  # ... with LSE2 / Delta 4 per lane
         late_p = wide and not self.cfg.early_dv  # P^T converted after dS
         ds_from_p16 = wide and self.cfg.early_dv  # dS = P^T (16 bits) (dP^T - Delta)
         stats_first = self.cfg.stats_first and not wide  # wide blocks read the stats later
@@ -559,13 +558,10 @@ class Sm90FlashBackward(BwdStoreRole, BwdScoresRole):
             self._sdp_gemm(mma_sdp, acc_dP, tdPrdO[None, None, None, state_do.index], tdPrV)
             S = rows_cols_view(acc_S)
             dP = rows_cols_view(acc_dP)
-            if const_expr(shuffled):
-                lse = self._shuffled_stats(lse_block)
-            elif const_expr(wide):
-                lse = self._query_stats(lse_block, thr_sdp, sdp_shape, tScS)
-            elif const_expr(not stats_first):
-                lse = self._query_stats(lse_block, thr_sdp, sdp_shape, tScS)
-                dpsum = self._query_stats(delta_block, thr_sdp, sdp_shape, tScS)
+            if const_expr(not stats_first):
+                lse = self._block_stats(lse_block, thr_sdp, sdp_shape, tScS)
+                if const_expr(not wide):  # wide blocks read Delta after P (below)
+                    dpsum = self._query_stats(delta_block, thr_sdp, sdp_shape, tScS)
             warpgroup.wait_group(1)  # S done (Note [overlapped dK]: so is the previous dK)
             if const_expr(self.cfg.overlap_dk):
                 if m_block > m_block_min:
@@ -573,10 +569,8 @@ class Sm90FlashBackward(BwdStoreRole, BwdScoresRole):
             if self._block_needs_mask(m_block, n_block, seqlen_q, seqlen_k):
                 self._mask(S, tScS, m_block, n_block, seqlen_q, seqlen_k)
             self._exp2_rows(S, lse, scale_log2, tScS0)
-            if const_expr(shuffled):  # Delta after P: its registers never live beside LSE2's
-                dpsum = self._shuffled_stats(delta_block)
-            elif const_expr(wide):
-                dpsum = self._query_stats(delta_block, thr_sdp, sdp_shape, tScS)
+            if const_expr(wide):  # Delta after P: its registers never live beside LSE2's
+                dpsum = self._block_stats(delta_block, thr_sdp, sdp_shape, tScS)
             rP = cute.make_fragment_like(acc_S, self.dtype)
             if const_expr(not swap):
                 rP.store(acc_S.load().to(self.dtype))

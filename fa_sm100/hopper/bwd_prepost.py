@@ -41,6 +41,7 @@ from cutlass import Float32, Int32, const_expr
 
 from fa_sm100.hopper.bwd_config import DQ_VEC
 from fa_sm100.hopper.bwd_store import dq_fragment_view, dq_registers, dq_tile_shape, dq_tiled_mma
+from fa_sm100.hopper.common import assume_aligned
 from fa_sm100.hopper.config import WARPGROUP_THREADS
 
 THREADS_PER_ROW = 16
@@ -50,10 +51,9 @@ OUT_VEC = 8  # 16-bit elements per 16-byte store of the dQ postprocess
 LOG2_E = math.log2(math.e)
 
 
-def _store_vec(vec, ptr):
-    """One 16-byte store of the 4 floats ``vec`` at the 16-byte aligned global ``ptr``."""
-    dst = cute.make_ptr(Float32, ptr.toint(), cute.AddressSpace.gmem, assumed_align=16)
-    cute.autovec_copy(vec, cute.make_tensor(dst, cute.make_layout(DQ_VEC)))
+def _vector(ptr, n: int):
+    """``n`` contiguous elements at the 16-byte aligned ``ptr``, copied as one vector."""
+    return cute.make_tensor(assume_aligned(ptr), cute.make_layout(n))
 
 
 def _row_part(row, part: int, cols: int):
@@ -113,10 +113,11 @@ class BwdPreprocess:
         zeros.fill(0.0)
         full_steps = self.zero_vecs // CTA_THREADS
         for step in cutlass.range_constexpr(full_steps):
-            _store_vec(zeros, acc + (step * CTA_THREADS + tidx) * DQ_VEC)
+            cute.autovec_copy(zeros, _vector(acc + (step * CTA_THREADS + tidx) * DQ_VEC, DQ_VEC))
         if const_expr(self.zero_vecs % CTA_THREADS):  # hdim 96: 1.5 vectors per thread
             if full_steps * CTA_THREADS + tidx < self.zero_vecs:
-                _store_vec(zeros, acc + (full_steps * CTA_THREADS + tidx) * DQ_VEC)
+                cute.autovec_copy(zeros, _vector(acc + (full_steps * CTA_THREADS + tidx) * DQ_VEC,
+                                                 DQ_VEC))
         # ... and the dQ semaphores (deterministic mode's turns, one per query block; a single
         # unused one per (batch, head) otherwise)
         sem = bx * CTA_THREADS + tidx
@@ -208,8 +209,7 @@ class DqPostprocess:
             cute.arch.griddepcontrol_wait()
         thr = mma.get_slice(tidx)
         acc = cute.make_rmem_tensor(mma.partition_shape_C(dq_tile_shape(self.cfg)), Float32)
-        src = cute.make_ptr(Float32, mAcc[batch, head, m_block, None].iterator.toint(),
-                            cute.AddressSpace.gmem, assumed_align=16)
+        src = assume_aligned(mAcc[batch, head, m_block, None].iterator)
         cute.autovec_copy(dq_fragment_view(self.cfg, src, tidx), dq_registers(self.cfg, acc))
         out = cute.make_fragment_like(acc, mOut.element_type)
         out.store((acc.load() * scale).to(mOut.element_type))
@@ -231,12 +231,7 @@ class DqPostprocess:
             piece = step * self.threads + tidx
             row, col = piece // self.pieces_per_row, piece % self.pieces_per_row
             if row < rows_left:
-                cute.autovec_copy(_piece(sOut[row, None], col), _piece(gOut[row, None], col))
-
-
-def _piece(row, col):
-    """16-byte piece ``col`` of a contiguous row of 16-bit elements, as one aligned vector
-    (rows start 16-byte aligned: dq's head dim is a multiple of 8, SMEM rows are padded by 8)."""
-    ptr = row.iterator + col * OUT_VEC
-    return cute.make_tensor(cute.make_ptr(row.element_type, ptr.toint(), ptr.memspace,
-                                          assumed_align=16), cute.make_layout(OUT_VEC))
+                # rows start 16-byte aligned: dq's head dim is a multiple of 8, SMEM rows are
+                # padded by 8
+                cute.autovec_copy(_vector(sOut[row, None].iterator + col * OUT_VEC, OUT_VEC),
+                                  _vector(gOut[row, None].iterator + col * OUT_VEC, OUT_VEC))

@@ -14,7 +14,7 @@ import cutlass.cute as cute
 from cutlass import Float32, const_expr
 
 from fa_sm100.hopper.bwd_config import effective_window_right
-from fa_sm100.hopper.common import rows_cols_view
+from fa_sm100.hopper.common import assume_aligned, rows_cols_view
 
 
 def query_stat_source(q0: int):
@@ -91,6 +91,17 @@ class BwdScoresRole:
         return stats
 
     @cute.jit
+    def _block_stats(self, block, thr_sdp, sdp_shape, tScS):
+        """This thread's LSE2 or Delta values of one query block (``block``, see
+        ``_stat_block``) as ``_query_stat`` reads them: 4 per lane to shuffle
+        (``shuffled_stats``, Note [tile_m 128]) or its own rows' / columns' values."""
+        if const_expr(self.cfg.shuffled_stats):
+            stats = self._shuffled_stats(block)
+        else:
+            stats = self._query_stats(block, thr_sdp, sdp_shape, tScS)
+        return stats
+
+    @cute.jit
     def _stat_block(self, mStat_cur, sStat, m_block, stage):
         """Pointer to the tile_m values (LSE2 or Delta) of query block ``m_block``: the SMEM
         stage the load warp filled (``stats_smem``; its mbarrier has been waited on), else the
@@ -108,7 +119,7 @@ class BwdScoresRole:
         read past the block."""
         lane = cute.arch.lane_idx()
         held = cute.make_rmem_tensor(cute.make_layout((2, 2)), Float32)
-        base = cute.make_ptr(Float32, (block + 2 * lane).toint(), block.memspace, assumed_align=8)
+        base = assume_aligned(block + 2 * lane, 8)
         src = cute.make_tensor(base, cute.make_layout((2, 2), stride=(1, 64)))
         cute.autovec_copy(src[None, 0], held[None, 0])
         if const_expr(self.tile_m == 128):
@@ -129,7 +140,7 @@ class BwdScoresRole:
         partitioned like the accumulator. The block starts 16-byte aligned (rows padded to
         a multiple of tile_m, base 16-byte aligned), which lets adjacent columns load as one
         64-bit access."""
-        base = cute.make_ptr(Float32, block.toint(), block.memspace, assumed_align=16)
+        base = assume_aligned(block)
         view = cute.make_tensor(base, cute.make_layout(sdp_shape, stride=(0, 1)))
         return rows_cols_view(thr_sdp.partition_C(view))[0, None]
 

@@ -49,7 +49,7 @@ from cutlass.experimental import primitives as prims
 
 from fa_sm100.config import WARP_SIZE
 from fa_sm100.hopper.bwd_config import DQ_VEC
-from fa_sm100.hopper.common import stmatrix_to_smem
+from fa_sm100.hopper.common import assume_aligned, stmatrix_to_smem
 from fa_sm100.hopper.config import WARPGROUP_THREADS, WGMMA_M
 from fa_sm100.hopper.named_barriers import Sm90BwdBarrier
 
@@ -89,6 +89,15 @@ def dq_tile_shape(cfg):
     return (cfg.tile_m, cfg.head_dim)
 
 
+@cute.jit
+def _named_barrier(bar_id: cutlass.Constexpr, threads: cutlass.Constexpr, wait: cutlass.Constexpr):
+    """bar.sync (``wait``) or bar.arrive on named barrier ``bar_id`` of ``threads`` threads."""
+    if const_expr(wait):
+        cute.arch.barrier(barrier_id=bar_id, number_of_threads=threads)
+    else:
+        cute.arch.barrier_arrive(barrier_id=bar_id, number_of_threads=threads)
+
+
 def dq_registers(cfg, acc_dQ):
     """A dQ accumulator (registers) as (4, dq_groups) in register order."""
     return cute.make_tensor(acc_dQ.iterator, cute.make_layout((DQ_VEC, cfg.dq_groups)))
@@ -112,29 +121,26 @@ class BwdStoreRole:
     def _stage_dq(self, acc_dQ, sdQ, tidx):
         """"bulk" dQ, MMA side of Note [dQ SMEM handoff]: the tile (unscaled) into SMEM in
         fragment order (dq_groups STS.128 per thread)."""
-        parts, handoff = self._dq_handoffs()
-        if const_expr(parts == 1):
-            cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.DQ_EMPTY_WG0),
-                              number_of_threads=handoff)
-        elif tidx < WARPGROUP_THREADS:  # constant barrier ids: no id register held (ptxas
-            cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.DQ_EMPTY_WG0),  # spilled with one)
-                              number_of_threads=handoff)
-        else:
-            cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.DQ_EMPTY_WG1),
-                              number_of_threads=handoff)
-        smem = cute.make_ptr(Float32, sdQ.iterator.toint(), sdQ.iterator.memspace,
-                             assumed_align=16)
+        self._dq_handoff_barrier(Sm90BwdBarrier.DQ_EMPTY_WG0, tidx, wait=True)
+        smem = assume_aligned(sdQ.iterator)
         cute.autovec_copy(dq_registers(self.cfg, acc_dQ), dq_fragment_view(self.cfg, smem, tidx))
         cute.arch.fence_view_async_shared()
+        self._dq_handoff_barrier(Sm90BwdBarrier.DQ_FULL_WG0, tidx, wait=False)
+
+    @cute.jit
+    def _dq_handoff_barrier(self, first: cutlass.Constexpr, tidx, wait: cutlass.Constexpr):
+        """MMA side of one Note [dQ SMEM handoff] barrier: wait on it (``wait``) or arrive on
+        it; ``first`` is warpgroup 0's id, warpgroup 1's is the next one when each hands off
+        its own half. The ids stay constants in each branch: with the id in a register, ptxas
+        spilled (deterministic mode, left window, tile_m 80)."""
+        parts, handoff = self._dq_handoffs()
+        bar_id = int(first)
         if const_expr(parts == 1):
-            cute.arch.barrier_arrive(barrier_id=int(Sm90BwdBarrier.DQ_FULL_WG0),
-                                     number_of_threads=handoff)
+            _named_barrier(bar_id, handoff, wait)
         elif tidx < WARPGROUP_THREADS:
-            cute.arch.barrier_arrive(barrier_id=int(Sm90BwdBarrier.DQ_FULL_WG0),
-                                     number_of_threads=handoff)
+            _named_barrier(bar_id, handoff, wait)
         else:
-            cute.arch.barrier_arrive(barrier_id=int(Sm90BwdBarrier.DQ_FULL_WG1),
-                                     number_of_threads=handoff)
+            _named_barrier(bar_id + 1, handoff, wait)
 
     @cute.jit
     def dq_store(self, mdQacc, mdQsem, sdQ, n_block, head, batch, seqlen_q, seqlen_k,

@@ -1,7 +1,8 @@
 """What the SM90 forward and backward share.
 
 Kernel side (trace time): the rows/columns view of a WGMMA accumulator, the transposed view of
-an SMEM operand, and the helper that issues one warpgroup GEMM. Host side: the switch that
+an SMEM operand, a pointer with its alignment declared, and the helper that issues one
+warpgroup GEMM. Host side: the switch that
 makes the DSL build a launchable function for sm_90a, and the registry build of an SM90 kernel
 for ``scripts/inspect.py`` and the compile-contract tests.
 
@@ -39,6 +40,13 @@ def rows_cols_view(t: cute.Tensor) -> cute.Tensor:
         stride=((c.stride[0][1], c.stride[1]), (c.stride[0][0], c.stride[0][2], c.stride[2])),
     )
     return cute.make_tensor(t.iterator, cute.composition(t.layout, view))
+
+
+def assume_aligned(ptr, align: int = 16):
+    """``ptr`` with ``align`` bytes of alignment declared: the caller knows it (a padded or
+    aligned buffer), the DSL cannot prove it through run-time offsets, and copies through the
+    pointer vectorize only with it. No instruction is added."""
+    return cute.make_ptr(ptr.dtype, ptr.toint(), ptr.memspace, assumed_align=align)
 
 
 def transpose_view(t: cute.Tensor) -> cute.Tensor:
