@@ -133,6 +133,31 @@ def test_default_configs_fit_smem_and_follow_the_measured_choices():
     assert not select_bwd_config(head_dim=96).shuffled_stats
 
 
+def test_short_causal_hdim128_takes_64_row_blocks():
+    """Causal hdim 128 up to SHORT_CAUSAL_SEQLEN (both lengths) takes FA4's causal tile: 64-row
+    blocks with dV before the dS barrier; longer, non-causal, windowed or without lengths it
+    keeps 80-row blocks; other head dims and explicit fields are untouched."""
+    from fa_sm100.hopper.bwd_config import SHORT_CAUSAL_SEQLEN
+
+    def pick(**kw):
+        cfg = select_bwd_config(head_dim=kw.pop("head_dim", 128), **kw)
+        return cfg.tile_m, cfg.dv_before_barrier, cfg.early_dv
+
+    for s in (1, 1000, SHORT_CAUSAL_SEQLEN):
+        assert pick(causal=True, seqlen_q=s, seqlen_k=s) == (64, True, False)
+    assert pick(causal=True, seqlen_q=SHORT_CAUSAL_SEQLEN + 1, seqlen_k=1000) == (80, True, False)
+    assert pick(causal=True, seqlen_q=1000, seqlen_k=SHORT_CAUSAL_SEQLEN + 1)[0] == 80
+    assert pick(causal=True, seqlen_q=4096, seqlen_k=4096)[0] == 80
+    assert pick(causal=True)[0] == 80  # lengths unknown (inspect.py, direct config builds)
+    assert pick(causal=False, seqlen_q=1024, seqlen_k=1024)[0] == 80
+    assert pick(causal=True, window_left=64, seqlen_q=1024, seqlen_k=1024)[0] == 80
+    assert pick(head_dim=64, causal=True, seqlen_q=1024, seqlen_k=1024)[0] == 128
+    assert pick(head_dim=96, causal=True, seqlen_q=1024, seqlen_k=1024) == (64, False, False)
+    assert pick(causal=True, seqlen_q=1024, seqlen_k=1024, tile_m=80)[0] == 80
+    assert pick(causal=True, seqlen_q=1024, seqlen_k=1024, dv_before_barrier=False)[1] is False
+    assert pick(causal=True, seqlen_q=1024, seqlen_k=1024, early_dv=True) == (64, False, True)
+
+
 def test_tile_m_128_is_swapped_hdim64_only_and_overridable():
     """tile_m=128 (Note [tile_m 128]): allowed with sdp_swap_ab at hdim 64, reachable through
     select_bwd_config, fits SMEM with 2-stage Q/dO; the measured defaults: swapped with 128

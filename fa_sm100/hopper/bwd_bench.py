@@ -162,9 +162,11 @@ def bench_cell(b, h, hk, s, d, causal, dtype=torch.bfloat16, deterministic=False
         prepares["ours"] = lambda: (lambda: sm90_bwd(dout, q, k, v, out, lse, causal=causal,
                                                       deterministic=deterministic))
         for name, overrides in variants:
-            # the cell's causality picks the variant's other defaults (early dV, swap, tile_m)
+            # the cell's causality and length pick the variant's other defaults (early dV, swap,
+            # tile_m)
             cfg = select_bwd_config(head_dim=d, causal=causal, qhead_per_kvhead=h // hk,
-                                    deterministic=deterministic, **overrides)
+                                    deterministic=deterministic, seqlen_q=s, seqlen_k=s,
+                                    **overrides)
             prepares[f"ours:{name}"] = lambda cfg=cfg: (
                 lambda: sm90_bwd(dout, q, k, v, out, lse, causal=causal,
                                  deterministic=deterministic, config=cfg))

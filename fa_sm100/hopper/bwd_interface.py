@@ -111,7 +111,8 @@ def sm90_bwd(dout, q, k, v, out, lse, softmax_scale: Optional[float] = None, cau
     if config is None:
         config = select_bwd_config(head_dim=d, head_dim_v=dv, dtype=dtype, causal=causal,
                                    window_left=left, window_right=right,
-                                   qhead_per_kvhead=group, deterministic=deterministic)
+                                   qhead_per_kvhead=group, deterministic=deterministic,
+                                   seqlen_q=q.shape[1], seqlen_k=k.shape[1])
     else:
         if not isinstance(config, BwdConfig):
             raise ValueError(f"config must be a BwdConfig, got {type(config).__name__}")
