@@ -1,10 +1,13 @@
 """The timing method shared by the forward and backward benchmarks (``scripts/benchmark.py``,
 ``fa_sm100.hopper.bwd_bench``): providers prepared and checked first, a discarded warm-up,
 then rounds in a rotated order, each timed with ``triton.testing.do_bench`` (CUDA events when
-triton is missing). Nothing here needs a GPU except what the callables do."""
+triton is missing), and the GPU's SM clock and power recorded while each round runs
+(``ClockSampler``). Nothing here needs a GPU except what the callables do."""
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 import time
 from typing import Callable, Optional
 
@@ -16,7 +19,8 @@ def error_text(e: Exception) -> str:
 
 
 def run_cell(prepares: dict, check: Callable, repeat: int, measure: Callable,
-             sync: Optional[Callable] = None, on_step: Optional[Callable] = None):
+             sync: Optional[Callable] = None, on_step: Optional[Callable] = None,
+             monitor: Optional[Callable] = None, conditions: Optional[dict] = None):
     """Time every provider on one cell: ``repeat`` rounds, provider order rotated each round.
 
     ``prepares[name]()`` returns ``run``, the no-argument call to time (work done by prepare,
@@ -26,6 +30,8 @@ def run_cell(prepares: dict, check: Callable, repeat: int, measure: Callable,
     provider brings the GPU's clocks back up after the compiles (which leave it idle for
     seconds), so the first timed provider is not the one that pays for the ramp. Then the
     rounds; a provider that raises while timed is dropped from the cell.
+    ``monitor()`` (optional) returns a context manager entered around each timed round, whose
+    ``result()`` is appended to ``conditions[name]`` (e.g. ``ClockSampler``).
     Returns ({name: [ms, ...]}, {name: error}).
     """
     names = list(prepares)
@@ -59,12 +65,103 @@ def run_cell(prepares: dict, check: Callable, repeat: int, measure: Callable,
             if name not in runs:  # failed its check, or an earlier round
                 continue
             try:
-                times[name].append(measure(runs[name]))
+                if monitor is None:
+                    times[name].append(measure(runs[name]))
+                else:
+                    with monitor() as watch:
+                        times[name].append(measure(runs[name]))
+                    if conditions is not None:
+                        conditions.setdefault(name, []).append(watch.result())
             except Exception as e:  # noqa: BLE001
                 errors[name] = error_text(e)
                 times[name] = []
                 del runs[name]
     return times, errors
+
+
+class ClockSampler:
+    """The GPU's SM clock (MHz) and board power (W) while a measurement runs.
+
+    ``nvidia-smi`` polls them every ``interval_ms`` in a child process between ``__enter__``
+    and ``__exit__``; ``result()`` is (median MHz, median W), or None when nvidia-smi is absent
+    or gave no sample (measurements shorter than one interval). Why record them: the lent
+    H200 runs these benchmarks at its power cap, so a kernel's clock depends on its own draw
+    and on what ran before it (docs/hopper_backward.md, "Power cap").
+    """
+
+    QUERY = "--query-gpu=clocks.sm,power.draw"
+
+    def __init__(self, device_index: int = 0, interval_ms: int = 100, command: str = "nvidia-smi"):
+        self.argv = None
+        exe = shutil.which(command)
+        if exe is not None:
+            self.argv = [exe, self.QUERY, "--format=csv,noheader,nounits", f"-i={device_index}",
+                         f"-lms={interval_ms}"]
+        self._proc = None
+        self._samples: list = []
+
+    def __enter__(self):
+        if self.argv is not None:
+            self._proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE,
+                                          stderr=subprocess.DEVNULL, text=True)
+        return self
+
+    def __exit__(self, *exc):
+        if self._proc is not None:
+            self._proc.terminate()
+            out, _ = self._proc.communicate()
+            self._samples = parse_clock_samples(out)
+            self._proc = None
+        return False
+
+    def result(self):
+        if not self._samples:
+            return None
+        return (median([mhz for mhz, _ in self._samples]),
+                median([watts for _, watts in self._samples]))
+
+
+def parse_clock_samples(text: str) -> list:
+    """(MHz, W) pairs from ``nvidia-smi --query-gpu=clocks.sm,power.draw`` CSV lines without
+    header or units; lines that do not hold two numbers ("[N/A]", a cut-off last line) are
+    skipped."""
+    samples = []
+    for line in text.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) != 2:
+            continue
+        try:
+            samples.append((float(parts[0]), float(parts[1])))
+        except ValueError:
+            continue
+    return samples
+
+
+def summarize_conditions(conditions: list):
+    """(median MHz, median W) over a provider's rounds (each a ``ClockSampler.result()``, None
+    where no sample came), or None when no round was sampled."""
+    got = [c for c in conditions if c is not None]
+    if not got:
+        return None
+    return median([mhz for mhz, _ in got]), median([watts for _, watts in got])
+
+
+def clock_summary(pairs) -> str:
+    """One line: median SM clock and power per provider over ``pairs`` of (provider, (MHz, W)
+    or None), in first-seen provider order; empty when nothing was sampled."""
+    by = {}
+    for name, cond in pairs:
+        by.setdefault(name, [])
+        if cond is not None:
+            by[name].append(cond)
+    parts = []
+    for name, conds in by.items():
+        got = summarize_conditions(conds)
+        if got is not None:
+            parts.append(f"{name} {got[0]:.0f} MHz {got[1]:.0f} W")
+    if not parts:
+        return ""
+    return "SM clock / board power, median over the timed rounds: " + ", ".join(parts)
 
 
 def median(values):

@@ -39,7 +39,8 @@ try:  # first import: keeps scripts/inspect.py from shadowing the standard `insp
 except ImportError:  # loaded as a module (tests): this folder is not on sys.path
     pass
 
-from fa_sm100.benchmarking import median, time_ms  # noqa: E402
+from fa_sm100.benchmarking import (ClockSampler, clock_summary, median,  # noqa: E402
+                                   summarize_conditions, time_ms)
 
 PROVIDERS = ("ours", "fa4", "cudnn", "flash")
 
@@ -197,7 +198,8 @@ def check_output(out, q, k, v, causal, torch):
     return None
 
 
-def run_cell(providers, q, k, v, causal, repeat, measure, torch, on_step=None):
+def run_cell(providers, q, k, v, causal, repeat, measure, torch, on_step=None, monitor=None,
+             conditions=None):
     """``fa_sm100.benchmarking.run_cell`` on one forward cell: ``providers[name](q, k, v,
     causal)`` prepares, ``check_output`` checks the first output of each."""
     from fa_sm100.benchmarking import run_cell as run_rounds
@@ -205,7 +207,7 @@ def run_cell(providers, q, k, v, causal, repeat, measure, torch, on_step=None):
     prepares = {name: (lambda p=p: p(q, k, v, causal)) for name, p in providers.items()}
     return run_rounds(prepares, lambda out: check_output(out, q, k, v, causal, torch), repeat,
                       measure, sync=torch.cuda.synchronize if q.is_cuda else None,
-                      on_step=on_step)
+                      on_step=on_step, monitor=monitor, conditions=conditions)
 
 
 def exit_status(rows) -> int:
@@ -259,16 +261,21 @@ def run_grid(args):
             step += 1
             progress(step, total, f"hdim {d} {'causal' if causal else 'noncausal'} seqlen {s} {name}")
 
+        conditions = {}
         times, errors = run_cell(providers, q, k, v, causal, args.repeat,
                                  lambda fn: time_ms(fn, args.warmup, args.rep, torch), torch,
-                                 on_step)
+                                 on_step, monitor=lambda: ClockSampler(q.device.index or 0),
+                                 conditions=conditions)
         for name in providers:
             row = {"provider": name, "hdim": d, "hdim_v": dv, "causal": causal, "seqlen": s,
-                   "batch": b, "heads": h, "ms": None, "tflops": None, "error": errors.get(name)}
+                   "batch": b, "heads": h, "ms": None, "tflops": None, "mhz": None,
+                   "watts": None, "error": errors.get(name)}
             if times[name]:
                 ms = median(times[name])
                 row["ms"] = ms
                 row["tflops"] = flops(b, h, s, s, d, dv, causal) / (ms * 1e-3) / 1e12
+            row["mhz"], row["watts"] = (summarize_conditions(conditions.get(name, []))
+                                        or (None, None))
             rows.append(row)
     for name, why in unavailable.items():
         for d, causal, s in cells:
@@ -343,6 +350,10 @@ def main(argv=None):
     for name, why in unavailable.items():
         print(f"provider {name} unavailable: {why}")
     print(table(rows, providers))
+    clocks = clock_summary((r["provider"], (r["mhz"], r["watts"]) if r.get("mhz") else None)
+                           for r in rows)
+    if clocks:
+        print(clocks)
     for r in rows:
         if r["error"] and not r["error"].startswith("unavailable"):
             print(f"{r['provider']} hdim {r['hdim']} causal {r['causal']} seqlen {r['seqlen']}: {r['error']}")

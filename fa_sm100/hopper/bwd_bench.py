@@ -24,7 +24,8 @@ import math
 
 import torch
 
-from fa_sm100.benchmarking import median, run_cell, time_ms
+from fa_sm100.benchmarking import (ClockSampler, clock_summary, median, run_cell,
+                                   summarize_conditions, time_ms)
 
 DEFAULT_SEQLENS = (1024, 4096, 16384)
 DEFAULT_HEAD_DIMS = (64, 128)
@@ -178,14 +179,20 @@ def bench_cell(b, h, hk, s, d, causal, dtype=torch.bfloat16, deterministic=False
     prepares["cudnn"] = lambda: _cudnn_backward(q, k, v, dout, causal)
     ref = reference_grads(q, k, v, dout, causal, torch.float32)
     plain = reference_grads(q, k, v, dout, causal, dtype)
+    conditions = {}
     times, errors = run_cell(prepares, lambda grads: check_grads(grads, ref, plain), repeat,
                              lambda fn: time_ms(fn, warmup, rep, torch),
-                             sync=torch.cuda.synchronize)
+                             sync=torch.cuda.synchronize,
+                             monitor=lambda: ClockSampler(q.device.index or 0),
+                             conditions=conditions)
     del ref, plain
     for name in prepares:
         if times[name]:
             ms = median(times[name])
             row[f"{name}_ms"], row[f"{name}_tflops"] = ms, flops / ms / 1e9
+        clock = summarize_conditions(conditions.get(name, []))
+        if clock is not None:  # SM clock and board power while it was timed
+            row[f"{name}_mhz"], row[f"{name}_watts"] = clock
         if name in errors:
             row[f"{name}_error"] = errors[name]
     peers = [row[k] for k in ("fa4_tflops", "cudnn_tflops") if k in row]
@@ -238,11 +245,21 @@ def run_from_benchmark_args(args):
     rows = run_grid(args.seqlen, args.hdim, args.causal, variants=variants,
                     tokens=args.total_tokens, model_dim=args.hidden, repeat=args.repeat,
                     warmup=args.warmup, rep=args.rep, dtype=dtype)
+    print_clocks(rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"mode": "bwd", "device": torch.cuda.get_device_name(), "rows": rows},
                       f, indent=1)
     return exit_status(rows)
+
+
+def print_clocks(rows):
+    """Print ``clock_summary`` of a grid's rows (keys ``<provider>_mhz`` / ``_watts``), if
+    any round was sampled."""
+    line = clock_summary((k[:-len("_mhz")], (r[k], r[k[:-len("_mhz")] + "_watts"]))
+                         for r in rows for k in r if k.endswith("_mhz"))
+    if line:
+        print(line)
 
 
 def kernel_breakdown(fn, reps=10):
@@ -342,6 +359,7 @@ def main(argv=None):
     rows = run_grid(a.seqlens, a.head_dims, gqa_ratio=a.gqa_ratio, deterministic=a.deterministic,
                     variants=[parse_variant(v) for v in a.variant], repeat=a.repeat,
                     warmup=a.warmup, rep=a.rep)
+    print_clocks(rows)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)
