@@ -84,9 +84,10 @@ class ClockSampler:
 
     ``nvidia-smi`` polls them every ``interval_ms`` in a child process between ``__enter__``
     and ``__exit__``; ``result()`` is (median MHz, median W), or None when nvidia-smi is absent
-    or gave no sample (measurements shorter than one interval). Why record them: the lent
-    H200 runs these benchmarks at its power cap, so a kernel's clock depends on its own draw
-    and on what ran before it (docs/hopper_backward.md, "Power cap").
+    or gave no sample (measurements shorter than one interval). Why record them: under
+    sustained load the lent H200 reaches its power limit and lowers its clock, which would
+    make a provider look slower for what ran before it; the record shows whether a grid's
+    cells ran at the same clock (docs/hopper_backward.md, "Clocks, power and noise").
     """
 
     QUERY = "--query-gpu=clocks.sm,power.draw"

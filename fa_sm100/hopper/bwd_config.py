@@ -374,15 +374,16 @@ def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = Fals
     gqa_reduce = overrides.pop("gqa_reduce", "buffers")
     # swapped where its wider query blocks fit (Notes [tile_m 128], [dQ transposed])
     swap = overrides.pop("sdp_swap_ab", head_dim in TILE_M_128_HEAD_DIMS + TILE_M_80_HEAD_DIMS)
-    short_causal = (causal and not windowed and seqlen_q is not None and seqlen_k is not None
+    # short causal hdim 128: FA4's causal tile, 64 rows with dV before the dS barrier
+    short_causal = (causal and not windowed and head_dim in TILE_M_80_HEAD_DIMS
+                    and seqlen_q is not None and seqlen_k is not None
                     and max(seqlen_q, seqlen_k) <= SHORT_CAUSAL_SEQLEN)
     tile_m = overrides.pop("tile_m", _default_tile_m(head_dim, swap, short_causal))
     # blocks of 80 / 128 rows and short causal hdim 128: dV right before the dS barrier
     # (unless early dV is asked for)
     early_dv = overrides.pop("early_dv", None)
     dv_mid = overrides.pop("dv_before_barrier",
-                           (tile_m > TILE_M_ATOM or (short_causal and head_dim in TILE_M_80_HEAD_DIMS))
-                           and not early_dv)
+                           (tile_m > TILE_M_ATOM or short_causal) and not early_dv)
     if early_dv is None:
         early_dv = not (causal or windowed or dv_mid or wide)
     cfg = BwdConfig(
@@ -414,7 +415,8 @@ def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = Fals
 
 def _default_tile_m(head_dim: int, swap: bool, short_causal: bool = False) -> int:
     """Query rows per block: 128 for swapped hdim 64 (Note [tile_m 128]), 80 for swapped
-    hdim 128 (Note [dQ transposed]) unless the problem is short and causal, else 64."""
+    hdim 128 (Note [dQ transposed]) unless it is short and causal (``short_causal``), else
+    64."""
     if swap and head_dim in TILE_M_128_HEAD_DIMS:
         return TILE_M_SWAPPED_HDIM64
     if swap and head_dim in TILE_M_80_HEAD_DIMS and not short_causal:
