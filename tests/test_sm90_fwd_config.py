@@ -86,6 +86,8 @@ def test_config_without_lse_is_rejected_when_lse_is_needed():
         sm90_config_for(prob, no_lse, need_lse=True)
     assert sm90_config_for(prob, no_lse, need_lse=False) is no_lse
     assert sm90_config_for(prob, None, need_lse=True).write_lse
+    # the default writes LSE only when it is read (as the SM100 path and FA4)
+    assert not sm90_config_for(prob, None, need_lse=False).write_lse
 
 
 def test_sm90_fwd_asks_for_lse_when_it_returns_or_fills_lse():

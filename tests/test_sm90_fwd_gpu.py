@@ -81,6 +81,36 @@ def test_sm90_fwd_matches_float64_reference(sm90_device, head_dims, dtype, causa
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+@pytest.mark.parametrize("head_dims", HEAD_DIMS, ids=lambda p: f"d{p[0]}_{p[1]}")
+def test_sm90_fwd_without_lse_matches_float64_reference(sm90_device, head_dims, causal):
+    """A call that does not ask for LSE runs the default config's ``write_lse=False`` kernel
+    (no log, no LSE stores): O within the rule, on persistent (short keys) and one-tile-per-CTA
+    shapes, tails and GQA included."""
+    from fa_sm100.hopper.interface import sm90_config_for, sm90_fwd
+    from fa_sm100.validation import validate_attention_inputs
+
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(zlib.crc32(f"nolse{head_dims}{causal}".encode()))
+    d, dv = head_dims
+    for b, sq, sk, hq, hk in [(3, 17, 1000, 6, 2), (2, 1000, 17, 4, 1), (1, 4097, 4097, 4, 2)]:
+        q = torch.randn(b, sq, hq, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+        k = torch.randn(b, sk, hk, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+        v = torch.randn(b, sk, hk, dv, device="cuda", dtype=torch.bfloat16, generator=gen)
+        problem = validate_attention_inputs(q, k, v, None, causal, (None, None))
+        assert not sm90_config_for(problem, None).write_lse
+        out = torch.full((b, sq, hq, dv), float("nan"), device="cuda", dtype=torch.bfloat16)
+        got = sm90_fwd(q, k, v, causal=causal, out=out)
+        torch.cuda.synchronize()
+        assert got is out
+        ref, _ = attention_reference(q, k, v, causal=causal)
+        plain, _ = attention_reference(q, k, v, causal=causal, dtype=torch.bfloat16,
+                                       upcast=False)
+        check_against_reference(out, ref, plain, atol=1e-3,
+                                what=f"O without LSE {(b, sq, sk, hq, hk)} {head_dims} {causal}")
+
+
+@pytest.mark.gpu
 def test_flash_attn_func_dispatches_to_sm90(sm90_device):
     """The public entry point reaches the SM90 kernel and returns (out, lse) on request."""
     from fa_sm100.interface import flash_attn_func

@@ -25,12 +25,14 @@ def sm90_config_for(problem, config: Optional[Sm90FwdConfig], need_lse: bool = F
 
     ``need_lse``: the caller reads LSE (``return_lse``, an ``lse`` buffer, or the backward of
     autograd, which always asks for it); a config with ``write_lse=False`` would leave that
-    buffer unwritten, so it is a ValueError.
+    buffer unwritten, so it is a ValueError. The default config writes LSE only then, as the
+    SM100 path (``config_for_problem``) and FA4 do: a call without it skips the log and the
+    stores.
     """
     dtype = normalize_dtype(problem.dtype)
     if config is None:
         return select_sm90_fwd_config(problem.head_dim, problem.head_dim_v, dtype, problem.causal,
-                                      seqlen_k=problem.seqlen_k)
+                                      write_lse=need_lse, seqlen_k=problem.seqlen_k)
     if not isinstance(config, Sm90FwdConfig):
         raise ValueError(f"config must be an Sm90FwdConfig on SM90, got {type(config).__name__}")
     config = config.validate()
