@@ -145,3 +145,20 @@ def test_exit_status_fails_on_wrong_output_or_failing_ours():
     assert bench.exit_status(ok) == 0  # peers that cannot run a cell do not fail the run
     assert bench.exit_status(ok + [{"provider": "fa4", "error": "wrong output: x"}]) == 1
     assert bench.exit_status(ok + [{"provider": "ours:nopp", "error": "ValueError: y"}]) == 1
+
+
+def test_variants_write_no_lse_unless_asked(monkeypatch):
+    """``--ours-variant`` configs compute what ``ours`` computes: no LSE (nobody reads it in
+    the benchmark) unless the variant sets ``write_lse``; their other fields apply."""
+    bench = load()
+    seen = []
+    monkeypatch.setattr(bench, "prepare_ours",
+                        lambda q, k, v, causal, config=None: seen.append(config))
+    q, k, v = (torch.empty(1, 64, 2, 128, dtype=torch.bfloat16) for _ in range(3))
+    label, prepare = bench.make_variant("nopp:pingpong=false", torch)
+    prepare(q, k, v, False)
+    _, prepare_lse = bench.make_variant("lse:write_lse=true", torch)
+    prepare_lse(q, k, v, True)
+    assert label == "ours:nopp"
+    assert not seen[0].write_lse and not seen[0].pingpong and not seen[0].causal
+    assert seen[1].write_lse and seen[1].causal
