@@ -191,3 +191,71 @@ def time_ms(fn, warmup: int, rep: int, torch):
             end.synchronize()
             times.append(start.elapsed_time(end))
         return median(times)
+
+
+def paired_rounds(runs: dict, rounds: int, measure: Callable, on_round: Optional[Callable] = None):
+    """Interleaved timing for A/B comparisons (``scripts/ab_bench.py``): every round measures
+    each of ``runs`` once (``measure(run)`` returns ms per call), in an order rotated by one
+    each round, so drifts of clock, power and caches fall on every run alike and the ratio of
+    two runs within one round is a paired sample. Returns {name: [ms of round 0, ...]}."""
+    names = list(runs)
+    times = {name: [] for name in names}
+    for rnd in range(rounds):
+        for name in names[rnd % len(names):] + names[:rnd % len(names)]:
+            times[name].append(measure(runs[name]))
+        if on_round is not None:
+            on_round(rnd)
+    return times
+
+
+def paired_speedups(times: dict, base: str) -> dict:
+    """{name: (median, lowest, highest)} of the per-round speed-ups ``base ms / name ms`` over
+    the rounds of ``paired_rounds`` (> 1: faster than ``base``). The median of paired ratios
+    is what an A/B reports; the spread says how far one round can be trusted."""
+    out = {}
+    for name, ms in times.items():
+        ratios = sorted(b / m for b, m in zip(times[base], ms))
+        out[name] = (median(ratios), ratios[0], ratios[-1])
+    return out
+
+
+def calls_per_round(ms_per_call: float, round_ms: float, minimum: int = 3) -> int:
+    """Back-to-back calls one measurement makes so that it lasts about ``round_ms``."""
+    if ms_per_call <= 0:
+        return minimum
+    return max(minimum, int(round_ms / ms_per_call))
+
+
+def events_ms(fn, calls: int, torch) -> float:
+    """Milliseconds per call of ``calls`` back-to-back calls of ``fn``, between two CUDA
+    events (launch overhead included, as a training step sees it)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / calls
+
+
+def host_and_gpu_ms(fn, calls: int, torch):
+    """(host ms, GPU ms) per call of ``calls`` back-to-back calls: the time the host takes to
+    issue them (before waiting for the GPU) and the CUDA-event time. When the two are close,
+    back-to-back calls measure the host's launch path, not the kernels."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    host = (time.perf_counter() - t0) * 1000 / calls
+    end.synchronize()
+    return host, start.elapsed_time(end) / calls
+
+
+def launch_bound(host_ms: float, gpu_ms: float, margin: float = 0.9) -> bool:
+    """Whether back-to-back timing of a call is limited by the host: issuing a call takes at
+    least ``margin`` of its GPU time, so the GPU waits for work between calls."""
+    return host_ms >= margin * gpu_ms
+

@@ -69,6 +69,7 @@ from fa_sm100.testing import attention_mask
     (dict(overlap_dk=True, q_stage=1), "needs q_stage >= 2"),
     (dict(dv_before_barrier=True, early_dv=True), "needs early_dv=False"),
     (dict(stats_first=1), "stats_first=1: must be a bool"),
+    (dict(dv_before_fence="yes"), "dv_before_fence='yes': must be a bool"),
 ])
 def test_bad_config_raises_value_error_naming_the_rule(changes, rule):
     with pytest.raises(ValueError, match=rule):
@@ -143,8 +144,16 @@ def test_short_causal_hdim128_takes_64_row_blocks():
         cfg = select_bwd_config(head_dim=kw.pop("head_dim", 128), **kw)
         return cfg.tile_m, cfg.dv_before_barrier, cfg.early_dv
 
+    def stats_first(**kw):
+        return select_bwd_config(head_dim=kw.pop("head_dim", 128), **kw).stats_first
+
     for s in (1, 1000, SHORT_CAUSAL_SEQLEN):
         assert pick(causal=True, seqlen_q=s, seqlen_k=s) == (64, True, False)
+        assert stats_first(causal=True, seqlen_q=s, seqlen_k=s)  # Note [stats before the GEMMs]
+    assert not stats_first(causal=True, seqlen_q=4096, seqlen_k=4096)
+    assert not stats_first(causal=False, seqlen_q=1024, seqlen_k=1024)
+    assert not stats_first(head_dim=96, causal=True, seqlen_q=1024, seqlen_k=1024)
+    assert not stats_first(causal=True, seqlen_q=1024, seqlen_k=1024, stats_first=False)
     assert pick(causal=True, seqlen_q=SHORT_CAUSAL_SEQLEN + 1, seqlen_k=1000) == (80, True, False)
     assert pick(causal=True, seqlen_q=1000, seqlen_k=SHORT_CAUSAL_SEQLEN + 1)[0] == 80
     assert pick(causal=True, seqlen_q=4096, seqlen_k=4096)[0] == 80
@@ -445,6 +454,11 @@ CONTRACT_CASES = [
       "qhead_per_kvhead=4", "window_left=100"], "UBLKRED"),
     (["tile_m=80", "sdp_swap_ab=true", "dq_accum=red", "dtype=float16"], "REDG.E.ADD.F32"),
     (["tile_m=80", "sdp_swap_ab=true", "early_dv=true", "causal=true"], "UBLKRED"),
+    # short causal hdim 128 (select_bwd_config with both lengths <= SHORT_CAUSAL_SEQLEN):
+    # 64-row blocks, dV before the dS barrier, stats before the GEMMs; MHA and GQA
+    (["causal=true", "tile_m=64", "dv_before_barrier=true", "stats_first=true"], "UBLKRED"),
+    (["causal=true", "tile_m=64", "dv_before_barrier=true", "stats_first=true",
+      "deterministic=true", "qhead_per_kvhead=4", "dtype=float16"], "UBLKRED"),
     # Note [dQ SMEM handoff]: one handoff of the whole tile
     (["dq_handoff_per_wg=false"], "UBLKRED"),
     (["head_dim=64", "dq_handoff_per_wg=false", "deterministic=true", "causal=true"], "UBLKRED"),
@@ -686,6 +700,40 @@ def test_sm90_bwd_dv_before_barrier_issues_dv_before_the_ds_barrier(overrides, t
         assert rs, "no RS HGMMA in the main loop"
         assert (rs[0] < at_barrier) == on, (on, rs[:2], at_barrier)
         assert all(i > at_barrier for i in rs[1:] if not on)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("overrides", [[], ["causal=true", "tile_m=64", "dv_before_barrier=true"],
+                                       ["head_dim=64"]],
+                         ids=["d128-tile_m80", "d128-causal-tile_m64", "d64-tile_m128"])
+def test_sm90_bwd_dv_before_fence_issues_dv_ahead_of_the_ds_fence(overrides, tmp_path):
+    """Note [dV before the fence]: on (the default), the first RS HGMMA of the main loop (dV)
+    comes after the last dS ``STSM`` and before the ``MEMBAR.ALL.CTA`` + ``FENCE.VIEW.ASYNC.S``
+    that publish dS; off, after that fence. Either way it precedes the DS_READY barrier, the
+    kernel has five WGMMA groups and no spills."""
+    from fa_sm100.compile_tools import sass_main_loop
+    from fa_sm100.hopper.named_barriers import Sm90BwdBarrier
+    from fa_sm100.inspection import inspect_kernel
+
+    barrier = f"BAR.SYNC.DEFER_BLOCKING {int(Sm90BwdBarrier.DS_READY):#x},"
+    for on in (True, False):
+        keep = tmp_path / f"fence_{on}"
+        r = inspect_kernel("sm90_bwd", "sm_90a", overrides + [
+            "early_dv=false", "dv_before_barrier=true", f"dv_before_fence={str(on).lower()}"],
+            keep_dir=keep)
+        assert r["spill_bytes"] == 0
+        sass = _sass_text(keep)
+        assert _hgmma_commits(sass) == 5
+        loop = [t for _, t in sass_main_loop(sass)]
+        last_stsm = max(i for i, t in enumerate(loop) if t.startswith("STSM"))
+        fence = next(i for i, t in enumerate(loop) if i > last_stsm and t.startswith("MEMBAR"))
+        assert loop[fence + 1].startswith("FENCE.VIEW.ASYNC.S")
+        at_barrier = next(i for i, t in enumerate(loop) if t.startswith(barrier))
+        first_rs = next(i for i, t in enumerate(loop)
+                        if re.match(r"HGMMA\.\S+\s+R\d+,\s*R\d+", t))
+        assert first_rs < at_barrier
+        assert (last_stsm < first_rs < fence) == on, (on, last_stsm, first_rs, fence)
+        assert (fence < first_rs) == (not on)
 
 
 @pytest.mark.compile

@@ -218,6 +218,9 @@ SWITCHES = [
     dict(sdp_swap_ab=False, stats_first=True, stats_smem=False),
     dict(sdp_swap_ab=True, try_wait=False), dict(sdp_swap_ab=False, try_wait=True),
     dict(sdp_swap_ab=True, early_dv=False, dv_before_barrier=True),
+    dict(sdp_swap_ab=True, early_dv=False, dv_before_barrier=True, dv_before_fence=False),
+    # short causal hdim 128's default: 64-row blocks, dV before the barrier, stats first
+    dict(sdp_swap_ab=True, tile_m=64, early_dv=False, dv_before_barrier=True, stats_first=True),
     dict(sdp_swap_ab=False, early_dv=False, dv_before_barrier=True),
     dict(sdp_swap_ab=True, dkv_tma_store=False), dict(sdp_swap_ab=False, dkv_tma_store=False),
     # 3-stage Q/dO pipelines (with "red" dQ: no SMEM dQ tile)

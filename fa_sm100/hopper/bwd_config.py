@@ -94,6 +94,9 @@ class BwdConfig:
     # Without early_dv: issue dV once dS is stored, before the barrier that waits for both
     # warpgroups' dS (Note [dV before the dS barrier] in bwd_kernel.py), not after it.
     dv_before_barrier: bool = False
+    # With dv_before_barrier and sdp_swap_ab: issue dV before the fence that publishes dS to
+    # the tensor cores, not after it (Note [dV before the fence] in bwd_kernel.py).
+    dv_before_fence: bool = True
     # Compute S^T = K Q^T and dP^T = V dO^T (warpgroups stacked along the keys) so that P^T and
     # dS^T feed dV and dK from registers (RS WGMMA): no P in SMEM, dV/dK read only Q/dO there.
     sdp_swap_ab: bool = False
@@ -106,7 +109,8 @@ class BwdConfig:
     stats_smem: bool = True
     # Read a block's LSE2 (Delta) into registers right after its Q (dO) stage is ready and
     # before the S (dP) GEMM is issued, not after both GEMMs (Note [stats before the GEMMs]
-    # in bwd_kernel.py). Blocks of 80 / 128 rows keep their own order (Note [tile_m 128]).
+    # in bwd_kernel.py; select_bwd_config: on for short causal hdim 128). Blocks of 80 / 128
+    # rows keep their own order (Note [tile_m 128]).
     stats_first: bool = False
     # Blocks of 80 / 128 query rows: hold LSE2 / Delta 4 per lane and shuffle each query's
     # value to the lanes that need it (Note [tile_m 128] in bwd_kernel.py); off: every thread
@@ -283,7 +287,7 @@ class BwdConfig:
             )
         for name in ("sdp_swap_ab", "overlap_dk", "stats_smem", "try_wait", "stats_first",
                      "dv_before_barrier", "dkv_tma_store", "dq_handoff_per_wg", "pdl",
-                     "stats_shuffle"):
+                     "stats_shuffle", "dv_before_fence"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be a bool")
         if self.tile_m == 2 * TILE_M_ATOM:
@@ -355,6 +359,10 @@ def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = Fals
     - hdim 128 causal up to ``SHORT_CAUSAL_SEQLEN``: 64-row blocks, dV before the dS barrier
       (FA4's causal tile): +1.5% to +3.4% at 1k in four runs, +0.3% to +4.3% at 2k in three; at
       4k -2% to +0.7%, at 16k -2% and -3%.
+    - short causal hdim 128: LSE2/Delta read before the S/dP GEMMs (``stats_first``), paired
+      timing +5.2% at 2k, +1.6% at 1k.
+    - swapped with dV before the dS barrier: dV issued before the dS fence
+      (``dv_before_fence``), paired timing +1.3% to +3.3% at hdim 128, +0.5% to +1.4% at 64.
     - blocks of more than 64 rows (hdim 64: 128, hdim 128: 80): dV issued before the dS
       barrier instead of before the dS math; hdim 64 non-causal 438 -> 472 (4k) and
       477 -> 514 (16k), causal within noise (399 -> 405, 493 -> 482).
@@ -401,6 +409,8 @@ def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = Fals
         sdp_swap_ab=swap,
         tile_m=tile_m,
         overlap_dk=overrides.pop("overlap_dk", False),
+        # short causal hdim 128 (swapped 64-row blocks): the stats before the GEMMs
+        stats_first=overrides.pop("stats_first", short_causal),
         # swapped 64-row blocks with a left window's extra compares leave no register for
         # the token (the compile tests)
         try_wait=overrides.pop("try_wait", not (swap and tile_m == TILE_M_ATOM

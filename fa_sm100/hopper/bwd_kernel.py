@@ -79,6 +79,15 @@ is issued once this warpgroup has stored its dS (and, unswapped, its P: one 128-
 while the warpgroups meet there; dQ and dK follow the barrier as before (FA4's order). The
 groups still retire dV, dQ, dK.
 
+Note [dV before the fence] (``dv_before_fence``, swapped with ``dv_before_barrier``): dV reads
+P^T from registers and dO from its stage, nothing of the dS just stored, so it is issued
+before the ``fence.proxy.async`` that publishes dS to the tensor cores rather than after it.
+The fence lowers to ``MEMBAR.ALL.CTA`` + ``FENCE.VIEW.ASYNC.S``, which wait for the dS
+``STSM``s to complete; issued after them, dV waits too, and the tensor cores idle between
+the last dP and this warpgroup's dV. FA4's order. Paired timing on the H200 (interleaved
+rounds, ``scripts/ab_bench.py``): hdim 128 +1.3% to +3.3% (non-causal 2k-16k, causal
+4k-16k), hdim 64 +0.5% to +1.4%.
+
 Note [dS double buffer]: dQ = dS K reads both warpgroups' halves of dS, so a warpgroup may
 only overwrite dS once the other has finished the dQ GEMM of the previous query block. dS has
 two SMEM buffers (``ds_stage == 2``): iteration i writes buffer i % 2 and then waits on the
@@ -118,6 +127,8 @@ registers (16 LDS.64 per thread swapped, from the stage's SMEM slot) right after
 them, ptxas issues the loads between the HGMMAs, and they and the HGMMAs wait on each other in
 the MIO queue (Nsight Compute, hdim 128 causal 4k: MIO throttle was 23% of the MMA warps'
 stall samples against FA4's 5%); placed first, their latency hides behind the GEMMs.
+``select_bwd_config`` turns it on for short causal hdim 128 (swapped 64-row blocks), where
+paired timing measured +5.2% at 2k and +1.6% at 1k; unswapped hdim 256 it measured -0.8% to 0.
 
 Note [try first] (``try_wait``): the MMA warpgroups' waits for a ``q`` / ``do`` stage first
 poll the mbarrier once (``consumer_try_wait``) and pass the result as the token of the
@@ -603,8 +614,12 @@ class Sm90FlashBackward(BwdStoreRole, BwdScoresRole):
                 convert_to(rP, acc_S)  # Note [tile_m 128]: only now, S^T is dead after this
                 tdVrPt_cur = operand_a_view(rP)
             cute.copy(st_copy, st_thr.retile(rdS), tdSsdS[None, None, None, ds_idx])
+            dv_pre_fence = dv_mid and swap and self.cfg.dv_before_fence
+            if const_expr(dv_pre_fence):  # Note [dV before the fence]
+                wgmma(mma_dv, acc_dV, tdVrPt_cur, tdVrdOt[None, None, None, state_do.index], False,
+                      NO_WAIT)
             cute.arch.fence_view_async_shared()
-            if const_expr(dv_mid):  # Note [dV before the dS barrier]
+            if const_expr(dv_mid and not dv_pre_fence):  # Note [dV before the dS barrier]
                 if const_expr(not swap):  # P in SMEM: this warpgroup's stores are done
                     cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.P_READY_WG0) + wg,
                                       number_of_threads=WARPGROUP_THREADS)

@@ -1,0 +1,239 @@
+#!/usr/bin/env python
+"""Paired A/B timing of SM90 config switches: is a change faster, and by how much?
+
+    python scripts/ab_bench.py --mode bwd --hdim 128 --seqlen 4096 16384 \\
+        --variant nofence:dv_before_fence=false
+    python scripts/ab_bench.py --mode fwd --hdim 128 --seqlen 4096 --causal false \\
+        --variant pers:persistent=true --rounds 16 --json ab.json
+
+Every cell (bf16, 16k tokens, hidden 2048, as ``scripts/benchmark.py``) times ``default`` (the
+config ``select_sm90_fwd_config`` / ``select_bwd_config`` picks for the cell), each
+``--variant NAME:field=value,...`` (the same picks with these fields replaced) and, unless
+``--no-fa4``, FlashAttention-4, in one process on one GPU. Before timing, every output is
+checked (forward: the float32 rule of ``scripts/benchmark.py``; backward: gradients against
+the float32 reference, ``fa_sm100.hopper.bwd_bench.check_grads``); a wrong or failing
+provider stops the run with exit status 1.
+
+Timing (``fa_sm100.benchmarking.paired_rounds``): ``--rounds`` rounds; a round times every
+provider once, as ``calls`` back-to-back calls between two CUDA events (``calls`` makes the
+default's measurement last about ``--round-ms``), in an order rotated each round. A
+provider's speed-up over ``default`` is the median over rounds of the ratio of the two
+measurements of the same round, printed with its lowest and highest round. A provider whose
+host-side launch path takes about as long as its kernels (short sequences: Python-level
+launchers) is flagged "launch-bound": back-to-back calls then time the host. Drifts of clock
+and power between rounds cancel in these ratios; in this project's runs on an H200, a 1-2%
+effect that the benchmark grid's medians could not separate from noise (cells moving by up
+to 12% between runs) showed up with paired ranges of +-1% (docs/hopper_backward.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+import time
+
+try:  # first import: keeps scripts/inspect.py from shadowing the standard `inspect`
+    import _paths  # noqa: F401
+except ImportError:  # loaded as a module (tests): this folder is not on sys.path
+    pass
+
+from fa_sm100.benchmarking import (calls_per_round, events_ms, host_and_gpu_ms,  # noqa: E402
+                                   launch_bound, median, paired_rounds, paired_speedups)
+
+TOKENS = 16384
+HIDDEN = 2048
+
+
+def _bool_list(text: str):
+    return {"both": (False, True), "true": (True,), "yes": (True,), "false": (False,),
+            "no": (False,)}[text.lower()]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mode", choices=("fwd", "bwd"), default="bwd")
+    p.add_argument("--hdim", type=int, nargs="+", default=[128])
+    p.add_argument("--seqlen", type=int, nargs="+", default=[4096])
+    p.add_argument("--causal", type=_bool_list, default=(False, True),
+                   help="both (default), true or false")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME:FIELD=VALUE[,...]",
+                   help="a config to compare with the default (repeatable)")
+    p.add_argument("--rounds", type=int, default=12)
+    p.add_argument("--round-ms", type=float, default=150.0,
+                   help="length of one measurement of the default (sets the calls per round)")
+    p.add_argument("--no-fa4", action="store_true", help="leave FlashAttention-4 out")
+    p.add_argument("--json", default=None, help="write every round's times here")
+    a = p.parse_args(argv)
+    if a.rounds < 2:
+        p.error("--rounds must be at least 2")
+    names = set()
+    for spec in a.variant:
+        name, sep, fields = spec.partition(":")
+        if not sep or not name or not fields:
+            p.error(f"--variant {spec!r}: expected NAME:field=value[,field=value]")
+        if name in names or name in ("default", "fa4"):
+            p.error(f"--variant name {name!r} is taken")
+        names.add(name)
+    for d in a.hdim:
+        if HIDDEN % d:
+            p.error(f"--hdim {d} does not divide the hidden size {HIDDEN}")
+    for s in a.seqlen:
+        if s < 1 or TOKENS % s:
+            p.error(f"--seqlen {s} must divide {TOKENS} tokens")
+    return a
+
+
+def parse_variants(specs, mode):
+    """[(name, {field: value})] from ``NAME:field=value,...``; unknown fields raise
+    ValueError (before any GPU work)."""
+    from fa_sm100.config import parse_overrides
+    from fa_sm100.hopper.bwd_config import BwdConfig
+    from fa_sm100.hopper.config import Sm90FwdConfig
+
+    cls = BwdConfig if mode == "bwd" else Sm90FwdConfig
+    return [(name, parse_overrides([f for f in fields.split(",") if f], cls))
+            for name, _, fields in (s.partition(":") for s in specs)]
+
+
+def cell_config(mode, d, s, causal, fields):
+    """The config a provider of the cell runs (validated: bad fields raise ValueError)."""
+    if mode == "bwd":
+        from fa_sm100.hopper.bwd_config import select_bwd_config
+
+        return select_bwd_config(head_dim=d, causal=causal, seqlen_q=s, seqlen_k=s, **fields)
+    from fa_sm100.hopper.config import select_sm90_fwd_config
+
+    fields = {"write_lse": False, **fields}  # as the benchmark: nobody reads the LSE
+    return select_sm90_fwd_config(d, None, "bfloat16", causal, seqlen_k=s, **fields)
+
+
+def _benchmark_script():
+    """scripts/benchmark.py as a module (its forward output check)."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "benchmark.py")
+    spec = importlib.util.spec_from_file_location("fa_sm100_benchmark_script", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def fwd_cell(d, s, causal, variants, with_fa4, torch):
+    """Runs of one forward cell ({name: no-argument call}) and the check of their output."""
+    from fa_sm100.hopper.interface import prepare_sm90_fwd
+
+    b, h = TOKENS // s, HIDDEN // d
+    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    runs = {name: prepare_sm90_fwd(q, k, v, causal=causal,
+                                   config=cell_config("fwd", d, s, causal, fields))
+            for name, fields in [("default", {})] + variants}
+    if with_fa4:
+        from flash_attn.cute import flash_attn_func as fa4
+
+        runs["fa4"] = lambda: fa4(q, k, v, causal=causal)
+    bench = _benchmark_script()
+
+    def check(out):
+        out = out[0] if isinstance(out, tuple) else out
+        return bench.check_output(out, q, k, v, causal, torch)
+    return runs, check
+
+
+def bwd_cell(d, s, causal, variants, with_fa4, torch):
+    """Runs of one backward cell and the check of their gradients."""
+    from fa_sm100.config import default_head_dim_v
+    from fa_sm100.hopper import bwd_bench
+    from fa_sm100.hopper.bwd_interface import sm90_bwd
+    from fa_sm100.hopper.interface import sm90_fwd
+
+    b, h, dv = TOKENS // s, HIDDEN // d, default_head_dim_v(d)
+    q, k = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    v, dout = (torch.randn(b, s, h, dv, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    fa4 = bwd_bench._fa4_fn()[0] if with_fa4 else None
+    if with_fa4 and fa4 is None:
+        raise RuntimeError("FlashAttention-4 is not importable here: pass --no-fa4")
+    out, lse = sm90_fwd(q, k, v, causal=causal, return_lse=True)  # natural-log LSE (b, h, s)
+    runs = {}
+    for name, fields in [("default", {})] + variants:
+        cfg = cell_config("bwd", d, s, causal, fields)
+        runs[name] = (lambda cfg=cfg: sm90_bwd(dout, q, k, v, out, lse, causal=causal,
+                                                config=cfg))
+    if fa4 is not None:
+        runs["fa4"] = bwd_bench._fa4_backward(fa4, q, k, v, dout, causal)
+    ref = bwd_bench.reference_grads(q, k, v, dout, causal, torch.float32)
+    plain = bwd_bench.reference_grads(q, k, v, dout, causal, torch.bfloat16)
+    return runs, lambda grads: bwd_bench.check_grads(grads, ref, plain)
+
+
+def format_cell(label, times, calls):
+    """The cell's lines: per provider the median ms and the paired speed-up over default."""
+    speed = paired_speedups(times, "default")
+    lines = [f"{label}: {len(times['default'])} rounds of {calls} calls"]
+    for name, ms in times.items():
+        mid, lo, hi = speed[name]
+        lines.append(f"  {name:12s} {median(ms):9.4f} ms   x{mid:.3f} vs default "
+                     f"(rounds {lo:.3f}-{hi:.3f})")
+    if "fa4" in times:
+        fa4 = median(times["fa4"])
+        lines.append("  over fa4: " + ", ".join(f"{n} {fa4 / median(ms):.3f}x"
+                                                for n, ms in times.items() if n != "fa4"))
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    a = parse_args(argv)
+    cells = [(d, s, c) for d in a.hdim for s in a.seqlen for c in a.causal]
+    try:  # every config of the run, before any GPU work
+        variants = parse_variants(a.variant, a.mode)
+        for d, s, causal in cells:
+            for name, fields in variants:
+                cell_config(a.mode, d, s, causal, fields)
+    except ValueError as e:
+        print(f"ab_bench: {e}", file=sys.stderr)
+        return 2
+    import torch
+
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        print("ab_bench needs an sm_90 GPU (H100/H200): the SM90 kernels are what it times",
+              file=sys.stderr)
+        return 2
+    make = bwd_cell if a.mode == "bwd" else fwd_cell
+    rows = []
+    for i, (d, s, causal) in enumerate(cells):
+        label = f"[{i + 1}/{len(cells)}] {a.mode} hdim {d} seqlen {s} {'causal' if causal else 'non-causal'}"
+        t0 = time.time()
+        print(f"{label}: compiling and checking ...", flush=True)
+        torch.manual_seed(i)
+        runs, check = make(d, s, causal, variants, not a.no_fa4, torch)
+        for name, run in runs.items():
+            wrong = check(run())
+            torch.cuda.synchronize()
+            if wrong is not None:
+                print(f"{label}: {name} gave a wrong result: {wrong}", file=sys.stderr)
+                return 1
+        calls = calls_per_round(events_ms(runs["default"], 3, torch), a.round_ms)
+        # warm every provider once at full length; note the ones the host cannot keep busy
+        host = {name: host_and_gpu_ms(run, calls, torch) for name, run in runs.items()}
+        times = paired_rounds(runs, a.rounds, lambda run: events_ms(run, calls, torch))
+        print(format_cell(label, times, calls) + f"   ({time.time() - t0:.0f} s)", flush=True)
+        for name, (host_ms, gpu_ms) in host.items():
+            if launch_bound(host_ms, gpu_ms):
+                print(f"  WARNING {name}: launch-bound (the host takes {host_ms:.3f} ms to issue "
+                      f"a call that runs {gpu_ms:.3f} ms): its time is the host's, not the "
+                      "kernels'; use a longer --seqlen", flush=True)
+        rows.append({"mode": a.mode, "head_dim": d, "seqlen": s, "causal": causal,
+                     "calls": calls, "ms": times, "host_ms": {n: h for n, (h, _) in host.items()},
+                     "speedup_vs_default": paired_speedups(times, "default")})
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump({"device": torch.cuda.get_device_name(), "variants": a.variant,
+                           "rows": rows}, f, indent=1)
+        del runs, check
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""The paired A/B timing (``fa_sm100.benchmarking.paired_rounds`` / ``paired_speedups``) and
+its command line ``scripts/ab_bench.py``: the rotation, the paired ratios, the report, and
+that bad variants stop the run before any GPU work. CPU only: a fake clock stands in for the
+GPU."""
+
+import importlib.util
+import itertools
+from pathlib import Path
+
+import pytest
+
+from fa_sm100.benchmarking import calls_per_round, paired_rounds, paired_speedups
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "ab_bench.py"
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("fa_sm100_ab_bench_script", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_rounds_rotate_the_order_and_time_every_run_once_per_round():
+    order, rounds_done = [], []
+    runs = {"default": "a", "v": "b", "fa4": "c"}
+    times = paired_rounds(runs, 4, lambda run: order.append(run) or 1.0,
+                          on_round=rounds_done.append)
+    assert order == list("abc" "bca" "cab" "abc")
+    assert rounds_done == [0, 1, 2, 3]
+    assert {k: len(v) for k, v in times.items()} == {"default": 4, "v": 4, "fa4": 4}
+
+
+def test_paired_speedups_cancel_a_drift_that_medians_of_times_do_not():
+    """A clock that slows every round by 10% (a drift shared by all runs): a variant 2% faster
+    than the default is 1.02x in every round's ratio, while its raw times overlap the
+    default's."""
+    slowdown = itertools.count()
+    base_ms = {"default": 1.0, "v": 1.0 / 1.02}
+
+    def measure(name):
+        return base_ms[name] * (1.0 + 0.1 * (next(slowdown) // 2))
+
+    times = paired_rounds({"default": "default", "v": "v"}, 6, measure)
+    assert max(times["v"]) > min(times["default"])  # the raw times alone do not separate them
+    mid, lo, hi = paired_speedups(times, "default")["v"]
+    # the rotation puts v first in odd rounds: both of a round share its clock
+    assert mid == pytest.approx(1.02, rel=1e-9) and lo == pytest.approx(1.02, rel=1e-9)
+    assert hi == pytest.approx(1.02, rel=1e-9)
+    assert paired_speedups(times, "default")["default"] == (1.0, 1.0, 1.0)
+
+
+def test_paired_speedups_report_median_and_extremes():
+    times = {"default": [1.0, 1.0, 1.0], "v": [0.5, 1.0, 2.0]}
+    assert paired_speedups(times, "default")["v"] == (1.0, 0.5, 2.0)
+
+
+def test_calls_per_round_fill_the_round():
+    assert calls_per_round(2.0, 150.0) == 75
+    assert calls_per_round(100.0, 150.0) == 3  # never fewer than the minimum
+    assert calls_per_round(0.0, 150.0) == 3
+
+
+def test_format_cell_names_each_provider_with_its_paired_ratio():
+    ab = _script()
+    times = {"default": [2.0, 2.2, 2.0], "nofence": [2.1, 2.31, 2.1], "fa4": [1.9, 2.09, 1.9]}
+    text = ab.format_cell("hdim 128", times, 60)
+    lines = text.splitlines()
+    assert lines[0] == "hdim 128: 3 rounds of 60 calls"
+    assert lines[2].split()[:3] == ["nofence", "2.1000", "ms"]
+    assert "x0.952 vs default (rounds 0.952-0.952)" in lines[2]
+    assert lines[-1] == "  over fa4: default 0.950x, nofence 0.905x"
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--variant", "x:nonsense=1"], "BwdConfig has no field 'nonsense'"),
+    (["--variant", "x:tile_m=100"], "tile_m=100"),
+    (["--mode", "fwd", "--variant", "x:n_block=100"], "n_block=100"),
+    (["--mode", "fwd", "--hdim", "256", "--seqlen", "1024", "--variant", "p:persistent=true"],
+     "SMEM"),
+])
+def test_bad_variants_stop_before_any_gpu_work(argv, message, capsys, monkeypatch):
+    ab = _script()
+    monkeypatch.setitem(__import__("sys").modules, "torch", None)  # importing torch would fail
+    assert ab.main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--variant", "bad"], ["--variant", "default:tile_m=64"],
+                                  ["--rounds", "1"], ["--hdim", "96"], ["--seqlen", "3000"]])
+def test_malformed_arguments_are_usage_errors(argv):
+    with pytest.raises(SystemExit) as e:
+        _script().parse_args(argv)
+    assert e.value.code == 2
+
+
+def test_variants_reach_the_configs_of_every_cell():
+    ab = _script()
+    (name, fields), = ab.parse_variants(["nofence:dv_before_fence=false,q_stage=1"], "bwd")
+    assert name == "nofence" and fields == {"dv_before_fence": False, "q_stage": 1}
+    cfg = ab.cell_config("bwd", 128, 1024, True, fields)
+    assert (cfg.dv_before_fence, cfg.q_stage, cfg.tile_m, cfg.stats_first) == (False, 1, 64, True)
+    fwd = ab.cell_config("fwd", 128, 4096, False, {"persistent": True})
+    assert fwd.persistent and not fwd.write_lse  # as the benchmark: no LSE unless asked
+
+
+def test_launch_bound_flags_calls_the_host_cannot_keep_ahead_of():
+    from fa_sm100.benchmarking import launch_bound
+
+    assert launch_bound(0.8, 0.82) and launch_bound(1.0, 0.5)
+    assert not launch_bound(0.1, 0.8) and not launch_bound(0.7, 0.8)
