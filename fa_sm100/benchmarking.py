@@ -229,13 +229,7 @@ def calls_per_round(ms_per_call: float, round_ms: float, minimum: int = 3) -> in
 def events_ms(fn, calls: int, torch) -> float:
     """Milliseconds per call of ``calls`` back-to-back calls of ``fn``, between two CUDA
     events (launch overhead included, as a training step sees it)."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(calls):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / calls
+    return host_and_gpu_ms(fn, calls, torch)[1]
 
 
 def host_and_gpu_ms(fn, calls: int, torch):

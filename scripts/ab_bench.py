@@ -40,8 +40,9 @@ try:  # first import: keeps scripts/inspect.py from shadowing the standard `insp
 except ImportError:  # loaded as a module (tests): this folder is not on sys.path
     pass
 
-from fa_sm100.benchmarking import (calls_per_round, events_ms, host_and_gpu_ms,  # noqa: E402
-                                   launch_bound, median, paired_rounds, paired_speedups)
+from fa_sm100.benchmarking import (calls_per_round, error_text, events_ms,  # noqa: E402
+                                   host_and_gpu_ms, launch_bound, median, paired_rounds,
+                                   paired_speedups)
 
 TOKENS = 16384
 HIDDEN = 2048
@@ -206,13 +207,17 @@ def main(argv=None):
         t0 = time.time()
         print(f"{label}: compiling and checking ...", flush=True)
         torch.manual_seed(i)
-        runs, check = make(d, s, causal, variants, not a.no_fa4, torch)
-        for name, run in runs.items():
-            wrong = check(run())
-            torch.cuda.synchronize()
-            if wrong is not None:
-                print(f"{label}: {name} gave a wrong result: {wrong}", file=sys.stderr)
-                return 1
+        try:
+            runs, check = make(d, s, causal, variants, not a.no_fa4, torch)
+            for name, run in runs.items():
+                wrong = check(run())
+                torch.cuda.synchronize()
+                if wrong is not None:
+                    print(f"{label}: {name} gave a wrong result: {wrong}", file=sys.stderr)
+                    return 1
+        except Exception as e:  # noqa: BLE001 - a provider that cannot run stops the A/B
+            print(f"{label}: {error_text(e)}", file=sys.stderr)
+            return 1
         calls = calls_per_round(events_ms(runs["default"], 3, torch), a.round_ms)
         # warm every provider once at full length; note the ones the host cannot keep busy
         host = {name: host_and_gpu_ms(run, calls, torch) for name, run in runs.items()}
