@@ -6,6 +6,7 @@ triton is missing), and the GPU's SM clock and power recorded while each round r
 
 from __future__ import annotations
 
+import math
 import shutil
 import subprocess
 import time
@@ -252,4 +253,37 @@ def launch_bound(host_ms: float, gpu_ms: float, margin: float = 0.9) -> bool:
     """Whether back-to-back timing of a call is limited by the host: issuing a call takes at
     least ``margin`` of its GPU time, so the GPU waits for work between calls."""
     return host_ms >= margin * gpu_ms
+
+
+def plot_grid(rows, providers, path: str, title: str):
+    """TFLOP/s over seqlen (log 2), one panel per (head dim, causality), one line per provider,
+    from ``rows`` of {"provider", "hdim", "causal", "seqlen", "tflops"} (the forward's rows;
+    the backward's through ``bwd_bench.long_rows``). Needs matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = sorted({(r["hdim"], r["causal"]) for r in rows})
+    cols = 2
+    nrows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(6 * cols, 4 * nrows), squeeze=False)
+    for ax, (d, c) in zip(axes.flat, panels):
+        for p in providers:
+            pts = sorted((r["seqlen"], r["tflops"]) for r in rows
+                         if r["provider"] == p and r["hdim"] == d and r["causal"] == c and r["tflops"])
+            if pts:
+                ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=p)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"hdim {d}, {'causal' if c else 'non-causal'}")
+        ax.set_xlabel("seqlen")
+        ax.set_ylabel("TFLOP/s")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 

@@ -40,7 +40,7 @@ except ImportError:  # loaded as a module (tests): this folder is not on sys.pat
     pass
 
 from fa_sm100.benchmarking import (ClockSampler, clock_summary, median,  # noqa: E402
-                                   summarize_conditions, time_ms)
+                                   plot_grid, summarize_conditions, time_ms)
 
 PROVIDERS = ("ours", "fa4", "cudnn", "flash")
 
@@ -311,32 +311,8 @@ def table(rows, providers):
 
 
 def plot(rows, providers, path, device):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    panels = sorted({(r["hdim"], r["causal"]) for r in rows})
-    cols = 2
-    nrows = math.ceil(len(panels) / cols)
-    fig, axes = plt.subplots(nrows, cols, figsize=(6 * cols, 4 * nrows), squeeze=False)
-    for ax, (d, c) in zip(axes.flat, panels):
-        for p in providers:
-            pts = sorted((r["seqlen"], r["tflops"]) for r in rows
-                         if r["provider"] == p and r["hdim"] == d and r["causal"] == c and r["tflops"])
-            if pts:
-                ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=p)
-        ax.set_xscale("log", base=2)
-        ax.set_title(f"hdim {d}, {'causal' if c else 'non-causal'}")
-        ax.set_xlabel("seqlen")
-        ax.set_ylabel("TFLOP/s")
-        ax.grid(alpha=0.3)
-        ax.legend()
-    for ax in list(axes.flat)[len(panels):]:
-        ax.axis("off")
-    fig.suptitle(f"forward attention, {device}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    """The forward grid's PNG (``fa_sm100.benchmarking.plot_grid``)."""
+    plot_grid(rows, providers, path, f"forward attention, {device}")
 
 
 def main(argv=None):

@@ -125,6 +125,43 @@ def test_benchmark_bwd_flags_reach_every_cell(monkeypatch, tmp_path):
     assert len(json.loads(out.read_text())["rows"]) == 8
 
 
+def test_benchmark_bwd_writes_csv_and_png(monkeypatch, tmp_path):
+    """``--csv`` and ``--png`` in ``--mode bwd`` (once silently ignored there): one CSV row per
+    (cell, provider) with a time, and a PNG. ``bench_cell`` is replaced: no GPU."""
+    import csv
+    import importlib.util
+    import os
+
+    pytest.importorskip("matplotlib", reason="the PNG needs matplotlib (pip install .[bench])")
+    spec = importlib.util.spec_from_file_location(
+        "benchmark_cli", os.path.join(os.path.dirname(__file__), "..", "scripts", "benchmark.py"))
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+
+    def fake_cell(b, h, hk, s, d, causal, **kw):
+        row = {"batch": b, "heads": h, "heads_kv": hk, "seqlen": s, "head_dim": d,
+               "causal": causal, "ours_ms": 2.0, "ours_tflops": 100.0 + s / 1024,
+               "ours:v_ms": 1.0, "ours:v_tflops": 200.0, "fa4_ms": 4.0, "fa4_tflops": 50.0}
+        if s == 4096:  # cuDNN timed in one length only
+            row.update(cudnn_ms=8.0, cudnn_tflops=25.0)
+        return row
+
+    monkeypatch.setattr(bwd_bench, "bench_cell", fake_cell)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake")
+    out_csv, out_png = tmp_path / "bwd.csv", tmp_path / "bwd.png"
+    args = cli.parse_args(["--mode", "bwd", "--hdim", "128", "--seqlen", "1024", "4096",
+                           "--causal", "false", "--ours-variant", "v:dq_accum=red",
+                           "--csv", str(out_csv), "--png", str(out_png)])
+    assert bwd_bench.run_from_benchmark_args(args) == 0
+    with open(out_csv) as f:
+        got = [(r["provider"], r["seqlen"], r["tflops"], r["device"]) for r in csv.DictReader(f)]
+    assert got == [("ours", "1024", "101.0", "fake"), ("ours:v", "1024", "200.0", "fake"),
+                   ("fa4", "1024", "50.0", "fake"),
+                   ("ours", "4096", "104.0", "fake"), ("ours:v", "4096", "200.0", "fake"),
+                   ("fa4", "4096", "50.0", "fake"), ("cudnn", "4096", "25.0", "fake")]
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_backward_flops_are_two_and_a_half_forwards_with_v_head_dim():
     """2.5 x the forward's two GEMMs, which count hdim for Q K^T and hdim_v for P V: (192, 128)
     is 2.5 x 2 x (192 + 128) per (query, key) pair; halved for causal."""

@@ -237,7 +237,8 @@ def run_grid(seqlens=DEFAULT_SEQLENS, head_dims=DEFAULT_HEAD_DIMS, causals=(Fals
 
 def run_from_benchmark_args(args):
     """``scripts/benchmark.py --mode bwd``: the forward grid's flags (``--providers`` aside:
-    the backward always times ours, FA4 and cuDNN), timed for the backward.
+    the backward always times ours, FA4 and cuDNN), timed for the backward; ``--csv`` and
+    ``--png`` get one row / line per provider as the forward's.
     ``--ours-variant NAME:field=value,...`` takes BwdConfig fields here. Returns the exit
     status (``exit_status``)."""
     variants = [parse_variant(v) for v in args.ours_variant]
@@ -246,11 +247,43 @@ def run_from_benchmark_args(args):
                     tokens=args.total_tokens, model_dim=args.hidden, repeat=args.repeat,
                     warmup=args.warmup, rep=args.rep, dtype=dtype)
     print_clocks(rows)
+    device = torch.cuda.get_device_name()
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"mode": "bwd", "device": torch.cuda.get_device_name(), "rows": rows},
-                      f, indent=1)
+            json.dump({"mode": "bwd", "device": device, "rows": rows}, f, indent=1)
+    long = long_rows(rows)
+    if args.csv:
+        import csv
+
+        with open(args.csv, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(LONG_ROW_KEYS) + ["device"])
+            w.writeheader()
+            for r in long:
+                w.writerow({**r, "device": device})
+    if args.png:
+        from fa_sm100.benchmarking import plot_grid
+
+        names = ["ours"] + [f"ours:{name}" for name, _ in variants] + ["fa4", "cudnn"]
+        plot_grid(long, names, args.png, f"backward attention, {device}")
     return exit_status(rows)
+
+
+LONG_ROW_KEYS = ("provider", "hdim", "causal", "seqlen", "ms", "tflops")
+
+
+def long_rows(rows):
+    """The grid's rows (one per cell, ``<provider>_ms`` / ``_tflops`` keys) as one row per
+    (cell, provider) with ``LONG_ROW_KEYS``, the forward's shape (CSV, ``plot_grid``);
+    providers without a time in a cell are left out."""
+    out = []
+    for r in rows:
+        for key in r:
+            if key.endswith("_tflops"):
+                name = key[:-len("_tflops")]
+                out.append({"provider": name, "hdim": r["head_dim"], "causal": r["causal"],
+                            "seqlen": r["seqlen"], "ms": r.get(f"{name}_ms"),
+                            "tflops": r[key]})
+    return out
 
 
 def print_clocks(rows):
