@@ -220,6 +220,19 @@ def paired_speedups(times: dict, base: str) -> dict:
     return out
 
 
+def paired_ratio(times: dict, ours: str, peers) -> Optional[float]:
+    """Ours over the best peer, paired by round: the median over the rounds of ``run_cell``
+    (or ``paired_rounds``) of (the fastest peer's ms in that round) / (ours' ms in that round).
+    A drift shared by a round cancels in it, unlike in the ratio of per-provider medians.
+    Peers without a time in a round are skipped there; None when no round has both."""
+    ratios = []
+    for r, mine in enumerate(times.get(ours, [])):
+        peer_ms = [times[p][r] for p in peers if len(times.get(p, [])) > r]
+        if peer_ms:
+            ratios.append(min(peer_ms) / mine)
+    return median(ratios) if ratios else None
+
+
 def calls_per_round(ms_per_call: float, round_ms: float, minimum: int = 3) -> int:
     """Back-to-back calls one measurement makes so that it lasts about ``round_ms``."""
     if ms_per_call <= 0:

@@ -40,7 +40,7 @@ except ImportError:  # loaded as a module (tests): this folder is not on sys.pat
     pass
 
 from fa_sm100.benchmarking import (ClockSampler, clock_summary, median,  # noqa: E402
-                                   plot_grid, summarize_conditions, time_ms)
+                                   paired_ratio, plot_grid, summarize_conditions, time_ms)
 
 PROVIDERS = ("ours", "fa4", "cudnn", "flash")
 
@@ -68,9 +68,10 @@ def parse_args(argv=None):
     p.add_argument("--ours-variant", action="append", default=[], metavar="NAME:FIELD=VALUE[,...]",
                    help="also time ours with these SM90 config overrides, as provider ours:NAME "
                         "(repeatable), e.g. --ours-variant nopp:pingpong=false")
-    p.add_argument("--repeat", type=int, default=3,
+    p.add_argument("--repeat", type=int, default=5,
                    help="rounds per cell, provider order rotated each round; the median of the "
-                        "rounds is kept (the slower one of two)")
+                        "rounds is kept (the slower one of two), and ours over the best peer is "
+                        "also reported paired by round (column 'paired')")
     p.add_argument("--warmup", type=int, default=25, help="ms of warmup per cell")
     p.add_argument("--rep", type=int, default=100, help="ms of timed repetitions per cell")
     p.add_argument("--csv")
@@ -267,10 +268,13 @@ def run_grid(args):
                                  lambda fn: time_ms(fn, args.warmup, args.rep, torch), torch,
                                  on_step, monitor=lambda: ClockSampler(q.device.index or 0),
                                  conditions=conditions)
+        peers = [p for p in providers if not p.startswith("ours")]
         for name in providers:
             row = {"provider": name, "hdim": d, "hdim_v": dv, "causal": causal, "seqlen": s,
                    "batch": b, "heads": h, "ms": None, "tflops": None, "mhz": None,
-                   "watts": None, "error": errors.get(name)}
+                   "watts": None, "error": errors.get(name),
+                   # ours only: over the best peer, round by round (paired_ratio)
+                   "ratio_paired": paired_ratio(times, name, peers) if name == "ours" else None}
             if times[name]:
                 ms = median(times[name])
                 row["ms"] = ms
@@ -287,13 +291,18 @@ def run_grid(args):
 
 
 def table(rows, providers):
-    """Markdown table: one line per (hdim, causal, seqlen), TFLOP/s per provider, ours/best peer."""
+    """Markdown table: one line per (hdim, causal, seqlen), TFLOP/s per provider, ours over the
+    best peer (ratio of the medians) and, when the rows carry it, the paired ratio
+    (``fa_sm100.benchmarking.paired_ratio``)."""
     keys = sorted({(r["hdim"], r["causal"], r["seqlen"]) for r in rows})
     by = {(r["hdim"], r["causal"], r["seqlen"], r["provider"]): r for r in rows}
     peers = [p for p in providers if not p.startswith("ours")]
     head = ["hdim", "causal", "seqlen", *providers]
+    paired = any(r.get("ratio_paired") for r in rows)
     if "ours" in providers and peers:
         head.append("ours / best peer")
+        if paired:
+            head.append("paired")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for d, c, s in keys:
         vals = []
@@ -306,6 +315,9 @@ def table(rows, providers):
             best = max((by[(d, c, s, p)]["tflops"] or 0.0 for p in peers if (d, c, s, p) in by),
                        default=0.0)
             line.append(f"{ours['tflops'] / best:.2f}x" if ours and ours["tflops"] and best else "n/a")
+            if paired:
+                line.append(f"{ours['ratio_paired']:.3f}x" if ours and ours.get("ratio_paired")
+                            else "n/a")
         lines.append("| " + " | ".join(line) + " |")
     return "\n".join(lines)
 

@@ -109,3 +109,16 @@ def test_launch_bound_flags_calls_the_host_cannot_keep_ahead_of():
 
     assert launch_bound(0.8, 0.82) and launch_bound(1.0, 0.5)
     assert not launch_bound(0.1, 0.8) and not launch_bound(0.7, 0.8)
+
+
+def test_paired_ratio_takes_the_fastest_peer_of_each_round():
+    from fa_sm100.benchmarking import paired_ratio
+
+    # round 2 is slow for everyone (a shared drift): its ratio is the same as the others'
+    times = {"ours": [1.0, 1.0, 2.0], "fa4": [0.9, 1.1, 1.8], "cudnn": [1.2, 0.95, 2.4]}
+    assert paired_ratio(times, "ours", ["fa4", "cudnn"]) == pytest.approx(0.9)
+    assert paired_ratio(times, "ours", ["cudnn"]) == pytest.approx(1.2)
+    # a peer dropped after its first round (run_cell empties its list) or missing altogether
+    assert paired_ratio({"ours": [1.0, 2.0], "fa4": []}, "ours", ["fa4", "cudnn"]) is None
+    assert paired_ratio({"ours": [1.0, 2.0], "fa4": [0.5]}, "ours", ["fa4"]) == 0.5
+    assert paired_ratio({"ours": [], "fa4": [1.0]}, "ours", ["fa4"]) is None

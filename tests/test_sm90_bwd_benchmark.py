@@ -56,6 +56,9 @@ def test_format_row_and_exit_status_report_failures():
     text = bwd_bench.format_row(row)
     assert "ours  500.0" in text and "ours:x n/a" in text and "ratio 0.91x" in text
     assert "cudnn: RuntimeError: no kernel" in text and "ours:x: ValueError: y" in text
+    assert "paired" not in text
+    paired = bwd_bench.format_row({**row, "ratio_paired": 0.9321})
+    assert "ratio 0.91x | paired 0.932x TFLOP/s" in paired
     assert bwd_bench.exit_status([row]) == 1  # a variant of ours failed
     ok = {k: v for k, v in row.items() if k != "ours:x_error"}
     assert bwd_bench.exit_status([ok]) == 0  # a peer that cannot run does not fail the run

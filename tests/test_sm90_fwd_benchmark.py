@@ -63,6 +63,19 @@ def test_table_reports_ours_over_the_best_peer():
     assert lines[2] == "| 64 | no | 1024 | 500 | 400 | 450 | n/a | 300 | 1.11x |"
 
 
+def test_table_adds_the_paired_ratio_when_rows_carry_it():
+    bench = load()
+    rs = rows()
+    for r in rs:
+        if r["provider"] == "ours":
+            r["ratio_paired"] = 1.0344 if r["seqlen"] == 1024 else None
+    lines = bench.table(rs, ["ours", "fa4", "cudnn"]).splitlines()
+    assert lines[0].endswith("| ours / best peer | paired |")
+    assert lines[2].endswith("| 1.11x | 1.034x |")
+    assert lines[3].endswith("| n/a |")  # a cell without a paired ratio
+    assert "paired" not in bench.table(rows(), ["ours", "fa4"]).splitlines()[0]
+
+
 def test_png_has_one_panel_per_hdim_and_causality(tmp_path):
     pytest.importorskip("matplotlib", reason="the PNG needs matplotlib (pip install .[bench])")
     bench = load()

@@ -24,14 +24,14 @@ import math
 
 import torch
 
-from fa_sm100.benchmarking import (ClockSampler, clock_summary, median, run_cell,
-                                   summarize_conditions, time_ms)
+from fa_sm100.benchmarking import (ClockSampler, clock_summary, median, paired_ratio,
+                                   run_cell, summarize_conditions, time_ms)
 
 DEFAULT_SEQLENS = (1024, 4096, 16384)
 DEFAULT_HEAD_DIMS = (64, 128)
 TOKENS = 16384  # batch * seqlen per cell
 MODEL_DIM = 2048  # heads * head_dim per cell
-WARMUP_MS, REP_MS, REPEAT = 25, 100, 3
+WARMUP_MS, REP_MS, REPEAT = 25, 100, 5
 
 
 def bwd_flops(b, h, sq, sk, d, dv, causal):
@@ -198,6 +198,8 @@ def bench_cell(b, h, hk, s, d, causal, dtype=torch.bfloat16, deterministic=False
     peers = [row[k] for k in ("fa4_tflops", "cudnn_tflops") if k in row]
     if peers and "ours_tflops" in row:
         row["ratio_vs_best_peer"] = row["ours_tflops"] / max(peers)
+        # round by round (a drift shared by a round cancels): fa_sm100.benchmarking.paired_ratio
+        row["ratio_paired"] = paired_ratio(times, "ours", ("fa4", "cudnn"))
     return row
 
 
@@ -344,6 +346,8 @@ def format_row(r):
         cells.append(f"{peer} {r[peer + '_tflops']:6.1f}" if peer + "_tflops" in r else f"{peer} n/a")
     if "ratio_vs_best_peer" in r:
         cells.append(f"ratio {r['ratio_vs_best_peer']:.2f}x")
+    if r.get("ratio_paired"):
+        cells.append(f"paired {r['ratio_paired']:.3f}x")
     line = " | ".join(cells) + " TFLOP/s"
     for peer in names + ["fa4", "cudnn"]:
         for kind in ("_error", "_skipped"):
