@@ -46,6 +46,7 @@ from fa_sm100.benchmarking import (calls_per_round, error_text, events_ms,  # no
 
 TOKENS = 16384
 HIDDEN = 2048
+LAUNCH_CHECK_CALLS = 16  # calls timed host-side for the launch-bound check
 
 
 def _bool_list(text: str):
@@ -219,8 +220,12 @@ def main(argv=None):
             print(f"{label}: {error_text(e)}", file=sys.stderr)
             return 1
         calls = calls_per_round(events_ms(runs["default"], 3, torch), a.round_ms)
-        # warm every provider once at full length; note the ones the host cannot keep busy
-        host = {name: host_and_gpu_ms(run, calls, torch) for name, run in runs.items()}
+        for run in runs.values():  # warm every provider once at full length
+            events_ms(run, calls, torch)
+        # the providers the host cannot keep busy (few calls: a full launch queue would make
+        # the host wait for the GPU and look launch-bound)
+        host = {name: host_and_gpu_ms(run, min(calls, LAUNCH_CHECK_CALLS), torch)
+                for name, run in runs.items()}
         times = paired_rounds(runs, a.rounds, lambda run: events_ms(run, calls, torch))
         print(format_cell(label, times, calls) + f"   ({time.time() - t0:.0f} s)", flush=True)
         for name, (host_ms, gpu_ms) in host.items():
