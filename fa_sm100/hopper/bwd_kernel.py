@@ -135,8 +135,10 @@ poll the mbarrier once (``consumer_try_wait``) and pass the result as the token 
 blocking wait, which runs only if the poll failed. Without the token the wait lowers to
 try-wait + ``NANOSLEEP.SYNCS`` inside the loop body; with it, to a test and a branch to an
 out-of-line retry loop, as in the forward and in FA4. The token is one more live register:
-with swapped 64-row blocks and a left window (GQA, deterministic) ptxas then spills, so
-``select_bwd_config`` turns it off there and only there (the compile tests).
+with swapped 64-row blocks and a left window (GQA, deterministic) ptxas spilled, so
+``select_bwd_config`` turns it off there and only there; since round 7's mask by limits
+(``_mask``) that kernel fits with the token (the compile test), and the default waits for a
+GPU run.
 
 dQ is accumulated in float32 in global memory by one of two switchable paths (``dq_accum``);
 the stores of dQ, dK and dV are in ``bwd_store.py`` (``BwdStoreRole``, with Note [dQ SMEM
@@ -578,7 +580,7 @@ class Sm90FlashBackward(BwdStoreRole, BwdScoresRole):
                 if m_block > m_block_min:
                     pipe_q.consumer_release(state_q_prev)
             if self._block_needs_mask(m_block, n_block, seqlen_q, seqlen_k):
-                self._mask(S, tScS, m_block, n_block, seqlen_q, seqlen_k)
+                self._mask(S, tScS, tScS0, m_block, n_block, seqlen_q, seqlen_k)
             self._exp2_rows(S, lse, scale_log2, tScS0)
             if const_expr(wide):  # Delta after P: its registers never live beside LSE2's
                 dpsum = self._block_stats(delta_block, thr_sdp, sdp_shape, tScS)

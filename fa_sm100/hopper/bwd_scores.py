@@ -162,21 +162,33 @@ class BwdScoresRole:
         return need
 
     @cute.jit
-    def _mask(self, S, tScS, m_block, n_block, seqlen_q, seqlen_k):
+    def _mask(self, S, tScS, tScS0, m_block, n_block, seqlen_q, seqlen_k):
         """Set S to -inf outside the causal/sliding-window band and past seqlen_k (with
-        ``sdp_swap_ab`` S^T: the keys are its rows, the queries its columns)."""
+        ``sdp_swap_ab`` S^T: the keys are its rows, the queries its columns).
+
+        A thread's (query, key) coordinates are thread 0's (``tScS0``, compile-time) plus its
+        own offset, the same for all its elements. The offsets, the block origin and the band
+        edges fold into three limits computed once, so each element compares compile-time
+        constants (its key, and key minus query, of thread 0) against them: an ``ISETP`` or
+        two and one ``FSEL``."""
         right = effective_window_right(self.cfg)
         left = self.cfg.window_left
-        off = seqlen_k - seqlen_q
         q_mode, k_mode = (1, 0) if self.cfg.sdp_swap_ab else (0, 1)
+        d_q = tScS[0, 0][q_mode] - tScS0[0, 0][q_mode]  # this thread's offsets
+        d_k = tScS[0, 0][k_mode] - tScS0[0, 0][k_mode]
+        # In thread 0's coordinates (k0, q0) of an element, with this thread's origin folded in:
+        key_origin = n_block * self.tile_n + d_k
+        diag = m_block * self.tile_m + d_q - key_origin + (seqlen_k - seqlen_q)  # k0 - q0 there
+        limit_tail = seqlen_k - key_origin  # masked where k0 >= limit_tail (past seqlen_k)
+        limit_right = diag + (right if const_expr(right is not None) else 0)
+        limit_left = diag - (left if const_expr(left is not None) else 0)
         for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
             for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
-                row = m_block * self.tile_m + tScS[r, c][q_mode]
-                col = n_block * self.tile_n + tScS[r, c][k_mode]
-                out = col >= seqlen_k
+                k0 = tScS0[r, c][k_mode]
+                k_minus_q = k0 - tScS0[r, c][q_mode]
+                out = k0 >= limit_tail
                 if const_expr(right is not None):
-                    out = out | (col > row + off + right)
+                    out = out | (k_minus_q > limit_right)  # right of the band
                 if const_expr(left is not None):
-                    out = out | (col < row + off - left)
-                if out:
-                    S[r, c] = -Float32.inf
+                    out = out | (k_minus_q < limit_left)  # left of the band
+                S[r, c] = Float32(cutlass.select_(out, -Float32.inf, S[r, c]))
