@@ -19,6 +19,13 @@ def error_text(e: Exception) -> str:
     return f"{type(e).__name__}: {msg}"
 
 
+def rotated(names: list, rnd: int) -> list:
+    """``names`` rotated left by ``rnd``: the order of round ``rnd``, so that no provider
+    always runs first (clocks, caches) in ``run_cell`` and ``paired_rounds``."""
+    k = rnd % len(names)
+    return names[k:] + names[:k]
+
+
 def run_cell(prepares: dict, check: Callable, repeat: int, measure: Callable,
              sync: Optional[Callable] = None, on_step: Optional[Callable] = None,
              monitor: Optional[Callable] = None, conditions: Optional[dict] = None):
@@ -59,8 +66,7 @@ def run_cell(prepares: dict, check: Callable, repeat: int, measure: Callable,
             errors[name] = error_text(e)
             del runs[name]
     for rnd in range(repeat):
-        # Rotate the order each round so no provider always runs first (clocks, caches).
-        for name in names[rnd % len(names):] + names[:rnd % len(names)]:
+        for name in rotated(names, rnd):
             if on_step is not None:
                 on_step(name)
             if name not in runs:  # failed its check, or an earlier round
@@ -117,10 +123,7 @@ class ClockSampler:
         return False
 
     def result(self):
-        if not self._samples:
-            return None
-        return (median([mhz for mhz, _ in self._samples]),
-                median([watts for _, watts in self._samples]))
+        return summarize_conditions(self._samples)
 
 
 def parse_clock_samples(text: str) -> list:
@@ -140,8 +143,9 @@ def parse_clock_samples(text: str) -> list:
 
 
 def summarize_conditions(conditions: list):
-    """(median MHz, median W) over a provider's rounds (each a ``ClockSampler.result()``, None
-    where no sample came), or None when no round was sampled."""
+    """(median MHz, median W) over (MHz, W) pairs, None entries skipped: a provider's rounds
+    (each a ``ClockSampler.result()``, None where no sample came) or one sampler's samples;
+    None when there is no pair."""
     got = [c for c in conditions if c is not None]
     if not got:
         return None
@@ -202,7 +206,7 @@ def paired_rounds(runs: dict, rounds: int, measure: Callable, on_round: Optional
     names = list(runs)
     times = {name: [] for name in names}
     for rnd in range(rounds):
-        for name in names[rnd % len(names):] + names[:rnd % len(names)]:
+        for name in rotated(names, rnd):
             times[name].append(measure(runs[name]))
         if on_round is not None:
             on_round(rnd)

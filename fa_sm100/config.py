@@ -389,6 +389,13 @@ def parse_overrides(items: Iterable[str], cls=FmhaConfig) -> dict:
     return out
 
 
+def parse_variant(spec: str, cls=FmhaConfig) -> tuple:
+    """``"NAME:field=value,field=value"`` (the benchmarks' config variants) -> (NAME, the
+    typed fields of ``cls`` as ``parse_overrides`` reads them)."""
+    name, _, fields = spec.partition(":")
+    return name, parse_overrides([f for f in fields.split(",") if f], cls)
+
+
 def config_from_overrides(items: Iterable[str]) -> FmhaConfig:
     """The default config for hdim 128 bf16 with ``--set`` overrides applied, validated.
 

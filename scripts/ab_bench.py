@@ -92,13 +92,12 @@ def parse_args(argv=None):
 def parse_variants(specs, mode):
     """[(name, {field: value})] from ``NAME:field=value,...``; unknown fields raise
     ValueError (before any GPU work)."""
-    from fa_sm100.config import parse_overrides
+    from fa_sm100.config import parse_variant
     from fa_sm100.hopper.bwd_config import BwdConfig
     from fa_sm100.hopper.config import Sm90FwdConfig
 
     cls = BwdConfig if mode == "bwd" else Sm90FwdConfig
-    return [(name, parse_overrides([f for f in fields.split(",") if f], cls))
-            for name, _, fields in (s.partition(":") for s in specs)]
+    return [parse_variant(spec, cls) for spec in specs]
 
 
 def cell_config(mode, d, s, causal, fields):

@@ -111,11 +111,10 @@ def prepare_ours(q, k, v, causal, config=None):
 
 def make_variant(spec, torch):
     """ours with SM90 config overrides: ``NAME:field=value,field=value``."""
-    from fa_sm100.config import parse_overrides
+    from fa_sm100.config import parse_variant
     from fa_sm100.hopper.config import Sm90FwdConfig, select_sm90_fwd_config
 
-    name, _, fields = spec.partition(":")
-    overrides = parse_overrides([f for f in fields.split(",") if f], Sm90FwdConfig)
+    name, overrides = parse_variant(spec, Sm90FwdConfig)
     overrides.setdefault("write_lse", False)  # as ``ours``: nobody reads the LSE here
 
     def prepare(q, k, v, causal):

@@ -58,12 +58,10 @@ def _fa4_backward(fa4, q, k, v, dout, causal, deterministic=False):
 
 def parse_variant(spec: str):
     """"NAME:field=value,field=value" -> (NAME, BwdConfig overrides dict)."""
-    from fa_sm100.config import parse_overrides
+    from fa_sm100.config import parse_variant as parse
     from fa_sm100.hopper.bwd_config import BwdConfig
 
-    name, _, rest = spec.partition(":")
-    items = [x for x in rest.split(",") if x]
-    return name, parse_overrides(items, cls=BwdConfig)
+    return parse(spec, BwdConfig)
 
 
 def checked_heads(h, hk):
