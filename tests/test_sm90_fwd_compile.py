@@ -28,6 +28,8 @@ CASES = [
     ["head_dim=64", "causal=true"],  # three consumer warpgroups, causal mask loops
     ["head_dim=256", "causal=true"],  # no ping-pong, O rescaled before the PV GEMM
     ["intra_wg_overlap=false", "pingpong=false", "causal=true"],
+    ["causal=true", "persistent=true", "dynamic_schedule=false"],  # every gridDim.x-th tile
+    ["causal=true", "head_dim=192", "head_dim_v=128"],  # dynamic schedule, 221 KiB of SMEM
 ]
 
 
@@ -47,3 +49,55 @@ def test_sm90_fwd_compile_contract(overrides):
     assert rep["sass"]["UTMALDG"] > 0 and rep["sass"]["UTMASTG"] > 0
     assert rep["sass"]["MUFU.EX2"] > 0
     assert not [w for w in rep["warnings"] if "setmaxnreg" in w], rep["warnings"]
+
+
+@pytest.mark.compile
+def test_dynamic_schedule_fetches_once_per_tile_and_resets_the_counter():
+    """Note [Dynamic tile schedule] in the SASS: the default causal kernel (persistent, dynamic)
+    has one atomic add on the tile counter (the producer's fetch) and one store to it (the
+    reset by the launch's last fetch, predicated); the tile index reaches the consumers
+    through SMEM (one STS by the producer, one LDS per tile by the consumers). Persistent CTAs
+    that take every gridDim.x-th tile, and one tile per CTA, touch no counter."""
+    dynamic = inspect_kernel("sm90_fwd", "sm_90a", ["causal=true", "write_lse=false"])
+    assert dynamic["config"]["persistent"] and dynamic["config"]["dynamic_schedule"]
+    ops = dynamic["sass"]  # counts by opcode and by each modifier
+    assert ops.get("ATOMG", 0) == 1 and ops.get("ATOMG.ADD", 0) == 1, ops
+    assert ops.get("STG", 0) == 1, ops  # the counter's reset; O leaves by TMA, no LSE here
+    assert ops.get("STS", 0) == 1 and ops.get("LDS", 0) == 1, ops
+    assert dynamic["spill_bytes"] == 0 and dynamic["local_bytes"] == 0
+    for overrides in (["causal=true", "dynamic_schedule=false"],
+                      ["causal=true", "persistent=false"]):
+        ops = inspect_kernel("sm90_fwd", "sm_90a", overrides)["sass"]
+        assert not any(op.startswith("ATOM") for op in ops), (overrides, ops)
+
+
+SMEM_CASES = [[], ["persistent=true"], ["causal=true"], ["causal=true", "head_dim=64"],
+              ["causal=true", "head_dim=192", "head_dim_v=128"], ["head_dim=256", "causal=true"],
+              ["head_dim=64", "persistent=true", "num_consumer_wg=2"]]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("overrides", SMEM_CASES, ids=lambda o: ",".join(o) or "default")
+def test_smem_bytes_is_the_kernels_shared_storage_size(overrides):
+    """``Sm90FwdConfig.smem_bytes`` (what validate() holds to the 227 KiB budget, what picks
+    persistence and what the compile contract reports) equals the size of the kernel's
+    SharedStorage struct, which is what a launch asks for: with and without the separate O
+    buffer and the dynamic schedule's tile pipeline."""
+    import cutlass.cute as cute
+
+    from fa_sm100.hopper.fwd_kernel import Sm90FwdKernel
+
+    cfg = sm90_fwd_config_from_overrides(overrides)
+    kernel = Sm90FwdKernel(cfg)
+    size = {}
+
+    @cute.jit
+    def probe():
+        layouts = [kernel._smem_layout(cfg.m_block, cfg.head_dim),
+                   kernel._smem_layout(cfg.n_block, cfg.head_dim, cfg.kv_stage),
+                   kernel._smem_layout(cfg.n_block, cfg.head_dim_v, cfg.kv_stage),
+                   kernel._smem_layout(cfg.m_block, cfg.head_dim_v)]
+        size["struct"] = kernel._shared_storage(*layouts).size_in_bytes()
+
+    cute.compile(probe, options="--gpu-arch sm_90a")
+    assert size["struct"] == cfg.smem_bytes() <= SM90_SMEM_BUDGET

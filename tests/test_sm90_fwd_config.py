@@ -116,16 +116,35 @@ def test_sm90_fwd_rejects_before_launch():
 
 
 def test_seqlen_hints_pick_the_measured_schedule():
-    """Short key sequences: persistent CTAs (where a separate O buffer fits in SMEM); short
-    causal hdim-64 rows: 128-row tiles. Long sequences keep one tile per CTA."""
-    short = select_sm90_fwd_config(128, causal=False, seqlen_k=1024)
-    long = select_sm90_fwd_config(128, causal=False, seqlen_k=8192)
-    assert short.persistent and not long.persistent
-    # causal rows turn to one tile per CTA sooner (uneven tile lengths balance badly)
-    assert select_sm90_fwd_config(128, causal=True, seqlen_k=1024).persistent
-    assert not select_sm90_fwd_config(128, causal=True, seqlen_k=2048).persistent
-    assert select_sm90_fwd_config(128, causal=False, seqlen_k=2048).persistent
+    """Persistent CTAs with the dynamic schedule (where a separate O buffer fits in SMEM):
+    causal problems at every length; non-causal 128-row tiles (hdim 96, 128) at every length,
+    hdim 64 up to 4k and (192, 128) up to 2k keys; one tile per CTA otherwise. Short causal
+    hdim-64 rows: 128-row tiles."""
+    for head_dim, longest in ((64, 4096), (192, 2048)):
+        assert select_sm90_fwd_config(head_dim, seqlen_k=longest).persistent
+        assert not select_sm90_fwd_config(head_dim, seqlen_k=2 * longest).persistent
+        assert not select_sm90_fwd_config(head_dim).persistent  # no length: no hint
+    for head_dim in (96, 128):
+        for seqlen_k in (None, 1024, 16384):
+            cfg = select_sm90_fwd_config(head_dim, seqlen_k=seqlen_k)
+            assert cfg.persistent and cfg.dynamic_schedule, (head_dim, seqlen_k)
     assert not select_sm90_fwd_config(256, causal=False, seqlen_k=1024).persistent  # SMEM
+    for head_dim in (64, 96, 128, 192):
+        for seqlen_k in (None, 1024, 16384):
+            cfg = select_sm90_fwd_config(head_dim, causal=True, seqlen_k=seqlen_k)
+            assert cfg.persistent and cfg.dynamic_schedule, (head_dim, seqlen_k)
+    causal256 = select_sm90_fwd_config(256, causal=True, seqlen_k=1024)  # SMEM: 288 KiB
+    assert not causal256.persistent and not causal256.dynamic_schedule
+    # overriding persistence alone takes the dynamic schedule with it; both may be set
+    assert not select_sm90_fwd_config(128, causal=True, persistent=False).dynamic_schedule
+    static = select_sm90_fwd_config(128, causal=True, persistent=True, dynamic_schedule=False)
+    assert static.persistent and not static.dynamic_schedule
+    with pytest.raises(ValueError, match="dynamic_schedule=True needs persistent=True"):
+        select_sm90_fwd_config(128, causal=True, persistent=False, dynamic_schedule=True)
+    # the schedule is picked after the other overrides: 3 K/V stages leave no room for the
+    # separate O buffer, so the tile runs as one CTA instead of failing validation
+    deep = select_sm90_fwd_config(128, causal=True, kv_stage=3)
+    assert (deep.kv_stage, deep.persistent, deep.dynamic_schedule) == (3, False, False)
     causal64 = select_sm90_fwd_config(64, causal=True, seqlen_k=1024)
     assert (causal64.num_consumer_wg, causal64.m_block, causal64.regs_consumer) == (2, 128, 240)
     assert select_sm90_fwd_config(64, causal=True, seqlen_k=4096).num_consumer_wg == 3

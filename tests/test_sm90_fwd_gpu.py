@@ -130,7 +130,9 @@ def test_flash_attn_func_dispatches_to_sm90(sm90_device):
 @pytest.mark.parametrize("switch", [
     "intra_wg_overlap=false", "pingpong=false", "kv_stage=3", "persistent=true",
     "persistent=true,intra_wg_overlap=false", "num_consumer_wg=3,n_block=64",
-    "ex2_emu_fraction=0.25", "persistent=false",
+    "ex2_emu_fraction=0.25", "persistent=false", "persistent=true,dynamic_schedule=true",
+    "persistent=true,dynamic_schedule=false", "k_before_q=true",
+    "k_before_q=true,persistent=false",
     # causal sections of 2 and of 5 (batch, head) pairs: 32 pairs, the last section short
     "l2_section_mib=1", "l2_section_mib=2",
 ])
@@ -153,3 +155,40 @@ def test_sm90_fwd_switches_keep_numerics(sm90_device, switch):
         ref, _ = attention_reference(q, k, v, causal=causal)
         plain, _ = attention_reference(q, k, v, causal=causal, dtype=torch.bfloat16, upcast=False)
         check_against_reference(out, ref, plain, atol=1e-3, what=f"O {switch} causal={causal}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_sm90_fwd_dynamic_schedule_counter_and_numerics(sm90_device, head_dim):
+    """Note [Dynamic tile schedule]: every launch processes each work tile once (O, NaN-poisoned
+    first, meets the rule everywhere; LSE too) and leaves the tile counter at 0, so the next
+    launch, with another tile count, starts right. Causal problems of 1 to ~1000 tiles, fewer
+    and more tiles than SMs, tails, GQA, seqlen_q > seqlen_k (rows with no key)."""
+    from fa_sm100.hopper.config import select_sm90_fwd_config
+    from fa_sm100.hopper.interface import sm90_fwd, tile_counter
+
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(zlib.crc32(f"dynamic{head_dim}".encode()))
+    counter = tile_counter(torch.device("cuda"))
+    shapes = [(8, 2048, 2048, 8, 2), (1, 100, 100, 1, 1), (3, 1000, 777, 6, 3),
+              (2, 4097, 4097, 4, 4), (1, 300, 1, 2, 1)]
+    for b, sq, sk, hq, hk in shapes:
+        cfg = select_sm90_fwd_config(head_dim, causal=True, seqlen_k=sk, persistent=True,
+                                     dynamic_schedule=True)
+        q = torch.randn(b, sq, hq, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+        k, v = (torch.randn(b, sk, hk, head_dim, device="cuda", dtype=torch.bfloat16,
+                            generator=gen) for _ in range(2))
+        for _ in range(2):  # the second launch reuses what the first left in the counter
+            out = torch.full((b, sq, hq, head_dim), float("nan"), device="cuda",
+                             dtype=torch.bfloat16)
+            lse = torch.full((b, hq, sq), float("nan"), device="cuda", dtype=torch.float32)
+            sm90_fwd(q, k, v, None, True, (None, None), True,
+                     cfg.replace(write_lse=True), out=out, lse=lse)
+            torch.cuda.synchronize()
+            assert int(counter.item()) == 0, f"tile counter left at {int(counter.item())}"
+            ref, ref_lse = attention_reference(q, k, v, causal=True)
+            plain, _ = attention_reference(q, k, v, causal=True, dtype=torch.bfloat16,
+                                           upcast=False)
+            what = f"dynamic schedule {(b, sq, sk, hq, hk)} hdim {head_dim}"
+            check_against_reference(out, ref, plain, atol=1e-3, what="O " + what)
+            check_lse(lse, q, k, v, True, ref_lse, what="LSE " + what)

@@ -65,7 +65,12 @@ class Sm90FwdConfig:
     pingpong: bool = True  # named barriers order the consumer warpgroups' GEMM issue
     rescale_o_before_pv: bool = False  # rescale O while the QK GEMM runs (intra_wg_overlap only)
     persistent: bool = False  # one CTA per SM loops over work tiles (O gets its own SMEM buffer)
+    # persistent only: a CTA takes its next work tile from a global counter when it is about to
+    # need one (Note [Dynamic tile schedule] in fwd_kernel.py) instead of every gridDim.x-th tile
+    dynamic_schedule: bool = False
     ex2_emu_fraction: float = 0.0  # share of exp2 done by a polynomial on the FMA pipe
+    # the producer issues a work tile's first K tile before its Q (FlashAttention-4's order)
+    k_before_q: bool = False
     # Causal scheduling: (batch, head) pairs are cut into sections whose K and V take at most
     # this many MiB, so a section's K/V stay in L2 (50 MB on H100/H200) while its tiles run.
     # 16 measured best of 8/16/24/40 on H200 in 5 of 8 causal cells (docs/hopper.md).
@@ -104,7 +109,10 @@ class Sm90FwdConfig:
             **q_o,
             "k": align_up(self.kv_stage * self.n_block * self.head_dim * e),
             "v": align_up(self.kv_stage * self.n_block * self.head_dim_v * e),
-            "mbarriers": align_up(8 * (2 + 4 * self.kv_stage)),
+            # q, k, v pipelines; with the dynamic schedule also the tile pipeline (2 stages)
+            # and its two tile-index slots
+            "mbarriers": align_up(8 * (2 + 4 * self.kv_stage)
+                                  + (8 * 4 + 4 * 2 if self.dynamic_schedule else 0)),
         }
 
     def smem_bytes(self) -> int:
@@ -138,6 +146,10 @@ class Sm90FwdConfig:
                 f"kv_stage={self.kv_stage}: the intra-warpgroup overlap keeps K[j-1] and V[j] in "
                 "flight together and needs at least 2 stages"
             )
+        if self.dynamic_schedule and not self.persistent:
+            raise ValueError("dynamic_schedule=True needs persistent=True (without persistence "
+                             "every work tile is its own CTA, which the hardware already "
+                             "dispatches to the first free SM)")
         if self.rescale_o_before_pv and not self.intra_wg_overlap:
             raise ValueError("rescale_o_before_pv=True needs intra_wg_overlap=True (it moves the "
                              "rescale into the shadow of the overlapped QK GEMM)")
@@ -177,13 +189,23 @@ def default_tile(head_dim: int) -> tuple[int, int]:
     return 2, 80  # hdim 256: O alone is 128 registers per thread
 
 
-# Persistent CTAs pay off when work tiles are short (the next tile's loads hide behind this
-# tile's tail); for longer rows the hardware's dynamic CTA order balances better, and causal
-# tiles (uneven lengths, dealt round-robin to the persistent CTAs) reach that point sooner.
-# Measured on H200 (bf16, 16k tokens, TFLOP/s persistent vs not): hdim 128 non-causal 1k
-# 558 vs 512; causal 2k 449 vs 490, causal 4k 488 vs 561; hdim 64 causal 1k 318 vs 263.
-PERSISTENT_MAX_SEQLEN_K = 2048
-PERSISTENT_MAX_SEQLEN_K_CAUSAL = 1024
+# Persistent CTAs hide each work tile's start (Q and first K load) and end (epilogue) behind
+# the neighbouring tiles; with the dynamic schedule (Note [Dynamic tile schedule] in
+# fwd_kernel.py) they also balance tiles of uneven length or speed like the hardware's CTA
+# dispatch. Their price is the persistent loop's extra descriptor arithmetic (ptxas keeps
+# fewer WGMMA descriptors in uniform registers inside the nested tile loop: 493 instead of 457
+# instructions per KV step at hdim 128). Measured on H100 (bf16, 16k tokens; paired timing,
+# persistent + dynamic over one tile per CTA):
+#   causal, hdim 128: 1.197x (1k), 1.068x (2k), 1.033x (4k), 1.002x (8k), 1.007x (16k);
+#   causal, hdim 64: 1.074x (2k), 1.037x (4k), 1.044x (8k), 1.028x (16k);
+#   non-causal, hdim 128: 1.028x (2k, over static persistent), 1.027x-1.033x (4k), 1.008x
+#     (8k), 1.002x-1.017x (16k);
+#   non-causal, hdim 64: 1.001x (2k, over static persistent), 1.015x-1.016x (4k), 0.998x (8k),
+#     0.988x-0.991x (16k).
+# (Every gridDim.x-th tile instead, causal: 0.79x-0.98x; non-causal on H200: 1.005x / 0.995x
+# at 4k / 16k.) So: causal always, 128-row non-causal tiles (hdim 96, 128) always, the others
+# up to PERSISTENT_MAX_SEQLEN_K; wherever the separate O buffer fits in SMEM.
+PERSISTENT_MAX_SEQLEN_K = {64: 4096, 96: None, 128: None, 192: 2048, 256: 2048}  # None: any
 # Causal problems up to this seqlen_k use 128-row tiles even where 192 is the default.
 SHORT_CAUSAL_SEQLEN_K = 1024
 
@@ -193,8 +215,10 @@ def select_sm90_fwd_config(head_dim: int = 128, head_dim_v=None, dtype="bfloat16
     """The default SM90 config for a problem, with ``overrides`` applied, validated.
 
     ``head_dim_v`` defaults to ``fa_sm100.config.default_head_dim_v(head_dim)`` (128 for 192).
-    ``seqlen_k`` (optional) picks persistent scheduling for short key sequences when the
-    separate O buffer fits in SMEM.
+    Persistent CTAs with the dynamic schedule, where the separate O buffer fits in SMEM: for
+    causal problems always; for non-causal ones when ``PERSISTENT_MAX_SEQLEN_K`` of the head dim
+    is None or ``seqlen_k`` (optional: without it, no) is at most that. ``dynamic_schedule``
+    follows ``persistent`` unless overridden itself.
     """
     head_dim_v = default_head_dim_v(head_dim) if head_dim_v is None else head_dim_v
     num_wg, n_block = default_tile(head_dim)
@@ -203,6 +227,7 @@ def select_sm90_fwd_config(head_dim: int = 128, head_dim_v=None, dtype="bfloat16
         # (hdim 64, seqlen 1k, persistent): 303 TFLOP/s with 128-row tiles vs 274 with 192.
         num_wg = 2
     num_wg = overrides.pop("num_consumer_wg", num_wg)
+    schedule = {k: overrides.pop(k) for k in ("persistent", "dynamic_schedule") if k in overrides}
     regs_consumer, regs_producer = _REGS.get(num_wg, _REGS[2])
     cfg = Sm90FwdConfig(
         head_dim=head_dim,
@@ -217,13 +242,16 @@ def select_sm90_fwd_config(head_dim: int = 128, head_dim_v=None, dtype="bfloat16
         rescale_o_before_pv=head_dim_v > 128,
         regs_consumer=regs_consumer,
         regs_producer=regs_producer,
-    )
-    persistent_max = PERSISTENT_MAX_SEQLEN_K_CAUSAL if causal else PERSISTENT_MAX_SEQLEN_K
-    if seqlen_k is not None and seqlen_k <= persistent_max:
-        persistent = cfg.replace(persistent=True)
-        if persistent.smem_bytes() <= SM90_SMEM_BUDGET:
-            cfg = persistent
-    return cfg.replace(**overrides).validate()
+    ).replace(**overrides)
+    # The schedule is picked for the tiles and stages chosen above (overrides included).
+    persistent = schedule.get("persistent")
+    if persistent is None:
+        longest = PERSISTENT_MAX_SEQLEN_K.get(head_dim, 0)  # unknown head dims: validate() says
+        wanted = causal or longest is None or (seqlen_k is not None and seqlen_k <= longest)
+        fits = cfg.replace(persistent=True, dynamic_schedule=True).smem_bytes() <= SM90_SMEM_BUDGET
+        persistent = wanted and fits
+    dynamic = schedule.get("dynamic_schedule", persistent)
+    return cfg.replace(persistent=persistent, dynamic_schedule=dynamic).validate()
 
 
 def sm90_fwd_config_from_overrides(items: Iterable[str]) -> Sm90FwdConfig:

@@ -94,11 +94,13 @@ class ConsumerRole:
 
     @cute.jit
     def consumer(self, mO, mLSE, mK, sQ, sK, sV, sO, tma_o, tiled_mma_qk, tiled_mma_pv,
-                 pipe_q, pipe_k, pipe_v, scale_log2: Float32, total_tiles: Int32, l2_heads: Int32):
+                 pipe_q, pipe_k, pipe_v, scale_log2: Float32, total_tiles: Int32, l2_heads: Int32,
+                 pipe_tile, sTile):
         """Consumer warpgroups: 64 rows each; per work tile all its KV tiles, then the epilogue.
 
         Consumes: q (released after the tile's last QK GEMM), k and v stages (each released
-        right after the GEMM that read it).
+        right after the GEMM that read it); with ``dynamic_schedule``, the next tile's index
+        from the tile pipeline (Note [Dynamic tile schedule] in fwd_kernel.py).
         Produces: O (staged in SMEM, TMA store) and LSE (direct stores).
         """
         cfg = self.cfg
@@ -143,7 +145,19 @@ class ConsumerRole:
             cutlass.pipeline.PipelineUserType.Consumer, cfg.kv_stage)
         # Work tiles: blockIdx.x, then (persistent) every gridDim.x-th. Without persistence the
         # single tile is not wrapped in a loop, which keeps the mainloop's addressing hoisted.
-        if const_expr(cfg.persistent):
+        if const_expr(cfg.dynamic_schedule):
+            tile_state = cutlass.pipeline.make_pipeline_state(
+                cutlass.pipeline.PipelineUserType.Consumer, pipe_tile.num_stages)
+            t = cute.arch.block_idx()[0]
+            while t < total_tiles:
+                state, q_state = self.consumer_tile(
+                    f, lse, t, state, q_state, wg, tidx, mO, mLSE, mK, sO, tma_o, tiled_mma_pv,
+                    pipe_q, pipe_k, pipe_v, scale_log2, l2_heads, seqlen_q)
+                pipe_tile.consumer_wait(tile_state)
+                t = sTile[tile_state.index]
+                pipe_tile.consumer_release(tile_state)  # after the read: the slot may be reused
+                tile_state.advance()
+        elif const_expr(cfg.persistent):
             for t in cutlass.range(cute.arch.block_idx()[0], total_tiles, cute.arch.grid_dim()[0],
                                    unroll=1):
                 state, q_state = self.consumer_tile(

@@ -15,9 +15,20 @@ barrier, one lane per consumer warp releases a stage): ``q`` (1 stage), ``k`` an
 issues, per work tile,
 Q, K[n-1], then (K[j-1], V[j]) for j = n-1 .. 1 and finally V[0] (intra-warpgroup overlap
 order: the consumers need K[j-1] before V[j]).
-"""
 
-from __future__ import annotations
+Note [Dynamic tile schedule]: a persistent CTA starts with work tile blockIdx.x. With
+``dynamic_schedule`` it then takes the next tile from a global counter instead of every
+gridDim.x-th one, so CTAs whose tiles were short (causal tiles near the diagonal) take more of
+them. The producer warp fetches (one ``atom.add``; tile = gridDim.x + the old value) right after
+issuing the current tile's loads, and hands the index to the consumers through a 2-slot ``tile``
+pipeline in SMEM (its full barrier: one producer arrival; its empty barrier: every consumer
+thread, once it has read the slot). A CTA stops at the first index >= the tile count, so a
+launch makes exactly ``total_tiles`` fetches (gridDim.x failing ones among them) and the fetch
+that returns ``total_tiles - 1`` is the launch's last: that CTA writes the counter back to 0 for
+the next launch, which stream order starts only after this one has ended. The counter must
+therefore not be shared by launches that run at the same time (``interface.tile_counter`` keeps
+one per device and stream).
+"""
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -36,6 +47,9 @@ from fa_sm100.softmax_math import LOG2_E
 # Warpgroup 0 is the producer: warp 0 issues the TMA loads, the others only donate registers.
 PRODUCER_WARPS = WARPGROUP_THREADS // WARP_SIZE
 PRODUCER_WARP = 0
+# Slots of the tile pipeline (Note [Dynamic tile schedule]): the producer publishes the next
+# tile while the consumers may still read the one before.
+TILE_SLOTS = 2
 
 
 def _select(t: cute.Tensor, modes) -> cute.Tensor:
@@ -44,10 +58,13 @@ def _select(t: cute.Tensor, modes) -> cute.Tensor:
 
 
 class Sm90FwdKernel(ConsumerRole):
-    """Callable with ``(mQ, mK, mV, mO, mLSE, softmax_scale, stream)`` on BSHD tensors.
+    """Callable with ``(mQ, mK, mV, mO, mLSE, mTileCounter, softmax_scale, num_ctas, stream)``
+    on BSHD tensors.
 
     mQ (b, s_q, h, d), mK/mV (b, s_k, h_kv, d / dv), mO (b, s_q, h, dv), mLSE (b, h, s_q)
-    float32 or None. GQA/MQA: query head h reads K/V head h // (h / h_kv).
+    float32 or None. GQA/MQA: query head h reads K/V head h // (h / h_kv). mTileCounter: (1,)
+    int32, zero before the first launch (``dynamic_schedule``; else None). num_ctas: the SM count
+    (the persistent grid).
     """
 
     def __init__(self, cfg: Sm90FwdConfig):
@@ -80,6 +97,33 @@ class Sm90FwdKernel(ConsumerRole):
         )
         return qk, pv
 
+    def _shared_storage(self, sQ_layout, sK_layout, sV_layout, sO_layout):
+        """The CTA's SMEM: mbarriers (and the tile pipeline's index slots), then Q, O, K, V on
+        1 KiB boundaries. ``Sm90FwdConfig.smem_parts`` gives the same sizes (a compile test
+        holds them equal). O is staged in Q's buffer, unless persistent: then the next tile's
+        Q may be in flight while O is stored."""
+        cfg = self.cfg
+        buf = lambda elems: cute.struct.Align[cute.struct.MemRange[self.dtype, elems], 1024]
+        q_elems, o_elems = cute.cosize(sQ_layout), cute.cosize(sO_layout)
+
+        @cute.struct
+        class SharedStorage:
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * cfg.kv_stage]
+            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * cfg.kv_stage]
+            if cfg.dynamic_schedule:  # the tile pipeline, Note [Dynamic tile schedule]
+                mbar_tile: cute.struct.MemRange[cutlass.Int64, 2 * TILE_SLOTS]
+                tile_index: cute.struct.MemRange[Int32, TILE_SLOTS]
+            if cfg.persistent:
+                sQ: buf(q_elems)
+                sO: buf(o_elems)
+            else:
+                sQ: buf(max(q_elems, o_elems))
+            sK: buf(cute.cosize(sK_layout))
+            sV: buf(cute.cosize(sV_layout))
+
+        return SharedStorage
+
     @cute.jit
     def __call__(
         self,
@@ -88,6 +132,7 @@ class Sm90FwdKernel(ConsumerRole):
         mV: cute.Tensor,
         mO: cute.Tensor,
         mLSE,
+        mTileCounter,
         softmax_scale: Float32,
         num_ctas: Int32,
         stream: cuda.CUstream,
@@ -116,23 +161,7 @@ class Sm90FwdKernel(ConsumerRole):
         tma_o, tma_mO = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(), mO, sO_layout, (cfg.m_block, cfg.head_dim_v))
 
-        # O is staged in Q's buffer, unless persistent: then the next tile's Q may be in flight.
-        q_elems = cute.cosize(sQ_layout)
-        o_elems = 0
-        if const_expr(cfg.persistent):
-            o_elems = cute.cosize(sO_layout)
-        else:
-            q_elems = max(cute.cosize(sQ_layout), cute.cosize(sO_layout))
-
-        @cute.struct
-        class SharedStorage:
-            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
-            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * cfg.kv_stage]
-            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * cfg.kv_stage]
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, q_elems], 1024]
-            sO: cute.struct.Align[cute.struct.MemRange[self.dtype, o_elems], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+        SharedStorage = self._shared_storage(sQ_layout, sK_layout, sV_layout, sO_layout)
 
         num_m_blocks = cute.ceil_div(cute.size(mQ.shape[0]), cfg.m_block)
         total_tiles = num_m_blocks * cute.size(mQ.shape[2]) * cute.size(mQ.shape[3])
@@ -145,7 +174,7 @@ class Sm90FwdKernel(ConsumerRole):
             grid_x = cutlass.min(total_tiles, num_ctas)
         scale_log2 = softmax_scale * LOG2_E
         self.kernel(
-            tma_mQ, tma_mK, tma_mV, tma_mO, mLSE, total_tiles,
+            tma_mQ, tma_mK, tma_mV, tma_mO, mLSE, mTileCounter, total_tiles,
             tma_q, tma_k, tma_v, tma_o,
             sQ_layout, sK_layout, sV_layout, sO_layout,
             tiled_mma_qk, tiled_mma_pv,
@@ -161,6 +190,7 @@ class Sm90FwdKernel(ConsumerRole):
         mV: cute.Tensor,
         mO: cute.Tensor,
         mLSE,
+        mTileCounter,
         total_tiles: Int32,
         tma_q: cute.CopyAtom,
         tma_k: cute.CopyAtom,
@@ -202,6 +232,16 @@ class Sm90FwdKernel(ConsumerRole):
             barrier_storage=storage.mbar_v.data_ptr(), num_stages=cfg.kv_stage,
             producer_group=one_tma_thread, consumer_group=consumer_warps, tx_count=v_bytes,
             defer_sync=True)
+        pipe_tile = None
+        sTile = None
+        if const_expr(cfg.dynamic_schedule):  # Note [Dynamic tile schedule]
+            pipe_tile = pipeline.PipelineAsync.create(
+                barrier_storage=storage.mbar_tile.data_ptr(), num_stages=TILE_SLOTS,
+                producer_group=one_tma_thread,
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                                         self.num_consumer_threads),
+                defer_sync=True)
+            sTile = storage.tile_index.get_tensor(cute.make_layout(TILE_SLOTS))
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
@@ -217,11 +257,12 @@ class Sm90FwdKernel(ConsumerRole):
             cute.arch.setmaxregister_decrease(cfg.regs_producer)
             if warp_idx == PRODUCER_WARP:
                 self.producer(mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v,
-                              total_tiles, l2_heads)
+                              total_tiles, l2_heads, mTileCounter, pipe_tile, sTile)
         else:
             cute.arch.setmaxregister_increase(cfg.regs_consumer)
             self.consumer(mO, mLSE, mK, sQ, sK, sV, sO, tma_o, tiled_mma_qk, tiled_mma_pv,
-                          pipe_q, pipe_k, pipe_v, scale_log2, total_tiles, l2_heads)
+                          pipe_q, pipe_k, pipe_v, scale_log2, total_tiles, l2_heads, pipe_tile,
+                          sTile)
 
     @cute.jit
     def tile_coords(self, t: Int32, mQ: cute.Tensor, mK: cute.Tensor, l2_heads: Int32):
@@ -261,17 +302,28 @@ class Sm90FwdKernel(ConsumerRole):
 
     @cute.jit
     def producer(self, mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v,
-                 total_tiles: Int32, l2_heads: Int32):
+                 total_tiles: Int32, l2_heads: Int32, mTileCounter, pipe_tile, sTile):
         """Warp 0: per work tile, Q once, then K/V tiles last-to-first into the ``kv_stage`` ring.
 
         Consumes: free stages (empty barriers released by the consumers; Q is released after
         the tile's last QK GEMM, so the next tile's Q load overlaps the current tile's tail).
-        Produces: full barriers completed by the TMA transaction bytes.
+        Produces: full barriers completed by the TMA transaction bytes; with
+        ``dynamic_schedule``, the next tile's index in the tile pipeline.
         """
         cfg = self.cfg
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.kv_stage)
-        if const_expr(cfg.persistent):  # work tiles: blockIdx.x, then every gridDim.x-th
+        if const_expr(cfg.dynamic_schedule):  # Note [Dynamic tile schedule]
+            tile_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
+                                                      TILE_SLOTS)
+            t = cute.arch.block_idx()[0]
+            while t < total_tiles:
+                state, q_state = self.producer_tile(
+                    mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v, t,
+                    l2_heads, state, q_state)
+                t, tile_state = self.publish_next_tile(mTileCounter, pipe_tile, sTile, tile_state,
+                                                       total_tiles)
+        elif const_expr(cfg.persistent):  # work tiles: blockIdx.x, then every gridDim.x-th
             for t in cutlass.range(cute.arch.block_idx()[0], total_tiles, cute.arch.grid_dim()[0],
                                    unroll=1):
                 state, q_state = self.producer_tile(
@@ -280,6 +332,34 @@ class Sm90FwdKernel(ConsumerRole):
         else:
             self.producer_tile(mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v,
                                cute.arch.block_idx()[0], l2_heads, state, q_state)
+
+    @cute.jit
+    def publish_next_tile(self, mTileCounter, pipe_tile, sTile, tile_state, total_tiles: Int32):
+        """Fetch the CTA's next work tile from the global counter and hand it to the consumers
+        (Note [Dynamic tile schedule]). Returns (tile, advanced tile-pipeline state)."""
+        lane = cute.arch.lane_idx()
+        fetched = Int32(0)
+        if lane == 0:
+            fetched = cute.arch.atomic_add(mTileCounter.iterator, Int32(1), sem="relaxed",
+                                           scope="gpu")
+            if fetched == total_tiles - 1:  # the launch's last fetch: reset for the next launch
+                mTileCounter[0] = Int32(0)
+        tile = cute.arch.grid_dim()[0] + cute.arch.shuffle_sync(fetched, 0)
+        pipe_tile.producer_acquire(tile_state)
+        if lane == 0:
+            sTile[tile_state.index] = tile
+            pipe_tile.producer_commit(tile_state)  # release: the slot's store is seen with it
+        tile_state.advance()
+        return tile, tile_state
+
+    @cute.jit
+    def load_q(self, tma_q, tQgQ, tQsQ, pipe_q, q_state):
+        """The work tile's Q into its single stage, once the consumers released the last one.
+        Returns the advanced q pipeline state."""
+        pipe_q.producer_acquire(q_state, pipe_q.producer_try_acquire(q_state))
+        cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+        q_state.advance()
+        return q_state
 
     @cute.jit
     def producer_tile(self, mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v,
@@ -299,13 +379,16 @@ class Sm90FwdKernel(ConsumerRole):
         tVsV, tVgV = cpasync.tma_partition(tma_v, 0, cute.make_layout(1),
                                            cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
 
-        pipe_q.producer_acquire(q_state, pipe_q.producer_try_acquire(q_state))
-        cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
-        q_state.advance()
+        if const_expr(not cfg.k_before_q):
+            q_state = self.load_q(tma_q, tQgQ, tQsQ, pipe_q, q_state)
+        elif n_blocks == 0:  # no K tile to go first (a causal tile whose rows see no key)
+            q_state = self.load_q(tma_q, tQgQ, tQsQ, pipe_q, q_state)
         if n_blocks > 0:
             pipe_k.producer_acquire(state, pipe_k.producer_try_acquire(state))
             cute.copy(tma_k, tKgK[None, n_blocks - 1], tKsK[None, state.index],
                       tma_bar_ptr=pipe_k.producer_get_barrier(state))
+            if const_expr(cfg.k_before_q):
+                q_state = self.load_q(tma_q, tQgQ, tQsQ, pipe_q, q_state)
             if const_expr(cfg.intra_wg_overlap):
                 for i in cutlass.range(n_blocks - 1, unroll=1):
                     n = n_blocks - 2 - i

@@ -18,6 +18,22 @@ from fa_sm100.validation import require_sm90, tma_ready, validate_attention_inpu
 
 _compile_cache: dict = {}
 _compile_lock = threading.Lock()
+_tile_counters: dict = {}
+
+
+def tile_counter(device: torch.device) -> torch.Tensor:
+    """The dynamic schedule's work-tile counter for launches on ``device``'s current stream.
+
+    One int32 per (device, stream), zero when made; each launch leaves it at zero again (Note
+    [Dynamic tile schedule] in ``fwd_kernel.py``), so launches that follow each other in one
+    stream share it, and launches on different streams, which may overlap, do not.
+    """
+    stream = torch.cuda.current_stream(device)
+    key = (stream.device, stream.cuda_stream)
+    counter = _tile_counters.get(key)
+    if counter is None:
+        counter = _tile_counters[key] = torch.zeros(1, dtype=torch.int32, device=stream.device)
+    return counter
 
 
 def sm90_config_for(problem, config: Optional[Sm90FwdConfig], need_lse: bool = False) -> Sm90FwdConfig:
@@ -70,8 +86,11 @@ def fake_arguments(cfg: Sm90FwdConfig):
     if cfg.write_lse:
         lse = make_fake_tensor(cutlass.Float32, (b, h, sq),
                                (cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4)
+    counter = None
+    if cfg.dynamic_schedule:
+        counter = make_fake_tensor(cutlass.Int32, (1,), (1,), assumed_align=4)
     # softmax scale, CTA count of a persistent grid (the SM count), stream
-    return (q, k, v, o, lse, cutlass.Float32(1.0), cutlass.Int32(132),
+    return (q, k, v, o, lse, counter, cutlass.Float32(1.0), cutlass.Int32(132),
             make_fake_stream(use_tvm_ffi_env_stream=True))
 
 
@@ -124,10 +143,11 @@ def prepare_sm90_fwd(q, k, v, softmax_scale=None, causal=False, window_size=(Non
     compiled = compile_sm90_fwd(cfg)
     num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     lse_arg = lse if cfg.write_lse else None
+    counter = tile_counter(q.device) if cfg.dynamic_schedule else None
     scale = problem.softmax_scale
 
     def launch():
-        compiled(q, k, v, o_buf, lse_arg, scale, num_sms)
+        compiled(q, k, v, o_buf, lse_arg, counter, scale, num_sms)
         if o_buf is not out:
             out.copy_(o_buf)
         return (out, lse) if return_lse else out
