@@ -1,0 +1,100 @@
+"""How evenly persistent CTAs share the SM90 forward's work tiles: a CPU model.
+
+A work tile costs its number of KV tiles (plus ``tile_overhead`` for its start and end). The
+tiles come in the kernel's flat order (``work_tile_lengths`` mirrors
+``Sm90FwdKernel.tile_coords``: non-causal tiles pair by pair; causal tiles longest first within
+sections of (batch, head) pairs whose K/V fit ``l2_section_mib``). Two ways to deal them to
+``num_ctas`` persistent CTAs:
+
+- static: CTA c takes tiles c, c + num_ctas, ... (``dynamic_schedule=False``);
+- dynamic: each tile goes to the CTA that becomes free first, which is what the global counter
+  of Note [Dynamic tile schedule] does (a CTA fetches when it is about to need a tile).
+
+The makespan (the busiest CTA's work) over the ideal (total work / CTAs) is the time lost to
+imbalance. ``python -m fa_sm100.hopper.schedule_model`` prints it for the benchmark grid's
+problems. A model: it knows tile lengths, not the hardware (no L2, no clocks, equal KV steps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+
+from fa_sm100.hopper.config import Sm90FwdConfig, select_sm90_fwd_config
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def work_tile_lengths(cfg: Sm90FwdConfig, batch: int, heads: int, seqlen_q: int,
+                      seqlen_k: int) -> list[int]:
+    """KV tiles of every work tile, in the kernel's flat tile order (``tile_coords``)."""
+    num_m = _ceil_div(seqlen_q, cfg.m_block)
+    all_n = _ceil_div(seqlen_k, cfg.n_block)
+    pairs = batch * heads
+    kv_bytes = seqlen_k * (cfg.head_dim + cfg.head_dim_v) * cfg.dtype_bytes
+    l2_heads = max((cfg.l2_section_mib << 20) // max(kv_bytes, 1), 1)
+    lengths = []
+    for t in range(num_m * pairs):
+        if not cfg.causal:
+            lengths.append(all_n)
+            continue
+        section, in_section = divmod(t, l2_heads * num_m)
+        pairs_here = min(l2_heads, pairs - section * l2_heads)
+        m_block = num_m - 1 - in_section // pairs_here
+        last_row_keys = (m_block + 1) * cfg.m_block + seqlen_k - seqlen_q
+        lengths.append(min(all_n, _ceil_div(max(last_row_keys, 0), cfg.n_block)))
+    return lengths
+
+
+def makespan_static(costs: list[float], num_ctas: int) -> float:
+    """Busiest CTA when CTA c takes tiles c, c + num_ctas, ..."""
+    return max(sum(costs[c::num_ctas]) for c in range(min(num_ctas, len(costs))))
+
+
+def makespan_dynamic(costs: list[float], num_ctas: int) -> float:
+    """Busiest CTA when every tile, in order, goes to the CTA that is free first."""
+    free_at = [0.0] * min(num_ctas, len(costs))
+    heapq.heapify(free_at)
+    for cost in costs:
+        heapq.heappush(free_at, heapq.heappop(free_at) + cost)
+    return max(free_at)
+
+
+def imbalance(cfg: Sm90FwdConfig, batch: int, heads: int, seqlen: int, num_ctas: int = 132,
+              tile_overhead: float = 0.0) -> dict:
+    """Makespan over the ideal for both deals, for one (square) problem."""
+    costs = [n + tile_overhead for n in work_tile_lengths(cfg, batch, heads, seqlen, seqlen)]
+    ideal = sum(costs) / min(num_ctas, len(costs))
+    return {"tiles": len(costs), "static": makespan_static(costs, num_ctas) / ideal,
+            "dynamic": makespan_dynamic(costs, num_ctas) / ideal}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hdim", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--seqlen", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
+    p.add_argument("--causal", choices=("yes", "no", "both"), default="yes")
+    p.add_argument("--total-tokens", type=int, default=16384)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--num-ctas", type=int, default=132, help="SMs (H100/H200 SXM: 132)")
+    p.add_argument("--tile-overhead", type=float, default=0.0,
+                   help="cost of a tile's start and end, in KV steps")
+    args = p.parse_args(argv)
+    print("| hdim | causal | seqlen | m_block | tiles | static / ideal | dynamic / ideal |")
+    print("|---|---|---|---|---|---|---|")
+    for hdim in args.hdim:
+        for causal in {"yes": (True,), "no": (False,), "both": (False, True)}[args.causal]:
+            for seqlen in args.seqlen:
+                cfg = select_sm90_fwd_config(hdim, causal=causal, seqlen_k=seqlen)
+                r = imbalance(cfg, args.total_tokens // seqlen, args.hidden // hdim, seqlen,
+                              args.num_ctas, args.tile_overhead)
+                print(f"| {hdim} | {'yes' if causal else 'no'} | {seqlen} | {cfg.m_block} | "
+                      f"{r['tiles']} | {r['static']:.3f} | {r['dynamic']:.3f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,60 @@
+"""The CPU model of how persistent CTAs share the SM90 forward's work tiles
+(``fa_sm100.hopper.schedule_model``), which docs/hopper.md cites for the dynamic schedule.
+
+Contract: the model's tile lengths follow the kernel's tile order (every (batch, head, m block)
+once; causal: longest first within an L2 section, the diagonal's length rule); both deals cost
+at least the ideal; and for the benchmark's causal hdim-128 problems the static deal is >= 25%
+above the ideal while the dynamic one stays within 2% (the numbers the docs quote).
+"""
+
+import pytest
+
+from fa_sm100.hopper.config import select_sm90_fwd_config
+from fa_sm100.hopper.schedule_model import (imbalance, main, makespan_dynamic, makespan_static,
+                                            work_tile_lengths)
+
+
+def test_tile_lengths_follow_the_kernels_order():
+    cfg = select_sm90_fwd_config(128, causal=True, seqlen_k=1000)  # 8 m blocks, 8 n blocks
+    lengths = work_tile_lengths(cfg, batch=3, heads=5, seqlen_q=1000, seqlen_k=1000)
+    assert len(lengths) == 8 * 15
+    # one section holds every pair here (15 x 1000 keys fit in 16 MiB): all pairs' last m
+    # block first (8 KV tiles), then each earlier m block; m block m sees m + 1 KV tiles
+    assert lengths == [n for n in range(8, 0, -1) for _ in range(15)]
+    plain = select_sm90_fwd_config(128, causal=False, seqlen_k=1000)
+    assert work_tile_lengths(plain, 3, 5, 1000, 1000) == [8] * 120
+    # bottom-right alignment: 1000 queries on 300 keys leave the first 700 rows without a key;
+    # m block 7's last row sees 1024 - 700 = 324 keys (3 tiles), m block 6's 196, m block 5's 68
+    short_k = work_tile_lengths(cfg, 1, 1, 1000, 300)
+    assert short_k == [3, 2, 1, 0, 0, 0, 0, 0]
+
+
+def test_sections_restart_the_longest_first_order():
+    """A pair's K/V is 1024 keys x (128 + 128) x 2 B = 0.5 MiB: 1 MiB sections of 2 pairs, 3
+    pairs make a full section and a last one of 1 pair."""
+    cfg = select_sm90_fwd_config(128, causal=True, seqlen_k=1024, l2_section_mib=1)
+    lengths = work_tile_lengths(cfg, batch=1, heads=3, seqlen_q=1024, seqlen_k=1024)
+    assert lengths[:2 * 8] == [n for n in range(8, 0, -1) for _ in range(2)]
+    assert lengths[2 * 8:] == list(range(8, 0, -1))
+
+
+def test_deals_never_beat_the_ideal_and_equal_tiles_deal_alike():
+    costs = [7, 1, 1, 3, 5, 2, 2, 8, 1]
+    for ctas in (1, 2, 4, 9, 20):
+        ideal = sum(costs) / min(ctas, len(costs))
+        assert makespan_static(costs, ctas) >= ideal - 1e-9
+        assert makespan_dynamic(costs, ctas) >= ideal - 1e-9
+    assert makespan_static([4] * 10, 3) == makespan_dynamic([4] * 10, 3) == 16
+
+
+@pytest.mark.parametrize("seqlen", [1024, 2048, 4096, 8192, 16384])
+def test_causal_hdim128_static_deal_idles_dynamic_does_not(seqlen):
+    cfg = select_sm90_fwd_config(128, causal=True, seqlen_k=seqlen)
+    r = imbalance(cfg, 16384 // seqlen, 16, seqlen)
+    assert r["static"] >= 1.25 and r["dynamic"] <= 1.02, r
+
+
+def test_cli_prints_one_row_per_problem(capsys):
+    assert main(["--hdim", "128", "--seqlen", "1024", "4096", "--causal", "both"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 128")]
+    assert len(rows) == 4
