@@ -39,6 +39,7 @@ CASES = [
     (1, 1, 1, 2, 2, 256, 256, False, "tile"),
     (4, 1000, 1000, 8, 2, 128, 128, True, "dynamic"),
     (3, 700, 1500, 6, 6, 64, 64, True, "dynamic"),
+    (2, 700, 900, 4, 2, 256, 256, True, "dynamic"),  # O staged in Q's buffer
 ]
 
 

@@ -120,7 +120,7 @@ def test_seqlen_hints_pick_the_measured_schedule():
     causal problems at every length; non-causal 128-row tiles (hdim 96, 128) at every length,
     hdim 64 up to 4k and (192, 128) up to 2k keys; one tile per CTA otherwise. Short causal
     hdim-64 rows: 128-row tiles."""
-    for head_dim, longest in ((64, 4096), (192, 2048)):
+    for head_dim, longest in ((64, 4096), (192, 2048), (256, 1024)):
         assert select_sm90_fwd_config(head_dim, seqlen_k=longest).persistent
         assert not select_sm90_fwd_config(head_dim, seqlen_k=2 * longest).persistent
         assert not select_sm90_fwd_config(head_dim).persistent  # no length: no hint
@@ -128,13 +128,16 @@ def test_seqlen_hints_pick_the_measured_schedule():
         for seqlen_k in (None, 1024, 16384):
             cfg = select_sm90_fwd_config(head_dim, seqlen_k=seqlen_k)
             assert cfg.persistent and cfg.dynamic_schedule, (head_dim, seqlen_k)
-    assert not select_sm90_fwd_config(256, causal=False, seqlen_k=1024).persistent  # SMEM
-    for head_dim in (64, 96, 128, 192):
+    # O in its own SMEM buffer where it fits, else in Q's (Note [O in Q's buffer])
+    assert not select_sm90_fwd_config(128, causal=True).o_in_q_buffer
+    for causal in (False, True):
+        wide = select_sm90_fwd_config(256, causal=causal, seqlen_k=1024)
+        assert wide.persistent and wide.dynamic_schedule and wide.o_in_q_buffer, wide
+    for head_dim in (64, 96, 128, 192, 256):
         for seqlen_k in (None, 1024, 16384):
             cfg = select_sm90_fwd_config(head_dim, causal=True, seqlen_k=seqlen_k)
             assert cfg.persistent and cfg.dynamic_schedule, (head_dim, seqlen_k)
-    causal256 = select_sm90_fwd_config(256, causal=True, seqlen_k=1024)  # SMEM: 288 KiB
-    assert not causal256.persistent and not causal256.dynamic_schedule
+            assert cfg.o_in_q_buffer == (head_dim == 256)  # own O buffer: 288 KiB at hdim 256
     # overriding persistence alone takes the dynamic schedule with it; both may be set
     assert not select_sm90_fwd_config(128, causal=True, persistent=False).dynamic_schedule
     static = select_sm90_fwd_config(128, causal=True, persistent=True, dynamic_schedule=False)
@@ -142,9 +145,11 @@ def test_seqlen_hints_pick_the_measured_schedule():
     with pytest.raises(ValueError, match="dynamic_schedule=True needs persistent=True"):
         select_sm90_fwd_config(128, causal=True, persistent=False, dynamic_schedule=True)
     # the schedule is picked after the other overrides: 3 K/V stages leave no room for the
-    # separate O buffer, so the tile runs as one CTA instead of failing validation
+    # separate O buffer, so O is staged in Q's (which any config that fits at all can do)
     deep = select_sm90_fwd_config(128, causal=True, kv_stage=3)
-    assert (deep.kv_stage, deep.persistent, deep.dynamic_schedule) == (3, False, False)
+    assert (deep.kv_stage, deep.persistent, deep.o_in_q_buffer) == (3, True, True)
+    with pytest.raises(ValueError, match="o_in_q_buffer=True needs persistent=True"):
+        select_sm90_fwd_config(128, persistent=False, o_in_q_buffer=True)
     causal64 = select_sm90_fwd_config(64, causal=True, seqlen_k=1024)
     assert (causal64.num_consumer_wg, causal64.m_block, causal64.regs_consumer) == (2, 128, 240)
     assert select_sm90_fwd_config(64, causal=True, seqlen_k=4096).num_consumer_wg == 3

@@ -132,7 +132,7 @@ def test_flash_attn_func_dispatches_to_sm90(sm90_device):
     "persistent=true,intra_wg_overlap=false", "num_consumer_wg=3,n_block=64",
     "ex2_emu_fraction=0.25", "persistent=false", "persistent=true,dynamic_schedule=true",
     "persistent=true,dynamic_schedule=false", "k_before_q=true",
-    "k_before_q=true,persistent=false",
+    "k_before_q=true,persistent=false", "persistent=true,o_in_q_buffer=true",
     # causal sections of 2 and of 5 (batch, head) pairs: 32 pairs, the last section short
     "l2_section_mib=1", "l2_section_mib=2",
 ])
@@ -158,12 +158,13 @@ def test_sm90_fwd_switches_keep_numerics(sm90_device, switch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_sm90_fwd_dynamic_schedule_counter_and_numerics(sm90_device, head_dim):
     """Note [Dynamic tile schedule]: every launch processes each work tile once (O, NaN-poisoned
     first, meets the rule everywhere; LSE too) and leaves the tile counter at 0, so the next
     launch, with another tile count, starts right. Causal problems of 1 to ~1000 tiles, fewer
-    and more tiles than SMs, tails, GQA, seqlen_q > seqlen_k (rows with no key)."""
+    and more tiles than SMs, tails, GQA, seqlen_q > seqlen_k (rows with no key). hdim 256
+    stages O in Q's buffer (Note [O in Q's buffer])."""
     from fa_sm100.hopper.config import select_sm90_fwd_config
     from fa_sm100.hopper.interface import sm90_fwd, tile_counter
 

@@ -68,6 +68,9 @@ class Sm90FwdConfig:
     # persistent only: a CTA takes its next work tile from a global counter when it is about to
     # need one (Note [Dynamic tile schedule] in fwd_kernel.py) instead of every gridDim.x-th tile
     dynamic_schedule: bool = False
+    # persistent only: stage O in Q's buffer instead of its own; the next tile's Q then loads
+    # once O's store has read it (Note [O in Q's buffer] in fwd_consumer.py)
+    o_in_q_buffer: bool = False
     ex2_emu_fraction: float = 0.0  # share of exp2 done by a polynomial on the FMA pipe
     # the producer issues a work tile's first K tile before its Q (FlashAttention-4's order)
     k_before_q: bool = False
@@ -100,7 +103,8 @@ class Sm90FwdConfig:
     def smem_parts(self) -> dict[str, int]:
         """Bytes of each SMEM buffer (O is staged in Q's buffer; barriers are 8 bytes each)."""
         e = self.dtype_bytes
-        if self.persistent:  # the next tile's Q may land while this tile's O is staged
+        if self.persistent and not self.o_in_q_buffer:  # the next tile's Q may land while
+            # this tile's O is staged
             q_o = {"q": align_up(self.m_block * self.head_dim * e),
                    "o": align_up(self.m_block * self.head_dim_v * e)}
         else:
@@ -150,6 +154,9 @@ class Sm90FwdConfig:
             raise ValueError("dynamic_schedule=True needs persistent=True (without persistence "
                              "every work tile is its own CTA, which the hardware already "
                              "dispatches to the first free SM)")
+        if self.o_in_q_buffer and not self.persistent:
+            raise ValueError("o_in_q_buffer=True needs persistent=True (one tile per CTA always "
+                             "stages O in Q's buffer)")
         if self.rescale_o_before_pv and not self.intra_wg_overlap:
             raise ValueError("rescale_o_before_pv=True needs intra_wg_overlap=True (it moves the "
                              "rescale into the shadow of the overlapped QK GEMM)")
@@ -202,10 +209,14 @@ def default_tile(head_dim: int) -> tuple[int, int]:
 #     (8k), 1.002x-1.017x (16k);
 #   non-causal, hdim 64: 1.001x (2k, over static persistent), 1.015x-1.016x (4k), 0.998x (8k),
 #     0.988x-0.991x (16k).
+#   hdim 256 (O staged in Q's buffer: its own does not fit): causal 1.042x (1k), 1.029x (2k),
+#     1.013x (4k), 1.010x (8k), 1.005x (16k); non-causal 1.022x (1k), 0.994x (2k), 0.998x-1.003x
+#     (4k-16k).
 # (Every gridDim.x-th tile instead, causal: 0.79x-0.98x; non-causal on H200: 1.005x / 0.995x
 # at 4k / 16k.) So: causal always, 128-row non-causal tiles (hdim 96, 128) always, the others
-# up to PERSISTENT_MAX_SEQLEN_K; wherever the separate O buffer fits in SMEM.
-PERSISTENT_MAX_SEQLEN_K = {64: 4096, 96: None, 128: None, 192: 2048, 256: 2048}  # None: any
+# up to PERSISTENT_MAX_SEQLEN_K; with O in its own SMEM buffer where it fits (hdim 128 causal,
+# O in Q's buffer instead: 0.938x at 1k, 0.994x at 4k), else in Q's.
+PERSISTENT_MAX_SEQLEN_K = {64: 4096, 96: None, 128: None, 192: 2048, 256: 1024}  # None: any
 # Causal problems up to this seqlen_k use 128-row tiles even where 192 is the default.
 SHORT_CAUSAL_SEQLEN_K = 1024
 
@@ -227,7 +238,8 @@ def select_sm90_fwd_config(head_dim: int = 128, head_dim_v=None, dtype="bfloat16
         # (hdim 64, seqlen 1k, persistent): 303 TFLOP/s with 128-row tiles vs 274 with 192.
         num_wg = 2
     num_wg = overrides.pop("num_consumer_wg", num_wg)
-    schedule = {k: overrides.pop(k) for k in ("persistent", "dynamic_schedule") if k in overrides}
+    schedule = {k: overrides.pop(k) for k in ("persistent", "dynamic_schedule", "o_in_q_buffer")
+                if k in overrides}
     regs_consumer, regs_producer = _REGS.get(num_wg, _REGS[2])
     cfg = Sm90FwdConfig(
         head_dim=head_dim,
@@ -244,14 +256,20 @@ def select_sm90_fwd_config(head_dim: int = 128, head_dim_v=None, dtype="bfloat16
         regs_producer=regs_producer,
     ).replace(**overrides)
     # The schedule is picked for the tiles and stages chosen above (overrides included).
+    # O gets its own buffer where it fits, else it is staged in Q's (Note [O in Q's buffer]).
+    own_o = cfg.replace(persistent=True, dynamic_schedule=True)
+    fits_own_o = own_o.smem_bytes() <= SM90_SMEM_BUDGET
+    fits = fits_own_o or own_o.replace(o_in_q_buffer=True).smem_bytes() <= SM90_SMEM_BUDGET
     persistent = schedule.get("persistent")
     if persistent is None:
         longest = PERSISTENT_MAX_SEQLEN_K.get(head_dim, 0)  # unknown head dims: validate() says
         wanted = causal or longest is None or (seqlen_k is not None and seqlen_k <= longest)
-        fits = cfg.replace(persistent=True, dynamic_schedule=True).smem_bytes() <= SM90_SMEM_BUDGET
         persistent = wanted and fits
-    dynamic = schedule.get("dynamic_schedule", persistent)
-    return cfg.replace(persistent=persistent, dynamic_schedule=dynamic).validate()
+    return cfg.replace(
+        persistent=persistent,
+        dynamic_schedule=schedule.get("dynamic_schedule", persistent),
+        o_in_q_buffer=schedule.get("o_in_q_buffer", persistent and not fits_own_o),
+    ).validate()
 
 
 def sm90_fwd_config_from_overrides(items: Iterable[str]) -> Sm90FwdConfig:

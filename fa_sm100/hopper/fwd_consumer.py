@@ -14,6 +14,14 @@ producer's load order (K[j-1] before V[j]) follows this. With ``rescale_o_before
 rescale of O by the previous tile's factor moves before the PV GEMM, into the shadow of the QK
 GEMM (pays off when O is large, head_dim_v > 128).
 
+Note [O in Q's buffer]: O leaves through an SMEM tile before its TMA store. One tile per CTA
+stages it in Q's buffer (Q is dead after the last QK GEMM). Persistent CTAs give O its own
+buffer, so the next tile's Q can load while this tile's O is stored, unless ``o_in_q_buffer``
+(hdim 256, where a second 64 KiB tile does not fit): then Q's stage is released only once the
+store has read O (the storing warp waits for the bulk group's reads, then every consumer
+thread passes the EPILOGUE barrier), and the producer issues the next tile's first K tile
+before its Q so that K does not wait behind the store.
+
 Note [Ping-pong]: with ``pingpong`` consumer warpgroup w waits on barrier PINGPONG_WG0 + w
 before issuing its GEMMs and then arrives on the next warpgroup's barrier, so the warpgroups
 take turns on the tensor cores and one's softmax hides behind the other's GEMMs. Warpgroup 0
@@ -199,7 +207,7 @@ class ConsumerRole:
                 for i in cutlass.range(n_blocks - 1 - n_masked, unroll=1):
                     state = self.overlapped_step(f, state, row_base, n_blocks - 2 - n_masked - i,
                                                  False, wg, pipe_k, pipe_v)
-                pipe_q.consumer_release(q_state)  # every QK GEMM of this tile has read Q
+                self.release_q_after_gemms(pipe_q, q_state)
                 if const_expr(cfg.rescale_o_before_pv):
                     rescale_rows(rows_cols_view(f.acc_O), f.row_scale)
                 pipe_v.consumer_wait(state, pipe_v.consumer_try_wait(state))
@@ -215,16 +223,28 @@ class ConsumerRole:
                 for i in cutlass.range(n_blocks - 1 - n_masked, unroll=1):
                     state = self.serial_step(f, state, row_base, n_blocks - 2 - n_masked - i,
                                              False, False, wg, pipe_k, pipe_v)
-                pipe_q.consumer_release(q_state)
+                self.release_q_after_gemms(pipe_q, q_state)
         else:
-            pipe_q.consumer_release(q_state)
-        q_state.advance()
+            self.release_q_after_gemms(pipe_q, q_state)
 
         finalize_softmax(f.row_max, f.row_sum, f.row_scale, lse, scale_log2)
         rescale_rows(rows_cols_view(f.acc_O), f.row_scale)
         self.epilogue(f.acc_O, lse, mO, mLSE, sO, tma_o, tiled_mma_pv, tidx, m_block, head,
                       batch, seqlen_q)
+        if const_expr(self.cfg.o_in_q_buffer):  # Note [O in Q's buffer]
+            if tidx // cute.arch.WARP_SIZE == 0:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+            cute.arch.barrier(barrier_id=int(Sm90FwdBarrier.EPILOGUE),
+                              number_of_threads=self.num_consumer_threads)
+            pipe_q.consumer_release(q_state)
+        q_state.advance()
         return state, q_state
+
+    def release_q_after_gemms(self, pipe_q, q_state):
+        """Every QK GEMM of the tile has read Q: its stage is free, unless O is staged there
+        next (Note [O in Q's buffer]), in which case it is released after the O store."""
+        if const_expr(not self.cfg.o_in_q_buffer):
+            pipe_q.consumer_release(q_state)
 
     @cute.jit
     def reset_tile(self, f: ConsumerFrags):

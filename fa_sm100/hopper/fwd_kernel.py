@@ -100,8 +100,8 @@ class Sm90FwdKernel(ConsumerRole):
     def _shared_storage(self, sQ_layout, sK_layout, sV_layout, sO_layout):
         """The CTA's SMEM: mbarriers (and the tile pipeline's index slots), then Q, O, K, V on
         1 KiB boundaries. ``Sm90FwdConfig.smem_parts`` gives the same sizes (a compile test
-        holds them equal). O is staged in Q's buffer, unless persistent: then the next tile's
-        Q may be in flight while O is stored."""
+        holds them equal). O is staged in Q's buffer, unless persistent (without
+        ``o_in_q_buffer``): then the next tile's Q may be in flight while O is stored."""
         cfg = self.cfg
         buf = lambda elems: cute.struct.Align[cute.struct.MemRange[self.dtype, elems], 1024]
         q_elems, o_elems = cute.cosize(sQ_layout), cute.cosize(sO_layout)
@@ -114,7 +114,7 @@ class Sm90FwdKernel(ConsumerRole):
             if cfg.dynamic_schedule:  # the tile pipeline, Note [Dynamic tile schedule]
                 mbar_tile: cute.struct.MemRange[cutlass.Int64, 2 * TILE_SLOTS]
                 tile_index: cute.struct.MemRange[Int32, TILE_SLOTS]
-            if cfg.persistent:
+            if cfg.persistent and not cfg.o_in_q_buffer:
                 sQ: buf(q_elems)
                 sO: buf(o_elems)
             else:
@@ -246,7 +246,7 @@ class Sm90FwdKernel(ConsumerRole):
         cute.arch.sync_threads()
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        if const_expr(cfg.persistent):
+        if const_expr(cfg.persistent and not cfg.o_in_q_buffer):
             sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
         else:
             sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
@@ -379,7 +379,10 @@ class Sm90FwdKernel(ConsumerRole):
         tVsV, tVgV = cpasync.tma_partition(tma_v, 0, cute.make_layout(1),
                                            cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
 
-        if const_expr(not cfg.k_before_q):
+        # With O in Q's buffer the Q stage frees only after the previous tile's O store: the
+        # first K tile goes first so that it is not held up behind it.
+        k_first = cfg.k_before_q or cfg.o_in_q_buffer
+        if const_expr(not k_first):
             q_state = self.load_q(tma_q, tQgQ, tQsQ, pipe_q, q_state)
         elif n_blocks == 0:  # no K tile to go first (a causal tile whose rows see no key)
             q_state = self.load_q(tma_q, tQgQ, tQsQ, pipe_q, q_state)
@@ -387,7 +390,7 @@ class Sm90FwdKernel(ConsumerRole):
             pipe_k.producer_acquire(state, pipe_k.producer_try_acquire(state))
             cute.copy(tma_k, tKgK[None, n_blocks - 1], tKsK[None, state.index],
                       tma_bar_ptr=pipe_k.producer_get_barrier(state))
-            if const_expr(cfg.k_before_q):
+            if const_expr(k_first):
                 q_state = self.load_q(tma_q, tQgQ, tQsQ, pipe_q, q_state)
             if const_expr(cfg.intra_wg_overlap):
                 for i in cutlass.range(n_blocks - 1, unroll=1):
