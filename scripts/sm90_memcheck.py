@@ -26,7 +26,8 @@ from fa_sm100.testing import attention_reference, check_against_reference  # noq
 # (batch, seqlen_q, seqlen_k, heads, heads_kv, hdim, hdim_v, causal, schedule): "tile" = one
 # work tile per CTA, "static" = persistent CTAs taking every gridDim.x-th tile, "dynamic" =
 # persistent CTAs taking tiles from the global counter (Note [Dynamic tile schedule])
-SCHEDULES = {"tile": {"persistent": False}, "static": {"persistent": True},
+SCHEDULES = {"tile": {"persistent": False},
+             "static": {"persistent": True, "dynamic_schedule": False},
              "dynamic": {"persistent": True, "dynamic_schedule": True}}
 CASES = [
     (2, 300, 300, 4, 4, 128, 128, False, "tile"),
