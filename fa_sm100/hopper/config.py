@@ -64,7 +64,7 @@ class Sm90FwdConfig:
     intra_wg_overlap: bool = True  # softmax of tile j overlaps the QK GEMM of tile j+1 and PV of j
     pingpong: bool = True  # named barriers order the consumer warpgroups' GEMM issue
     rescale_o_before_pv: bool = False  # rescale O while the QK GEMM runs (intra_wg_overlap only)
-    persistent: bool = False  # one CTA per SM loops over work tiles (O gets its own SMEM buffer)
+    persistent: bool = False  # one CTA per SM loops over work tiles (see o_in_q_buffer for O)
     # persistent only: a CTA takes its next work tile from a global counter when it is about to
     # need one (Note [Dynamic tile schedule] in fwd_kernel.py) instead of every gridDim.x-th tile
     dynamic_schedule: bool = False
@@ -103,8 +103,8 @@ class Sm90FwdConfig:
     def smem_parts(self) -> dict[str, int]:
         """Bytes of each SMEM buffer (O is staged in Q's buffer; barriers are 8 bytes each)."""
         e = self.dtype_bytes
-        if self.persistent and not self.o_in_q_buffer:  # the next tile's Q may land while
-            # this tile's O is staged
+        if self.persistent and not self.o_in_q_buffer:
+            # O's own buffer: the next tile's Q may land while this tile's O is stored
             q_o = {"q": align_up(self.m_block * self.head_dim * e),
                    "o": align_up(self.m_block * self.head_dim_v * e)}
         else:
@@ -226,10 +226,11 @@ def select_sm90_fwd_config(head_dim: int = 128, head_dim_v=None, dtype="bfloat16
     """The default SM90 config for a problem, with ``overrides`` applied, validated.
 
     ``head_dim_v`` defaults to ``fa_sm100.config.default_head_dim_v(head_dim)`` (128 for 192).
-    Persistent CTAs with the dynamic schedule, where the separate O buffer fits in SMEM: for
-    causal problems always; for non-causal ones when ``PERSISTENT_MAX_SEQLEN_K`` of the head dim
-    is None or ``seqlen_k`` (optional: without it, no) is at most that. ``dynamic_schedule``
-    follows ``persistent`` unless overridden itself.
+    Persistent CTAs with the dynamic schedule, where they fit in SMEM: for causal problems
+    always; for non-causal ones when ``PERSISTENT_MAX_SEQLEN_K`` of the head dim is None or
+    ``seqlen_k`` (optional: without it, no) is at most that. ``dynamic_schedule`` follows
+    ``persistent``, and ``o_in_q_buffer`` "persistent, and O's own buffer does not fit",
+    unless overridden themselves.
     """
     head_dim_v = default_head_dim_v(head_dim) if head_dim_v is None else head_dim_v
     num_wg, n_block = default_tile(head_dim)

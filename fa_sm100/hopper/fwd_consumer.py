@@ -106,9 +106,10 @@ class ConsumerRole:
                  pipe_tile, sTile):
         """Consumer warpgroups: 64 rows each; per work tile all its KV tiles, then the epilogue.
 
-        Consumes: q (released after the tile's last QK GEMM), k and v stages (each released
-        right after the GEMM that read it); with ``dynamic_schedule``, the next tile's index
-        from the tile pipeline (Note [Dynamic tile schedule] in fwd_kernel.py).
+        Consumes: q (released after the tile's last QK GEMM, or after the O store with
+        ``o_in_q_buffer``, Note [O in Q's buffer]), k and v stages (each released right after
+        the GEMM that read it); with ``dynamic_schedule``, the next tile's index from the tile
+        pipeline (Note [Dynamic tile schedule] in fwd_kernel.py).
         Produces: O (staged in SMEM, TMA store) and LSE (direct stores).
         """
         cfg = self.cfg
@@ -231,7 +232,7 @@ class ConsumerRole:
         rescale_rows(rows_cols_view(f.acc_O), f.row_scale)
         self.epilogue(f.acc_O, lse, mO, mLSE, sO, tma_o, tiled_mma_pv, tidx, m_block, head,
                       batch, seqlen_q)
-        if const_expr(self.cfg.o_in_q_buffer):  # Note [O in Q's buffer]
+        if const_expr(cfg.o_in_q_buffer):  # Note [O in Q's buffer]
             if tidx // cute.arch.WARP_SIZE == 0:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
             cute.arch.barrier(barrier_id=int(Sm90FwdBarrier.EPILOGUE),

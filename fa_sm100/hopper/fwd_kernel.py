@@ -14,7 +14,8 @@ barrier, one lane per consumer warp releases a stage): ``q`` (1 stage), ``k`` an
 (``kv_stage`` stages, advanced together; their states carry across work tiles). The producer
 issues, per work tile,
 Q, K[n-1], then (K[j-1], V[j]) for j = n-1 .. 1 and finally V[0] (intra-warpgroup overlap
-order: the consumers need K[j-1] before V[j]).
+order: the consumers need K[j-1] before V[j]); K[n-1] before Q with ``k_before_q`` or
+``o_in_q_buffer`` (Note [O in Q's buffer] in fwd_consumer.py).
 
 Note [Dynamic tile schedule]: a persistent CTA starts with work tile blockIdx.x. With
 ``dynamic_schedule`` it then takes the next tile from a global counter instead of every
