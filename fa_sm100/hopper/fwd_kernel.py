@@ -307,7 +307,8 @@ class Sm90FwdKernel(ConsumerRole):
         """Warp 0: per work tile, Q once, then K/V tiles last-to-first into the ``kv_stage`` ring.
 
         Consumes: free stages (empty barriers released by the consumers; Q is released after
-        the tile's last QK GEMM, so the next tile's Q load overlaps the current tile's tail).
+        the tile's last QK GEMM, so the next tile's Q load overlaps the current tile's tail, or
+        with ``o_in_q_buffer`` after its O store).
         Produces: full barriers completed by the TMA transaction bytes; with
         ``dynamic_schedule``, the next tile's index in the tile pipeline.
         """
