@@ -5,8 +5,8 @@
 
 Covers every head-dim pair, causal and not, MHA/GQA/MQA, seqlens that are not tile multiples
 (tail rows and keys), seqlen_q > seqlen_k (rows with no key), the one-tile-per-CTA, static
-persistent and dynamic persistent schedules. Small shapes: memcheck slows kernels down a lot. Each result is also
-checked against a float32 reference, so a silent wrong answer fails too.
+persistent and dynamic persistent schedules. Small shapes: memcheck slows kernels down a lot.
+Each result is also checked against a float32 reference, so a silent wrong answer fails too.
 """
 
 import os
