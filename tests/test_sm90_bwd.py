@@ -18,6 +18,7 @@
   Note [tile_m 128] checked against the real WGMMA accumulator partition.
 """
 
+import collections
 import glob
 import re
 
@@ -25,6 +26,7 @@ import pytest
 import torch
 
 from fa_sm100.hopper.bwd_config import (SM90_SMEM_BYTES, BwdConfig, first_n_block,
+                                        longest_first_cta, longest_first_tail_pairs,
                                         m_block_range, select_bwd_config)
 from fa_sm100.hopper.bwd_interface import sm90_bwd
 from fa_sm100.testing import attention_mask
@@ -70,6 +72,10 @@ from fa_sm100.testing import attention_mask
     (dict(dv_before_barrier=True, early_dv=True), "needs early_dv=False"),
     (dict(stats_first=1), "stats_first=1: must be a bool"),
     (dict(dv_before_fence="yes"), "dv_before_fence='yes': must be a bool"),
+    (dict(longest_first=1), "longest_first=1: must be a bool"),
+    (dict(tail_ctas=0), "tail_ctas=0: must be an int >= 1"),
+    (dict(tail_ctas=True), "tail_ctas=True: must be an int >= 1"),
+    (dict(tail_ctas=2.5), "tail_ctas=2.5: must be an int >= 1"),
 ])
 def test_bad_config_raises_value_error_naming_the_rule(changes, rule):
     with pytest.raises(ValueError, match=rule):
@@ -387,6 +393,45 @@ def test_block_ranges_cover_the_band_and_dq_order_is_consecutive(sq, sk, causal,
             assert adders[0] == first_n_block(cfg, m, sq, sk), "semaphore base is wrong"
 
 
+# ---- launch order (Note [longest first]) ----------------------------------------------------
+
+def test_longest_first_is_the_default_for_causal_bands_without_a_left_window():
+    for d in (64, 96, 128, 192, 256):
+        assert select_bwd_config(head_dim=d, causal=True).longest_first
+        assert select_bwd_config(head_dim=d, causal=True, deterministic=True,
+                                 qhead_per_kvhead=4).longest_first
+        assert not select_bwd_config(head_dim=d).longest_first
+        assert not select_bwd_config(head_dim=d, causal=True, window_left=100).longest_first
+    assert not select_bwd_config(causal=True, longest_first=False).longest_first
+    assert select_bwd_config(window_right=0, longest_first=True).longest_first
+    assert BwdConfig().tail_ctas == 264  # two waves of 132 SMs
+
+
+def test_longest_first_tail_is_whole_pairs_within_the_grid():
+    cfg = BwdConfig(longest_first=True, tail_ctas=264)
+    assert longest_first_tail_pairs(cfg, 32, 64) == 9  # 264 / 32 = 8.25 -> 9 pairs
+    assert longest_first_tail_pairs(cfg, 8, 256) == 33
+    assert longest_first_tail_pairs(cfg, 128, 16) == 3
+    assert longest_first_tail_pairs(cfg, 8, 20) == 20  # more than the grid: all of it
+    assert longest_first_tail_pairs(cfg, 1000, 5) == 1
+    assert longest_first_tail_pairs(cfg.replace(tail_ctas=1), 7, 3) == 1
+
+
+@pytest.mark.parametrize("num_n,pairs,tail", [(1, 1, 1), (8, 256, 33), (32, 64, 9), (3, 8, 3),
+                                              (5, 7, 7), (4, 6, 1), (7, 13, 5)])
+def test_longest_first_cta_renumbers_every_cta_once_and_keeps_key_block_order(num_n, pairs, tail):
+    """A permutation of the grid: the grid's order (key block fastest) before the tail; in the
+    tail's CTAs key block 0 of every tail pair, then key block 1, ...; within every pair key
+    blocks start in increasing order (what the deterministic dQ semaphore needs)."""
+    order = [longest_first_cta(linear, num_n, pairs, tail) for linear in range(num_n * pairs)]
+    assert sorted(order) == [(n, p) for n in range(num_n) for p in range(pairs)]
+    head = (pairs - tail) * num_n
+    assert order[:head] == [(n, p) for p in range(pairs - tail) for n in range(num_n)]
+    assert order[head:] == [(n, p) for n in range(num_n) for p in range(pairs - tail, pairs)]
+    for p in range(pairs):
+        assert [n for n, q in order if q == p] == list(range(num_n))
+
+
 # ---- compile contract ----------------------------------------------------------------------
 
 def _sass_text(keep_dir) -> str:
@@ -485,6 +530,35 @@ def test_sm90_bwd_compile_contract(overrides, dq_mnemonic, tmp_path):
     assert 0 < r["smem_bytes"] <= SM90_SMEM_BYTES
     assert any(k.startswith(dq_mnemonic) for k in sass), f"{dq_mnemonic} missing: {sorted(sass)}"
     assert sass.get("UTMALDG.4D", 0) >= 4, "Q, dO, K, V are loaded by TMA"
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("overrides", [["causal=true"], ["causal=true", "head_dim=64"],
+                                       ["causal=true", "head_dim=256", "deterministic=true"]],
+                         ids=["d128", "d64", "d256-deterministic"])
+def test_sm90_bwd_longest_first_renumbers_ctas_outside_the_main_loop(overrides, tmp_path):
+    """Note [longest first] only changes which key block and pair a CTA takes: the main loop
+    keeps its GEMMs, exp2s, barriers and synchronization, and its length to within 2% (integer
+    instructions of addresses built from the renumbered pair, which ptxas holds in vector
+    registers instead of re-reading blockIdx: +8 and +9 of 441 / 518 in the "red" dQ loops of
+    hdim 256); nothing spills."""
+    from fa_sm100.inspection import inspect_kernel
+
+    loops = {}
+    for on in (True, False):
+        keep = tmp_path / str(on)
+        r = inspect_kernel("sm90_bwd", "sm_90a", overrides + [f"longest_first={on}".lower()],
+                           keep_dir=keep)
+        assert r["config"]["longest_first"] is on
+        assert r["spill_bytes"] == 0 and r["local_bytes"] == 0
+        loops[on] = collections.Counter(_main_loop_ops(_sass_text(keep)))
+    on, off = loops[True], loops[False]
+    kept = lambda ops: {k: v for k, v in ops.items()
+                        if k.split(".")[0] in ("HGMMA", "MUFU", "BAR", "SYNCS", "WARPGROUP",
+                                               "UBLKRED", "REDG", "STSM", "FENCE", "MEMBAR")}
+    assert sum(on.values()) > 100 and kept(on) == kept(off)
+    assert abs(sum(on.values()) - sum(off.values())) <= 0.02 * sum(off.values()), \
+        (on - off, off - on)
 
 
 @pytest.mark.compile

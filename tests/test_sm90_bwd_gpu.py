@@ -230,6 +230,12 @@ SWITCHES = [
     dict(sdp_swap_ab=False, tile_m=64, tile_n=64, early_dv=False, dv_before_barrier=False),
     dict(sdp_swap_ab=False, tile_m=64, tile_n=64, early_dv=False, dv_before_barrier=False,
          dq_accum="red", overlap_dk=True),
+    # Note [longest first] with a 7-CTA tail: gqa-causal's 8 pairs of 3 key blocks start 5
+    # pairs in the grid's order and the last 3 longest first; window-d64's 2 pairs of 4 key
+    # blocks all start longest first
+    dict(sdp_swap_ab=True, longest_first=True, tail_ctas=7),
+    dict(sdp_swap_ab=False, longest_first=True, tail_ctas=7),
+    dict(sdp_swap_ab=True, longest_first=False),
 ]
 
 
@@ -265,7 +271,8 @@ def _assert_reproducible(inputs, first, causal, window, cfg, runs=3):
     (4, False, (None, None), "bulk", None), (4, True, (None, None), "bulk", None),
     (1, True, (None, None), "bulk", None), (4, False, (96, 0), "bulk", None),
     (2, True, (None, None), "red", None), (2, True, (None, None), "bulk", "sdp_swap_ab"),
-    (4, False, (96, 0), "red", "sdp_swap_ab"), (4, True, (None, None), "bulk", "overlap_dk")])
+    (4, False, (96, 0), "red", "sdp_swap_ab"), (4, True, (None, None), "bulk", "overlap_dk"),
+    (2, True, (None, None), "bulk", "longest_first"), (4, True, (None, None), "red", "longest_first")])
 def test_sm90_bwd_deterministic_is_bitwise_reproducible(sm90_device, hk, causal, window, dq_accum,
                                                         switch):
     from fa_sm100.hopper.bwd_config import select_bwd_config
@@ -275,6 +282,8 @@ def test_sm90_bwd_deterministic_is_bitwise_reproducible(sm90_device, hk, causal,
         switches["sdp_swap_ab"] = False
     if switch == "sdp_swap_ab":  # the swapped 64-row path (the default is 80 rows)
         switches["tile_m"] = 64
+    if switch == "longest_first":  # 8 pairs of 8 key blocks: the last 3 longest first
+        switches["tail_ctas"] = 20
     cfg = select_bwd_config(head_dim=128, dq_accum=dq_accum, gqa_reduce="buffers", **switches)
     inputs, first = _run_case(2, 1000, 1000, 4, hk, 128, causal, window, torch.bfloat16,
                               deterministic=True, config=cfg)

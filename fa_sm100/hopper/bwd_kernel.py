@@ -140,6 +140,23 @@ with swapped 64-row blocks and a left window (GQA, deterministic) ptxas spilled,
 (``_mask``) that kernel fits with the token (the compile test), and the default waits for a
 GPU run.
 
+Note [longest first] (``longest_first``): a CTA owns one key block of one (batch, head) pair
+and visits the query blocks whose band reaches it. Under a causal mask key block n sees
+``m_block_range`` = all query blocks from about n * tile_n / tile_m on, so key block 0 has the
+most work and the last one the least. The hardware hands out CTAs in launch order, each to the
+first SM that frees up. In the grid's order (key blocks of a pair, then the next pair) that
+balances itself until the end: the last pair's key block 0 starts when most of the grid is
+done and runs on alone (``python -m fa_sm100.hopper.schedule_model --mode bwd``: 1.03-1.07x
+the ideal makespan at 1k-8k). With the switch on, the kernel renumbers its CTAs
+(``longest_first_cta``): the grid's order up to the last ``tail_ctas`` CTAs (two waves,
+rounded up to whole pairs); those start key block 0 of each of their pairs, then key block 1,
+and so on, so the last CTAs to start are the shortest. Only the tail is reordered because the
+grid's order is what keeps L2 warm: the CTAs that run together share a few pairs' Q, dO and
+dQ accumulator (reordering the whole grid this way, in sections of 16-96 MiB of pairs,
+measured up to 24% slower at 1k, where a section spans many pairs). Within a pair key blocks
+still start in increasing order, which the deterministic dQ semaphore relies on (Deterministic
+mode in docs/hopper_backward.md).
+
 dQ is accumulated in float32 in global memory by one of two switchable paths (``dq_accum``);
 the stores of dQ, dK and dV are in ``bwd_store.py`` (``BwdStoreRole``, with Note [dQ SMEM
 handoff]); the per-element math (statistics, mask, P, dS) is in ``bwd_scores.py``
@@ -156,7 +173,8 @@ from cutlass.experimental import primitives as prims
 from cutlass.utils import LayoutEnum
 
 from fa_sm100.config import WARP_SIZE, cutlass_dtype
-from fa_sm100.hopper.bwd_config import BwdConfig, first_n_block, m_block_range
+from fa_sm100.hopper.bwd_config import (BwdConfig, first_n_block, longest_first_cta,
+                                        longest_first_tail_pairs, m_block_range)
 from fa_sm100.hopper.bwd_scores import BwdScoresRole
 from fa_sm100.hopper.bwd_store import BwdStoreRole, dq_tile_shape, dq_tiled_mma
 from fa_sm100.hopper.common import NO_WAIT, rows_cols_view, transpose_view, wgmma
@@ -170,6 +188,11 @@ PRODUCER_WARPS = WARPGROUP_THREADS // WARP_SIZE
 LOAD_WARP = 0
 DQ_STORE_WARP = 1  # "bulk" dQ only
 PS_ATOM_COLS = 64  # key columns of one P / dS swizzle atom row (128 bytes)
+
+
+def _pick(cond, a, b) -> Int32:
+    """a if cond else b, for DSL integers (a select, no branch)."""
+    return Int32(cutlass.select_(cond, Int32(a), Int32(b)))
 
 
 class Sm90FlashBackward(BwdStoreRole, BwdScoresRole):
@@ -317,10 +340,13 @@ class Sm90FlashBackward(BwdStoreRole, BwdScoresRole):
         self.bytes_do = self.tile_m * self.hdimv * self.dtype.width // 8
         self.bytes_kv = self.tile_n * (self.hdim + self.hdimv) * self.dtype.width // 8
         num_n_blocks = cute.ceil_div(mK.shape[1], self.tile_n)
+        num_pairs = mQ.shape[0] * mQ.shape[2]
+        tail_pairs = longest_first_tail_pairs(self.cfg, num_n_blocks, num_pairs, cutlass.min,
+                                              cutlass.max)  # Note [longest first]
         self.kernel(
             tma_mQ, tma_mK, tma_mV, tma_mdO, tma_Q, tma_K, tma_V, tma_dO,
             mLSE2, mDelta, mdQacc, mdK, mdV, mdQsem, tma_dK, tma_mdK, tma_dV, tma_mdV,
-            mQ.shape[1], mK.shape[1], mQ.shape[2] // mK.shape[2],
+            mQ.shape[1], mK.shape[1], mQ.shape[2] // mK.shape[2], tail_pairs,
             softmax_scale, softmax_scale * LOG2_E,
             mma_sdp, mma_dk, mma_dv, mma_dq,
             self.sQ_layout, self.sdO_layout, self.sK_layout, self.sV_layout,
@@ -339,7 +365,7 @@ class Sm90FlashBackward(BwdStoreRole, BwdScoresRole):
     def kernel(
         self, mQ, mK, mV, mdO, tma_Q, tma_K, tma_V, tma_dO,
         mLSE2, mDelta, mdQacc, mdK, mdV, mdQsem, tma_dK, tma_mdK, tma_dV, tma_mdV,
-        seqlen_q: Int32, seqlen_k: Int32, group: Int32,
+        seqlen_q: Int32, seqlen_k: Int32, group: Int32, tail_pairs: Int32,
         softmax_scale: Float32, scale_log2: Float32,
         mma_sdp: cute.TiledMma, mma_dk: cute.TiledMma, mma_dv: cute.TiledMma,
         mma_dq: cute.TiledMma,
@@ -389,6 +415,13 @@ class Sm90FlashBackward(BwdStoreRole, BwdScoresRole):
             sDelta = storage.sDelta.get_tensor(cute.make_layout((self.tile_m, self.cfg.do_stage)))
 
         n_block, head, batch = cute.arch.block_idx()
+        if const_expr(self.cfg.longest_first):  # Note [longest first]
+            num_n_blocks, num_heads, num_batch = cute.arch.grid_dim()
+            n_block, pair = longest_first_cta(n_block + num_n_blocks * (head + num_heads * batch),
+                                              num_n_blocks, num_heads * num_batch,
+                                              tail_pairs, _pick)
+            batch = pair // num_heads
+            head = pair - batch * num_heads
         m_block_min, m_block_max = self._m_block_range(n_block, seqlen_q, seqlen_k)
 
         if warp_idx < PRODUCER_WARPS:

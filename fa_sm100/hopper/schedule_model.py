@@ -13,6 +13,12 @@ sections of (batch, head) pairs whose K/V fit ``l2_section_mib``). Two ways to d
 The makespan (the busiest CTA's work) over the ideal (total work / CTAs) is the time lost to
 imbalance. ``python -m fa_sm100.hopper.schedule_model`` prints it for the benchmark grid's
 problems. A model: it knows tile lengths, not the hardware (no L2, no clocks, equal KV steps).
+
+``--mode bwd`` models the backward's CTAs (one per key block and (batch, head) pair, one per SM
+at a time): a CTA costs its query blocks (``m_block_range``, plus ``tile_overhead`` for K/V and
+the dK/dV epilogue), the hardware hands CTAs out in launch order to the SM that frees up first
+(the dynamic deal above), and the order is the grid's or ``longest_first_cta``'s (Note [longest
+first] in bwd_kernel.py).
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ from __future__ import annotations
 import argparse
 import heapq
 
+from fa_sm100.hopper.bwd_config import (BwdConfig, longest_first_cta, longest_first_tail_pairs,
+                                        m_block_range, select_bwd_config)
 from fa_sm100.hopper.config import Sm90FwdConfig, select_sm90_fwd_config
 
 
@@ -71,6 +79,47 @@ def imbalance(cfg: Sm90FwdConfig, batch: int, heads: int, seqlen: int, num_ctas:
             "dynamic": makespan_dynamic(costs, num_ctas) / ideal}
 
 
+def bwd_cta_work(cfg: BwdConfig, batch: int, heads: int, seqlen_q: int,
+                 seqlen_k: int) -> list[int]:
+    """Query blocks of every backward CTA, in launch order (the grid's: key blocks of a pair,
+    then the next pair; or, with ``longest_first``, ``longest_first_cta``'s)."""
+    num_n = _ceil_div(seqlen_k, cfg.tile_n)
+    pairs = batch * heads
+    tail = longest_first_tail_pairs(cfg, num_n, pairs)
+    work = []
+    for linear in range(num_n * pairs):
+        n_block = linear % num_n
+        if cfg.longest_first:
+            n_block, _ = longest_first_cta(linear, num_n, pairs, tail)
+        m_min, m_max = m_block_range(cfg, n_block, seqlen_q, seqlen_k)
+        work.append(max(m_max - m_min, 0))
+    return work
+
+
+def bwd_imbalance(cfg: BwdConfig, batch: int, heads: int, seqlen: int, num_ctas: int = 132,
+                  tile_overhead: float = 0.0) -> float:
+    """Makespan over the ideal of the backward's CTAs dealt in launch order (square problem)."""
+    costs = [w + tile_overhead for w in bwd_cta_work(cfg, batch, heads, seqlen, seqlen)]
+    return makespan_dynamic(costs, num_ctas) / (sum(costs) / min(num_ctas, len(costs)))
+
+
+def _print_bwd(args) -> None:
+    print("| hdim | causal | seqlen | tile_m x tile_n | CTAs | grid order / ideal "
+          "| longest first / ideal |")
+    print("|---|---|---|---|---|---|---|")
+    for hdim in args.hdim:
+        for causal in {"yes": (True,), "no": (False,), "both": (False, True)}[args.causal]:
+            for seqlen in args.seqlen:
+                cfg = select_bwd_config(hdim, causal=causal, seqlen_q=seqlen, seqlen_k=seqlen)
+                shape = (args.total_tokens // seqlen, args.hidden // hdim, seqlen, args.num_ctas,
+                         args.tile_overhead)
+                grid = bwd_imbalance(cfg.replace(longest_first=False), *shape)
+                lpt = bwd_imbalance(cfg.replace(longest_first=True), *shape)
+                ctas = len(bwd_cta_work(cfg, *shape[:3], seqlen))
+                print(f"| {hdim} | {'yes' if causal else 'no'} | {seqlen} | "
+                      f"{cfg.tile_m} x {cfg.tile_n} | {ctas} | {grid:.3f} | {lpt:.3f} |")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -81,8 +130,13 @@ def main(argv=None) -> int:
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--num-ctas", type=int, default=132, help="SMs (H100/H200 SXM: 132)")
     p.add_argument("--tile-overhead", type=float, default=0.0,
-                   help="cost of a tile's start and end, in KV steps")
+                   help="cost of a tile's (CTA's) start and end, in KV steps (query blocks)")
+    p.add_argument("--mode", choices=("fwd", "bwd"), default="fwd",
+                   help="fwd: persistent forward tiles; bwd: the backward's CTAs")
     args = p.parse_args(argv)
+    if args.mode == "bwd":
+        _print_bwd(args)
+        return 0
     print("| hdim | causal | seqlen | m_block | tiles | static / ideal | dynamic / ideal |")
     print("|---|---|---|---|---|---|---|")
     for hdim in args.hdim:
