@@ -6,6 +6,10 @@
 - The query-block ranges the kernel walks (``m_block_range``, the same function the kernel
   traces) cover every visible (query, key) pair, and the key blocks adding into one query
   block are consecutive from ``first_n_block`` (what deterministic dQ ordering relies on).
+- Launch order (Note [longest first]): ``longest_first_cta`` renumbers every CTA once, keeps
+  the grid's order before the tail and increasing key blocks within every pair (what the
+  deterministic semaphore's progress needs); the tail is whole pairs; causal problems
+  without a left window take it by default; the main loop is unchanged by it.
 - Compile contract (sm_90a cross-compile through ``fa_sm100.inspection.inspect_kernel``):
   384 threads, HGMMA present, setmaxnreg 24/240 in the PTX and the SASS, no local memory or
   spills, SMEM within the 227 KiB budget, and the dQ path the config asks for
