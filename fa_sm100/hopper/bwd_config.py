@@ -521,7 +521,6 @@ def first_n_block(cfg: BwdConfig, m_block, seqlen_q, seqlen_k, imax=max):
     return imax(m_block * cfg.tile_m + seqlen_k - seqlen_q - cfg.window_left, 0) // cfg.tile_n
 
 
-
 def longest_first_tail_pairs(cfg: BwdConfig, num_n_blocks, num_pairs, imin=min, imax=max):
     """(batch, head) pairs whose CTAs start longest first: ``tail_ctas`` in whole pairs, at
     least one, at most all (Note [longest first] in bwd_kernel.py)."""

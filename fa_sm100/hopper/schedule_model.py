@@ -1,4 +1,4 @@
-"""How evenly persistent CTAs share the SM90 forward's work tiles: a CPU model.
+"""How evenly CTAs share the SM90 kernels' work: a CPU model (forward tiles, backward CTAs).
 
 A work tile costs its number of KV tiles (plus ``tile_overhead`` for its start and end). The
 tiles come in the kernel's flat order (``work_tile_lengths`` mirrors
