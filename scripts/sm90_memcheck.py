@@ -1,14 +1,23 @@
 #!/usr/bin/env python
-"""Run the SM90 forward on a representative set of problems, for compute-sanitizer.
+"""Run the SM90 forward (or backward) on a representative set of problems, for compute-sanitizer.
 
-    compute-sanitizer --tool memcheck --error-exitcode 1 python scripts/sm90_memcheck.py
+    compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 1 \
+        python scripts/sm90_memcheck.py [--mode bwd]
 
-Covers every head-dim pair, causal and not, MHA/GQA/MQA, seqlens that are not tile multiples
-(tail rows and keys), seqlen_q > seqlen_k (rows with no key), the one-tile-per-CTA, static
-persistent and dynamic persistent schedules. Small shapes: memcheck slows kernels down a lot.
-Each result is also checked against a float32 reference, so a silent wrong answer fails too.
+(``--report-api-errors no``: the DSL's runtime probes driver entry points with
+``cuGetProcAddress``, and the failed probes would otherwise count as errors.)
+
+Forward: every head-dim pair, causal and not, MHA/GQA/MQA, seqlens that are not tile
+multiples (tail rows and keys), seqlen_q > seqlen_k (rows with no key), the one-tile-per-CTA,
+static persistent and dynamic persistent schedules. Backward (``sm90_bwd``: preprocess, main
+kernel, postprocesses): every head-dim pair, causal with the CTAs renumbered longest first
+(Note [longest first]: the whole grid, and a tail after CTAs in the grid's order), the grid's
+order, deterministic mode, windows, GQA/MQA, both dQ paths, rows with no key. Small shapes:
+memcheck slows kernels down a lot. Each result is also checked against a float32 reference,
+so a silent wrong answer fails too.
 """
 
+import argparse
 import os
 import sys
 
@@ -44,9 +53,69 @@ CASES = [
 ]
 
 
-def main():
+# (batch, seqlen_q, seqlen_k, heads, heads_kv, hdim, hdim_v, causal, window, deterministic,
+# BwdConfig overrides); with causal the default renumbers the CTAs longest first
+BWD_CASES = [
+    (2, 300, 300, 4, 4, 128, 128, True, (None, None), False, {}),  # tail = the whole grid
+    (3, 333, 300, 4, 2, 128, 128, True, (None, None), False, {"tail_ctas": 7}),
+    (2, 1000, 1000, 4, 4, 64, 64, True, (None, None), True, {"tail_ctas": 20}),
+    (2, 300, 100, 2, 2, 128, 128, True, (None, None), False, {"longest_first": False}),
+    (1, 200, 333, 2, 1, 256, 256, True, (None, None), False, {}),  # "red" dQ
+    (2, 129, 257, 4, 2, 192, 128, False, (None, None), False, {}),
+    (1, 500, 500, 2, 2, 128, 128, False, (100, 30), True, {}),
+    (1, 257, 257, 2, 2, 96, 96, False, (None, None), False, {"dq_accum": "red"}),
+]
+
+
+def bwd_config(case):
+    """The ``BwdConfig`` a backward case runs (its overrides on the defaults)."""
+    b, sq, sk, h, hk, d, dv, causal, window, deterministic, overrides = case
+    from fa_sm100.hopper.bwd_config import select_bwd_config
+
+    return select_bwd_config(head_dim=d, head_dim_v=dv, causal=causal, window_left=window[0],
+                             window_right=window[1], qhead_per_kvhead=h // hk,
+                             deterministic=deterministic, seqlen_q=sq, seqlen_k=sk, **overrides)
+
+
+def _reference_grads(q, k, v, dout, causal, window, dtype, upcast):
+    qs, ks, vs = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
+    out, lse = attention_reference(qs, ks, vs, causal=causal, window=window, dtype=dtype,
+                                   upcast=upcast)
+    out.backward(dout.to(dtype))
+    return out.detach(), lse.detach(), (qs.grad, ks.grad, vs.grad)
+
+
+def main_bwd(gen):
+    from fa_sm100.hopper.bwd_interface import sm90_bwd
+    from fa_sm100.testing import grad_atol
+
+    for case in BWD_CASES:
+        b, sq, sk, h, hk, d, dv, causal, window, deterministic, _ = case
+        q = torch.randn(b, sq, h, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+        k = torch.randn(b, sk, hk, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+        v = torch.randn(b, sk, hk, dv, device="cuda", dtype=torch.bfloat16, generator=gen)
+        dout = torch.randn(b, sq, h, dv, device="cuda", dtype=torch.bfloat16, generator=gen)
+        out, lse, ref = _reference_grads(q, k, v, dout, causal, window, torch.float32, True)
+        _, _, plain = _reference_grads(q, k, v, dout, causal, window, torch.bfloat16, False)
+        got = sm90_bwd(dout, q, k, v, out.to(torch.bfloat16), lse, causal=causal,
+                       window_size=window, deterministic=deterministic, config=bwd_config(case))
+        torch.cuda.synchronize()
+        for name, x, r, p in zip(("dq", "dk", "dv"), got, ref, plain):
+            check_against_reference(x, r, p, atol=grad_atol(r), what=f"{name} {case}")
+        print(f"ok bwd b={b} sq={sq} sk={sk} h={h}/{hk} d={d}/{dv} causal={causal} "
+              f"window={window} deterministic={deterministic} {case[-1]}", flush=True)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mode", choices=("fwd", "bwd"), default="fwd")
+    args = p.parse_args(argv)
     gen = torch.Generator(device="cuda")
     gen.manual_seed(0)
+    if args.mode == "bwd":
+        main_bwd(gen)
+        return
     for b, sq, sk, h, hk, d, dv, causal, schedule in CASES:
         q = torch.randn(b, sq, h, d, device="cuda", dtype=torch.bfloat16, generator=gen)
         k = torch.randn(b, sk, hk, d, device="cuda", dtype=torch.bfloat16, generator=gen)

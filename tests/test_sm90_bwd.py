@@ -436,6 +436,35 @@ def test_longest_first_cta_renumbers_every_cta_once_and_keeps_key_block_order(nu
         assert [n for n, q in order if q == p] == list(range(num_n))
 
 
+def test_bwd_memcheck_cases_run_the_orders_they_name():
+    """``scripts/sm90_memcheck.py --mode bwd`` (run under compute-sanitizer on the GPU): its
+    configs validate, and between them they take the whole grid longest first, a tail after
+    CTAs in the grid's order (deterministic too), the grid's order under a causal mask, every
+    head-dim pair and both dQ paths."""
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "sm90_memcheck.py"
+    spec = importlib.util.spec_from_file_location("fa_sm100_memcheck_script", script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    kinds, dims, dq = set(), set(), set()
+    for case in mod.BWD_CASES:
+        b, sq, sk, h, hk, d, dv, causal, _, deterministic, _ = case
+        cfg = mod.bwd_config(case)  # validated
+        dims.add((d, dv))
+        dq.add(cfg.dq_accum)
+        if causal and cfg.longest_first:
+            num_n = -(-sk // cfg.tile_n)
+            tail = longest_first_tail_pairs(cfg, num_n, b * h)
+            kinds.add(("whole grid" if tail == b * h else "tail") + (" det" if deterministic else ""))
+        elif causal:
+            kinds.add("grid order")
+    assert {"whole grid", "tail", "tail det", "grid order"} <= kinds
+    assert dims == {(64, 64), (96, 96), (128, 128), (192, 128), (256, 256)}
+    assert dq == {"bulk", "red"}
+
+
 # ---- compile contract ----------------------------------------------------------------------
 
 def _sass_text(keep_dir) -> str:
