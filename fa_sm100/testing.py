@@ -62,6 +62,18 @@ def attention_mask(sq, sk, causal=False, window=(None, None), device="cpu"):
     return mask
 
 
+def attention_reference_grads(q, k, v, dout, causal=False, window=(None, None),
+                              dtype=torch.float64, upcast=True):
+    """O, LSE and (dq, dk, dv) of ``attention_reference`` computed in ``dtype``, by autograd
+    with output gradient ``dout`` (float64 and upcast: the reference of a gradient check; the
+    input dtype without upcast: its "plain" baseline)."""
+    qs, ks, vs = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
+    out, lse = attention_reference(qs, ks, vs, causal=causal, window=window, dtype=dtype,
+                                   upcast=upcast)
+    out.backward(dout.to(dtype))
+    return out.detach(), lse.detach(), (qs.grad, ks.grad, vs.grad)
+
+
 def relative_error(x, ref) -> float:
     """max |x - ref| / max(|ref|, tiny) over the tensor, in float64."""
     x, ref = x.to(torch.float64), ref.to(torch.float64)

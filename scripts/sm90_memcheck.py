@@ -77,17 +77,9 @@ def bwd_config(case):
                              deterministic=deterministic, seqlen_q=sq, seqlen_k=sk, **overrides)
 
 
-def _reference_grads(q, k, v, dout, causal, window, dtype, upcast):
-    qs, ks, vs = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
-    out, lse = attention_reference(qs, ks, vs, causal=causal, window=window, dtype=dtype,
-                                   upcast=upcast)
-    out.backward(dout.to(dtype))
-    return out.detach(), lse.detach(), (qs.grad, ks.grad, vs.grad)
-
-
 def main_bwd(gen):
     from fa_sm100.hopper.bwd_interface import sm90_bwd
-    from fa_sm100.testing import grad_atol
+    from fa_sm100.testing import attention_reference_grads, grad_atol
 
     for case in BWD_CASES:
         b, sq, sk, h, hk, d, dv, causal, window, deterministic, _ = case
@@ -95,8 +87,9 @@ def main_bwd(gen):
         k = torch.randn(b, sk, hk, d, device="cuda", dtype=torch.bfloat16, generator=gen)
         v = torch.randn(b, sk, hk, dv, device="cuda", dtype=torch.bfloat16, generator=gen)
         dout = torch.randn(b, sq, h, dv, device="cuda", dtype=torch.bfloat16, generator=gen)
-        out, lse, ref = _reference_grads(q, k, v, dout, causal, window, torch.float32, True)
-        _, _, plain = _reference_grads(q, k, v, dout, causal, window, torch.bfloat16, False)
+        out, lse, ref = attention_reference_grads(q, k, v, dout, causal, window, torch.float32)
+        _, _, plain = attention_reference_grads(q, k, v, dout, causal, window, torch.bfloat16,
+                                                upcast=False)
         got = sm90_bwd(dout, q, k, v, out.to(torch.bfloat16), lse, causal=causal,
                        window_size=window, deterministic=deterministic, config=bwd_config(case))
         torch.cuda.synchronize()

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from fa_sm100.autograd import flash_attn_autograd
-from fa_sm100.testing import attention_reference, check_against_reference, grad_atol
+from fa_sm100.testing import (attention_reference, attention_reference_grads,
+                              check_against_reference, grad_atol)
 
 
 def _inputs(b, sq, sk, hq, hk, d, dtype, device="cpu", seed=0, dv=None):
@@ -27,21 +28,13 @@ def _inputs(b, sq, sk, hq, hk, d, dtype, device="cpu", seed=0, dv=None):
     return mk(b, sq, hq, d), mk(b, sk, hk, d), mk(b, sk, hk, dv), mk(b, sq, hq, dv)
 
 
-def _ref_grads(q, k, v, dout, causal, window, dtype, upcast):
-    qs, ks, vs = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
-    out, _ = attention_reference(qs, ks, vs, causal=causal, window=window, dtype=dtype,
-                                 upcast=upcast)
-    out.backward(dout.to(dtype))
-    return out.detach(), (qs.grad, ks.grad, vs.grad)
-
-
 def _check_grads(fn, b, sq, sk, hq, hk, d, causal, window, dtype, device, dv=None):
     q, k, v, dout = _inputs(b, sq, sk, hq, hk, d, dtype, device, dv=dv)
     qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
     out = fn(qg, kg, vg)
     out.backward(dout)
-    ref_out, ref = _ref_grads(q, k, v, dout, causal, window, torch.float64, True)
-    _, plain = _ref_grads(q, k, v, dout, causal, window, dtype, False)
+    ref_out, _, ref = attention_reference_grads(q, k, v, dout, causal, window)
+    _, _, plain = attention_reference_grads(q, k, v, dout, causal, window, dtype, upcast=False)
     for name, x, r, p in zip(("dq", "dk", "dv"), (qg.grad, kg.grad, vg.grad), ref, plain):
         assert x is not None and x.shape == r.shape, f"{name} missing or misshaped"
         check_against_reference(x, r, p, atol=grad_atol(r), what=name)
@@ -170,8 +163,9 @@ def test_flash_attn_func_torch_compile_fullgraph_on_sm90(sm90_device):
     want = _train_step(attn, q, k, v, dout)
     # The loss is sum(2 * attention * dout): the reference gradients are those of attention
     # for the output gradient 2 * dout (exact in bf16).
-    _, ref = _ref_grads(q, k, v, 2 * dout, True, (None, None), torch.float64, True)
-    _, plain = _ref_grads(q, k, v, 2 * dout, True, (None, None), torch.bfloat16, False)
+    _, _, ref = attention_reference_grads(q, k, v, 2 * dout, True)
+    _, _, plain = attention_reference_grads(q, k, v, 2 * dout, True, dtype=torch.bfloat16,
+                                           upcast=False)
     for name, g, w, r, p in zip(("dq", "dk", "dv"), got, want, ref, plain):
         assert g.shape == w.shape == r.shape
         check_against_reference(g, r, p, atol=grad_atol(r), what=f"compiled {name}")

@@ -81,7 +81,8 @@ def test_bwd_cta_work_follows_the_launch_order():
     assert bwd_cta_work(plain, 1, 2, 1024, 1024) == [13] * 16  # 80-row blocks, all of them
 
 
-@pytest.mark.parametrize("hdim,seqlen", [(h, s) for h in (64, 128) for s in (1024, 2048, 4096, 8192)]
+@pytest.mark.parametrize("hdim,seqlen",
+                         [(h, s) for h in (64, 128) for s in (1024, 2048, 4096, 8192)]
                          + [(256, s) for s in (1024, 2048, 4096)])
 def test_bwd_longest_first_takes_the_causal_tail_off(hdim, seqlen):
     """(hdim 256 at 8k has 128 key blocks per pair: its grid order is within 1% already.)"""

@@ -457,7 +457,8 @@ def test_bwd_memcheck_cases_run_the_orders_they_name():
         if causal and cfg.longest_first:
             num_n = -(-sk // cfg.tile_n)
             tail = longest_first_tail_pairs(cfg, num_n, b * h)
-            kinds.add(("whole grid" if tail == b * h else "tail") + (" det" if deterministic else ""))
+            kind = "whole grid" if tail == b * h else "tail"
+            kinds.add(kind + (" det" if deterministic else ""))
         elif causal:
             kinds.add("grid order")
     assert {"whole grid", "tail", "tail det", "grid order"} <= kinds

@@ -14,17 +14,9 @@ Skips (lazily, with the reason) on anything but an sm_90 GPU.
 import pytest
 import torch
 
-from fa_sm100.testing import attention_reference, check_against_reference, grad_atol
+from fa_sm100.testing import attention_reference_grads, check_against_reference, grad_atol
 
 pytestmark = pytest.mark.gpu
-
-
-def _grads(q, k, v, dout, causal, window, dtype, upcast):
-    qs, ks, vs = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
-    out, lse = attention_reference(qs, ks, vs, causal=causal, window=window, dtype=dtype,
-                                   upcast=upcast)
-    out.backward(dout.to(dtype))
-    return out.detach(), lse.detach(), (qs.grad, ks.grad, vs.grad)
 
 
 def _run_case(b, sq, sk, hq, hk, d, causal=False, window=(None, None), dtype=torch.bfloat16,
@@ -38,8 +30,8 @@ def _run_case(b, sq, sk, hq, hk, d, causal=False, window=(None, None), dtype=tor
     k = torch.randn(b, sk, hk, d, device="cuda", dtype=dtype, generator=g)
     v = torch.randn(b, sk, hk, dv, device="cuda", dtype=dtype, generator=g)
     dout = torch.randn(b, sq, hq, dv, device="cuda", dtype=dtype, generator=g)
-    out64, lse64, ref = _grads(q, k, v, dout, causal, window, torch.float64, True)
-    _, _, plain = _grads(q, k, v, dout, causal, window, dtype, False)
+    out64, lse64, ref = attention_reference_grads(q, k, v, dout, causal, window, torch.float64)
+    _, _, plain = attention_reference_grads(q, k, v, dout, causal, window, dtype, upcast=False)
     out = out64.to(dtype)
     lse = lse64.float()
     got = sm90_bwd(dout, q, k, v, out, lse, causal=causal, window_size=window,
@@ -272,7 +264,8 @@ def _assert_reproducible(inputs, first, causal, window, cfg, runs=3):
     (1, True, (None, None), "bulk", None), (4, False, (96, 0), "bulk", None),
     (2, True, (None, None), "red", None), (2, True, (None, None), "bulk", "sdp_swap_ab"),
     (4, False, (96, 0), "red", "sdp_swap_ab"), (4, True, (None, None), "bulk", "overlap_dk"),
-    (2, True, (None, None), "bulk", "longest_first"), (4, True, (None, None), "red", "longest_first")])
+    (2, True, (None, None), "bulk", "longest_first"),
+    (4, True, (None, None), "red", "longest_first")])
 def test_sm90_bwd_deterministic_is_bitwise_reproducible(sm90_device, hk, causal, window, dq_accum,
                                                         switch):
     from fa_sm100.hopper.bwd_config import select_bwd_config
