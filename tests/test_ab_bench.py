@@ -3,22 +3,16 @@ its command line ``scripts/ab_bench.py``: the rotation, the paired ratios, the r
 that bad variants stop the run before any GPU work. CPU only: a fake clock stands in for the
 GPU."""
 
-import importlib.util
 import itertools
-from pathlib import Path
 
 import pytest
 
 from fa_sm100.benchmarking import calls_per_round, paired_rounds, paired_speedups
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "ab_bench.py"
+from script_loader import load_script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("fa_sm100_ab_bench_script", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("ab_bench")
 
 
 def test_rounds_rotate_the_order_and_time_every_run_once_per_round():

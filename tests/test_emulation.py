@@ -23,6 +23,7 @@ from fa_sm100.emulation.cases import CI_CASES, Case, make_inputs, run_case
 from fa_sm100.emulation.ex2 import ex2_mixed, ex2_poly, ex2_sfu
 from fa_sm100.emulation.forward import emulate_sm100_fwd, kv_tile_ranges
 from fa_sm100.testing import attention_reference, max_abs_error
+from script_loader import load_script
 
 
 @pytest.mark.parametrize("case", CI_CASES, ids=[c.name for c in CI_CASES])
@@ -194,14 +195,9 @@ def test_constants_come_from_softmax_math(monkeypatch):
 
 
 def test_script_writes_the_reports(tmp_path):
-    import importlib.util
     import json
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "emulate.py"
-    spec = importlib.util.spec_from_file_location("emulate_script", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("emulate")
     out = tmp_path / "emu.json"
     rc = mod.main(["--case", "sq17_fp16_causal_gqa_d64", "--no-threshold", "--no-ex2",
                    "--json", str(out)])

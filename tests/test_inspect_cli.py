@@ -4,7 +4,6 @@ Error paths run the CLI's main() in-process (no compile); the JSON round trip an
 run as real subprocesses, as a user would.
 """
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -15,16 +14,14 @@ import pytest
 
 from fa_sm100.compile_tools import NVDISASM_DIRS_ENV
 from fa_sm100.inspection import REPORT_KEYS, SASS_KEYS
+from script_loader import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "inspect.py"
 
 
 def _cli():
-    spec = importlib.util.spec_from_file_location("fa_sm100_inspect_cli", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("inspect")
 
 
 def _env(**extra):

@@ -12,6 +12,7 @@ from cutlass.cute.runtime import from_dlpack, make_fake_compact_tensor, make_fak
 
 from fa_sm100.ptxemu import capture_launch, emulate  # noqa: E402
 from fa_sm100.ptxemu import samples as S  # noqa: E402
+from script_loader import load_script  # noqa: E402
 
 SEEDS = (0, 1, 2)
 
@@ -107,11 +108,6 @@ def test_mbarrier_producer_consumer_rounds(seed):
 
 def test_emulate_script_rejects_a_bad_override_before_compiling(capsys):
     """scripts/emulate_sm100.py validates --set through the kernel registry (exit 2)."""
-    import importlib.util
-    import pathlib
-    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "emulate_sm100.py"
-    spec = importlib.util.spec_from_file_location("emulate_sm100_script", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("emulate_sm100")
     assert mod.main(["--set", "no_such_field=1"]) == 2
     assert "bad --set" in capsys.readouterr().err

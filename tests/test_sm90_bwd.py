@@ -34,6 +34,7 @@ from fa_sm100.hopper.bwd_config import (SM90_SMEM_BYTES, BwdConfig, first_n_bloc
                                         m_block_range, select_bwd_config)
 from fa_sm100.hopper.bwd_interface import sm90_bwd
 from fa_sm100.testing import attention_mask
+from script_loader import load_script
 
 
 # ---- config rules ------------------------------------------------------------------------
@@ -441,13 +442,7 @@ def test_bwd_memcheck_cases_run_the_orders_they_name():
     configs validate, and between them they take the whole grid longest first, a tail after
     CTAs in the grid's order (deterministic too), the grid's order under a causal mask, every
     head-dim pair and both dQ paths."""
-    import importlib.util
-    from pathlib import Path
-
-    script = Path(__file__).resolve().parents[1] / "scripts" / "sm90_memcheck.py"
-    spec = importlib.util.spec_from_file_location("fa_sm100_memcheck_script", script)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("sm90_memcheck")
     kinds, dims, dq = set(), set(), set()
     for case in mod.BWD_CASES:
         b, sq, sk, h, hk, d, dv, causal, _, deterministic, _ = case

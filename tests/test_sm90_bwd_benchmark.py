@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from fa_sm100.hopper import bwd_bench
+from script_loader import load_script
 
 
 def _cell(seed=0, b=2, s=48, h=4, hk=2, d=32):
@@ -97,14 +98,9 @@ def test_benchmark_bwd_flags_reach_every_cell(monkeypatch, tmp_path):
     """``scripts/benchmark.py --mode bwd``: the grid, --dtype, the variants and the timing
     flags reach ``bench_cell`` for every cell (--dtype once did not, and the run stopped with
     a TypeError on the GPU); the JSON holds the rows. ``bench_cell`` is replaced: no GPU."""
-    import importlib.util
     import json
-    import os
 
-    spec = importlib.util.spec_from_file_location(
-        "benchmark_cli", os.path.join(os.path.dirname(__file__), "..", "scripts", "benchmark.py"))
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
+    cli = load_script("benchmark")
     calls = []
 
     def fake_cell(b, h, hk, s, d, causal, **kw):
@@ -132,14 +128,9 @@ def test_benchmark_bwd_writes_csv_and_png(monkeypatch, tmp_path):
     """``--csv`` and ``--png`` in ``--mode bwd`` (once silently ignored there): one CSV row per
     (cell, provider) with a time, and a PNG. ``bench_cell`` is replaced: no GPU."""
     import csv
-    import importlib.util
-    import os
 
     pytest.importorskip("matplotlib", reason="the PNG needs matplotlib (pip install .[bench])")
-    spec = importlib.util.spec_from_file_location(
-        "benchmark_cli", os.path.join(os.path.dirname(__file__), "..", "scripts", "benchmark.py"))
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
+    cli = load_script("benchmark")
 
     def fake_cell(b, h, hk, s, d, causal, **kw):
         row = {"batch": b, "heads": h, "heads_kv": hk, "seqlen": s, "head_dim": d,

@@ -5,23 +5,15 @@ are named and not timed) and the exit status (non-zero when a provider is wrong 
 The rows here are synthetic inputs to the formatting code; measured numbers live in
 docs/hopper.md."""
 
-import importlib.util
-import os
-
 import pytest
 import torch
 
 from fa_sm100.testing import attention_reference
-
-HERE = os.path.dirname(os.path.abspath(__file__))
+from script_loader import load_script
 
 
 def load():
-    spec = importlib.util.spec_from_file_location(
-        "benchmark_cli", os.path.join(HERE, "..", "scripts", "benchmark.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmark")
 
 
 def test_grid_arguments_are_checked():
