@@ -103,21 +103,36 @@ def bwd_imbalance(cfg: BwdConfig, batch: int, heads: int, seqlen: int, num_ctas:
     return makespan_dynamic(costs, num_ctas) / (sum(costs) / min(num_ctas, len(costs)))
 
 
+def _problems(args):
+    """(hdim, causal, seqlen, batch, heads) of the grid the command line asks for."""
+    for hdim in args.hdim:
+        for causal in {"yes": (True,), "no": (False,), "both": (False, True)}[args.causal]:
+            for seqlen in args.seqlen:
+                yield hdim, causal, seqlen, args.total_tokens // seqlen, args.hidden // hdim
+
+
+def _print_fwd(args) -> None:
+    print("| hdim | causal | seqlen | m_block | tiles | static / ideal | dynamic / ideal |")
+    print("|---|---|---|---|---|---|---|")
+    for hdim, causal, seqlen, batch, heads in _problems(args):
+        cfg = select_sm90_fwd_config(hdim, causal=causal, seqlen_k=seqlen)
+        r = imbalance(cfg, batch, heads, seqlen, args.num_ctas, args.tile_overhead)
+        print(f"| {hdim} | {'yes' if causal else 'no'} | {seqlen} | {cfg.m_block} | "
+              f"{r['tiles']} | {r['static']:.3f} | {r['dynamic']:.3f} |")
+
+
 def _print_bwd(args) -> None:
     print("| hdim | causal | seqlen | tile_m x tile_n | CTAs | grid order / ideal "
           "| longest first / ideal |")
     print("|---|---|---|---|---|---|---|")
-    for hdim in args.hdim:
-        for causal in {"yes": (True,), "no": (False,), "both": (False, True)}[args.causal]:
-            for seqlen in args.seqlen:
-                cfg = select_bwd_config(hdim, causal=causal, seqlen_q=seqlen, seqlen_k=seqlen)
-                shape = (args.total_tokens // seqlen, args.hidden // hdim, seqlen, args.num_ctas,
-                         args.tile_overhead)
-                grid = bwd_imbalance(cfg.replace(longest_first=False), *shape)
-                lpt = bwd_imbalance(cfg.replace(longest_first=True), *shape)
-                ctas = len(bwd_cta_work(cfg, *shape[:3], seqlen))
-                print(f"| {hdim} | {'yes' if causal else 'no'} | {seqlen} | "
-                      f"{cfg.tile_m} x {cfg.tile_n} | {ctas} | {grid:.3f} | {lpt:.3f} |")
+    for hdim, causal, seqlen, batch, heads in _problems(args):
+        cfg = select_bwd_config(hdim, causal=causal, seqlen_q=seqlen, seqlen_k=seqlen)
+        shape = (batch, heads, seqlen, args.num_ctas, args.tile_overhead)
+        grid = bwd_imbalance(cfg.replace(longest_first=False), *shape)
+        lpt = bwd_imbalance(cfg.replace(longest_first=True), *shape)
+        ctas = _ceil_div(seqlen, cfg.tile_n) * batch * heads
+        print(f"| {hdim} | {'yes' if causal else 'no'} | {seqlen} | "
+              f"{cfg.tile_m} x {cfg.tile_n} | {ctas} | {grid:.3f} | {lpt:.3f} |")
 
 
 def main(argv=None) -> int:
@@ -134,19 +149,7 @@ def main(argv=None) -> int:
     p.add_argument("--mode", choices=("fwd", "bwd"), default="fwd",
                    help="fwd: persistent forward tiles; bwd: the backward's CTAs")
     args = p.parse_args(argv)
-    if args.mode == "bwd":
-        _print_bwd(args)
-        return 0
-    print("| hdim | causal | seqlen | m_block | tiles | static / ideal | dynamic / ideal |")
-    print("|---|---|---|---|---|---|---|")
-    for hdim in args.hdim:
-        for causal in {"yes": (True,), "no": (False,), "both": (False, True)}[args.causal]:
-            for seqlen in args.seqlen:
-                cfg = select_sm90_fwd_config(hdim, causal=causal, seqlen_k=seqlen)
-                r = imbalance(cfg, args.total_tokens // seqlen, args.hidden // hdim, seqlen,
-                              args.num_ctas, args.tile_overhead)
-                print(f"| {hdim} | {'yes' if causal else 'no'} | {seqlen} | {cfg.m_block} | "
-                      f"{r['tiles']} | {r['static']:.3f} | {r['dynamic']:.3f} |")
+    (_print_bwd if args.mode == "bwd" else _print_fwd)(args)
     return 0
 
 
