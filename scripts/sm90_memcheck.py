@@ -28,9 +28,12 @@ except ImportError:  # loaded as a module (tests): this folder is not on sys.pat
 
 import torch  # noqa: E402
 
+from fa_sm100.hopper.bwd_config import select_bwd_config  # noqa: E402
+from fa_sm100.hopper.bwd_interface import sm90_bwd  # noqa: E402
 from fa_sm100.hopper.config import select_sm90_fwd_config  # noqa: E402
 from fa_sm100.hopper.interface import sm90_fwd  # noqa: E402
-from fa_sm100.testing import attention_reference, check_against_reference  # noqa: E402
+from fa_sm100.testing import (attention_reference, attention_reference_grads,  # noqa: E402
+                              check_against_reference, grad_atol)
 
 # (batch, seqlen_q, seqlen_k, heads, heads_kv, hdim, hdim_v, causal, schedule): "tile" = one
 # work tile per CTA, "static" = persistent CTAs taking every gridDim.x-th tile, "dynamic" =
@@ -70,17 +73,27 @@ BWD_CASES = [
 def bwd_config(case):
     """The ``BwdConfig`` a backward case runs (its overrides on the defaults)."""
     b, sq, sk, h, hk, d, dv, causal, window, deterministic, overrides = case
-    from fa_sm100.hopper.bwd_config import select_bwd_config
-
     return select_bwd_config(head_dim=d, head_dim_v=dv, causal=causal, window_left=window[0],
                              window_right=window[1], qhead_per_kvhead=h // hk,
                              deterministic=deterministic, seqlen_q=sq, seqlen_k=sk, **overrides)
 
 
-def main_bwd(gen):
-    from fa_sm100.hopper.bwd_interface import sm90_bwd
-    from fa_sm100.testing import attention_reference_grads, grad_atol
+def main_fwd(gen):
+    for b, sq, sk, h, hk, d, dv, causal, schedule in CASES:
+        q = torch.randn(b, sq, h, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+        k = torch.randn(b, sk, hk, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+        v = torch.randn(b, sk, hk, dv, device="cuda", dtype=torch.bfloat16, generator=gen)
+        cfg = select_sm90_fwd_config(d, dv, "bfloat16", causal, **SCHEDULES[schedule])
+        out, lse = sm90_fwd(q, k, v, None, causal, (None, None), True, cfg)
+        torch.cuda.synchronize()
+        ref, ref_lse = attention_reference(q, k, v, causal=causal, dtype=torch.float32)
+        plain, _ = attention_reference(q, k, v, causal=causal, dtype=torch.bfloat16, upcast=False)
+        check_against_reference(out, ref, plain, atol=1e-3, what=f"O {(b, sq, sk, h, hk, d, dv, causal)}")
+        print(f"ok b={b} sq={sq} sk={sk} h={h}/{hk} d={d}/{dv} causal={causal} "
+              f"schedule={schedule}", flush=True)
 
+
+def main_bwd(gen):
     for case in BWD_CASES:
         b, sq, sk, h, hk, d, dv, causal, window, deterministic, _ = case
         q = torch.randn(b, sq, h, d, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -106,21 +119,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     gen = torch.Generator(device="cuda")
     gen.manual_seed(0)
-    if args.mode == "bwd":
-        main_bwd(gen)
-        return
-    for b, sq, sk, h, hk, d, dv, causal, schedule in CASES:
-        q = torch.randn(b, sq, h, d, device="cuda", dtype=torch.bfloat16, generator=gen)
-        k = torch.randn(b, sk, hk, d, device="cuda", dtype=torch.bfloat16, generator=gen)
-        v = torch.randn(b, sk, hk, dv, device="cuda", dtype=torch.bfloat16, generator=gen)
-        cfg = select_sm90_fwd_config(d, dv, "bfloat16", causal, **SCHEDULES[schedule])
-        out, lse = sm90_fwd(q, k, v, None, causal, (None, None), True, cfg)
-        torch.cuda.synchronize()
-        ref, ref_lse = attention_reference(q, k, v, causal=causal, dtype=torch.float32)
-        plain, _ = attention_reference(q, k, v, causal=causal, dtype=torch.bfloat16, upcast=False)
-        check_against_reference(out, ref, plain, atol=1e-3, what=f"O {(b, sq, sk, h, hk, d, dv, causal)}")
-        print(f"ok b={b} sq={sq} sk={sk} h={h}/{hk} d={d}/{dv} causal={causal} "
-              f"schedule={schedule}", flush=True)
+    (main_bwd if args.mode == "bwd" else main_fwd)(gen)
 
 
 if __name__ == "__main__":
