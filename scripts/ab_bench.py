@@ -109,7 +109,7 @@ def cell_config(mode, d, s, causal, fields):
     from fa_sm100.hopper.config import select_sm90_fwd_config
 
     fields = {"write_lse": False, **fields}  # as the benchmark: nobody reads the LSE
-    return select_sm90_fwd_config(d, None, "bfloat16", causal, seqlen_k=s, **fields)
+    return select_sm90_fwd_config(d, None, "bfloat16", causal, seqlen_k=s, seqlen_q=s, **fields)
 
 
 def _benchmark_script():

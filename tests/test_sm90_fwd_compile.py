@@ -101,3 +101,42 @@ def test_smem_bytes_is_the_kernels_shared_storage_size(overrides):
 
     cute.compile(probe, options="--gpu-arch sm_90a")
     assert size["struct"] == cfg.smem_bytes() <= SM90_SMEM_BUDGET
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_kv_multicast_multicasts_every_k_and_v_load(head_dim, tmp_path):
+    """Note [K/V multicast] in the SASS: a (2, 1, 1) cluster in which every K and V load is a
+    multicast TMA load and Q's is not (TMA boxes are 64 elements wide: head_dim / 64 per
+    tile; K and V are each loaded at two places, the tile's first and the overlapped loop's),
+    and the main loop keeps the one-tile kernel's GEMMs, exp2s and barriers, with the K and V
+    releases as cluster-wide (remote) arrives instead of local ones."""
+    import collections
+    import glob
+
+    from fa_sm100.compile_tools import sass_main_loop, sass_opcode
+
+    loops = {}
+    for name, extra in (("multicast", "kv_multicast=true"), ("one", "persistent=false")):
+        rep = inspect_kernel("sm90_fwd", "sm_90a", [f"head_dim={head_dim}", extra],
+                             keep_dir=tmp_path / name)
+        assert rep["spill_bytes"] == 0 and rep["local_bytes"] == 0
+        (path,) = glob.glob(str(tmp_path / name / "*.sass"))
+        with open(path) as f:
+            loops[name] = collections.Counter(sass_opcode(t) for _, t in sass_main_loop(f.read()))
+        if name == "multicast":
+            assert rep["config"]["kv_multicast"] and not rep["config"]["persistent"]
+            assert rep["cluster"] == [2, 1, 1]
+            boxes = head_dim // 64
+            ops = rep["sass"]
+            assert ops.get("UTMALDG.MULTICAST", 0) == 2 * boxes + 2 * boxes, ops
+            assert ops["UTMALDG"] - ops["UTMALDG.MULTICAST"] == boxes, ops  # Q
+            assert ops["HGMMA"] == expected_hgmma(sm90_fwd_config_from_overrides(
+                [f"head_dim={head_dim}", extra]))
+    mc, one = loops["multicast"], loops["one"]
+    kept = lambda ops: {k: v for k, v in ops.items()
+                        if k.split(".")[0] in ("HGMMA", "MUFU", "BAR", "WARPGROUP")}
+    assert sum(mc.values()) > 100 and kept(mc) == kept(one), (mc - one, one - mc)
+    local, remote = "SYNCS.ARRIVE.TRANS64.ART0", "SYNCS.ARRIVE.TRANS64.RED.ART0"
+    assert one[local] == 2 and one[remote] == 0, one  # releases of K and V, in this CTA
+    assert mc[local] == 0 and mc[remote] == 2, mc  # ... in both CTAs of the cluster

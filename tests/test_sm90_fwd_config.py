@@ -156,3 +156,56 @@ def test_seqlen_hints_pick_the_measured_schedule():
     assert select_sm90_fwd_config(64, causal=False, seqlen_k=1024).num_consumer_wg == 3
     # explicit overrides win over the hints
     assert not select_sm90_fwd_config(128, seqlen_k=1024, persistent=False).persistent
+
+
+def test_kv_multicast_rules_and_default():
+    """Note [K/V multicast]: only non-causal one-tile-per-CTA kernels (ValueError otherwise);
+    the default turns it on for non-causal problems from MULTICAST_MIN_SEQLEN_K keys on whose
+    seqlen_q gives an even number of m blocks, and then runs one tile per CTA; never without
+    seqlen_q, for causal problems, or when persistence is asked for."""
+    from fa_sm100.hopper.config import MULTICAST_MIN_SEQLEN_K
+
+    with pytest.raises(ValueError, match="causal=False"):
+        select_sm90_fwd_config(128, causal=True, kv_multicast=True)
+    with pytest.raises(ValueError, match="persistent=False"):
+        select_sm90_fwd_config(128, kv_multicast=True, persistent=True)
+    explicit = select_sm90_fwd_config(128, kv_multicast=True)
+    assert explicit.kv_multicast and not explicit.persistent and explicit.cluster == (2, 1, 1)
+    assert select_sm90_fwd_config(128).cluster == (1, 1, 1)
+    for head_dim, shortest in MULTICAST_MIN_SEQLEN_K.items():
+        m = select_sm90_fwd_config(head_dim).m_block
+        even_q = 2 * m * (shortest // (2 * m) + 1)
+        on = select_sm90_fwd_config(head_dim, seqlen_k=shortest, seqlen_q=even_q)
+        assert on.kv_multicast and not on.persistent, head_dim
+        for off in (dict(seqlen_k=shortest // 2, seqlen_q=even_q),
+                    dict(seqlen_k=shortest, seqlen_q=even_q - m),  # odd m blocks
+                    dict(seqlen_k=shortest),  # no seqlen_q
+                    dict(seqlen_k=shortest, seqlen_q=even_q, causal=True),
+                    dict(seqlen_k=shortest, seqlen_q=even_q, persistent=True),
+                    dict(seqlen_k=shortest, seqlen_q=even_q, kv_multicast=False)):
+            assert not select_sm90_fwd_config(head_dim, **off).kv_multicast, (head_dim, off)
+    for head_dim in (96, 192):  # not measured: no multicast
+        assert not select_sm90_fwd_config(head_dim, seqlen_k=16384, seqlen_q=16384).kv_multicast
+
+
+def test_kv_multicast_needs_an_even_number_of_m_blocks():
+    """A given multicast config pairs the CTAs of m blocks 2c and 2c+1 of a head; an odd
+    count would pair blocks of two heads (different K/V): ValueError before any launch."""
+    cfg = select_sm90_fwd_config(128, kv_multicast=True)
+    k, v = (torch.randn(1, 300, 2, 128, dtype=torch.bfloat16) for _ in range(2))
+    for seqlen_q, ok in ((256, True), (255, True), (129, True), (257, False), (1, False)):
+        q = torch.randn(1, seqlen_q, 2, 128, dtype=torch.bfloat16)
+        prob = validate_attention_inputs(q, k, v, require_cuda=False)
+        if ok:
+            assert sm90_config_for(prob, cfg) is cfg
+        else:
+            with pytest.raises(ValueError, match="odd"):
+                sm90_config_for(prob, cfg)
+    # the default for such a problem simply does not multicast
+    q = torch.randn(1, 257, 2, 128, dtype=torch.bfloat16)
+    k, v = (torch.randn(1, 8192, 2, 128, dtype=torch.bfloat16) for _ in range(2))
+    assert not sm90_config_for(validate_attention_inputs(q, k, v, require_cuda=False),
+                               None).kv_multicast
+    q = torch.randn(1, 256, 2, 128, dtype=torch.bfloat16)
+    assert sm90_config_for(validate_attention_inputs(q, k, v, require_cuda=False),
+                           None).kv_multicast

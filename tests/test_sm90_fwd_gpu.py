@@ -158,6 +158,40 @@ def test_sm90_fwd_switches_keep_numerics(sm90_device, switch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("head_dims", HEAD_DIMS, ids=lambda p: f"d{p[0]}_{p[1]}")
+def test_sm90_fwd_kv_multicast_matches_float64_reference(sm90_device, head_dims):
+    """Note [K/V multicast]: CTA pairs that multicast their halves of each K/V tile compute
+    the same O and LSE (NaN-poisoned first) for every head-dim pair: seqlen_q with a ragged
+    last m block, seqlen_k with a ragged last KV tile, fewer keys than one KV tile (one key),
+    more K/V tiles than stages, GQA and MQA, several batches."""
+    from fa_sm100.hopper.config import select_sm90_fwd_config
+    from fa_sm100.hopper.interface import sm90_fwd
+
+    d, dv = head_dims
+    cfg = select_sm90_fwd_config(d, dv, causal=False, write_lse=True, kv_multicast=True)
+    assert cfg.kv_multicast and not cfg.persistent
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(zlib.crc32(f"multicast{d}".encode()))
+    m = cfg.m_block
+    # (batch, seqlen_q, seqlen_k, heads_q, heads_kv); every seqlen_q gives an even m-block count
+    shapes = [(2, 4 * m - 17, 777, 8, 2), (1, 2 * m, 1, 2, 1), (3, 2 * m - 1, 4097, 4, 4),
+              (1, 8 * m, 2 * cfg.n_block, 6, 3)]
+    for b, sq, sk, hq, hk in shapes:
+        q = torch.randn(b, sq, hq, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+        k = torch.randn(b, sk, hk, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+        v = torch.randn(b, sk, hk, dv, device="cuda", dtype=torch.bfloat16, generator=gen)
+        out = torch.full((b, sq, hq, dv), float("nan"), device="cuda", dtype=torch.bfloat16)
+        lse = torch.full((b, hq, sq), float("nan"), device="cuda", dtype=torch.float32)
+        sm90_fwd(q, k, v, None, False, (None, None), True, cfg, out=out, lse=lse)
+        torch.cuda.synchronize()
+        ref, ref_lse = attention_reference(q, k, v)
+        plain, _ = attention_reference(q, k, v, dtype=torch.bfloat16, upcast=False)
+        what = f"kv_multicast {(b, sq, sk, hq, hk)} hdim={head_dims}"
+        check_against_reference(out, ref, plain, atol=1e-3, what="O " + what)
+        check_lse(lse, q, k, v, False, ref_lse, what="LSE " + what)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_sm90_fwd_dynamic_schedule_counter_and_numerics(sm90_device, head_dim):
     """Note [Dynamic tile schedule]: every launch processes each work tile once (O, NaN-poisoned

@@ -37,6 +37,7 @@ SM90_SMEM_BUDGET = SMEM_BUDGET[SM90_ARCH]
 SMEM_ALIGN = ALIGN  # every buffer starts on a 1 KiB boundary (128-byte swizzle atoms repeat)
 WARPGROUP_THREADS = WARPGROUP_WARPS * WARP_SIZE  # 128
 WGMMA_M = 64  # rows of one warpgroup MMA
+KV_CLUSTER = 2  # CTAs that share each K/V tile under kv_multicast
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,10 @@ class Sm90FwdConfig:
     ex2_emu_fraction: float = 0.0  # share of exp2 done by a polynomial on the FMA pipe
     # the producer issues a work tile's first K tile before its Q (FlashAttention-4's order)
     k_before_q: bool = False
+    # CTAs of neighbouring m blocks of one (batch, head) run as a cluster of KV_CLUSTER; each
+    # loads its share of every K/V tile and multicasts it to both (Note [K/V multicast] in
+    # fwd_kernel.py). Non-causal, one tile per CTA, and an even number of m blocks per head.
+    kv_multicast: bool = False
     # Causal scheduling: (batch, head) pairs are cut into sections whose K and V take at most
     # this many MiB, so a section's K/V stay in L2 (50 MB on H100/H200) while its tiles run.
     # 16 measured best of 8/16/24/40 on H200 in 5 of 8 causal cells (docs/hopper.md).
@@ -89,6 +94,11 @@ class Sm90FwdConfig:
     @property
     def dtype_bytes(self) -> int:
         return DTYPE_BYTES[self.dtype]
+
+    @property
+    def cluster(self) -> tuple[int, int, int]:
+        """The launch's cluster shape (Note [K/V multicast] in fwd_kernel.py)."""
+        return (KV_CLUSTER, 1, 1) if self.kv_multicast else (1, 1, 1)
 
     def replace(self, **changes) -> "Sm90FwdConfig":
         return dataclasses.replace(self, **changes)
@@ -157,6 +167,16 @@ class Sm90FwdConfig:
         if self.o_in_q_buffer and not self.persistent:
             raise ValueError("o_in_q_buffer=True needs persistent=True (one tile per CTA always "
                              "stages O in Q's buffer)")
+        if self.kv_multicast and self.causal:
+            raise ValueError("kv_multicast=True needs causal=False (the CTAs of a cluster load "
+                             "the same K/V tiles; causal tiles of neighbouring m blocks see "
+                             "different numbers of them)")
+        if self.kv_multicast and self.persistent:
+            raise ValueError("kv_multicast=True needs persistent=False (a cluster's CTAs take "
+                             "one work tile each)")
+        if self.kv_multicast and self.n_block % (8 * KV_CLUSTER):
+            raise ValueError(f"kv_multicast=True: n_block={self.n_block} must split into "
+                             f"{KV_CLUSTER} loads of whole 8-row swizzle atoms")
         if self.rescale_o_before_pv and not self.intra_wg_overlap:
             raise ValueError("rescale_o_before_pv=True needs intra_wg_overlap=True (it moves the "
                              "rescale into the shadow of the overlapped QK GEMM)")
@@ -219,10 +239,17 @@ def default_tile(head_dim: int) -> tuple[int, int]:
 PERSISTENT_MAX_SEQLEN_K = {64: 4096, 96: None, 128: None, 192: 2048, 256: 1024}  # None: any
 # Causal problems up to this seqlen_k use 128-row tiles even where 192 is the default.
 SHORT_CAUSAL_SEQLEN_K = 1024
+# Non-causal problems from this seqlen_k on run CTA pairs that multicast K/V (Note [K/V
+# multicast] in fwd_kernel.py), when seqlen_q gives an even number of m blocks. Measured on
+# H100 (bf16, 16k tokens; paired timing, multicast over the previous default): hdim 128
+# 0.999x (4k), 1.004x (8k), 1.015x (16k) over persistent + dynamic; hdim 256 1.018x (2k, wide
+# rounds), 1.010x (4k), 1.004x (16k) and hdim 64 1.005x (16k) over one tile per CTA.
+MULTICAST_MIN_SEQLEN_K = {64: 8192, 128: 8192, 256: 2048}
 
 
 def select_sm90_fwd_config(head_dim: int = 128, head_dim_v=None, dtype="bfloat16", causal=False,
-                           write_lse=True, seqlen_k=None, **overrides) -> Sm90FwdConfig:
+                           write_lse=True, seqlen_k=None, seqlen_q=None,
+                           **overrides) -> Sm90FwdConfig:
     """The default SM90 config for a problem, with ``overrides`` applied, validated.
 
     ``head_dim_v`` defaults to ``fa_sm100.config.default_head_dim_v(head_dim)`` (128 for 192).
@@ -230,7 +257,9 @@ def select_sm90_fwd_config(head_dim: int = 128, head_dim_v=None, dtype="bfloat16
     always; for non-causal ones when ``PERSISTENT_MAX_SEQLEN_K`` of the head dim is None or
     ``seqlen_k`` (optional: without it, no) is at most that. ``dynamic_schedule`` follows
     ``persistent``, and ``o_in_q_buffer`` "persistent, and O's own buffer does not fit",
-    unless overridden themselves.
+    unless overridden themselves. ``kv_multicast`` (then one tile per CTA) for non-causal
+    problems from ``MULTICAST_MIN_SEQLEN_K`` keys on whose ``seqlen_q`` (optional: without it,
+    no) gives an even number of m blocks, unless ``persistent`` or it is given.
     """
     head_dim_v = default_head_dim_v(head_dim) if head_dim_v is None else head_dim_v
     num_wg, n_block = default_tile(head_dim)
@@ -239,8 +268,8 @@ def select_sm90_fwd_config(head_dim: int = 128, head_dim_v=None, dtype="bfloat16
         # (hdim 64, seqlen 1k, persistent): 303 TFLOP/s with 128-row tiles vs 274 with 192.
         num_wg = 2
     num_wg = overrides.pop("num_consumer_wg", num_wg)
-    schedule = {k: overrides.pop(k) for k in ("persistent", "dynamic_schedule", "o_in_q_buffer")
-                if k in overrides}
+    schedule = {k: overrides.pop(k) for k in ("persistent", "dynamic_schedule", "o_in_q_buffer",
+                                              "kv_multicast") if k in overrides}
     regs_consumer, regs_producer = _REGS.get(num_wg, _REGS[2])
     cfg = Sm90FwdConfig(
         head_dim=head_dim,
@@ -261,12 +290,19 @@ def select_sm90_fwd_config(head_dim: int = 128, head_dim_v=None, dtype="bfloat16
     own_o = cfg.replace(persistent=True, dynamic_schedule=True)
     fits_own_o = own_o.smem_bytes() <= SM90_SMEM_BUDGET
     fits = fits_own_o or own_o.replace(o_in_q_buffer=True).smem_bytes() <= SM90_SMEM_BUDGET
+    multicast = schedule.get("kv_multicast")
+    if multicast is None:
+        shortest = MULTICAST_MIN_SEQLEN_K.get(head_dim)
+        even_m_blocks = seqlen_q is not None and -(-seqlen_q // cfg.m_block) % KV_CLUSTER == 0
+        multicast = (not causal and shortest is not None and seqlen_k is not None
+                     and seqlen_k >= shortest and even_m_blocks and not schedule.get("persistent"))
     persistent = schedule.get("persistent")
     if persistent is None:
         longest = PERSISTENT_MAX_SEQLEN_K.get(head_dim, 0)  # unknown head dims: validate() says
         wanted = causal or longest is None or (seqlen_k is not None and seqlen_k <= longest)
-        persistent = wanted and fits
+        persistent = wanted and fits and not multicast  # a cluster's CTAs take one tile each
     return cfg.replace(
+        kv_multicast=multicast,
         persistent=persistent,
         dynamic_schedule=schedule.get("dynamic_schedule", persistent),
         o_in_q_buffer=schedule.get("o_in_q_buffer", persistent and not fits_own_o),

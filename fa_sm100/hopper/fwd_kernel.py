@@ -29,6 +29,17 @@ that returns ``total_tiles - 1`` is the launch's last: that CTA writes the count
 the next launch, which stream order starts only after this one has ended. The counter must
 therefore not be shared by launches that run at the same time (``interface.tile_counter`` keeps
 one per device and stream).
+
+Note [K/V multicast]: with ``kv_multicast`` the CTAs of work tiles 2c and 2c+1 (neighbouring m
+blocks of one (batch, head): the launch needs an even number of m blocks per head) form a
+cluster of KV_CLUSTER and read the same K/V tiles. Each CTA's producer loads its half of the
+rows of every K/V tile and multicasts it into both CTAs' SMEM, so L2 serves each K/V tile once
+per cluster instead of once per CTA. Each CTA's full barrier still expects the whole tile's
+bytes (both halves land on it); a stage is empty only when both CTAs' consumers have released
+it, so each consumer warp arrives on the empty barrier of both CTAs (lanes 0 and 1, the DSL's
+``PipelineTmaAsync`` with a (1, 2, 1, 1) cluster), and a producer issues its half only then.
+Before a CTA exits, its producer waits until every stage is empty again (``producer_tail``):
+the peer's last releases arrive on this CTA's barriers, which must still exist.
 """
 
 import cuda.bindings.driver as cuda
@@ -41,7 +52,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 from fa_sm100.config import WARP_SIZE, cutlass_dtype
-from fa_sm100.hopper.config import WARPGROUP_THREADS, Sm90FwdConfig
+from fa_sm100.hopper.config import KV_CLUSTER, WARPGROUP_THREADS, Sm90FwdConfig
 from fa_sm100.hopper.fwd_consumer import ConsumerRole
 from fa_sm100.softmax_math import LOG2_E
 
@@ -51,6 +62,8 @@ PRODUCER_WARP = 0
 # Slots of the tile pipeline (Note [Dynamic tile schedule]): the producer publishes the next
 # tile while the consumers may still read the one before.
 TILE_SLOTS = 2
+# Note [K/V multicast]: every CTA of the cluster receives each K/V load.
+KV_MCAST_MASK = (1 << KV_CLUSTER) - 1
 
 
 def _select(t: cute.Tensor, modes) -> cute.Tensor:
@@ -155,10 +168,13 @@ class Sm90FwdKernel(ConsumerRole):
         v_bytes = cute.size_in_bytes(self.dtype, cute.select(sV_layout, mode=[0, 1]))
         load_op = cpasync.CopyBulkTensorTileG2SOp()
         tma_q, tma_mQ = cpasync.make_tiled_tma_atom(load_op, mQ, sQ_layout, (cfg.m_block, cfg.head_dim))
+        # Note [K/V multicast]: each CTA of the cluster loads 1/KV_CLUSTER of a K/V tile.
+        kv_ctas = cfg.cluster[0]
+        kv_op = cpasync.CopyBulkTensorTileG2SMulticastOp() if cfg.kv_multicast else load_op
         tma_k, tma_mK = cpasync.make_tiled_tma_atom(
-            load_op, mK, cute.select(sK_layout, mode=[0, 1]), (cfg.n_block, cfg.head_dim))
+            kv_op, mK, cute.select(sK_layout, mode=[0, 1]), (cfg.n_block, cfg.head_dim), kv_ctas)
         tma_v, tma_mV = cpasync.make_tiled_tma_atom(
-            load_op, mV, cute.select(sV_layout, mode=[0, 1]), (cfg.n_block, cfg.head_dim_v))
+            kv_op, mV, cute.select(sV_layout, mode=[0, 1]), (cfg.n_block, cfg.head_dim_v), kv_ctas)
         tma_o, tma_mO = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(), mO, sO_layout, (cfg.m_block, cfg.head_dim_v))
 
@@ -180,7 +196,8 @@ class Sm90FwdKernel(ConsumerRole):
             sQ_layout, sK_layout, sV_layout, sO_layout,
             tiled_mma_qk, tiled_mma_pv,
             scale_log2, l2_heads, q_bytes, k_bytes, v_bytes, SharedStorage,
-        ).launch(grid=(grid_x, 1, 1), block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+        ).launch(grid=(grid_x, 1, 1), block=[self.num_threads, 1, 1], stream=stream,
+                 min_blocks_per_mp=1, **({"cluster": cfg.cluster} if cfg.kv_multicast else {}))
 
     # ------------------------------------------------------------------ device side
     @cute.kernel
@@ -219,20 +236,22 @@ class Sm90FwdKernel(ConsumerRole):
 
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
         one_tma_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-        # PipelineTmaAsync releases with one lane per consumer warp.
-        consumer_warps = pipeline.CooperativeGroup(
-            pipeline.Agent.Thread, self.num_consumer_threads // cute.arch.WARP_SIZE)
+        # PipelineTmaAsync releases with one lane per consumer warp (per CTA of the cluster
+        # under kv_multicast, Note [K/V multicast]).
+        consumer_warps = self.num_consumer_threads // cute.arch.WARP_SIZE
         pipe_q = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar_q.data_ptr(), num_stages=1, producer_group=one_tma_thread,
-            consumer_group=consumer_warps, tx_count=q_bytes, defer_sync=True)
-        pipe_k = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_k.data_ptr(), num_stages=cfg.kv_stage,
-            producer_group=one_tma_thread, consumer_group=consumer_warps, tx_count=k_bytes,
-            defer_sync=True)
-        pipe_v = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_v.data_ptr(), num_stages=cfg.kv_stage,
-            producer_group=one_tma_thread, consumer_group=consumer_warps, tx_count=v_bytes,
-            defer_sync=True)
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_warps),
+            tx_count=q_bytes, defer_sync=True)
+        kv_ctas = cfg.cluster[0]
+        kv_cluster = cute.make_layout((1, kv_ctas, 1, 1))  # (V, M, N, K): CTAs of m blocks
+        kv_consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, kv_ctas * consumer_warps)
+        pipe_k, pipe_v = [
+            pipeline.PipelineTmaAsync.create(
+                barrier_storage=mbar.data_ptr(), num_stages=cfg.kv_stage,
+                producer_group=one_tma_thread, consumer_group=kv_consumers, tx_count=tx,
+                cta_layout_vmnk=kv_cluster, mcast_mode_mn=(0, 1), defer_sync=True)
+            for mbar, tx in ((storage.mbar_k, k_bytes), (storage.mbar_v, v_bytes))]
         pipe_tile = None
         sTile = None
         if const_expr(cfg.dynamic_schedule):  # Note [Dynamic tile schedule]
@@ -244,7 +263,11 @@ class Sm90FwdKernel(ConsumerRole):
                 defer_sync=True)
             sTile = storage.tile_index.get_tensor(cute.make_layout(TILE_SLOTS))
         cute.arch.mbarrier_init_fence()
-        cute.arch.sync_threads()
+        if const_expr(cfg.kv_multicast):  # the peer arrives on and loads into this CTA
+            cute.arch.cluster_arrive_relaxed()
+            cute.arch.cluster_wait()
+        else:
+            cute.arch.sync_threads()
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         if const_expr(cfg.persistent and not cfg.o_in_q_buffer):
@@ -332,8 +355,12 @@ class Sm90FwdKernel(ConsumerRole):
                     mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v, t,
                     l2_heads, state, q_state)
         else:
-            self.producer_tile(mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v,
-                               cute.arch.block_idx()[0], l2_heads, state, q_state)
+            state, q_state = self.producer_tile(
+                mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v,
+                cute.arch.block_idx()[0], l2_heads, state, q_state)
+            if const_expr(cfg.kv_multicast):  # Note [K/V multicast]: the peer's last releases
+                pipe_k.producer_tail(state.clone())
+                pipe_v.producer_tail(state)
 
     @cute.jit
     def publish_next_tile(self, mTileCounter, pipe_tile, sTile, tile_state, total_tiles: Int32):
@@ -376,10 +403,16 @@ class Sm90FwdKernel(ConsumerRole):
         # ((atom_v, rest_v)) / ((atom_v, rest_v), N_TILES) / ((atom_v, rest_v), STAGE)
         tQsQ, tQgQ = cpasync.tma_partition(tma_q, 0, cute.make_layout(1),
                                            cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
-        tKsK, tKgK = cpasync.tma_partition(tma_k, 0, cute.make_layout(1),
+        # Note [K/V multicast]: this CTA's share of each K/V tile (the whole tile without it).
+        kv_rank, kv_ctas = 0, cfg.cluster[0]
+        if const_expr(cfg.kv_multicast):
+            kv_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        tKsK, tKgK = cpasync.tma_partition(tma_k, kv_rank, cute.make_layout(kv_ctas),
                                            cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
-        tVsV, tVgV = cpasync.tma_partition(tma_v, 0, cute.make_layout(1),
+        tVsV, tVgV = cpasync.tma_partition(tma_v, kv_rank, cute.make_layout(kv_ctas),
                                            cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+        load_k = lambda n, st: self.load_kv(tma_k, tKgK, tKsK, n, pipe_k, st)
+        load_v = lambda n, st: self.load_kv(tma_v, tVgV, tVsV, n, pipe_v, st)
 
         # With O in Q's buffer the Q stage frees only after the previous tile's O store: the
         # first K tile goes first so that it is not held up behind it.
@@ -389,9 +422,7 @@ class Sm90FwdKernel(ConsumerRole):
         elif n_blocks == 0:  # no K tile to go first (a causal tile whose rows see no key)
             q_state = self.load_q(tma_q, tQgQ, tQsQ, pipe_q, q_state)
         if n_blocks > 0:
-            pipe_k.producer_acquire(state, pipe_k.producer_try_acquire(state))
-            cute.copy(tma_k, tKgK[None, n_blocks - 1], tKsK[None, state.index],
-                      tma_bar_ptr=pipe_k.producer_get_barrier(state))
+            load_k(n_blocks - 1, state)
             if const_expr(k_first):
                 q_state = self.load_q(tma_q, tQgQ, tQsQ, pipe_q, q_state)
             if const_expr(cfg.intra_wg_overlap):
@@ -399,28 +430,29 @@ class Sm90FwdKernel(ConsumerRole):
                     n = n_blocks - 2 - i
                     state_v = state.clone()
                     state.advance()
-                    pipe_k.producer_acquire(state, pipe_k.producer_try_acquire(state))
-                    cute.copy(tma_k, tKgK[None, n], tKsK[None, state.index],
-                              tma_bar_ptr=pipe_k.producer_get_barrier(state))
-                    pipe_v.producer_acquire(state_v, pipe_v.producer_try_acquire(state_v))
-                    cute.copy(tma_v, tVgV[None, n + 1], tVsV[None, state_v.index],
-                              tma_bar_ptr=pipe_v.producer_get_barrier(state_v))
-                pipe_v.producer_acquire(state, pipe_v.producer_try_acquire(state))
-                cute.copy(tma_v, tVgV[None, 0], tVsV[None, state.index],
-                          tma_bar_ptr=pipe_v.producer_get_barrier(state))
+                    load_k(n, state)
+                    load_v(n + 1, state_v)
+                load_v(0, state)
                 state.advance()
             else:
-                pipe_v.producer_acquire(state, pipe_v.producer_try_acquire(state))
-                cute.copy(tma_v, tVgV[None, n_blocks - 1], tVsV[None, state.index],
-                          tma_bar_ptr=pipe_v.producer_get_barrier(state))
+                load_v(n_blocks - 1, state)
                 state.advance()
                 for i in cutlass.range(n_blocks - 1, unroll=1):
                     n = n_blocks - 2 - i
-                    pipe_k.producer_acquire(state, pipe_k.producer_try_acquire(state))
-                    cute.copy(tma_k, tKgK[None, n], tKsK[None, state.index],
-                              tma_bar_ptr=pipe_k.producer_get_barrier(state))
-                    pipe_v.producer_acquire(state, pipe_v.producer_try_acquire(state))
-                    cute.copy(tma_v, tVgV[None, n], tVsV[None, state.index],
-                              tma_bar_ptr=pipe_v.producer_get_barrier(state))
+                    load_k(n, state)
+                    load_v(n, state)
                     state.advance()
         return state, q_state
+
+    @cute.jit
+    def load_kv(self, tma, tXgX, tXsX, n: Int32, pipe, state):
+        """K or V tile n into the ring stage of ``state``, once the consumers released it (those
+        of both CTAs under kv_multicast, which multicasts this CTA's share to both)."""
+        pipe.producer_acquire(state, pipe.producer_try_acquire(state))
+        if const_expr(self.cfg.kv_multicast):
+            cute.copy(tma, tXgX[None, n], tXsX[None, state.index],
+                      tma_bar_ptr=pipe.producer_get_barrier(state),
+                      mcast_mask=cutlass.Int16(KV_MCAST_MASK))
+        else:
+            cute.copy(tma, tXgX[None, n], tXsX[None, state.index],
+                      tma_bar_ptr=pipe.producer_get_barrier(state))

@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from fa_sm100.config import normalize_dtype
-from fa_sm100.hopper.config import (SM90_ARCH, SM90_HEAD_DIMS, Sm90FwdConfig,
+from fa_sm100.hopper.config import (KV_CLUSTER, SM90_ARCH, SM90_HEAD_DIMS, Sm90FwdConfig,
                                     select_sm90_fwd_config)
 from fa_sm100.validation import require_sm90, tma_ready, validate_attention_inputs
 
@@ -48,7 +48,8 @@ def sm90_config_for(problem, config: Optional[Sm90FwdConfig], need_lse: bool = F
     dtype = normalize_dtype(problem.dtype)
     if config is None:
         return select_sm90_fwd_config(problem.head_dim, problem.head_dim_v, dtype, problem.causal,
-                                      write_lse=need_lse, seqlen_k=problem.seqlen_k)
+                                      write_lse=need_lse, seqlen_k=problem.seqlen_k,
+                                      seqlen_q=problem.seqlen_q)
     if not isinstance(config, Sm90FwdConfig):
         raise ValueError(f"config must be an Sm90FwdConfig on SM90, got {type(config).__name__}")
     config = config.validate()
@@ -61,6 +62,11 @@ def sm90_config_for(problem, config: Optional[Sm90FwdConfig], need_lse: bool = F
     if need_lse and not config.write_lse:
         raise ValueError("config.write_lse=False, but LSE is needed (return_lse=True, an lse "
                          "buffer, or gradients): use a config with write_lse=True")
+    m_blocks = -(-problem.seqlen_q // config.m_block)
+    if config.kv_multicast and m_blocks % KV_CLUSTER:
+        raise ValueError(f"config.kv_multicast=True pairs the CTAs of neighbouring m blocks of a "
+                         f"head, but seqlen_q={problem.seqlen_q} gives {m_blocks} blocks of "
+                         f"{config.m_block} rows (odd): use kv_multicast=False")
     return config
 
 
