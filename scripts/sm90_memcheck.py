@@ -40,7 +40,9 @@ from fa_sm100.testing import (attention_reference, attention_reference_grads,  #
 # persistent CTAs taking tiles from the global counter (Note [Dynamic tile schedule])
 SCHEDULES = {"tile": {"persistent": False},
              "static": {"persistent": True, "dynamic_schedule": False},
-             "dynamic": {"persistent": True, "dynamic_schedule": True}}
+             "dynamic": {"persistent": True, "dynamic_schedule": True},
+             # CTA pairs multicasting their halves of each K/V tile (Note [K/V multicast])
+             "multicast": {"persistent": False, "kv_multicast": True}}
 CASES = [
     (2, 300, 300, 4, 4, 128, 128, False, "tile"),
     (2, 300, 300, 4, 4, 128, 128, True, "static"),
@@ -53,6 +55,9 @@ CASES = [
     (4, 1000, 1000, 8, 2, 128, 128, True, "dynamic"),
     (3, 700, 1500, 6, 6, 64, 64, True, "dynamic"),
     (2, 700, 900, 4, 2, 256, 256, True, "dynamic"),  # O staged in Q's buffer
+    (2, 500, 1000, 4, 2, 128, 128, False, "multicast"),  # 4 m blocks per head
+    (1, 700, 333, 2, 1, 64, 64, False, "multicast"),  # 4 blocks of 192 rows
+    (1, 255, 1, 2, 2, 256, 256, False, "multicast"),  # one key
 ]
 
 
@@ -67,6 +72,9 @@ BWD_CASES = [
     (2, 129, 257, 4, 2, 192, 128, False, (None, None), False, {}),
     (1, 500, 500, 2, 2, 128, 128, False, (100, 30), True, {}),
     (1, 257, 257, 2, 2, 96, 96, False, (None, None), False, {"dq_accum": "red"}),
+    # non-causal with an even number of key blocks: CTA pairs multicast Q and dO
+    (2, 300, 250, 4, 2, 128, 128, False, (None, None), False, {}),
+    (1, 333, 200, 2, 1, 256, 256, False, (None, None), False, {}),  # "red" dQ, by columns
 ]
 
 

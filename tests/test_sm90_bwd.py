@@ -81,6 +81,11 @@ from script_loader import load_script
     (dict(tail_ctas=0), "tail_ctas=0: must be an int >= 1"),
     (dict(tail_ctas=True), "tail_ctas=True: must be an int >= 1"),
     (dict(tail_ctas=2.5), "tail_ctas=2.5: must be an int >= 1"),
+    (dict(qdo_multicast=1), "qdo_multicast=1: must be a bool"),
+    (dict(qdo_multicast=True, causal=True), "qdo_multicast=True without causal"),
+    (dict(qdo_multicast=True, window_left=64), "qdo_multicast=True without a window"),
+    (dict(qdo_multicast=True, deterministic=True), "qdo_multicast=True without deterministic"),
+    (dict(qdo_multicast=True, longest_first=True), "qdo_multicast=True without longest_first"),
 ])
 def test_bad_config_raises_value_error_naming_the_rule(changes, rule):
     with pytest.raises(ValueError, match=rule):
@@ -366,6 +371,47 @@ def test_non_sm90_gpu_raises_before_anything_is_compiled(monkeypatch):
             sm90_bwd(*args)
 
 
+def test_qdo_multicast_default_needs_aligned_pairs():
+    """Note [Q/dO multicast]: on by default for non-causal problems without a window, not
+    deterministic, whose key blocks come in even numbers (so ``seqlen_k`` must be known);
+    off otherwise, and an explicit choice wins."""
+    for d in (64, 96, 128, 192, 256):
+        tile_n = select_bwd_config(head_dim=d).tile_n
+        even, odd = 4 * tile_n - 3, 3 * tile_n
+        cfg = select_bwd_config(head_dim=d, seqlen_q=1000, seqlen_k=even)
+        assert cfg.qdo_multicast and cfg.cluster == (2, 1, 1), d
+        for kw in (dict(seqlen_k=odd), dict(), dict(seqlen_k=even, causal=True),
+                   dict(seqlen_k=even, window_left=64), dict(seqlen_k=even, deterministic=True),
+                   dict(seqlen_k=even, qdo_multicast=False)):
+            cfg = select_bwd_config(head_dim=d, **kw)
+            assert not cfg.qdo_multicast and cfg.cluster == (1, 1, 1), (d, kw)
+
+
+def test_qdo_multicast_config_on_an_odd_number_of_key_blocks_raises(monkeypatch):
+    """A given multicast config pairs the CTAs of key blocks 2c and 2c+1: on an odd count
+    sm90_bwd raises ValueError before anything is compiled (sm_90 faked, no GPU needed); on
+    an even count it goes on to compile."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fa_sm100.hopper import bwd_interface
+
+    class Compiled(Exception):
+        pass
+
+    def no_compile(*args, **kwargs):
+        raise Compiled
+
+    monkeypatch.setattr(bwd_interface, "_compiled", no_compile)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    cfg = select_bwd_config(head_dim=64, qdo_multicast=True)
+    with FakeTensorMode():
+        for sk, ok in ((256, True), (129, True), (128, False), (300, False)):
+            args = [torch.empty(t.shape, dtype=t.dtype, device="cuda")
+                    for t in _cpu_inputs(sk=sk)]
+            with pytest.raises(Compiled if ok else ValueError, match=None if ok else "odd"):
+                sm90_bwd(*args, config=cfg)
+
+
 # ---- block ranges ------------------------------------------------------------------------
 
 RANGE_CASES = [
@@ -440,10 +486,11 @@ def test_longest_first_cta_renumbers_every_cta_once_and_keeps_key_block_order(nu
 def test_bwd_memcheck_cases_run_the_orders_they_name():
     """``scripts/sm90_memcheck.py --mode bwd`` (run under compute-sanitizer on the GPU): its
     configs validate, and between them they take the whole grid longest first, a tail after
-    CTAs in the grid's order (deterministic too), the grid's order under a causal mask, every
-    head-dim pair and both dQ paths."""
+    CTAs in the grid's order (deterministic too), the grid's order under a causal mask, CTA
+    pairs that multicast Q and dO (with each dQ path), every head-dim pair and both dQ
+    paths."""
     mod = load_script("sm90_memcheck")
-    kinds, dims, dq = set(), set(), set()
+    kinds, dims, dq, multicast_dq = set(), set(), set(), set()
     for case in mod.BWD_CASES:
         b, sq, sk, h, hk, d, dv, causal, _, deterministic, _ = case
         cfg = mod.bwd_config(case)  # validated
@@ -456,7 +503,10 @@ def test_bwd_memcheck_cases_run_the_orders_they_name():
             kinds.add(kind + (" det" if deterministic else ""))
         elif causal:
             kinds.add("grid order")
+        if cfg.qdo_multicast:
+            multicast_dq.add(cfg.dq_accum)
     assert {"whole grid", "tail", "tail det", "grid order"} <= kinds
+    assert multicast_dq == {"bulk", "red"}
     assert dims == {(64, 64), (96, 96), (128, 128), (192, 128), (256, 256)}
     assert dq == {"bulk", "red"}
 
@@ -559,6 +609,37 @@ def test_sm90_bwd_compile_contract(overrides, dq_mnemonic, tmp_path):
     assert 0 < r["smem_bytes"] <= SM90_SMEM_BYTES
     assert any(k.startswith(dq_mnemonic) for k in sass), f"{dq_mnemonic} missing: {sorted(sass)}"
     assert sass.get("UTMALDG.4D", 0) >= 4, "Q, dO, K, V are loaded by TMA"
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_sm90_bwd_qdo_multicast_multicasts_q_and_do_only(head_dim, tmp_path):
+    """Note [Q/dO multicast] in the SASS: a (2, 1, 1) cluster; the Q and dO loads are
+    multicast TMA loads and K's and V's are not (one load site each; 64-element-wide boxes:
+    head_dim / 64 per tile); the main loop keeps its GEMMs, exp2s, barriers and dQ path, with
+    the Q / dO releases as remote arrives; nothing spills."""
+    from fa_sm100.inspection import inspect_kernel
+
+    loops = {}
+    for on in (True, False):
+        keep = tmp_path / str(on)
+        r = inspect_kernel("sm90_bwd", "sm_90a", [f"head_dim={head_dim}",
+                                                  f"qdo_multicast={on}".lower()], keep_dir=keep)
+        assert r["config"]["qdo_multicast"] is on
+        assert r["spill_bytes"] == 0 and r["local_bytes"] == 0
+        assert r["cluster"] == ([2, 1, 1] if on else [1, 1, 1])
+        loops[on] = collections.Counter(_main_loop_ops(_sass_text(keep)))
+        ops = r["sass"]
+        boxes = head_dim // 64
+        assert ops.get("UTMALDG.MULTICAST", 0) == (2 * boxes if on else 0), ops
+        assert ops["UTMALDG"] == 4 * boxes, ops  # Q, dO, K, V
+    on, off = loops[True], loops[False]
+    kept = lambda ops: {k: v for k, v in ops.items()
+                        if k.split(".")[0] in ("HGMMA", "MUFU", "BAR", "WARPGROUP", "UBLKRED",
+                                               "REDG", "STSM", "FENCE", "MEMBAR")}
+    assert sum(on.values()) > 100 and kept(on) == kept(off)
+    remote = "SYNCS.ARRIVE.TRANS64.RED.ART0"
+    assert on[remote] == 2 and off[remote] == 0, (on, off)  # the Q and dO releases
 
 
 @pytest.mark.compile

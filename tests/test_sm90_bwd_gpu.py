@@ -247,6 +247,34 @@ def test_sm90_bwd_switches_keep_gradients_right(sm90_device, switches, case):
     _run_case(b, sq, sk, hq, hk, d, causal, window, torch.bfloat16, config=cfg)
 
 
+# Note [Q/dO multicast]: every tile path the switch meets (swapped 80 / 128-row blocks and
+# the unswapped 64-row one; "bulk" and "red" dQ; dK/dV by columns at the wide head dims), on
+# non-causal problems with an even number of key blocks: ragged seqlen_q, ragged last key
+# block, GQA, MQA
+MULTICAST_CASES = [  # (b, sq, sk, hq, hk, d, switches)
+    (2, 333, 250, 4, 2, 128, {}),
+    (1, 200, 512, 2, 2, 128, dict(sdp_swap_ab=False, dq_accum="red")),
+    (2, 257, 255, 4, 1, 64, {}),
+    (1, 190, 200, 2, 2, 96, {}),
+    (1, 300, 200, 2, 1, (192, 128), {}),
+    (1, 129, 120, 2, 2, 256, {}),
+]
+
+
+@pytest.mark.parametrize("case", MULTICAST_CASES, ids=lambda c: f"d{c[5]}-" + (
+    ",".join(f"{k}={v}" for k, v in c[6].items()) or "default"))
+def test_sm90_bwd_qdo_multicast_keeps_gradients_right(sm90_device, case):
+    """CTA pairs that multicast their halves of each Q and dO tile give the same gradients."""
+    from fa_sm100.hopper.bwd_config import select_bwd_config
+
+    b, sq, sk, hq, hk, d, switches = case
+    dd, dv = d if isinstance(d, tuple) else (d, d)
+    cfg = select_bwd_config(head_dim=dd, head_dim_v=dv, qhead_per_kvhead=hq // hk,
+                            qdo_multicast=True, **switches)
+    assert cfg.qdo_multicast and (-(-sk // cfg.tile_n)) % 2 == 0
+    _run_case(b, sq, sk, hq, hk, d, config=cfg, seed=sq)
+
+
 def _assert_reproducible(inputs, first, causal, window, cfg, runs=3):
     """``runs`` more deterministic backward passes give gradients bitwise equal to ``first``."""
     from fa_sm100.hopper.bwd_interface import sm90_bwd

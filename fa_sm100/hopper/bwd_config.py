@@ -33,6 +33,7 @@ GQA_REDUCE_MODES = ("atomic", "buffers")
 # Query rows per iteration of the swapped hdim-64 default (the only head dim 128 rows fit).
 TILE_M_SWAPPED_HDIM64 = 128
 DQ_ACCUM_MODES = ("bulk", "red")
+QDO_CLUSTER = 2  # CTAs that share each Q / dO tile under qdo_multicast
 DQ_VEC = 4  # float32 per dQ-accumulator store: one 16-byte STS.128 / bulk-reduce element run
 TILE_M_ATOM = 64  # query rows of one WGMMA M atom
 TILE_M_128_HEAD_DIMS = (64,)  # head dims that fit tile_m = 128 (registers: docs/hopper_backward.md)
@@ -131,6 +132,11 @@ class BwdConfig:
     # whole pairs) start key block 0 of each of their pairs, then key block 1, ....
     longest_first: bool = False
     tail_ctas: int = 264  # two waves of CTAs on a 132-SM H100 / H200
+    # The CTAs of key blocks 2c and 2c+1 of a (batch, head) pair run as a cluster of
+    # QDO_CLUSTER; each loads its share of every Q and dO tile and multicasts it to both (Note
+    # [Q/dO multicast] in bwd_kernel.py). Non-causal without a window, not deterministic, and
+    # an even number of key blocks.
+    qdo_multicast: bool = False
     # registers after setmaxnreg: producer warpgroup and each of the two MMA warpgroups
     regs_producer: int = 24
     regs_mma: int = 240
@@ -158,6 +164,11 @@ class BwdConfig:
     def stores_dkv_by_tma(self) -> bool:
         """dK/dV through SMEM and TMA: ``dkv_tma_store`` and MHA (Note [dK/dV by TMA])."""
         return self.dkv_tma_store and not self.uses_gqa_buffers
+
+    @property
+    def cluster(self) -> tuple:
+        """The launch's cluster shape (Note [Q/dO multicast] in bwd_kernel.py)."""
+        return (QDO_CLUSTER, 1, 1) if self.qdo_multicast else (1, 1, 1)
 
     def replace(self, **changes) -> "BwdConfig":
         return dataclasses.replace(self, **changes)
@@ -294,7 +305,7 @@ class BwdConfig:
             )
         for name in ("sdp_swap_ab", "overlap_dk", "stats_smem", "try_wait", "stats_first",
                      "dv_before_barrier", "dkv_tma_store", "dq_handoff_per_wg", "pdl",
-                     "stats_shuffle", "dv_before_fence", "longest_first"):
+                     "stats_shuffle", "dv_before_fence", "longest_first", "qdo_multicast"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be a bool")
         if self.tile_m == 2 * TILE_M_ATOM:
@@ -326,6 +337,16 @@ class BwdConfig:
                 "overlap_dk=True needs q_stage >= 2: block i's Q stage is released only after "
                 "block i+1's S GEMM, which needs the next stage"
             )
+        if self.qdo_multicast:
+            for name, bad in (("causal", self.causal), ("longest_first", self.longest_first),
+                              ("deterministic", self.deterministic), ("a window", self.is_local)):
+                if bad:
+                    raise ValueError(
+                        f"qdo_multicast=True without {name}: the CTAs of a cluster visit the same "
+                        "query blocks in the same order (Note [Q/dO multicast])")
+            if self.tile_m % (8 * QDO_CLUSTER):
+                raise ValueError(f"qdo_multicast=True: tile_m={self.tile_m} must split into "
+                                 f"{QDO_CLUSTER} loads of whole 8-row swizzle atoms")
         if isinstance(self.tail_ctas, bool) or not isinstance(self.tail_ctas, int) \
                 or self.tail_ctas < 1:
             raise ValueError(f"tail_ctas={self.tail_ctas!r}: must be an int >= 1")
@@ -379,6 +400,10 @@ def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = Fals
     - causal without a left window: the last two waves of CTAs start longest first
       (``longest_first``); H100, paired: hdim 128 +2.4% (1k), +3.0% (2k), +5.2% (4k), +3.6%
       (8k), +0.4% (16k); hdim 64 -0.4% (1k), +0.8% to +2.2% (2k-8k), +0.4% (16k).
+    - non-causal without a window, not deterministic, with an even number of key blocks
+      (``seqlen_k`` given): CTA pairs multicast Q and dO (``qdo_multicast``); H100, paired:
+      hdim 128 +2.6% (2k), +2.4% (8k), +4.0% (16k); hdim 64 +2.1% (2k), +3.2% (8k), +6.5%
+      (16k). The other head dims follow unmeasured.
     - head dims above 128: 64 key rows per CTA split by head-dim columns (Note [dK/dV by
       columns]). hdim 256: dQ by vector reductions with 2-stage Q/dO, 260-422, against the
       SMEM dQ tile with 1-stage Q/dO, 216-313 (``_wide_head_defaults``). (192, 128) is
@@ -437,7 +462,12 @@ def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = Fals
         # causal without a left window: key block n's work falls with n (Note [longest first])
         longest_first=overrides.pop("longest_first", causal and window_left is None),
     )
-    return cfg.replace(**overrides).validate()
+    cfg = cfg.replace(**overrides)
+    if "qdo_multicast" not in overrides:  # Note [Q/dO multicast]: the pairs must line up
+        even = seqlen_k is not None and -(-seqlen_k // cfg.tile_n) % QDO_CLUSTER == 0
+        cfg = cfg.replace(qdo_multicast=even and not (cfg.causal or cfg.is_local
+                                                      or cfg.deterministic or cfg.longest_first))
+    return cfg.validate()
 
 
 def _default_tile_m(head_dim: int, swap: bool, short_causal: bool = False) -> int:

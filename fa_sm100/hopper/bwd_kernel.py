@@ -157,6 +157,17 @@ measured up to 24% slower at 1k, where a section spans many pairs). Within a pai
 still start in increasing order, which the deterministic dQ semaphore relies on (Deterministic
 mode in docs/hopper_backward.md).
 
+Note [Q/dO multicast] (``qdo_multicast``): without a causal mask or a window every key block
+of a (batch, head) pair visits the same query blocks in the same order, so the CTAs of key
+blocks 2c and 2c+1 (the launch needs an even number of key blocks) run as a cluster of
+QDO_CLUSTER and share their Q and dO loads: each CTA's load warp loads its half of the rows of
+every Q and dO tile and multicasts it into both CTAs' SMEM (LSE2 and Delta stay per-CTA bulk
+copies on the same barrier). A stage is empty only once the MMA warpgroups of both CTAs have
+released it: each MMA warp arrives on the empty barrier of both CTAs (lanes 0 and 1, the DSL's
+``PipelineTmaAsync`` with a (1, 2, 1, 1) cluster layout). The load warp waits for every stage
+to be empty again before the CTA may exit (``producer_tail``): the peer's last releases arrive
+on this CTA's barriers. Same idea as the forward's Note [K/V multicast].
+
 dQ is accumulated in float32 in global memory by one of two switchable paths (``dq_accum``);
 the stores of dQ, dK and dV are in ``bwd_store.py`` (``BwdStoreRole``, with Note [dQ SMEM
 handoff]); the per-element math (statistics, mask, P, dS) is in ``bwd_scores.py``
@@ -173,7 +184,7 @@ from cutlass.experimental import primitives as prims
 from cutlass.utils import LayoutEnum
 
 from fa_sm100.config import WARP_SIZE, cutlass_dtype
-from fa_sm100.hopper.bwd_config import (BwdConfig, first_n_block, longest_first_cta,
+from fa_sm100.hopper.bwd_config import (QDO_CLUSTER, BwdConfig, first_n_block, longest_first_cta,
                                         longest_first_tail_pairs, m_block_range)
 from fa_sm100.hopper.bwd_scores import BwdScoresRole
 from fa_sm100.hopper.bwd_store import BwdStoreRole, dq_tile_shape, dq_tiled_mma
@@ -320,10 +331,15 @@ class Sm90FlashBackward(BwdStoreRole, BwdScoresRole):
         to_sdhb = lambda t: cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
         mQ_t, mK_t, mV_t, mdO_t = [to_sdhb(t) for t in (mQ, mK, mV, mdO)]
         g2s = cpasync.CopyBulkTensorTileG2SOp()
+        # Note [Q/dO multicast]: each CTA of the cluster loads 1/QDO_CLUSTER of a Q / dO tile
+        qdo_ctas = self.cfg.cluster[0]
+        qdo_op = cpasync.CopyBulkTensorTileG2SMulticastOp() if self.cfg.qdo_multicast else g2s
         tma_Q, tma_mQ = cpasync.make_tiled_tma_atom(
-            g2s, mQ_t, cute.select(self.sQ_layout, mode=[0, 1]), (self.tile_m, self.hdim))
+            qdo_op, mQ_t, cute.select(self.sQ_layout, mode=[0, 1]), (self.tile_m, self.hdim),
+            qdo_ctas)
         tma_dO, tma_mdO = cpasync.make_tiled_tma_atom(
-            g2s, mdO_t, cute.select(self.sdO_layout, mode=[0, 1]), (self.tile_m, self.hdimv))
+            qdo_op, mdO_t, cute.select(self.sdO_layout, mode=[0, 1]), (self.tile_m, self.hdimv),
+            qdo_ctas)
         tma_K, tma_mK = cpasync.make_tiled_tma_atom(
             g2s, mK_t, self.sK_layout, (self.tile_n, self.hdim))
         tma_V, tma_mV = cpasync.make_tiled_tma_atom(
@@ -357,6 +373,7 @@ class Sm90FlashBackward(BwdStoreRole, BwdScoresRole):
             stream=stream,
             min_blocks_per_mp=1,  # register count at entry known: ptxas keeps setmaxnreg
             use_pdl=self.cfg.pdl,  # Note [chained launches] in bwd_interface.py
+            **({"cluster": list(self.cfg.cluster)} if self.cfg.qdo_multicast else {}),
         )
 
     # ---- kernel: shared storage, registers, role dispatch ------------------------------------
@@ -386,19 +403,23 @@ class Sm90FlashBackward(BwdStoreRole, BwdScoresRole):
             with cute.arch.elect_one():
                 cute.arch.mbarrier_init(mbar_kv, 1)
         producer = pipeline.CooperativeGroup(pipeline.Agent.Thread)
-        # consumer_release arrives once per warp (lane 0): 8 MMA warps.
+        # consumer_release arrives once per warp (lane 0): 8 MMA warps, in each CTA of the
+        # cluster under qdo_multicast (Note [Q/dO multicast]).
+        qdo_ctas = self.cfg.cluster[0]
         consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread,
-                                              self.num_mma_threads // WARP_SIZE)
+                                              qdo_ctas * self.num_mma_threads // WARP_SIZE)
+        cluster = cute.make_layout((1, qdo_ctas, 1, 1))  # (V, M, N, K)
         # with stats_smem each Q (dO) stage also carries the block's LSE2 (Delta)
         stat_bytes = self.tile_m * 4 if const_expr(self.cfg.stats_smem) else 0
         pipe_q = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar_q.data_ptr(), num_stages=self.cfg.q_stage,
             producer_group=producer, consumer_group=consumers, tx_count=self.bytes_q + stat_bytes,
-            defer_sync=True)
+            cta_layout_vmnk=cluster, mcast_mode_mn=(0, 1), defer_sync=True)
         pipe_do = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar_do.data_ptr(), num_stages=self.cfg.do_stage,
             producer_group=producer, consumer_group=consumers, tx_count=self.bytes_do + stat_bytes,
-            defer_sync=False)  # fences the mbarrier inits and syncs the CTA
+            cta_layout_vmnk=cluster, mcast_mode_mn=(0, 1),
+            defer_sync=False)  # fences the mbarrier inits and syncs the CTA (the cluster)
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sdO = storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner)
@@ -477,9 +498,15 @@ class Sm90FlashBackward(BwdStoreRole, BwdScoresRole):
                                            cute.group_modes(gK, 0, 2))
         tVsV, tVgV = cpasync.tma_partition(tma_V, 0, one, cute.group_modes(sV, 0, 2),
                                            cute.group_modes(gV, 0, 2))
-        tQsQ, tQgQ = cpasync.tma_partition(tma_Q, 0, one, cute.group_modes(sQ, 0, 2),
+        # Note [Q/dO multicast]: this CTA's share of each Q / dO tile (the whole tile without)
+        rank, qdo = 0, cute.make_layout(self.cfg.cluster[0])
+        mcast = {}
+        if const_expr(self.cfg.qdo_multicast):
+            rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+            mcast = {"mcast_mask": cutlass.Int16((1 << QDO_CLUSTER) - 1)}
+        tQsQ, tQgQ = cpasync.tma_partition(tma_Q, rank, qdo, cute.group_modes(sQ, 0, 2),
                                            cute.group_modes(gQ, 0, 2))
-        tdOsdO, tdOgdO = cpasync.tma_partition(tma_dO, 0, one, cute.group_modes(sdO, 0, 2),
+        tdOsdO, tdOgdO = cpasync.tma_partition(tma_dO, rank, qdo, cute.group_modes(sdO, 0, 2),
                                                cute.group_modes(gdO, 0, 2))
         with cute.arch.elect_one():
             cute.arch.mbarrier_arrive_and_expect_tx(mbar_kv, self.bytes_kv)
@@ -492,18 +519,21 @@ class Sm90FlashBackward(BwdStoreRole, BwdScoresRole):
         for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
             pipe_q.producer_acquire(state_q)
             cute.copy(tma_Q, tQgQ[None, m_block], tQsQ[None, state_q.index],
-                      tma_bar_ptr=pipe_q.producer_get_barrier(state_q))
+                      tma_bar_ptr=pipe_q.producer_get_barrier(state_q), **mcast)
             if const_expr(self.cfg.stats_smem):
                 self._load_stats(mLSE2, sLSE2, pipe_q.producer_get_barrier(state_q), batch,
                                  head, m_block, state_q.index)
             pipe_do.producer_acquire(state_do)
             cute.copy(tma_dO, tdOgdO[None, m_block], tdOsdO[None, state_do.index],
-                      tma_bar_ptr=pipe_do.producer_get_barrier(state_do))
+                      tma_bar_ptr=pipe_do.producer_get_barrier(state_do), **mcast)
             if const_expr(self.cfg.stats_smem):
                 self._load_stats(mDelta, sDelta, pipe_do.producer_get_barrier(state_do), batch,
                                  head, m_block, state_do.index)
             state_q.advance()
             state_do.advance()
+        if const_expr(self.cfg.qdo_multicast):  # Note [Q/dO multicast]: the peer's releases
+            pipe_q.producer_tail(state_q)
+            pipe_do.producer_tail(state_do)
 
     @cute.jit
     def _load_stats(self, mStat, sStat, mbar, batch, head, m_block, stage):
