@@ -448,11 +448,7 @@ class Sm90FwdKernel(ConsumerRole):
     def load_kv(self, tma, tXgX, tXsX, n: Int32, pipe, state):
         """K or V tile n into the ring stage of ``state``, once the consumers released it (those
         of both CTAs under kv_multicast, which multicasts this CTA's share to both)."""
+        mcast = {"mcast_mask": cutlass.Int16(KV_MCAST_MASK)} if self.cfg.kv_multicast else {}
         pipe.producer_acquire(state, pipe.producer_try_acquire(state))
-        if const_expr(self.cfg.kv_multicast):
-            cute.copy(tma, tXgX[None, n], tXsX[None, state.index],
-                      tma_bar_ptr=pipe.producer_get_barrier(state),
-                      mcast_mask=cutlass.Int16(KV_MCAST_MASK))
-        else:
-            cute.copy(tma, tXgX[None, n], tXsX[None, state.index],
-                      tma_bar_ptr=pipe.producer_get_barrier(state))
+        cute.copy(tma, tXgX[None, n], tXsX[None, state.index],
+                  tma_bar_ptr=pipe.producer_get_barrier(state), **mcast)
