@@ -344,9 +344,7 @@ class BwdConfig:
                     raise ValueError(
                         f"qdo_multicast=True without {name}: the CTAs of a cluster visit the same "
                         "query blocks in the same order (Note [Q/dO multicast])")
-            if self.tile_m % (8 * QDO_CLUSTER):
-                raise ValueError(f"qdo_multicast=True: tile_m={self.tile_m} must split into "
-                                 f"{QDO_CLUSTER} loads of whole 8-row swizzle atoms")
+            # (every tile_m above, 64 / 80 / 128, halves into whole 8-row swizzle atoms)
         if isinstance(self.tail_ctas, bool) or not isinstance(self.tail_ctas, int) \
                 or self.tail_ctas < 1:
             raise ValueError(f"tail_ctas={self.tail_ctas!r}: must be an int >= 1")

@@ -174,9 +174,7 @@ class Sm90FwdConfig:
         if self.kv_multicast and self.persistent:
             raise ValueError("kv_multicast=True needs persistent=False (a cluster's CTAs take "
                              "one work tile each)")
-        if self.kv_multicast and self.n_block % (8 * KV_CLUSTER):
-            raise ValueError(f"kv_multicast=True: n_block={self.n_block} must split into "
-                             f"{KV_CLUSTER} loads of whole 8-row swizzle atoms")
+        # (n_block, a multiple of 16, halves into whole 8-row swizzle atoms under kv_multicast)
         if self.rescale_o_before_pv and not self.intra_wg_overlap:
             raise ValueError("rescale_o_before_pv=True needs intra_wg_overlap=True (it moves the "
                              "rescale into the shadow of the overlapped QK GEMM)")
