@@ -170,6 +170,11 @@ class BwdConfig:
         """The launch's cluster shape (Note [Q/dO multicast] in bwd_kernel.py)."""
         return (QDO_CLUSTER, 1, 1) if self.qdo_multicast else (1, 1, 1)
 
+    def pairs_key_blocks(self, seqlen_k: int) -> bool:
+        """Whether ``seqlen_k``'s key blocks pair up into ``qdo_multicast`` clusters: an even
+        count, so that no cluster spans two (batch, head) pairs (Note [Q/dO multicast])."""
+        return -(-seqlen_k // self.tile_n) % QDO_CLUSTER == 0
+
     def replace(self, **changes) -> "BwdConfig":
         return dataclasses.replace(self, **changes)
 
@@ -462,7 +467,7 @@ def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = Fals
     )
     cfg = cfg.replace(**overrides)
     if "qdo_multicast" not in overrides:  # Note [Q/dO multicast]: the pairs must line up
-        even = seqlen_k is not None and -(-seqlen_k // cfg.tile_n) % QDO_CLUSTER == 0
+        even = seqlen_k is not None and cfg.pairs_key_blocks(seqlen_k)
         cfg = cfg.replace(qdo_multicast=even and not (cfg.causal or cfg.is_local
                                                       or cfg.deterministic or cfg.longest_first))
     return cfg.validate()

@@ -17,8 +17,7 @@ from typing import Optional
 import torch
 
 from fa_sm100.config import normalize_dtype
-from fa_sm100.hopper.bwd_config import (QDO_CLUSTER, SM90_BWD_HEAD_DIMS, BwdConfig,
-                                        select_bwd_config)
+from fa_sm100.hopper.bwd_config import SM90_BWD_HEAD_DIMS, BwdConfig, select_bwd_config
 from fa_sm100.hopper.config import SM90_ARCH
 from fa_sm100.validation import (SUPPORTED_DTYPES, check_softmax_scale, normalize_window,
                                  require_sm90)
@@ -120,11 +119,10 @@ def sm90_bwd(dout, q, k, v, out, lse, softmax_scale: Optional[float] = None, cau
         config = config.replace(head_dim=d, head_dim_v=dv, dtype=dtype,
                                 causal=causal, window_left=left, window_right=right,
                                 qhead_per_kvhead=group, deterministic=deterministic).validate()
-    n_blocks = -(-k.shape[1] // config.tile_n)
-    if config.qdo_multicast and n_blocks % QDO_CLUSTER:
+    if config.qdo_multicast and not config.pairs_key_blocks(k.shape[1]):
         raise ValueError(f"config.qdo_multicast=True pairs the CTAs of neighbouring key blocks, "
-                         f"but seqlen_k={k.shape[1]} gives {n_blocks} blocks of {config.tile_n} "
-                         f"keys (odd): use qdo_multicast=False")
+                         f"but seqlen_k={k.shape[1]} gives {-(-k.shape[1] // config.tile_n)} "
+                         f"blocks of {config.tile_n} keys (odd): use qdo_multicast=False")
 
     q, k, v, out, dout = (t.contiguous() for t in (q, k, v, out, dout))
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)

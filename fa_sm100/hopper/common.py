@@ -106,8 +106,8 @@ def dsl_runtime_arch(arch: str):
 
 
 def sm90_kernel_build(name: str, cfg, arch: str, make_kernel, make_args):
-    """The registry's ``KernelBuild`` of an SM90 kernel (no TMEM; a cluster only where the
-    config has a ``cluster`` shape, the forward's ``kv_multicast``).
+    """The registry's ``KernelBuild`` of an SM90 kernel (no TMEM; the config's ``cluster``:
+    (2, 1, 1) under the forward's ``kv_multicast`` or the backward's ``qdo_multicast``).
 
     ``make_kernel(cfg)`` gives the ``@cute.jit`` callable, ``make_args(cfg)`` its fake
     arguments; neither is called for an arch other than sm_90a (ValueError).
@@ -124,5 +124,5 @@ def sm90_kernel_build(name: str, cfg, arch: str, make_kernel, make_args):
         smem_bytes=cfg.smem_bytes(),
         tmem_cols=None,
         setmaxnreg=cfg.setmaxnreg(),
-        cluster=tuple(getattr(cfg, "cluster", (1, 1, 1))),
+        cluster=tuple(cfg.cluster),
     )

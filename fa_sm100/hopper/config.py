@@ -100,6 +100,11 @@ class Sm90FwdConfig:
         """The launch's cluster shape (Note [K/V multicast] in fwd_kernel.py)."""
         return (KV_CLUSTER, 1, 1) if self.kv_multicast else (1, 1, 1)
 
+    def pairs_m_blocks(self, seqlen_q: int) -> bool:
+        """Whether ``seqlen_q``'s m blocks pair up into ``kv_multicast`` clusters: an even
+        count, so that no cluster spans two heads (Note [K/V multicast])."""
+        return -(-seqlen_q // self.m_block) % KV_CLUSTER == 0
+
     def replace(self, **changes) -> "Sm90FwdConfig":
         return dataclasses.replace(self, **changes)
 
@@ -291,9 +296,9 @@ def select_sm90_fwd_config(head_dim: int = 128, head_dim_v=None, dtype="bfloat16
     multicast = schedule.get("kv_multicast")
     if multicast is None:
         shortest = MULTICAST_MIN_SEQLEN_K.get(head_dim)
-        even_m_blocks = seqlen_q is not None and -(-seqlen_q // cfg.m_block) % KV_CLUSTER == 0
         multicast = (not causal and shortest is not None and seqlen_k is not None
-                     and seqlen_k >= shortest and even_m_blocks and not schedule.get("persistent"))
+                     and seqlen_k >= shortest and seqlen_q is not None
+                     and cfg.pairs_m_blocks(seqlen_q) and not schedule.get("persistent"))
     persistent = schedule.get("persistent")
     if persistent is None:
         longest = PERSISTENT_MAX_SEQLEN_K.get(head_dim, 0)  # unknown head dims: validate() says

@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from fa_sm100.config import normalize_dtype
-from fa_sm100.hopper.config import (KV_CLUSTER, SM90_ARCH, SM90_HEAD_DIMS, Sm90FwdConfig,
+from fa_sm100.hopper.config import (SM90_ARCH, SM90_HEAD_DIMS, Sm90FwdConfig,
                                     select_sm90_fwd_config)
 from fa_sm100.validation import require_sm90, tma_ready, validate_attention_inputs
 
@@ -62,11 +62,11 @@ def sm90_config_for(problem, config: Optional[Sm90FwdConfig], need_lse: bool = F
     if need_lse and not config.write_lse:
         raise ValueError("config.write_lse=False, but LSE is needed (return_lse=True, an lse "
                          "buffer, or gradients): use a config with write_lse=True")
-    m_blocks = -(-problem.seqlen_q // config.m_block)
-    if config.kv_multicast and m_blocks % KV_CLUSTER:
+    if config.kv_multicast and not config.pairs_m_blocks(problem.seqlen_q):
         raise ValueError(f"config.kv_multicast=True pairs the CTAs of neighbouring m blocks of a "
-                         f"head, but seqlen_q={problem.seqlen_q} gives {m_blocks} blocks of "
-                         f"{config.m_block} rows (odd): use kv_multicast=False")
+                         f"head, but seqlen_q={problem.seqlen_q} gives "
+                         f"{-(-problem.seqlen_q // config.m_block)} blocks of {config.m_block} "
+                         f"rows (odd): use kv_multicast=False")
     return config
 
 
