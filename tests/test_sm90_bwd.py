@@ -34,6 +34,7 @@ from fa_sm100.hopper.bwd_config import (SM90_SMEM_BYTES, BwdConfig, first_n_bloc
                                         m_block_range, select_bwd_config)
 from fa_sm100.hopper.bwd_interface import sm90_bwd
 from fa_sm100.testing import attention_mask
+from kept_sass import main_loop_ops, read_kept_sass
 from script_loader import load_script
 
 
@@ -513,20 +514,6 @@ def test_bwd_memcheck_cases_run_the_orders_they_name():
 
 # ---- compile contract ----------------------------------------------------------------------
 
-def _sass_text(keep_dir) -> str:
-    (path,) = glob.glob(str(keep_dir / "*.sass"))
-    with open(path) as f:
-        return f.read()
-
-
-def _main_loop_ops(sass: str) -> list:
-    """The opcodes (modifiers kept, guards dropped) of the kernel's main loop: the loop with
-    the most HGMMAs (``compile_tools.sass_main_loop``)."""
-    from fa_sm100.compile_tools import sass_main_loop, sass_opcode
-
-    return [sass_opcode(t) for _, t in sass_main_loop(sass)]
-
-
 def _hgmma_commits(sass: str) -> int:
     """HGMMAs that close a WGMMA group (``gsb0``): the kernel's five GEMMs, unless ptxas
     serialized them (then every HGMMA commits and waits)."""
@@ -597,7 +584,7 @@ def test_sm90_bwd_compile_contract(overrides, dq_mnemonic, tmp_path):
     from fa_sm100.inspection import inspect_kernel
 
     r = inspect_kernel("sm90_bwd", "sm_90a", overrides, keep_dir=tmp_path)
-    assert _hgmma_commits(_sass_text(tmp_path)) == 5, "WGMMAs serialized (one commit each)"
+    assert _hgmma_commits(read_kept_sass(tmp_path)) == 5, "WGMMAs serialized (one commit each)"
     sass = r["sass_full"]
     assert r["threads_per_cta"] == 384
     assert r["cluster"] in ([1, 1, 1], (1, 1, 1))
@@ -628,7 +615,7 @@ def test_sm90_bwd_qdo_multicast_multicasts_q_and_do_only(head_dim, tmp_path):
         assert r["config"]["qdo_multicast"] is on
         assert r["spill_bytes"] == 0 and r["local_bytes"] == 0
         assert r["cluster"] == ([2, 1, 1] if on else [1, 1, 1])
-        loops[on] = collections.Counter(_main_loop_ops(_sass_text(keep)))
+        loops[on] = collections.Counter(main_loop_ops(read_kept_sass(keep)))
         ops = r["sass"]
         boxes = head_dim // 64
         assert ops.get("UTMALDG.MULTICAST", 0) == (2 * boxes if on else 0), ops
@@ -661,7 +648,7 @@ def test_sm90_bwd_longest_first_renumbers_ctas_outside_the_main_loop(overrides, 
                            keep_dir=keep)
         assert r["config"]["longest_first"] is on
         assert r["spill_bytes"] == 0 and r["local_bytes"] == 0
-        loops[on] = collections.Counter(_main_loop_ops(_sass_text(keep)))
+        loops[on] = collections.Counter(main_loop_ops(read_kept_sass(keep)))
     on, off = loops[True], loops[False]
     kept = lambda ops: {k: v for k, v in ops.items()
                         if k.split(".")[0] in ("HGMMA", "MUFU", "BAR", "SYNCS", "WARPGROUP",
@@ -691,7 +678,7 @@ def test_sm90_bwd_try_wait_polls_before_the_blocking_wait(overrides, tmp_path):
         keep = tmp_path / f"try_{on}"
         r = inspect_kernel("sm90_bwd", "sm_90a", overrides + [f"try_wait={str(on).lower()}"],
                            keep_dir=keep)
-        sleeps[on] = sum(op.startswith("NANOSLEEP") for op in _main_loop_ops(_sass_text(keep)))
+        sleeps[on] = sum(op.startswith("NANOSLEEP") for op in main_loop_ops(read_kept_sass(keep)))
         spills[on] = r["spill_bytes"]
     assert sleeps == {False: 2, True: 0}, sleeps
     assert spills == {False: 0, True: 0}, spills
@@ -712,7 +699,7 @@ def test_sm90_bwd_stats_first_loads_before_the_gemms(overrides, tmp_path):
         r = inspect_kernel("sm90_bwd", "sm_90a", overrides + [f"stats_first={str(on).lower()}"],
                            keep_dir=keep)
         assert r["spill_bytes"] == 0
-        ops = _main_loop_ops(_sass_text(keep))
+        ops = main_loop_ops(read_kept_sass(keep))
         loads = [i for i, op in enumerate(ops) if op.startswith("LDS")]
         first_gemm = next(i for i, op in enumerate(ops) if op.startswith("HGMMA"))
         assert loads, "no LDS of the stats in the main loop"
@@ -737,7 +724,7 @@ def test_sm90_bwd_dq_leaves_in_16_byte_stores(overrides, tmp_path):
 
     cfg = make_config(overrides)
     inspect_kernel("sm90_bwd", "sm_90a", overrides, keep_dir=tmp_path)
-    ops = _main_loop_ops(_sass_text(tmp_path))
+    ops = main_loop_ops(read_kept_sass(tmp_path))
     assert cfg.dq_groups == cfg.tile_m * cfg.head_dim // 1024  # 256 threads x 4 floats
     assert [op for op in ops if op.startswith("STS.")] == ["STS.128"] * cfg.dq_groups
 
@@ -756,7 +743,7 @@ def test_sm90_bwd_dq_handoff_barriers(overrides, per_wg, tmp_path):
     from fa_sm100.inspection import inspect_kernel
 
     inspect_kernel("sm90_bwd", "sm_90a", overrides, keep_dir=tmp_path)
-    sass = _sass_text(tmp_path)
+    sass = read_kept_sass(tmp_path)
     # (barrier id, thread count) of every named barrier of a handoff's size (others: 128, 256)
     bars = {(int(i, 16), int(c, 16))
             for i, c in re.findall(r"BAR\.[\w.]+ (0x[0-9a-f]+), (0x[0-9a-f]+)", sass)
@@ -784,7 +771,7 @@ def test_sm90_bwd_red_dq_adds_16_bytes_per_instruction(overrides, tmp_path):
     cfg = make_config(overrides)
     assert cfg.dq_accum == "red"
     inspect_kernel("sm90_bwd", "sm_90a", overrides, keep_dir=tmp_path)
-    reds = [op for op in _main_loop_ops(_sass_text(tmp_path)) if op.startswith("REDG.E.ADD.F32")]
+    reds = [op for op in main_loop_ops(read_kept_sass(tmp_path)) if op.startswith("REDG.E.ADD.F32")]
     assert len(reds) == cfg.dq_groups and all(op.startswith("REDG.E.ADD.F32x4") for op in reds), reds
 
 
@@ -876,7 +863,7 @@ def test_sm90_bwd_dv_before_barrier_issues_dv_before_the_ds_barrier(overrides, t
         keep = tmp_path / f"mid_{on}"
         inspect_kernel("sm90_bwd", "sm_90a", overrides + [
             "early_dv=false", f"dv_before_barrier={str(on).lower()}"], keep_dir=keep)
-        sass = _sass_text(keep)
+        sass = read_kept_sass(keep)
         assert _hgmma_commits(sass) == 5
         loop = [t for _, t in sass_main_loop(sass)]
         at_barrier = next(i for i, t in enumerate(loop) if t.startswith(barrier))
@@ -906,7 +893,7 @@ def test_sm90_bwd_dv_before_fence_issues_dv_ahead_of_the_ds_fence(overrides, tmp
             "early_dv=false", "dv_before_barrier=true", f"dv_before_fence={str(on).lower()}"],
             keep_dir=keep)
         assert r["spill_bytes"] == 0
-        sass = _sass_text(keep)
+        sass = read_kept_sass(keep)
         assert _hgmma_commits(sass) == 5
         loop = [t for _, t in sass_main_loop(sass)]
         last_stsm = max(i for i, t in enumerate(loop) if t.startswith("STSM"))
@@ -936,7 +923,7 @@ def test_sm90_bwd_mask_compares_constants_against_limits(overrides, elements, tm
 
     r = inspect_kernel("sm90_bwd", "sm_90a", overrides, keep_dir=tmp_path)
     assert r["spill_bytes"] == 0
-    ops = _main_loop_ops(_sass_text(tmp_path))
+    ops = main_loop_ops(read_kept_sass(tmp_path))
     isetp = sum(op.startswith("ISETP") for op in ops)
     masked = sum(op.startswith("FSEL") for op in ops)
     assert masked >= elements  # every element has its select (the exp2 may add its own)
@@ -1041,8 +1028,8 @@ def test_sm90_bwd_swapped_sdp_feeds_dv_dk_from_registers(overrides, tmp_path):
         # tile_m=64 on both sides (the hdim-64 default of 128 rows needs the swap)
         r = inspect_kernel("sm90_bwd", "sm_90a", overrides + [f"sdp_swap_ab={swap}", "tile_m=64"],
                            keep_dir=keep)
-        sass = _sass_text(keep)
-        loops[swap] = _main_loop_ops(sass)
+        sass = read_kept_sass(keep)
+        loops[swap] = main_loop_ops(sass)
         kinds[swap] = _hgmma_operands(sass)
         assert _hgmma_commits(sass) == 5
         reports[swap] = r
@@ -1078,7 +1065,7 @@ def test_sm90_bwd_tile_m_128_doubles_the_gemms_per_query_block(overrides, tmp_pa
         keep = tmp_path / f"m{tile_m}"
         r = inspect_kernel("sm90_bwd", "sm_90a",
                            overrides + ["sdp_swap_ab=true", f"tile_m={tile_m}"], keep_dir=keep)
-        sass_text[tile_m] = _sass_text(keep)
+        sass_text[tile_m] = read_kept_sass(keep)
         kinds[tile_m] = _hgmma_operands(sass_text[tile_m])
         assert _hgmma_commits(sass_text[tile_m]) == 5, "WGMMAs serialized"
         assert r["spill_bytes"] == 0 and r["local_bytes"] == 0
@@ -1112,7 +1099,7 @@ def test_sm90_bwd_stats_come_with_their_stage(overrides, tmp_path):
         keep = tmp_path / f"stats_{on}"
         r = inspect_kernel("sm90_bwd", "sm_90a", overrides + [f"stats_smem={on}"], keep_dir=keep)
         assert r["spill_bytes"] == 0 and r["local_bytes"] == 0
-        sass[on] = _sass_text(keep)
+        sass[on] = read_kept_sass(keep)
         assert _hgmma_commits(sass[on]) == 5, "WGMMAs serialized"
     assert len(re.findall(r"UBLKCP", sass[True])) == 2
     assert "UBLKCP" not in sass[False]
@@ -1138,7 +1125,7 @@ def test_sm90_bwd_tile_n_64_splits_dk_dv_by_columns(overrides, d, dv, tmp_path):
     from fa_sm100.inspection import inspect_kernel
 
     r = inspect_kernel("sm90_bwd", "sm_90a", overrides, keep_dir=tmp_path)
-    sass = _sass_text(tmp_path)
+    sass = read_kept_sass(tmp_path)
     assert r["spill_bytes"] == 0 and r["local_bytes"] == 0
     assert r["setmaxnreg"] == {"producer": 24, "mma": 240}, r["warnings"]
     assert _hgmma_commits(sass) == 5
@@ -1169,7 +1156,7 @@ def test_sm90_bwd_wide_blocks_shuffle_or_load_their_stats(head_dim, shuffle, tmp
     r = inspect_kernel("sm90_bwd", "sm_90a", [f"head_dim={head_dim}",
                                               f"stats_shuffle={shuffle}".lower()], keep_dir=tmp_path)
     assert r["spill_bytes"] == 0
-    ops = _main_loop_ops(_sass_text(tmp_path))
+    ops = main_loop_ops(read_kept_sass(tmp_path))
     columns = cfg.tile_m // 4  # S^T columns (queries) per thread
     if shuffle:
         assert ops.count("SHFL.IDX") == 2 * columns and ops.count("LDS.64") == 4
@@ -1186,10 +1173,10 @@ def test_sm90_bwd_tile_m_80_computes_dq_transposed(tmp_path):
     from fa_sm100.inspection import inspect_kernel
 
     r = inspect_kernel("sm90_bwd", "sm_90a", ["tile_m=80", "sdp_swap_ab=true"], keep_dir=tmp_path)
-    sass = _sass_text(tmp_path)
+    sass = read_kept_sass(tmp_path)
     assert r["spill_bytes"] == 0 and r["local_bytes"] == 0
     assert _hgmma_commits(sass) == 5
-    loop = _main_loop_ops(sass)
+    loop = main_loop_ops(sass)
     shapes = [op.split(".")[1] for op in loop if op.startswith("HGMMA")]
     assert shapes.count("64x80x16") == 8 + 8 + 8  # S^T, dP^T, dQ^T
     assert shapes.count("64x128x16") == 5 + 5  # dV, dK

@@ -6,10 +6,13 @@ config's setmaxnreg values in the code, 128 x (1 + consumers) threads, no local 
 spills, SMEM within the sm_90a budget, TMA loads and the TMA store of O.
 """
 
+import collections
+
 import pytest
 
 from fa_sm100.hopper.config import SM90_SMEM_BUDGET, sm90_fwd_config_from_overrides
 from fa_sm100.inspection import inspect_kernel
+from kept_sass import main_loop_ops, read_kept_sass
 
 
 def expected_hgmma(cfg) -> int:
@@ -111,19 +114,12 @@ def test_kv_multicast_multicasts_every_k_and_v_load(head_dim, tmp_path):
     tile; K and V are each loaded at two places, the tile's first and the overlapped loop's),
     and the main loop keeps the one-tile kernel's GEMMs, exp2s and barriers, with the K and V
     releases as cluster-wide (remote) arrives instead of local ones."""
-    import collections
-    import glob
-
-    from fa_sm100.compile_tools import sass_main_loop, sass_opcode
-
     loops = {}
     for name, extra in (("multicast", "kv_multicast=true"), ("one", "persistent=false")):
         rep = inspect_kernel("sm90_fwd", "sm_90a", [f"head_dim={head_dim}", extra],
                              keep_dir=tmp_path / name)
         assert rep["spill_bytes"] == 0 and rep["local_bytes"] == 0
-        (path,) = glob.glob(str(tmp_path / name / "*.sass"))
-        with open(path) as f:
-            loops[name] = collections.Counter(sass_opcode(t) for _, t in sass_main_loop(f.read()))
+        loops[name] = collections.Counter(main_loop_ops(read_kept_sass(tmp_path / name)))
         if name == "multicast":
             assert rep["config"]["kv_multicast"] and not rep["config"]["persistent"]
             assert rep["cluster"] == [2, 1, 1]

@@ -49,7 +49,9 @@ def check_lse(lse, q, k, v, causal, ref_lse, what):
     check_against_reference(lse, ref_lse, plain32_lse, atol=LSE_RTOL * scale, what=what)
 
 
-def _check_one(shape, head_dims, dtype, causal, gen):
+def _check_one(shape, head_dims, dtype, causal, gen, config=None):
+    """One fresh problem of ``shape`` through ``sm90_fwd`` (``config``, or the default one),
+    O and LSE poisoned first, against the float64 reference."""
     from fa_sm100.hopper.interface import sm90_fwd
 
     b, sq, sk, hq, hk = shape
@@ -60,11 +62,12 @@ def _check_one(shape, head_dims, dtype, causal, gen):
     v = torch.randn(b, sk, hk, dv, device=dev, dtype=dtype, generator=gen)
     out = torch.full((b, sq, hq, dv), float("nan"), device=dev, dtype=dtype)
     lse = torch.full((b, hq, sq), float("nan"), device=dev, dtype=torch.float32)
-    sm90_fwd(q, k, v, None, causal, (None, None), True, None, out=out, lse=lse)
+    sm90_fwd(q, k, v, None, causal, (None, None), True, config, out=out, lse=lse)
     torch.cuda.synchronize()
     ref, ref_lse = attention_reference(q, k, v, causal=causal)
     plain, _ = attention_reference(q, k, v, causal=causal, dtype=dtype, upcast=False)
-    what = f"{shape} hdim={head_dims} {dtype} causal={causal}"
+    what = f"{shape} hdim={head_dims} {dtype} causal={causal}" + ("" if config is None else
+                                                                 f" config={config}")
     check_against_reference(out, ref, plain, atol=1e-3, what=f"O {what}")
     check_lse(lse, q, k, v, causal, ref_lse, what=f"LSE {what}")
 
@@ -165,7 +168,6 @@ def test_sm90_fwd_kv_multicast_matches_float64_reference(sm90_device, head_dims)
     last m block, seqlen_k with a ragged last KV tile, fewer keys than one KV tile (one key),
     more K/V tiles than stages, GQA and MQA, several batches."""
     from fa_sm100.hopper.config import select_sm90_fwd_config
-    from fa_sm100.hopper.interface import sm90_fwd
 
     d, dv = head_dims
     cfg = select_sm90_fwd_config(d, dv, causal=False, write_lse=True, kv_multicast=True)
@@ -176,19 +178,8 @@ def test_sm90_fwd_kv_multicast_matches_float64_reference(sm90_device, head_dims)
     # (batch, seqlen_q, seqlen_k, heads_q, heads_kv); every seqlen_q gives an even m-block count
     shapes = [(2, 4 * m - 17, 777, 8, 2), (1, 2 * m, 1, 2, 1), (3, 2 * m - 1, 4097, 4, 4),
               (1, 8 * m, 2 * cfg.n_block, 6, 3)]
-    for b, sq, sk, hq, hk in shapes:
-        q = torch.randn(b, sq, hq, d, device="cuda", dtype=torch.bfloat16, generator=gen)
-        k = torch.randn(b, sk, hk, d, device="cuda", dtype=torch.bfloat16, generator=gen)
-        v = torch.randn(b, sk, hk, dv, device="cuda", dtype=torch.bfloat16, generator=gen)
-        out = torch.full((b, sq, hq, dv), float("nan"), device="cuda", dtype=torch.bfloat16)
-        lse = torch.full((b, hq, sq), float("nan"), device="cuda", dtype=torch.float32)
-        sm90_fwd(q, k, v, None, False, (None, None), True, cfg, out=out, lse=lse)
-        torch.cuda.synchronize()
-        ref, ref_lse = attention_reference(q, k, v)
-        plain, _ = attention_reference(q, k, v, dtype=torch.bfloat16, upcast=False)
-        what = f"kv_multicast {(b, sq, sk, hq, hk)} hdim={head_dims}"
-        check_against_reference(out, ref, plain, atol=1e-3, what="O " + what)
-        check_lse(lse, q, k, v, False, ref_lse, what="LSE " + what)
+    for shape in shapes:
+        _check_one(shape, head_dims, torch.bfloat16, False, gen, config=cfg)
 
 
 @pytest.mark.gpu
