@@ -42,7 +42,8 @@ SCHEDULES = {"tile": {"persistent": False},
              "static": {"persistent": True, "dynamic_schedule": False},
              "dynamic": {"persistent": True, "dynamic_schedule": True},
              # CTA pairs multicasting their halves of each K/V tile (Note [K/V multicast])
-             "multicast": {"persistent": False, "kv_multicast": True}}
+             "multicast": {"persistent": False, "kv_multicast": True},
+             "multicast4": {"persistent": False, "kv_multicast": True, "kv_cluster": 4}}
 CASES = [
     (2, 300, 300, 4, 4, 128, 128, False, "tile"),
     (2, 300, 300, 4, 4, 128, 128, True, "static"),
@@ -58,6 +59,8 @@ CASES = [
     (2, 500, 1000, 4, 2, 128, 128, False, "multicast"),  # 4 m blocks per head
     (1, 700, 333, 2, 1, 64, 64, False, "multicast"),  # 4 blocks of 192 rows
     (1, 255, 1, 2, 2, 256, 256, False, "multicast"),  # one key
+    (2, 500, 1000, 4, 2, 128, 128, False, "multicast4"),  # clusters of 4 m blocks
+    (1, 500, 80, 2, 2, 256, 256, False, "multicast4"),  # a quarter of an 80-row tile each
 ]
 
 
@@ -75,6 +78,8 @@ BWD_CASES = [
     # non-causal with an even number of key blocks: CTA pairs multicast Q and dO
     (2, 300, 250, 4, 2, 128, 128, False, (None, None), False, {}),
     (1, 333, 200, 2, 1, 256, 256, False, (None, None), False, {}),  # "red" dQ, by columns
+    # clusters of 4 (80-row blocks: 20 rows of each Q / dO tile per CTA)
+    (2, 300, 500, 4, 2, 128, 128, False, (None, None), False, {"qdo_cluster": 4}),
 ]
 
 

@@ -168,13 +168,13 @@ def test_short_causal_hdim128_takes_64_row_blocks():
     for s in (1, 1000, SHORT_CAUSAL_SEQLEN):
         assert pick(causal=True, seqlen_q=s, seqlen_k=s) == (64, True, False)
         assert stats_first(causal=True, seqlen_q=s, seqlen_k=s)  # Note [stats before the GEMMs]
-    assert not stats_first(causal=True, seqlen_q=4096, seqlen_k=4096)
+    assert not stats_first(causal=True, seqlen_q=8192, seqlen_k=8192)
     assert not stats_first(causal=False, seqlen_q=1024, seqlen_k=1024)
     assert not stats_first(head_dim=96, causal=True, seqlen_q=1024, seqlen_k=1024)
     assert not stats_first(causal=True, seqlen_q=1024, seqlen_k=1024, stats_first=False)
     assert pick(causal=True, seqlen_q=SHORT_CAUSAL_SEQLEN + 1, seqlen_k=1000) == (80, True, False)
     assert pick(causal=True, seqlen_q=1000, seqlen_k=SHORT_CAUSAL_SEQLEN + 1)[0] == 80
-    assert pick(causal=True, seqlen_q=4096, seqlen_k=4096)[0] == 80
+    assert pick(causal=True, seqlen_q=8192, seqlen_k=8192)[0] == 80
     assert pick(causal=True)[0] == 80  # lengths unknown (inspect.py, direct config builds)
     assert pick(causal=False, seqlen_q=1024, seqlen_k=1024)[0] == 80
     assert pick(causal=True, window_left=64, seqlen_q=1024, seqlen_k=1024)[0] == 80

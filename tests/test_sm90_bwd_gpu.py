@@ -258,20 +258,25 @@ MULTICAST_CASES = [  # (b, sq, sk, hq, hk, d, switches)
     (1, 190, 200, 2, 2, 96, {}),
     (1, 300, 200, 2, 1, (192, 128), {}),
     (1, 129, 120, 2, 2, 256, {}),
+    # clusters of 4: a quarter of each tile per CTA (80 rows: 20, not whole swizzle atoms)
+    (2, 333, 500, 4, 2, 128, dict(qdo_cluster=4)),
+    (1, 257, 450, 2, 1, 64, dict(qdo_cluster=4)),
+    (1, 129, 250, 2, 2, 256, dict(qdo_cluster=4)),
 ]
 
 
 @pytest.mark.parametrize("case", MULTICAST_CASES, ids=lambda c: f"d{c[5]}-" + (
     ",".join(f"{k}={v}" for k, v in c[6].items()) or "default"))
 def test_sm90_bwd_qdo_multicast_keeps_gradients_right(sm90_device, case):
-    """CTA pairs that multicast their halves of each Q and dO tile give the same gradients."""
+    """Clusters of CTAs that multicast their shares of each Q and dO tile give the same
+    gradients."""
     from fa_sm100.hopper.bwd_config import select_bwd_config
 
     b, sq, sk, hq, hk, d, switches = case
     dd, dv = d if isinstance(d, tuple) else (d, d)
     cfg = select_bwd_config(head_dim=dd, head_dim_v=dv, qhead_per_kvhead=hq // hk,
                             qdo_multicast=True, **switches)
-    assert cfg.qdo_multicast and (-(-sk // cfg.tile_n)) % 2 == 0
+    assert cfg.qdo_multicast and (-(-sk // cfg.tile_n)) % cfg.qdo_cluster == 0
     _run_case(b, sq, sk, hq, hk, d, config=cfg, seed=sq)
 
 

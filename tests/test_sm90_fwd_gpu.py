@@ -161,23 +161,27 @@ def test_sm90_fwd_switches_keep_numerics(sm90_device, switch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("cluster", [2, 4])
 @pytest.mark.parametrize("head_dims", HEAD_DIMS, ids=lambda p: f"d{p[0]}_{p[1]}")
-def test_sm90_fwd_kv_multicast_matches_float64_reference(sm90_device, head_dims):
-    """Note [K/V multicast]: CTA pairs that multicast their halves of each K/V tile compute
-    the same O and LSE (NaN-poisoned first) for every head-dim pair: seqlen_q with a ragged
-    last m block, seqlen_k with a ragged last KV tile, fewer keys than one KV tile (one key),
-    more K/V tiles than stages, GQA and MQA, several batches."""
+def test_sm90_fwd_kv_multicast_matches_float64_reference(sm90_device, head_dims, cluster):
+    """Note [K/V multicast]: clusters of 2 or 4 CTAs that multicast their shares of each K/V
+    tile compute the same O and LSE (NaN-poisoned first) for every head-dim pair: seqlen_q with
+    a ragged last m block, seqlen_k with a ragged last KV tile, fewer keys than one KV tile (one
+    key), more K/V tiles than stages, GQA and MQA, several batches."""
     from fa_sm100.hopper.config import select_sm90_fwd_config
 
     d, dv = head_dims
-    cfg = select_sm90_fwd_config(d, dv, causal=False, write_lse=True, kv_multicast=True)
-    assert cfg.kv_multicast and not cfg.persistent
+    cfg = select_sm90_fwd_config(d, dv, causal=False, write_lse=True, kv_multicast=True,
+                                 kv_cluster=cluster)
+    assert cfg.kv_multicast and not cfg.persistent and cfg.cluster == (cluster, 1, 1)
     gen = torch.Generator(device="cuda")
-    gen.manual_seed(zlib.crc32(f"multicast{d}".encode()))
-    m = cfg.m_block
-    # (batch, seqlen_q, seqlen_k, heads_q, heads_kv); every seqlen_q gives an even m-block count
-    shapes = [(2, 4 * m - 17, 777, 8, 2), (1, 2 * m, 1, 2, 1), (3, 2 * m - 1, 4097, 4, 4),
-              (1, 8 * m, 2 * cfg.n_block, 6, 3)]
+    gen.manual_seed(zlib.crc32(f"multicast{d}-{cluster}".encode()))
+    m, c = cfg.m_block, cluster
+    # (batch, seqlen_q, seqlen_k, heads_q, heads_kv); every seqlen_q gives a whole number of
+    # clusters of m blocks
+    shapes = [(2, 2 * c * m - 17, 777, 8, 2), (1, c * m, 1, 2, 1), (3, c * m - 1, 4097, 4, 4),
+              (1, 4 * c * m, 2 * cfg.n_block, 6, 3)]
+    assert all(cfg.pairs_m_blocks(sq) for _, sq, *_ in shapes)
     for shape in shapes:
         _check_one(shape, head_dims, torch.bfloat16, False, gen, config=cfg)
 

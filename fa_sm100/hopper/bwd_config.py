@@ -33,7 +33,8 @@ GQA_REDUCE_MODES = ("atomic", "buffers")
 # Query rows per iteration of the swapped hdim-64 default (the only head dim 128 rows fit).
 TILE_M_SWAPPED_HDIM64 = 128
 DQ_ACCUM_MODES = ("bulk", "red")
-QDO_CLUSTER = 2  # CTAs that share each Q / dO tile under qdo_multicast
+QDO_CLUSTER = 2  # CTAs that share each Q / dO tile under qdo_multicast, by default
+QDO_CLUSTERS = (2, 4)  # cluster sizes qdo_multicast accepts (qdo_cluster)
 DQ_VEC = 4  # float32 per dQ-accumulator store: one 16-byte STS.128 / bulk-reduce element run
 TILE_M_ATOM = 64  # query rows of one WGMMA M atom
 TILE_M_128_HEAD_DIMS = (64,)  # head dims that fit tile_m = 128 (registers: docs/hopper_backward.md)
@@ -43,8 +44,10 @@ TILE_M_DQ_TRANSPOSED = 80
 TILE_M_80_HEAD_DIMS = (128,)
 # Causal problems up to this sequence length take 64-row blocks at hdim 128 instead of 80
 # (``select_bwd_config``): 80-row blocks straddle the diagonal of 128-key blocks, which costs
-# 7.6% more MMA work at 1k and 5.7% at 2k (0.6% at 16k), more than their faster loop gains.
-SHORT_CAUSAL_SEQLEN = 2048
+# 7.6% more MMA work at 1k, 5.7% at 2k and 4.5% at 4k (0.6% at 16k), more than their faster
+# loop gains. 4k since round 11 (H100, paired, with the CTAs longest first: +2.9% to +3.5%;
+# 8k and 16k within +-1.7%).
+SHORT_CAUSAL_SEQLEN = 4096
 SMEM_BUFFER_ALIGN = 1024  # every SMEM buffer of the kernel starts on a swizzle-atom boundary
 SM90_SMEM_BYTES = SMEM_BUDGET[SM90_ARCH]  # 227 KiB of dynamic shared memory per CTA on H100/H200
 
@@ -137,6 +140,8 @@ class BwdConfig:
     # [Q/dO multicast] in bwd_kernel.py). Non-causal without a window, not deterministic, and
     # an even number of key blocks.
     qdo_multicast: bool = False
+    # CTAs per cluster under qdo_multicast: each loads 1/qdo_cluster of every Q / dO tile
+    qdo_cluster: int = QDO_CLUSTER
     # registers after setmaxnreg: producer warpgroup and each of the two MMA warpgroups
     regs_producer: int = 24
     regs_mma: int = 240
@@ -168,12 +173,12 @@ class BwdConfig:
     @property
     def cluster(self) -> tuple:
         """The launch's cluster shape (Note [Q/dO multicast] in bwd_kernel.py)."""
-        return (QDO_CLUSTER, 1, 1) if self.qdo_multicast else (1, 1, 1)
+        return (self.qdo_cluster, 1, 1) if self.qdo_multicast else (1, 1, 1)
 
     def pairs_key_blocks(self, seqlen_k: int) -> bool:
         """Whether ``seqlen_k``'s key blocks pair up into ``qdo_multicast`` clusters: an even
         count, so that no cluster spans two (batch, head) pairs (Note [Q/dO multicast])."""
-        return -(-seqlen_k // self.tile_n) % QDO_CLUSTER == 0
+        return -(-seqlen_k // self.tile_n) % self.qdo_cluster == 0
 
     def replace(self, **changes) -> "BwdConfig":
         return dataclasses.replace(self, **changes)
@@ -349,7 +354,8 @@ class BwdConfig:
                     raise ValueError(
                         f"qdo_multicast=True without {name}: the CTAs of a cluster visit the same "
                         "query blocks in the same order (Note [Q/dO multicast])")
-            # (every tile_m above, 64 / 80 / 128, halves into whole 8-row swizzle atoms)
+        if isinstance(self.qdo_cluster, bool) or self.qdo_cluster not in QDO_CLUSTERS:
+            raise ValueError(f"qdo_cluster={self.qdo_cluster!r}: must be one of {QDO_CLUSTERS}")
         if isinstance(self.tail_ctas, bool) or not isinstance(self.tail_ctas, int) \
                 or self.tail_ctas < 1:
             raise ValueError(f"tail_ctas={self.tail_ctas!r}: must be an int >= 1")
@@ -392,7 +398,8 @@ def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = Fals
       non-causal, 538 -> 567 causal). hdim 96 is unmeasured: unswapped.
     - hdim 128 causal up to ``SHORT_CAUSAL_SEQLEN``: 64-row blocks, dV before the dS barrier
       (FA4's causal tile): +1.5% to +3.4% at 1k in four runs, +0.3% to +4.3% at 2k in three; at
-      4k -2% to +0.7%, at 16k -2% and -3%.
+      4k -2% to +0.7% before the CTAs started longest first, +2.9% to +3.5% (three paired runs,
+      H100) after; at 8k +0.1% to +1.7% / -0.1%, at 16k +1.4% / -0.1% (not taken).
     - short causal hdim 128: LSE2/Delta read before the S/dP GEMMs (``stats_first``), paired
       timing +5.2% at 2k, +1.6% at 1k.
     - swapped with dV before the dS barrier: dV issued before the dS fence

@@ -503,7 +503,7 @@ class Sm90FlashBackward(BwdStoreRole, BwdScoresRole):
         mcast = {}
         if const_expr(self.cfg.qdo_multicast):
             rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
-            mcast = {"mcast_mask": cutlass.Int16((1 << QDO_CLUSTER) - 1)}
+            mcast = {"mcast_mask": cutlass.Int16((1 << self.cfg.cluster[0]) - 1)}
         tQsQ, tQgQ = cpasync.tma_partition(tma_Q, rank, qdo, cute.group_modes(sQ, 0, 2),
                                            cute.group_modes(gQ, 0, 2))
         tdOsdO, tdOgdO = cpasync.tma_partition(tma_dO, rank, qdo, cute.group_modes(sdO, 0, 2),

@@ -37,7 +37,8 @@ SM90_SMEM_BUDGET = SMEM_BUDGET[SM90_ARCH]
 SMEM_ALIGN = ALIGN  # every buffer starts on a 1 KiB boundary (128-byte swizzle atoms repeat)
 WARPGROUP_THREADS = WARPGROUP_WARPS * WARP_SIZE  # 128
 WGMMA_M = 64  # rows of one warpgroup MMA
-KV_CLUSTER = 2  # CTAs that share each K/V tile under kv_multicast
+KV_CLUSTER = 2  # CTAs that share each K/V tile under kv_multicast, by default
+KV_CLUSTERS = (2, 4)  # cluster sizes kv_multicast accepts (kv_cluster)
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,8 @@ class Sm90FwdConfig:
     # loads its share of every K/V tile and multicasts it to both (Note [K/V multicast] in
     # fwd_kernel.py). Non-causal, one tile per CTA, and an even number of m blocks per head.
     kv_multicast: bool = False
+    # CTAs per cluster under kv_multicast: each loads 1/kv_cluster of every K / V tile
+    kv_cluster: int = KV_CLUSTER
     # Causal scheduling: (batch, head) pairs are cut into sections whose K and V take at most
     # this many MiB, so a section's K/V stay in L2 (50 MB on H100/H200) while its tiles run.
     # 16 measured best of 8/16/24/40 on H200 in 5 of 8 causal cells (docs/hopper.md).
@@ -98,12 +101,12 @@ class Sm90FwdConfig:
     @property
     def cluster(self) -> tuple[int, int, int]:
         """The launch's cluster shape (Note [K/V multicast] in fwd_kernel.py)."""
-        return (KV_CLUSTER, 1, 1) if self.kv_multicast else (1, 1, 1)
+        return (self.kv_cluster, 1, 1) if self.kv_multicast else (1, 1, 1)
 
     def pairs_m_blocks(self, seqlen_q: int) -> bool:
         """Whether ``seqlen_q``'s m blocks pair up into ``kv_multicast`` clusters: an even
         count, so that no cluster spans two heads (Note [K/V multicast])."""
-        return -(-seqlen_q // self.m_block) % KV_CLUSTER == 0
+        return -(-seqlen_q // self.m_block) % self.kv_cluster == 0
 
     def replace(self, **changes) -> "Sm90FwdConfig":
         return dataclasses.replace(self, **changes)
@@ -179,7 +182,8 @@ class Sm90FwdConfig:
         if self.kv_multicast and self.persistent:
             raise ValueError("kv_multicast=True needs persistent=False (a cluster's CTAs take "
                              "one work tile each)")
-        # (n_block, a multiple of 16, halves into whole 8-row swizzle atoms under kv_multicast)
+        if isinstance(self.kv_cluster, bool) or self.kv_cluster not in KV_CLUSTERS:
+            raise ValueError(f"kv_cluster={self.kv_cluster!r}: must be one of {KV_CLUSTERS}")
         if self.rescale_o_before_pv and not self.intra_wg_overlap:
             raise ValueError("rescale_o_before_pv=True needs intra_wg_overlap=True (it moves the "
                              "rescale into the shadow of the overlapped QK GEMM)")

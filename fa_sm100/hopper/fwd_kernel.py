@@ -52,7 +52,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 from fa_sm100.config import WARP_SIZE, cutlass_dtype
-from fa_sm100.hopper.config import KV_CLUSTER, WARPGROUP_THREADS, Sm90FwdConfig
+from fa_sm100.hopper.config import WARPGROUP_THREADS, Sm90FwdConfig
 from fa_sm100.hopper.fwd_consumer import ConsumerRole
 from fa_sm100.softmax_math import LOG2_E
 
@@ -62,8 +62,6 @@ PRODUCER_WARP = 0
 # Slots of the tile pipeline (Note [Dynamic tile schedule]): the producer publishes the next
 # tile while the consumers may still read the one before.
 TILE_SLOTS = 2
-# Note [K/V multicast]: every CTA of the cluster receives each K/V load.
-KV_MCAST_MASK = (1 << KV_CLUSTER) - 1
 
 
 def _select(t: cute.Tensor, modes) -> cute.Tensor:
@@ -448,7 +446,9 @@ class Sm90FwdKernel(ConsumerRole):
     def load_kv(self, tma, tXgX, tXsX, n: Int32, pipe, state):
         """K or V tile n into the ring stage of ``state``, once the consumers released it (those
         of both CTAs under kv_multicast, which multicasts this CTA's share to both)."""
-        mcast = {"mcast_mask": cutlass.Int16(KV_MCAST_MASK)} if self.cfg.kv_multicast else {}
+        mcast = {}
+        if const_expr(self.cfg.kv_multicast):
+            mcast = {"mcast_mask": cutlass.Int16((1 << self.cfg.kv_cluster) - 1)}
         pipe.producer_acquire(state, pipe.producer_try_acquire(state))
         cute.copy(tma, tXgX[None, n], tXsX[None, state.index],
                   tma_bar_ptr=pipe.producer_get_barrier(state), **mcast)
