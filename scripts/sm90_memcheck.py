@@ -80,6 +80,10 @@ BWD_CASES = [
     (1, 333, 200, 2, 1, 256, 256, False, (None, None), False, {}),  # "red" dQ, by columns
     # clusters of 4 (80-row blocks: 20 rows of each Q / dO tile per CTA)
     (2, 300, 500, 4, 2, 128, 128, False, (None, None), False, {"qdo_cluster": 4}),
+    # causal multicast: skipped query blocks, longest first by clusters (2 pairs in the tail)
+    (3, 333, 1000, 4, 2, 128, 128, True, (None, None), False,
+     {"qdo_multicast": True, "tail_ctas": 16}),
+    (2, 257, 255, 4, 1, 64, 64, True, (None, None), False, {"qdo_multicast": True}),
 ]
 
 

@@ -30,7 +30,8 @@ import pytest
 import torch
 
 from fa_sm100.hopper.bwd_config import (SM90_SMEM_BYTES, BwdConfig, first_n_block,
-                                        longest_first_cta, longest_first_tail_pairs,
+                                        longest_first_cluster_cta, longest_first_cta,
+                                        longest_first_tail_pairs,
                                         m_block_range, select_bwd_config)
 from fa_sm100.hopper.bwd_interface import sm90_bwd
 from fa_sm100.testing import attention_mask
@@ -83,10 +84,10 @@ from script_loader import load_script
     (dict(tail_ctas=True), "tail_ctas=True: must be an int >= 1"),
     (dict(tail_ctas=2.5), "tail_ctas=2.5: must be an int >= 1"),
     (dict(qdo_multicast=1), "qdo_multicast=1: must be a bool"),
-    (dict(qdo_multicast=True, causal=True), "qdo_multicast=True without causal"),
     (dict(qdo_multicast=True, window_left=64), "qdo_multicast=True without a window"),
+    (dict(qdo_multicast=True, causal=True, window_right=8), "qdo_multicast=True without a window"),
     (dict(qdo_multicast=True, deterministic=True), "qdo_multicast=True without deterministic"),
-    (dict(qdo_multicast=True, longest_first=True), "qdo_multicast=True without longest_first"),
+    (dict(qdo_cluster=3), "qdo_cluster=3: must be one of"),
 ])
 def test_bad_config_raises_value_error_naming_the_rule(changes, rule):
     with pytest.raises(ValueError, match=rule):
@@ -388,10 +389,31 @@ def test_qdo_multicast_default_needs_aligned_pairs():
             assert not cfg.qdo_multicast and cfg.cluster == (1, 1, 1), (d, kw)
 
 
+def test_qdo_multicast_default_under_a_causal_mask_from_8k_at_hdim_64_and_128():
+    """Causal problems multicast by default only where measured faster: hdim 64 and 128 with
+    both lengths at least CAUSAL_MULTICAST_MIN_SEQLEN (8k), the key blocks even, not
+    deterministic; the CTAs still start longest first (by clusters)."""
+    from fa_sm100.hopper.bwd_config import CAUSAL_MULTICAST_MIN_SEQLEN
+
+    for d in (64, 128):
+        long = CAUSAL_MULTICAST_MIN_SEQLEN[d]
+        cfg = select_bwd_config(head_dim=d, causal=True, seqlen_q=long, seqlen_k=2 * long)
+        assert cfg.qdo_multicast and cfg.longest_first and cfg.cluster == (2, 1, 1), d
+        for kw in (dict(seqlen_q=long // 2, seqlen_k=long), dict(seqlen_q=long, seqlen_k=long // 2),
+                   dict(seqlen_q=long, seqlen_k=long + 1), dict(seqlen_k=long),
+                   dict(seqlen_q=long, seqlen_k=long, deterministic=True),
+                   dict(seqlen_q=long, seqlen_k=long, window_left=256)):
+            assert not select_bwd_config(head_dim=d, causal=True, **kw).qdo_multicast, (d, kw)
+    for d in (96, 192, 256):  # not measured: off
+        assert d not in CAUSAL_MULTICAST_MIN_SEQLEN
+        assert not select_bwd_config(head_dim=d, causal=True, seqlen_q=16384,
+                                     seqlen_k=16384).qdo_multicast
+
+
 def test_qdo_multicast_config_on_an_odd_number_of_key_blocks_raises(monkeypatch):
-    """A given multicast config pairs the CTAs of key blocks 2c and 2c+1: on an odd count
-    sm90_bwd raises ValueError before anything is compiled (sm_90 faked, no GPU needed); on
-    an even count it goes on to compile."""
+    """A given multicast config groups the CTAs of key blocks 2c and 2c+1 (or four with
+    qdo_cluster=4): on a count that does not divide, sm90_bwd raises ValueError before
+    anything is compiled (sm_90 faked, no GPU needed); otherwise it goes on to compile."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from fa_sm100.hopper import bwd_interface
@@ -409,8 +431,16 @@ def test_qdo_multicast_config_on_an_odd_number_of_key_blocks_raises(monkeypatch)
         for sk, ok in ((256, True), (129, True), (128, False), (300, False)):
             args = [torch.empty(t.shape, dtype=t.dtype, device="cuda")
                     for t in _cpu_inputs(sk=sk)]
-            with pytest.raises(Compiled if ok else ValueError, match=None if ok else "odd"):
+            with pytest.raises(Compiled if ok else ValueError,
+                               match=None if ok else "in clusters of 2"):
                 sm90_bwd(*args, config=cfg)
+        cfg4 = cfg.replace(qdo_cluster=4)
+        for sk, ok in ((512, True), (385, True), (256, False)):
+            args = [torch.empty(t.shape, dtype=t.dtype, device="cuda")
+                    for t in _cpu_inputs(sk=sk)]
+            with pytest.raises(Compiled if ok else ValueError,
+                               match=None if ok else "in clusters of 4"):
+                sm90_bwd(*args, config=cfg4)
 
 
 # ---- block ranges ------------------------------------------------------------------------
@@ -484,6 +514,25 @@ def test_longest_first_cta_renumbers_every_cta_once_and_keeps_key_block_order(nu
         assert [n for n, q in order if q == p] == list(range(num_n))
 
 
+@pytest.mark.parametrize("num_n,pairs,tail,ctas", [(2, 1, 1, 2), (8, 256, 33, 2), (32, 64, 9, 2),
+                                                   (8, 20, 5, 4), (6, 7, 3, 2), (1, 5, 2, 1)])
+def test_longest_first_cluster_cta_moves_whole_clusters(num_n, pairs, tail, ctas):
+    """Under qdo_multicast the hardware launches clusters of ``ctas`` consecutive CTAs: the
+    renumbering keeps each cluster on key blocks ctas c .. ctas c + ctas - 1 of one pair, the
+    CTA's rank its offset there; the clusters follow ``longest_first_cta`` on a grid of
+    num_n / ctas columns; every CTA is renumbered once. One CTA per cluster is the plain
+    renumbering."""
+    grid = range(num_n * pairs)
+    order = [longest_first_cluster_cta(linear, num_n, pairs, tail, ctas) for linear in grid]
+    assert sorted(order) == [(n, p) for n in range(num_n) for p in range(pairs)]
+    for first in range(0, len(order), ctas):
+        cluster = order[first:first + ctas]
+        column, pair = longest_first_cta(first // ctas, num_n // ctas, pairs, tail)
+        assert cluster == [(column * ctas + rank, pair) for rank in range(ctas)]
+    if ctas == 1:
+        assert order == [longest_first_cta(linear, num_n, pairs, tail) for linear in grid]
+
+
 def test_bwd_memcheck_cases_run_the_orders_they_name():
     """``scripts/sm90_memcheck.py --mode bwd`` (run under compute-sanitizer on the GPU): its
     configs validate, and between them they take the whole grid longest first, a tail after
@@ -506,7 +555,11 @@ def test_bwd_memcheck_cases_run_the_orders_they_name():
             kinds.add("grid order")
         if cfg.qdo_multicast:
             multicast_dq.add(cfg.dq_accum)
-    assert {"whole grid", "tail", "tail det", "grid order"} <= kinds
+            kinds.add("multicast causal" if causal else "multicast")
+            if cfg.qdo_cluster == 4:
+                kinds.add("multicast 4")
+    assert {"whole grid", "tail", "tail det", "grid order", "multicast", "multicast causal",
+            "multicast 4"} <= kinds
     assert multicast_dq == {"bulk", "red"}
     assert dims == {(64, 64), (96, 96), (128, 128), (192, 128), (256, 256)}
     assert dq == {"bulk", "red"}
@@ -599,19 +652,21 @@ def test_sm90_bwd_compile_contract(overrides, dq_mnemonic, tmp_path):
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_sm90_bwd_qdo_multicast_multicasts_q_and_do_only(head_dim, tmp_path):
+@pytest.mark.parametrize("head_dim,causal", [(64, False), (128, False), (256, False),
+                                             (64, True), (128, True)])
+def test_sm90_bwd_qdo_multicast_multicasts_q_and_do_only(head_dim, causal, tmp_path):
     """Note [Q/dO multicast] in the SASS: a (2, 1, 1) cluster; the Q and dO loads are
     multicast TMA loads and K's and V's are not (one load site each; 64-element-wide boxes:
     head_dim / 64 per tile); the main loop keeps its GEMMs, exp2s, barriers and dQ path, with
-    the Q / dO releases as remote arrives; nothing spills."""
+    the Q / dO releases as remote arrives; nothing spills. Causal too (the skipped query
+    blocks' waits and releases sit before the main loop)."""
     from fa_sm100.inspection import inspect_kernel
 
     loops = {}
     for on in (True, False):
         keep = tmp_path / str(on)
-        r = inspect_kernel("sm90_bwd", "sm_90a", [f"head_dim={head_dim}",
-                                                  f"qdo_multicast={on}".lower()], keep_dir=keep)
+        r = inspect_kernel("sm90_bwd", "sm_90a", [f"head_dim={head_dim}", f"causal={causal}",
+                                                  f"qdo_multicast={on}"], keep_dir=keep)
         assert r["config"]["qdo_multicast"] is on
         assert r["spill_bytes"] == 0 and r["local_bytes"] == 0
         assert r["cluster"] == ([2, 1, 1] if on else [1, 1, 1])

@@ -262,10 +262,19 @@ MULTICAST_CASES = [  # (b, sq, sk, hq, hk, d, switches)
     (2, 333, 500, 4, 2, 128, dict(qdo_cluster=4)),
     (1, 257, 450, 2, 1, 64, dict(qdo_cluster=4)),
     (1, 129, 250, 2, 2, 256, dict(qdo_cluster=4)),
+    # causal: a cluster's higher key blocks wait through the query blocks before their own
+    # first (Note [Q/dO multicast]), the CTAs start longest first by whole clusters
+    (2, 333, 500, 4, 2, 128, dict(causal=True)),
+    (1, 700, 512, 2, 2, 128, dict(causal=True, tile_m=64, stats_first=True,
+                                  dv_before_barrier=True)),
+    (2, 257, 255, 4, 1, 64, dict(causal=True)),
+    (1, 129, 250, 2, 2, 256, dict(causal=True)),
+    (2, 333, 500, 4, 2, 128, dict(causal=True, qdo_cluster=4)),
+    (3, 300, 1000, 4, 2, 128, dict(causal=True, tail_ctas=20)),
 ]
 
 
-@pytest.mark.parametrize("case", MULTICAST_CASES, ids=lambda c: f"d{c[5]}-" + (
+@pytest.mark.parametrize("case", MULTICAST_CASES, ids=lambda c: f"d{c[5]}-sk{c[2]}-" + (
     ",".join(f"{k}={v}" for k, v in c[6].items()) or "default"))
 def test_sm90_bwd_qdo_multicast_keeps_gradients_right(sm90_device, case):
     """Clusters of CTAs that multicast their shares of each Q and dO tile give the same
@@ -273,11 +282,14 @@ def test_sm90_bwd_qdo_multicast_keeps_gradients_right(sm90_device, case):
     from fa_sm100.hopper.bwd_config import select_bwd_config
 
     b, sq, sk, hq, hk, d, switches = case
+    switches = dict(switches)
+    causal = switches.pop("causal", False)
     dd, dv = d if isinstance(d, tuple) else (d, d)
     cfg = select_bwd_config(head_dim=dd, head_dim_v=dv, qhead_per_kvhead=hq // hk,
-                            qdo_multicast=True, **switches)
+                            causal=causal, qdo_multicast=True, **switches)
     assert cfg.qdo_multicast and (-(-sk // cfg.tile_n)) % cfg.qdo_cluster == 0
-    _run_case(b, sq, sk, hq, hk, d, config=cfg, seed=sq)
+    assert cfg.longest_first == causal
+    _run_case(b, sq, sk, hq, hk, d, causal=causal, config=cfg, seed=sq)
 
 
 def _assert_reproducible(inputs, first, causal, window, cfg, runs=3):

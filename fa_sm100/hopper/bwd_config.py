@@ -48,6 +48,11 @@ TILE_M_80_HEAD_DIMS = (128,)
 # loop gains. 4k since round 11 (H100, paired, with the CTAs longest first: +2.9% to +3.5%;
 # 8k and 16k within +-1.7%).
 SHORT_CAUSAL_SEQLEN = 4096
+# Causal problems multicast Q/dO by default (Note [Q/dO multicast]) from this many queries and
+# keys on, at these head dims: H100, paired over the CTAs one by one, hdim 64 +3.2% / +3.3%
+# (8k), +4.3% / +4.2% (16k), 2k -0.1%, 4k +2.5% (0.92-1.07); hdim 128 8k -0.2% / +2.3%, 16k
+# +2.7% / +2.8%, 4k +0.3% / +1.4%.
+CAUSAL_MULTICAST_MIN_SEQLEN = {64: 8192, 128: 8192}
 SMEM_BUFFER_ALIGN = 1024  # every SMEM buffer of the kernel starts on a swizzle-atom boundary
 SM90_SMEM_BYTES = SMEM_BUDGET[SM90_ARCH]  # 227 KiB of dynamic shared memory per CTA on H100/H200
 
@@ -135,10 +140,10 @@ class BwdConfig:
     # whole pairs) start key block 0 of each of their pairs, then key block 1, ....
     longest_first: bool = False
     tail_ctas: int = 264  # two waves of CTAs on a 132-SM H100 / H200
-    # The CTAs of key blocks 2c and 2c+1 of a (batch, head) pair run as a cluster of
-    # QDO_CLUSTER; each loads its share of every Q and dO tile and multicasts it to both (Note
-    # [Q/dO multicast] in bwd_kernel.py). Non-causal without a window, not deterministic, and
-    # an even number of key blocks.
+    # The CTAs of key blocks q c .. q c + q - 1 (q = qdo_cluster) of a (batch, head) pair run
+    # as a cluster; each loads its share of every Q and dO tile and multicasts it to all (Note
+    # [Q/dO multicast] in bwd_kernel.py). Without a window (causal is allowed), not
+    # deterministic, and a whole number of clusters of key blocks.
     qdo_multicast: bool = False
     # CTAs per cluster under qdo_multicast: each loads 1/qdo_cluster of every Q / dO tile
     qdo_cluster: int = QDO_CLUSTER
@@ -176,8 +181,9 @@ class BwdConfig:
         return (self.qdo_cluster, 1, 1) if self.qdo_multicast else (1, 1, 1)
 
     def pairs_key_blocks(self, seqlen_k: int) -> bool:
-        """Whether ``seqlen_k``'s key blocks pair up into ``qdo_multicast`` clusters: an even
-        count, so that no cluster spans two (batch, head) pairs (Note [Q/dO multicast])."""
+        """Whether ``seqlen_k``'s key blocks group into whole ``qdo_multicast`` clusters (of
+        ``qdo_cluster``), so that no cluster spans two (batch, head) pairs (Note [Q/dO
+        multicast])."""
         return -(-seqlen_k // self.tile_n) % self.qdo_cluster == 0
 
     def replace(self, **changes) -> "BwdConfig":
@@ -348,12 +354,15 @@ class BwdConfig:
                 "block i+1's S GEMM, which needs the next stage"
             )
         if self.qdo_multicast:
-            for name, bad in (("causal", self.causal), ("longest_first", self.longest_first),
-                              ("deterministic", self.deterministic), ("a window", self.is_local)):
-                if bad:
-                    raise ValueError(
-                        f"qdo_multicast=True without {name}: the CTAs of a cluster visit the same "
-                        "query blocks in the same order (Note [Q/dO multicast])")
+            if self.is_local:
+                raise ValueError(
+                    "qdo_multicast=True without a window: the CTAs of a cluster load the query "
+                    "blocks from the first one's first to the common last (Note [Q/dO "
+                    "multicast]); a left window ends them at different blocks")
+            if self.deterministic:
+                raise ValueError(
+                    "qdo_multicast=True without deterministic: the dQ semaphore's order across "
+                    "the CTAs of a cluster is not built")
         if isinstance(self.qdo_cluster, bool) or self.qdo_cluster not in QDO_CLUSTERS:
             raise ValueError(f"qdo_cluster={self.qdo_cluster!r}: must be one of {QDO_CLUSTERS}")
         if isinstance(self.tail_ctas, bool) or not isinstance(self.tail_ctas, int) \
@@ -475,8 +484,13 @@ def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = Fals
     cfg = cfg.replace(**overrides)
     if "qdo_multicast" not in overrides:  # Note [Q/dO multicast]: the pairs must line up
         even = seqlen_k is not None and cfg.pairs_key_blocks(seqlen_k)
-        cfg = cfg.replace(qdo_multicast=even and not (cfg.causal or cfg.is_local
-                                                      or cfg.deterministic or cfg.longest_first))
+        # causal: only long enough that a cluster's skipped query blocks are few (Note [Q/dO
+        # multicast]), and only at the head dims measured
+        shortest = CAUSAL_MULTICAST_MIN_SEQLEN.get(head_dim)
+        band_ok = not cfg.causal or (shortest is not None and seqlen_q is not None
+                                     and min(seqlen_q, seqlen_k) >= shortest)
+        cfg = cfg.replace(qdo_multicast=even and band_ok
+                          and not (cfg.is_local or cfg.deterministic))
     return cfg.validate()
 
 
@@ -569,6 +583,20 @@ def longest_first_tail_pairs(cfg: BwdConfig, num_n_blocks, num_pairs, imin=min, 
 
 def _pick(cond, a, b):
     return a if cond else b
+
+
+def longest_first_cluster_cta(linear, num_n_blocks, num_pairs, tail_pairs, ctas, pick=_pick):
+    """``longest_first_cta`` for clusters of ``ctas`` neighbouring key blocks (Note [Q/dO
+    multicast]): the cluster launched ``linear // ctas``-th is renumbered as one CTA of a grid
+    of ``num_n_blocks // ctas`` columns, and the CTA keeps its rank in it, so that a cluster
+    still holds key blocks ``ctas c .. ctas c + ctas - 1`` of one pair. ``ctas`` is a Python
+    integer (1: ``longest_first_cta`` itself)."""
+    if ctas == 1:
+        return longest_first_cta(linear, num_n_blocks, num_pairs, tail_pairs, pick)
+    rank = linear % ctas
+    column, pair = longest_first_cta(linear // ctas, num_n_blocks // ctas, num_pairs,
+                                     tail_pairs, pick)
+    return column * ctas + rank, pair
 
 
 def longest_first_cta(linear, num_n_blocks, num_pairs, tail_pairs, pick=_pick):

@@ -120,9 +120,10 @@ def sm90_bwd(dout, q, k, v, out, lse, softmax_scale: Optional[float] = None, cau
                                 causal=causal, window_left=left, window_right=right,
                                 qhead_per_kvhead=group, deterministic=deterministic).validate()
     if config.qdo_multicast and not config.pairs_key_blocks(k.shape[1]):
-        raise ValueError(f"config.qdo_multicast=True pairs the CTAs of neighbouring key blocks, "
-                         f"but seqlen_k={k.shape[1]} gives {-(-k.shape[1] // config.tile_n)} "
-                         f"blocks of {config.tile_n} keys (odd): use qdo_multicast=False")
+        raise ValueError(f"config.qdo_multicast=True groups the CTAs of neighbouring key blocks "
+                         f"in clusters of {config.qdo_cluster}, but seqlen_k={k.shape[1]} gives "
+                         f"{-(-k.shape[1] // config.tile_n)} blocks of {config.tile_n} keys: use "
+                         f"qdo_multicast=False")
 
     q, k, v, out, dout = (t.contiguous() for t in (q, k, v, out, dout))
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)

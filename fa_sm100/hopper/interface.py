@@ -63,10 +63,11 @@ def sm90_config_for(problem, config: Optional[Sm90FwdConfig], need_lse: bool = F
         raise ValueError("config.write_lse=False, but LSE is needed (return_lse=True, an lse "
                          "buffer, or gradients): use a config with write_lse=True")
     if config.kv_multicast and not config.pairs_m_blocks(problem.seqlen_q):
-        raise ValueError(f"config.kv_multicast=True pairs the CTAs of neighbouring m blocks of a "
-                         f"head, but seqlen_q={problem.seqlen_q} gives "
+        raise ValueError(f"config.kv_multicast=True groups the CTAs of neighbouring m blocks of "
+                         f"a head in clusters of {config.kv_cluster}, but "
+                         f"seqlen_q={problem.seqlen_q} gives "
                          f"{-(-problem.seqlen_q // config.m_block)} blocks of {config.m_block} "
-                         f"rows (odd): use kv_multicast=False")
+                         f"rows: use kv_multicast=False")
     return config
 
 
