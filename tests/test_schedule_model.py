@@ -15,7 +15,8 @@ import pytest
 from fa_sm100.hopper.bwd_config import select_bwd_config
 from fa_sm100.hopper.config import select_sm90_fwd_config
 from fa_sm100.hopper.schedule_model import (bwd_cta_work, bwd_imbalance, imbalance, main,
-                                            makespan_dynamic, makespan_static, work_tile_lengths)
+                                            makespan_clusters, makespan_dynamic, makespan_static,
+                                            work_tile_lengths)
 
 
 def test_tile_lengths_follow_the_kernels_order():
@@ -85,8 +86,11 @@ def test_bwd_cta_work_follows_the_launch_order():
                          [(h, s) for h in (64, 128) for s in (1024, 2048, 4096, 8192)]
                          + [(256, s) for s in (1024, 2048, 4096)])
 def test_bwd_longest_first_takes_the_causal_tail_off(hdim, seqlen):
-    """(hdim 256 at 8k has 128 key blocks per pair: its grid order is within 1% already.)"""
-    cfg = select_bwd_config(hdim, causal=True, seqlen_q=seqlen, seqlen_k=seqlen)
+    """(hdim 256 at 8k has 128 key blocks per pair: its grid order is within 1% already.)
+    CTA by CTA: the clusters of the multicast default hold SMs for skipped blocks too (the
+    next test)."""
+    cfg = select_bwd_config(hdim, causal=True, seqlen_q=seqlen, seqlen_k=seqlen,
+                            qdo_multicast=False)
     assert cfg.longest_first
     shape = (16384 // seqlen, 2048 // hdim, seqlen)
     grid = bwd_imbalance(cfg.replace(longest_first=False), *shape)
@@ -97,4 +101,23 @@ def test_bwd_longest_first_takes_the_causal_tail_off(hdim, seqlen):
 def test_cli_bwd_prints_both_orders(capsys):
     assert main(["--mode", "bwd", "--hdim", "128", "--seqlen", "4096", "--causal", "both"]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 128")]
-    assert len(rows) == 2 and rows[1].startswith("| 128 | yes | 4096 | 80 x 128 | 2048 |")
+    assert len(rows) == 2 and rows[1].startswith("| 128 | yes | 4096 | 64 x 128 | 2048 |")
+
+
+def test_bwd_clusters_hold_their_sms_for_the_skipped_query_blocks():
+    """Causal hdim 64, 1k (128 x 128 blocks: key block n sees query blocks n .. 7): under
+    qdo_multicast the CTA of key block 2c+1 holds its SM from block 2c on, one block more than
+    its own; its cluster starts with its peer. So the model puts the clusters above the CTAs
+    one by one in makespan, by at most one block per CTA; without multicast both deals agree."""
+    cfg = select_bwd_config(64, causal=True, seqlen_q=1024, seqlen_k=1024, longest_first=False,
+                            qdo_multicast=True)
+    own = bwd_cta_work(cfg, 1, 1, 1024, 1024)
+    held = bwd_cta_work(cfg, 1, 1, 1024, 1024, held=True)
+    assert own == [8 - n for n in range(8)]
+    assert held == [8 - n + n % 2 for n in range(8)]
+    assert makespan_clusters([3.0, 1.0, 2.0], 2, 1) == makespan_dynamic([3.0, 1.0, 2.0], 2)
+    assert makespan_clusters([3.0, 1.0, 2.0, 2.0], 2, 2) == 5.0  # the second pair waits for both
+    shape = (16, 32, 4096)
+    on = bwd_imbalance(cfg, *shape)
+    off = bwd_imbalance(cfg.replace(qdo_multicast=False), *shape)
+    assert off < on < off + 0.08, (off, on)

@@ -389,9 +389,9 @@ def test_qdo_multicast_default_needs_aligned_pairs():
             assert not cfg.qdo_multicast and cfg.cluster == (1, 1, 1), (d, kw)
 
 
-def test_qdo_multicast_default_under_a_causal_mask_from_8k_at_hdim_64_and_128():
+def test_qdo_multicast_default_under_a_causal_mask_from_4k_at_hdim_64_and_128():
     """Causal problems multicast by default only where measured faster: hdim 64 and 128 with
-    both lengths at least CAUSAL_MULTICAST_MIN_SEQLEN (8k), the key blocks even, not
+    both lengths at least CAUSAL_MULTICAST_MIN_SEQLEN (4k), the key blocks even, not
     deterministic; the CTAs still start longest first (by clusters)."""
     from fa_sm100.hopper.bwd_config import CAUSAL_MULTICAST_MIN_SEQLEN
 

@@ -49,10 +49,10 @@ TILE_M_80_HEAD_DIMS = (128,)
 # 8k and 16k within +-1.7%).
 SHORT_CAUSAL_SEQLEN = 4096
 # Causal problems multicast Q/dO by default (Note [Q/dO multicast]) from this many queries and
-# keys on, at these head dims: H100, paired over the CTAs one by one, hdim 64 +3.2% / +3.3%
-# (8k), +4.3% / +4.2% (16k), 2k -0.1%, 4k +2.5% (0.92-1.07); hdim 128 8k -0.2% / +2.3%, 16k
-# +2.7% / +2.8%, 4k +0.3% / +1.4%.
-CAUSAL_MULTICAST_MIN_SEQLEN = {64: 8192, 128: 8192}
+# keys on, at these head dims: H100, paired over the CTAs one by one, hdim 64 +2.5% / +1.6%
+# (4k), +3.2% / +3.3% (8k), +4.3% / +4.2% (16k), 2k -0.1%; hdim 128 +0.3% / +1.4% / +1.2%
+# (4k), -0.2% / +2.3% (8k), +2.7% / +2.8% (16k).
+CAUSAL_MULTICAST_MIN_SEQLEN = {64: 4096, 128: 4096}
 SMEM_BUFFER_ALIGN = 1024  # every SMEM buffer of the kernel starts on a swizzle-atom boundary
 SM90_SMEM_BYTES = SMEM_BUDGET[SM90_ARCH]  # 227 KiB of dynamic shared memory per CTA on H100/H200
 
@@ -422,7 +422,9 @@ def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = Fals
     - non-causal without a window, not deterministic, with an even number of key blocks
       (``seqlen_k`` given): CTA pairs multicast Q and dO (``qdo_multicast``); H100, paired:
       hdim 128 +2.6% (2k), +2.4% (8k), +4.0% (16k); hdim 64 +2.1% (2k), +3.2% (8k), +6.5%
-      (16k). The other head dims follow unmeasured.
+      (16k). The other head dims follow unmeasured. Causal (both lengths from
+      ``CAUSAL_MULTICAST_MIN_SEQLEN``, hdim 64 and 128 only): hdim 64 +1.6% to +2.5% (4k),
+      +3.3% (8k), +4.2% (16k); hdim 128 +0.3% to +1.4% (4k), +1.0% (8k), +2.8% (16k).
     - head dims above 128: 64 key rows per CTA split by head-dim columns (Note [dK/dV by
       columns]). hdim 256: dQ by vector reductions with 2-stage Q/dO, 260-422, against the
       SMEM dQ tile with 1-stage Q/dO, 216-313 (``_wide_head_defaults``). (192, 128) is

@@ -18,7 +18,8 @@ problems. A model: it knows tile lengths, not the hardware (no L2, no clocks, eq
 at a time): a CTA costs its query blocks (``m_block_range``, plus ``tile_overhead`` for K/V and
 the dK/dV epilogue), the hardware hands CTAs out in launch order to the SM that frees up first
 (the dynamic deal above), and the order is the grid's or ``longest_first_cta``'s (Note [longest
-first] in bwd_kernel.py).
+first] in bwd_kernel.py). Under ``qdo_multicast`` a cluster's CTAs start together and hold their
+SMs for the cluster's query blocks (Note [Q/dO multicast]).
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ from __future__ import annotations
 import argparse
 import heapq
 
-from fa_sm100.hopper.bwd_config import (BwdConfig, longest_first_cta, longest_first_tail_pairs,
-                                        m_block_range, select_bwd_config)
+from fa_sm100.hopper.bwd_config import (BwdConfig, longest_first_cluster_cta,
+                                        longest_first_tail_pairs, m_block_range,
+                                        select_bwd_config)
 from fa_sm100.hopper.config import Sm90FwdConfig, select_sm90_fwd_config
 
 
@@ -79,28 +81,50 @@ def imbalance(cfg: Sm90FwdConfig, batch: int, heads: int, seqlen: int, num_ctas:
             "dynamic": makespan_dynamic(costs, num_ctas) / ideal}
 
 
-def bwd_cta_work(cfg: BwdConfig, batch: int, heads: int, seqlen_q: int,
-                 seqlen_k: int) -> list[int]:
+def bwd_cta_work(cfg: BwdConfig, batch: int, heads: int, seqlen_q: int, seqlen_k: int,
+                 held: bool = False) -> list[int]:
     """Query blocks of every backward CTA, in launch order (the grid's: key blocks of a pair,
-    then the next pair; or, with ``longest_first``, ``longest_first_cta``'s)."""
+    then the next pair; or, with ``longest_first``, ``longest_first_cluster_cta``'s). With
+    ``held``, the blocks the CTA holds its SM for: under ``qdo_multicast`` its cluster's, from
+    the rank-0 key block's first (Note [Q/dO multicast]); else its own."""
     num_n = _ceil_div(seqlen_k, cfg.tile_n)
     pairs = batch * heads
     tail = longest_first_tail_pairs(cfg, num_n, pairs)
+    ctas = cfg.cluster[0]
     work = []
     for linear in range(num_n * pairs):
         n_block = linear % num_n
         if cfg.longest_first:
-            n_block, _ = longest_first_cta(linear, num_n, pairs, tail)
+            n_block, _ = longest_first_cluster_cta(linear, num_n, pairs, tail, ctas)
         m_min, m_max = m_block_range(cfg, n_block, seqlen_q, seqlen_k)
+        if held:
+            m_min = m_block_range(cfg, n_block - n_block % ctas, seqlen_q, seqlen_k)[0]
         work.append(max(m_max - m_min, 0))
     return work
 
 
+def makespan_clusters(costs: list[float], num_ctas: int, ctas: int) -> float:
+    """Busiest SM when each cluster of ``ctas`` consecutive CTAs, in order, starts once that
+    many SMs are free (on the ``ctas`` free first) and holds each for its CTA's cost."""
+    free_at = [0.0] * min(num_ctas, len(costs))
+    heapq.heapify(free_at)
+    for first in range(0, len(costs), ctas):
+        group = costs[first:first + ctas]
+        start = max(heapq.heappop(free_at) for _ in group)
+        for cost in group:
+            heapq.heappush(free_at, start + cost)
+    return max(free_at)
+
+
 def bwd_imbalance(cfg: BwdConfig, batch: int, heads: int, seqlen: int, num_ctas: int = 132,
                   tile_overhead: float = 0.0) -> float:
-    """Makespan over the ideal of the backward's CTAs dealt in launch order (square problem)."""
-    costs = [w + tile_overhead for w in bwd_cta_work(cfg, batch, heads, seqlen, seqlen)]
-    return makespan_dynamic(costs, num_ctas) / (sum(costs) / min(num_ctas, len(costs)))
+    """Makespan over the ideal of the backward's CTAs dealt in launch order (square problem):
+    the ideal from the CTAs' own blocks, the makespan from the blocks they hold their SMs for
+    (clusters start together, Note [Q/dO multicast])."""
+    own = [w + tile_overhead for w in bwd_cta_work(cfg, batch, heads, seqlen, seqlen)]
+    held = [w + tile_overhead for w in bwd_cta_work(cfg, batch, heads, seqlen, seqlen, True)]
+    span = makespan_clusters(held, num_ctas, cfg.cluster[0])
+    return span / (sum(own) / min(num_ctas, len(own)))
 
 
 def _problems(args):
