@@ -341,7 +341,7 @@ class Sm90FlashBackward(BwdStoreRole, BwdScoresRole):
         to_sdhb = lambda t: cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
         mQ_t, mK_t, mV_t, mdO_t = [to_sdhb(t) for t in (mQ, mK, mV, mdO)]
         g2s = cpasync.CopyBulkTensorTileG2SOp()
-        # Note [Q/dO multicast]: each CTA of the cluster loads 1/QDO_CLUSTER of a Q / dO tile
+        # Note [Q/dO multicast]: each CTA of the cluster loads 1/qdo_cluster of a Q / dO tile
         qdo_ctas = self.cfg.cluster[0]
         qdo_op = cpasync.CopyBulkTensorTileG2SMulticastOp() if self.cfg.qdo_multicast else g2s
         tma_Q, tma_mQ = cpasync.make_tiled_tma_atom(

@@ -76,11 +76,13 @@ class Sm90FwdConfig:
     ex2_emu_fraction: float = 0.0  # share of exp2 done by a polynomial on the FMA pipe
     # the producer issues a work tile's first K tile before its Q (FlashAttention-4's order)
     k_before_q: bool = False
-    # CTAs of neighbouring m blocks of one (batch, head) run as a cluster of KV_CLUSTER; each
-    # loads its share of every K/V tile and multicasts it to both (Note [K/V multicast] in
-    # fwd_kernel.py). Non-causal, one tile per CTA, and an even number of m blocks per head.
+    # CTAs of neighbouring m blocks of one (batch, head) run as a cluster of kv_cluster; each
+    # loads its share of every K/V tile and multicasts it to all (Note [K/V multicast] in
+    # fwd_kernel.py). Non-causal, one tile per CTA, and a whole number of clusters of m blocks
+    # per head.
     kv_multicast: bool = False
-    # CTAs per cluster under kv_multicast: each loads 1/kv_cluster of every K / V tile
+    # CTAs per cluster under kv_multicast: each loads 1/kv_cluster of every K / V tile (4
+    # measured 6-8% slower than 2 on the H100: docs/hopper.md, round 11)
     kv_cluster: int = KV_CLUSTER
     # Causal scheduling: (batch, head) pairs are cut into sections whose K and V take at most
     # this many MiB, so a section's K/V stay in L2 (50 MB on H100/H200) while its tiles run.
