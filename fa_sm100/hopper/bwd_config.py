@@ -484,14 +484,14 @@ def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = Fals
         longest_first=overrides.pop("longest_first", causal and window_left is None),
     )
     cfg = cfg.replace(**overrides)
-    if "qdo_multicast" not in overrides:  # Note [Q/dO multicast]: the pairs must line up
-        even = seqlen_k is not None and cfg.pairs_key_blocks(seqlen_k)
+    if "qdo_multicast" not in overrides:  # Note [Q/dO multicast]: the clusters must line up
+        whole = seqlen_k is not None and cfg.pairs_key_blocks(seqlen_k)
         # causal: only long enough that a cluster's skipped query blocks are few (Note [Q/dO
         # multicast]), and only at the head dims measured
         shortest = CAUSAL_MULTICAST_MIN_SEQLEN.get(head_dim)
         band_ok = not cfg.causal or (shortest is not None and seqlen_q is not None
                                      and min(seqlen_q, seqlen_k) >= shortest)
-        cfg = cfg.replace(qdo_multicast=even and band_ok
+        cfg = cfg.replace(qdo_multicast=whole and band_ok
                           and not (cfg.is_local or cfg.deterministic))
     return cfg.validate()
 

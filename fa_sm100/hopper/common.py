@@ -107,7 +107,8 @@ def dsl_runtime_arch(arch: str):
 
 def sm90_kernel_build(name: str, cfg, arch: str, make_kernel, make_args):
     """The registry's ``KernelBuild`` of an SM90 kernel (no TMEM; the config's ``cluster``:
-    (2, 1, 1) under the forward's ``kv_multicast`` or the backward's ``qdo_multicast``).
+    (2, 1, 1) or (4, 1, 1) under the forward's ``kv_multicast`` or the backward's
+    ``qdo_multicast``, else (1, 1, 1)).
 
     ``make_kernel(cfg)`` gives the ``@cute.jit`` callable, ``make_args(cfg)`` its fake
     arguments; neither is called for an arch other than sm_90a (ValueError).

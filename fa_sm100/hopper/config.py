@@ -106,8 +106,8 @@ class Sm90FwdConfig:
         return (self.kv_cluster, 1, 1) if self.kv_multicast else (1, 1, 1)
 
     def pairs_m_blocks(self, seqlen_q: int) -> bool:
-        """Whether ``seqlen_q``'s m blocks pair up into ``kv_multicast`` clusters: an even
-        count, so that no cluster spans two heads (Note [K/V multicast])."""
+        """Whether ``seqlen_q``'s m blocks group into whole ``kv_multicast`` clusters (of
+        ``kv_cluster``), so that no cluster spans two heads (Note [K/V multicast])."""
         return -(-seqlen_q // self.m_block) % self.kv_cluster == 0
 
     def replace(self, **changes) -> "Sm90FwdConfig":
@@ -268,7 +268,7 @@ def select_sm90_fwd_config(head_dim: int = 128, head_dim_v=None, dtype="bfloat16
     ``persistent``, and ``o_in_q_buffer`` "persistent, and O's own buffer does not fit",
     unless overridden themselves. ``kv_multicast`` (then one tile per CTA) for non-causal
     problems from ``MULTICAST_MIN_SEQLEN_K`` keys on whose ``seqlen_q`` (optional: without it,
-    no) gives an even number of m blocks, unless ``persistent`` or it is given.
+    no) gives a whole number of clusters of m blocks, unless ``persistent`` or it is given.
     """
     head_dim_v = default_head_dim_v(head_dim) if head_dim_v is None else head_dim_v
     num_wg, n_block = default_tile(head_dim)
