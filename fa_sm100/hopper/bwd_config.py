@@ -180,11 +180,15 @@ class BwdConfig:
         """The launch's cluster shape (Note [Q/dO multicast] in bwd_kernel.py)."""
         return (self.qdo_cluster, 1, 1) if self.qdo_multicast else (1, 1, 1)
 
+    def num_key_blocks(self, seqlen_k: int) -> int:
+        """Key blocks of ``tile_n`` keys: the CTAs of one (batch, head) pair."""
+        return -(-seqlen_k // self.tile_n)
+
     def pairs_key_blocks(self, seqlen_k: int) -> bool:
         """Whether ``seqlen_k``'s key blocks group into whole ``qdo_multicast`` clusters (of
         ``qdo_cluster``), so that no cluster spans two (batch, head) pairs (Note [Q/dO
         multicast])."""
-        return -(-seqlen_k // self.tile_n) % self.qdo_cluster == 0
+        return self.num_key_blocks(seqlen_k) % self.qdo_cluster == 0
 
     def replace(self, **changes) -> "BwdConfig":
         return dataclasses.replace(self, **changes)

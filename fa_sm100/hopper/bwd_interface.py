@@ -122,7 +122,7 @@ def sm90_bwd(dout, q, k, v, out, lse, softmax_scale: Optional[float] = None, cau
     if config.qdo_multicast and not config.pairs_key_blocks(k.shape[1]):
         raise ValueError(f"config.qdo_multicast=True groups the CTAs of neighbouring key blocks "
                          f"in clusters of {config.qdo_cluster}, but seqlen_k={k.shape[1]} gives "
-                         f"{-(-k.shape[1] // config.tile_n)} blocks of {config.tile_n} keys: use "
+                         f"{config.num_key_blocks(k.shape[1])} blocks of {config.tile_n} keys: use "
                          f"qdo_multicast=False")
 
     q, k, v, out, dout = (t.contiguous() for t in (q, k, v, out, dout))

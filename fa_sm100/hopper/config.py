@@ -105,10 +105,14 @@ class Sm90FwdConfig:
         """The launch's cluster shape (Note [K/V multicast] in fwd_kernel.py)."""
         return (self.kv_cluster, 1, 1) if self.kv_multicast else (1, 1, 1)
 
+    def num_m_blocks(self, seqlen_q: int) -> int:
+        """Query blocks of ``m_block`` rows per (batch, head)."""
+        return -(-seqlen_q // self.m_block)
+
     def pairs_m_blocks(self, seqlen_q: int) -> bool:
         """Whether ``seqlen_q``'s m blocks group into whole ``kv_multicast`` clusters (of
         ``kv_cluster``), so that no cluster spans two heads (Note [K/V multicast])."""
-        return -(-seqlen_q // self.m_block) % self.kv_cluster == 0
+        return self.num_m_blocks(seqlen_q) % self.kv_cluster == 0
 
     def replace(self, **changes) -> "Sm90FwdConfig":
         return dataclasses.replace(self, **changes)

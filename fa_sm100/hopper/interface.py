@@ -66,7 +66,7 @@ def sm90_config_for(problem, config: Optional[Sm90FwdConfig], need_lse: bool = F
         raise ValueError(f"config.kv_multicast=True groups the CTAs of neighbouring m blocks of "
                          f"a head in clusters of {config.kv_cluster}, but "
                          f"seqlen_q={problem.seqlen_q} gives "
-                         f"{-(-problem.seqlen_q // config.m_block)} blocks of {config.m_block} "
+                         f"{config.num_m_blocks(problem.seqlen_q)} blocks of {config.m_block} "
                          f"rows: use kv_multicast=False")
     return config
 

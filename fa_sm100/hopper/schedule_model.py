@@ -40,7 +40,7 @@ def _ceil_div(a: int, b: int) -> int:
 def work_tile_lengths(cfg: Sm90FwdConfig, batch: int, heads: int, seqlen_q: int,
                       seqlen_k: int) -> list[int]:
     """KV tiles of every work tile, in the kernel's flat tile order (``tile_coords``)."""
-    num_m = _ceil_div(seqlen_q, cfg.m_block)
+    num_m = cfg.num_m_blocks(seqlen_q)
     all_n = _ceil_div(seqlen_k, cfg.n_block)
     pairs = batch * heads
     kv_bytes = seqlen_k * (cfg.head_dim + cfg.head_dim_v) * cfg.dtype_bytes
@@ -87,7 +87,7 @@ def bwd_cta_work(cfg: BwdConfig, batch: int, heads: int, seqlen_q: int, seqlen_k
     then the next pair; or, with ``longest_first``, ``longest_first_cluster_cta``'s). With
     ``held``, the blocks the CTA holds its SM for: under ``qdo_multicast`` its cluster's, from
     the rank-0 key block's first (Note [Q/dO multicast]); else its own."""
-    num_n = _ceil_div(seqlen_k, cfg.tile_n)
+    num_n = cfg.num_key_blocks(seqlen_k)
     pairs = batch * heads
     tail = longest_first_tail_pairs(cfg, num_n, pairs)
     ctas = cfg.cluster[0]
@@ -154,7 +154,7 @@ def _print_bwd(args) -> None:
         shape = (batch, heads, seqlen, args.num_ctas, args.tile_overhead)
         grid = bwd_imbalance(cfg.replace(longest_first=False), *shape)
         lpt = bwd_imbalance(cfg.replace(longest_first=True), *shape)
-        ctas = _ceil_div(seqlen, cfg.tile_n) * batch * heads
+        ctas = cfg.num_key_blocks(seqlen) * batch * heads
         print(f"| {hdim} | {'yes' if causal else 'no'} | {seqlen} | "
               f"{cfg.tile_m} x {cfg.tile_n} | {ctas} | {grid:.3f} | {lpt:.3f} |")
 
