@@ -427,20 +427,16 @@ def test_qdo_multicast_config_on_an_odd_number_of_key_blocks_raises(monkeypatch)
     monkeypatch.setattr(bwd_interface, "_compiled", no_compile)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     cfg = select_bwd_config(head_dim=64, qdo_multicast=True)
+    cfg4 = cfg.replace(qdo_cluster=4)
+    cases = [(cfg, 256, True), (cfg, 129, True), (cfg, 128, False), (cfg, 300, False),
+             (cfg4, 512, True), (cfg4, 385, True), (cfg4, 256, False)]
     with FakeTensorMode():
-        for sk, ok in ((256, True), (129, True), (128, False), (300, False)):
+        for config, sk, ok in cases:
             args = [torch.empty(t.shape, dtype=t.dtype, device="cuda")
                     for t in _cpu_inputs(sk=sk)]
             with pytest.raises(Compiled if ok else ValueError,
-                               match=None if ok else "in clusters of 2"):
-                sm90_bwd(*args, config=cfg)
-        cfg4 = cfg.replace(qdo_cluster=4)
-        for sk, ok in ((512, True), (385, True), (256, False)):
-            args = [torch.empty(t.shape, dtype=t.dtype, device="cuda")
-                    for t in _cpu_inputs(sk=sk)]
-            with pytest.raises(Compiled if ok else ValueError,
-                               match=None if ok else "in clusters of 4"):
-                sm90_bwd(*args, config=cfg4)
+                               match=None if ok else f"in clusters of {config.qdo_cluster}"):
+                sm90_bwd(*args, config=config)
 
 
 # ---- block ranges ------------------------------------------------------------------------

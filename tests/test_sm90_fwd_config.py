@@ -193,25 +193,19 @@ def test_kv_multicast_needs_an_even_number_of_m_blocks():
     blocks with kv_cluster=4); a count that does not divide would group blocks of two heads
     (different K/V): ValueError before any launch."""
     cfg = select_sm90_fwd_config(128, kv_multicast=True)
+    cfg4 = cfg.replace(kv_cluster=4)  # a whole number of four-block groups
     k, v = (torch.randn(1, 300, 2, 128, dtype=torch.bfloat16) for _ in range(2))
-    for seqlen_q, ok in ((256, True), (255, True), (129, True), (257, False), (1, False)):
+    cases = [(cfg, 256, True), (cfg, 255, True), (cfg, 129, True), (cfg, 257, False),
+             (cfg, 1, False), (cfg4, 512, True), (cfg4, 385, True), (cfg4, 256, False),
+             (cfg4, 513, False)]
+    for config, seqlen_q, ok in cases:
         q = torch.randn(1, seqlen_q, 2, 128, dtype=torch.bfloat16)
         prob = validate_attention_inputs(q, k, v, require_cuda=False)
         if ok:
-            assert sm90_config_for(prob, cfg) is cfg
+            assert sm90_config_for(prob, config) is config
         else:
-            with pytest.raises(ValueError, match="in clusters of 2"):
-                sm90_config_for(prob, cfg)
-    # clusters of 4: a whole number of four-block groups
-    cfg4 = cfg.replace(kv_cluster=4)
-    for seqlen_q, ok in ((512, True), (385, True), (256, False), (513, False)):
-        prob = validate_attention_inputs(torch.randn(1, seqlen_q, 2, 128, dtype=torch.bfloat16),
-                                         k, v, require_cuda=False)
-        if ok:
-            assert sm90_config_for(prob, cfg4) is cfg4
-        else:
-            with pytest.raises(ValueError, match="in clusters of 4"):
-                sm90_config_for(prob, cfg4)
+            with pytest.raises(ValueError, match=f"in clusters of {config.kv_cluster}"):
+                sm90_config_for(prob, config)
     # the default for such a problem simply does not multicast
     q = torch.randn(1, 257, 2, 128, dtype=torch.bfloat16)
     k, v = (torch.randn(1, 8192, 2, 128, dtype=torch.bfloat16) for _ in range(2))
