@@ -84,6 +84,10 @@ BWD_CASES = [
     (3, 333, 1000, 4, 2, 128, 128, True, (None, None), False,
      {"qdo_multicast": True, "tail_ctas": 16}),
     (2, 257, 255, 4, 1, 64, 64, True, (None, None), False, {"qdo_multicast": True}),
+    # Note [dQ first store] (the causal cases above have it by default; the deterministic one
+    # stores on turn 0): 16 key blocks racing for each query block, and a window
+    (2, 500, 2048, 4, 4, 128, 128, False, (None, None), False, {"dq_first_store": True}),
+    (1, 600, 500, 2, 2, 64, 64, False, (50, 20), False, {"dq_first_store": True}),
 ]
 
 

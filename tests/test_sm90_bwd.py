@@ -389,6 +389,24 @@ def test_qdo_multicast_default_needs_aligned_pairs():
             assert not cfg.qdo_multicast and cfg.cluster == (1, 1, 1), (d, kw)
 
 
+def test_dq_first_store_default_is_causal_with_bulk_dq():
+    """Note [dQ first store] is on by default for causal problems (with or without a window,
+    deterministic or not) and off for non-causal ones, where the CTAs of a pair reach each
+    query block together (measured slower); "red" dQ (hdim 256's default) ignores the switch,
+    and then the accumulator needs its zeros and only one semaphore per (batch, head)."""
+    for d in (64, 96, 128, 192):
+        for kw in ({}, dict(deterministic=True), dict(window_left=100), dict(seqlen_q=1024,
+                                                                            seqlen_k=16384)):
+            assert select_bwd_config(head_dim=d, causal=True, **kw).first_stores_dq, (d, kw)
+            off = select_bwd_config(head_dim=d, **kw)
+            assert not off.dq_first_store and not off.first_stores_dq, (d, kw)
+            assert off.dq_sems_per_block == bool(kw.get("deterministic")), (d, kw)
+    red = select_bwd_config(head_dim=256, causal=True)
+    assert red.dq_first_store and red.dq_accum == "red" and not red.first_stores_dq
+    assert not red.dq_sems_per_block
+    assert select_bwd_config(head_dim=128, dq_first_store=True).first_stores_dq
+
+
 def test_qdo_multicast_default_under_a_causal_mask_from_4k_at_hdim_64_and_128():
     """Causal problems multicast by default only where measured faster: hdim 64 and 128 with
     both lengths at least CAUSAL_MULTICAST_MIN_SEQLEN (4k), the key blocks even, not
@@ -534,7 +552,8 @@ def test_bwd_memcheck_cases_run_the_orders_they_name():
     configs validate, and between them they take the whole grid longest first, a tail after
     CTAs in the grid's order (deterministic too), the grid's order under a causal mask, CTA
     pairs that multicast Q and dO (with each dQ path), every head-dim pair and both dQ
-    paths."""
+    paths, and first dQ stores (Note [dQ first store]) claimed by CAS and by deterministic
+    turn, causal and not."""
     mod = load_script("sm90_memcheck")
     kinds, dims, dq, multicast_dq = set(), set(), set(), set()
     for case in mod.BWD_CASES:
@@ -549,13 +568,16 @@ def test_bwd_memcheck_cases_run_the_orders_they_name():
             kinds.add(kind + (" det" if deterministic else ""))
         elif causal:
             kinds.add("grid order")
+        if cfg.first_stores_dq:
+            kinds.add("first store" + (" det" if deterministic else "")
+                      + (" causal" if causal else ""))
         if cfg.qdo_multicast:
             multicast_dq.add(cfg.dq_accum)
             kinds.add("multicast causal" if causal else "multicast")
             if cfg.qdo_cluster == 4:
                 kinds.add("multicast 4")
     assert {"whole grid", "tail", "tail det", "grid order", "multicast", "multicast causal",
-            "multicast 4"} <= kinds
+            "multicast 4", "first store", "first store causal", "first store det causal"} <= kinds
     assert multicast_dq == {"bulk", "red"}
     assert dims == {(64, 64), (96, 96), (128, 128), (192, 128), (256, 256)}
     assert dq == {"bulk", "red"}
@@ -805,6 +827,48 @@ def test_sm90_bwd_dq_handoff_barriers(overrides, per_wg, tmp_path):
         want = {(int(B.DQ_EMPTY_WG0), 288), (int(B.DQ_FULL_WG0), 288)}
     assert bars == want
     assert len(re.findall(r"UBLKRED", sass)) == (2 if per_wg else 1)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("overrides,copies,cas", [
+    (["causal=true"], 2, 1), (["causal=true", "dq_first_store=false"], 0, 0), ([], 0, 0),
+    (["dq_first_store=true", "dq_handoff_per_wg=false"], 1, 1),
+    (["head_dim=64", "deterministic=true", "causal=true"], 2, 0),
+    (["head_dim=96", "deterministic=true", "window_left=100", "sdp_swap_ab=false",
+      "dq_first_store=true"], 1, 0),
+    (["causal=true", "dq_accum=red"], 0, 0)],
+    ids=["d128-causal", "causal-off", "d128-non-causal", "d128-whole-tile", "d64-deterministic",
+         "d96-deterministic-window", "red"])
+def test_sm90_bwd_dq_first_store_copies_where_the_others_add(overrides, copies, cas, tmp_path):
+    """Note [dQ first store]: the dq-store warp has a bulk copy beside each bulk reduce (one
+    per handoff part), and claims a block with one CAS (deterministic mode: none, turn 0
+    copies); off, and with "red" dQ, neither. The MMA warpgroups' GEMMs are the same either
+    way. On by default for causal problems only. The preprocess writes the accumulator's
+    zeros (16-byte stores) only without first stores."""
+    from fa_sm100.compile_tools import cross_compile, sass_full_histogram
+    from fa_sm100.config import cutlass_dtype
+    from fa_sm100.hopper.bwd_interface import fake_pre_arguments
+    from fa_sm100.hopper.bwd_prepost import BwdPreprocess
+    from fa_sm100.inspection import inspect_kernel
+
+    r = inspect_kernel("sm90_bwd", "sm_90a", overrides, keep_dir=tmp_path)
+    sass = read_kept_sass(tmp_path)
+    on = "dq_first_store=true" in overrides or ("causal=true" in overrides
+                                                and "dq_first_store=false" not in overrides)
+    assert r["config"]["dq_first_store"] is on
+    assert len(re.findall(r"UBLKCP\.G\.S", sass)) == copies
+    assert len(re.findall(r"ATOMG\.E\.CAS", sass)) == cas
+    if copies:
+        assert len(re.findall(r"UBLKRED", sass)) == copies
+        off = inspect_kernel("sm90_bwd", "sm_90a", [o for o in overrides if "first" not in o]
+                             + ["dq_first_store=false"])
+        assert r["sass"]["HGMMA"] == off["sass"]["HGMMA"]
+        assert r["spill_bytes"] == 0
+    dt = cutlass_dtype("bfloat16")
+    for zero_dq in (True, False):
+        pre = cross_compile(BwdPreprocess(128, 128, True, zero_dq), fake_pre_arguments(dt, 128),
+                            "sm_90a")
+        assert ("STG.E.128" in sass_full_histogram(pre.sass)) is zero_dq
 
 
 @pytest.mark.compile
@@ -1152,8 +1216,9 @@ def test_sm90_bwd_stats_come_with_their_stage(overrides, tmp_path):
         assert r["spill_bytes"] == 0 and r["local_bytes"] == 0
         sass[on] = read_kept_sass(keep)
         assert _hgmma_commits(sass[on]) == 5, "WGMMAs serialized"
-    assert len(re.findall(r"UBLKCP", sass[True])) == 2
-    assert "UBLKCP" not in sass[False]
+    # global -> shared copies (the dq-store warp's first stores go the other way: UBLKCP.G.S)
+    assert len(re.findall(r"UBLKCP\.S\.G", sass[True])) == 2
+    assert "UBLKCP.S.G" not in sass[False]
     ldg = {on: len(re.findall(r"\bLDG\.", sass[on])) for on in sass}
     assert ldg[True] < ldg[False]
 

@@ -360,3 +360,46 @@ def test_sm90_bwd_wide_head_dims_deterministic_is_bitwise_reproducible(sm90_devi
                               deterministic=True, config=cfg)
     _assert_reproducible(inputs, first, True, window, cfg)
 
+
+
+# Note [dQ first store]: the first CTA at each query block stores its tile and nothing zeroes
+# the accumulator, so these cases hand the kernels one full of NaN: many key blocks racing for
+# the same first block (16 of them, non-causal), blocks that no CTA reaches (seqlen_q >
+# seqlen_k under a causal mask; a window), GQA, Q/dO multicast, one dQ handoff per tile,
+# deterministic turns (turn 0 stores), and the zero fill itself (first stores off; "red" dQ)
+FIRST_STORE_CASES = [  # (b, sq, sk, hq, hk, d, causal, window, deterministic, switches)
+    (2, 1000, 2048, 4, 4, 128, False, (None, None), False, {}),
+    (2, 700, 150, 2, 2, 128, True, (None, None), False, {}),
+    (1, 600, 500, 4, 2, 64, False, (50, 20), False, {}),
+    (2, 333, 500, 4, 2, 128, True, (None, None), False, dict(qdo_multicast=True)),
+    (1, 500, 400, 2, 2, 128, False, (None, None), False, dict(dq_handoff_per_wg=False)),
+    (2, 700, 150, 4, 2, 128, True, (None, None), True, {}),
+    (1, 600, 500, 2, 2, 96, False, (50, 20), True, {}),
+    (2, 700, 150, 2, 2, 128, True, (None, None), False, dict(dq_first_store=False)),
+    (1, 300, 200, 2, 2, 256, True, (None, None), False, {}),
+]
+
+
+@pytest.mark.parametrize("case", FIRST_STORE_CASES, ids=lambda c: (
+    f"d{c[5]}-q{c[1]}-k{c[2]}-{'causal' if c[6] else 'full'}-w{c[7][0]}"
+    + ("-det" if c[8] else "") + "".join(f"-{k}={v}" for k, v in c[9].items())))
+def test_sm90_bwd_dq_first_store_with_a_poisoned_accumulator(sm90_device, monkeypatch, case):
+    from fa_sm100.hopper import bwd_interface
+    from fa_sm100.hopper.bwd_config import select_bwd_config
+
+    b, sq, sk, hq, hk, d, causal, window, det, switches = case
+    switches = {"dq_first_store": True, **switches}  # on where the default is off too
+    cfg = select_bwd_config(head_dim=d, causal=causal, window_left=window[0],
+                            window_right=window[1], qhead_per_kvhead=hq // hk,
+                            deterministic=det, seqlen_q=sq, seqlen_k=sk, **switches)
+    assert cfg.first_stores_dq == (switches["dq_first_store"] and d != 256)
+    workspace = bwd_interface.workspace
+
+    def poisoned(config, q, k):
+        ws = workspace(config, q, k)
+        ws["dq_acc"].fill_(float("nan"))
+        ws["dq_sem"].fill_(7)  # the preprocess zeroes them
+        return ws
+
+    monkeypatch.setattr(bwd_interface, "workspace", poisoned)
+    _run_case(b, sq, sk, hq, hk, d, causal, window, deterministic=det, config=cfg, seed=sk)

@@ -32,15 +32,18 @@ def _run(kernel, fakes, tensors, scalars=()):
     emulate(cap, list(tensors), seed=0)
 
 
-@pytest.mark.parametrize("head_dim,head_dim_v,dtype,tile_m,n_sem",
-                         [(64, 64, "bfloat16", 64, 1), (96, 96, "float16", 64, 2),
-                          (128, 128, "bfloat16", 80, 1), (192, 128, "bfloat16", 64, 2)])
-def test_preprocess_delta_lse2_padding_and_zeroed_dq(head_dim, head_dim_v, dtype, tile_m, n_sem):
+@pytest.mark.parametrize("head_dim,head_dim_v,dtype,tile_m,n_sem,zero_dq",
+                         [(64, 64, "bfloat16", 64, 1, True), (96, 96, "float16", 64, 2, True),
+                          (128, 128, "bfloat16", 80, 1, True), (192, 128, "bfloat16", 64, 2, True),
+                          (128, 128, "bfloat16", 80, 3, False)])
+def test_preprocess_delta_lse2_padding_and_zeroed_dq(head_dim, head_dim_v, dtype, tile_m, n_sem,
+                                                     zero_dq):
     """Delta = rowsum(O * dO) (16 lanes per row, butterfly sum) within the error rule;
     LSE2 = LSE * log2(e) bit for bit, -inf (a row that sees no key) -> +inf; the padding rows
     seqlen_q <= i < seqlen_q_pad get Delta 0 and LSE2 +inf. 37 rows: a partial last CTA.
-    The dQ accumulator (seqlen_q_pad x head_dim floats per head, in tile_m-row blocks) and the
-    dQ semaphores come out zero wherever they started (Note [chained launches])."""
+    The dQ semaphores come out zero wherever they started (Note [chained launches]), and with
+    ``zero_dq`` the dQ accumulator (seqlen_q_pad x head_dim floats per head, in tile_m-row
+    blocks); without it (Note [dQ first store]) the preprocess leaves the accumulator alone."""
     torch.manual_seed(head_dim)
     b, sq, h = 2, 37, 3
     pad = -(-sq // tile_m) * tile_m
@@ -53,12 +56,15 @@ def test_preprocess_delta_lse2_padding_and_zeroed_dq(head_dim, head_dim_v, dtype
     delta = torch.full((b, h, pad), 7.0)
     dq_acc = torch.full((b, h, pad // tile_m, tile_m * head_dim), math.nan)
     dq_sem = torch.full((b, h, n_sem), 7, dtype=torch.int32)
-    _run(BwdPreprocess(head_dim_v, head_dim, pdl=True),
+    _run(BwdPreprocess(head_dim_v, head_dim, pdl=True, zero_dq=zero_dq),
          (_rowmajor(dt, o.shape), _rowmajor(dt, do.shape), _rowmajor(f32, lse.shape),
           _rowmajor(f32, lse2.shape), _rowmajor(f32, delta.shape),
           _rowmajor(f32, dq_acc.shape), _rowmajor(cutlass.Int32, dq_sem.shape, 4)),
          (o, do, lse, lse2, delta, dq_acc, dq_sem))
-    assert torch.equal(dq_acc, torch.zeros_like(dq_acc))
+    if zero_dq:
+        assert torch.equal(dq_acc, torch.zeros_like(dq_acc))
+    else:
+        assert dq_acc.isnan().all()
     assert torch.equal(dq_sem, torch.zeros_like(dq_sem))
     ref64 = (o.double() * do.double()).sum(-1).transpose(1, 2)
     plain = (o.float() * do.float()).sum(-1).transpose(1, 2)
@@ -110,7 +116,9 @@ def test_dq_postprocess_inverts_the_fragment_order(overrides):
     ``dq_fragment_index`` (the PTX ISA's WGMMA accumulator layout, in Python) comes back out of
     ``DqPostprocess`` (which maps registers to rows and columns with the kernel's own tiled
     MMA) as scale * tile in the output dtype, bit for bit, for every row below seqlen_q of a
-    ragged last block; two derivations of the same layout that must agree."""
+    ragged last block; two derivations of the same layout that must agree. With first stores
+    (Note [dQ first store]; "red" dQ at hdim 256 has none) a block whose semaphore is 0 comes
+    out as zeros whatever its accumulator holds (NaN here), the others as they are."""
     cfg = select_bwd_config(**overrides)
     tm, d = cfg.tile_m, cfg.head_dim
     b, h, s = 1, 2, tm + 37
@@ -120,10 +128,16 @@ def test_dq_postprocess_inverts_the_fragment_order(overrides):
     index = torch.tensor([[dq_fragment_index(cfg, r, c) for c in range(d)] for r in range(tm)])
     acc = torch.empty(b, h, n_m, tm * d)
     acc[..., index.flatten()] = tiles.reshape(b, h, n_m, tm * d)
+    sem = torch.full((b, h, n_m if cfg.first_stores_dq else 1), 2, dtype=torch.int32)
+    if cfg.first_stores_dq:  # head 1's first block: no CTA reached it
+        sem[0, 1, 0] = 0
+        acc[0, 1, 0] = math.nan
+        tiles[0, 1, 0] = 0.0
     t = getattr(torch, cfg.dtype)
     out = torch.full((b, s, h, d), 7.0).to(t)
     dt, f32 = cutlass_dtype(cfg.dtype), cutlass.Float32
-    _run(DqPostprocess(cfg), (_rowmajor(f32, acc.shape), _rowmajor(dt, out.shape)), (acc, out),
-         scalars=(f32(0.125),))
+    _run(DqPostprocess(cfg),
+         (_rowmajor(f32, acc.shape), _rowmajor(cutlass.Int32, sem.shape, 4),
+          _rowmajor(dt, out.shape)), (acc, sem, out), scalars=(f32(0.125),))
     want = (tiles * 0.125).to(t).reshape(b, h, n_m * tm, d)[:, :, :s].transpose(1, 2)
     assert torch.equal(out, want)

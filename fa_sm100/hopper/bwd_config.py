@@ -88,6 +88,12 @@ class BwdConfig:
     # cp.reduce.async.bulk per query block; "red" = red.global.add.v4.f32 from the MMA
     # registers (no SMEM tile).
     dq_accum: str = "bulk"
+    # "bulk" dQ: the first CTA to reach a query block stores its tile (a bulk copy) where the
+    # others add theirs, so nothing zeroes the dQ accumulator; the dQ postprocess writes zeros
+    # for a block no CTA reached (Note [dQ first store] in bwd_store.py). Off: the preprocess
+    # zeroes the accumulator and every CTA adds. "red" dQ ignores it (see first_stores_dq).
+    # select_bwd_config: on for causal problems (see there).
+    dq_first_store: bool = False
     # "bulk" dQ: each MMA warpgroup hands its half of the SMEM dQ tile to the dq-store warp on
     # its own pair of barriers, and the warp reduces the halves separately (Note [dQ SMEM
     # handoff] in bwd_store.py); off: one handoff of the whole tile, which waits for both
@@ -174,6 +180,18 @@ class BwdConfig:
     def stores_dkv_by_tma(self) -> bool:
         """dK/dV through SMEM and TMA: ``dkv_tma_store`` and MHA (Note [dK/dV by TMA])."""
         return self.dkv_tma_store and not self.uses_gqa_buffers
+
+    @property
+    def first_stores_dq(self) -> bool:
+        """The first CTA at a query block stores its dQ tile instead of adding it (Note [dQ
+        first store]): ``dq_first_store`` with "bulk" dQ (the dq-store warp's bulk copies)."""
+        return self.dq_first_store and self.dq_accum == "bulk"
+
+    @property
+    def dq_sems_per_block(self) -> bool:
+        """One dQ semaphore per query block (deterministic turns, or Note [dQ first store]'s
+        state); else a single unused one per (batch, head)."""
+        return self.deterministic or self.first_stores_dq
 
     @property
     def cluster(self) -> tuple:
@@ -325,7 +343,8 @@ class BwdConfig:
             )
         for name in ("sdp_swap_ab", "overlap_dk", "stats_smem", "try_wait", "stats_first",
                      "dv_before_barrier", "dkv_tma_store", "dq_handoff_per_wg", "pdl",
-                     "stats_shuffle", "dv_before_fence", "longest_first", "qdo_multicast"):
+                     "stats_shuffle", "dv_before_fence", "longest_first", "qdo_multicast",
+                     "dq_first_store"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be a bool")
         if self.tile_m == 2 * TILE_M_ATOM:
@@ -429,6 +448,12 @@ def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = Fals
       (16k). The other head dims follow unmeasured. Causal (both lengths from
       ``CAUSAL_MULTICAST_MIN_SEQLEN``, hdim 64 and 128 only): hdim 64 +1.6% to +2.5% (4k),
       +3.3% (8k), +4.2% (16k); hdim 128 +0.3% to +1.4% (4k), +1.0% (8k), +2.8% (16k).
+    - causal, "bulk" dQ: the first CTA at each query block stores its dQ tile and the
+      preprocess writes no zeros (``dq_first_store``, Note [dQ first store]); H100, paired
+      over the zero fill: hdim 128 +4.5% (1k), +1.5% (2k), -1.0% (4k, wide rounds), +2.0%
+      (8k); hdim 64 +4.4% (1k), +2.2% (2k), +2.1% (4k), +2.7% (8k), +0.3% (16k). Non-causal
+      hdim 128 1k-4k: -5% to -9% (the key blocks of a pair reach every query block together
+      and wait for each other's stores), so off there.
     - head dims above 128: 64 key rows per CTA split by head-dim columns (Note [dK/dV by
       columns]). hdim 256: dQ by vector reductions with 2-stage Q/dO, 260-422, against the
       SMEM dQ tile with 1-stage Q/dO, 216-313 (``_wide_head_defaults``). (192, 128) is
@@ -486,6 +511,9 @@ def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = Fals
                                         not (deterministic and window_left is not None)),
         # causal without a left window: key block n's work falls with n (Note [longest first])
         longest_first=overrides.pop("longest_first", causal and window_left is None),
+        # causal: the key blocks of a pair reach a query block at different times (Note [dQ
+        # first store])
+        dq_first_store=overrides.pop("dq_first_store", causal),
     )
     cfg = cfg.replace(**overrides)
     if "qdo_multicast" not in overrides:  # Note [Q/dO multicast]: the clusters must line up

@@ -148,14 +148,15 @@ def launch_plan(config: BwdConfig, q, k, v, out, dout, lse, dq, dk, dv, softmax_
       launch (``griddepcontrol.launch_dependents``);
     - the main kernel's load warp issues K's and V's TMA (inputs nobody in the chain writes)
       and then waits, before any Q / dO stage with its LSE2 / Delta; the MMA warpgroups and
-      the dq-store warp wait first thing (they read LSE2 / Delta, add into the zeroed dQ
-      accumulator, write dK / dV);
+      the dq-store warp wait first thing (they read LSE2 / Delta and the semaphores, add into
+      the dQ accumulator, write dK / dV);
     - each postprocess waits first thing.
     Waiting is transitive (a kernel can only launch once the one before it has passed its
     own wait), so nothing in the chain overlaps a write it depends on. What overlaps is the
     launch and the CTAs' start-up: the preprocess's tail with the main kernel's K/V loads,
-    and the main kernel's tail with the postprocess's launch. The preprocess zeroes the dQ
-    accumulator and the semaphores in the same pass (FA4 does the same), so no separate
+    and the main kernel's tail with the postprocess's launch. The preprocess zeroes the
+    semaphores, and the dQ accumulator unless the first CTA at each query block stores its
+    tile (Note [dQ first store] in bwd_store.py; FA4 zeroes it there), so no separate
     zero-fill kernel sits in the chain."""
     from fa_sm100.config import cutlass_dtype
     from fa_sm100.hopper.bwd_kernel import Sm90FlashBackward
@@ -166,8 +167,9 @@ def launch_plan(config: BwdConfig, q, k, v, out, dout, lse, dq, dk, dv, softmax_
     ws = workspace(config, q, k)
     dk_arg, dv_arg = (ws["dk_acc"], ws["dv_acc"]) if config.uses_gqa_buffers else (dk, dv)
     pdl = config.pdl
+    zero_dq = not config.first_stores_dq  # Note [dQ first store]: no zero fill needed
     plan = [
-        ("pre", (d_v, d, dtype, pdl), lambda: BwdPreprocess(d_v, d, pdl),
+        ("pre", (d_v, d, dtype, pdl, zero_dq), lambda: BwdPreprocess(d_v, d, pdl, zero_dq),
          lambda: fake_pre_arguments(dt, d_v),
          (out, dout, lse, ws["lse2"], ws["delta"], ws["dq_acc"], ws["dq_sem"])),
         ("main", config, lambda: Sm90FlashBackward(config),
@@ -175,9 +177,11 @@ def launch_plan(config: BwdConfig, q, k, v, out, dout, lse, dq, dk, dv, softmax_
          (q, k, v, dout, ws["lse2"], ws["delta"], ws["dq_acc"], dk_arg, dv_arg, ws["dq_sem"],
           softmax_scale)),
         # the fragment order depends on tile_m (which warpgroup split) and the head dim; the
-        # main kernel's dQ tiles are unscaled
-        ("post_dq", (config.tile_m, d, dtype, pdl), lambda: DqPostprocess(config),
-         lambda: fake_dq_post_arguments(config), (ws["dq_acc"], dq, softmax_scale)),
+        # main kernel's dQ tiles are unscaled; with first stores a block no CTA reached is
+        # zero (its semaphore says so)
+        ("post_dq", (config.tile_m, d, dtype, pdl, config.first_stores_dq),
+         lambda: DqPostprocess(config), lambda: fake_dq_post_arguments(config),
+         (ws["dq_acc"], ws["dq_sem"], dq, softmax_scale)),
     ]
     if config.uses_gqa_buffers:
         g = config.qhead_per_kvhead if config.gqa_reduce == "buffers" else 1
@@ -191,7 +195,8 @@ def workspace(config: BwdConfig, q, k) -> dict:
     """The float32 buffers of one backward call, on q's device: LSE2 and Delta (rows padded to
     tile_m), the dQ accumulator (one block of tile_m * d floats per query block: Note [dQ in
     fragment order] in bwd_store.py) and the dQ semaphores (one per query block when
-    deterministic), both zeroed by the preprocess, and for GQA/MQA the dK/dV accumulators (one
+    deterministic or with first stores), zeroed by the preprocess (the accumulator only
+    without first stores: Note [dQ first store]), and for GQA/MQA the dK/dV accumulators (one
     per query head with "buffers", zeroed and one per KV head with "atomic")."""
     b, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
@@ -202,7 +207,7 @@ def workspace(config: BwdConfig, q, k) -> dict:
         "lse2": torch.empty(b, hq, sq_pad, device=dev, dtype=f32),
         "delta": torch.empty(b, hq, sq_pad, device=dev, dtype=f32),
         "dq_acc": torch.empty(b, hq, n_m_blocks, config.dq_block_elems, device=dev, dtype=f32),
-        "dq_sem": torch.empty(b, hq, n_m_blocks if config.deterministic else 1, device=dev,
+        "dq_sem": torch.empty(b, hq, n_m_blocks if config.dq_sems_per_block else 1, device=dev,
                               dtype=torch.int32),
     }
     if config.uses_gqa_buffers:
@@ -235,7 +240,8 @@ def fake_arguments(config: BwdConfig, env_stream: bool = False):
     dt = cutlass_dtype(config.dtype)
     d, dv = config.head_dim, config.head_dim_v
     b, sq, sk, h, hk = (cute.sym_int() for _ in range(5))
-    # the dQ blocks and the semaphores: equal only when deterministic (one symbol each)
+    # the dQ blocks and the semaphores: equal only with one semaphore per block (one symbol
+    # each)
     sq_pad, sk_pad, h_acc, n_m, n_sem = (cute.sym_int() for _ in range(5))
     q, do = _rowmajor(dt, (b, sq, h, d)), _rowmajor(dt, (b, sq, h, dv))
     k, v = _rowmajor(dt, (b, sk, hk, d)), _rowmajor(dt, (b, sk, hk, dv))
@@ -284,14 +290,16 @@ def fake_post_arguments(dt, head_dim: int, pitch: int):
 
 def fake_dq_post_arguments(config: BwdConfig):
     """Fake arguments of the dQ postprocess: the fragment-order accumulator (b, h, m_blocks,
-    tile_m * hdim), dq (b, s, h, d), the scale; the current torch stream."""
+    tile_m * hdim), the dQ semaphores (b, h, n), dq (b, s, h, d), the scale; the current
+    torch stream."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream
 
     from fa_sm100.config import cutlass_dtype
 
-    b, h, n_m, s = (cute.sym_int() for _ in range(4))
+    b, h, n_m, s, n_sem = (cute.sym_int() for _ in range(5))
     return (_rowmajor(cutlass.Float32, (b, h, n_m, config.dq_block_elems)),
+            _rowmajor(cutlass.Int32, (b, h, n_sem), 4),
             _rowmajor(cutlass_dtype(config.dtype), (b, s, h, config.head_dim)),
             cutlass.Float32(1.0), make_fake_stream(use_tvm_ffi_env_stream=True))

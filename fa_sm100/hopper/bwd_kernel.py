@@ -328,10 +328,10 @@ class Sm90FlashBackward(BwdStoreRole, BwdScoresRole):
         mdO: cute.Tensor,  # (batch, seqlen_q, heads, hdimv)
         mLSE2: cute.Tensor,  # (batch, heads, seqlen_q_pad) f32, log2 units, +inf on padding
         mDelta: cute.Tensor,  # (batch, heads, seqlen_q_pad) f32, rowsum(O * dO)
-        mdQacc: cute.Tensor,  # (batch, heads, m_blocks, tile_m * hdim) f32, zeroed, fragment order
+        mdQacc: cute.Tensor,  # (batch, heads, m_blocks, tile_m * hdim) f32, fragment order
         mdK: cute.Tensor,  # MHA: (batch, seqlen_k, heads, hdim) dtype; GQA: f32 (batch, h, seqlen_k_pad, hdim)
         mdV: cute.Tensor,
-        mdQsem: cute.Tensor,  # (batch, heads, num_m_blocks) i32, zeroed (deterministic only)
+        mdQsem: cute.Tensor,  # (batch, heads, num_m_blocks) i32, zeroed (one per block: dq_sems_per_block)
         softmax_scale: Float32,
         stream,
     ):

@@ -62,16 +62,18 @@ def _row_part(row, part: int, cols: int):
 
 
 class BwdPreprocess:
-    """Delta = rowsum(O * dO) and LSE in log2 units, padded; zeroes the dQ accumulator and the
-    dQ semaphores (see the module docstring)."""
+    """Delta = rowsum(O * dO) and LSE in log2 units, padded; zeroes the dQ semaphores, and
+    with ``zero_dq`` the dQ accumulator (not needed when the first CTA at each query block
+    stores its tile: Note [dQ first store] in bwd_store.py) (see the module docstring)."""
 
-    def __init__(self, head_dim_v: int, head_dim: int, pdl: bool):
+    def __init__(self, head_dim_v: int, head_dim: int, pdl: bool, zero_dq: bool = True):
         assert head_dim_v % THREADS_PER_ROW == 0, head_dim_v
         self.hdimv = head_dim_v
         self.cols = head_dim_v // THREADS_PER_ROW
         # the dQ accumulator: head_dim floats per padded query row, in 16-byte vectors
         self.zero_vecs = ROWS_PER_CTA * head_dim // DQ_VEC
         self.pdl = pdl
+        self.zero_dq = zero_dq
 
     @cute.jit
     def __call__(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
@@ -106,20 +108,10 @@ class BwdPreprocess:
                 cute.ReductionOp.ADD, Float32(0.0), 0)
         if const_expr(self.pdl):  # the main kernel may launch; it waits before reading ours
             cute.arch.griddepcontrol_launch_dependents()
-        # zero this CTA's ROWS_PER_CTA rows of the dQ accumulator (the main kernel adds into
-        # it; grid_x * ROWS_PER_CTA = seqlen_q_pad rows cover it exactly) ...
-        acc = mdQacc[batch, head, None, None].iterator + bx * self.zero_vecs * DQ_VEC
-        zeros = cute.make_rmem_tensor((DQ_VEC,), Float32)
-        zeros.fill(0.0)
-        full_steps = self.zero_vecs // CTA_THREADS
-        for step in cutlass.range_constexpr(full_steps):
-            cute.autovec_copy(zeros, _vector(acc + (step * CTA_THREADS + tidx) * DQ_VEC, DQ_VEC))
-        if const_expr(self.zero_vecs % CTA_THREADS):  # hdim 96: 1.5 vectors per thread
-            if full_steps * CTA_THREADS + tidx < self.zero_vecs:
-                cute.autovec_copy(zeros, _vector(acc + (full_steps * CTA_THREADS + tidx) * DQ_VEC,
-                                                 DQ_VEC))
-        # ... and the dQ semaphores (deterministic mode's turns, one per query block; a single
-        # unused one per (batch, head) otherwise)
+        if const_expr(self.zero_dq):
+            self._zero_dq_rows(mdQacc, bx, head, batch, tidx)
+        # the dQ semaphores (deterministic mode's turns or Note [dQ first store]'s states, one
+        # per query block; a single unused one per (batch, head) otherwise)
         sem = bx * CTA_THREADS + tidx
         if sem < mdQsem.shape[2]:
             mdQsem[batch, head, sem] = Int32(0)
@@ -133,6 +125,21 @@ class BwdPreprocess:
                     lse2 = lse * LOG2_E
             mDelta[batch, head, row] = delta
             mLSE2[batch, head, row] = lse2
+
+    @cute.jit
+    def _zero_dq_rows(self, mdQacc, bx, head, batch, tidx):
+        """Zero this CTA's ROWS_PER_CTA rows of the dQ accumulator (the main kernel adds into
+        it; grid_x * ROWS_PER_CTA = seqlen_q_pad rows cover it exactly)."""
+        acc = mdQacc[batch, head, None, None].iterator + bx * self.zero_vecs * DQ_VEC
+        zeros = cute.make_rmem_tensor((DQ_VEC,), Float32)
+        zeros.fill(0.0)
+        full_steps = self.zero_vecs // CTA_THREADS
+        for step in cutlass.range_constexpr(full_steps):
+            cute.autovec_copy(zeros, _vector(acc + (step * CTA_THREADS + tidx) * DQ_VEC, DQ_VEC))
+        if const_expr(self.zero_vecs % CTA_THREADS):  # hdim 96: 1.5 vectors per thread
+            if full_steps * CTA_THREADS + tidx < self.zero_vecs:
+                cute.autovec_copy(zeros, _vector(acc + (full_steps * CTA_THREADS + tidx) * DQ_VEC,
+                                                 DQ_VEC))
 
 
 class BwdPostprocess:
@@ -180,7 +187,9 @@ class BwdPostprocess:
 
 class DqPostprocess:
     """dq (batch, seqlen_q, heads, hdim) = scale * the fragment-order accumulator
-    (batch, heads, m_blocks, tile_m * hdim) of the main kernel (``BwdConfig`` ``cfg``)."""
+    (batch, heads, m_blocks, tile_m * hdim) of the main kernel (``BwdConfig`` ``cfg``). With
+    first stores (Note [dQ first store] in bwd_store.py) a block whose semaphore is still 0
+    was reached by no CTA: its accumulator was never written, and dq is 0 there."""
 
     def __init__(self, cfg):
         self.cfg = cfg
@@ -195,14 +204,15 @@ class DqPostprocess:
         return self.tile_m * self.pitch * dtype.width // 8
 
     @cute.jit
-    def __call__(self, mAcc: cute.Tensor, mOut: cute.Tensor, scale: Float32, stream):
+    def __call__(self, mAcc: cute.Tensor, mSem: cute.Tensor, mOut: cute.Tensor, scale: Float32,
+                 stream):
         mma = dq_tiled_mma(self.cfg, mOut.element_type)
-        self.kernel(mAcc, mOut, scale, mma).launch(
+        self.kernel(mAcc, mSem, mOut, scale, mma).launch(
             grid=[mAcc.shape[2], mOut.shape[2], mOut.shape[0]], block=[self.threads, 1, 1],
             smem=self.smem_bytes(mOut.element_type), stream=stream, use_pdl=self.cfg.pdl)
 
     @cute.kernel
-    def kernel(self, mAcc, mOut, scale: Float32, mma: cute.TiledMma):
+    def kernel(self, mAcc, mSem, mOut, scale: Float32, mma: cute.TiledMma):
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
         if const_expr(self.cfg.pdl):  # Note [chained launches]: the main kernel has finished
@@ -211,6 +221,11 @@ class DqPostprocess:
         acc = cute.make_rmem_tensor(mma.partition_shape_C(dq_tile_shape(self.cfg)), Float32)
         src = assume_aligned(mAcc[batch, head, m_block, None].iterator)
         cute.autovec_copy(dq_fragment_view(self.cfg, src, tidx), dq_registers(self.cfg, acc))
+        if const_expr(self.cfg.first_stores_dq):
+            # a block no CTA reached: what the allocator left there (loaded anyway: under a
+            # branch the loads were no longer 16 bytes wide) becomes 0
+            if mSem[batch, head, m_block] == 0:
+                acc.fill(0.0)
         out = cute.make_fragment_like(acc, mOut.element_type)
         out.store((acc.load() * scale).to(mOut.element_type))
         # 1. registers -> the row-major SMEM tile (tile_m, hdim), at the MMA's coordinates

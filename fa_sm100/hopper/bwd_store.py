@@ -19,6 +19,22 @@ took twice as many STS.64 into padded rows), the SMEM tile is one contiguous ran
 bulk reduce, and GMEM holds the same image per (batch, head, query block). The postprocess
 (``bwd_prepost.DqPostprocess``) maps it back to rows and columns with the same tiled MMA.
 
+Note [dQ first store] (``dq_first_store``, "bulk" dQ): the float32 accumulator of a query
+block needs zeros under the first addition into it, and writing them (the preprocess did, in
+the same pass as Delta: 128 MiB at 16k tokens and hidden 2048, as much as it reads) cost
+about as long as the rest of the preprocess. Instead the first CTA to reach a block stores
+its tile with a plain bulk copy and the others add theirs. Each block has a state word (the
+dQ semaphore, zeroed by the preprocess): 0 nobody yet, 1 the first store is in flight, 2
+stored. Once its tile is in SMEM the dq-store warp swaps 0 for 1 (atomic CAS); if it won,
+it copies its tile, waits until the copy has completed (``wait_group 0``, not ``.read``),
+fences and releases 2; if it found 1, it polls (acquire) until it reads 2, then adds. A
+poller waits at most one bulk copy (~1 us), in the dq-store warp while the MMA warpgroups
+compute the next block. Deterministic mode has its order already: the CTA whose turn is 0
+stores and the semaphore keeps counting turns. A block no CTA reaches (rows that see no
+keys: seqlen_q > seqlen_k under a causal mask, a window) keeps state 0 and whatever the
+allocator left in its accumulator; ``DqPostprocess`` writes zeros for it. "red" dQ (from the
+MMA registers) keeps the zero fill.
+
 Note [dK/dV by TMA] (``dkv_tma_store``, MHA): after the last query block every GEMM of
 both warpgroups has retired (``EPILOGUE`` barrier), so K's and V's SMEM buffers are free; the
 warpgroups write scaled dK and dV there with stmatrix, fence, meet again, and one warp stores
@@ -151,8 +167,11 @@ class BwdStoreRole:
         and add it into dQacc[batch, head, m] with one cp.reduce.async.bulk.add.f32 (both in
         fragment order, where a warpgroup's half is contiguous: Note [dQ in fragment order]).
         Deterministic: first wait for this CTA's turn on the query block's semaphore; after
-        the reduces have completed, pass the turn on."""
+        the reduces have completed, pass the turn on. With first stores (Note [dQ first
+        store]) the first CTA at the block copies its tile instead of adding it."""
         parts, handoff = self._dq_handoffs()
+        first_store = self.cfg.first_stores_dq
+        det = self.cfg.deterministic
         part_elems = self.cfg.dq_block_elems // parts
         gdQ = mdQacc[batch, head, None, None]
         lane = cute.arch.lane_idx()
@@ -164,30 +183,65 @@ class BwdStoreRole:
                 cute.arch.barrier_arrive(barrier_id=int(Sm90BwdBarrier.DQ_EMPTY_WG0) + part,
                                          number_of_threads=handoff)
             dst = gdQ.iterator + m_block * self.cfg.dq_block_elems
-            if const_expr(self.cfg.deterministic):
-                sem_ptr = mdQsem[batch, head, None].iterator + m_block
+            sem_ptr = mdQsem[batch, head, None].iterator + m_block
+            first = cutlass.Boolean(False)
+            if const_expr(det):
                 turn = n_block - self._n_block_first(m_block, seqlen_q, seqlen_k)
                 if lane == 0:
                     seen = cute.arch.load(sem_ptr, Int32, sem="acquire", scope="gpu")
                     while seen != turn:
                         seen = cute.arch.load(sem_ptr, Int32, sem="acquire", scope="gpu")
                 cute.arch.sync_warp()
+                first = turn == 0
             for part in cutlass.range_constexpr(parts):
                 cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.DQ_FULL_WG0) + part,
                                   number_of_threads=handoff)
+                if const_expr(first_store and not det and part == 0):
+                    first = self._claim_dq_block(sem_ptr, lane)
+                src, out = sdQ.iterator + part * part_elems, dst + part * part_elems
+                nbytes = part_elems * (Float32.width // 8)
                 with cute.arch.elect_one():
-                    prims.cp_reduce_async_bulk_global_shared_cta(
-                        dst + part * part_elems, sdQ.iterator + part * part_elems,
-                        part_elems * (Float32.width // 8),  # bytes
-                        op=prims.CpReduceOp.ADD, type=prims.CpReduceType.F32)
+                    if const_expr(first_store):
+                        if first:
+                            prims.cp_async_bulk_global_shared_cta(out, src, nbytes)
+                        else:
+                            prims.cp_reduce_async_bulk_global_shared_cta(
+                                out, src, nbytes, op=prims.CpReduceOp.ADD,
+                                type=prims.CpReduceType.F32)
+                    else:
+                        prims.cp_reduce_async_bulk_global_shared_cta(
+                            out, src, nbytes, op=prims.CpReduceOp.ADD, type=prims.CpReduceType.F32)
                 cute.arch.cp_async_bulk_commit_group()
-            if const_expr(self.cfg.deterministic):
-                cute.arch.cp_async_bulk_wait_group(0, read=False)
-                cute.arch.fence_acq_rel_gpu()
-                if lane == 0:
-                    cute.arch.red(sem_ptr, Int32(1), op="add", dtype="s32", sem="release",
-                                  scope="gpu")
+            if const_expr(det):
+                self._release_dq_block(sem_ptr, lane)  # the next turn
+            elif const_expr(first_store):
+                if first:
+                    self._release_dq_block(sem_ptr, lane)  # state 1 -> 2: stored
         cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def _claim_dq_block(self, sem_ptr, lane):
+        """Note [dQ first store], non-deterministic: whether this CTA is the first at the
+        block (it swapped state 0 for 1); a later one returns once the first store is out
+        (state 2). Lane 0 does the atomics; the answer is the warp's."""
+        state = Int32(0)
+        if lane == 0:
+            state = cute.arch.atomic_cas(sem_ptr, cmp=Int32(0), val=Int32(1), sem="acquire",
+                                         scope="gpu")
+            if state != 0:
+                while state != 2:
+                    state = cute.arch.load(sem_ptr, Int32, sem="acquire", scope="gpu")
+        return cute.arch.shuffle_sync(state, 0) == 0
+
+    @cute.jit
+    def _release_dq_block(self, sem_ptr, lane):
+        """Once this CTA's bulk copies of the block have completed (written, not only read),
+        add 1 to the block's semaphore with release semantics: the next deterministic turn,
+        or Note [dQ first store]'s state 1 -> 2."""
+        cute.arch.cp_async_bulk_wait_group(0, read=False)
+        cute.arch.fence_acq_rel_gpu()
+        if lane == 0:
+            cute.arch.red(sem_ptr, Int32(1), op="add", dtype="s32", sem="release", scope="gpu")
 
     @cute.jit
     def _store_dq(self, acc_dQ, mdQacc, mdQsem, tidx, m_block, n_block, head, batch,
