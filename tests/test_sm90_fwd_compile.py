@@ -136,3 +136,56 @@ def test_kv_multicast_multicasts_every_k_and_v_load(head_dim, tmp_path):
     local, remote = "SYNCS.ARRIVE.TRANS64.ART0", "SYNCS.ARRIVE.TRANS64.RED.ART0"
     assert one[local] == 2 and one[remote] == 0, one  # releases of K and V, in this CTA
     assert mc[local] == 0 and mc[remote] == 2, mc  # ... in both CTAs of the cluster
+
+
+def _kv_loops(sass: str) -> list:
+    """(HGMMAs, instructions) of every loop of the SASS that holds an HGMMA, sorted: the KV
+    loops of the main loop and, with persistent CTAs, the tile loop around them."""
+    import re
+
+    from fa_sm100.compile_tools import _GUARD, sass_listing, sass_opcode
+
+    ins, labels = sass_listing(sass)
+    found = []
+    for addr, instr in ins:
+        target = re.search(r"\((\.L_x_\d+)\)", instr)
+        if not (sass_opcode(instr).startswith("BRA") and _GUARD.match(instr) and target):
+            continue
+        start = labels.get(target.group(1))
+        if start is None or start > addr:
+            continue
+        body = [t for a, t in ins if start <= a <= addr]
+        hgmma = sum(sass_opcode(t).startswith("HGMMA") for t in body)
+        if hgmma:
+            found.append((hgmma, len(body)))
+    return sorted(found)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("overrides", [["head_dim=64", "persistent=true"],
+                                       ["head_dim=128", "persistent=true", "causal=true"],
+                                       ["head_dim=64", "persistent=false"],
+                                       ["head_dim=128", "intra_wg_overlap=false"]],
+                         ids=["d64-persistent", "d128-causal", "d64-one-tile", "d128-serial"])
+def test_empty_warpgroups_skip_the_work_and_keep_the_kv_loops(overrides, tmp_path):
+    """Note [Empty warpgroups]: the skip adds a branch around the tile's main loop whose other
+    side has waits, releases and ping-pong barriers but no HGMMA and no exp2 (the HGMMA and
+    MUFU.EX2 counts are those without the skip, more mbarrier operations and named barriers),
+    and the KV loops of the main loop keep their HGMMAs and are no longer."""
+    reps, loops = {}, {}
+    for on in (True, False):
+        keep = tmp_path / str(on)
+        reps[on] = inspect_kernel("sm90_fwd", "sm_90a", overrides + [f"skip_empty_wg={on}"],
+                                  keep_dir=keep)
+        assert reps[on]["spill_bytes"] == 0 and reps[on]["local_bytes"] == 0
+        loops[on] = _kv_loops(read_kept_sass(keep))
+    on, off = reps[True]["sass"], reps[False]["sass"]
+    assert reps[True]["config"]["skip_empty_wg"] and not reps[False]["config"]["skip_empty_wg"]
+    assert on["HGMMA"] == off["HGMMA"] and on["MUFU.EX2"] == off["MUFU.EX2"]
+    assert on["SYNCS"] > off["SYNCS"] and on["BAR.SYNC"] > off["BAR.SYNC"]
+    # the KV loops: as many, with the same HGMMAs, none longer (ptxas saves an instruction or
+    # two in some)
+    inner = lambda found: [x for x in found if x[0] == min(h for h, _ in found)]  # noqa: E731
+    kv_on, kv_off = inner(loops[True]), inner(loops[False])
+    assert len(kv_on) == len(kv_off) > 0, loops
+    assert all(a[0] == b[0] and b[1] - 2 <= a[1] <= b[1] for a, b in zip(kv_on, kv_off)), loops

@@ -137,7 +137,7 @@ def test_flash_attn_func_dispatches_to_sm90(sm90_device):
     "persistent=true,dynamic_schedule=false", "k_before_q=true",
     "k_before_q=true,persistent=false", "persistent=true,o_in_q_buffer=true",
     # causal sections of 2 and of 5 (batch, head) pairs: 32 pairs, the last section short
-    "l2_section_mib=1", "l2_section_mib=2",
+    "l2_section_mib=1", "l2_section_mib=2", "skip_empty_wg=false",
 ])
 def test_sm90_fwd_switches_keep_numerics(sm90_device, switch):
     """Every switch of the config computes the same attention (they change speed only).
@@ -158,6 +158,30 @@ def test_sm90_fwd_switches_keep_numerics(sm90_device, switch):
         ref, _ = attention_reference(q, k, v, causal=causal)
         plain, _ = attention_reference(q, k, v, causal=causal, dtype=torch.bfloat16, upcast=False)
         check_against_reference(out, ref, plain, atol=1e-3, what=f"O {switch} causal={causal}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("switch", ["", "intra_wg_overlap=false", "persistent=false",
+                                    "pingpong=false", "persistent=true,dynamic_schedule=false",
+                                    "skip_empty_wg=false"])
+def test_sm90_fwd_empty_warpgroups_keep_numerics(sm90_device, switch):
+    """Note [Empty warpgroups]: the last m block of each head with one or two consumer
+    warpgroups past seqlen_q (hdim 64, 192-row tiles: 1000 rows leave 40 in the last block,
+    1090 leave 130; hdim 128, 128-row tiles: 1050 leave 26), causal and not, with the
+    overlapped and the serial main loop, persistent CTAs (several tiles each, so the skipped
+    turns must leave the pipelines and ping-pong barriers in step for the next tile) and one
+    tile per CTA; O and LSE poisoned, against float64."""
+    from fa_sm100.config import parse_overrides
+    from fa_sm100.hopper.config import Sm90FwdConfig, select_sm90_fwd_config
+
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(23)
+    changes = parse_overrides([x for x in switch.split(",") if x], Sm90FwdConfig)
+    for d, sq in ((64, 1000), (64, 1090), (128, 1050)):
+        for causal in (False, True):
+            cfg = select_sm90_fwd_config(d, causal=causal, seqlen_q=sq, seqlen_k=1500, **changes)
+            assert cfg.skip_empty_wg is ("skip_empty_wg=false" not in switch)
+            _check_one((3, sq, 1500, 4, 2), (d, d), torch.bfloat16, causal, gen, config=cfg)
 
 
 @pytest.mark.gpu

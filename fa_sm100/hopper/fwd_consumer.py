@@ -22,6 +22,15 @@ store has read O (the storing warp waits for the bulk group's reads, then every 
 thread passes the EPILOGUE barrier), and the producer issues the next tile's first K tile
 before its Q so that K does not wait behind the store.
 
+Note [Empty warpgroups] (``skip_empty_wg``): the last m block of a (batch, head) can hold
+fewer rows than the tile: at hdim 64 (192-row tiles) and seqlen_q 1024 it holds 64, so two of
+its three warpgroups own only rows past seqlen_q, whose O and LSE are never stored. Such a
+warpgroup runs the tile's protocol without its work: it waits for every K / V stage and
+releases it (a release before the stage is full would count toward the wrong phase of its
+empty barrier) and takes its ping-pong turns, but issues no GEMM and computes no softmax; the
+rest of the tile runs on the tensor cores without it. Its epilogue runs as usual (the
+EPILOGUE barriers count every consumer thread) on a zero O; the TMA store clips those rows.
+
 Note [Ping-pong]: with ``pingpong`` consumer warpgroup w waits on barrier PINGPONG_WG0 + w
 before issuing its GEMMs and then arrives on the next warpgroup's barrier, so the warpgroups
 take turns on the tensor cores and one's softmax hides behind the other's GEMMs. Warpgroup 0
@@ -36,7 +45,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from fa_sm100.hopper.common import NO_WAIT, rows_cols_view, stmatrix_to_smem, transpose_view, wgmma
-from fa_sm100.hopper.config import WARPGROUP_THREADS
+from fa_sm100.hopper.config import WARPGROUP_THREADS, WGMMA_M
 from fa_sm100.hopper.fwd_math import (
     apply_mask,
     convert_to,
@@ -195,36 +204,16 @@ class ConsumerRole:
             n_masked = cutlass.max(n_blocks - 1 - n_masked_from, 0)
         pipe_q.consumer_wait(q_state)
         if n_blocks > 0:
-            if const_expr(cfg.intra_wg_overlap):
-                # First tile: S and P only; its PV GEMM runs in the next step.
-                pipe_k.consumer_wait(state, pipe_k.consumer_try_wait(state))
-                acc_S = self.qk_gemm(f, state.index, 0)
-                pipe_k.consumer_release(state)
-                self.softmax(f, acc_S, row_base, n_blocks - 1, True, cfg.causal, True)
-                convert_to(f.tOrP, operand_a_view(acc_S))
-                for i in cutlass.range(n_masked, unroll=1):
-                    state = self.overlapped_step(f, state, row_base, n_blocks - 2 - i, True, wg,
-                                                 pipe_k, pipe_v)
-                for i in cutlass.range(n_blocks - 1 - n_masked, unroll=1):
-                    state = self.overlapped_step(f, state, row_base, n_blocks - 2 - n_masked - i,
-                                                 False, wg, pipe_k, pipe_v)
-                self.release_q_after_gemms(pipe_q, q_state)
-                if const_expr(cfg.rescale_o_before_pv):
-                    rescale_rows(rows_cols_view(f.acc_O), f.row_scale)
-                pipe_v.consumer_wait(state, pipe_v.consumer_try_wait(state))
-                self.pv_gemm(f, state.index, 0)
-                pipe_v.consumer_release(state)
-                state.advance()
+            if const_expr(cfg.skip_empty_wg):
+                if row_base + WGMMA_M * wg >= seqlen_q:  # Note [Empty warpgroups]
+                    state = self.empty_wg_steps(state, n_blocks, wg, pipe_q, q_state, pipe_k,
+                                                pipe_v)
+                else:
+                    state = self.mainloop(f, state, row_base, n_blocks, n_masked, wg, pipe_q,
+                                          q_state, pipe_k, pipe_v)
             else:
-                state = self.serial_step(f, state, row_base, n_blocks - 1, True, True, wg,
-                                         pipe_k, pipe_v)
-                for i in cutlass.range(n_masked, unroll=1):
-                    state = self.serial_step(f, state, row_base, n_blocks - 2 - i, False, True,
-                                             wg, pipe_k, pipe_v)
-                for i in cutlass.range(n_blocks - 1 - n_masked, unroll=1):
-                    state = self.serial_step(f, state, row_base, n_blocks - 2 - n_masked - i,
-                                             False, False, wg, pipe_k, pipe_v)
-                self.release_q_after_gemms(pipe_q, q_state)
+                state = self.mainloop(f, state, row_base, n_blocks, n_masked, wg, pipe_q,
+                                      q_state, pipe_k, pipe_v)
         else:
             self.release_q_after_gemms(pipe_q, q_state)
 
@@ -240,6 +229,76 @@ class ConsumerRole:
             pipe_q.consumer_release(q_state)
         q_state.advance()
         return state, q_state
+
+    @cute.jit
+    def mainloop(self, f: ConsumerFrags, state, row_base: Int32, n_blocks: Int32,
+                 n_masked: Int32, wg: Int32, pipe_q, q_state, pipe_k, pipe_v):
+        """Every KV tile of a work tile (``n_blocks`` > 0, last first; the first ``n_masked``
+        after the first cross the causal diagonal); Q's stage is released after the last QK
+        GEMM. Returns the advanced KV pipeline state."""
+        cfg = self.cfg
+        if const_expr(cfg.intra_wg_overlap):
+            # First tile: S and P only; its PV GEMM runs in the next step.
+            pipe_k.consumer_wait(state, pipe_k.consumer_try_wait(state))
+            acc_S = self.qk_gemm(f, state.index, 0)
+            pipe_k.consumer_release(state)
+            self.softmax(f, acc_S, row_base, n_blocks - 1, True, cfg.causal, True)
+            convert_to(f.tOrP, operand_a_view(acc_S))
+            for i in cutlass.range(n_masked, unroll=1):
+                state = self.overlapped_step(f, state, row_base, n_blocks - 2 - i, True, wg,
+                                             pipe_k, pipe_v)
+            for i in cutlass.range(n_blocks - 1 - n_masked, unroll=1):
+                state = self.overlapped_step(f, state, row_base, n_blocks - 2 - n_masked - i,
+                                             False, wg, pipe_k, pipe_v)
+            self.release_q_after_gemms(pipe_q, q_state)
+            if const_expr(cfg.rescale_o_before_pv):
+                rescale_rows(rows_cols_view(f.acc_O), f.row_scale)
+            pipe_v.consumer_wait(state, pipe_v.consumer_try_wait(state))
+            self.pv_gemm(f, state.index, 0)
+            pipe_v.consumer_release(state)
+            state.advance()
+        else:
+            state = self.serial_step(f, state, row_base, n_blocks - 1, True, True, wg,
+                                     pipe_k, pipe_v)
+            for i in cutlass.range(n_masked, unroll=1):
+                state = self.serial_step(f, state, row_base, n_blocks - 2 - i, False, True,
+                                         wg, pipe_k, pipe_v)
+            for i in cutlass.range(n_blocks - 1 - n_masked, unroll=1):
+                state = self.serial_step(f, state, row_base, n_blocks - 2 - n_masked - i,
+                                         False, False, wg, pipe_k, pipe_v)
+            self.release_q_after_gemms(pipe_q, q_state)
+        return state
+
+    @cute.jit
+    def empty_wg_steps(self, state, n_blocks: Int32, wg: Int32, pipe_q, q_state, pipe_k, pipe_v):
+        """``mainloop``'s waits, releases and ping-pong turns in its order, without its GEMMs
+        and softmax (Note [Empty warpgroups])."""
+        if const_expr(self.cfg.intra_wg_overlap):
+            pipe_k.consumer_wait(state, pipe_k.consumer_try_wait(state))
+            pipe_k.consumer_release(state)
+            for _ in cutlass.range(n_blocks - 1, unroll=1):
+                state_v = state.clone()
+                state.advance()
+                pipe_k.consumer_wait(state, pipe_k.consumer_try_wait(state))
+                self.pingpong_wait(wg)
+                pipe_v.consumer_wait(state_v, pipe_v.consumer_try_wait(state_v))
+                self.pingpong_pass(wg)
+                pipe_k.consumer_release(state)
+                pipe_v.consumer_release(state_v)
+            self.release_q_after_gemms(pipe_q, q_state)
+            pipe_v.consumer_wait(state, pipe_v.consumer_try_wait(state))
+            pipe_v.consumer_release(state)
+            state.advance()
+        else:
+            for _ in cutlass.range(n_blocks, unroll=1):
+                for pipe in (pipe_k, pipe_v):
+                    pipe.consumer_wait(state, pipe.consumer_try_wait(state))
+                    self.pingpong_wait(wg)
+                    self.pingpong_pass(wg)
+                    pipe.consumer_release(state)
+                state.advance()
+            self.release_q_after_gemms(pipe_q, q_state)
+        return state
 
     def release_q_after_gemms(self, pipe_q, q_state):
         """Every QK GEMM of the tile has read Q: its stage is free, unless O is staged there
