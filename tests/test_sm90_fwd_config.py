@@ -214,3 +214,25 @@ def test_kv_multicast_needs_an_even_number_of_m_blocks():
     q = torch.randn(1, 256, 2, 128, dtype=torch.bfloat16)
     assert sm90_config_for(validate_attention_inputs(q, k, v, require_cuda=False),
                            None).kv_multicast
+
+
+def test_empty_warpgroups_are_skipped_by_default_only_where_there_is_one():
+    """Note [Empty warpgroups]: ``skip_empty_wg`` is on by default when the last m block leaves
+    a consumer warpgroup's 64 rows past seqlen_q (hdim 64's 192-row tiles at every power of
+    two; ragged lengths), or when seqlen_q is not given; off where no warpgroup is empty (the
+    branch measured slower there); an override is kept."""
+    for d, causal, sq, on in ((64, False, 1024, True), (64, False, 16384, True),
+                              (64, True, 1024, False),  # short causal: 128-row tiles
+                              (64, True, 2048, True), (128, False, 4096, False),
+                              (128, False, 1050, True), (128, True, 1000, False),
+                              (256, True, 16384, False), (96, False, 64 * 3, False),
+                              (96, False, 64 * 3 + 1, True), (128, False, None, True)):
+        cfg = select_sm90_fwd_config(d, causal=causal, seqlen_q=sq,
+                                     seqlen_k=sq)
+        assert cfg.skip_empty_wg is on, (d, causal, sq)
+        if sq is not None:
+            assert cfg.has_empty_wg(sq) is on
+            want = (-sq) % cfg.m_block >= 64
+            assert want is on
+        assert select_sm90_fwd_config(d, causal=causal, seqlen_q=sq,
+                                      skip_empty_wg=not on).skip_empty_wg is not on

@@ -78,7 +78,9 @@ class Sm90FwdConfig:
     # issues no GEMM and computes no softmax; it only keeps the tile's pipeline and ping-pong
     # protocol (Note [Empty warpgroups] in fwd_consumer.py). H100, paired over off, hdim 64
     # (192-row tiles): non-causal +10.1% (1k), +2.0% (2k), +2.8% (4k), +1.1% (8k); causal
-    # +5.2% (2k), +1.6% (4k). Other head dims have an empty warpgroup only at ragged lengths.
+    # +5.2% (2k), +1.6% (4k). select_sm90_fwd_config: on only where the last m block has an
+    # empty warpgroup (the branch around the main loop measured 0.8-2.7% slower at hdim 128
+    # non-causal 4k / 16k, where none is empty).
     skip_empty_wg: bool = True
     # the producer issues a work tile's first K tile before its Q (FlashAttention-4's order)
     k_before_q: bool = False
@@ -114,6 +116,11 @@ class Sm90FwdConfig:
     def num_m_blocks(self, seqlen_q: int) -> int:
         """Query blocks of ``m_block`` rows per (batch, head)."""
         return -(-seqlen_q // self.m_block)
+
+    def has_empty_wg(self, seqlen_q: int) -> bool:
+        """Whether the last m block leaves a consumer warpgroup's 64 rows all past
+        ``seqlen_q`` (Note [Empty warpgroups] in fwd_consumer.py)."""
+        return (-seqlen_q) % self.m_block >= WGMMA_M
 
     def pairs_m_blocks(self, seqlen_q: int) -> bool:
         """Whether ``seqlen_q``'s m blocks group into whole ``kv_multicast`` clusters (of
@@ -315,6 +322,8 @@ def select_sm90_fwd_config(head_dim: int = 128, head_dim_v=None, dtype="bfloat16
         multicast = (not causal and shortest is not None and seqlen_k is not None
                      and seqlen_k >= shortest and seqlen_q is not None
                      and cfg.pairs_m_blocks(seqlen_q) and not schedule.get("persistent"))
+    if "skip_empty_wg" not in overrides:  # Note [Empty warpgroups]: only if there is one
+        cfg = cfg.replace(skip_empty_wg=seqlen_q is None or cfg.has_empty_wg(seqlen_q))
     persistent = schedule.get("persistent")
     if persistent is None:
         longest = PERSISTENT_MAX_SEQLEN_K.get(head_dim, 0)  # unknown head dims: validate() says
