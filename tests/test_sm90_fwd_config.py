@@ -225,8 +225,9 @@ def test_empty_warpgroups_are_skipped_by_default_only_where_there_is_one():
                               (64, True, 1024, False),  # short causal: 128-row tiles
                               (64, True, 2048, True), (128, False, 4096, False),
                               (128, False, 1050, True), (128, True, 1000, False),
-                              (256, True, 16384, False), (96, False, 64 * 3, False),
-                              (96, False, 64 * 3 + 1, True), (128, False, None, True)):
+                              (256, True, 16384, False), (96, False, 256, False),
+                              (96, False, 129, True), (96, False, 200, False),
+                              (128, False, None, True)):
         cfg = select_sm90_fwd_config(d, causal=causal, seqlen_q=sq,
                                      seqlen_k=sq)
         assert cfg.skip_empty_wg is on, (d, causal, sq)
