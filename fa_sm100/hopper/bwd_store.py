@@ -188,7 +188,7 @@ class BwdStoreRole:
                                          number_of_threads=handoff)
             dst = gdQ.iterator + m_block * self.cfg.dq_block_elems
             sem_ptr = mdQsem[batch, head, None].iterator + m_block
-            first = cutlass.Boolean(False)
+            first = cutlass.Boolean(False)  # copy the tile instead of adding it
             if const_expr(det):
                 turn = n_block - self._n_block_first(m_block, seqlen_q, seqlen_k)
                 if lane == 0:
@@ -196,7 +196,8 @@ class BwdStoreRole:
                     while seen != turn:
                         seen = cute.arch.load(sem_ptr, Int32, sem="acquire", scope="gpu")
                 cute.arch.sync_warp()
-                first = turn == 0
+                if const_expr(first_store):
+                    first = turn == 0
             for part in cutlass.range_constexpr(parts):
                 cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.DQ_FULL_WG0) + part,
                                   number_of_threads=handoff)
@@ -205,13 +206,8 @@ class BwdStoreRole:
                 src, out = sdQ.iterator + part * part_elems, dst + part * part_elems
                 nbytes = part_elems * (Float32.width // 8)
                 with cute.arch.elect_one():
-                    if const_expr(first_store):
-                        if first:
-                            prims.cp_async_bulk_global_shared_cta(out, src, nbytes)
-                        else:
-                            prims.cp_reduce_async_bulk_global_shared_cta(
-                                out, src, nbytes, op=prims.CpReduceOp.ADD,
-                                type=prims.CpReduceType.F32)
+                    if first:
+                        prims.cp_async_bulk_global_shared_cta(out, src, nbytes)
                     else:
                         prims.cp_reduce_async_bulk_global_shared_cta(
                             out, src, nbytes, op=prims.CpReduceOp.ADD, type=prims.CpReduceType.F32)
