@@ -326,13 +326,12 @@ def sass_opcode(instr: str) -> str:
     return _GUARD.sub("", instr).split()[0]
 
 
-def sass_main_loop(sass: str) -> list[tuple[int, str]]:
-    """The instructions of the loop that holds the most HGMMAs: a conditional backward branch
-    and everything from its target to it (ties: the shortest). Out-of-line mbarrier retry
-    stubs branch back unconditionally and are skipped. Raises ValueError if no loop has an
-    HGMMA."""
+def sass_loops(sass: str) -> list[list[tuple[int, str]]]:
+    """The instructions of every loop, in listing order of its branch: a conditional backward
+    branch and everything from its target to it. Out-of-line mbarrier retry stubs branch back
+    unconditionally and are skipped."""
     ins, labels = sass_listing(sass)
-    best = None
+    loops = []
     for addr, instr in ins:
         if not sass_opcode(instr).startswith("BRA") or not _GUARD.match(instr):
             continue
@@ -340,7 +339,15 @@ def sass_main_loop(sass: str) -> list[tuple[int, str]]:
         start = labels.get(m.group(1)) if m else None
         if start is None or start > addr:
             continue
-        body = [x for x in ins if start <= x[0] <= addr]
+        loops.append([x for x in ins if start <= x[0] <= addr])
+    return loops
+
+
+def sass_main_loop(sass: str) -> list[tuple[int, str]]:
+    """The instructions of the loop (``sass_loops``) that holds the most HGMMAs (ties: the
+    shortest). Raises ValueError if no loop has an HGMMA."""
+    best = None
+    for body in sass_loops(sass):
         n = sum(sass_opcode(t).startswith("HGMMA") for _, t in body)
         if best is None or (n, -len(body)) > (best[0], -len(best[1])):
             best = (n, body)

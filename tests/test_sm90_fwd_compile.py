@@ -141,24 +141,11 @@ def test_kv_multicast_multicasts_every_k_and_v_load(head_dim, tmp_path):
 def _kv_loops(sass: str) -> list:
     """(HGMMAs, instructions) of every loop of the SASS that holds an HGMMA, sorted: the KV
     loops of the main loop and, with persistent CTAs, the tile loop around them."""
-    import re
+    from fa_sm100.compile_tools import sass_loops, sass_opcode
 
-    from fa_sm100.compile_tools import _GUARD, sass_listing, sass_opcode
-
-    ins, labels = sass_listing(sass)
-    found = []
-    for addr, instr in ins:
-        target = re.search(r"\((\.L_x_\d+)\)", instr)
-        if not (sass_opcode(instr).startswith("BRA") and _GUARD.match(instr) and target):
-            continue
-        start = labels.get(target.group(1))
-        if start is None or start > addr:
-            continue
-        body = [t for a, t in ins if start <= a <= addr]
-        hgmma = sum(sass_opcode(t).startswith("HGMMA") for t in body)
-        if hgmma:
-            found.append((hgmma, len(body)))
-    return sorted(found)
+    found = [(sum(sass_opcode(t).startswith("HGMMA") for _, t in body), len(body))
+             for body in sass_loops(sass)]
+    return sorted(x for x in found if x[0])
 
 
 @pytest.mark.compile
