@@ -206,14 +206,12 @@ class ConsumerRole:
         if const_expr(cfg.causal):
             n_masked = cutlass.max(n_blocks - 1 - n_masked_from, 0)
         pipe_q.consumer_wait(q_state)
+        empty = cutlass.Boolean(False)  # Note [Empty warpgroups]
+        if const_expr(cfg.skip_empty_wg):
+            empty = row_base + WGMMA_M * wg >= seqlen_q
         if n_blocks > 0:
-            if const_expr(cfg.skip_empty_wg):
-                if row_base + WGMMA_M * wg >= seqlen_q:  # Note [Empty warpgroups]
-                    state = self.empty_wg_steps(state, n_blocks, wg, pipe_q, q_state, pipe_k,
-                                                pipe_v)
-                else:
-                    state = self.mainloop(f, state, row_base, n_blocks, n_masked, wg, pipe_q,
-                                          q_state, pipe_k, pipe_v)
+            if empty:
+                state = self.empty_wg_steps(state, n_blocks, wg, pipe_q, q_state, pipe_k, pipe_v)
             else:
                 state = self.mainloop(f, state, row_base, n_blocks, n_masked, wg, pipe_q,
                                       q_state, pipe_k, pipe_v)
