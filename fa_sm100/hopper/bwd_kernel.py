@@ -331,7 +331,7 @@ class Sm90FlashBackward(BwdStoreRole, BwdScoresRole):
         mdQacc: cute.Tensor,  # (batch, heads, m_blocks, tile_m * hdim) f32, fragment order
         mdK: cute.Tensor,  # MHA: (batch, seqlen_k, heads, hdim) dtype; GQA: f32 (batch, h, seqlen_k_pad, hdim)
         mdV: cute.Tensor,
-        mdQsem: cute.Tensor,  # (batch, heads, num_m_blocks) i32, zeroed (one per block: dq_sems_per_block)
+        mdQsem: cute.Tensor,  # (batch, heads, num_m_blocks or 1) i32, zeroed (dq_sems_per_block)
         softmax_scale: Float32,
         stream,
     ):
@@ -471,7 +471,9 @@ class Sm90FlashBackward(BwdStoreRole, BwdScoresRole):
                           m_block_first, m_block_max)
             if const_expr(self.cfg.dq_accum == "bulk"):
                 if warp_idx == DQ_STORE_WARP:
-                    if const_expr(self.cfg.pdl):  # Note [chained launches]: dQacc is zeroed
+                    # Note [chained launches]: the preprocess has zeroed the semaphores (and
+                    # dQacc, without first stores)
+                    if const_expr(self.cfg.pdl):
                         cute.arch.griddepcontrol_wait()
                     self.dq_store(mdQacc, mdQsem, sdQ, n_block, head, batch, seqlen_q, seqlen_k,
                                   m_block_min, m_block_max)

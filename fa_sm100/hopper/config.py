@@ -286,6 +286,8 @@ def select_sm90_fwd_config(head_dim: int = 128, head_dim_v=None, dtype="bfloat16
     unless overridden themselves. ``kv_multicast`` (then one tile per CTA) for non-causal
     problems from ``MULTICAST_MIN_SEQLEN_K`` keys on whose ``seqlen_q`` (optional: without it,
     no) gives a whole number of clusters of m blocks, unless ``persistent`` or it is given.
+    ``skip_empty_wg`` where the last m block has an empty consumer warpgroup (or ``seqlen_q`` is
+    not given), unless it is given.
     """
     head_dim_v = default_head_dim_v(head_dim) if head_dim_v is None else head_dim_v
     num_wg, n_block = default_tile(head_dim)

@@ -34,14 +34,14 @@ Note [K/V multicast]: with ``kv_multicast`` the CTAs of work tiles 2c and 2c+1 (
 blocks of one (batch, head): the launch needs an even number of m blocks per head) form a
 cluster of ``kv_cluster`` (2 by default) and read the same K/V tiles. Each CTA's producer loads
 its half of the rows of every K/V tile and multicasts it into both CTAs' SMEM, so L2 serves
-each K/V tile once per cluster instead of once per CTA. Each CTA's full barrier still expects the whole tile's
-bytes (both halves land on it); a stage is empty only when both CTAs' consumers have released
-it, so each consumer warp arrives on the empty barrier of both CTAs (lanes 0 and 1, the DSL's
-``PipelineTmaAsync`` with a (1, 2, 1, 1) cluster), and a producer issues its half only then.
-Before a CTA exits, its producer waits until every stage is empty again (``producer_tail``):
-the peer's last releases arrive on this CTA's barriers, which must still exist. With
-``kv_cluster=4`` the same holds for four neighbouring m blocks, each loading a quarter of every
-tile (measured 6-8% slower than pairs on the H100).
+each K/V tile once per cluster instead of once per CTA. Each CTA's full barrier still expects
+the whole tile's bytes (both halves land on it); a stage is empty only when both CTAs'
+consumers have released it, so each consumer warp arrives on the empty barrier of both CTAs
+(lanes 0 and 1, the DSL's ``PipelineTmaAsync`` with a (1, 2, 1, 1) cluster), and a producer
+issues its half only then. Before a CTA exits, its producer waits until every stage is empty
+again (``producer_tail``): the peer's last releases arrive on this CTA's barriers, which must
+still exist. With ``kv_cluster=4`` the same holds for four neighbouring m blocks, each loading
+a quarter of every tile (measured 6-8% slower than pairs on the H100).
 """
 
 import cuda.bindings.driver as cuda
