@@ -843,12 +843,7 @@ def test_sm90_bwd_dq_first_store_copies_where_the_others_add(overrides, copies, 
     """Note [dQ first store]: the dq-store warp has a bulk copy beside each bulk reduce (one
     per handoff part), and claims a block with one CAS (deterministic mode: none, turn 0
     copies); off, and with "red" dQ, neither. The MMA warpgroups' GEMMs are the same either
-    way. On by default for causal problems only. The preprocess writes the accumulator's
-    zeros (16-byte stores) only without first stores."""
-    from fa_sm100.compile_tools import cross_compile, sass_full_histogram
-    from fa_sm100.config import cutlass_dtype
-    from fa_sm100.hopper.bwd_interface import fake_pre_arguments
-    from fa_sm100.hopper.bwd_prepost import BwdPreprocess
+    way. On by default for causal problems only."""
     from fa_sm100.inspection import inspect_kernel
 
     r = inspect_kernel("sm90_bwd", "sm_90a", overrides, keep_dir=tmp_path)
@@ -864,6 +859,17 @@ def test_sm90_bwd_dq_first_store_copies_where_the_others_add(overrides, copies, 
                              + ["dq_first_store=false"])
         assert r["sass"]["HGMMA"] == off["sass"]["HGMMA"]
         assert r["spill_bytes"] == 0
+
+
+@pytest.mark.compile
+def test_preprocess_writes_dq_zeros_only_without_first_stores():
+    """Note [dQ first store]: the preprocess writes the accumulator's zeros (16-byte stores)
+    only with ``zero_dq`` (no first stores)."""
+    from fa_sm100.compile_tools import cross_compile, sass_full_histogram
+    from fa_sm100.config import cutlass_dtype
+    from fa_sm100.hopper.bwd_interface import fake_pre_arguments
+    from fa_sm100.hopper.bwd_prepost import BwdPreprocess
+
     dt = cutlass_dtype("bfloat16")
     for zero_dq in (True, False):
         pre = cross_compile(BwdPreprocess(128, 128, True, zero_dq), fake_pre_arguments(dt, 128),
