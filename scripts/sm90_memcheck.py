@@ -86,8 +86,15 @@ BWD_CASES = [
     (2, 257, 255, 4, 1, 64, 64, True, (None, None), False, {"qdo_multicast": True}),
     # Note [dQ first store] (the causal cases above have it by default; the deterministic one
     # stores on turn 0): 16 key blocks racing for each query block, and a window
-    (2, 500, 2048, 4, 4, 128, 128, False, (None, None), False, {"dq_first_store": True}),
+    (2, 500, 2048, 4, 4, 128, 128, False, (None, None), False,
+     {"dq_first_store": True, "stagger_m": False}),
     (1, 600, 500, 2, 2, 64, 64, False, (50, 20), False, {"dq_first_store": True}),
+    # Note [staggered query blocks] (non-causal hdim 128's default, with first stores; the
+    # non-causal hdim 128 cases above have it too): more clusters than query blocks, one CTA
+    # each; tile_m 128 without first stores
+    (1, 200, 2048, 2, 2, 128, 128, False, (None, None), False, {"qdo_multicast": False}),
+    (1, 1000, 640, 2, 1, 64, 64, False, (None, None), False,
+     {"stagger_m": True, "dq_first_store": False}),
 ]
 
 

@@ -32,7 +32,8 @@ import torch
 from fa_sm100.hopper.bwd_config import (SM90_SMEM_BYTES, BwdConfig, first_n_block,
                                         longest_first_cluster_cta, longest_first_cta,
                                         longest_first_tail_pairs,
-                                        m_block_range, select_bwd_config)
+                                        m_block_range, select_bwd_config, stagger_offset,
+                                        staggered_m_block)
 from fa_sm100.hopper.bwd_interface import sm90_bwd
 from fa_sm100.testing import attention_mask
 from kept_sass import main_loop_ops, read_kept_sass
@@ -88,6 +89,10 @@ from script_loader import load_script
     (dict(qdo_multicast=True, causal=True, window_right=8), "qdo_multicast=True without a window"),
     (dict(qdo_multicast=True, deterministic=True), "qdo_multicast=True without deterministic"),
     (dict(qdo_cluster=3), "qdo_cluster=3: must be one of"),
+    (dict(stagger_m=1), "stagger_m=1: must be a bool"),
+    (dict(stagger_m=True, causal=True), "stagger_m=True needs a problem without a causal"),
+    (dict(stagger_m=True, window_left=64), "stagger_m=True needs a problem without a causal"),
+    (dict(stagger_m=True, deterministic=True), "not deterministic"),
 ])
 def test_bad_config_raises_value_error_naming_the_rule(changes, rule):
     with pytest.raises(ValueError, match=rule):
@@ -389,18 +394,24 @@ def test_qdo_multicast_default_needs_aligned_pairs():
             assert not cfg.qdo_multicast and cfg.cluster == (1, 1, 1), (d, kw)
 
 
-def test_dq_first_store_default_is_causal_with_bulk_dq():
+def test_dq_first_store_default_is_causal_or_staggered_with_bulk_dq():
     """Note [dQ first store] is on by default for causal problems (with or without a window,
-    deterministic or not) and off for non-causal ones, where the CTAs of a pair reach each
-    query block together (measured slower); "red" dQ (hdim 256's default) ignores the switch,
-    and then the accumulator needs its zeros and only one semaphore per (batch, head)."""
+    deterministic or not) and for staggered sweeps (non-causal hdim 128 without a window, not
+    deterministic: Note [staggered query blocks]), and off for the other non-causal ones,
+    where the CTAs of a pair reach each query block together (measured slower); "red" dQ
+    (hdim 256's default) ignores the switch, and then the accumulator needs its zeros and only
+    one semaphore per (batch, head)."""
     for d in (64, 96, 128, 192):
         for kw in ({}, dict(deterministic=True), dict(window_left=100), dict(seqlen_q=1024,
                                                                             seqlen_k=16384)):
             assert select_bwd_config(head_dim=d, causal=True, **kw).first_stores_dq, (d, kw)
-            off = select_bwd_config(head_dim=d, **kw)
-            assert not off.dq_first_store and not off.first_stores_dq, (d, kw)
-            assert off.dq_sems_per_block == bool(kw.get("deterministic")), (d, kw)
+            cfg = select_bwd_config(head_dim=d, **kw)
+            staggered = d == 128 and not kw.get("deterministic") and "window_left" not in kw
+            assert cfg.stagger_m is staggered, (d, kw)
+            assert cfg.dq_first_store is cfg.first_stores_dq is staggered, (d, kw)
+            assert cfg.dq_sems_per_block == (staggered or bool(kw.get("deterministic"))), (d, kw)
+            off = select_bwd_config(head_dim=d, stagger_m=False, **kw)
+            assert not off.dq_first_store and not off.stagger_m, (d, kw)
     red = select_bwd_config(head_dim=256, causal=True)
     assert red.dq_first_store and red.dq_accum == "red" and not red.first_stores_dq
     assert not red.dq_sems_per_block
@@ -547,13 +558,49 @@ def test_longest_first_cluster_cta_moves_whole_clusters(num_n, pairs, tail, ctas
         assert order == [longest_first_cta(linear, num_n, pairs, tail) for linear in grid]
 
 
+@pytest.mark.parametrize("seqlen_q,seqlen_k,ctas", [(1024, 1024, 2), (16384, 16384, 2),
+                                                   (2048, 1024, 1), (200, 16384, 2),
+                                                   (1000, 2100, 4), (80, 512, 1), (4097, 300, 1)])
+def test_staggered_sweeps_cover_every_query_block_and_spread_the_clusters(seqlen_q, seqlen_k,
+                                                                          ctas):
+    """Note [staggered query blocks]: each key block's sweep visits each of its query blocks
+    exactly once; the CTAs of a cluster (which share their Q / dO loads) sweep in the same
+    order; the clusters' starts are spread over the range, consecutive ones ``count / C``
+    blocks apart (rounded), distinct wherever there are at least as many blocks as clusters;
+    without the switch every sweep starts at m_min."""
+    cfg = select_bwd_config(head_dim=128, stagger_m=True, qdo_multicast=ctas > 1,
+                            qdo_cluster=max(ctas, 2), seqlen_q=seqlen_q, seqlen_k=seqlen_k)
+    assert cfg.cluster[0] == ctas
+    num_n = cfg.num_key_blocks(seqlen_k)
+    clusters = -(-num_n // ctas)
+    starts = {}
+    for n in range(num_n):
+        lo, hi = m_block_range(cfg, n, seqlen_q, seqlen_k)
+        off = stagger_offset(cfg, n, num_n, lo, hi)
+        assert 0 <= off < max(hi - lo, 1)
+        sweep = [staggered_m_block(i, off, lo, hi) for i in range(lo, hi)]
+        assert sorted(sweep) == list(range(lo, hi)), (n, sweep)
+        assert sweep[0] == lo + off
+        starts.setdefault(n // ctas, sweep)
+        assert starts[n // ctas] == sweep, n  # one order per cluster
+        assert stagger_offset(cfg.replace(stagger_m=False), n, num_n, lo, hi) == 0
+    count = hi - lo
+    firsts = [sweep[0] for _, sweep in sorted(starts.items())]
+    assert len(firsts) == clusters
+    gaps = [b - a for a, b in zip(firsts, firsts[1:])]
+    assert all(count // clusters <= g <= -(-count // clusters) for g in gaps), gaps
+    if count >= clusters:
+        assert len(set(firsts)) == clusters
+
+
 def test_bwd_memcheck_cases_run_the_orders_they_name():
     """``scripts/sm90_memcheck.py --mode bwd`` (run under compute-sanitizer on the GPU): its
     configs validate, and between them they take the whole grid longest first, a tail after
     CTAs in the grid's order (deterministic too), the grid's order under a causal mask, CTA
     pairs that multicast Q and dO (with each dQ path), every head-dim pair and both dQ
-    paths, and first dQ stores (Note [dQ first store]) claimed by CAS and by deterministic
-    turn, causal and not."""
+    paths, first dQ stores (Note [dQ first store]) claimed by CAS and by deterministic turn,
+    causal and not, and staggered sweeps (Note [staggered query blocks]) in clusters and
+    alone, with first stores and without."""
     mod = load_script("sm90_memcheck")
     kinds, dims, dq, multicast_dq = set(), set(), set(), set()
     for case in mod.BWD_CASES:
@@ -571,13 +618,19 @@ def test_bwd_memcheck_cases_run_the_orders_they_name():
         if cfg.first_stores_dq:
             kinds.add("first store" + (" det" if deterministic else "")
                       + (" causal" if causal else ""))
+        if cfg.stagger_m:
+            kinds.add("staggered" + (" pairs" if cfg.qdo_multicast else "")
+                      + (" first store" if cfg.first_stores_dq else ""))
         if cfg.qdo_multicast:
             multicast_dq.add(cfg.dq_accum)
             kinds.add("multicast causal" if causal else "multicast")
             if cfg.qdo_cluster == 4:
                 kinds.add("multicast 4")
     assert {"whole grid", "tail", "tail det", "grid order", "multicast", "multicast causal",
-            "multicast 4", "first store", "first store causal", "first store det causal"} <= kinds
+            "multicast 4", "first store", "first store causal", "first store det causal",
+            "staggered pairs first store", "staggered first store", "staggered"} <= kinds
+    assert any(not c.stagger_m and c.first_stores_dq and not c.causal
+               for c in map(mod.bwd_config, mod.BWD_CASES))  # first stores racing in step
     assert multicast_dq == {"bulk", "red"}
     assert dims == {(64, 64), (96, 96), (128, 128), (192, 128), (256, 256)}
     assert dq == {"bulk", "red"}
@@ -702,6 +755,24 @@ def test_sm90_bwd_qdo_multicast_multicasts_q_and_do_only(head_dim, causal, tmp_p
     assert on[remote] == 2 and off[remote] == 0, (on, off)  # the Q and dO releases
 
 
+def _main_loops_with_and_without(switch, overrides, tmp_path):
+    """The MMA main loop's SASS op counts with ``switch`` on and off (no spills either way),
+    after checking that the switch changed the kernel."""
+    from fa_sm100.inspection import inspect_kernel
+
+    loops, sass = {}, {}
+    for on in (True, False):
+        keep = tmp_path / str(on)
+        r = inspect_kernel("sm90_bwd", "sm_90a", overrides + [f"{switch}={on}".lower()],
+                           keep_dir=keep)
+        assert r["config"][switch] is on
+        assert r["spill_bytes"] == 0 and r["local_bytes"] == 0
+        sass[on] = read_kept_sass(keep)
+        loops[on] = collections.Counter(main_loop_ops(sass[on]))
+    assert sass[True] != sass[False]
+    return loops[True], loops[False]
+
+
 @pytest.mark.compile
 @pytest.mark.parametrize("overrides", [["causal=true"], ["causal=true", "head_dim=64"],
                                        ["causal=true", "head_dim=256", "deterministic=true"]],
@@ -712,21 +783,31 @@ def test_sm90_bwd_longest_first_renumbers_ctas_outside_the_main_loop(overrides, 
     instructions of addresses built from the renumbered pair, which ptxas holds in vector
     registers instead of re-reading blockIdx: +8 and +9 of 441 / 518 in the "red" dQ loops of
     hdim 256); nothing spills."""
-    from fa_sm100.inspection import inspect_kernel
-
-    loops = {}
-    for on in (True, False):
-        keep = tmp_path / str(on)
-        r = inspect_kernel("sm90_bwd", "sm_90a", overrides + [f"longest_first={on}".lower()],
-                           keep_dir=keep)
-        assert r["config"]["longest_first"] is on
-        assert r["spill_bytes"] == 0 and r["local_bytes"] == 0
-        loops[on] = collections.Counter(main_loop_ops(read_kept_sass(keep)))
-    on, off = loops[True], loops[False]
+    on, off = _main_loops_with_and_without("longest_first", overrides, tmp_path)
     kept = lambda ops: {k: v for k, v in ops.items()
                         if k.split(".")[0] in ("HGMMA", "MUFU", "BAR", "SYNCS", "WARPGROUP",
                                                "UBLKRED", "REDG", "STSM", "FENCE", "MEMBAR")}
     assert sum(on.values()) > 100 and kept(on) == kept(off)
+    assert abs(sum(on.values()) - sum(off.values())) <= 0.02 * sum(off.values()), \
+        (on - off, off - on)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("overrides", [[], ["qdo_multicast=false", "dq_first_store=false"],
+                                       ["head_dim=64"], ["head_dim=256"]],
+                         ids=["d128", "d128-one-cta-zero-fill", "d64", "d256-red"])
+def test_sm90_bwd_staggered_sweep_adds_a_select_to_the_main_loop(overrides, tmp_path):
+    """Note [staggered query blocks] only changes which query block a step visits: the MMA
+    main loop keeps its GEMMs, exp2s, barriers, synchronization and dQ reduces, and its length
+    to within 2% (the wrap-around: compare, add, select; the "red" dQ loop of hdim 256 builds
+    its addresses from the block instead of stepping a pointer: +8 of 413; at hdim 64 ptxas
+    schedules 2 fewer); nothing spills."""
+    on, off = _main_loops_with_and_without("stagger_m", overrides, tmp_path)
+    kept = lambda ops: {k: v for k, v in ops.items()
+                        if k.split(".")[0] in ("HGMMA", "MUFU", "BAR", "SYNCS", "WARPGROUP",
+                                               "UBLKRED", "UBLKCP", "REDG", "STSM", "FENCE",
+                                               "MEMBAR", "ATOMG")}
+    assert sum(off.values()) > 100 and kept(on) == kept(off)
     assert abs(sum(on.values()) - sum(off.values())) <= 0.02 * sum(off.values()), \
         (on - off, off - on)
 
@@ -830,26 +911,28 @@ def test_sm90_bwd_dq_handoff_barriers(overrides, per_wg, tmp_path):
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("overrides,copies,cas", [
-    (["causal=true"], 2, 1), (["causal=true", "dq_first_store=false"], 0, 0), ([], 0, 0),
-    (["dq_first_store=true", "dq_handoff_per_wg=false"], 1, 1),
-    (["head_dim=64", "deterministic=true", "causal=true"], 2, 0),
+@pytest.mark.parametrize("overrides,on,copies,cas", [
+    (["causal=true"], True, 2, 1), (["causal=true", "dq_first_store=false"], False, 0, 0),
+    ([], True, 2, 1), (["stagger_m=false"], False, 0, 0), (["head_dim=64"], False, 0, 0),
+    (["dq_first_store=true", "dq_handoff_per_wg=false"], True, 1, 1),
+    (["head_dim=64", "deterministic=true", "causal=true"], True, 2, 0),
     (["head_dim=96", "deterministic=true", "window_left=100", "sdp_swap_ab=false",
-      "dq_first_store=true"], 1, 0),
-    (["causal=true", "dq_accum=red"], 0, 0)],
-    ids=["d128-causal", "causal-off", "d128-non-causal", "d128-whole-tile", "d64-deterministic",
-         "d96-deterministic-window", "red"])
-def test_sm90_bwd_dq_first_store_copies_where_the_others_add(overrides, copies, cas, tmp_path):
+      "dq_first_store=true"], True, 1, 0),
+    (["causal=true", "dq_accum=red"], True, 0, 0)],
+    ids=["d128-causal", "causal-off", "d128-non-causal-staggered", "d128-non-causal-in-step",
+         "d64-non-causal", "d128-whole-tile", "d64-deterministic", "d96-deterministic-window",
+         "red"])
+def test_sm90_bwd_dq_first_store_copies_where_the_others_add(overrides, on, copies, cas,
+                                                             tmp_path):
     """Note [dQ first store]: the dq-store warp has a bulk copy beside each bulk reduce (one
     per handoff part), and claims a block with one CAS (deterministic mode: none, turn 0
     copies); off, and with "red" dQ, neither. The MMA warpgroups' GEMMs are the same either
-    way. On by default for causal problems only."""
+    way. On by default for causal problems and for staggered sweeps (Note [staggered query
+    blocks]: non-causal hdim 128)."""
     from fa_sm100.inspection import inspect_kernel
 
     r = inspect_kernel("sm90_bwd", "sm_90a", overrides, keep_dir=tmp_path)
     sass = read_kept_sass(tmp_path)
-    on = "dq_first_store=true" in overrides or ("causal=true" in overrides
-                                                and "dq_first_store=false" not in overrides)
     assert r["config"]["dq_first_store"] is on
     assert len(re.findall(r"UBLKCP\.G\.S", sass)) == copies
     assert len(re.findall(r"ATOMG\.E\.CAS", sass)) == cas

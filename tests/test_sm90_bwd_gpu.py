@@ -185,8 +185,8 @@ def test_sm90_bwd_tile_m_128_switches(sm90_device, switches, case):
 def test_sm90_bwd_gqa_reduce_modes(sm90_device, gqa_reduce, sdp_swap_ab):
     from fa_sm100.hopper.bwd_config import select_bwd_config
 
-    cfg = select_bwd_config(head_dim=128, qhead_per_kvhead=4, gqa_reduce=gqa_reduce,
-                            sdp_swap_ab=sdp_swap_ab)
+    cfg = select_bwd_config(head_dim=128, causal=True, qhead_per_kvhead=4,
+                            gqa_reduce=gqa_reduce, sdp_swap_ab=sdp_swap_ab)
     _run_case(1, 256, 300, 8, 2, 128, True, (None, None), torch.bfloat16, config=cfg)
 
 
@@ -271,6 +271,9 @@ MULTICAST_CASES = [  # (b, sq, sk, hq, hk, d, switches)
     (1, 129, 250, 2, 2, 256, dict(causal=True)),
     (2, 333, 500, 4, 2, 128, dict(causal=True, qdo_cluster=4)),
     (3, 300, 1000, 4, 2, 128, dict(causal=True, tail_ctas=20)),
+    # Note [staggered query blocks] with the zero fill (first stores off), "red" dQ
+    (2, 333, 250, 4, 2, 128, dict(stagger_m=True, dq_first_store=False)),
+    (1, 129, 250, 2, 2, 256, dict(stagger_m=True)),
 ]
 
 
@@ -322,7 +325,9 @@ def test_sm90_bwd_deterministic_is_bitwise_reproducible(sm90_device, hk, causal,
         switches["tile_m"] = 64
     if switch == "longest_first":  # 8 pairs of 8 key blocks: the last 3 longest first
         switches["tail_ctas"] = 20
-    cfg = select_bwd_config(head_dim=128, dq_accum=dq_accum, gqa_reduce="buffers", **switches)
+    cfg = select_bwd_config(head_dim=128, causal=causal, window_left=window[0],
+                            window_right=window[1], deterministic=True, dq_accum=dq_accum,
+                            gqa_reduce="buffers", **switches)
     inputs, first = _run_case(2, 1000, 1000, 4, hk, 128, causal, window, torch.bfloat16,
                               deterministic=True, config=cfg)
     _assert_reproducible(inputs, first, causal, window, cfg)
@@ -339,7 +344,9 @@ def test_sm90_bwd_wide_blocks_deterministic_is_bitwise_reproducible(sm90_device,
     query blocks."""
     from fa_sm100.hopper.bwd_config import select_bwd_config
 
-    cfg = select_bwd_config(head_dim=d, dq_accum=dq_accum, tile_m=tile_m, sdp_swap_ab=True)
+    cfg = select_bwd_config(head_dim=d, causal=causal, window_left=window[0],
+                            window_right=window[1], deterministic=True, dq_accum=dq_accum,
+                            tile_m=tile_m, sdp_swap_ab=True)
     inputs, first = _run_case(2, 1000, 1100, 4, hk, d, causal, window, torch.bfloat16,
                               deterministic=True, config=cfg)
     _assert_reproducible(inputs, first, causal, window, cfg)
@@ -368,7 +375,7 @@ def test_sm90_bwd_wide_head_dims_deterministic_is_bitwise_reproducible(sm90_devi
 # seqlen_k under a causal mask; a window), GQA, Q/dO multicast, one dQ handoff per tile,
 # deterministic turns (turn 0 stores), and the zero fill itself (first stores off; "red" dQ)
 FIRST_STORE_CASES = [  # (b, sq, sk, hq, hk, d, causal, window, deterministic, switches)
-    (2, 1000, 2048, 4, 4, 128, False, (None, None), False, {}),
+    (2, 1000, 2048, 4, 4, 128, False, (None, None), False, dict(stagger_m=False)),
     (2, 700, 150, 2, 2, 128, True, (None, None), False, {}),
     (1, 600, 500, 4, 2, 64, False, (50, 20), False, {}),
     (2, 333, 500, 4, 2, 128, True, (None, None), False, dict(qdo_multicast=True)),
@@ -377,6 +384,13 @@ FIRST_STORE_CASES = [  # (b, sq, sk, hq, hk, d, causal, window, deterministic, s
     (1, 600, 500, 2, 2, 96, False, (50, 20), True, {}),
     (2, 700, 150, 2, 2, 128, True, (None, None), False, dict(dq_first_store=False)),
     (1, 300, 200, 2, 2, 256, True, (None, None), False, {}),
+    # Note [staggered query blocks] (hdim 128's non-causal default): pairs, one CTA per
+    # sweep with more sweeps than blocks, clusters of 4 with GQA, tile_m 128 at hdim 64, hdim 96
+    (2, 1000, 2048, 4, 4, 128, False, (None, None), False, {}),
+    (1, 200, 2048, 2, 2, 128, False, (None, None), False, dict(qdo_multicast=False)),
+    (2, 1000, 2048, 4, 2, 128, False, (None, None), False, dict(qdo_cluster=4)),
+    (1, 4097, 500, 2, 2, 64, False, (None, None), False, dict(stagger_m=True)),
+    (1, 777, 640, 2, 1, 96, False, (None, None), False, dict(stagger_m=True)),
 ]
 
 
@@ -393,6 +407,8 @@ def test_sm90_bwd_dq_first_store_with_a_poisoned_accumulator(sm90_device, monkey
                             window_right=window[1], qhead_per_kvhead=hq // hk,
                             deterministic=det, seqlen_q=sq, seqlen_k=sk, **switches)
     assert cfg.first_stores_dq == (switches["dq_first_store"] and d != 256)
+    assert cfg.stagger_m == switches.get("stagger_m", d == 128 and not (causal or det or
+                                                                        window[0] or window[1]))
     workspace = bwd_interface.workspace
 
     def poisoned(config, q, k):

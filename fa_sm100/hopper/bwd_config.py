@@ -53,6 +53,12 @@ SHORT_CAUSAL_SEQLEN = 4096
 # (4k), +3.2% / +3.3% (8k), +4.3% / +4.2% (16k), 2k -0.1%; hdim 128 +0.3% / +1.4% / +1.2%
 # (4k), -0.2% / +2.3% (8k), +2.7% / +2.8% (16k).
 CAUSAL_MULTICAST_MIN_SEQLEN = {64: 4096, 128: 4096}
+# Non-causal problems without a window stagger the key blocks' sweeps over the query blocks,
+# with first dQ stores, at these head dims (Note [staggered query blocks]): H100, paired over
+# the zero fill and the sweep in step, hdim 128 +0.9% / +1.1% (1k), +2.4% / +1.6% (2k),
+# +1.5% / +2.0% (4k), +1.8% (8k), +1.2% (16k); hdim 64 -1.9% (1k), -0.6% (16k), staggered
+# without first stores -1.4% to +1.0% at hdim 64, 128, 256.
+STAGGER_HEAD_DIMS = (128,)
 SMEM_BUFFER_ALIGN = 1024  # every SMEM buffer of the kernel starts on a swizzle-atom boundary
 SM90_SMEM_BYTES = SMEM_BUDGET[SM90_ARCH]  # 227 KiB of dynamic shared memory per CTA on H100/H200
 
@@ -153,6 +159,11 @@ class BwdConfig:
     qdo_multicast: bool = False
     # CTAs per cluster under qdo_multicast: each loads 1/qdo_cluster of every Q / dO tile
     qdo_cluster: int = QDO_CLUSTER
+    # Each cluster of key blocks (each CTA without qdo_multicast) starts its sweep over the
+    # query blocks at its own offset, spread evenly over them, and wraps around (Note
+    # [staggered query blocks] in bwd_kernel.py): the CTAs of a (batch, head) pair no longer
+    # add into the same dQ block at the same moment. No mask, not deterministic.
+    stagger_m: bool = False
     # registers after setmaxnreg: producer warpgroup and each of the two MMA warpgroups
     regs_producer: int = 24
     regs_mma: int = 240
@@ -344,7 +355,7 @@ class BwdConfig:
         for name in ("sdp_swap_ab", "overlap_dk", "stats_smem", "try_wait", "stats_first",
                      "dv_before_barrier", "dkv_tma_store", "dq_handoff_per_wg", "pdl",
                      "stats_shuffle", "dv_before_fence", "longest_first", "qdo_multicast",
-                     "dq_first_store"):
+                     "dq_first_store", "stagger_m"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be a bool")
         if self.tile_m == 2 * TILE_M_ATOM:
@@ -386,6 +397,12 @@ class BwdConfig:
                 raise ValueError(
                     "qdo_multicast=True without deterministic: the dQ semaphore's order across "
                     "the CTAs of a cluster is not built")
+        if self.stagger_m and (self.causal or self.is_local or self.deterministic):
+            raise ValueError(
+                "stagger_m=True needs a problem without a causal mask or window, not "
+                "deterministic: every key block then visits every query block, so any start "
+                "covers them; deterministic turns go in key-block order, which a staggered "
+                "start would serialize (Note [staggered query blocks])")
         if isinstance(self.qdo_cluster, bool) or self.qdo_cluster not in QDO_CLUSTERS:
             raise ValueError(f"qdo_cluster={self.qdo_cluster!r}: must be one of {QDO_CLUSTERS}")
         if isinstance(self.tail_ctas, bool) or not isinstance(self.tail_ctas, int) \
@@ -453,7 +470,11 @@ def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = Fals
       over the zero fill: hdim 128 +4.5% (1k), +1.5% (2k), -1.0% (4k, wide rounds), +2.0%
       (8k); hdim 64 +4.4% (1k), +2.2% (2k), +2.1% (4k), +2.7% (8k), +0.3% (16k). Non-causal
       hdim 128 1k-4k: -5% to -9% (the key blocks of a pair reach every query block together
-      and wait for each other's stores), so off there.
+      and wait for each other's stores), so off there unless the sweeps are staggered.
+    - non-causal hdim 128 without a window, not deterministic: each cluster of key blocks
+      starts its sweep over the query blocks at its own offset (``stagger_m``, Note
+      [staggered query blocks]), with first dQ stores; H100, paired over the defaults before:
+      +0.9% to +1.1% (1k), +1.6% to +2.4% (2k), +1.5% to +2.0% (4k), +1.8% (8k), +1.2% (16k).
     - head dims above 128: 64 key rows per CTA split by head-dim columns (Note [dK/dV by
       columns]). hdim 256: dQ by vector reductions with 2-stage Q/dO, 260-422, against the
       SMEM dQ tile with 1-stage Q/dO, 216-313 (``_wide_head_defaults``). (192, 128) is
@@ -482,6 +503,9 @@ def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = Fals
                            (tile_m > TILE_M_ATOM or short_causal) and not early_dv)
     if early_dv is None:
         early_dv = not (causal or windowed or dv_mid or wide)
+    # Note [staggered query blocks]: measured at hdim 128 only (with first stores)
+    stagger = overrides.pop("stagger_m", not (causal or windowed or deterministic)
+                            and head_dim in STAGGER_HEAD_DIMS)
     cfg = BwdConfig(
         head_dim=head_dim,
         head_dim_v=head_dim_v,
@@ -511,9 +535,10 @@ def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = Fals
                                         not (deterministic and window_left is not None)),
         # causal without a left window: key block n's work falls with n (Note [longest first])
         longest_first=overrides.pop("longest_first", causal and window_left is None),
-        # causal: the key blocks of a pair reach a query block at different times (Note [dQ
-        # first store])
-        dq_first_store=overrides.pop("dq_first_store", causal),
+        # the key blocks of a pair reach a query block at different times: causal, or
+        # staggered (Notes [dQ first store], [staggered query blocks])
+        dq_first_store=overrides.pop("dq_first_store", causal or stagger),
+        stagger_m=stagger,
     )
     cfg = cfg.replace(**overrides)
     if "qdo_multicast" not in overrides:  # Note [Q/dO multicast]: the clusters must line up
@@ -601,6 +626,29 @@ def m_block_range(cfg: BwdConfig, n_block, seqlen_q, seqlen_k, imax=max, imin=mi
     return m_min, m_max
 
 
+def _pick(cond, a, b):
+    return a if cond else b
+
+
+def stagger_offset(cfg: BwdConfig, n_block, num_n_blocks, m_min, m_max):
+    """Where key block ``n_block``'s sweep over its query blocks [m_min, m_max) starts,
+    relative to m_min (Note [staggered query blocks] in bwd_kernel.py): 0 without
+    ``stagger_m``; else its cluster's (its own without ``qdo_multicast``) share of the sweep,
+    cluster c of C starting c / C of the way in. DSL or Python integers."""
+    if not cfg.stagger_m:
+        return 0 * n_block
+    ctas = cfg.cluster[0]
+    clusters = (num_n_blocks + ctas - 1) // ctas
+    return (n_block // ctas) * (m_max - m_min) // clusters
+
+
+def staggered_m_block(i, offset, m_min, m_max, pick=_pick):
+    """The query block of step ``i`` (m_min <= i < m_max) of a sweep that starts ``offset``
+    (0 <= offset < m_max - m_min) blocks in and wraps around at m_max."""
+    m = i + offset
+    return pick(m >= m_max, m - (m_max - m_min), m)
+
+
 def first_n_block(cfg: BwdConfig, m_block, seqlen_q, seqlen_k, imax=max):
     """The lowest key block whose range contains query block ``m_block``: the base of the
     deterministic dQ semaphore (the key blocks that add into ``m_block`` are consecutive)."""
@@ -613,10 +661,6 @@ def longest_first_tail_pairs(cfg: BwdConfig, num_n_blocks, num_pairs, imin=min, 
     """(batch, head) pairs whose CTAs start longest first: ``tail_ctas`` in whole pairs, at
     least one, at most all (Note [longest first] in bwd_kernel.py)."""
     return imax(imin((cfg.tail_ctas + num_n_blocks - 1) // num_n_blocks, num_pairs), 1)
-
-
-def _pick(cond, a, b):
-    return a if cond else b
 
 
 def longest_first_cluster_cta(linear, num_n_blocks, num_pairs, tail_pairs, ctas, pick=_pick):

@@ -179,6 +179,18 @@ CTAs, are renumbered (``longest_first_cluster_cta``). Same idea as the forward's
 multicast]. Clusters of 4 measured slower than pairs on the H100 (backward 4.5-7%, forward
 6.5-8%).
 
+Note [staggered query blocks] (``stagger_m``): without a mask every key block of a (batch,
+head) pair visits the query blocks 0, 1, ... in step, so all of them (up to 128 at 16k) add
+their dQ tiles into the same query block's accumulator at about the same moment, and with
+``dq_first_store`` all but one wait for its copy at every block. With the switch the sweep of
+key block n's cluster c (of C clusters in the pair; a cluster is one CTA without
+``qdo_multicast``) starts ``c * count // C`` blocks in and wraps around (``stagger_offset``,
+``staggered_m_block``): at any moment the clusters work on blocks spread over the whole range.
+The load, MMA and dq-store roles map their step i to the same block; which blocks need the
+mask, and everything else per block, follow the block, not the step. Q/dO of a pair are then
+read in C places at once instead of one (1 MiB per pair at 1k, 8 MiB at 16k, hdim 128: L2
+holds them). Not for masked or deterministic problems (``validate``).
+
 dQ is accumulated in float32 in global memory by one of two switchable paths (``dq_accum``);
 the stores of dQ, dK and dV are in ``bwd_store.py`` (``BwdStoreRole``, with Note [dQ SMEM
 handoff]); the per-element math (statistics, mask, P, dS) is in ``bwd_scores.py``
@@ -196,7 +208,8 @@ from cutlass.utils import LayoutEnum
 
 from fa_sm100.config import WARP_SIZE, cutlass_dtype
 from fa_sm100.hopper.bwd_config import (BwdConfig, first_n_block, longest_first_cluster_cta,
-                                        longest_first_tail_pairs, m_block_range)
+                                        longest_first_tail_pairs, m_block_range,
+                                        stagger_offset, staggered_m_block)
 from fa_sm100.hopper.bwd_scores import BwdScoresRole
 from fa_sm100.hopper.bwd_store import BwdStoreRole, dq_tile_shape, dq_tiled_mma
 from fa_sm100.hopper.common import NO_WAIT, rows_cols_view, transpose_view, wgmma
@@ -462,13 +475,18 @@ class Sm90FlashBackward(BwdStoreRole, BwdScoresRole):
             rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
             m_block_first, _ = self._m_block_range(n_block - rank, seqlen_q, seqlen_k)
 
+        # Note [staggered query blocks]: where this CTA's sweep starts (0 without)
+        m_offset = Int32(0)
+        if const_expr(self.cfg.stagger_m):
+            m_offset = stagger_offset(self.cfg, n_block, cute.arch.grid_dim()[0], m_block_min,
+                                      m_block_max)
         if warp_idx < PRODUCER_WARPS:
             cute.arch.setmaxregister_decrease(self.cfg.regs_producer)
             if warp_idx == LOAD_WARP:
                 self.load(mQ, mK, mV, mdO, tma_Q, tma_K, tma_V, tma_dO, sQ, sK, sV, sdO,
                           mLSE2, mDelta, sLSE2, sDelta,
                           mbar_kv, pipe_q, pipe_do, n_block, head, batch, group,
-                          m_block_first, m_block_max)
+                          m_block_first, m_block_max, m_offset)
             if const_expr(self.cfg.dq_accum == "bulk"):
                 if warp_idx == DQ_STORE_WARP:
                     # Note [chained launches]: the preprocess has zeroed the semaphores (and
@@ -476,7 +494,7 @@ class Sm90FlashBackward(BwdStoreRole, BwdScoresRole):
                     if const_expr(self.cfg.pdl):
                         cute.arch.griddepcontrol_wait()
                     self.dq_store(mdQacc, mdQsem, sdQ, n_block, head, batch, seqlen_q, seqlen_k,
-                                  m_block_min, m_block_max)
+                                  m_block_min, m_block_max, m_offset)
         else:
             cute.arch.setmaxregister_increase(self.cfg.regs_mma)
             if const_expr(self.cfg.pdl):  # Note [chained launches]: the preprocess is done
@@ -485,13 +503,21 @@ class Sm90FlashBackward(BwdStoreRole, BwdScoresRole):
                      mLSE2, mDelta, mdQacc, (mdK, mdV, tma_dK, tma_mdK, tma_dV, tma_mdV),
                      mdQsem, mbar_kv, pipe_q, pipe_do,
                      tidx - WARPGROUP_THREADS, n_block, head, batch, group, seqlen_q, seqlen_k,
-                     softmax_scale, scale_log2, m_block_first, m_block_min, m_block_max)
+                     softmax_scale, scale_log2, m_block_first, m_block_min, m_block_max,
+                     m_offset)
 
     # ---- block ranges and masks ----------------------------------------------------------
 
     def _m_block_range(self, n_block: Int32, seqlen_q: Int32, seqlen_k: Int32):
         """Query blocks [min, max) this CTA visits (``bwd_config.m_block_range``)."""
         return m_block_range(self.cfg, n_block, seqlen_q, seqlen_k, cutlass.max, cutlass.min)
+
+    def _m_block_at(self, step: Int32, m_offset: Int32, m_block_min: Int32, m_block_max: Int32):
+        """The query block of sweep step ``step``: ``step`` itself, or with ``stagger_m`` the
+        staggered sweep's (Note [staggered query blocks])."""
+        if const_expr(not self.cfg.stagger_m):
+            return step
+        return staggered_m_block(step, m_offset, m_block_min, m_block_max, _pick)
 
     def _n_block_first(self, m_block: Int32, seqlen_q: Int32, seqlen_k: Int32):
         """The first key block that adds into query block ``m_block`` (semaphore base)."""
@@ -502,9 +528,10 @@ class Sm90FlashBackward(BwdStoreRole, BwdScoresRole):
     @cute.jit
     def load(self, mQ, mK, mV, mdO, tma_Q, tma_K, tma_V, tma_dO, sQ, sK, sV, sdO,
              mLSE2, mDelta, sLSE2, sDelta,
-             mbar_kv, pipe_q, pipe_do, n_block, head, batch, group, m_block_min, m_block_max):
+             mbar_kv, pipe_q, pipe_do, n_block, head, batch, group, m_block_min, m_block_max,
+             m_offset):
         """Warp 0. K, V of ``n_block`` once (``mbar_kv``); then for each query block m in
-        [m_block_min, m_block_max): acquire a ``q`` stage, TMA Q[m] (and, with ``stats_smem``,
+        [m_block_min, m_block_max) (in the order of Note [staggered query blocks]): acquire a ``q`` stage, TMA Q[m] (and, with ``stats_smem``,
         bulk-copy LSE2[m]); acquire a ``do`` stage, TMA dO[m] (and Delta[m]). The MMA
         warpgroups release the stages."""
         head_kv = head // group
@@ -535,7 +562,8 @@ class Sm90FlashBackward(BwdStoreRole, BwdScoresRole):
             cute.arch.griddepcontrol_wait()  # preprocess; LSE2 / Delta (with Q / dO) do
         state_q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.cfg.q_stage)
         state_do = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.cfg.do_stage)
-        for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
+        for step in cutlass.range(m_block_min, m_block_max, unroll=1):
+            m_block = self._m_block_at(step, m_offset, m_block_min, m_block_max)
             pipe_q.producer_acquire(state_q)
             cute.copy(tma_Q, tQgQ[None, m_block], tQsQ[None, state_q.index],
                       tma_bar_ptr=pipe_q.producer_get_barrier(state_q), **mcast)
@@ -571,7 +599,7 @@ class Sm90FlashBackward(BwdStoreRole, BwdScoresRole):
     def mma(self, mma_sdp, mma_dk, mma_dv, mma_dq, sQ, sK, sV, sdO, sP, sdS, sdQ, sLSE2, sDelta,
             mLSE2, mDelta, mdQacc, dkv_out, mdQsem, mbar_kv, pipe_q, pipe_do,
             tidx, n_block, head, batch, group, seqlen_q, seqlen_k,
-            softmax_scale, scale_log2, m_block_first, m_block_min, m_block_max):
+            softmax_scale, scale_log2, m_block_first, m_block_min, m_block_max, m_offset):
         """Warpgroups 1-2 (``tidx`` 0..255 here). Per query block m: wait ``q``, ``do``;
         S, dP (WGMMA); P = exp2(S * scale_log2 - LSE2) with the band mask; dS = P (dP - Delta);
         P, dS -> SMEM; ``DS_READY``; dV += P^T dO, dK += dS^T Q, dQ = dS K; release ``q``, ``do``;
@@ -646,8 +674,9 @@ class Sm90FlashBackward(BwdStoreRole, BwdScoresRole):
                 state_do.advance()
         if const_expr(self.cfg.overlap_dk):
             state_q_prev = state_q.clone()  # the stage the previous block's dK reads
-        for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
-            ds_idx = (m_block - m_block_min) % 2
+        for step in cutlass.range(m_block_min, m_block_max, unroll=1):
+            m_block = self._m_block_at(step, m_offset, m_block_min, m_block_max)
+            ds_idx = (step - m_block_min) % 2
             # S = Q K^T, dP = dO V^T (swapped: S^T = K Q^T, dP^T = V dO^T)
             self._consumer_wait(pipe_q, state_q)
             lse_block = self._stat_block(mLSE2_cur, sLSE2, m_block, state_q.index)
@@ -669,7 +698,7 @@ class Sm90FlashBackward(BwdStoreRole, BwdScoresRole):
                     dpsum = self._query_stats(delta_block, thr_sdp, sdp_shape, tScS)
             warpgroup.wait_group(1)  # S done (Note [overlapped dK]: so is the previous dK)
             if const_expr(self.cfg.overlap_dk):
-                if m_block > m_block_min:
+                if step > m_block_min:
                     pipe_q.consumer_release(state_q_prev)
             if self._block_needs_mask(m_block, n_block, seqlen_q, seqlen_k):
                 self._mask(S, tScS, tScS0, m_block, n_block, seqlen_q, seqlen_k)

@@ -164,7 +164,7 @@ class BwdStoreRole:
 
     @cute.jit
     def dq_store(self, mdQacc, mdQsem, sdQ, n_block, head, batch, seqlen_q, seqlen_k,
-                 m_block_min, m_block_max):
+                 m_block_min, m_block_max, m_offset):
         """Warp 1 ("bulk" dQ), Note [dQ SMEM handoff]. Per query block m and per part of the
         tile (a warpgroup's half, or the whole tile): wait until the last bulk reduce of that
         part has read SMEM, arrive on its ``DQ_EMPTY``; then per part wait on its ``DQ_FULL``
@@ -179,7 +179,8 @@ class BwdStoreRole:
         part_elems = self.cfg.dq_block_elems // parts
         gdQ = mdQacc[batch, head, None, None]
         lane = cute.arch.lane_idx()
-        for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
+        for step in cutlass.range(m_block_min, m_block_max, unroll=1):
+            m_block = self._m_block_at(step, m_offset, m_block_min, m_block_max)
             for part in cutlass.range_constexpr(parts):
                 # bulk groups complete in commit order: this part's previous reduce is done
                 # once at most the later parts' are in flight
