@@ -265,6 +265,13 @@ def default_tile(head_dim: int) -> tuple[int, int]:
 PERSISTENT_MAX_SEQLEN_K = {64: 4096, 96: None, 128: None, 192: 2048, 256: 1024}  # None: any
 # Causal problems up to this seqlen_k use 128-row tiles even where 192 is the default.
 SHORT_CAUSAL_SEQLEN_K = 1024
+# Ping-pong (Note [Ping-pong] in fwd_consumer.py) by default up to this head dim: hdim 64's
+# three consumer warpgroups keep it (H100, paired, off: 0.997x-1.000x non-causal 8k / 16k,
+# 0.998x causal 1k). At hdim 128 off measured faster in every cell tried (round 13, H100,
+# paired, 12-16 rounds): non-causal +0.7% (1k), +1.4% (2k), +0.7% (4k), +1.3% / +1.7% (8k),
+# +1.8% / +2.2% (16k); causal +2.4% (4k), +2.4% (16k). hdim 96 follows hdim 128 unmeasured;
+# above 128 it was off already (O's registers).
+PINGPONG_MAX_HEAD_DIM = 64
 # Non-causal problems from this seqlen_k on run CTA pairs that multicast K/V (Note [K/V
 # multicast] in fwd_kernel.py), when seqlen_q gives an even number of m blocks. Measured on
 # H100 (bf16, 16k tokens; paired timing, multicast over the previous default): hdim 128
@@ -308,7 +315,7 @@ def select_sm90_fwd_config(head_dim: int = 128, head_dim_v=None, dtype="bfloat16
         m_block=WGMMA_M * num_wg,
         n_block=n_block,
         num_consumer_wg=num_wg,
-        pingpong=head_dim <= 128,
+        pingpong=head_dim <= PINGPONG_MAX_HEAD_DIM,
         rescale_o_before_pv=head_dim_v > 128,
         regs_consumer=regs_consumer,
         regs_producer=regs_producer,
