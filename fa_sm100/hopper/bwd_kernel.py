@@ -187,9 +187,13 @@ key block n's cluster c (of C clusters in the pair; a cluster is one CTA without
 ``qdo_multicast``) starts ``c * count // C`` blocks in and wraps around (``stagger_offset``,
 ``staggered_m_block``): at any moment the clusters work on blocks spread over the whole range.
 The load, MMA and dq-store roles map their step i to the same block; which blocks need the
-mask, and everything else per block, follow the block, not the step. Q/dO of a pair are then
-read in C places at once instead of one (1 MiB per pair at 1k, 8 MiB at 16k, hdim 128: L2
-holds them). Not for masked or deterministic problems (``validate``).
+mask, and everything else per block, follow the block, not the step. A block's first CTA is
+then alone there and copies while the other clusters are elsewhere; only the CTAs of one
+cluster (which share their Q/dO loads, hence their order) arrive together, and one of them
+waits for the other's copy. Q/dO of a pair are read in C places at once instead of one (512
+KiB per pair at 1k, 8 MiB at 16k, hdim 128: L2 holds them). Not for masked or deterministic
+problems (``validate``). Default with first stores at hdim 128 (``STAGGER_HEAD_DIMS``), where
+it measured +1-2%; at hdim 64 and 256 it moved both ways.
 
 dQ is accumulated in float32 in global memory by one of two switchable paths (``dq_accum``);
 the stores of dQ, dK and dV are in ``bwd_store.py`` (``BwdStoreRole``, with Note [dQ SMEM
@@ -531,9 +535,9 @@ class Sm90FlashBackward(BwdStoreRole, BwdScoresRole):
              mbar_kv, pipe_q, pipe_do, n_block, head, batch, group, m_block_min, m_block_max,
              m_offset):
         """Warp 0. K, V of ``n_block`` once (``mbar_kv``); then for each query block m in
-        [m_block_min, m_block_max) (in the order of Note [staggered query blocks]): acquire a ``q`` stage, TMA Q[m] (and, with ``stats_smem``,
-        bulk-copy LSE2[m]); acquire a ``do`` stage, TMA dO[m] (and Delta[m]). The MMA
-        warpgroups release the stages."""
+        [m_block_min, m_block_max), in the order of Note [staggered query blocks]: acquire a
+        ``q`` stage, TMA Q[m] (and, with ``stats_smem``, bulk-copy LSE2[m]); acquire a ``do``
+        stage, TMA dO[m] (and Delta[m]). The MMA warpgroups release the stages."""
         head_kv = head // group
         gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.hdim), (n_block, 0))
         gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.hdimv), (n_block, 0))
