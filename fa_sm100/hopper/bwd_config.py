@@ -99,7 +99,7 @@ class BwdConfig:
     # others add theirs, so nothing zeroes the dQ accumulator; the dQ postprocess writes zeros
     # for a block no CTA reached (Note [dQ first store] in bwd_store.py). Off: the preprocess
     # zeroes the accumulator and every CTA adds. "red" dQ ignores it (see first_stores_dq).
-    # select_bwd_config: on for causal problems (see there).
+    # select_bwd_config: on for causal problems and staggered sweeps (stagger_m; see there).
     dq_first_store: bool = False
     # "bulk" dQ: each MMA warpgroup hands its half of the SMEM dQ tile to the dq-store warp on
     # its own pair of barriers, and the warp reduces the halves separately (Note [dQ SMEM

@@ -32,9 +32,10 @@ poller waits until one bulk copy has completed, in the dq-store warp while the M
 compute the next block. That is cheap when the CTAs of a (batch, head) reach a block at
 different times, as under a causal mask (key block n starts at the diagonal); without one
 they run through the query blocks together and all but one wait at every block (hdim 128,
-H100: 5-9% slower than the zero fill), so ``select_bwd_config`` turns it on for causal
-problems only. Deterministic mode has its order already: the CTA whose turn is 0
-stores and the semaphore keeps counting turns. A block no CTA reaches (rows that see no
+H100: 5-9% slower than the zero fill) unless their sweeps are staggered (Note [staggered query
+blocks] in bwd_kernel.py), so ``select_bwd_config`` turns it on for causal problems and
+staggered sweeps. Deterministic mode has its order already: the CTA whose turn is 0 stores
+and the semaphore keeps counting turns. A block no CTA reaches (rows that see no
 keys: seqlen_q > seqlen_k under a causal mask, a window) keeps state 0 and whatever the
 allocator left in its accumulator; ``DqPostprocess`` writes zeros for it. "red" dQ (from the
 MMA registers) keeps the zero fill.
