@@ -480,10 +480,8 @@ class Sm90FlashBackward(BwdStoreRole, BwdScoresRole):
             m_block_first, _ = self._m_block_range(n_block - rank, seqlen_q, seqlen_k)
 
         # Note [staggered query blocks]: where this CTA's sweep starts (0 without)
-        m_offset = Int32(0)
-        if const_expr(self.cfg.stagger_m):
-            m_offset = stagger_offset(self.cfg, n_block, cute.arch.grid_dim()[0], m_block_min,
-                                      m_block_max)
+        m_offset = stagger_offset(self.cfg, n_block, cute.arch.grid_dim()[0], m_block_min,
+                                  m_block_max)
         if warp_idx < PRODUCER_WARPS:
             cute.arch.setmaxregister_decrease(self.cfg.regs_producer)
             if warp_idx == LOAD_WARP:
