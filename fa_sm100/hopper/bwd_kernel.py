@@ -196,9 +196,9 @@ problems (``validate``). Default with first stores at hdim 128 (``STAGGER_HEAD_D
 it measured +1-2%; at hdim 64 and 256 it moved both ways.
 
 dQ is accumulated in float32 in global memory by one of two switchable paths (``dq_accum``);
-the stores of dQ, dK and dV are in ``bwd_store.py`` (``BwdStoreRole``, with Note [dQ SMEM
-handoff]); the per-element math (statistics, mask, P, dS) is in ``bwd_scores.py``
-(``BwdScoresRole``).
+the load warp is in ``bwd_load.py`` (``BwdLoadRole``); the stores of dQ, dK and dV are in
+``bwd_store.py`` (``BwdStoreRole``, with Note [dQ SMEM handoff]); the per-element math
+(statistics, mask, P, dS) is in ``bwd_scores.py`` (``BwdScoresRole``).
 """
 
 import cutlass
@@ -207,13 +207,13 @@ import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_helpers
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
-from cutlass.experimental import primitives as prims
 from cutlass.utils import LayoutEnum
 
 from fa_sm100.config import WARP_SIZE, cutlass_dtype
 from fa_sm100.hopper.bwd_config import (BwdConfig, first_n_block, longest_first_cluster_cta,
                                         longest_first_tail_pairs, m_block_range,
                                         stagger_offset, staggered_m_block)
+from fa_sm100.hopper.bwd_load import BwdLoadRole
 from fa_sm100.hopper.bwd_scores import BwdScoresRole
 from fa_sm100.hopper.bwd_store import BwdStoreRole, dq_tile_shape, dq_tiled_mma
 from fa_sm100.hopper.common import NO_WAIT, rows_cols_view, transpose_view, wgmma
@@ -234,7 +234,7 @@ def _pick(cond, a, b) -> Int32:
     return Int32(cutlass.select_(cond, Int32(a), Int32(b)))
 
 
-class Sm90FlashBackward(BwdStoreRole, BwdScoresRole):
+class Sm90FlashBackward(BwdLoadRole, BwdStoreRole, BwdScoresRole):
     """Builds and launches the main backward kernel for one ``BwdConfig``."""
 
     def __init__(self, cfg: BwdConfig):
@@ -524,76 +524,6 @@ class Sm90FlashBackward(BwdStoreRole, BwdScoresRole):
     def _n_block_first(self, m_block: Int32, seqlen_q: Int32, seqlen_k: Int32):
         """The first key block that adds into query block ``m_block`` (semaphore base)."""
         return first_n_block(self.cfg, m_block, seqlen_q, seqlen_k, cutlass.max)
-
-    # ---- load role -----------------------------------------------------------------------
-
-    @cute.jit
-    def load(self, mQ, mK, mV, mdO, tma_Q, tma_K, tma_V, tma_dO, sQ, sK, sV, sdO,
-             mLSE2, mDelta, sLSE2, sDelta,
-             mbar_kv, pipe_q, pipe_do, n_block, head, batch, group, m_block_min, m_block_max,
-             m_offset):
-        """Warp 0. K, V of ``n_block`` once (``mbar_kv``); then for each query block m in
-        [m_block_min, m_block_max), in the order of Note [staggered query blocks]: acquire a
-        ``q`` stage, TMA Q[m] (and, with ``stats_smem``, bulk-copy LSE2[m]); acquire a ``do``
-        stage, TMA dO[m] (and Delta[m]). The MMA warpgroups release the stages."""
-        head_kv = head // group
-        gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.hdim), (n_block, 0))
-        gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.hdimv), (n_block, 0))
-        gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.hdim), (None, 0))
-        gdO = cute.local_tile(mdO[None, None, head, batch], (self.tile_m, self.hdimv), (None, 0))
-        one = cute.make_layout(1)
-        tKsK, tKgK = cpasync.tma_partition(tma_K, 0, one, cute.group_modes(sK, 0, 2),
-                                           cute.group_modes(gK, 0, 2))
-        tVsV, tVgV = cpasync.tma_partition(tma_V, 0, one, cute.group_modes(sV, 0, 2),
-                                           cute.group_modes(gV, 0, 2))
-        # Note [Q/dO multicast]: this CTA's share of each Q / dO tile (the whole tile without)
-        rank, qdo = 0, cute.make_layout(self.cfg.cluster[0])
-        mcast = {}
-        if const_expr(self.cfg.qdo_multicast):
-            rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
-            mcast = {"mcast_mask": cutlass.Int16((1 << self.cfg.cluster[0]) - 1)}
-        tQsQ, tQgQ = cpasync.tma_partition(tma_Q, rank, qdo, cute.group_modes(sQ, 0, 2),
-                                           cute.group_modes(gQ, 0, 2))
-        tdOsdO, tdOgdO = cpasync.tma_partition(tma_dO, rank, qdo, cute.group_modes(sdO, 0, 2),
-                                               cute.group_modes(gdO, 0, 2))
-        with cute.arch.elect_one():
-            cute.arch.mbarrier_arrive_and_expect_tx(mbar_kv, self.bytes_kv)
-        cute.copy(tma_K, tKgK, tKsK, tma_bar_ptr=mbar_kv)
-        cute.copy(tma_V, tVgV, tVsV, tma_bar_ptr=mbar_kv)
-        if const_expr(self.cfg.pdl):  # Note [chained launches]: K, V do not come from the
-            cute.arch.griddepcontrol_wait()  # preprocess; LSE2 / Delta (with Q / dO) do
-        state_q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.cfg.q_stage)
-        state_do = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.cfg.do_stage)
-        for step in cutlass.range(m_block_min, m_block_max, unroll=1):
-            m_block = self._m_block_at(step, m_offset, m_block_min, m_block_max)
-            pipe_q.producer_acquire(state_q)
-            cute.copy(tma_Q, tQgQ[None, m_block], tQsQ[None, state_q.index],
-                      tma_bar_ptr=pipe_q.producer_get_barrier(state_q), **mcast)
-            if const_expr(self.cfg.stats_smem):
-                self._load_stats(mLSE2, sLSE2, pipe_q.producer_get_barrier(state_q), batch,
-                                 head, m_block, state_q.index)
-            pipe_do.producer_acquire(state_do)
-            cute.copy(tma_dO, tdOgdO[None, m_block], tdOsdO[None, state_do.index],
-                      tma_bar_ptr=pipe_do.producer_get_barrier(state_do), **mcast)
-            if const_expr(self.cfg.stats_smem):
-                self._load_stats(mDelta, sDelta, pipe_do.producer_get_barrier(state_do), batch,
-                                 head, m_block, state_do.index)
-            state_q.advance()
-            state_do.advance()
-        if const_expr(self.cfg.qdo_multicast):  # Note [Q/dO multicast]: the peer's releases
-            pipe_q.producer_tail(state_q)
-            pipe_do.producer_tail(state_do)
-
-    @cute.jit
-    def _load_stats(self, mStat, sStat, mbar, batch, head, m_block, stage):
-        """One bulk copy of query block ``m_block``'s tile_m values of LSE2 or Delta into SMEM
-        stage ``stage``, completing on the stage's mbarrier (its tx count includes them).
-        Rows are padded to a multiple of tile_m and start 16-byte aligned, as bulk copies
-        require."""
-        src = mStat[batch, head, None].iterator + m_block * self.tile_m
-        with cute.arch.elect_one():
-            prims.cp_async_bulk_shared_cluster_global(
-                sStat[None, stage].iterator, src, mbar, self.tile_m * 4)
 
     # ---- MMA role ------------------------------------------------------------------------
 
