@@ -60,31 +60,29 @@ class BwdLoadRole:
         state_do = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.cfg.do_stage)
         for step in cutlass.range(m_block_min, m_block_max, unroll=1):
             m_block = self._m_block_at(step, m_offset, m_block_min, m_block_max)
-            pipe_q.producer_acquire(state_q)
-            cute.copy(tma_Q, tQgQ[None, m_block], tQsQ[None, state_q.index],
-                      tma_bar_ptr=pipe_q.producer_get_barrier(state_q), **mcast)
-            if const_expr(self.cfg.stats_smem):
-                self._load_stats(mLSE2, sLSE2, pipe_q.producer_get_barrier(state_q), batch,
-                                 head, m_block, state_q.index)
-            pipe_do.producer_acquire(state_do)
-            cute.copy(tma_dO, tdOgdO[None, m_block], tdOsdO[None, state_do.index],
-                      tma_bar_ptr=pipe_do.producer_get_barrier(state_do), **mcast)
-            if const_expr(self.cfg.stats_smem):
-                self._load_stats(mDelta, sDelta, pipe_do.producer_get_barrier(state_do), batch,
-                                 head, m_block, state_do.index)
+            self._load_stage(pipe_q, state_q, tma_Q, tQgQ, tQsQ, mcast, mLSE2, sLSE2, batch,
+                             head, m_block)
+            self._load_stage(pipe_do, state_do, tma_dO, tdOgdO, tdOsdO, mcast, mDelta, sDelta,
+                             batch, head, m_block)
             state_q.advance()
             state_do.advance()
         if const_expr(self.cfg.qdo_multicast):  # Note [Q/dO multicast]: the peer's releases
             pipe_q.producer_tail(state_q)
             pipe_do.producer_tail(state_do)
 
-    @cute.jit
-    def _load_stats(self, mStat, sStat, mbar, batch, head, m_block, stage):
-        """One bulk copy of query block ``m_block``'s tile_m values of LSE2 or Delta into SMEM
-        stage ``stage``, completing on the stage's mbarrier (its tx count includes them).
-        Rows are padded to a multiple of tile_m and start 16-byte aligned, as bulk copies
-        require."""
-        src = mStat[batch, head, None].iterator + m_block * self.tile_m
-        with cute.arch.elect_one():
-            prims.cp_async_bulk_shared_cluster_global(
-                sStat[None, stage].iterator, src, mbar, self.tile_m * 4)
+    def _load_stage(self, pipe, state, tma, tXgX, tXsX, mcast, mStat, sStat, batch, head,
+                    m_block):
+        """Acquire ``pipe``'s stage ``state`` and TMA query block ``m_block`` of Q or dO into it
+        (``mcast``: this CTA's share, multicast to the cluster); with ``stats_smem`` also the
+        block's tile_m values of its statistic (LSE2 with Q, Delta with dO) by one bulk copy
+        completing on the same mbarrier (its tx count includes them). Rows of the statistics
+        are padded to a multiple of tile_m and start 16-byte aligned, as bulk copies require.
+        Traced inline (plain Python: ``mcast`` is a dict of keyword arguments)."""
+        pipe.producer_acquire(state)
+        mbar = pipe.producer_get_barrier(state)
+        cute.copy(tma, tXgX[None, m_block], tXsX[None, state.index], tma_bar_ptr=mbar, **mcast)
+        if const_expr(self.cfg.stats_smem):
+            src = mStat[batch, head, None].iterator + m_block * self.tile_m
+            with cute.arch.elect_one():
+                prims.cp_async_bulk_shared_cluster_global(
+                    sStat[None, state.index].iterator, src, mbar, self.tile_m * 4)
