@@ -95,6 +95,10 @@ BWD_CASES = [
     (1, 200, 2048, 2, 2, 128, 128, False, (None, None), False, {"qdo_multicast": False}),
     (1, 1000, 640, 2, 1, 64, 64, False, (None, None), False,
      {"stagger_m": True, "dq_first_store": False}),
+    # Note [dQ postprocess in the tail] (hdim 128's default; the hdim 128 cases above have it):
+    # more CTAs than SMs, GQA (the dK/dV postprocess follows), hdim 64 with a window
+    (2, 2048, 2048, 8, 2, 128, 128, False, (None, None), False, {}),
+    (1, 600, 500, 4, 2, 64, 64, True, (50, None), False, {"early_dq_post": True}),
 ]
 
 

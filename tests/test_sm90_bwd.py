@@ -418,6 +418,40 @@ def test_dq_first_store_default_is_causal_or_staggered_with_bulk_dq():
     assert select_bwd_config(head_dim=128, dq_first_store=True).first_stores_dq
 
 
+def test_early_dq_post_default_rules_and_semaphore_slots():
+    """Note [dQ postprocess in the tail]: on by default at hdim 128 (EARLY_DQ_POST_HEAD_DIMS)
+    wherever it can run ("bulk" dQ, chained launches), off elsewhere; ``validate()`` rejects it
+    with "red" dQ or without ``pdl``. The workspace holds one more semaphore per (batch, head),
+    last, for the count of finished CTAs."""
+    from fa_sm100.hopper.bwd_config import EARLY_DQ_POST_HEAD_DIMS
+    from fa_sm100.hopper.bwd_interface import workspace
+
+    assert EARLY_DQ_POST_HEAD_DIMS == (128,)
+    for kw in ({}, dict(causal=True), dict(deterministic=True), dict(window_left=100),
+               dict(qhead_per_kvhead=4, causal=True, seqlen_q=8192, seqlen_k=8192)):
+        assert select_bwd_config(head_dim=128, **kw).early_dq_post, kw
+        assert not select_bwd_config(head_dim=128, pdl=False, **kw).early_dq_post, kw
+        assert not select_bwd_config(head_dim=128, dq_accum="red", **kw).early_dq_post, kw
+        for d in (64, 96, 192, 256):
+            assert not select_bwd_config(head_dim=d, **kw).early_dq_post, (d, kw)
+    assert select_bwd_config(head_dim=64, early_dq_post=True).early_dq_post
+    for bad in (dict(dq_accum="red"), dict(pdl=False)):
+        with pytest.raises(ValueError, match="early_dq_post=True needs dq_accum='bulk' and pdl"):
+            select_bwd_config(head_dim=128, early_dq_post=True, **bad)
+    with pytest.raises(ValueError, match="early_dq_post=1: must be a bool"):
+        BwdConfig(early_dq_post=1).validate()
+    # (config, slots for 13 query blocks): per block (first stores, turns) + the count
+    for cfg, slots in ((select_bwd_config(head_dim=128), 14),
+                       (select_bwd_config(head_dim=128, stagger_m=False, dq_first_store=False), 1),
+                       (select_bwd_config(head_dim=64), 1),
+                       (select_bwd_config(head_dim=64, deterministic=True), 13),
+                       (select_bwd_config(head_dim=64, deterministic=True, early_dq_post=True),
+                        14)):
+        assert cfg.dq_sem_slots(13) == slots, cfg
+        q = torch.empty(2, 13 * cfg.tile_m - 5, 3, cfg.head_dim)
+        assert workspace(cfg, q, q)["dq_sem"].shape == (2, 3, slots)
+
+
 def test_qdo_multicast_default_under_a_causal_mask_from_4k_at_hdim_64_and_128():
     """Causal problems multicast by default only where measured faster: hdim 64 and 128 with
     both lengths at least CAUSAL_MULTICAST_MIN_SEQLEN (4k), the key blocks even, not
@@ -815,6 +849,31 @@ def test_sm90_bwd_staggered_sweep_adds_a_select_to_the_main_loop(overrides, tmp_
 
 
 @pytest.mark.compile
+@pytest.mark.parametrize("overrides", [[], ["causal=true", "deterministic=true"],
+                                       ["head_dim=64", "causal=true"],
+                                       ["head_dim=96", "dq_first_store=false"]],
+                         ids=["d128", "d128-causal-deterministic", "d64-causal", "d96"])
+def test_sm90_bwd_early_dq_post_leaves_the_main_loop_alone(overrides, tmp_path):
+    """Note [dQ postprocess in the tail]: the count of finished CTAs is one release-add
+    after the dq-store warp's last block, and the main kernel lets its dependents launch once:
+    the MMA main loop keeps its GEMMs, exp2s, barriers, synchronization and dQ reduces and its
+    length to within 1% (ptxas may pick a uniform add instead of a vector one: counting each
+    block's reduces inside the loop measured 2.5-14% slower), nothing spills."""
+    on, off = _main_loops_with_and_without("early_dq_post", overrides, tmp_path)
+    assert sum(off.values()) > 100 and _loop_work(on, "SYNCS") == _loop_work(off, "SYNCS")
+    assert abs(sum(on.values()) - sum(off.values())) <= 0.01 * sum(off.values()), \
+        (on - off, off - on)
+    ptx = {}
+    for early in (True, False):
+        (path,) = glob.glob(str(tmp_path / str(early) / "*.ptx"))
+        ptx[early] = open(path).read()
+    releases = {e: ptx[e].count("red.release.gpu") for e in ptx}
+    assert releases[True] == releases[False] + 1, releases
+    assert ptx[True].count("griddepcontrol.launch_dependents") == 1
+    assert "griddepcontrol.launch_dependents" not in ptx[False]
+
+
+@pytest.mark.compile
 @pytest.mark.parametrize("overrides", [
     ["causal=true"],
     ["causal=true", "deterministic=true", "qhead_per_kvhead=4", "window_left=100"],
@@ -1182,38 +1241,48 @@ def test_dq_postprocess_stores_whole_16_byte_pieces(overrides):
     ops = sass_full_histogram(art.sass)
     per_thread = cfg.tile_m * cfg.head_dim // 8 // 256
     assert {k: v for k, v in ops.items() if k.startswith("STG")} == {"STG.E.128": per_thread}
-    assert ops.get("LDS.128") == per_thread and ops.get("BAR.SYNC.DEFER_BLOCKING") == 1
+    # one barrier between the SMEM tile's writes and reads; with early_dq_post (hdim 128's
+    # default) one more after the count is seen (Note [dQ postprocess in the tail])
+    barriers = 1 + cfg.early_dq_post
+    assert ops.get("LDS.128") == per_thread and ops.get("BAR.SYNC.DEFER_BLOCKING") == barriers
     assert ops.get("LDG.E.128") == cfg.dq_groups  # the fragment-order loads, unchanged
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("pdl", [True, False])
-def test_chained_launches_wait_before_reading_the_kernel_before(pdl, tmp_path):
+@pytest.mark.parametrize("pdl,early", [(True, False), (False, False), (True, True)],
+                         ids=["pdl", "plain", "pdl-early-dq-post"])
+def test_chained_launches_wait_before_reading_the_kernel_before(pdl, early, tmp_path):
     """Note [chained launches]: with ``pdl`` every kernel of the chain is launched as a
     programmatic dependent and waits (``griddepcontrol.wait``) before it touches the previous
     kernel's output: the main kernel once per role that does (load warp after K/V, dq-store
     warp, MMA warpgroups), the preprocess once (and it lets the main kernel launch after its
-    loads), the dQ postprocess once. Without ``pdl``: plain launches, no waits."""
+    loads), the dQ postprocess once. Without ``pdl``: plain launches, no waits. With
+    ``early_dq_post`` (Note [dQ postprocess in the tail]) the main kernel lets the dQ
+    postprocess launch at once, and the postprocess polls its (batch, head)'s count
+    (``ld.acquire.gpu``) instead of waiting first thing; it waits twice, after too many polls
+    and in CTA (0, 0, 0) before the exit."""
     from fa_sm100.compile_tools import cross_compile
     from fa_sm100.config import cutlass_dtype
     from fa_sm100.hopper.bwd_interface import fake_dq_post_arguments, fake_pre_arguments
     from fa_sm100.hopper.bwd_prepost import BwdPreprocess, DqPostprocess
     from fa_sm100.inspection import inspect_kernel
 
-    r = inspect_kernel("sm90_bwd", "sm_90a", [f"pdl={pdl}".lower()], keep_dir=tmp_path)
+    switches = [f"pdl={pdl}".lower(), f"early_dq_post={early}".lower()]
+    r = inspect_kernel("sm90_bwd", "sm_90a", switches, keep_dir=tmp_path)
     (ptx_path,) = glob.glob(str(tmp_path / "*.ptx"))
     ptx = open(ptx_path).read()
     assert r["launch"]["use_pdl"] is pdl
     assert ptx.count("griddepcontrol.wait") == (3 if pdl else 0)
-    assert "griddepcontrol.launch_dependents" not in ptx
-    cfg = select_bwd_config(pdl=pdl)
+    assert ptx.count("griddepcontrol.launch_dependents") == int(early)
+    cfg = select_bwd_config(pdl=pdl, early_dq_post=early)
     pre = cross_compile(BwdPreprocess(128, 128, pdl), fake_pre_arguments(
         cutlass_dtype("bfloat16"), 128), "sm_90a")
     post = cross_compile(DqPostprocess(cfg), fake_dq_post_arguments(cfg), "sm_90a")
-    for art, dependents in ((pre, 1), (post, 0)):
+    for art, waits, dependents in ((pre, 1, 1), (post, 2 if early else 1, 0)):
         assert art.launches[0]["use_pdl"] is pdl
-        assert art.ptx.count("griddepcontrol.wait") == int(pdl)
+        assert art.ptx.count("griddepcontrol.wait") == (waits if pdl else 0)
         assert art.ptx.count("griddepcontrol.launch_dependents") == (dependents if pdl else 0)
+    assert post.ptx.count("ld.acquire.gpu") == (2 if early else 0)  # before and in the loop
 
 
 SWAP_CASES = [[], ["causal=true", "head_dim=64"], ["head_dim=96", "dq_accum=red", "early_dv=false"]]

@@ -419,3 +419,51 @@ def test_sm90_bwd_dq_first_store_with_a_poisoned_accumulator(sm90_device, monkey
 
     monkeypatch.setattr(bwd_interface, "workspace", poisoned)
     _run_case(b, sq, sk, hq, hk, d, causal, window, deterministic=det, config=cfg, seed=sk)
+
+
+# Note [dQ postprocess in the tail] (``early_dq_post``, hdim 128's default, so every hdim 128
+# case of this file has it): more CTAs than SMs (the postprocess really starts while the main
+# kernel runs), GQA (the dK/dV postprocess follows it), rows that see no key, deterministic
+# turns, the zero fill, causal multicast with a short tail; at the other head dims by switch,
+# with windows. The dQ accumulator and the semaphores (the count included) are poisoned: the
+# preprocess must zero the count, and a count that starts high would let the postprocess read
+# unfinished blocks.
+EARLY_POST_CASES = [  # (b, sq, sk, hq, hk, d, causal, window, deterministic, switches)
+    (4, 2048, 2048, 16, 16, 128, False, (None, None), False, {}),
+    (4, 2048, 2048, 16, 4, 128, True, (None, None), False, {}),
+    (2, 700, 150, 2, 2, 128, True, (None, None), False, {}),
+    (2, 700, 150, 4, 2, 128, True, (None, None), True, {}),
+    (1, 500, 400, 2, 2, 128, False, (None, None), False,
+     dict(dq_first_store=False, stagger_m=False)),
+    (2, 333, 500, 4, 2, 128, True, (None, None), False, dict(qdo_multicast=True, tail_ctas=7)),
+    (1, 600, 500, 4, 2, 64, False, (50, 20), False, dict(early_dq_post=True)),
+    (2, 1000, 900, 4, 4, 64, True, (None, None), False, dict(early_dq_post=True)),
+    (1, 777, 640, 2, 1, 96, False, (None, None), False, dict(early_dq_post=True)),
+    (1, 300, 200, 2, 1, (192, 128), True, (None, None), False, dict(early_dq_post=True)),
+]
+
+
+@pytest.mark.parametrize("case", EARLY_POST_CASES, ids=lambda c: (
+    f"d{c[5] if isinstance(c[5], int) else c[5][0]}-b{c[0]}-q{c[1]}-k{c[2]}-h{c[3]}/{c[4]}"
+    f"-{'causal' if c[6] else 'full'}-w{c[7][0]}" + ("-det" if c[8] else "")
+    + "".join(f"-{k}={v}" for k, v in c[9].items())))
+def test_sm90_bwd_early_dq_postprocess(sm90_device, monkeypatch, case):
+    from fa_sm100.hopper import bwd_interface
+    from fa_sm100.hopper.bwd_config import select_bwd_config
+
+    b, sq, sk, hq, hk, d, causal, window, det, switches = case
+    dqk, dv = d if isinstance(d, tuple) else (d, d)
+    cfg = select_bwd_config(head_dim=dqk, head_dim_v=dv, causal=causal, window_left=window[0],
+                            window_right=window[1], qhead_per_kvhead=hq // hk,
+                            deterministic=det, seqlen_q=sq, seqlen_k=sk, **switches)
+    assert cfg.early_dq_post
+    workspace = bwd_interface.workspace
+
+    def poisoned(config, q, k):
+        ws = workspace(config, q, k)
+        ws["dq_acc"].fill_(float("nan"))
+        ws["dq_sem"].fill_(1 << 20)  # the preprocess zeroes them
+        return ws
+
+    monkeypatch.setattr(bwd_interface, "workspace", poisoned)
+    _run_case(b, sq, sk, hq, hk, d, causal, window, deterministic=det, config=cfg, seed=sq)

@@ -16,20 +16,21 @@ from fa_sm100.config import cutlass_dtype  # noqa: E402
 from fa_sm100.hopper.bwd_config import dq_fragment_index, select_bwd_config  # noqa: E402
 from fa_sm100.hopper.bwd_interface import _rowmajor  # noqa: E402
 from fa_sm100.hopper.bwd_prepost import BwdPostprocess, BwdPreprocess, DqPostprocess  # noqa: E402
-from fa_sm100.ptxemu import capture_launch, emulate  # noqa: E402
+from fa_sm100.ptxemu import EmulationError, capture_launch, emulate  # noqa: E402
 from fa_sm100.testing import check_against_reference  # noqa: E402
 
 pytestmark = pytest.mark.compile
 
 
-def _run(kernel, fakes, tensors, scalars=()):
-    """Capture the sm_90a launch of ``kernel`` and emulate it on the CPU tensors."""
+def _run(kernel, fakes, tensors, scalars=(), max_steps=2_000_000):
+    """Capture the sm_90a launch of ``kernel`` and emulate it on the CPU tensors
+    (``max_steps``: the emulator's limit per CTA)."""
     import cuda.bindings.driver as cuda
 
     real = tuple(from_dlpack(t) for t in tensors) + tuple(scalars) + (cuda.CUstream(0),)
     cap = capture_launch(kernel, tuple(fakes) + tuple(scalars) + (make_fake_stream(),), real,
                          arch="sm_90a")
-    emulate(cap, list(tensors), seed=0)
+    emulate(cap, list(tensors), seed=0, max_steps=max_steps)
 
 
 @pytest.mark.parametrize("head_dim,head_dim_v,dtype,tile_m,n_sem,zero_dq",
@@ -108,9 +109,12 @@ def test_postprocess_sums_groups_scales_and_converts(head_dim, group, pitch, sca
                                        dict(head_dim=64),
                                        dict(head_dim=96, dtype="float16"), dict(head_dim=192),
                                        dict(head_dim=256),
-                                       dict(head_dim=128, tile_m=80, sdp_swap_ab=True)],
+                                       dict(head_dim=128, tile_m=80, sdp_swap_ab=True),
+                                       dict(head_dim=128, causal=True, early_dq_post=True),
+                                       dict(head_dim=64, early_dq_post=True)],
                          ids=["d128-split-columns", "d64-tile_m128-split-rows", "d96-fp16",
-                              "d192", "d256", "d128-tile_m80-transposed"])
+                              "d192", "d256", "d128-tile_m80-transposed",
+                              "d128-causal-early-post", "d64-early-post"])
 def test_dq_postprocess_inverts_the_fragment_order(overrides):
     """Note [dQ in fragment order]: a row-major dQ tile written into the accumulator at
     ``dq_fragment_index`` (the PTX ISA's WGMMA accumulator layout, in Python) comes back out of
@@ -118,7 +122,11 @@ def test_dq_postprocess_inverts_the_fragment_order(overrides):
     MMA) as scale * tile in the output dtype, bit for bit, for every row below seqlen_q of a
     ragged last block; two derivations of the same layout that must agree. With first stores
     (Note [dQ first store]; "red" dQ at hdim 256 has none) a block whose semaphore is 0 comes
-    out as zeros whatever its accumulator holds (NaN here), the others as they are."""
+    out as zeros whatever its accumulator holds (NaN here), the others as they are. With
+    ``early_dq_post`` (Note [dQ postprocess in the tail]) each CTA first waits for the
+    (batch, head)'s count of finished main-kernel CTAs, the last semaphore, to reach its number
+    of key blocks: at that count it runs within a step limit of the emulator; one short, it
+    polls until the limit stops it (the emulator runs no main kernel to finish)."""
     cfg = select_bwd_config(**overrides)
     tm, d = cfg.tile_m, cfg.head_dim
     b, h, s = 1, 2, tm + 37
@@ -128,7 +136,9 @@ def test_dq_postprocess_inverts_the_fragment_order(overrides):
     index = torch.tensor([[dq_fragment_index(cfg, r, c) for c in range(d)] for r in range(tm)])
     acc = torch.empty(b, h, n_m, tm * d)
     acc[..., index.flatten()] = tiles.reshape(b, h, n_m, tm * d)
-    sem = torch.full((b, h, n_m if cfg.first_stores_dq else 1), 2, dtype=torch.int32)
+    sem = torch.full((b, h, cfg.dq_sem_slots(n_m)), 2, dtype=torch.int32)
+    if cfg.early_dq_post:  # every key block's CTA is done
+        sem[:, :, -1] = cfg.num_key_blocks(s)
     if cfg.first_stores_dq:  # head 1's first block: no CTA reached it
         sem[0, 1, 0] = 0
         acc[0, 1, 0] = math.nan
@@ -136,8 +146,14 @@ def test_dq_postprocess_inverts_the_fragment_order(overrides):
     t = getattr(torch, cfg.dtype)
     out = torch.full((b, s, h, d), 7.0).to(t)
     dt, f32 = cutlass_dtype(cfg.dtype), cutlass.Float32
-    _run(DqPostprocess(cfg),
-         (_rowmajor(f32, acc.shape), _rowmajor(cutlass.Int32, sem.shape, 4),
-          _rowmajor(dt, out.shape)), (acc, sem, out), scalars=(f32(0.125),))
+    fakes = (_rowmajor(f32, acc.shape), _rowmajor(cutlass.Int32, sem.shape, 4),
+             _rowmajor(dt, out.shape))
+    scalars = (f32(0.125), cutlass.Int32(s))
+    steps = 30_000  # a CTA takes a few thousand; MAX_POLLS polls take several times this
+    _run(DqPostprocess(cfg), fakes, (acc, sem, out), scalars, max_steps=steps)
     want = (tiles * 0.125).to(t).reshape(b, h, n_m * tm, d)[:, :, :s].transpose(1, 2)
     assert torch.equal(out, want)
+    if cfg.early_dq_post:
+        sem[0, 1, -1] -= 1  # one CTA of head 1 not done yet
+        with pytest.raises(EmulationError, match="step limit"):
+            _run(DqPostprocess(cfg), fakes, (acc, sem, out), scalars, max_steps=steps)

@@ -60,6 +60,14 @@ CAUSAL_MULTICAST_MIN_SEQLEN = {64: 4096, 128: 4096}
 # -1.9% (1k), -0.6% (16k), then +1.0% to +1.2% (1k-4k); staggered without first stores -2.5%
 # to +1.0% at hdim 64, 128, 256.
 STAGGER_HEAD_DIMS = (128,)
+# Note [dQ postprocess in the tail] (early_dq_post) by default at these head dims. H100,
+# round 14, paired over off (scripts/ab_bench.py, 10-12 rounds): hdim 128 non-causal +0.6%
+# (1k), +1.4% (2k), +0.6% (4k), causal +0.7% (4k), +1.0% (16k); the time per call in the
+# CUDA profiler's timeline (8 calls) 3.5% (1k), 2.7% (2k), 1.5% (causal 4k) shorter. hdim 64:
+# +0.5% (1k), +0.4% (4k) non-causal, -2.2% / 0.0% causal (1k / 4k; in the timeline 2.7%
+# longer at causal 1k: the main kernel's last wave lost more to the concurrent postprocess
+# than the postprocess gained). Others unmeasured.
+EARLY_DQ_POST_HEAD_DIMS = (128,)
 SMEM_BUFFER_ALIGN = 1024  # every SMEM buffer of the kernel starts on a swizzle-atom boundary
 SM90_SMEM_BYTES = SMEM_BUDGET[SM90_ARCH]  # 227 KiB of dynamic shared memory per CTA on H100/H200
 
@@ -165,6 +173,12 @@ class BwdConfig:
     # [staggered query blocks] in bwd_kernel.py): the CTAs of a (batch, head) pair no longer
     # add into the same dQ block at the same moment. No mask, not deterministic.
     stagger_m: bool = False
+    # "bulk" dQ with pdl: every CTA counts itself done on a semaphore of its (batch, head)
+    # once its dQ reduces have completed, the main kernel lets the dQ postprocess launch from
+    # its start, and each postprocess CTA waits for its (batch, head)'s count instead of for
+    # the whole main kernel: it converts finished heads on the SMs the main kernel's last
+    # wave leaves idle (Note [dQ postprocess in the tail] in bwd_prepost.py).
+    early_dq_post: bool = False
     # registers after setmaxnreg: producer warpgroup and each of the two MMA warpgroups
     regs_producer: int = 24
     regs_mma: int = 240
@@ -202,8 +216,15 @@ class BwdConfig:
     @property
     def dq_sems_per_block(self) -> bool:
         """One dQ semaphore per query block (deterministic turns, or Note [dQ first store]'s
-        state); else a single unused one per (batch, head)."""
+        state); else none (see ``dq_sem_slots``)."""
         return self.deterministic or self.first_stores_dq
+
+    def dq_sem_slots(self, num_m_blocks: int) -> int:
+        """dQ semaphores per (batch, head): one per query block where ``dq_sems_per_block``,
+        and with ``early_dq_post`` one more, last, counting the finished CTAs (Note [dQ
+        postprocess in the tail]); at least one (unused without either)."""
+        per_block = num_m_blocks if self.dq_sems_per_block else 0
+        return max(per_block + int(self.early_dq_post), 1)
 
     @property
     def cluster(self) -> tuple:
@@ -356,7 +377,7 @@ class BwdConfig:
         for name in ("sdp_swap_ab", "overlap_dk", "stats_smem", "try_wait", "stats_first",
                      "dv_before_barrier", "dkv_tma_store", "dq_handoff_per_wg", "pdl",
                      "stats_shuffle", "dv_before_fence", "longest_first", "qdo_multicast",
-                     "dq_first_store", "stagger_m"):
+                     "dq_first_store", "stagger_m", "early_dq_post"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be a bool")
         if self.tile_m == 2 * TILE_M_ATOM:
@@ -404,6 +425,12 @@ class BwdConfig:
                 "deterministic: every key block then visits every query block, so any start "
                 "covers them; deterministic turns go in key-block order, which a staggered "
                 "start would serialize (Note [staggered query blocks])")
+        if self.early_dq_post and (self.dq_accum != "bulk" or not self.pdl):
+            raise ValueError(
+                "early_dq_post=True needs dq_accum='bulk' and pdl=True: the dq-store warp counts "
+                "a block's additions once its bulk reduces have completed, and the postprocess "
+                "starts as a programmatic dependent of the main kernel (Note [dQ postprocess in "
+                "the tail])")
         if isinstance(self.qdo_cluster, bool) or self.qdo_cluster not in QDO_CLUSTERS:
             raise ValueError(f"qdo_cluster={self.qdo_cluster!r}: must be one of {QDO_CLUSTERS}")
         if isinstance(self.tail_ctas, bool) or not isinstance(self.tail_ctas, int) \
@@ -541,7 +568,12 @@ def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = Fals
         dq_first_store=overrides.pop("dq_first_store", causal or stagger),
         stagger_m=stagger,
     )
+    early_post = overrides.pop("early_dq_post", None)
     cfg = cfg.replace(**overrides)
+    if early_post is None:  # Note [dQ postprocess in the tail]: measured at hdim 128 only
+        early_post = (head_dim in EARLY_DQ_POST_HEAD_DIMS and cfg.dq_accum == "bulk"
+                      and cfg.pdl)
+    cfg = cfg.replace(early_dq_post=early_post)
     if "qdo_multicast" not in overrides:  # Note [Q/dO multicast]: the clusters must line up
         whole = seqlen_k is not None and cfg.pairs_key_blocks(seqlen_k)
         # causal: only long enough that a cluster's skipped query blocks are few (Note [Q/dO

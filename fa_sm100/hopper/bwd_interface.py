@@ -150,7 +150,11 @@ def launch_plan(config: BwdConfig, q, k, v, out, dout, lse, dq, dk, dv, softmax_
       and then waits, before any Q / dO stage with its LSE2 / Delta; the MMA warpgroups and
       the dq-store warp wait first thing (they read LSE2 / Delta and the semaphores, add into
       the dQ accumulator, write dK / dV);
-    - each postprocess waits first thing.
+    - each postprocess waits first thing; except, with ``early_dq_post``, the dQ
+      postprocess: the main kernel lets it launch from the start, each of its CTAs waits for
+      its (batch, head)'s CTAs of the main kernel to count themselves done, and one CTA waits
+      for the whole main kernel before it exits (Note [dQ postprocess in the tail] in
+      bwd_prepost.py).
     Waiting is transitive (a kernel can only launch once the one before it has passed its
     own wait), so nothing in the chain overlaps a write it depends on. What overlaps is the
     launch and the CTAs' start-up: the preprocess's tail with the main kernel's K/V loads,
@@ -179,9 +183,9 @@ def launch_plan(config: BwdConfig, q, k, v, out, dout, lse, dq, dk, dv, softmax_
         # the fragment order depends on tile_m (which warpgroup split) and the head dim; the
         # main kernel's dQ tiles are unscaled; with first stores a block no CTA reached is
         # zero (its semaphore says so)
-        ("post_dq", (config.tile_m, d, dtype, pdl, config.first_stores_dq),
+        ("post_dq", DqPostprocess.compile_key(config),
          lambda: DqPostprocess(config), lambda: fake_dq_post_arguments(config),
-         (ws["dq_acc"], ws["dq_sem"], dq, softmax_scale)),
+         (ws["dq_acc"], ws["dq_sem"], dq, softmax_scale, k.shape[1])),
     ]
     if config.uses_gqa_buffers:
         g = config.qhead_per_kvhead if config.gqa_reduce == "buffers" else 1
@@ -207,7 +211,7 @@ def workspace(config: BwdConfig, q, k) -> dict:
         "lse2": torch.empty(b, hq, sq_pad, device=dev, dtype=f32),
         "delta": torch.empty(b, hq, sq_pad, device=dev, dtype=f32),
         "dq_acc": torch.empty(b, hq, n_m_blocks, config.dq_block_elems, device=dev, dtype=f32),
-        "dq_sem": torch.empty(b, hq, n_m_blocks if config.dq_sems_per_block else 1, device=dev,
+        "dq_sem": torch.empty(b, hq, config.dq_sem_slots(n_m_blocks), device=dev,
                               dtype=torch.int32),
     }
     if config.uses_gqa_buffers:
@@ -290,8 +294,8 @@ def fake_post_arguments(dt, head_dim: int, pitch: int):
 
 def fake_dq_post_arguments(config: BwdConfig):
     """Fake arguments of the dQ postprocess: the fragment-order accumulator (b, h, m_blocks,
-    tile_m * hdim), the dQ semaphores (b, h, n), dq (b, s, h, d), the scale; the current
-    torch stream."""
+    tile_m * hdim), the dQ semaphores (b, h, n), dq (b, s, h, d), the scale, seqlen_k; the
+    current torch stream."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream
@@ -302,4 +306,4 @@ def fake_dq_post_arguments(config: BwdConfig):
     return (_rowmajor(cutlass.Float32, (b, h, n_m, config.dq_block_elems)),
             _rowmajor(cutlass.Int32, (b, h, n_sem), 4),
             _rowmajor(cutlass_dtype(config.dtype), (b, s, h, config.head_dim)),
-            cutlass.Float32(1.0), make_fake_stream(use_tvm_ffi_env_stream=True))
+            cutlass.Float32(1.0), cutlass.Int32(1), make_fake_stream(use_tvm_ffi_env_stream=True))

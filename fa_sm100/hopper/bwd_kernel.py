@@ -348,7 +348,7 @@ class Sm90FlashBackward(BwdLoadRole, BwdStoreRole, BwdScoresRole):
         mdQacc: cute.Tensor,  # (batch, heads, m_blocks, tile_m * hdim) f32, fragment order
         mdK: cute.Tensor,  # MHA: (batch, seqlen_k, heads, hdim) dtype; GQA: f32 (batch, h, seqlen_k_pad, hdim)
         mdV: cute.Tensor,
-        mdQsem: cute.Tensor,  # (batch, heads, num_m_blocks or 1) i32, zeroed (dq_sems_per_block)
+        mdQsem: cute.Tensor,  # (batch, heads, BwdConfig.dq_sem_slots) i32, zeroed
         softmax_scale: Float32,
         stream,
     ):
@@ -421,6 +421,10 @@ class Sm90FlashBackward(BwdLoadRole, BwdStoreRole, BwdScoresRole):
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
+        if const_expr(self.cfg.early_dq_post):
+            # Note [dQ postprocess in the tail] (bwd_prepost.py): once every CTA has started,
+            # the dQ postprocess may take the SMs the last wave leaves idle
+            cute.arch.griddepcontrol_launch_dependents()
         if warp_idx == LOAD_WARP:
             for atom in (tma_Q, tma_K, tma_V, tma_dO):
                 cpasync.prefetch_descriptor(atom)

@@ -22,6 +22,34 @@ sectors, which the L2 merges and the LSU queues (Nsight Compute, hdim 64, 1k: 2.
 lane stores 16 contiguous bytes and a warp whole rows. The tile's rows are padded by 16
 bytes, so the MMA-layout writes (8 rows x 4 lanes per warp) fall in distinct banks.
 
+Note [dQ postprocess in the tail] (``early_dq_post``): the dQ postprocess reads the whole
+float32 accumulator and writes dq (192 MiB at 16k tokens, hidden 2048: about 70 us on an
+H100), and as a plain programmatic dependent it started only once the main kernel had ended,
+while the main kernel's last wave left more and more SMs idle. With the switch:
+- every main-kernel CTA calls ``griddepcontrol.launch_dependents`` first thing, so the
+  postprocess launches once the last main CTA has started and its CTAs take SMs as the main
+  kernel's CTAs leave them;
+- the dq-store warp of every main CTA, after its last query block, waits until its bulk
+  reduces have completed (not only read SMEM), fences and adds 1 (release) to the last
+  semaphore of its (batch, head), the count of finished CTAs (``BwdConfig.dq_sem_slots``;
+  the preprocess zeroes it with the others);
+- a postprocess CTA, instead of ``griddepcontrol.wait``, has thread 0 poll that count
+  (acquire) until it equals the number of key blocks, every CTA of the (batch, head), then
+  meets its CTA at a barrier and converts as before. After ``MAX_POLLS`` polls it waits for
+  the whole main kernel instead (slow, never wrong);
+- CTA (0, 0, 0) calls ``griddepcontrol.wait`` before it exits, so the postprocess grid ends
+  after the main kernel: what follows it in the stream (the GQA dK/dV postprocess, the next
+  call) may rely on everything the main kernel wrote, as before.
+Counting in the dq-store warp per query block instead (each block's reduces waited for one
+block later, so a postprocess CTA could start on its block alone) cost 2.5-14% in the main loop
+(H100): a bulk reduce completes long after it has read SMEM. Counted once per CTA, at its
+end, the main loop is unchanged. In the CUDA profiler's timeline (H100, hdim 128) the
+postprocess then overlaps the main kernel by 49-84 us and ends 13-29 us after it instead of
+68-69 us, but the main kernel's last wave takes 15-31 us longer beside it (a memory-bound
+kernel on the SMs around it); at hdim 64 causal 1k the loss outweighed the gain (2.7%
+longer calls), hence the default at hdim 128 only (``EARLY_DQ_POST_HEAD_DIMS``). "red" dQ
+(from the MMA registers) has no dq-store warp to count its adds; ``validate()`` rejects it.
+
 GQA dK/dV postprocess (``BwdPostprocess``), per output row:
     out[b, i, h, :] = scale * sum_{g < G} acc[b, h * G + g, i, :]   converted to the output dtype
 G = 1 for dK/dV reduced with atomics; G = qhead_per_kvhead for dK/dV kept in per-query-head
@@ -49,6 +77,9 @@ CTA_THREADS = 256
 ROWS_PER_CTA = CTA_THREADS // THREADS_PER_ROW
 OUT_VEC = 8  # 16-bit elements per 16-byte store of the dQ postprocess
 LOG2_E = math.log2(math.e)
+# Note [dQ postprocess in the tail]: polls of a (batch, head)'s count (each an L2 round trip,
+# about a microsecond) before a CTA waits for the whole main kernel instead
+MAX_POLLS = 1 << 16
 
 
 def _vector(ptr, n: int):
@@ -203,19 +234,29 @@ class DqPostprocess:
     def smem_bytes(self, dtype) -> int:
         return self.tile_m * self.pitch * dtype.width // 8
 
+    @staticmethod
+    def compile_key(cfg) -> tuple:
+        """What the compiled kernel depends on: the fragment order (tile_m, head dim), dtype,
+        the launch, first stores, and with ``early_dq_post`` the key-block height (the count
+        it waits for)."""
+        early = (cfg.tile_n,) if cfg.early_dq_post else ()
+        return (cfg.tile_m, cfg.head_dim, cfg.dtype, cfg.pdl, cfg.first_stores_dq) + early
+
     @cute.jit
     def __call__(self, mAcc: cute.Tensor, mSem: cute.Tensor, mOut: cute.Tensor, scale: Float32,
-                 stream):
+                 seqlen_k: Int32, stream):
         mma = dq_tiled_mma(self.cfg, mOut.element_type)
-        self.kernel(mAcc, mSem, mOut, scale, mma).launch(
+        self.kernel(mAcc, mSem, mOut, scale, seqlen_k, mma).launch(
             grid=[mAcc.shape[2], mOut.shape[2], mOut.shape[0]], block=[self.threads, 1, 1],
             smem=self.smem_bytes(mOut.element_type), stream=stream, use_pdl=self.cfg.pdl)
 
     @cute.kernel
-    def kernel(self, mAcc, mSem, mOut, scale: Float32, mma: cute.TiledMma):
+    def kernel(self, mAcc, mSem, mOut, scale: Float32, seqlen_k: Int32, mma: cute.TiledMma):
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
-        if const_expr(self.cfg.pdl):  # Note [chained launches]: the main kernel has finished
+        if const_expr(self.cfg.early_dq_post):
+            self._wait_for_head(mSem, seqlen_k, head, batch, tidx)
+        elif const_expr(self.cfg.pdl):  # Note [chained launches]: the main kernel has finished
             cute.arch.griddepcontrol_wait()
         thr = mma.get_slice(tidx)
         acc = cute.make_rmem_tensor(mma.partition_shape_C(dq_tile_shape(self.cfg)), Float32)
@@ -250,3 +291,24 @@ class DqPostprocess:
                 # padded by 8
                 cute.autovec_copy(_vector(sOut[row, None].iterator + col * OUT_VEC, OUT_VEC),
                                   _vector(gOut[row, None].iterator + col * OUT_VEC, OUT_VEC))
+        if const_expr(self.cfg.early_dq_post):
+            # Note [dQ postprocess in the tail]: this grid ends after the main kernel
+            if m_block + head + batch == 0 and tidx == 0:
+                cute.arch.griddepcontrol_wait()
+
+    @cute.jit
+    def _wait_for_head(self, mSem, seqlen_k, head, batch, tidx):
+        """Note [dQ postprocess in the tail]: thread 0 polls the (batch, head)'s count of
+        finished main-kernel CTAs (acquire) until all its key blocks' CTAs are done, or after
+        ``MAX_POLLS`` polls waits for the whole main kernel instead; then the CTA meets."""
+        if tidx == 0:
+            target = (seqlen_k + self.cfg.tile_n - 1) // self.cfg.tile_n
+            sem_ptr = mSem[batch, head, None].iterator + mSem.shape[2] - 1
+            seen = cute.arch.load(sem_ptr, Int32, sem="acquire", scope="gpu")
+            polls = Int32(0)
+            while seen < target and polls < MAX_POLLS:
+                seen = cute.arch.load(sem_ptr, Int32, sem="acquire", scope="gpu")
+                polls = polls + 1
+            if seen < target:
+                cute.arch.griddepcontrol_wait()
+        cute.arch.barrier()

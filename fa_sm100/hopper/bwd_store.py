@@ -173,7 +173,9 @@ class BwdStoreRole:
         fragment order, where a warpgroup's half is contiguous: Note [dQ in fragment order]).
         Deterministic: first wait for this CTA's turn on the query block's semaphore; after
         the reduces have completed, pass the turn on. With first stores (Note [dQ first
-        store]) the first CTA at the block copies its tile instead of adding it."""
+        store]) the first CTA at the block copies its tile instead of adding it. With
+        ``early_dq_post``, once every reduce has completed the CTA counts itself done on the
+        (batch, head)'s last semaphore (Note [dQ postprocess in the tail] in bwd_prepost.py)."""
         parts, handoff = self._dq_handoffs()
         first_store = self.cfg.first_stores_dq
         det = self.cfg.deterministic
@@ -219,6 +221,8 @@ class BwdStoreRole:
             elif const_expr(first_store):
                 if first:
                     self._release_dq_block(sem_ptr, lane)  # state 1 -> 2: stored
+        if const_expr(self.cfg.early_dq_post):
+            self._release_dq_block(mdQsem[batch, head, None].iterator + mdQsem.shape[2] - 1, lane)
         cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
@@ -239,7 +243,8 @@ class BwdStoreRole:
     def _release_dq_block(self, sem_ptr, lane):
         """Once this CTA's bulk copies of the block have completed (written, not only read),
         add 1 to the block's semaphore with release semantics: the next deterministic turn,
-        or Note [dQ first store]'s state 1 -> 2."""
+        or Note [dQ first store]'s state 1 -> 2; or, after the last block, to the count of
+        finished CTAs (Note [dQ postprocess in the tail])."""
         cute.arch.cp_async_bulk_wait_group(0, read=False)
         cute.arch.fence_acq_rel_gpu()
         if lane == 0:
