@@ -428,9 +428,9 @@ class BwdConfig:
         if self.early_dq_post and (self.dq_accum != "bulk" or not self.pdl):
             raise ValueError(
                 "early_dq_post=True needs dq_accum='bulk' and pdl=True: the dq-store warp counts "
-                "a block's additions once its bulk reduces have completed, and the postprocess "
-                "starts as a programmatic dependent of the main kernel (Note [dQ postprocess in "
-                "the tail])")
+                "its CTA done once its bulk reduces have completed, and the postprocess starts "
+                "as a programmatic dependent of the main kernel (Note [dQ postprocess in the "
+                "tail])")
         if isinstance(self.qdo_cluster, bool) or self.qdo_cluster not in QDO_CLUSTERS:
             raise ValueError(f"qdo_cluster={self.qdo_cluster!r}: must be one of {QDO_CLUSTERS}")
         if isinstance(self.tail_ctas, bool) or not isinstance(self.tail_ctas, int) \
