@@ -816,6 +816,15 @@ def _main_loops_with_and_without(switch, overrides, tmp_path):
     return loops[True], loops[False]
 
 
+def _assert_loop_kept(on, off, within: float):
+    """Two main loops (``_main_loops_with_and_without``) do the same work (``_loop_work`` with
+    the mbarrier ops) and their lengths differ by at most ``within`` of the length without."""
+    assert sum(on.values()) > 100 and sum(off.values()) > 100
+    assert _loop_work(on, "SYNCS") == _loop_work(off, "SYNCS"), (on - off, off - on)
+    assert abs(sum(on.values()) - sum(off.values())) <= within * sum(off.values()), \
+        (on - off, off - on)
+
+
 @pytest.mark.compile
 @pytest.mark.parametrize("overrides", [["causal=true"], ["causal=true", "head_dim=64"],
                                        ["causal=true", "head_dim=256", "deterministic=true"]],
@@ -827,9 +836,7 @@ def test_sm90_bwd_longest_first_renumbers_ctas_outside_the_main_loop(overrides, 
     registers instead of re-reading blockIdx: +8 and +9 of 441 / 518 in the "red" dQ loops of
     hdim 256); nothing spills."""
     on, off = _main_loops_with_and_without("longest_first", overrides, tmp_path)
-    assert sum(on.values()) > 100 and _loop_work(on, "SYNCS") == _loop_work(off, "SYNCS")
-    assert abs(sum(on.values()) - sum(off.values())) <= 0.02 * sum(off.values()), \
-        (on - off, off - on)
+    _assert_loop_kept(on, off, within=0.02)
 
 
 @pytest.mark.compile
@@ -843,9 +850,7 @@ def test_sm90_bwd_staggered_sweep_adds_a_select_to_the_main_loop(overrides, tmp_
     its addresses from the block instead of stepping a pointer: +8 of 413; at hdim 64 ptxas
     schedules 2 fewer); nothing spills."""
     on, off = _main_loops_with_and_without("stagger_m", overrides, tmp_path)
-    assert sum(off.values()) > 100 and _loop_work(on, "SYNCS") == _loop_work(off, "SYNCS")
-    assert abs(sum(on.values()) - sum(off.values())) <= 0.02 * sum(off.values()), \
-        (on - off, off - on)
+    _assert_loop_kept(on, off, within=0.02)
 
 
 @pytest.mark.compile
@@ -860,9 +865,7 @@ def test_sm90_bwd_early_dq_post_leaves_the_main_loop_alone(overrides, tmp_path):
     length to within 1% (ptxas may pick a uniform add instead of a vector one: counting each
     block's reduces inside the loop measured 2.5-14% slower), nothing spills."""
     on, off = _main_loops_with_and_without("early_dq_post", overrides, tmp_path)
-    assert sum(off.values()) > 100 and _loop_work(on, "SYNCS") == _loop_work(off, "SYNCS")
-    assert abs(sum(on.values()) - sum(off.values())) <= 0.01 * sum(off.values()), \
-        (on - off, off - on)
+    _assert_loop_kept(on, off, within=0.01)
     ptx = {}
     for early in (True, False):
         (path,) = glob.glob(str(tmp_path / str(early) / "*.ptx"))

@@ -42,6 +42,23 @@ def _run_case(b, sq, sk, hq, hk, d, causal=False, window=(None, None), dtype=tor
     return (q, k, v, out, lse, dout), got
 
 
+def _poison_workspace(monkeypatch, sems: int):
+    """Make ``sm90_bwd``'s workspace start with a NaN dQ accumulator and every dQ semaphore at
+    ``sems``: the preprocess must zero the semaphores, and nothing may read an accumulator
+    block before a CTA has stored or added into it."""
+    from fa_sm100.hopper import bwd_interface
+
+    workspace = bwd_interface.workspace
+
+    def poisoned(config, q, k):
+        ws = workspace(config, q, k)
+        ws["dq_acc"].fill_(float("nan"))
+        ws["dq_sem"].fill_(sems)
+        return ws
+
+    monkeypatch.setattr(bwd_interface, "workspace", poisoned)
+
+
 CASES = [
     # (b, sq, sk, hq, hk, d, causal, window, dtype)
     (2, 256, 256, 2, 2, 128, False, (None, None), torch.bfloat16),
@@ -398,7 +415,6 @@ FIRST_STORE_CASES = [  # (b, sq, sk, hq, hk, d, causal, window, deterministic, s
     f"d{c[5]}-q{c[1]}-k{c[2]}-{'causal' if c[6] else 'full'}-w{c[7][0]}"
     + ("-det" if c[8] else "") + "".join(f"-{k}={v}" for k, v in c[9].items())))
 def test_sm90_bwd_dq_first_store_with_a_poisoned_accumulator(sm90_device, monkeypatch, case):
-    from fa_sm100.hopper import bwd_interface
     from fa_sm100.hopper.bwd_config import select_bwd_config
 
     b, sq, sk, hq, hk, d, causal, window, det, switches = case
@@ -409,15 +425,7 @@ def test_sm90_bwd_dq_first_store_with_a_poisoned_accumulator(sm90_device, monkey
     assert cfg.first_stores_dq == (switches["dq_first_store"] and d != 256)
     assert cfg.stagger_m == switches.get("stagger_m", d == 128 and not (causal or det or
                                                                         window[0] or window[1]))
-    workspace = bwd_interface.workspace
-
-    def poisoned(config, q, k):
-        ws = workspace(config, q, k)
-        ws["dq_acc"].fill_(float("nan"))
-        ws["dq_sem"].fill_(7)  # the preprocess zeroes them
-        return ws
-
-    monkeypatch.setattr(bwd_interface, "workspace", poisoned)
+    _poison_workspace(monkeypatch, sems=7)
     _run_case(b, sq, sk, hq, hk, d, causal, window, deterministic=det, config=cfg, seed=sk)
 
 
@@ -448,7 +456,6 @@ EARLY_POST_CASES = [  # (b, sq, sk, hq, hk, d, causal, window, deterministic, sw
     f"-{'causal' if c[6] else 'full'}-w{c[7][0]}" + ("-det" if c[8] else "")
     + "".join(f"-{k}={v}" for k, v in c[9].items())))
 def test_sm90_bwd_early_dq_postprocess(sm90_device, monkeypatch, case):
-    from fa_sm100.hopper import bwd_interface
     from fa_sm100.hopper.bwd_config import select_bwd_config
 
     b, sq, sk, hq, hk, d, causal, window, det, switches = case
@@ -457,13 +464,5 @@ def test_sm90_bwd_early_dq_postprocess(sm90_device, monkeypatch, case):
                             window_right=window[1], qhead_per_kvhead=hq // hk,
                             deterministic=det, seqlen_q=sq, seqlen_k=sk, **switches)
     assert cfg.early_dq_post
-    workspace = bwd_interface.workspace
-
-    def poisoned(config, q, k):
-        ws = workspace(config, q, k)
-        ws["dq_acc"].fill_(float("nan"))
-        ws["dq_sem"].fill_(1 << 20)  # the preprocess zeroes them
-        return ws
-
-    monkeypatch.setattr(bwd_interface, "workspace", poisoned)
+    _poison_workspace(monkeypatch, sems=1 << 20)
     _run_case(b, sq, sk, hq, hk, d, causal, window, deterministic=det, config=cfg, seed=sq)

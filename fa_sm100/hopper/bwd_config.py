@@ -231,9 +231,11 @@ class BwdConfig:
         """The launch's cluster shape (Note [Q/dO multicast] in bwd_kernel.py)."""
         return (self.qdo_cluster, 1, 1) if self.qdo_multicast else (1, 1, 1)
 
-    def num_key_blocks(self, seqlen_k: int) -> int:
-        """Key blocks of ``tile_n`` keys: the CTAs of one (batch, head) pair."""
-        return -(-seqlen_k // self.tile_n)
+    def num_key_blocks(self, seqlen_k):
+        """Key blocks of ``tile_n`` keys: the CTAs of one (batch, head) pair. Python or DSL
+        integers (the dQ postprocess waits for this many CTAs: Note [dQ postprocess in the
+        tail])."""
+        return (seqlen_k + self.tile_n - 1) // self.tile_n
 
     def pairs_key_blocks(self, seqlen_k: int) -> bool:
         """Whether ``seqlen_k``'s key blocks group into whole ``qdo_multicast`` clusters (of

@@ -68,7 +68,8 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
 from fa_sm100.hopper.bwd_config import DQ_VEC
-from fa_sm100.hopper.bwd_store import dq_fragment_view, dq_registers, dq_tile_shape, dq_tiled_mma
+from fa_sm100.hopper.bwd_store import (dq_fragment_view, dq_registers, dq_tile_shape,
+                                       dq_tiled_mma, finished_ctas_count)
 from fa_sm100.hopper.common import assume_aligned
 from fa_sm100.hopper.config import WARPGROUP_THREADS
 
@@ -302,8 +303,8 @@ class DqPostprocess:
         finished main-kernel CTAs (acquire) until all its key blocks' CTAs are done, or after
         ``MAX_POLLS`` polls waits for the whole main kernel instead; then the CTA meets."""
         if tidx == 0:
-            target = (seqlen_k + self.cfg.tile_n - 1) // self.cfg.tile_n
-            sem_ptr = mSem[batch, head, None].iterator + mSem.shape[2] - 1
+            target = self.cfg.num_key_blocks(seqlen_k)
+            sem_ptr = finished_ctas_count(mSem, batch, head)
             seen = cute.arch.load(sem_ptr, Int32, sem="acquire", scope="gpu")
             polls = Int32(0)
             while seen < target and polls < MAX_POLLS:

@@ -102,6 +102,13 @@ def dq_fragment_view(cfg, ptr, tidx):
     return cute.make_tensor(ptr + (wg * groups * WARPGROUP_THREADS + t) * DQ_VEC, layout)
 
 
+def finished_ctas_count(mdQsem, batch, head):
+    """The pointer to (batch, head)'s count of finished main-kernel CTAs, its last dQ
+    semaphore (``BwdConfig.dq_sem_slots``, Note [dQ postprocess in the tail] in
+    bwd_prepost.py): the dq-store warp adds to it, the dQ postprocess polls it."""
+    return mdQsem[batch, head, None].iterator + mdQsem.shape[2] - 1
+
+
 def dq_tile_shape(cfg):
     """The shape of the dQ accumulator tile as ``dq_tiled_mma`` computes it: (tile_m, hdim),
     or (hdim, tile_m) when dQ is computed transposed."""
@@ -222,7 +229,7 @@ class BwdStoreRole:
                 if first:
                     self._release_dq_block(sem_ptr, lane)  # state 1 -> 2: stored
         if const_expr(self.cfg.early_dq_post):
-            self._release_dq_block(mdQsem[batch, head, None].iterator + mdQsem.shape[2] - 1, lane)
+            self._release_dq_block(finished_ctas_count(mdQsem, batch, head), lane)
         cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
