@@ -41,6 +41,11 @@ from fa_sm100.testing import (attention_reference, attention_reference_grads,  #
 SCHEDULES = {"tile": {"persistent": False},
              "static": {"persistent": True, "dynamic_schedule": False},
              "dynamic": {"persistent": True, "dynamic_schedule": True},
+             # each consumer warpgroup stores its own rows of O (Note [Warpgroup epilogues])
+             "wg_epilogue": {"persistent": True, "dynamic_schedule": True, "wg_epilogue": True},
+             # ... and the next tile's Q loads during this one (Note [Two Q stages])
+             "two_q": {"persistent": True, "dynamic_schedule": True, "wg_epilogue": True,
+                       "q_stage": 2},
              # CTA pairs multicasting their halves of each K/V tile (Note [K/V multicast])
              "multicast": {"persistent": False, "kv_multicast": True},
              "multicast4": {"persistent": False, "kv_multicast": True, "kv_cluster": 4}}
@@ -56,6 +61,9 @@ CASES = [
     (4, 1000, 1000, 8, 2, 128, 128, True, "dynamic"),
     (3, 700, 1500, 6, 6, 64, 64, True, "dynamic"),
     (2, 700, 900, 4, 2, 256, 256, True, "dynamic"),  # O staged in Q's buffer
+    (3, 1000, 1500, 6, 2, 64, 64, False, "wg_epilogue"),  # 192-row tiles, 2 empty warpgroups
+    (2, 1000, 700, 4, 1, 128, 128, True, "two_q"),  # rows without keys
+    (2, 300, 1000, 6, 6, 96, 96, False, "two_q"),
     (2, 500, 1000, 4, 2, 128, 128, False, "multicast"),  # 4 m blocks per head
     (1, 700, 333, 2, 1, 64, 64, False, "multicast"),  # 4 blocks of 192 rows
     (1, 255, 1, 2, 2, 256, 256, False, "multicast"),  # one key

@@ -7,6 +7,7 @@ spills, SMEM within the sm_90a budget, TMA loads and the TMA store of O.
 """
 
 import collections
+import re
 
 import pytest
 
@@ -33,6 +34,9 @@ CASES = [
     ["intra_wg_overlap=false", "pingpong=false", "causal=true"],
     ["causal=true", "persistent=true", "dynamic_schedule=false"],  # every gridDim.x-th tile
     ["causal=true", "head_dim=192", "head_dim_v=128"],  # dynamic schedule, 221 KiB of SMEM
+    # Note [Warpgroup epilogues] and Note [Two Q stages]: the defaults up to 8k keys
+    ["causal=true", "head_dim=64", "num_consumer_wg=2", "wg_epilogue=true", "q_stage=2"],
+    ["causal=true", "wg_epilogue=true", "q_stage=2"],  # 225 KiB of SMEM
 ]
 
 
@@ -76,7 +80,9 @@ def test_dynamic_schedule_fetches_once_per_tile_and_resets_the_counter():
 
 SMEM_CASES = [[], ["persistent=true"], ["causal=true"], ["causal=true", "head_dim=64"],
               ["causal=true", "head_dim=192", "head_dim_v=128"], ["head_dim=256", "causal=true"],
-              ["head_dim=64", "persistent=true", "num_consumer_wg=2"]]
+              ["head_dim=64", "persistent=true", "num_consumer_wg=2"],
+              ["causal=true", "q_stage=2", "wg_epilogue=true"],
+              ["head_dim=64", "persistent=true", "q_stage=2"]]
 
 
 @pytest.mark.compile
@@ -96,10 +102,10 @@ def test_smem_bytes_is_the_kernels_shared_storage_size(overrides):
 
     @cute.jit
     def probe():
-        layouts = [kernel._smem_layout(cfg.m_block, cfg.head_dim),
+        layouts = [kernel._q_smem_layout(),
                    kernel._smem_layout(cfg.n_block, cfg.head_dim, cfg.kv_stage),
                    kernel._smem_layout(cfg.n_block, cfg.head_dim_v, cfg.kv_stage),
-                   kernel._smem_layout(cfg.m_block, cfg.head_dim_v)]
+                   kernel._o_smem_layout()]
         size["struct"] = kernel._shared_storage(*layouts).size_in_bytes()
 
     cute.compile(probe, options="--gpu-arch sm_90a")
@@ -185,3 +191,45 @@ def test_empty_warpgroups_skip_the_work_and_keep_the_kv_loops(overrides, tmp_pat
     kv_on, kv_off = inner(loops[True]), inner(loops[False])
     assert len(kv_on) == len(kv_off) > 0, loops
     assert all(a[0] == b[0] and b[1] - 2 <= a[1] <= b[1] for a, b in zip(kv_on, kv_off)), loops
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("overrides", [["head_dim=64", "causal=true", "num_consumer_wg=2"],
+                                       ["head_dim=64", "num_consumer_wg=3"],
+                                       ["head_dim=128"]],
+                         ids=["d64-causal-2wg", "d64-3wg", "d128"])
+def test_tile_boundary_switches_keep_the_kv_loops(overrides, tmp_path):
+    """Note [Warpgroup epilogues] and Note [Two Q stages] in the SASS of a persistent kernel:
+    the two EPILOGUE barriers of every consumer thread (named barrier 1, 128 x warpgroups
+    threads) become two barriers of one warpgroup's 128 threads (their id in a register:
+    EPILOGUE_WG0 + w); O leaves by one TMA store site either way; the GEMMs, exp2s and TMA
+    loads stay as many; the KV loops keep their HGMMAs and grow by at most 2% (the Q stage's
+    descriptor)."""
+    reps, loops = {}, {}
+    for name, extra in (("off", []), ("on", ["wg_epilogue=true", "q_stage=2"])):
+        keep = tmp_path / name
+        reps[name] = inspect_kernel("sm90_fwd", "sm_90a", overrides + ["persistent=true"] + extra,
+                                    keep_dir=keep)
+        assert reps[name]["spill_bytes"] == 0 and reps[name]["local_bytes"] == 0
+        sass = read_kept_sass(keep)
+        loops[name] = _kv_loops(sass)
+        reps[name]["bars"] = collections.Counter(
+            re.findall(r"BAR\.SYNC\.DEFER_BLOCKING (\S+), (0x[0-9a-f]+) ;", sass))
+    on, off = reps["on"], reps["off"]
+    assert on["config"]["wg_epilogue"] and on["config"]["q_stage"] == 2
+    assert not off["config"]["wg_epilogue"] and off["config"]["q_stage"] == 1
+    for op in ("HGMMA", "MUFU.EX2", "UTMALDG", "UTMASTG"):
+        assert on["sass"][op] == off["sass"][op], op
+    consumers = hex(128 * on["config"]["num_consumer_wg"])
+    assert off["bars"][("0x1", consumers)] == 2, off["bars"]
+    assert not any(threads == "0x80" for _, threads in off["bars"]), off["bars"]
+    assert ("0x1", consumers) not in on["bars"], on["bars"]
+    per_wg = [(bid, n) for (bid, threads), n in on["bars"].items() if threads == "0x80"]
+    assert len(per_wg) == 1 and per_wg[0][0].startswith("R") and per_wg[0][1] == 2, on["bars"]
+    # every loop with an HGMMA keeps its HGMMAs; the KV loops (fewest HGMMAs; the others are
+    # the tile loops around them, which hold the epilogue) grow by at most 2%
+    assert [h for h, _ in loops["on"]] == [h for h, _ in loops["off"]], loops
+    inner = lambda found: [n for h, n in found if h == min(x for x, _ in found)]  # noqa: E731
+    kv_on, kv_off = inner(loops["on"]), inner(loops["off"])
+    assert len(kv_on) == len(kv_off) > 0, loops
+    assert all(a <= 1.02 * b for a, b in zip(kv_on, kv_off)), loops

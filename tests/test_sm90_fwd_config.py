@@ -45,6 +45,14 @@ def test_defaults_are_valid_and_fit(dims, causal):
         ({"rescale_o_before_pv": True, "intra_wg_overlap": False}, "needs intra_wg_overlap"),
         ({"l2_section_mib": 0}, "l2_section_mib"),
         ({"l2_section_mib": 2048}, "32-bit"),
+        ({"q_stage": 3, "persistent": True}, "q_stage=3: must be 1 or 2"),
+        ({"q_stage": 2}, "q_stage=2 needs persistent=True"),
+        ({"q_stage": 2, "persistent": True, "o_in_q_buffer": True},
+         "q_stage=2 needs persistent=True and o_in_q_buffer=False"),
+        ({"q_stage": 2, "persistent": True, "head_dim": 192, "n_block": 112}, "SMEM"),
+        ({"wg_epilogue": True}, "wg_epilogue=True needs persistent=True"),
+        ({"wg_epilogue": True, "persistent": True, "o_in_q_buffer": True},
+         "wg_epilogue=True needs persistent=True and o_in_q_buffer=False"),
     ],
 )
 def test_validate_names_the_rule(changes, match):
@@ -61,7 +69,7 @@ def test_overrides_parse_like_the_cli():
     cfg = sm90_fwd_config_from_overrides(["pingpong=false", "intra_wg_overlap=off"])
     assert not cfg.pingpong and not cfg.intra_wg_overlap
     with pytest.raises(ValueError, match="no field"):
-        sm90_fwd_config_from_overrides(["q_stage=2"])
+        sm90_fwd_config_from_overrides(["use_2cta=true"])  # an SM100 switch
 
 
 def test_given_config_must_match_the_inputs():
@@ -237,3 +245,43 @@ def test_empty_warpgroups_are_skipped_by_default_only_where_there_is_one():
             assert want is on
         assert select_sm90_fwd_config(d, causal=causal, seqlen_q=sq,
                                       skip_empty_wg=not on).skip_empty_wg is not on
+
+
+def test_tile_boundary_switches_by_default_where_measured_and_where_they_fit():
+    """Note [Warpgroup epilogues] and Note [Two Q stages]: both on for persistent CTAs with O's
+    own buffer up to TILE_BOUNDARY_MAX_SEQLEN_K keys where two Q stages fit (hdim 64, 96,
+    128); off beyond it, without a length, with O in Q's buffer (hdim 256), where two Q stages
+    do not fit ((192, 128)) and for one tile per CTA; each may be set on its own."""
+    from fa_sm100.hopper.config import SM90_SMEM_BUDGET, TILE_BOUNDARY_MAX_SEQLEN_K
+
+    both = lambda cfg: (cfg.wg_epilogue, cfg.q_stage)  # noqa: E731
+    for head_dim in (64, 96, 128):
+        for causal in (False, True):
+            for seqlen_k in (1024, TILE_BOUNDARY_MAX_SEQLEN_K):
+                cfg = select_sm90_fwd_config(head_dim, causal=causal, seqlen_k=seqlen_k,
+                                             seqlen_q=seqlen_k)
+                want = (True, 2) if cfg.persistent else (False, 1)
+                assert both(cfg) == want, (head_dim, causal, seqlen_k, cfg)
+                assert cfg.smem_bytes() <= SM90_SMEM_BUDGET
+            longer = select_sm90_fwd_config(head_dim, causal=causal, seqlen_q=16384,
+                                            seqlen_k=2 * TILE_BOUNDARY_MAX_SEQLEN_K)
+            assert both(longer) == (False, 1)
+        assert both(select_sm90_fwd_config(head_dim, causal=True)) == (False, 1)  # no length
+    # hdim 64 causal 1k, the cell that gained most: persistent, both on
+    short = select_sm90_fwd_config(64, causal=True, seqlen_k=1024, seqlen_q=1024)
+    assert short.persistent and both(short) == (True, 2)
+    for head_dim in (192, 256):  # no room for two Q stages; hdim 256 stages O in Q's buffer
+        cfg = select_sm90_fwd_config(head_dim, causal=True, seqlen_k=1024, seqlen_q=1024)
+        assert cfg.persistent and both(cfg) == (False, 1), cfg
+    assert select_sm90_fwd_config(256, causal=True, seqlen_k=1024).o_in_q_buffer
+    # one tile per CTA (given, or non-causal hdim 64 beyond 4k, or K/V multicast): neither
+    for cfg in (select_sm90_fwd_config(128, causal=True, seqlen_k=1024, persistent=False),
+                select_sm90_fwd_config(64, seqlen_k=8192, seqlen_q=8192),
+                select_sm90_fwd_config(128, seqlen_k=8192, seqlen_q=8192)):
+        assert not cfg.persistent and both(cfg) == (False, 1), cfg
+    # each alone, by override
+    assert both(select_sm90_fwd_config(128, causal=True, seqlen_k=1024, q_stage=1)) == (True, 1)
+    assert both(select_sm90_fwd_config(128, causal=True, seqlen_k=1024,
+                                       wg_epilogue=False)) == (False, 2)
+    assert both(select_sm90_fwd_config(192, 128, causal=True, seqlen_k=1024,
+                                       wg_epilogue=True)) == (True, 1)

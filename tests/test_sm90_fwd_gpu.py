@@ -138,6 +138,7 @@ def test_flash_attn_func_dispatches_to_sm90(sm90_device):
     "k_before_q=true,persistent=false", "persistent=true,o_in_q_buffer=true",
     # causal sections of 2 and of 5 (batch, head) pairs: 32 pairs, the last section short
     "l2_section_mib=1", "l2_section_mib=2", "skip_empty_wg=false",
+    "persistent=true,wg_epilogue=true", "persistent=true,q_stage=2",
 ])
 def test_sm90_fwd_switches_keep_numerics(sm90_device, switch):
     """Every switch of the config computes the same attention (they change speed only).
@@ -182,6 +183,43 @@ def test_sm90_fwd_empty_warpgroups_keep_numerics(sm90_device, switch):
             cfg = select_sm90_fwd_config(d, causal=causal, seqlen_q=sq, seqlen_k=1500, **changes)
             assert cfg.skip_empty_wg is ("skip_empty_wg=false" not in switch)
             _check_one((3, sq, 1500, 4, 2), (d, d), torch.bfloat16, causal, gen, config=cfg)
+
+
+BOUNDARY_SWITCHES = ["wg_epilogue=true", "q_stage=2", "wg_epilogue=true,q_stage=2",
+                     "wg_epilogue=true,q_stage=2,dynamic_schedule=false"]
+# (head dims, consumer warpgroups, switch); (192, 128) has no room for two Q stages
+BOUNDARY_CASES = [(dims, wgs, switch)
+                  for dims, wgs in (((64, 64), 2), ((64, 64), 3), ((96, 96), 2), ((128, 128), 2))
+                  for switch in BOUNDARY_SWITCHES] + [((192, 128), 2, "wg_epilogue=true")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dims,wgs,switch", BOUNDARY_CASES,
+                         ids=[f"d{d[0]}_{w}wg-{s}" for d, w, s in BOUNDARY_CASES])
+def test_sm90_fwd_tile_boundary_switches_match_float64_reference(sm90_device, head_dims, wgs,
+                                                                  switch):
+    """Note [Warpgroup epilogues] (each consumer warpgroup stores its own rows of O, so the
+    warpgroups of a persistent CTA drift apart by up to a tile) and Note [Two Q stages] (the
+    next tile's Q lands while this tile's is read): O and LSE, poisoned first, against float64
+    over many tiles per CTA, tails of 17 / 1000 / 4097 rows (the last block with one or two
+    warpgroups past seqlen_q, which store nothing), seqlen_q > seqlen_k (rows without keys),
+    GQA and MQA, causal and not, with the dynamic and the static schedule."""
+    from fa_sm100.config import parse_overrides
+    from fa_sm100.hopper.config import Sm90FwdConfig, select_sm90_fwd_config
+
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(37 + wgs)
+    d, dv = head_dims
+    changes = {"wg_epilogue": False, "q_stage": 1,  # the switch alone, not the defaults
+               **parse_overrides(switch.split(","), Sm90FwdConfig)}
+    for causal in (False, True):
+        for shape in ((3, 1000, 1500, 4, 2), (2, 4097, 1000, 4, 1), (8, 17, 17, 2, 2)):
+            cfg = select_sm90_fwd_config(d, dv, causal=causal, seqlen_q=shape[1],
+                                         seqlen_k=shape[2], num_consumer_wg=wgs,
+                                         persistent=True, **changes)
+            assert cfg.persistent and not cfg.o_in_q_buffer
+            assert (cfg.wg_epilogue, cfg.q_stage) == (changes["wg_epilogue"], changes["q_stage"])
+            _check_one(shape, head_dims, torch.bfloat16, causal, gen, config=cfg)
 
 
 @pytest.mark.gpu

@@ -34,6 +34,20 @@ clips those rows and their LSE is skipped. ``select_sm90_fwd_config`` turns the 
 the last m block has such a warpgroup (``Sm90FwdConfig.has_empty_wg``): where none is empty,
 the branch around the main loop only costs (0.8-2.7% at hdim 128 non-causal 4k / 16k).
 
+Note [Warpgroup epilogues] (``wg_epilogue``): without it, O leaves through one SMEM tile and
+one TMA store per work tile, after two EPILOGUE barriers of every consumer thread, so at the
+end of every tile the warpgroup that finished first waits for the last one, and all of them
+start the next tile together: the first QK GEMM and softmax of each run side by side while
+the tensor cores idle. With it, O's SMEM tile is (64, head_dim_v, warpgroup): each warpgroup
+stages its own rows, synchronised only among its 128 threads (EPILOGUE_WG0 + w), and its first
+warp issues their TMA store (a 64-row box; none where all 64 rows lie past seqlen_q) and
+waits for that store's reads before the warpgroup writes O there again. A warpgroup thus goes
+on to the next tile while the others finish theirs; how far ahead it gets is bounded by the
+K/V and Q pipelines, whose stages every warpgroup releases. Persistent CTAs with O's own
+buffer only (``validate()``): where O is staged in Q's buffer, one warpgroup's O would
+overwrite the Q rows that another's QK GEMMs still read. The default together with two Q
+stages (``TILE_BOUNDARY_MAX_SEQLEN_K`` in config.py holds the measurements).
+
 Note [Ping-pong]: with ``pingpong`` consumer warpgroup w waits on barrier PINGPONG_WG0 + w
 before issuing its GEMMs and then arrives on the next warpgroup's barrier, so the warpgroups
 take turns on the tensor cores and one's softmax hides behind the other's GEMMs. Warpgroup 0
@@ -94,10 +108,17 @@ class ConsumerRole:
                                      number_of_threads=2 * WARPGROUP_THREADS)
 
     @cute.jit
-    def qk_gemm(self, f: ConsumerFrags, stage: Int32, wait: cutlass.Constexpr[int]) -> cute.Tensor:
+    def qk_gemm(self, f: ConsumerFrags, tSrQ: cute.Tensor, stage: Int32,
+                wait: cutlass.Constexpr[int]) -> cute.Tensor:
+        """S = Q K^T with Q's stage ``tSrQ`` (MMA, MMA_M, MMA_K) and K's stage ``stage``."""
         acc_S = cute.make_rmem_tensor(f.s_shape, Float32)  # (MMA, MMA_M, MMA_N)
-        wgmma(f.tiled_mma_qk, acc_S, f.tSrQ, f.tSrK[None, None, None, stage], True, wait)
+        wgmma(f.tiled_mma_qk, acc_S, tSrQ, f.tSrK[None, None, None, stage], True, wait)
         return acc_S
+
+    def q_index(self, q_state):
+        """The Q stage of ``q_state``: a constant 0 with one stage (Note [Two Q stages] in
+        fwd_kernel.py)."""
+        return 0 if const_expr(self.cfg.q_stage == 1) else q_state.index
 
     @cute.jit
     def pv_gemm(self, f: ConsumerFrags, stage: Int32, wait: cutlass.Constexpr[int]):
@@ -164,7 +185,8 @@ class ConsumerRole:
                 cute.arch.barrier_arrive(barrier_id=int(Sm90FwdBarrier.PINGPONG_WG0),
                                          number_of_threads=2 * WARPGROUP_THREADS)
 
-        q_state = cutlass.pipeline.make_pipeline_state(cutlass.pipeline.PipelineUserType.Consumer, 1)
+        q_state = cutlass.pipeline.make_pipeline_state(
+            cutlass.pipeline.PipelineUserType.Consumer, cfg.q_stage)
         state = cutlass.pipeline.make_pipeline_state(
             cutlass.pipeline.PipelineUserType.Consumer, cfg.kv_stage)
         # Work tiles: blockIdx.x, then (persistent) every gridDim.x-th. Without persistence the
@@ -191,8 +213,15 @@ class ConsumerRole:
             self.consumer_tile(
                 f, lse, cute.arch.block_idx()[0], state, q_state, wg, tidx, mO, mLSE, mK, sO, tma_o,
                 tiled_mma_pv, pipe_q, pipe_k, pipe_v, scale_log2, l2_heads, seqlen_q)
-        if tidx // cute.arch.WARP_SIZE == 0:
+        if self.stores_o(tidx):
             cute.arch.cp_async_bulk_wait_group(0, read=True)  # sO is read before the CTA exits
+
+    def stores_o(self, tidx: Int32):
+        """Whether this thread's warp issues O's TMA stores: the first consumer warp, or with
+        ``wg_epilogue`` each consumer warpgroup's first (Note [Warpgroup epilogues])."""
+        if const_expr(self.cfg.wg_epilogue):
+            return tidx % WARPGROUP_THREADS // cute.arch.WARP_SIZE == 0
+        return tidx // cute.arch.WARP_SIZE == 0
 
     @cute.jit
     def consumer_tile(self, f: ConsumerFrags, lse, t: Int32, state, q_state, wg: Int32,
@@ -241,18 +270,19 @@ class ConsumerRole:
         after the first cross the causal diagonal); Q's stage is released after the last QK
         GEMM. Returns the advanced KV pipeline state."""
         cfg = self.cfg
+        q = f.tSrQ[None, None, None, self.q_index(q_state)]  # Q's stage
         if const_expr(cfg.intra_wg_overlap):
             # First tile: S and P only; its PV GEMM runs in the next step.
             pipe_k.consumer_wait(state, pipe_k.consumer_try_wait(state))
-            acc_S = self.qk_gemm(f, state.index, 0)
+            acc_S = self.qk_gemm(f, q, state.index, 0)
             pipe_k.consumer_release(state)
             self.softmax(f, acc_S, row_base, n_blocks - 1, True, cfg.causal, True)
             convert_to(f.tOrP, operand_a_view(acc_S))
             for i in cutlass.range(n_masked, unroll=1):
-                state = self.overlapped_step(f, state, row_base, n_blocks - 2 - i, True, wg,
+                state = self.overlapped_step(f, q, state, row_base, n_blocks - 2 - i, True, wg,
                                              pipe_k, pipe_v)
             for i in cutlass.range(n_blocks - 1 - n_masked, unroll=1):
-                state = self.overlapped_step(f, state, row_base, n_blocks - 2 - n_masked - i,
+                state = self.overlapped_step(f, q, state, row_base, n_blocks - 2 - n_masked - i,
                                              False, wg, pipe_k, pipe_v)
             self.release_q_after_gemms(pipe_q, q_state)
             if const_expr(cfg.rescale_o_before_pv):
@@ -262,13 +292,13 @@ class ConsumerRole:
             pipe_v.consumer_release(state)
             state.advance()
         else:
-            state = self.serial_step(f, state, row_base, n_blocks - 1, True, True, wg,
+            state = self.serial_step(f, q, state, row_base, n_blocks - 1, True, True, wg,
                                      pipe_k, pipe_v)
             for i in cutlass.range(n_masked, unroll=1):
-                state = self.serial_step(f, state, row_base, n_blocks - 2 - i, False, True,
+                state = self.serial_step(f, q, state, row_base, n_blocks - 2 - i, False, True,
                                          wg, pipe_k, pipe_v)
             for i in cutlass.range(n_blocks - 1 - n_masked, unroll=1):
-                state = self.serial_step(f, state, row_base, n_blocks - 2 - n_masked - i,
+                state = self.serial_step(f, q, state, row_base, n_blocks - 2 - n_masked - i,
                                          False, False, wg, pipe_k, pipe_v)
             self.release_q_after_gemms(pipe_q, q_state)
         return state
@@ -317,7 +347,7 @@ class ConsumerRole:
         f.row_sum.fill(0.0)
 
     @cute.jit
-    def overlapped_step(self, f: ConsumerFrags, state, row_base: Int32, n: Int32,
+    def overlapped_step(self, f: ConsumerFrags, q, state, row_base: Int32, n: Int32,
                         masked: cutlass.Constexpr[bool], wg: Int32, pipe_k, pipe_v):
         """S(n) = Q K[n]^T and O += P(n+1) V[n+1] in flight together, then the softmax of S(n).
         See Note [Intra-warpgroup overlap] and Note [Ping-pong]."""
@@ -325,7 +355,7 @@ class ConsumerRole:
         state.advance()
         pipe_k.consumer_wait(state, pipe_k.consumer_try_wait(state))
         self.pingpong_wait(wg)
-        acc_S = self.qk_gemm(f, state.index, NO_WAIT)
+        acc_S = self.qk_gemm(f, q, state.index, NO_WAIT)
         if const_expr(self.cfg.rescale_o_before_pv):
             # While S(n) is computed, and before the wait for V: the wait orders what follows
             # it, so only here may ptxas spread the FMULs between the QK GEMM's HGMMAs (H200,
@@ -345,13 +375,13 @@ class ConsumerRole:
         return state
 
     @cute.jit
-    def serial_step(self, f: ConsumerFrags, state, row_base: Int32, n: Int32,
+    def serial_step(self, f: ConsumerFrags, q, state, row_base: Int32, n: Int32,
                     is_first: cutlass.Constexpr[bool], masked: cutlass.Constexpr[bool], wg: Int32,
                     pipe_k, pipe_v):
         """One KV tile without intra-warpgroup overlap: S, softmax, then PV (each GEMM waited on)."""
         pipe_k.consumer_wait(state, pipe_k.consumer_try_wait(state))
         self.pingpong_wait(wg)
-        acc_S = self.qk_gemm(f, state.index, NO_WAIT)
+        acc_S = self.qk_gemm(f, q, state.index, NO_WAIT)
         self.pingpong_pass(wg)
         warpgroup.wait_group(0)
         pipe_k.consumer_release(state)
@@ -370,23 +400,32 @@ class ConsumerRole:
     @cute.jit
     def epilogue(self, acc_O, lse, mO, mLSE, sO, tma_o, tiled_mma_pv, tidx: Int32, m_block: Int32,
                  head: Int32, batch: Int32, seqlen_q: Int32):
-        """O (registers) -> SMEM (stmatrix, Q's buffer) -> GMEM (one TMA store); LSE -> GMEM.
+        """O (registers) -> SMEM (stmatrix) -> GMEM (TMA store); LSE -> GMEM.
 
-        Rows past seqlen_q are clipped by the TMA unit and skipped for LSE.
+        One store of the whole tile after a barrier of every consumer thread, or with
+        ``wg_epilogue`` one per warpgroup of its own rows after a barrier of its own threads
+        (Note [Warpgroup epilogues]). Rows past seqlen_q are clipped by the TMA unit and
+        skipped for LSE.
         """
         cfg = self.cfg
         rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
         convert_to(rO, acc_O)
-        if tidx // cute.arch.WARP_SIZE == 0:
+        wg = tidx // WARPGROUP_THREADS
+        barrier_id, threads = int(Sm90FwdBarrier.EPILOGUE), self.num_consumer_threads
+        if const_expr(cfg.wg_epilogue):
+            barrier_id, threads = int(Sm90FwdBarrier.EPILOGUE_WG0) + wg, WARPGROUP_THREADS
+        if self.stores_o(tidx):
             cute.arch.cp_async_bulk_wait_group(0, read=True)  # the previous tile's store read sO
-        # Every warpgroup's QK GEMMs have read Q (sO may alias it) and the previous store has
-        # read sO before anyone writes O there.
-        cute.arch.barrier(barrier_id=int(Sm90FwdBarrier.EPILOGUE),
-                          number_of_threads=self.num_consumer_threads)
-        stmatrix_to_smem(tiled_mma_pv, self.dtype, tidx, rO, sO)
+        # The previous store has read sO, and (without wg_epilogue, where sO may alias Q) every
+        # warpgroup's QK GEMMs have read Q, before anyone writes O there.
+        cute.arch.barrier(barrier_id=barrier_id, number_of_threads=threads)
+        if const_expr(cfg.wg_epilogue):
+            stmatrix_to_smem(self._pv_mma(1), self.dtype, tidx % WARPGROUP_THREADS, rO,
+                             sO[None, None, wg])
+        else:
+            stmatrix_to_smem(tiled_mma_pv, self.dtype, tidx, rO, sO)
         cute.arch.fence_view_async_shared()
-        cute.arch.barrier(barrier_id=int(Sm90FwdBarrier.EPILOGUE),
-                          number_of_threads=self.num_consumer_threads)
+        cute.arch.barrier(barrier_id=barrier_id, number_of_threads=threads)
 
         if const_expr(cfg.write_lse):
             cO = cute.make_identity_tensor((cfg.m_block, cfg.head_dim_v))
@@ -397,9 +436,21 @@ class ConsumerRole:
                     if row < seqlen_q:
                         mLSE[row, head, batch] = lse[r]
 
-        if tidx // cute.arch.WARP_SIZE == 0:
-            gO = cute.local_tile(mO[None, None, head, batch], (cfg.m_block, cfg.head_dim_v), (m_block, 0))
-            tOsO, tOgO = cpasync.tma_partition(tma_o, 0, cute.make_layout(1),
-                                               cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2))
-            cute.copy(tma_o, tOsO, tOgO)
-            cute.arch.cp_async_bulk_commit_group()
+        if self.stores_o(tidx):
+            mO_bh = mO[None, None, head, batch]
+            if const_expr(cfg.wg_epilogue):
+                block = m_block * cfg.num_consumer_wg + wg  # in units of 64 rows
+                if block * WGMMA_M < seqlen_q:  # an empty warpgroup stores nothing
+                    self.store_o(tma_o, sO[None, None, wg],
+                                 cute.local_tile(mO_bh, (WGMMA_M, cfg.head_dim_v), (block, 0)))
+            else:
+                self.store_o(tma_o, sO,
+                             cute.local_tile(mO_bh, (cfg.m_block, cfg.head_dim_v), (m_block, 0)))
+
+    @staticmethod
+    def store_o(tma_o, sO, gO):
+        """One TMA store of the SMEM tile sO to gO, as its own bulk group."""
+        tOsO, tOgO = cpasync.tma_partition(tma_o, 0, cute.make_layout(1),
+                                           cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2))
+        cute.copy(tma_o, tOsO, tOgO)
+        cute.arch.cp_async_bulk_commit_group()

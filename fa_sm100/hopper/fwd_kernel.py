@@ -6,16 +6,29 @@ output tile of one (batch, head); the flat grid has one CTA per work tile, or, w
 
 | warpgroup | role | does |
 |---|---|---|
-| 0 (warp 0) | producer | TMA loads of Q once and K/V tiles into a ``kv_stage`` ring; keeps 24-32 registers |
+| 0 (warp 0) | producer | TMA loads of Q once per tile and K/V tiles into a ``kv_stage`` ring; keeps 24-32 registers |
 | 1.. | consumers | 64 query rows each: S = Q K^T (SS WGMMA), mask, online softmax, O += P V (RS WGMMA), epilogue |
 
 Pipelines (``cutlass.pipeline.PipelineTmaAsync``: the TMA's transaction count completes the full
-barrier, one lane per consumer warp releases a stage): ``q`` (1 stage), ``k`` and ``v``
+barrier, one lane per consumer warp releases a stage): ``q`` (``q_stage`` stages, Note [Two Q
+stages]), ``k`` and ``v``
 (``kv_stage`` stages, advanced together; their states carry across work tiles). The producer
 issues, per work tile,
 Q, K[n-1], then (K[j-1], V[j]) for j = n-1 .. 1 and finally V[0] (intra-warpgroup overlap
 order: the consumers need K[j-1] before V[j]); K[n-1] before Q with ``k_before_q`` or
 ``o_in_q_buffer`` (Note [O in Q's buffer] in fwd_consumer.py).
+
+Note [Two Q stages] (``q_stage=2``): with one stage, the producer loads a work tile's Q only
+once every consumer warpgroup has issued the previous tile's last QK GEMM, and the tile's
+first K tile waits behind that Q (it goes first only with ``k_before_q``), so both land
+about one KV step before the end of the previous tile: at short tiles (causal 1k: 4.5 KV
+tiles each on average at hdim 64) the consumers wait for them. With two stages the producer
+issues the next tile's Q right after the previous tile's last V load and its first K as soon
+as the K/V ring has room for it (the ring runs up to ``kv_stage`` steps ahead of the
+consumers), and the consumers' QK GEMMs read Q's stage ``q_state.index`` (its WGMMA
+descriptor is taken once per tile, outside the KV loop). Persistent CTAs with O's own buffer only (one tile per CTA has no next
+Q; O staged in Q's buffer would overwrite it). Costs one more Q tile of SMEM: 225 KiB at hdim
+128, no room at (192, 128) or hdim 256.
 
 Note [Dynamic tile schedule]: a persistent CTA starts with work tile blockIdx.x. With
 ``dynamic_schedule`` it then takes the next tile from a global counter instead of every
@@ -54,7 +67,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 from fa_sm100.config import WARP_SIZE, cutlass_dtype
-from fa_sm100.hopper.config import WARPGROUP_THREADS, Sm90FwdConfig
+from fa_sm100.hopper.config import WARPGROUP_THREADS, WGMMA_M, Sm90FwdConfig
 from fa_sm100.hopper.fwd_consumer import ConsumerRole
 from fa_sm100.softmax_math import LOG2_E
 
@@ -103,13 +116,28 @@ class Sm90FwdKernel(ConsumerRole):
             self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
             Float32, atom_layout_mnk=(cfg.num_consumer_wg, 1, 1), tiler_mn=(64, cfg.n_block),
         )
-        # P comes from registers (RS); V^T is N-major (head_dim_v contiguous) in SMEM.
-        pv = sm90_helpers.make_trivial_tiled_mma(
+        return qk, self._pv_mma(cfg.num_consumer_wg)
+
+    def _pv_mma(self, warpgroups: int):
+        """O += P V over ``warpgroups`` x 64 rows: P comes from registers (RS); V^T is N-major
+        (head_dim_v contiguous) in SMEM."""
+        return sm90_helpers.make_trivial_tiled_mma(
             self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
-            Float32, atom_layout_mnk=(cfg.num_consumer_wg, 1, 1), tiler_mn=(64, cfg.head_dim_v),
+            Float32, atom_layout_mnk=(warpgroups, 1, 1), tiler_mn=(64, self.cfg.head_dim_v),
             a_source=warpgroup.OperandSource.RMEM,
         )
-        return qk, pv
+
+    def _q_smem_layout(self):
+        """Q's SMEM stages: (m_block, head_dim, q_stage)."""
+        return self._smem_layout(self.cfg.m_block, self.cfg.head_dim, self.cfg.q_stage)
+
+    def _o_smem_layout(self):
+        """O's SMEM tile: (m_block, head_dim_v), or with ``wg_epilogue`` (64, head_dim_v,
+        warpgroup), one TMA box per consumer warpgroup (Note [Warpgroup epilogues])."""
+        cfg = self.cfg
+        if cfg.wg_epilogue:
+            return self._smem_layout(WGMMA_M, cfg.head_dim_v, cfg.num_consumer_wg)
+        return self._smem_layout(cfg.m_block, cfg.head_dim_v)
 
     def _shared_storage(self, sQ_layout, sK_layout, sV_layout, sO_layout):
         """The CTA's SMEM: mbarriers (and the tile pipeline's index slots), then Q, O, K, V on
@@ -122,7 +150,7 @@ class Sm90FwdKernel(ConsumerRole):
 
         @cute.struct
         class SharedStorage:
-            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * cfg.q_stage]
             mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * cfg.kv_stage]
             mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * cfg.kv_stage]
             if cfg.dynamic_schedule:  # the tile pipeline, Note [Dynamic tile schedule]
@@ -157,17 +185,18 @@ class Sm90FwdKernel(ConsumerRole):
         if const_expr(mLSE is not None):
             mLSE = _select(mLSE, [2, 1, 0])
 
-        sQ_layout = self._smem_layout(cfg.m_block, cfg.head_dim)
+        sQ_layout = self._q_smem_layout()
         sK_layout = self._smem_layout(cfg.n_block, cfg.head_dim, cfg.kv_stage)
         sV_layout = self._smem_layout(cfg.n_block, cfg.head_dim_v, cfg.kv_stage)
-        sO_layout = self._smem_layout(cfg.m_block, cfg.head_dim_v)
+        sO_layout = self._o_smem_layout()
         tiled_mma_qk, tiled_mma_pv = self._tiled_mmas()
 
-        q_bytes = cute.size_in_bytes(self.dtype, sQ_layout)
+        q_bytes = cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1]))
         k_bytes = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1]))
         v_bytes = cute.size_in_bytes(self.dtype, cute.select(sV_layout, mode=[0, 1]))
         load_op = cpasync.CopyBulkTensorTileG2SOp()
-        tma_q, tma_mQ = cpasync.make_tiled_tma_atom(load_op, mQ, sQ_layout, (cfg.m_block, cfg.head_dim))
+        tma_q, tma_mQ = cpasync.make_tiled_tma_atom(
+            load_op, mQ, cute.select(sQ_layout, mode=[0, 1]), (cfg.m_block, cfg.head_dim))
         # Note [K/V multicast]: each CTA of the cluster loads 1/kv_cluster of a K/V tile.
         kv_ctas = cfg.cluster[0]
         kv_op = cpasync.CopyBulkTensorTileG2SMulticastOp() if cfg.kv_multicast else load_op
@@ -175,8 +204,10 @@ class Sm90FwdKernel(ConsumerRole):
             kv_op, mK, cute.select(sK_layout, mode=[0, 1]), (cfg.n_block, cfg.head_dim), kv_ctas)
         tma_v, tma_mV = cpasync.make_tiled_tma_atom(
             kv_op, mV, cute.select(sV_layout, mode=[0, 1]), (cfg.n_block, cfg.head_dim_v), kv_ctas)
+        o_rows = WGMMA_M if cfg.wg_epilogue else cfg.m_block  # one TMA store per warpgroup?
         tma_o, tma_mO = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(), mO, sO_layout, (cfg.m_block, cfg.head_dim_v))
+            cpasync.CopyBulkTensorTileS2GOp(), mO, cute.select(sO_layout, mode=[0, 1]),
+            (o_rows, cfg.head_dim_v))
 
         SharedStorage = self._shared_storage(sQ_layout, sK_layout, sV_layout, sO_layout)
 
@@ -240,7 +271,8 @@ class Sm90FwdKernel(ConsumerRole):
         # under kv_multicast, Note [K/V multicast]).
         consumer_warps = self.num_consumer_threads // cute.arch.WARP_SIZE
         pipe_q = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_q.data_ptr(), num_stages=1, producer_group=one_tma_thread,
+            barrier_storage=storage.mbar_q.data_ptr(), num_stages=cfg.q_stage,
+            producer_group=one_tma_thread,
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_warps),
             tx_count=q_bytes, defer_sync=True)
         kv_ctas = cfg.cluster[0]
@@ -336,7 +368,7 @@ class Sm90FwdKernel(ConsumerRole):
         ``dynamic_schedule``, the next tile's index in the tile pipeline.
         """
         cfg = self.cfg
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.q_stage)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.kv_stage)
         if const_expr(cfg.dynamic_schedule):  # Note [Dynamic tile schedule]
             tile_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
@@ -383,10 +415,11 @@ class Sm90FwdKernel(ConsumerRole):
 
     @cute.jit
     def load_q(self, tma_q, tQgQ, tQsQ, pipe_q, q_state):
-        """The work tile's Q into its single stage, once the consumers released the last one.
-        Returns the advanced q pipeline state."""
+        """The work tile's Q into its stage (Note [Two Q stages]), once the consumers released
+        the Q that was there. Returns the advanced q pipeline state."""
         pipe_q.producer_acquire(q_state, pipe_q.producer_try_acquire(q_state))
-        cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+        cute.copy(tma_q, tQgQ, tQsQ[None, self.q_index(q_state)],
+                  tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
         q_state.advance()
         return q_state
 

@@ -14,6 +14,11 @@ class Sm90FwdBarrier(IntEnum):
     PINGPONG_WG0 = 2
     PINGPONG_WG1 = 3
     PINGPONG_WG2 = 4
+    # wg_epilogue: consumer warpgroup w's 128 threads, around staging its own rows of O
+    # (Note [Warpgroup epilogues] in fwd_consumer.py).
+    EPILOGUE_WG0 = 5
+    EPILOGUE_WG1 = 6
+    EPILOGUE_WG2 = 7
 
 
 class Sm90BwdBarrier(IntEnum):
