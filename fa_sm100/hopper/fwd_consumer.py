@@ -37,8 +37,8 @@ the branch around the main loop only costs (0.8-2.7% at hdim 128 non-causal 4k /
 Note [Warpgroup epilogues] (``wg_epilogue``): without it, O leaves through one SMEM tile and
 one TMA store per work tile, after two EPILOGUE barriers of every consumer thread, so at the
 end of every tile the warpgroup that finished first waits for the last one, and all of them
-start the next tile together: the first QK GEMM and softmax of each run side by side while
-the tensor cores idle. With it, O's SMEM tile is (64, head_dim_v, warpgroup): each warpgroup
+start the next tile together: their first QK GEMMs and softmaxes run side by side, with
+nothing else for the tensor cores to do meanwhile. With it, O's SMEM tile is (64, head_dim_v, warpgroup): each warpgroup
 stages its own rows, synchronised only among its 128 threads (EPILOGUE_WG0 + w), and its first
 warp issues their TMA store (a 64-row box; none where all 64 rows lie past seqlen_q) and
 waits for that store's reads before the warpgroup writes O there again. A warpgroup thus goes
@@ -83,8 +83,8 @@ class ConsumerFrags:
     A plain holder (not a dataclass): the DSL would carry a dataclass through run-time loops
     as run-time values and lose the static layouts of its tensors.
 
-    tSrQ (MMA, MMA_M, MMA_K) / tSrK (MMA, MMA_N, MMA_K, STAGE) / tOrV (MMA, MMA_N, MMA_K, STAGE):
-    WGMMA descriptors of Q, K and V^T in SMEM. tOrP (MMA, MMA_M, MMA_K): P in registers, the A
+    tSrQ (MMA, MMA_M, MMA_K, STAGE) / tSrK (MMA, MMA_N, MMA_K, STAGE) / tOrV (MMA, MMA_N, MMA_K,
+    STAGE): WGMMA descriptors of Q, K and V^T in SMEM. tOrP (MMA, MMA_M, MMA_K): P in registers, the A
     operand of O += P V. acc_O (MMA, MMA_M, MMA_N) float32. coord_rc / coord0_rc (ROWS, COLS):
     this thread's and thread 0's S coordinates. row_max, row_sum, row_scale (ROWS,).
     """
