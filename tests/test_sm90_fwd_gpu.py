@@ -217,7 +217,7 @@ def test_sm90_fwd_tile_boundary_switches_match_float64_reference(sm90_device, he
             cfg = select_sm90_fwd_config(d, dv, causal=causal, seqlen_q=shape[1],
                                          seqlen_k=shape[2], num_consumer_wg=wgs,
                                          persistent=True, **changes)
-            assert cfg.persistent and not cfg.o_in_q_buffer
+            assert cfg.own_o_buffer
             assert (cfg.wg_epilogue, cfg.q_stage) == (changes["wg_epilogue"], changes["q_stage"])
             _check_one(shape, head_dims, torch.bfloat16, causal, gen, config=cfg)
 

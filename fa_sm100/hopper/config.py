@@ -136,6 +136,12 @@ class Sm90FwdConfig:
         ``kv_cluster``), so that no cluster spans two heads (Note [K/V multicast])."""
         return self.num_m_blocks(seqlen_q) % self.kv_cluster == 0
 
+    @property
+    def own_o_buffer(self) -> bool:
+        """Whether O is staged in an SMEM buffer of its own rather than in Q's: persistent CTAs
+        without ``o_in_q_buffer`` (Note [O in Q's buffer] in fwd_consumer.py)."""
+        return self.persistent and not self.o_in_q_buffer
+
     def replace(self, **changes) -> "Sm90FwdConfig":
         return dataclasses.replace(self, **changes)
 
@@ -149,7 +155,7 @@ class Sm90FwdConfig:
     def smem_parts(self) -> dict[str, int]:
         """Bytes of each SMEM buffer (O is staged in Q's buffer; barriers are 8 bytes each)."""
         e = self.dtype_bytes
-        if self.persistent and not self.o_in_q_buffer:
+        if self.own_o_buffer:
             # O's own buffer: the next tile's Q may land while this tile's O is stored
             q_o = {"q": align_up(self.q_stage * self.m_block * self.head_dim * e),
                    "o": align_up(self.m_block * self.head_dim_v * e)}
@@ -205,11 +211,11 @@ class Sm90FwdConfig:
                              "stages O in Q's buffer)")
         if self.q_stage not in (1, 2):
             raise ValueError(f"q_stage={self.q_stage}: must be 1 or 2")
-        if self.q_stage == 2 and not (self.persistent and not self.o_in_q_buffer):
+        if self.q_stage == 2 and not self.own_o_buffer:
             raise ValueError("q_stage=2 needs persistent=True and o_in_q_buffer=False (one tile "
                              "per CTA has no next Q to load; O staged in Q's buffer would "
                              "overwrite it)")
-        if self.wg_epilogue and not (self.persistent and not self.o_in_q_buffer):
+        if self.wg_epilogue and not self.own_o_buffer:
             raise ValueError("wg_epilogue=True needs persistent=True and o_in_q_buffer=False (O "
                              "in its own SMEM buffer: a warpgroup may store its O while another "
                              "warpgroup's QK GEMMs still read Q)")
@@ -378,7 +384,7 @@ def select_sm90_fwd_config(head_dim: int = 128, head_dim_v=None, dtype="bfloat16
     )
     # Crossing work tiles (TILE_BOUNDARY_MAX_SEQLEN_K): both switches where both fit.
     boundary = cfg.replace(wg_epilogue=True, q_stage=2)
-    fast_boundary = (cfg.persistent and not cfg.o_in_q_buffer and seqlen_k is not None
+    fast_boundary = (cfg.own_o_buffer and seqlen_k is not None
                      and seqlen_k <= TILE_BOUNDARY_MAX_SEQLEN_K
                      and boundary.smem_bytes() <= SM90_SMEM_BUDGET)
     return cfg.replace(

@@ -34,19 +34,19 @@ clips those rows and their LSE is skipped. ``select_sm90_fwd_config`` turns the 
 the last m block has such a warpgroup (``Sm90FwdConfig.has_empty_wg``): where none is empty,
 the branch around the main loop only costs (0.8-2.7% at hdim 128 non-causal 4k / 16k).
 
-Note [Warpgroup epilogues] (``wg_epilogue``): without it, O leaves through one SMEM tile and
-one TMA store per work tile, after two EPILOGUE barriers of every consumer thread, so at the
-end of every tile the warpgroup that finished first waits for the last one, and all of them
-start the next tile together: their first QK GEMMs and softmaxes run side by side, with
-nothing else for the tensor cores to do meanwhile. With it, O's SMEM tile is (64, head_dim_v, warpgroup): each warpgroup
-stages its own rows, synchronised only among its 128 threads (EPILOGUE_WG0 + w), and its first
-warp issues their TMA store (a 64-row box; none where all 64 rows lie past seqlen_q) and
-waits for that store's reads before the warpgroup writes O there again. A warpgroup thus goes
-on to the next tile while the others finish theirs; how far ahead it gets is bounded by the
-K/V and Q pipelines, whose stages every warpgroup releases. Persistent CTAs with O's own
-buffer only (``validate()``): where O is staged in Q's buffer, one warpgroup's O would
-overwrite the Q rows that another's QK GEMMs still read. The default together with two Q
-stages (``TILE_BOUNDARY_MAX_SEQLEN_K`` in config.py holds the measurements).
+Note [Warpgroup epilogues] (``wg_epilogue``): without it, O leaves through one SMEM tile and one
+TMA store per work tile, after two EPILOGUE barriers of every consumer thread, so at the end of
+every tile the warpgroup that finished first waits for the last one, and all of them start the
+next tile together: their first QK GEMMs and softmaxes run side by side, with nothing else for
+the tensor cores to do meanwhile. With it, O's SMEM tile is (64, head_dim_v, warpgroup): each
+warpgroup stages its own rows, synchronised only among its 128 threads (EPILOGUE_WG0 + w), and
+its first warp issues their TMA store (a 64-row box; none where all 64 rows lie past seqlen_q)
+and waits for that store's reads before the warpgroup writes O there again. A warpgroup thus
+goes on to the next tile while the others finish theirs; how far ahead it gets is bounded by the
+K/V and Q pipelines, whose stages every warpgroup releases. Persistent CTAs with O's own buffer
+only (``validate()``): where O is staged in Q's buffer, one warpgroup's O would overwrite the Q
+rows that another's QK GEMMs still read. The default together with two Q stages
+(``TILE_BOUNDARY_MAX_SEQLEN_K`` in config.py holds the measurements).
 
 Note [Ping-pong]: with ``pingpong`` consumer warpgroup w waits on barrier PINGPONG_WG0 + w
 before issuing its GEMMs and then arrives on the next warpgroup's barrier, so the warpgroups
@@ -84,9 +84,9 @@ class ConsumerFrags:
     as run-time values and lose the static layouts of its tensors.
 
     tSrQ (MMA, MMA_M, MMA_K, STAGE) / tSrK (MMA, MMA_N, MMA_K, STAGE) / tOrV (MMA, MMA_N, MMA_K,
-    STAGE): WGMMA descriptors of Q, K and V^T in SMEM. tOrP (MMA, MMA_M, MMA_K): P in registers, the A
-    operand of O += P V. acc_O (MMA, MMA_M, MMA_N) float32. coord_rc / coord0_rc (ROWS, COLS):
-    this thread's and thread 0's S coordinates. row_max, row_sum, row_scale (ROWS,).
+    STAGE): WGMMA descriptors of Q, K and V^T in SMEM. tOrP (MMA, MMA_M, MMA_K): P in registers,
+    the A operand of O += P V. acc_O (MMA, MMA_M, MMA_N) float32. coord_rc / coord0_rc (ROWS,
+    COLS): this thread's and thread 0's S coordinates. row_max, row_sum, row_scale (ROWS,).
     """
 
     def __init__(self, **fields):

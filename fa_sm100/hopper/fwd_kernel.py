@@ -19,16 +19,16 @@ order: the consumers need K[j-1] before V[j]); K[n-1] before Q with ``k_before_q
 ``o_in_q_buffer`` (Note [O in Q's buffer] in fwd_consumer.py).
 
 Note [Two Q stages] (``q_stage=2``): with one stage, the producer loads a work tile's Q only
-once every consumer warpgroup has issued the previous tile's last QK GEMM, and the tile's
-first K tile waits behind that Q (it goes first only with ``k_before_q``), so both land
-about one KV step before the end of the previous tile: at short tiles (causal 1k: 4.5 KV
-tiles each on average at hdim 64) the consumers wait for them. With two stages the producer
-issues the next tile's Q right after the previous tile's last V load and its first K as soon
-as the K/V ring has room for it (the ring runs up to ``kv_stage`` steps ahead of the
-consumers), and the consumers' QK GEMMs read Q's stage ``q_state.index`` (its WGMMA
-descriptor is taken once per tile, outside the KV loop). Persistent CTAs with O's own buffer only (one tile per CTA has no next
-Q; O staged in Q's buffer would overwrite it). Costs one more Q tile of SMEM: 225 KiB at hdim
-128, no room at (192, 128) or hdim 256.
+once every consumer warpgroup has issued the previous tile's last QK GEMM, and the tile's first
+K tile waits behind that Q (it goes first only with ``k_before_q``), so both land about one KV
+step before the end of the previous tile: at short tiles (causal 1k: 4.5 KV tiles each on
+average at hdim 64) the consumers wait for them. With two stages the producer issues the next
+tile's Q right after the previous tile's last V load and its first K as soon as the K/V ring has
+room for it (the ring runs up to ``kv_stage`` steps ahead of the consumers), and the consumers'
+QK GEMMs read Q's stage ``q_state.index`` (its WGMMA descriptor is taken once per tile, outside
+the KV loop). Persistent CTAs with O's own buffer only (one tile per CTA has no next Q; O staged
+in Q's buffer would overwrite it). Costs one more Q tile of SMEM: 225 KiB at hdim 128, no room
+at (192, 128) or hdim 256.
 
 Note [Dynamic tile schedule]: a persistent CTA starts with work tile blockIdx.x. With
 ``dynamic_schedule`` it then takes the next tile from a global counter instead of every
@@ -156,7 +156,7 @@ class Sm90FwdKernel(ConsumerRole):
             if cfg.dynamic_schedule:  # the tile pipeline, Note [Dynamic tile schedule]
                 mbar_tile: cute.struct.MemRange[cutlass.Int64, 2 * TILE_SLOTS]
                 tile_index: cute.struct.MemRange[Int32, TILE_SLOTS]
-            if cfg.persistent and not cfg.o_in_q_buffer:
+            if cfg.own_o_buffer:
                 sQ: buf(q_elems)
                 sO: buf(o_elems)
             else:
@@ -302,7 +302,7 @@ class Sm90FwdKernel(ConsumerRole):
             cute.arch.sync_threads()
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        if const_expr(cfg.persistent and not cfg.o_in_q_buffer):
+        if const_expr(cfg.own_o_buffer):
             sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
         else:
             sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
