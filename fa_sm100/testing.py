@@ -115,3 +115,53 @@ def grad_atol(ref) -> float:
     backward's Delta = rowsum(O dO) and dP = dO V^T, two sums in different orders, leave
     ~1e-7-1e-6 there that autograd's sum(P dP) does not; no relative atol passes that."""
     return max(1e-3 * float(ref.abs().max()), 1e-5)
+
+
+def growing_row_max_inputs(shape, head_dims, dtype, gen, device="cpu", growth_log2=40.0):
+    """Random q, k, v (BSHD) whose row maxes grow while a kernel walks the keys last to first:
+    the scores get a bonus of ``w_i * ramp_j * growth_log2`` in log2 units (the softmax's
+    exp2 argument), with ``ramp_j`` rising as a cube from 0 at the last key to 1 at the first
+    and ``w_i`` cycling over 0, 1/15, ..., 1 every 16 query rows. Within each 16 rows (one
+    warp's rows of a 64-row WGMMA tile) some rows' maxes jump by many log2 units from one KV
+    tile to the next, some creep, some stay: the cases of a rescale threshold
+    (``rescale_events`` counts them)."""
+    b, sq, sk, hq, hk = shape
+    d, dv = head_dims
+    q = torch.randn(b, sq, hq, d, device=device, dtype=dtype, generator=gen)
+    k = torch.randn(b, sk, hk, d, device=device, dtype=dtype, generator=gen)
+    v = torch.randn(b, sk, hk, dv, device=device, dtype=dtype, generator=gen)
+    scale_log2 = math.log2(math.e) / math.sqrt(d)
+    w = (torch.arange(sq, device=device) % 16).to(torch.float32) / 15
+    ramp = ((sk - 1 - torch.arange(sk, device=device)) / max(sk - 1, 1)).to(torch.float32) ** 3
+    a = 4.0  # q's share of the product, k's is growth / (a * scale_log2) at the first key
+    q[..., 0] = (a * w)[None, :, None].to(dtype)
+    k[..., 0] = (ramp * growth_log2 / (a * scale_log2))[None, :, None].to(dtype)
+    return q, k, v
+
+
+def rescale_events(q, k, n_block, causal, threshold, softmax_scale=None):
+    """How often the rescale rule (``softmax_math.rescale_needed``) fires on these inputs when
+    the KV tiles of ``n_block`` keys are taken last to first, per (batch, head, row): returns
+    (moved, kept), the steps where a row's max grew by more than ``threshold`` log2 units (O
+    rescaled) and those where it grew by at most that (stale max kept). float64 scores; a
+    coverage check for tests, not a model of the kernel's rounding."""
+    b, sq, hq, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    kf = k.to(torch.float64).repeat_interleave(hq // hk, dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q.to(torch.float64), kf) * (scale * math.log2(math.e))
+    mask = attention_mask(sq, sk, causal, device=q.device)
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    tiles = -(-sk // n_block)
+    s = torch.nn.functional.pad(s, (0, tiles * n_block - sk), value=float("-inf"))
+    tile_max = s.reshape(b, hq, sq, tiles, n_block).amax(-1)
+    moved = kept = 0
+    m = tile_max[..., tiles - 1]
+    for t in range(tiles - 2, -1, -1):
+        grow = torch.maximum(m, tile_max[..., t]) - m
+        move = grow > threshold  # NaN (-inf - -inf) compares False: nothing seen yet, no move
+        moved += int(move.sum())
+        kept += int(((grow > 0) & ~move).sum())
+        m = torch.where(move, m + grow, m)
+    return moved, kept

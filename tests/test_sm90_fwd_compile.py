@@ -233,3 +233,37 @@ def test_tile_boundary_switches_keep_the_kv_loops(overrides, tmp_path):
     kv_on, kv_off = inner(loops["on"]), inner(loops["off"])
     assert len(kv_on) == len(kv_off) > 0, loops
     assert all(a <= 1.02 * b for a, b in zip(kv_on, kv_off)), loops
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("overrides", [["head_dim=128"], ["head_dim=256", "causal=true"],
+                                       ["head_dim=64", "intra_wg_overlap=false"]],
+                         ids=["d128", "d256-causal-before-pv", "d64-serial"])
+def test_rescale_threshold_branches_around_the_o_rescale(overrides, tmp_path):
+    """Note [Rescale threshold] in the SASS: without a threshold no warp vote; with one, every
+    KV loop votes once (VOTE.ANY) and keeps its O rescale (as many FMULs, plus one per row for
+    the growth) behind a branch; the GEMMs and exp2s stay as many, and a loop gains at most 24
+    instructions (15-18 measured: the vote, the branch, a compare and select per row, moves)."""
+    from fa_sm100.compile_tools import sass_loops, sass_opcode
+
+    loops = {}
+    for name, extra in (("off", ["rescale_threshold=0"]), ("on", ["rescale_threshold=8"])):
+        keep = tmp_path / name
+        rep = inspect_kernel("sm90_fwd", "sm_90a", overrides + extra, keep_dir=keep)
+        assert rep["spill_bytes"] == 0 and rep["local_bytes"] == 0
+        assert rep["config"]["rescale_threshold"] == (8.0 if name == "on" else 0.0)
+        kv = []
+        for body in sass_loops(read_kept_sass(keep)):
+            ops = collections.Counter(sass_opcode(t) for _, t in body)
+            hgmma = sum(n for op, n in ops.items() if op.startswith("HGMMA"))
+            if hgmma:
+                kv.append((hgmma, len(body), ops))
+        fewest = min(h for h, _, _ in kv)  # the KV loops; the others are tile loops around them
+        loops[name] = [(h, n, ops) for h, n, ops in kv if h == fewest]
+    rows = 2  # accumulator rows per thread
+    assert len(loops["on"]) == len(loops["off"]) > 0
+    for (h_on, n_on, on), (h_off, n_off, off) in zip(loops["on"], loops["off"]):
+        assert h_on == h_off and on["MUFU.EX2"] == off["MUFU.EX2"]
+        assert off["VOTE.ANY"] == 0 and on["VOTE.ANY"] == 1, (on, off)
+        assert on["FMUL"] == off["FMUL"] + rows, (on["FMUL"], off["FMUL"])
+        assert on["BRA"] == off["BRA"] + 1 and n_off < n_on <= n_off + 24, (n_on, n_off)

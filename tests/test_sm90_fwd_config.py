@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from fa_sm100.hopper.config import (
+    P_MAX_LOG2,
     SM90_HEAD_DIMS,
     SM90_SMEM_BUDGET,
     Sm90FwdConfig,
@@ -26,6 +27,8 @@ def test_defaults_are_valid_and_fit(dims, causal):
     # Ping-pong: on at hdim 64 only (PINGPONG_MAX_HEAD_DIM; off measured faster at hdim 128)
     assert cfg.pingpong == (dims[0] <= 64)
     assert cfg.rescale_o_before_pv == (dims[1] > 128)
+    # Note [Rescale threshold]: measured faster at hdim 128 and 256, not at 64
+    assert cfg.rescale_threshold == (8.0 if dims[1] >= 128 else 0.0)
 
 
 @pytest.mark.parametrize(
@@ -53,11 +56,23 @@ def test_defaults_are_valid_and_fit(dims, causal):
         ({"wg_epilogue": True}, "wg_epilogue=True needs persistent=True"),
         ({"wg_epilogue": True, "persistent": True, "o_in_q_buffer": True},
          "wg_epilogue=True needs persistent=True and o_in_q_buffer=False"),
+        ({"rescale_threshold": -1.0}, "must be >= 0"),
+        ({"rescale_threshold": float("nan")}, "must be >= 0"),
+        ({"rescale_threshold": 16.0, "dtype": "float16"}, "float16 holds at most 2\\^15"),
+        ({"rescale_threshold": 128.0}, "bfloat16 holds at most 2\\^127"),
     ],
 )
 def test_validate_names_the_rule(changes, match):
     with pytest.raises(ValueError, match=match):
         Sm90FwdConfig().replace(**changes).validate()
+
+
+def test_rescale_threshold_up_to_what_p_can_hold():
+    """P may reach 2^threshold (Note [Rescale threshold]): float16 holds 2^15, bfloat16 2^127."""
+    assert Sm90FwdConfig(dtype="float16", rescale_threshold=15.0).validate()
+    assert Sm90FwdConfig(dtype="bfloat16", rescale_threshold=127.0).validate()
+    assert 2.0 ** P_MAX_LOG2["float16"] <= torch.finfo(torch.float16).max < 2.0 ** 16
+    assert 2.0 ** P_MAX_LOG2["bfloat16"] <= torch.finfo(torch.bfloat16).max
 
 
 def test_overrides_parse_like_the_cli():

@@ -16,7 +16,12 @@ import zlib
 import pytest
 import torch
 
-from fa_sm100.testing import attention_reference, check_against_reference
+from fa_sm100.testing import (
+    attention_reference,
+    check_against_reference,
+    growing_row_max_inputs,
+    rescale_events,
+)
 
 # Slack of the LSE check, relative to max |LSE| (up to about 10 here, so about 1e-4 absolute).
 # A float32 model of the kernel's LSE arithmetic (tile order, quad partial sums, rescales,
@@ -138,7 +143,8 @@ def test_flash_attn_func_dispatches_to_sm90(sm90_device):
     "k_before_q=true,persistent=false", "persistent=true,o_in_q_buffer=true",
     # causal sections of 2 and of 5 (batch, head) pairs: 32 pairs, the last section short
     "l2_section_mib=1", "l2_section_mib=2", "skip_empty_wg=false",
-    "persistent=true,wg_epilogue=true", "persistent=true,q_stage=2",
+    "persistent=true,wg_epilogue=true", "persistent=true,q_stage=2", "rescale_threshold=0",
+    "rescale_threshold=0,intra_wg_overlap=false",
 ])
 def test_sm90_fwd_switches_keep_numerics(sm90_device, switch):
     """Every switch of the config computes the same attention (they change speed only).
@@ -220,6 +226,56 @@ def test_sm90_fwd_tile_boundary_switches_match_float64_reference(sm90_device, he
             assert cfg.own_o_buffer
             assert (cfg.wg_epilogue, cfg.q_stage) == (changes["wg_epilogue"], changes["q_stage"])
             _check_one(shape, head_dims, torch.bfloat16, causal, gen, config=cfg)
+
+
+# (head dims, dtype, further switches): every head-dim pair in both 16-bit types, then the
+# serial main loop, one tile per CTA, a threshold of 0.5 (most growths move the max), two
+# warpgroups at hdim 64, and hdim 256 with O rescaled after the PV GEMM's wait
+RESCALE_CASES = ([(dims, dtype, "") for dims in HEAD_DIMS for dtype in DTYPES]
+                 + [((128, 128), torch.bfloat16, s) for s in (
+                     "intra_wg_overlap=false", "persistent=false", "rescale_threshold=0.5")]
+                 + [((64, 64), torch.bfloat16, "num_consumer_wg=2"),
+                    ((256, 256), torch.bfloat16, "rescale_o_before_pv=false")])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dims,dtype,switch", RESCALE_CASES,
+                         ids=[f"d{d[0]}_{d[1]}-{str(t)[6:]}-{s or 'default'}"
+                              for d, t, s in RESCALE_CASES])
+def test_sm90_fwd_rescale_threshold_matches_float64_reference(sm90_device, head_dims, dtype,
+                                                             switch):
+    """Note [Rescale threshold]: rows whose max jumps by more than the threshold between KV
+    tiles (O rescaled), rows whose max creeps (stale max kept, P above 1) and rows whose max
+    stays, mixed within every warp (``growing_row_max_inputs``; ``rescale_events`` checks that
+    the inputs hold both kinds of step): O and LSE, poisoned first, against float64, causal
+    (rows without keys) and not, GQA, tails."""
+    from fa_sm100.config import parse_overrides
+    from fa_sm100.hopper.config import Sm90FwdConfig, select_sm90_fwd_config
+    from fa_sm100.hopper.interface import sm90_fwd
+
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(zlib.crc32(f"rescale{head_dims}{dtype}{switch}".encode()))
+    d, dv = head_dims
+    changes = {"rescale_threshold": 8.0,
+               **parse_overrides([x for x in switch.split(",") if x], Sm90FwdConfig)}
+    for causal in (False, True):
+        for shape in ((2, 1000, 1000, 4, 2), (1, 1500, 1000, 2, 1)):
+            b, sq, sk, hq, hk = shape
+            cfg = select_sm90_fwd_config(d, dv, dtype=dtype, causal=causal, seqlen_q=sq,
+                                         seqlen_k=sk, **changes)
+            assert cfg.rescale_threshold == changes["rescale_threshold"] > 0
+            q, k, v = growing_row_max_inputs(shape, head_dims, dtype, gen, device="cuda")
+            moved, kept = rescale_events(q, k, cfg.n_block, causal, cfg.rescale_threshold)
+            assert moved > 100 and kept > 100, (moved, kept)
+            out = torch.full((b, sq, hq, dv), float("nan"), device="cuda", dtype=dtype)
+            lse = torch.full((b, hq, sq), float("nan"), device="cuda", dtype=torch.float32)
+            sm90_fwd(q, k, v, None, causal, (None, None), True, cfg, out=out, lse=lse)
+            torch.cuda.synchronize()
+            ref, ref_lse = attention_reference(q, k, v, causal=causal)
+            plain, _ = attention_reference(q, k, v, causal=causal, dtype=dtype, upcast=False)
+            what = f"{shape} {head_dims} {dtype} causal={causal} {cfg.rescale_threshold}"
+            check_against_reference(out, ref, plain, atol=1e-3, what=f"O {what}")
+            check_lse(lse, q, k, v, causal, ref_lse, what=f"LSE {what}")
 
 
 @pytest.mark.gpu

@@ -130,6 +130,38 @@ def test_rescale_rule():
     assert sm.max_p_value(sm.RESCALE_THRESHOLD_16BIT) == 256.0
 
 
+def test_rescale_events_follow_the_rule_tile_by_tile():
+    """``fa_sm100.testing.rescale_events`` (the SM90 GPU tests' coverage check) on one row whose
+    KV tiles' maxes are known: tiles 4, 3, ..., 0 in the kernel's order reach 0, 3, 12, 12.5,
+    30 log2 units."""
+    from fa_sm100.testing import rescale_events
+
+    keys = [x for m in (30.0, 12.5, 12.0, 3.0, 0.0) for x in (m, m - 5.0)]  # 2 keys per tile
+    k = (torch.tensor(keys, dtype=torch.float64) / sm.LOG2_E).reshape(1, 10, 1, 1)
+    q = torch.ones(1, 1, 1, 1, dtype=torch.float64)
+    events = lambda threshold: rescale_events(q, k, 2, False, threshold, softmax_scale=1.0)
+    assert events(8.0) == (2, 2)  # 3 kept, 12 moved, 12.5 kept, 30 moved
+    assert events(0.0) == (4, 0)
+    assert events(20.0) == (1, 3)  # the stale 0 holds until 30
+
+
+@pytest.mark.parametrize("n_block", [80, 112, 128])
+def test_growing_row_max_inputs_hold_both_kinds_of_step(n_block):
+    """The inputs of the SM90 rescale-threshold GPU test give, at each n_block of the SM90
+    defaults, many steps that move the max past the threshold and many that keep it; rows
+    0, 16, 32, ... get no bonus."""
+    from fa_sm100.testing import growing_row_max_inputs, rescale_events
+
+    gen = torch.Generator()
+    gen.manual_seed(5)
+    for shape in ((2, 1000, 1000, 4, 2), (1, 1500, 1000, 2, 1)):
+        q, k, _ = growing_row_max_inputs(shape, (64, 64), torch.bfloat16, gen)
+        assert torch.all(q[:, ::16, :, 0] == 0) and torch.all(q[:, 15::16, :, 0] == 4)
+        for causal in (False, True):
+            moved, kept = rescale_events(q, k, n_block, causal, 8.0)
+            assert moved > 100 and kept > 100, (shape, causal, moved, kept)
+
+
 def test_scale_and_split_columns():
     assert sm.softmax_scale_log2(1.0) == pytest.approx(1.4426950408889634)
     assert sm.LN_2 * sm.LOG2_E == pytest.approx(1.0)

@@ -27,11 +27,15 @@ from fa_sm100.config import (
     normalize_dtype,
     parse_overrides,
 )
+from fa_sm100 import softmax_math
 from layouts.smem import ALIGN, SMEM_BUDGET, align_up
 
 SM90_ARCH = "sm_90a"
 # (qk, v) head-dimension pairs the SM90 forward supports.
 SM90_HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (192, 128), (256, 256))
+# Largest rescale_threshold whose P (up to 2^threshold) the 16-bit type holds: float16's
+# largest finite value is 65504 < 2^16; bfloat16's exponent reaches 2^127.
+P_MAX_LOG2 = {"float16": 15.0, "bfloat16": 127.0}
 # Dynamic SMEM one CTA may opt into on sm_90a (227 KiB).
 SM90_SMEM_BUDGET = SMEM_BUDGET[SM90_ARCH]
 SMEM_ALIGN = ALIGN  # every buffer starts on a 1 KiB boundary (128-byte swizzle atoms repeat)
@@ -83,6 +87,12 @@ class Sm90FwdConfig:
     # the others (Note [Warpgroup epilogues] in fwd_consumer.py)
     wg_epilogue: bool = False
     ex2_emu_fraction: float = 0.0  # share of exp2 done by a polynomial on the FMA pipe
+    # log2 units a row max may grow before O is rescaled (fa_sm100.softmax_math's rule, as
+    # FmhaConfig.rescale_threshold): 0 multiplies O by its factor at every KV tile (by 1 where
+    # the max did not grow); above 0 a row keeps its stale max until it grows by more, and a
+    # warp skips O's multiply when none of its rows moved (Note [Rescale threshold] in
+    # fwd_consumer.py)
+    rescale_threshold: float = 0.0
     # a consumer warpgroup whose 64 rows all lie past seqlen_q (the last m block of a head)
     # issues no GEMM and computes no softmax; it only keeps the tile's pipeline and ping-pong
     # protocol (Note [Empty warpgroups] in fwd_consumer.py). H100, paired over off, hdim 64
@@ -236,6 +246,12 @@ class Sm90FwdConfig:
                              "(the kernel computes the section in 32-bit bytes)")
         if not 0.0 <= self.ex2_emu_fraction <= 1.0:
             raise ValueError(f"ex2_emu_fraction={self.ex2_emu_fraction}: must lie in [0, 1]")
+        threshold = softmax_math.rescale_threshold_log2(self.rescale_threshold)  # >= 0
+        if threshold > P_MAX_LOG2[self.dtype]:
+            raise ValueError(
+                f"rescale_threshold={threshold}: P may reach 2^threshold before the final "
+                f"1 / row sum, and {self.dtype} holds at most 2^{P_MAX_LOG2[self.dtype]:g}"
+            )
         for name in ("regs_consumer", "regs_producer"):
             check_setmaxnreg(name, getattr(self, name))
         check_register_budget(
@@ -313,6 +329,15 @@ MULTICAST_MIN_SEQLEN_K = {64: 8192, 128: 8192, 256: 2048}
 # q_stage=2 -0.9% to +5.6%). hdim 96 follows hdim 128 unmeasured; (192, 128) has no room for
 # two Q stages and keeps neither.
 TILE_BOUNDARY_MAX_SEQLEN_K = 8192
+# O is rescaled only where a row max grows by more than softmax_math.RESCALE_THRESHOLD_16BIT
+# (Note [Rescale threshold] in fwd_consumer.py) from this head_dim_v on. Measured on H100
+# (bf16, 16k tokens; paired, 10 rounds, threshold 8 over 0): hdim 128 non-causal +1.7% (1k),
+# +0.8% (4k), +0.3% (16k), causal +1.1% (1k), +1.6% (4k), +2.9% (16k); hdim 256 non-causal
+# -0.6% (1k, rounds 0.81-1.14), +2.2% (2k), +1.9% (4k), +4.9% (16k), causal +1.4% (1k), +1.5%
+# (4k), +1.0% (8k), +1.8% (16k); hdim 64 -1.3% to +1.3% (7 cells, mean -0.1%: its O rescale
+# is 32 FMULs, the vote and branch cost about half that), so not there. (192, 128) follows
+# hdim 128 unmeasured; hdim 96 is left as hdim 64.
+RESCALE_THRESHOLD_MIN_HEAD_DIM_V = 128
 
 
 def select_sm90_fwd_config(head_dim: int = 128, head_dim_v=None, dtype="bfloat16", causal=False,
@@ -331,7 +356,8 @@ def select_sm90_fwd_config(head_dim: int = 128, head_dim_v=None, dtype="bfloat16
     ``skip_empty_wg`` where the last m block has an empty consumer warpgroup (or ``seqlen_q`` is
     not given), unless it is given. ``wg_epilogue`` and ``q_stage=2`` for persistent CTAs with
     O's own buffer up to ``TILE_BOUNDARY_MAX_SEQLEN_K`` keys (optional: without it, no) where
-    two Q stages fit, each unless given.
+    two Q stages fit, each unless given. ``rescale_threshold`` 8 from head_dim_v 128 on
+    (``RESCALE_THRESHOLD_MIN_HEAD_DIM_V``), else 0.
     """
     head_dim_v = default_head_dim_v(head_dim) if head_dim_v is None else head_dim_v
     num_wg, n_block = default_tile(head_dim)
@@ -355,6 +381,8 @@ def select_sm90_fwd_config(head_dim: int = 128, head_dim_v=None, dtype="bfloat16
         num_consumer_wg=num_wg,
         pingpong=head_dim <= PINGPONG_MAX_HEAD_DIM,
         rescale_o_before_pv=head_dim_v > 128,
+        rescale_threshold=(softmax_math.RESCALE_THRESHOLD_16BIT
+                           if head_dim_v >= RESCALE_THRESHOLD_MIN_HEAD_DIM_V else 0.0),
         regs_consumer=regs_consumer,
         regs_producer=regs_producer,
     ).replace(**overrides)

@@ -14,6 +14,16 @@ producer's load order (K[j-1] before V[j]) follows this. With ``rescale_o_before
 rescale of O by the previous tile's factor moves before the PV GEMM, into the shadow of the QK
 GEMM (pays off when O is large, head_dim_v > 128).
 
+Note [Rescale threshold] (``rescale_threshold`` > 0): the online softmax multiplies O by
+exp2(old max - new max) at every KV tile, 64 (hdim 128) or 128 (hdim 256) FMULs per thread
+between two GEMMs of the warpgroup, although after the first few tiles the row max rarely
+moves. With a threshold (log2 units, ``fa_sm100.softmax_math.rescale_needed``, the SM100
+kernel's rule) a row keeps its max unless the tile raises it by more, so its factor is exactly
+1, and the warp votes: only if one of its 16 rows has a factor in (0, 1) does it run the
+multiply (a factor of 0 meets a row whose keys were all masked so far, still 0). P of such a
+tile may reach 2^threshold (``validate()``: within the 16-bit type); the final 1 / row sum
+divides the common factor out, and LSE is taken against the same stale max.
+
 Note [O in Q's buffer]: O leaves through an SMEM tile before its TMA store. One tile per CTA
 stages it in Q's buffer (Q is dead after the last QK GEMM). Persistent CTAs give O its own
 buffer, so the next tile's Q can load while this tile's O is stored, unless ``o_in_q_buffer``
@@ -72,6 +82,7 @@ from fa_sm100.hopper.fwd_math import (
     finalize_softmax,
     online_softmax_step,
     operand_a_view,
+    rescale_o,
     rescale_rows,
 )
 from fa_sm100.hopper.named_barriers import Sm90FwdBarrier
@@ -134,7 +145,11 @@ class ConsumerRole:
             apply_mask(s_rc, f.coord_rc, f.coord0_rc, row_base, n * self.cfg.n_block,
                        f.seqlen_k, f.causal_offset, mask_seqlen, mask_causal)
         online_softmax_step(s_rc, f.row_max, f.row_sum, f.row_scale, f.scale_log2, is_first,
-                            self.cfg.ex2_emu_fraction)
+                            self.cfg.ex2_emu_fraction, self.cfg.rescale_threshold)
+
+    def rescale_acc_o(self, f: ConsumerFrags):
+        """O *= the last softmax step's factors (Note [Rescale threshold])."""
+        rescale_o(rows_cols_view(f.acc_O), f.row_scale, self.cfg.rescale_threshold > 0.0)
 
     @cute.jit
     def consumer(self, mO, mLSE, mK, sQ, sK, sV, sO, tma_o, tiled_mma_qk, tiled_mma_pv,
@@ -251,7 +266,7 @@ class ConsumerRole:
             self.release_q_after_gemms(pipe_q, q_state)
 
         finalize_softmax(f.row_max, f.row_sum, f.row_scale, lse, scale_log2)
-        rescale_rows(rows_cols_view(f.acc_O), f.row_scale)
+        rescale_rows(rows_cols_view(f.acc_O), f.row_scale)  # by 1 / row sum
         self.epilogue(f.acc_O, lse, mO, mLSE, sO, tma_o, tiled_mma_pv, tidx, m_block, head,
                       batch, seqlen_q)
         if const_expr(cfg.o_in_q_buffer):  # Note [O in Q's buffer]
@@ -286,7 +301,7 @@ class ConsumerRole:
                                              False, wg, pipe_k, pipe_v)
             self.release_q_after_gemms(pipe_q, q_state)
             if const_expr(cfg.rescale_o_before_pv):
-                rescale_rows(rows_cols_view(f.acc_O), f.row_scale)
+                self.rescale_acc_o(f)
             pipe_v.consumer_wait(state, pipe_v.consumer_try_wait(state))
             self.pv_gemm(f, state.index, 0)
             pipe_v.consumer_release(state)
@@ -360,7 +375,7 @@ class ConsumerRole:
             # While S(n) is computed, and before the wait for V: the wait orders what follows
             # it, so only here may ptxas spread the FMULs between the QK GEMM's HGMMAs (H200,
             # hdim 256: +2-3% over rescaling after the wait).
-            rescale_rows(rows_cols_view(f.acc_O), f.row_scale)
+            self.rescale_acc_o(f)
         pipe_v.consumer_wait(state_v, pipe_v.consumer_try_wait(state_v))
         self.pv_gemm(f, state_v.index, NO_WAIT)
         self.pingpong_pass(wg)
@@ -371,7 +386,7 @@ class ConsumerRole:
         pipe_v.consumer_release(state_v)
         convert_to(f.tOrP, operand_a_view(acc_S))
         if const_expr(not self.cfg.rescale_o_before_pv):
-            rescale_rows(rows_cols_view(f.acc_O), f.row_scale)
+            self.rescale_acc_o(f)
         return state
 
     @cute.jit
@@ -387,7 +402,7 @@ class ConsumerRole:
         pipe_k.consumer_release(state)
         self.softmax(f, acc_S, row_base, n, is_first, masked and self.cfg.causal, is_first)
         convert_to(f.tOrP, operand_a_view(acc_S))
-        rescale_rows(rows_cols_view(f.acc_O), f.row_scale)
+        self.rescale_acc_o(f)
         pipe_v.consumer_wait(state, pipe_v.consumer_try_wait(state))
         self.pingpong_wait(wg)
         self.pv_gemm(f, state.index, NO_WAIT)

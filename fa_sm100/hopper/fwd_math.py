@@ -156,15 +156,23 @@ def online_softmax_step(
     scale_log2: Float32,
     is_first: cutlass.Constexpr[bool],
     ex2_emu_fraction: cutlass.Constexpr[float] = 0.0,
+    rescale_threshold: cutlass.Constexpr[float] = 0.0,
 ):
     """One online-softmax step over a KV tile: update max and sum, exponentiate S in place.
 
     With ``ex2_emu_fraction`` > 0 the columns ``softmax_math.ex2_emulated_mask`` picks (by
-    pairs, spread along the thread's row) use ``exp2_on_fma_pipe``; the rest MUFU.EX2."""
+    pairs, spread along the thread's row) use ``exp2_on_fma_pipe``; the rest MUFU.EX2. With
+    ``rescale_threshold`` > 0 a row keeps its max unless ``softmax_math.rescale_needed`` says
+    it grew by more (one FSEL): its factor is then exactly 1 and P of this tile may exceed 1
+    (Note [Rescale threshold] in fwd_consumer.py)."""
     for r in cutlass.range_constexpr(cute.size(s_rc, mode=[0])):
         vals = s_rc[r, None].load()
         cur = row_max_of(s_rc, r, None if is_first else row_max[r])
         prev = row_max[r]
+        if const_expr(rescale_threshold > 0.0 and not is_first):
+            grew = softmax_math.rescale_needed((cur - prev) * scale_log2,
+                                               Float32(rescale_threshold))
+            cur = Float32(cutlass.select_(grew, cur, prev))
         row_max[r] = cur
         # A row with every key masked so far keeps max -inf: exponentiate against 0 instead.
         safe = cur
@@ -216,6 +224,21 @@ def rescale_rows(acc_rc: cute.Tensor, row_scale: cute.Tensor):
     """Multiply row r of a rows/cols accumulator view by row_scale[r]."""
     for r in cutlass.range_constexpr(cute.size(acc_rc, mode=[0])):
         acc_rc[r, None].store(acc_rc[r, None].load() * row_scale[r])
+
+
+@cute.jit
+def rescale_o(acc_rc: cute.Tensor, row_scale: cute.Tensor, skip_ones: cutlass.Constexpr[bool]):
+    """O's rescale by the last softmax step's factors. With ``skip_ones`` the warp votes and
+    multiplies only if one of its rows has a factor in (0, 1): a factor of 1 changes nothing,
+    and one of 0 only meets a row whose keys were all masked so far, which is still 0."""
+    if const_expr(skip_ones):
+        needs = cutlass.Boolean(False)
+        for r in cutlass.range_constexpr(cute.size(row_scale)):
+            needs = needs | ((row_scale[r] < Float32(1.0)) & (row_scale[r] > Float32(0.0)))
+        if cute.arch.vote_any_sync(needs):
+            rescale_rows(acc_rc, row_scale)
+    else:
+        rescale_rows(acc_rc, row_scale)
 
 
 @dsl_user_op
