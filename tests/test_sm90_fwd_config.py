@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from fa_sm100.hopper.config import (
+    MULTICAST_MIN_SEQLEN_K,
     P_MAX_LOG2,
     SM90_HEAD_DIMS,
     SM90_SMEM_BUDGET,
@@ -186,7 +187,6 @@ def test_kv_multicast_rules_and_default():
     the default turns it on for non-causal problems from MULTICAST_MIN_SEQLEN_K keys on whose
     seqlen_q gives an even number of m blocks, and then runs one tile per CTA; never without
     seqlen_q, for causal problems, or when persistence is asked for."""
-    from fa_sm100.hopper.config import MULTICAST_MIN_SEQLEN_K
 
     with pytest.raises(ValueError, match="causal=False"):
         select_sm90_fwd_config(128, causal=True, kv_multicast=True)
@@ -231,7 +231,8 @@ def test_kv_multicast_needs_an_even_number_of_m_blocks():
                 sm90_config_for(prob, config)
     # the default for such a problem simply does not multicast
     q = torch.randn(1, 257, 2, 128, dtype=torch.bfloat16)
-    k, v = (torch.randn(1, 8192, 2, 128, dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(1, MULTICAST_MIN_SEQLEN_K[128], 2, 128, dtype=torch.bfloat16)
+            for _ in range(2))
     assert not sm90_config_for(validate_attention_inputs(q, k, v, require_cuda=False),
                                None).kv_multicast
     q = torch.randn(1, 256, 2, 128, dtype=torch.bfloat16)
@@ -292,7 +293,7 @@ def test_tile_boundary_switches_by_default_where_measured_and_where_they_fit():
     # one tile per CTA (given, or non-causal hdim 64 beyond 4k, or K/V multicast): neither
     for cfg in (select_sm90_fwd_config(128, causal=True, seqlen_k=1024, persistent=False),
                 select_sm90_fwd_config(64, seqlen_k=8192, seqlen_q=8192),
-                select_sm90_fwd_config(128, seqlen_k=8192, seqlen_q=8192)):
+                select_sm90_fwd_config(128, seqlen_k=16384, seqlen_q=16384)):
         assert not cfg.persistent and both(cfg) == (False, 1), cfg
     # each alone, by override
     assert both(select_sm90_fwd_config(128, causal=True, seqlen_k=1024, q_stage=1)) == (True, 1)

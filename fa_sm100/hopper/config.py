@@ -317,8 +317,11 @@ PINGPONG_MAX_HEAD_DIM = 64
 # multicast] in fwd_kernel.py), when seqlen_q gives an even number of m blocks. Measured on
 # H100 (bf16, 16k tokens; paired timing, multicast over the previous default): hdim 128
 # 0.999x (4k), 1.004x (8k), 1.015x (16k) over persistent + dynamic; hdim 256 1.018x (2k, wide
-# rounds), 1.010x (4k), 1.004x (16k) and hdim 64 1.005x (16k) over one tile per CTA.
-MULTICAST_MIN_SEQLEN_K = {64: 8192, 128: 8192, 256: 2048}
+# rounds), 1.010x (4k), 1.004x (16k) and hdim 64 1.005x (16k) over one tile per CTA. hdim 128
+# from 16k since round 16: with the rescale threshold, persistent + dynamic with the tile
+# boundary switches measured +2.4% / +2.2% over multicast at 8k (10 / 16 rounds; one tile per
+# CTA without multicast +2.8% / +2.0%), at 16k +1.4% / +0.8% with rounds 0.91-1.15 (kept).
+MULTICAST_MIN_SEQLEN_K = {64: 8192, 128: 16384, 256: 2048}
 # Persistent CTAs with O's own buffer cross work tiles faster with ``wg_epilogue`` (Note
 # [Warpgroup epilogues] in fwd_consumer.py) and two Q stages (Note [Two Q stages] in
 # fwd_kernel.py), where both fit in SMEM, up to this seqlen_k. Measured on H100 (bf16, 16k
