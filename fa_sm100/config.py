@@ -15,6 +15,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
+from fa_sm100 import softmax_math
+
 # Register file of one SM (sm_90 and sm_100): 64K 32-bit registers.
 REGISTER_FILE = 64 * 1024
 WARP_SIZE = 32
@@ -265,8 +267,7 @@ class FmhaConfig:
             raise ValueError(
                 f"ex2_emu_fraction={self.ex2_emu_fraction}: must lie in [0, {MAX_EX2_EMU_FRACTION}]"
             )
-        if not self.rescale_threshold >= 0.0:
-            raise ValueError(f"rescale_threshold={self.rescale_threshold}: must be >= 0")
+        softmax_math.check_rescale_threshold(self.rescale_threshold, self.dtype)
         if self.qhead_per_kvhead < 1:
             raise ValueError(f"qhead_per_kvhead={self.qhead_per_kvhead}: must be >= 1")
         for name in ("window_left", "window_right"):

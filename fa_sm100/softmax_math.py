@@ -237,6 +237,23 @@ def rescale_threshold_log2(threshold: float) -> float:
     return threshold
 
 
+# Largest threshold whose P (up to 2^threshold before the final 1 / row sum) the 16-bit P type
+# holds: float16's largest finite value is 65504 < 2^16; bfloat16's exponent reaches 2^127.
+P_MAX_LOG2 = {"float16": 15.0, "bfloat16": 127.0}
+
+
+def check_rescale_threshold(threshold: float, dtype: str) -> float:
+    """``rescale_threshold_log2(threshold)``, and ValueError unless ``2^threshold``, the largest
+    P a stale max allows, is finite in ``dtype`` (the P operand's 16-bit type)."""
+    threshold = rescale_threshold_log2(threshold)
+    if threshold > P_MAX_LOG2[dtype]:
+        raise ValueError(
+            f"rescale_threshold={threshold}: P may reach 2^threshold before the final "
+            f"1 / row sum, and {dtype} holds at most 2^{P_MAX_LOG2[dtype]:g}"
+        )
+    return threshold
+
+
 def max_p_value(threshold: float) -> float:
     """The largest P (before the final 1/row_sum) a stale max allows: 2^threshold."""
     return 2.0**threshold

@@ -58,6 +58,8 @@ BAD = [
     (dict(ex2_emu_fraction=-0.1), "ex2_emu_fraction"),
     (dict(rescale_threshold=-1.0), "rescale_threshold"),
     (dict(rescale_threshold=float("nan")), "rescale_threshold"),
+    # P may reach 2^threshold: float16 holds at most 2^15
+    (dict(rescale_threshold=16.0, dtype="float16"), "float16 holds at most 2\\^15"),
     (dict(qhead_per_kvhead=0), "qhead_per_kvhead"),
     (dict(window_left=-1), "window_left"),
     (dict(window_right=-2), "window_right"),

@@ -6,7 +6,6 @@ import torch
 
 from fa_sm100.hopper.config import (
     MULTICAST_MIN_SEQLEN_K,
-    P_MAX_LOG2,
     SM90_HEAD_DIMS,
     SM90_SMEM_BUDGET,
     Sm90FwdConfig,
@@ -14,6 +13,7 @@ from fa_sm100.hopper.config import (
     sm90_fwd_config_from_overrides,
 )
 from fa_sm100.hopper.interface import sm90_config_for, sm90_fwd
+from fa_sm100.softmax_math import P_MAX_LOG2
 from fa_sm100.validation import validate_attention_inputs
 
 
@@ -72,8 +72,7 @@ def test_rescale_threshold_up_to_what_p_can_hold():
     """P may reach 2^threshold (Note [Rescale threshold]): float16 holds 2^15, bfloat16 2^127."""
     assert Sm90FwdConfig(dtype="float16", rescale_threshold=15.0).validate()
     assert Sm90FwdConfig(dtype="bfloat16", rescale_threshold=127.0).validate()
-    assert 2.0 ** P_MAX_LOG2["float16"] <= torch.finfo(torch.float16).max < 2.0 ** 16
-    assert 2.0 ** P_MAX_LOG2["bfloat16"] <= torch.finfo(torch.bfloat16).max
+    assert (P_MAX_LOG2["float16"], P_MAX_LOG2["bfloat16"]) == (15.0, 127.0)
 
 
 def test_overrides_parse_like_the_cli():

@@ -128,6 +128,14 @@ def test_rescale_rule():
     with pytest.raises(ValueError):
         sm.rescale_threshold_log2(-1.0)
     assert sm.max_p_value(sm.RESCALE_THRESHOLD_16BIT) == 256.0
+    # 2^threshold must be finite in the 16-bit P type
+    assert sm.check_rescale_threshold(15, "float16") == 15.0
+    assert sm.check_rescale_threshold(127, "bfloat16") == 127.0
+    for threshold, dtype in ((15.5, "float16"), (128.0, "bfloat16")):
+        with pytest.raises(ValueError, match=f"{dtype} holds at most"):
+            sm.check_rescale_threshold(threshold, dtype)
+    assert 2.0 ** sm.P_MAX_LOG2["float16"] <= torch.finfo(torch.float16).max < 2.0 ** 16
+    assert 2.0 ** sm.P_MAX_LOG2["bfloat16"] <= torch.finfo(torch.bfloat16).max
 
 
 def test_rescale_events_follow_the_rule_tile_by_tile():

@@ -33,9 +33,6 @@ from layouts.smem import ALIGN, SMEM_BUDGET, align_up
 SM90_ARCH = "sm_90a"
 # (qk, v) head-dimension pairs the SM90 forward supports.
 SM90_HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (192, 128), (256, 256))
-# Largest rescale_threshold whose P (up to 2^threshold) the 16-bit type holds: float16's
-# largest finite value is 65504 < 2^16; bfloat16's exponent reaches 2^127.
-P_MAX_LOG2 = {"float16": 15.0, "bfloat16": 127.0}
 # Dynamic SMEM one CTA may opt into on sm_90a (227 KiB).
 SM90_SMEM_BUDGET = SMEM_BUDGET[SM90_ARCH]
 SMEM_ALIGN = ALIGN  # every buffer starts on a 1 KiB boundary (128-byte swizzle atoms repeat)
@@ -246,12 +243,7 @@ class Sm90FwdConfig:
                              "(the kernel computes the section in 32-bit bytes)")
         if not 0.0 <= self.ex2_emu_fraction <= 1.0:
             raise ValueError(f"ex2_emu_fraction={self.ex2_emu_fraction}: must lie in [0, 1]")
-        threshold = softmax_math.rescale_threshold_log2(self.rescale_threshold)  # >= 0
-        if threshold > P_MAX_LOG2[self.dtype]:
-            raise ValueError(
-                f"rescale_threshold={threshold}: P may reach 2^threshold before the final "
-                f"1 / row sum, and {self.dtype} holds at most 2^{P_MAX_LOG2[self.dtype]:g}"
-            )
+        softmax_math.check_rescale_threshold(self.rescale_threshold, self.dtype)
         for name in ("regs_consumer", "regs_producer"):
             check_setmaxnreg(name, getattr(self, name))
         check_register_budget(
