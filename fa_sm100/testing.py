@@ -11,6 +11,8 @@ import math
 
 import torch
 
+from fa_sm100 import softmax_math
+
 
 def attention_reference(q, k, v, softmax_scale=None, causal=False, window=(None, None),
                         dtype=torch.float64, upcast=True):
@@ -22,20 +24,8 @@ def attention_reference(q, k, v, softmax_scale=None, causal=False, window=(None,
     index. Fully masked rows give O = 0 and LSE = -inf. Returns (out, lse) with lse shaped
     (batch, heads, seqlen_q) in natural-log units.
     """
-    b, sq, hq, d = q.shape
-    sk, hk = k.shape[1], k.shape[2]
-    if hq % hk:
-        raise ValueError(f"query heads {hq} not divisible by kv heads {hk}")
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
-    cast = (lambda t: t.to(dtype)) if upcast else (lambda t: t)
-    qf, kf, vf = cast(q), cast(k), cast(v)
-    group = hq // hk
-    kf = kf.repeat_interleave(group, dim=2)
-    vf = vf.repeat_interleave(group, dim=2)
-    s = torch.einsum("bqhd,bkhd->bhqk", qf, kf) * scale
-    mask = attention_mask(sq, sk, causal, window, device=q.device)
-    if mask is not None:
-        s = s.masked_fill(~mask, float("-inf"))
+    s = attention_scores(q, k, softmax_scale, causal, window, dtype, upcast)
+    vf = (v.to(dtype) if upcast else v).repeat_interleave(q.shape[2] // v.shape[2], dim=2)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse.unsqueeze(-1))
     p = torch.nan_to_num(p, nan=0.0)  # fully masked rows: exp(-inf - -inf)
@@ -43,6 +33,23 @@ def attention_reference(q, k, v, softmax_scale=None, causal=False, window=(None,
         p = p.to(q.dtype)
     out = torch.einsum("bhqk,bkhd->bqhd", p, vf)
     return out, lse
+
+
+def attention_scores(q, k, softmax_scale=None, causal=False, window=(None, None),
+                     dtype=torch.float64, upcast=True):
+    """The scaled scores S (batch, heads, seqlen_q, seqlen_k) of ``attention_reference``, -inf
+    where masked; K's heads repeated for GQA/MQA."""
+    b, sq, hq, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    if hq % hk:
+        raise ValueError(f"query heads {hq} not divisible by kv heads {hk}")
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    qf, kf = (q.to(dtype), k.to(dtype)) if upcast else (q, k)
+    s = torch.einsum("bqhd,bkhd->bhqk", qf, kf.repeat_interleave(hq // hk, dim=2)) * scale
+    mask = attention_mask(sq, sk, causal, window, device=q.device)
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    return s
 
 
 def attention_mask(sq, sk, causal=False, window=(None, None), device="cpu"):
@@ -145,14 +152,8 @@ def rescale_events(q, k, n_block, causal, threshold, softmax_scale=None):
     (moved, kept), the steps where a row's max grew by more than ``threshold`` log2 units (O
     rescaled) and those where it grew by at most that (stale max kept). float64 scores; a
     coverage check for tests, not a model of the kernel's rounding."""
-    b, sq, hq, d = q.shape
-    sk, hk = k.shape[1], k.shape[2]
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
-    kf = k.to(torch.float64).repeat_interleave(hq // hk, dim=2)
-    s = torch.einsum("bqhd,bkhd->bhqk", q.to(torch.float64), kf) * (scale * math.log2(math.e))
-    mask = attention_mask(sq, sk, causal, device=q.device)
-    if mask is not None:
-        s = s.masked_fill(~mask, float("-inf"))
+    s = attention_scores(q, k, softmax_scale, causal) * softmax_math.LOG2_E  # log2 units
+    b, hq, sq, sk = s.shape
     tiles = -(-sk // n_block)
     s = torch.nn.functional.pad(s, (0, tiles * n_block - sk), value=float("-inf"))
     tile_max = s.reshape(b, hq, sq, tiles, n_block).amax(-1)
@@ -160,7 +161,7 @@ def rescale_events(q, k, n_block, causal, threshold, softmax_scale=None):
     m = tile_max[..., tiles - 1]
     for t in range(tiles - 2, -1, -1):
         grow = torch.maximum(m, tile_max[..., t]) - m
-        move = grow > threshold  # NaN (-inf - -inf) compares False: nothing seen yet, no move
+        move = softmax_math.rescale_needed(grow, threshold)  # NaN (-inf - -inf): no move
         moved += int(move.sum())
         kept += int(((grow > 0) & ~move).sum())
         m = torch.where(move, m + grow, m)

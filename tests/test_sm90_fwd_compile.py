@@ -144,14 +144,31 @@ def test_kv_multicast_multicasts_every_k_and_v_load(head_dim, tmp_path):
     assert mc[local] == 0 and mc[remote] == 2, mc  # ... in both CTAs of the cluster
 
 
-def _kv_loops(sass: str) -> list:
-    """(HGMMAs, instructions) of every loop of the SASS that holds an HGMMA, sorted: the KV
-    loops of the main loop and, with persistent CTAs, the tile loop around them."""
+def _hgmma_loops(sass: str) -> list:
+    """(HGMMAs, instructions, opcode counts) of every loop of the SASS that holds an HGMMA, in
+    address order: the KV loops of the main loop and, with persistent CTAs, the tile loop
+    around them."""
     from fa_sm100.compile_tools import sass_loops, sass_opcode
 
-    found = [(sum(sass_opcode(t).startswith("HGMMA") for _, t in body), len(body))
-             for body in sass_loops(sass)]
-    return sorted(x for x in found if x[0])
+    found = []
+    for body in sass_loops(sass):
+        ops = collections.Counter(sass_opcode(t) for _, t in body)
+        hgmma = sum(n for op, n in ops.items() if op.startswith("HGMMA"))
+        if hgmma:
+            found.append((hgmma, len(body), ops))
+    return found
+
+
+def _kv_loops(sass: str) -> list:
+    """(HGMMAs, instructions) of every loop of the SASS that holds an HGMMA, sorted."""
+    return sorted((h, n) for h, n, _ in _hgmma_loops(sass))
+
+
+def _innermost(loops: list) -> list:
+    """The loops with the fewest HGMMAs: the KV loops (the others are the tile loops around
+    them, which also hold the epilogue)."""
+    fewest = min(loop[0] for loop in loops)
+    return [loop for loop in loops if loop[0] == fewest]
 
 
 @pytest.mark.compile
@@ -187,8 +204,7 @@ def test_empty_warpgroups_skip_the_work_and_keep_the_kv_loops(overrides, tmp_pat
         assert on["BAR.SYNC"] == off["BAR.SYNC"]
     # the KV loops: as many, with the same HGMMAs, none longer (ptxas saves an instruction or
     # two in some)
-    inner = lambda found: [x for x in found if x[0] == min(h for h, _ in found)]  # noqa: E731
-    kv_on, kv_off = inner(loops[True]), inner(loops[False])
+    kv_on, kv_off = _innermost(loops[True]), _innermost(loops[False])
     assert len(kv_on) == len(kv_off) > 0, loops
     assert all(a[0] == b[0] and b[1] - 2 <= a[1] <= b[1] for a, b in zip(kv_on, kv_off)), loops
 
@@ -229,8 +245,7 @@ def test_tile_boundary_switches_keep_the_kv_loops(overrides, tmp_path):
     # every loop with an HGMMA keeps its HGMMAs; the KV loops (fewest HGMMAs; the others are
     # the tile loops around them, which hold the epilogue) grow by at most 2%
     assert [h for h, _ in loops["on"]] == [h for h, _ in loops["off"]], loops
-    inner = lambda found: [n for h, n in found if h == min(x for x, _ in found)]  # noqa: E731
-    kv_on, kv_off = inner(loops["on"]), inner(loops["off"])
+    kv_on, kv_off = ([n for _, n in _innermost(loops[k])] for k in ("on", "off"))
     assert len(kv_on) == len(kv_off) > 0, loops
     assert all(a <= 1.02 * b for a, b in zip(kv_on, kv_off)), loops
 
@@ -244,22 +259,13 @@ def test_rescale_threshold_branches_around_the_o_rescale(overrides, tmp_path):
     KV loop votes once (VOTE.ANY) and keeps its O rescale (as many FMULs, plus one per row for
     the growth) behind a branch; the GEMMs and exp2s stay as many, and a loop gains at most 24
     instructions (15-18 measured: the vote, the branch, a compare and select per row, moves)."""
-    from fa_sm100.compile_tools import sass_loops, sass_opcode
-
     loops = {}
     for name, extra in (("off", ["rescale_threshold=0"]), ("on", ["rescale_threshold=8"])):
         keep = tmp_path / name
         rep = inspect_kernel("sm90_fwd", "sm_90a", overrides + extra, keep_dir=keep)
         assert rep["spill_bytes"] == 0 and rep["local_bytes"] == 0
         assert rep["config"]["rescale_threshold"] == (8.0 if name == "on" else 0.0)
-        kv = []
-        for body in sass_loops(read_kept_sass(keep)):
-            ops = collections.Counter(sass_opcode(t) for _, t in body)
-            hgmma = sum(n for op, n in ops.items() if op.startswith("HGMMA"))
-            if hgmma:
-                kv.append((hgmma, len(body), ops))
-        fewest = min(h for h, _, _ in kv)  # the KV loops; the others are tile loops around them
-        loops[name] = [(h, n, ops) for h, n, ops in kv if h == fewest]
+        loops[name] = _innermost(_hgmma_loops(read_kept_sass(keep)))
     rows = 2  # accumulator rows per thread
     assert len(loops["on"]) == len(loops["off"]) > 0
     for (h_on, n_on, on), (h_off, n_off, off) in zip(loops["on"], loops["off"]):

@@ -57,22 +57,29 @@ def check_lse(lse, q, k, v, causal, ref_lse, what):
 def _check_one(shape, head_dims, dtype, causal, gen, config=None):
     """One fresh problem of ``shape`` through ``sm90_fwd`` (``config``, or the default one),
     O and LSE poisoned first, against the float64 reference."""
-    from fa_sm100.hopper.interface import sm90_fwd
-
     b, sq, sk, hq, hk = shape
     d, dv = head_dims
     dev = "cuda"
     q = torch.randn(b, sq, hq, d, device=dev, dtype=dtype, generator=gen)
     k = torch.randn(b, sk, hk, d, device=dev, dtype=dtype, generator=gen)
     v = torch.randn(b, sk, hk, dv, device=dev, dtype=dtype, generator=gen)
-    out = torch.full((b, sq, hq, dv), float("nan"), device=dev, dtype=dtype)
-    lse = torch.full((b, hq, sq), float("nan"), device=dev, dtype=torch.float32)
+    what = f"{shape} hdim={head_dims} {dtype} causal={causal}" + ("" if config is None else
+                                                                 f" config={config}")
+    _check_inputs(q, k, v, causal, config, what)
+
+
+def _check_inputs(q, k, v, causal, config, what):
+    """``sm90_fwd`` (``config``, or the default one) on q, k, v, O and LSE poisoned first,
+    against the float64 reference."""
+    from fa_sm100.hopper.interface import sm90_fwd
+
+    (b, sq, hq, _), dv = q.shape, v.shape[3]
+    out = torch.full((b, sq, hq, dv), float("nan"), device=q.device, dtype=q.dtype)
+    lse = torch.full((b, hq, sq), float("nan"), device=q.device, dtype=torch.float32)
     sm90_fwd(q, k, v, None, causal, (None, None), True, config, out=out, lse=lse)
     torch.cuda.synchronize()
     ref, ref_lse = attention_reference(q, k, v, causal=causal)
-    plain, _ = attention_reference(q, k, v, causal=causal, dtype=dtype, upcast=False)
-    what = f"{shape} hdim={head_dims} {dtype} causal={causal}" + ("" if config is None else
-                                                                 f" config={config}")
+    plain, _ = attention_reference(q, k, v, causal=causal, dtype=q.dtype, upcast=False)
     check_against_reference(out, ref, plain, atol=1e-3, what=f"O {what}")
     check_lse(lse, q, k, v, causal, ref_lse, what=f"LSE {what}")
 
@@ -251,7 +258,6 @@ def test_sm90_fwd_rescale_threshold_matches_float64_reference(sm90_device, head_
     (rows without keys) and not, GQA, tails."""
     from fa_sm100.config import parse_overrides
     from fa_sm100.hopper.config import Sm90FwdConfig, select_sm90_fwd_config
-    from fa_sm100.hopper.interface import sm90_fwd
 
     gen = torch.Generator(device="cuda")
     gen.manual_seed(zlib.crc32(f"rescale{head_dims}{dtype}{switch}".encode()))
@@ -260,22 +266,14 @@ def test_sm90_fwd_rescale_threshold_matches_float64_reference(sm90_device, head_
                **parse_overrides([x for x in switch.split(",") if x], Sm90FwdConfig)}
     for causal in (False, True):
         for shape in ((2, 1000, 1000, 4, 2), (1, 1500, 1000, 2, 1)):
-            b, sq, sk, hq, hk = shape
-            cfg = select_sm90_fwd_config(d, dv, dtype=dtype, causal=causal, seqlen_q=sq,
-                                         seqlen_k=sk, **changes)
+            cfg = select_sm90_fwd_config(d, dv, dtype=dtype, causal=causal, seqlen_q=shape[1],
+                                         seqlen_k=shape[2], **changes)
             assert cfg.rescale_threshold == changes["rescale_threshold"] > 0
             q, k, v = growing_row_max_inputs(shape, head_dims, dtype, gen, device="cuda")
             moved, kept = rescale_events(q, k, cfg.n_block, causal, cfg.rescale_threshold)
             assert moved > 100 and kept > 100, (moved, kept)
-            out = torch.full((b, sq, hq, dv), float("nan"), device="cuda", dtype=dtype)
-            lse = torch.full((b, hq, sq), float("nan"), device="cuda", dtype=torch.float32)
-            sm90_fwd(q, k, v, None, causal, (None, None), True, cfg, out=out, lse=lse)
-            torch.cuda.synchronize()
-            ref, ref_lse = attention_reference(q, k, v, causal=causal)
-            plain, _ = attention_reference(q, k, v, causal=causal, dtype=dtype, upcast=False)
-            what = f"{shape} {head_dims} {dtype} causal={causal} {cfg.rescale_threshold}"
-            check_against_reference(out, ref, plain, atol=1e-3, what=f"O {what}")
-            check_lse(lse, q, k, v, causal, ref_lse, what=f"LSE {what}")
+            _check_inputs(q, k, v, causal, cfg,
+                          f"{shape} {head_dims} {dtype} causal={causal} {cfg.rescale_threshold}")
 
 
 @pytest.mark.gpu
