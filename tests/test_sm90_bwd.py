@@ -452,6 +452,39 @@ def test_early_dq_post_default_rules_and_semaphore_slots():
         assert workspace(cfg, q, q)["dq_sem"].shape == (2, 3, slots)
 
 
+def test_pre_ctas_rules_semaphore_slot_and_zeroed_semaphores():
+    """Note [Preprocess beside the main kernel]: ``validate()`` takes ``pre_ctas`` >= 0 (an
+    int) and only with "bulk" dQ and ``stats_smem`` (the MMA warpgroups then read nothing the
+    preprocess writes); the workspace holds one more semaphore per (batch, head), last, for
+    the count of finished rows (after the finished-CTA count of ``early_dq_post``), and
+    arrives zeroed (torch.zeros) as the preprocess no longer zeroes it."""
+    from fa_sm100.hopper.bwd_interface import workspace
+
+    for bad in (-1, True, 2.0):
+        with pytest.raises(ValueError, match="pre_ctas=.*must be an int >= 0"):
+            select_bwd_config(head_dim=128, pre_ctas=bad)
+    for bad in (dict(dq_accum="red"), dict(stats_smem=False)):
+        with pytest.raises(ValueError, match="pre_ctas > 0 needs dq_accum='bulk' and stats_smem"):
+            select_bwd_config(head_dim=128, pre_ctas=8, **bad)
+    # (switches, slots for 13 query blocks without and with): hdim 64's single slot was unused
+    for kw, slots_off, slots in ((dict(head_dim=128), 14, 15), (dict(head_dim=64), 1, 1),
+                                 (dict(head_dim=64, deterministic=True, early_dq_post=True), 14,
+                                  15)):
+        off, on = select_bwd_config(**kw, pre_ctas=0), select_bwd_config(**kw, pre_ctas=8)
+        assert (off.dq_sem_slots(13), on.dq_sem_slots(13)) == (slots_off, slots), kw
+        q = torch.zeros(2, 13 * on.tile_m - 5, 3, on.head_dim)
+        sem = workspace(on, q, q)["dq_sem"]
+        assert sem.shape == (2, 3, slots) and (sem == 0).all()
+    # the early dQ postprocess polls the finished-CTA count, one slot earlier with pre_ctas: a
+    # kernel compiled without it (cached under the same key) polled the preprocess's count
+    # instead and converted dQ before the main kernel had finished (found on the H100)
+    from fa_sm100.hopper.bwd_prepost import DqPostprocess
+
+    on, off = select_bwd_config(head_dim=128, pre_ctas=8), select_bwd_config(head_dim=128)
+    assert on.early_dq_post and off.early_dq_post
+    assert DqPostprocess.compile_key(on) != DqPostprocess.compile_key(off)
+
+
 def test_qdo_multicast_default_under_a_causal_mask_from_4k_at_hdim_64_and_128():
     """Causal problems multicast by default only where measured faster: hdim 64 and 128 with
     both lengths at least CAUSAL_MULTICAST_MIN_SEQLEN (4k), the key blocks even, not
@@ -1286,6 +1319,56 @@ def test_chained_launches_wait_before_reading_the_kernel_before(pdl, early, tmp_
         assert art.ptx.count("griddepcontrol.wait") == (waits if pdl else 0)
         assert art.ptx.count("griddepcontrol.launch_dependents") == (dependents if pdl else 0)
     assert post.ptx.count("ld.acquire.gpu") == (2 if early else 0)  # before and in the loop
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("overrides", [["pre_ctas=32"], ["pre_ctas=32", "causal=true"],
+                                       ["pre_ctas=8", "head_dim=64", "deterministic=true"]],
+                         ids=["d128", "d128-causal", "d64-deterministic"])
+def test_preprocess_beside_the_main_kernel_compiles_to_polls(overrides, tmp_path):
+    """Note [Preprocess beside the main kernel]: the main kernel's load warp and dq-store warp
+    each poll their (batch, head)'s row count (``ld.acquire.gpu`` before and in the loop, warp
+    votes, no divergent lane-0 loop) and fence the async proxy once; ``griddepcontrol.wait``
+    stays only as each poll's fallback, the MMA warpgroups wait for nothing; the main loop is
+    the one without the switch. The preprocess launches ``pre_ctas`` CTAs, waits for the kernel
+    before and then lets the main kernel launch, issues every load of a unit before its first
+    shuffle, and counts a unit with one release add."""
+    from fa_sm100.compile_tools import cross_compile, sass_loops, sass_opcode
+    from fa_sm100.config import cutlass_dtype
+    from fa_sm100.hopper.bwd_interface import fake_pre_arguments
+    from fa_sm100.hopper.bwd_prepost import BwdPreprocess
+    from fa_sm100.inspection import inspect_kernel
+
+    def main_kernel(switches, where):
+        where.mkdir()
+        inspect_kernel("sm90_bwd", "sm_90a", switches, keep_dir=where)
+        (ptx,) = glob.glob(str(where / "*.ptx"))
+        (sass,) = glob.glob(str(where / "*.sass"))
+        loops = [[sass_opcode(t) for _, t in body] for body in sass_loops(open(sass).read())]
+        main = max(loops, key=lambda ops: sum(op.startswith("HGMMA") for op in ops))
+        return open(ptx).read(), open(sass).read(), main
+
+    off = [o for o in overrides if not o.startswith("pre_ctas")]
+    ptx, sass, loop = main_kernel(overrides, tmp_path / "on")
+    ptx0, _, loop0 = main_kernel(off, tmp_path / "off")
+    assert loop == loop0
+    assert ptx.count("griddepcontrol.wait") == 2 and ptx0.count("griddepcontrol.wait") == 3
+    assert ptx.count("ld.acquire.gpu") == ptx0.count("ld.acquire.gpu") + 4
+    assert ptx.count("fence.proxy.async.global") == 2
+    assert "BRA.DIV" not in sass and "ENDCOLLECTIVE" not in sass
+    ctas = int(overrides[0].split("=")[1])
+    d = 64 if "head_dim=64" in overrides else 128
+    pre = cross_compile(BwdPreprocess(d, d, True, True, ctas),
+                        fake_pre_arguments(cutlass_dtype("bfloat16"), d), "sm_90a")
+    assert pre.launches[0]["grid"] == (ctas, 1, 1) and pre.launches[0]["use_pdl"]
+    assert pre.ptx.count("red.release.gpu.global.add.s32") == 1
+    wait, launch = pre.ptx.index("griddepcontrol.wait"), pre.ptx.index("griddepcontrol.launch")
+    assert pre.ptx.count("griddepcontrol.launch_dependents") == 1 and wait < launch
+    ops = [sass_opcode(line.split("*/", 1)[1].strip()) for line in pre.sass.splitlines()
+           if re.match(r"\s*/\*[0-9a-f]{4}\*/", line)]
+    first_shuffle = ops.index("SHFL.BFLY")
+    loads = [op for op in ops if op.startswith("LDG")]
+    assert len(loads) > 16 and not any(op.startswith("LDG") for op in ops[first_shuffle:])
 
 
 SWAP_CASES = [[], ["causal=true", "head_dim=64"], ["head_dim=96", "dq_accum=red", "early_dv=false"]]

@@ -42,10 +42,11 @@ def _run_case(b, sq, sk, hq, hk, d, causal=False, window=(None, None), dtype=tor
     return (q, k, v, out, lse, dout), got
 
 
-def _poison_workspace(monkeypatch, sems: int):
-    """Make ``sm90_bwd``'s workspace start with a NaN dQ accumulator and every dQ semaphore at
-    ``sems``: the preprocess must zero the semaphores, and nothing may read an accumulator
-    block before a CTA has stored or added into it."""
+def _poison_workspace(monkeypatch, sems=None, stats=False):
+    """Make ``sm90_bwd``'s workspace start with a NaN dQ accumulator, every dQ semaphore at
+    ``sems`` (unless None) and with ``stats`` NaN LSE2 and Delta: the preprocess must zero the
+    semaphores, and nothing may read an accumulator block before a CTA has stored or added
+    into it, or a statistic before the preprocess has written it."""
     from fa_sm100.hopper import bwd_interface
 
     workspace = bwd_interface.workspace
@@ -53,7 +54,11 @@ def _poison_workspace(monkeypatch, sems: int):
     def poisoned(config, q, k):
         ws = workspace(config, q, k)
         ws["dq_acc"].fill_(float("nan"))
-        ws["dq_sem"].fill_(sems)
+        if sems is not None:
+            ws["dq_sem"].fill_(sems)
+        if stats:
+            ws["lse2"].fill_(float("nan"))
+            ws["delta"].fill_(float("nan"))
         return ws
 
     monkeypatch.setattr(bwd_interface, "workspace", poisoned)
@@ -466,3 +471,65 @@ def test_sm90_bwd_early_dq_postprocess(sm90_device, monkeypatch, case):
     assert cfg.early_dq_post
     _poison_workspace(monkeypatch, sems=1 << 20)
     _run_case(b, sq, sk, hq, hk, d, causal, window, deterministic=det, config=cfg, seed=sq)
+
+
+# Note [Preprocess beside the main kernel] (``pre_ctas``): the main kernel starts beside the
+# preprocess and each CTA's load and dq-store warps wait for their (batch, head)'s rows. Many
+# heads over a few preprocess CTAs (the main kernel really waits), one preprocess CTA, more
+# preprocess CTAs than units, GQA, causal multicast with a short tail, the zero fill, early
+# dQ postprocess, windows, head dims 64 to (192, 128) (hdim 256 runs "red" dQ). LSE2, Delta and the dQ
+# accumulator start as NaN: read before the preprocess wrote them, they would show.
+PRE_CASES = [  # (b, sq, sk, hq, hk, d, causal, window, switches)
+    (4, 2048, 2048, 16, 16, 128, False, (None, None), dict(pre_ctas=32)),
+    (4, 2048, 2048, 16, 4, 128, True, (None, None), dict(pre_ctas=8)),
+    (2, 700, 150, 2, 2, 128, True, (None, None), dict(pre_ctas=1)),
+    (1, 500, 400, 2, 2, 128, False, (None, None),
+     dict(pre_ctas=132, dq_first_store=False, stagger_m=False)),
+    (2, 333, 500, 4, 2, 128, True, (None, None), dict(pre_ctas=16, qdo_multicast=True,
+                                                      tail_ctas=7)),
+    (1, 600, 500, 4, 2, 64, False, (50, 20), dict(pre_ctas=16)),
+    (2, 1000, 900, 4, 4, 64, True, (None, None), dict(pre_ctas=16, early_dq_post=True)),
+    (1, 777, 640, 2, 1, 96, False, (None, None), dict(pre_ctas=4)),
+    (1, 300, 200, 2, 1, (192, 128), True, (None, None), dict(pre_ctas=4)),
+    (2, 1500, 1500, 8, 8, 128, False, (None, None), dict(pre_ctas=2)),
+]
+
+
+@pytest.mark.parametrize("case", PRE_CASES, ids=lambda c: (
+    f"d{c[5] if isinstance(c[5], int) else c[5][0]}-b{c[0]}-q{c[1]}-k{c[2]}-h{c[3]}/{c[4]}"
+    f"-{'causal' if c[6] else 'full'}-w{c[7][0]}"
+    + "".join(f"-{k}={v}" for k, v in c[8].items())))
+def test_sm90_bwd_preprocess_beside_the_main_kernel(sm90_device, monkeypatch, case):
+    from fa_sm100.hopper.bwd_config import select_bwd_config
+
+    b, sq, sk, hq, hk, d, causal, window, switches = case
+    dqk, dv = d if isinstance(d, tuple) else (d, d)
+    cfg = select_bwd_config(head_dim=dqk, head_dim_v=dv, causal=causal, window_left=window[0],
+                            window_right=window[1], qhead_per_kvhead=hq // hk, seqlen_q=sq,
+                            seqlen_k=sk, **switches)
+    assert cfg.pre_ctas == switches["pre_ctas"]
+    _poison_workspace(monkeypatch, stats=True)
+    _run_case(b, sq, sk, hq, hk, d, causal, window, config=cfg, seed=sq)
+
+
+@pytest.mark.parametrize("d,causal", [(128, True), (64, False)], ids=["d128-causal", "d64"])
+def test_sm90_bwd_preprocess_beside_is_bitwise_the_one_before(sm90_device, d, causal):
+    """Deterministic mode: the gradients with the preprocess beside the main kernel are bit for
+    bit those with it ahead (the same Delta, the same order of dQ additions)."""
+    from fa_sm100.hopper.bwd_config import select_bwd_config
+    from fa_sm100.hopper.bwd_interface import sm90_bwd
+
+    b, s, h = 2, 1500, 6
+    g = torch.Generator(device="cuda").manual_seed(d)
+    q, k, v, dout = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
+                     for _ in range(4))
+    out64, lse64, _ = attention_reference_grads(q, k, v, dout, causal, (None, None),
+                                                torch.float64)
+    grads = []
+    for pre in (0, 8):
+        cfg = select_bwd_config(head_dim=d, causal=causal, deterministic=True, seqlen_q=s,
+                                seqlen_k=s, pre_ctas=pre)
+        grads.append(sm90_bwd(dout, q, k, v, out64.to(q.dtype), lse64.float(), causal=causal,
+                              deterministic=True, config=cfg))
+    for name, x, y in zip(("dq", "dk", "dv"), *grads):
+        assert torch.equal(x, y), name

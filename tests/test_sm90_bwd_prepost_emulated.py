@@ -77,6 +77,49 @@ def test_preprocess_delta_lse2_padding_and_zeroed_dq(head_dim, head_dim_v, dtype
     assert torch.equal(lse2[..., sq:], torch.full((b, h, pad - sq), math.inf))
 
 
+@pytest.mark.parametrize("head_dim,sq,tile_m,ctas,zero_dq",
+                         [(256, 300, 64, 4, True), (128, 80, 80, 3, False),
+                          (64, 37, 64, 1, True)],
+                         ids=["d256-3units-per-head", "d128-1unit", "d64-one-cta"])
+def test_persistent_preprocess_counts_every_row_once(head_dim, sq, tile_m, ctas, zero_dq):
+    """Note [Preprocess beside the main kernel]: ``ctas`` persistent CTAs write the same Delta
+    (bit for bit: the same operations per row) and LSE2 as one CTA per 16 rows, zero the dQ
+    accumulator with ``zero_dq``, leave the dQ semaphores alone (they arrive zeroed) and add
+    exactly seqlen_q_pad rows to each (batch, head)'s count, the last semaphore, whatever the
+    split: units of 128 rows at hdim 256 (three per head: 128, 128, 64), one unit per head at
+    hdim 128 and 64, more units than CTAs and fewer."""
+    torch.manual_seed(sq)
+    b, h, n_sem = 2, 3, 4
+    pad = -(-sq // tile_m) * tile_m
+    dt, f32 = cutlass_dtype("bfloat16"), cutlass.Float32
+    o = torch.randn(b, sq, h, head_dim).bfloat16()
+    do = torch.randn(b, sq, h, head_dim).bfloat16()
+    lse = torch.randn(b, h, sq) * 4
+    lse[0, 1, sq // 2] = -math.inf
+    fakes = (_rowmajor(dt, o.shape), _rowmajor(dt, do.shape), _rowmajor(f32, lse.shape),
+             _rowmajor(f32, (b, h, pad)), _rowmajor(f32, (b, h, pad)),
+             _rowmajor(f32, (b, h, pad // tile_m, tile_m * head_dim)),
+             _rowmajor(cutlass.Int32, (b, h, n_sem), 4))
+    out = {}
+    for n in (0, ctas):
+        lse2, delta = torch.full((b, h, pad), 7.0), torch.full((b, h, pad), 7.0)
+        dq_acc = torch.full((b, h, pad // tile_m, tile_m * head_dim), math.nan)
+        dq_sem = torch.full((b, h, n_sem), 5, dtype=torch.int32)
+        dq_sem[..., -1] = 0  # the count arrives zeroed, the other semaphores too (5: untouched)
+        _run(BwdPreprocess(head_dim, head_dim, pdl=True, zero_dq=zero_dq, ctas=n), fakes,
+             (o, do, lse, lse2, delta, dq_acc, dq_sem), max_steps=20_000_000)
+        out[n] = lse2, delta, dq_acc, dq_sem
+    lse2, delta, dq_acc, dq_sem = out[ctas]
+    assert torch.equal(lse2, out[0][0]) and torch.equal(delta, out[0][1])
+    assert lse2[0, 1, sq // 2] == math.inf and (lse2[..., sq:] == math.inf).all()
+    assert (delta[..., sq:] == 0).all()
+    assert torch.equal(dq_acc, torch.zeros_like(dq_acc)) if zero_dq else dq_acc.isnan().all()
+    assert torch.equal(dq_sem[..., :-1], torch.full((b, h, n_sem - 1), 5, dtype=torch.int32))
+    assert torch.equal(dq_sem[..., -1], torch.full((b, h), pad, dtype=torch.int32))
+    # one CTA per 16 rows zeroes every semaphore and counts nothing
+    assert torch.equal(out[0][3], torch.zeros_like(dq_sem))
+
+
 @pytest.mark.parametrize("head_dim,group,pitch,scale", [
     (128, 1, 128, 1.0),   # GQA dK/dV reduced with atomics: one buffer per KV head
     (96, 3, 96, 1.0),     # GQA dK/dV buffers: three query heads summed per KV head

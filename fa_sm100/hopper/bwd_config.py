@@ -179,6 +179,11 @@ class BwdConfig:
     # the whole main kernel: it converts finished heads on the SMs the main kernel's last
     # wave leaves idle (Note [dQ postprocess in the tail] in bwd_prepost.py).
     early_dq_post: bool = False
+    # Run the preprocess on this many persistent CTAs beside the main kernel instead of one
+    # CTA per 16 query rows ahead of it (Note [Preprocess beside the main kernel] in
+    # bwd_prepost.py): the main kernel launches at once, and its load and dq-store warps wait
+    # only for their (batch, head)'s rows; 0: off.
+    pre_ctas: int = 0
     # registers after setmaxnreg: producer warpgroup and each of the two MMA warpgroups
     regs_producer: int = 24
     regs_mma: int = 240
@@ -220,11 +225,13 @@ class BwdConfig:
         return self.deterministic or self.first_stores_dq
 
     def dq_sem_slots(self, num_m_blocks: int) -> int:
-        """dQ semaphores per (batch, head): one per query block where ``dq_sems_per_block``,
-        and with ``early_dq_post`` one more, last, counting the finished CTAs (Note [dQ
-        postprocess in the tail]); at least one (unused without either)."""
+        """dQ semaphores per (batch, head): one per query block where ``dq_sems_per_block``;
+        with ``early_dq_post`` one more counting the finished CTAs (Note [dQ postprocess in
+        the tail]); with ``pre_ctas`` one more, last, counting the query rows the preprocess
+        has finished (Note [Preprocess beside the main kernel]); at least one (unused without
+        any of them)."""
         per_block = num_m_blocks if self.dq_sems_per_block else 0
-        return max(per_block + int(self.early_dq_post), 1)
+        return max(per_block + int(self.early_dq_post) + int(self.pre_ctas > 0), 1)
 
     @property
     def cluster(self) -> tuple:
@@ -433,6 +440,15 @@ class BwdConfig:
                 "its CTA done once its bulk reduces have completed, and the postprocess starts "
                 "as a programmatic dependent of the main kernel (Note [dQ postprocess in the "
                 "tail])")
+        if isinstance(self.pre_ctas, bool) or not isinstance(self.pre_ctas, int) \
+                or self.pre_ctas < 0:
+            raise ValueError(f"pre_ctas={self.pre_ctas!r}: must be an int >= 0 (0: off)")
+        if self.pre_ctas and (self.dq_accum != "bulk" or not self.stats_smem):
+            raise ValueError(
+                "pre_ctas > 0 needs dq_accum='bulk' and stats_smem=True: then only the load "
+                "warp (LSE2 / Delta) and the dq-store warp (semaphores, dQ accumulator) read "
+                "what the preprocess writes, and they wait for their (batch, head)'s rows "
+                "(Note [Preprocess beside the main kernel])")
         if isinstance(self.qdo_cluster, bool) or self.qdo_cluster not in QDO_CLUSTERS:
             raise ValueError(f"qdo_cluster={self.qdo_cluster!r}: must be one of {QDO_CLUSTERS}")
         if isinstance(self.tail_ctas, bool) or not isinstance(self.tail_ctas, int) \

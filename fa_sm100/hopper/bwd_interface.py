@@ -172,8 +172,10 @@ def launch_plan(config: BwdConfig, q, k, v, out, dout, lse, dq, dk, dv, softmax_
     dk_arg, dv_arg = (ws["dk_acc"], ws["dv_acc"]) if config.uses_gqa_buffers else (dk, dv)
     pdl = config.pdl
     zero_dq = not config.first_stores_dq  # Note [dQ first store]: no zero fill needed
+    ctas = config.pre_ctas  # Note [Preprocess beside the main kernel] in bwd_prepost.py
     plan = [
-        ("pre", (d_v, d, dtype, pdl, zero_dq), lambda: BwdPreprocess(d_v, d, pdl, zero_dq),
+        ("pre", (d_v, d, dtype, pdl, zero_dq, ctas),
+         lambda: BwdPreprocess(d_v, d, pdl, zero_dq, ctas),
          lambda: fake_pre_arguments(dt, d_v),
          (out, dout, lse, ws["lse2"], ws["delta"], ws["dq_acc"], ws["dq_sem"])),
         ("main", config, lambda: Sm90FlashBackward(config),
@@ -211,8 +213,10 @@ def workspace(config: BwdConfig, q, k) -> dict:
         "lse2": torch.empty(b, hq, sq_pad, device=dev, dtype=f32),
         "delta": torch.empty(b, hq, sq_pad, device=dev, dtype=f32),
         "dq_acc": torch.empty(b, hq, n_m_blocks, config.dq_block_elems, device=dev, dtype=f32),
-        "dq_sem": torch.empty(b, hq, config.dq_sem_slots(n_m_blocks), device=dev,
-                              dtype=torch.int32),
+        # zeroed by the preprocess, or here where it runs beside the main kernel and counts
+        # its rows in the last one (Note [Preprocess beside the main kernel])
+        "dq_sem": (torch.zeros if config.pre_ctas else torch.empty)(
+            b, hq, config.dq_sem_slots(n_m_blocks), device=dev, dtype=torch.int32),
     }
     if config.uses_gqa_buffers:
         h_acc = hq if config.gqa_reduce == "buffers" else hk

@@ -490,20 +490,22 @@ class Sm90FlashBackward(BwdLoadRole, BwdStoreRole, BwdScoresRole):
             cute.arch.setmaxregister_decrease(self.cfg.regs_producer)
             if warp_idx == LOAD_WARP:
                 self.load(mQ, mK, mV, mdO, tma_Q, tma_K, tma_V, tma_dO, sQ, sK, sV, sdO,
-                          mLSE2, mDelta, sLSE2, sDelta,
+                          mLSE2, mDelta, sLSE2, sDelta, mdQsem,
                           mbar_kv, pipe_q, pipe_do, n_block, head, batch, group,
                           m_block_first, m_block_max, m_offset)
             if const_expr(self.cfg.dq_accum == "bulk"):
                 if warp_idx == DQ_STORE_WARP:
                     # Note [chained launches]: the preprocess has zeroed the semaphores (and
-                    # dQacc, without first stores)
-                    if const_expr(self.cfg.pdl):
-                        cute.arch.griddepcontrol_wait()
+                    # dQacc, without first stores); Note [Preprocess beside the main kernel]:
+                    # with pre_ctas, those of this (batch, head) are zero already, dQacc not
+                    self.wait_for_preprocess(mdQsem, mLSE2, batch, head)
                     self.dq_store(mdQacc, mdQsem, sdQ, n_block, head, batch, seqlen_q, seqlen_k,
                                   m_block_min, m_block_max, m_offset)
         else:
             cute.arch.setmaxregister_increase(self.cfg.regs_mma)
-            if const_expr(self.cfg.pdl):  # Note [chained launches]: the preprocess is done
+            # Note [chained launches]: the preprocess is done. With pre_ctas the warpgroups
+            # read nothing it writes (LSE2 / Delta come with the load warp's stages)
+            if const_expr(self.cfg.pdl and not self.cfg.pre_ctas):
                 cute.arch.griddepcontrol_wait()
             self.mma(mma_sdp, mma_dk, mma_dv, mma_dq, sQ, sK, sV, sdO, sP, sdS, sdQ, sLSE2, sDelta,
                      mLSE2, mDelta, mdQacc, (mdK, mdV, tma_dK, tma_mdK, tma_dV, tma_mdV),

@@ -13,6 +13,8 @@ from cutlass import const_expr
 from cutlass.cute.nvgpu import cpasync
 from cutlass.experimental import primitives as prims
 
+from fa_sm100.hopper.bwd_store import preprocess_count, wait_for_count
+
 
 class BwdLoadRole:
     """Mixin of ``Sm90FlashBackward``: the load warp.
@@ -23,7 +25,7 @@ class BwdLoadRole:
 
     @cute.jit
     def load(self, mQ, mK, mV, mdO, tma_Q, tma_K, tma_V, tma_dO, sQ, sK, sV, sdO,
-             mLSE2, mDelta, sLSE2, sDelta,
+             mLSE2, mDelta, sLSE2, sDelta, mdQsem,
              mbar_kv, pipe_q, pipe_do, n_block, head, batch, group, m_block_min, m_block_max,
              m_offset):
         """Warp 0. K, V of ``n_block`` once (``mbar_kv``); then for each query block m in
@@ -54,8 +56,9 @@ class BwdLoadRole:
             cute.arch.mbarrier_arrive_and_expect_tx(mbar_kv, self.bytes_kv)
         cute.copy(tma_K, tKgK, tKsK, tma_bar_ptr=mbar_kv)
         cute.copy(tma_V, tVgV, tVsV, tma_bar_ptr=mbar_kv)
-        if const_expr(self.cfg.pdl):  # Note [chained launches]: K, V do not come from the
-            cute.arch.griddepcontrol_wait()  # preprocess; LSE2 / Delta (with Q / dO) do
+        # Note [chained launches]: K, V do not come from the preprocess; LSE2 / Delta (with
+        # Q / dO) do
+        self.wait_for_preprocess(mdQsem, mLSE2, batch, head)
         state_q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.cfg.q_stage)
         state_do = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.cfg.do_stage)
         for step in cutlass.range(m_block_min, m_block_max, unroll=1):
@@ -69,6 +72,19 @@ class BwdLoadRole:
         if const_expr(self.cfg.qdo_multicast):  # Note [Q/dO multicast]: the peer's releases
             pipe_q.producer_tail(state_q)
             pipe_do.producer_tail(state_do)
+
+    @cute.jit
+    def wait_for_preprocess(self, mdQsem, mLSE2, batch, head):
+        """The calling warp waits until what the preprocess writes for (batch, head) is
+        visible: ``griddepcontrol.wait`` (Note [chained launches]), or with ``pre_ctas`` until
+        the preprocess has counted all seqlen_q_pad rows of the pair, then a proxy fence, as
+        the warp's TMA / bulk copies read them (Note [Preprocess beside the main kernel] in
+        bwd_prepost.py)."""
+        if const_expr(self.cfg.pre_ctas):
+            wait_for_count(preprocess_count(mdQsem, batch, head), mLSE2.shape[2], self.cfg.pdl)
+            cute.arch.fence_proxy("async.global")
+        elif const_expr(self.cfg.pdl):
+            cute.arch.griddepcontrol_wait()
 
     def _load_stage(self, pipe, state, tma, tXgX, tXsX, mcast, mStat, sStat, batch, head,
                     m_block):

@@ -69,7 +69,8 @@ from cutlass import Float32, Int32, const_expr
 
 from fa_sm100.hopper.bwd_config import DQ_VEC
 from fa_sm100.hopper.bwd_store import (dq_fragment_view, dq_registers, dq_tile_shape,
-                                       dq_tiled_mma, finished_ctas_count)
+                                       dq_tiled_mma, finished_ctas_count,
+                                       preprocess_count, wait_for_count)
 from fa_sm100.hopper.common import assume_aligned
 from fa_sm100.hopper.config import WARPGROUP_THREADS
 
@@ -78,9 +79,9 @@ CTA_THREADS = 256
 ROWS_PER_CTA = CTA_THREADS // THREADS_PER_ROW
 OUT_VEC = 8  # 16-bit elements per 16-byte store of the dQ postprocess
 LOG2_E = math.log2(math.e)
-# Note [dQ postprocess in the tail]: polls of a (batch, head)'s count (each an L2 round trip,
-# about a microsecond) before a CTA waits for the whole main kernel instead
-MAX_POLLS = 1 << 16
+# Note [Preprocess beside the main kernel]: bytes of O and dO each thread of a persistent
+# preprocess CTA loads at once (a unit of work: 256 rows at hdim 128, 128 KiB)
+PRE_BYTES_IN_FLIGHT = 512
 
 
 def _vector(ptr, n: int):
@@ -96,9 +97,15 @@ def _row_part(row, part: int, cols: int):
 class BwdPreprocess:
     """Delta = rowsum(O * dO) and LSE in log2 units, padded; zeroes the dQ semaphores, and
     with ``zero_dq`` the dQ accumulator (not needed when the first CTA at each query block
-    stores its tile: Note [dQ first store] in bwd_store.py) (see the module docstring)."""
+    stores its tile: Note [dQ first store] in bwd_store.py) (see the module docstring).
 
-    def __init__(self, head_dim_v: int, head_dim: int, pdl: bool, zero_dq: bool = True):
+    ``ctas`` = 0: one CTA per ROWS_PER_CTA rows, ahead of the main kernel. ``ctas`` > 0: that
+    many persistent CTAs beside the main kernel, counting the rows of each (batch, head) they
+    have finished (Note [Preprocess beside the main kernel]); the semaphores then arrive
+    zeroed."""
+
+    def __init__(self, head_dim_v: int, head_dim: int, pdl: bool, zero_dq: bool = True,
+                 ctas: int = 0):
         assert head_dim_v % THREADS_PER_ROW == 0, head_dim_v
         self.hdimv = head_dim_v
         self.cols = head_dim_v // THREADS_PER_ROW
@@ -106,6 +113,10 @@ class BwdPreprocess:
         self.zero_vecs = ROWS_PER_CTA * head_dim // DQ_VEC
         self.pdl = pdl
         self.zero_dq = zero_dq
+        self.ctas = ctas
+        # persistent CTAs: ROWS_PER_CTA-row groups per unit of work, every load of a unit in
+        # flight at once (PRE_BYTES_IN_FLIGHT per thread, O and dO)
+        self.groups = max(1, PRE_BYTES_IN_FLIGHT // (2 * self.cols * 2))
 
     @cute.jit
     def __call__(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
@@ -115,53 +126,106 @@ class BwdPreprocess:
         # mLSE2, mDelta: (batch, heads, seqlen_q_pad) f32; mdQacc: (batch, heads, m_blocks,
         # tile_m * hdim) f32, seqlen_q_pad * hdim floats per (batch, head); mdQsem: (batch,
         # heads, n) i32
-        grid_x = cute.ceil_div(mLSE2.shape[2], ROWS_PER_CTA)
+        grid = [cute.ceil_div(mLSE2.shape[2], ROWS_PER_CTA), mO.shape[2], mO.shape[0]]
+        if const_expr(self.ctas):
+            grid = [self.ctas, 1, 1]
         self.kernel(mO, mdO, mLSE, mLSE2, mDelta, mdQacc, mdQsem).launch(
-            grid=[grid_x, mO.shape[2], mO.shape[0]], block=[CTA_THREADS, 1, 1], stream=stream,
-            use_pdl=self.pdl)
+            grid=grid, block=[CTA_THREADS, 1, 1], stream=stream, use_pdl=self.pdl)
 
     @cute.kernel
     def kernel(self, mO, mdO, mLSE, mLSE2, mDelta, mdQacc, mdQsem):
         tidx, _, _ = cute.arch.thread_idx()
         bx, head, batch = cute.arch.block_idx()
-        row = bx * ROWS_PER_CTA + tidx // THREADS_PER_ROW
-        part = tidx % THREADS_PER_ROW
-        seqlen_q = mO.shape[1]
         if const_expr(self.pdl):  # Note [chained launches]: the kernel before has finished
             cute.arch.griddepcontrol_wait()
-        # every lane of a row takes part in the shuffles, so only the stores are predicated
-        delta = Float32(0.0)
-        if row < seqlen_q:
-            rO = cute.make_rmem_tensor((self.cols,), mO.element_type)
-            rdO = cute.make_rmem_tensor((self.cols,), mdO.element_type)
-            cute.autovec_copy(_row_part(mO[batch, row, head, None], part, self.cols), rO)
-            cute.autovec_copy(_row_part(mdO[batch, row, head, None], part, self.cols), rdO)
-            delta = (rO.load().to(Float32) * rdO.load().to(Float32)).reduce(
-                cute.ReductionOp.ADD, Float32(0.0), 0)
-        if const_expr(self.pdl):  # the main kernel may launch; it waits before reading ours
-            cute.arch.griddepcontrol_launch_dependents()
-        if const_expr(self.zero_dq):
-            self._zero_dq_rows(mdQacc, bx, head, batch, tidx)
-        # the dQ semaphores (deterministic mode's turns or Note [dQ first store]'s states, one
-        # per query block; a single unused one per (batch, head) otherwise)
-        sem = bx * CTA_THREADS + tidx
-        if sem < mdQsem.shape[2]:
-            mdQsem[batch, head, sem] = Int32(0)
-        for offset in cutlass.range_constexpr(THREADS_PER_ROW.bit_length() - 2, -1, -1):
-            delta = delta + cute.arch.shuffle_sync_bfly(delta, offset=1 << offset)
-        if part == 0 and row < mLSE2.shape[2]:
-            lse2 = Float32.inf
+        if const_expr(self.ctas):
+            self._persistent(mO, mdO, mLSE, mLSE2, mDelta, mdQacc, mdQsem, bx, tidx)
+        else:
+            # the main kernel may launch once O and dO are read; it waits before reading ours
+            self._row_groups(mO, mdO, mLSE, mLSE2, mDelta, batch, head, bx, 1, tidx,
+                             after_loads=self.pdl)
+            if const_expr(self.zero_dq):
+                self._zero_dq_rows(mdQacc, bx, head, batch, tidx)
+            # the dQ semaphores (deterministic mode's turns or Note [dQ first store]'s states,
+            # one per query block; a single unused one per (batch, head) otherwise)
+            sem = bx * CTA_THREADS + tidx
+            if sem < mdQsem.shape[2]:
+                mdQsem[batch, head, sem] = Int32(0)
+
+    @cute.jit
+    def _persistent(self, mO, mdO, mLSE, mLSE2, mDelta, mdQacc, mdQsem, cta, tidx):
+        """Note [Preprocess beside the main kernel]: units of ``groups`` x ROWS_PER_CTA rows,
+        (batch, head) after (batch, head) in the main kernel's order, unit u to CTA u mod
+        ctas; after each unit thread 0 adds its rows to the (batch, head)'s count (release)."""
+        cute.arch.griddepcontrol_launch_dependents()  # the main kernel may start at once
+        heads = mO.shape[2]
+        rows_pad = mLSE2.shape[2]
+        unit_rows = self.groups * ROWS_PER_CTA
+        units_per_pair = cute.ceil_div(rows_pad, unit_rows)
+        for unit in cutlass.range(cta, units_per_pair * heads * mO.shape[0], self.ctas, unroll=1):
+            pair = unit // units_per_pair
+            first_group = (unit - pair * units_per_pair) * self.groups
+            batch = pair // heads
+            head = pair - batch * heads
+            self._row_groups(mO, mdO, mLSE, mLSE2, mDelta, batch, head, first_group, self.groups,
+                             tidx, after_loads=False)
+            if const_expr(self.zero_dq):
+                for g in cutlass.range_constexpr(self.groups):
+                    if (first_group + g) * ROWS_PER_CTA < rows_pad:
+                        self._zero_dq_rows(mdQacc, first_group + g, head, batch, tidx)
+            cute.arch.barrier()  # every thread's stores of the unit are done
+            if tidx == 0:
+                rows = cutlass.min(unit_rows, rows_pad - first_group * ROWS_PER_CTA)
+                cute.arch.fence_acq_rel_gpu()
+                cute.arch.red(preprocess_count(mdQsem, batch, head), rows, op="add",
+                              dtype="s32", sem="release", scope="gpu")
+
+    @cute.jit
+    def _row_groups(self, mO, mdO, mLSE, mLSE2, mDelta, batch, head, first_group,
+                    groups: cutlass.Constexpr, tidx, after_loads: cutlass.Constexpr):
+        """Delta and LSE2 of the ``groups`` x ROWS_PER_CTA rows from row ``first_group`` x
+        ROWS_PER_CTA on, each row on THREADS_PER_ROW adjacent threads: every group's O and dO
+        loaded first (then ``griddepcontrol.launch_dependents`` if ``after_loads``), then
+        summed. Rows past seqlen_q read as 0 (Delta 0, LSE2 +inf); rows past seqlen_q_pad are
+        not stored."""
+        seqlen_q = mO.shape[1]
+        part = tidx % THREADS_PER_ROW
+        rO = cute.make_rmem_tensor((self.cols, groups), mO.element_type)
+        rdO = cute.make_rmem_tensor((self.cols, groups), mdO.element_type)
+        rLSE = cute.make_rmem_tensor((groups,), Float32)
+        rO.fill(0.0)
+        rdO.fill(0.0)
+        rLSE.fill(-Float32.inf)
+        for g in cutlass.range_constexpr(groups):
+            row = (first_group + g) * ROWS_PER_CTA + tidx // THREADS_PER_ROW
             if row < seqlen_q:
-                lse = mLSE[batch, head, row]
-                if lse != -Float32.inf:
-                    lse2 = lse * LOG2_E
-            mDelta[batch, head, row] = delta
-            mLSE2[batch, head, row] = lse2
+                cute.autovec_copy(_row_part(mO[batch, row, head, None], part, self.cols),
+                                  rO[None, g])
+                cute.autovec_copy(_row_part(mdO[batch, row, head, None], part, self.cols),
+                                  rdO[None, g])
+                if part == 0:
+                    rLSE[g] = mLSE[batch, head, row]
+        if const_expr(after_loads):
+            cute.arch.griddepcontrol_launch_dependents()
+        for g in cutlass.range_constexpr(groups):
+            row = (first_group + g) * ROWS_PER_CTA + tidx // THREADS_PER_ROW
+            # every lane of a row takes part in the shuffles, so only the stores are predicated
+            delta = (rO[None, g].load().to(Float32) * rdO[None, g].load().to(Float32)).reduce(
+                cute.ReductionOp.ADD, Float32(0.0), 0)
+            for offset in cutlass.range_constexpr(THREADS_PER_ROW.bit_length() - 2, -1, -1):
+                delta = delta + cute.arch.shuffle_sync_bfly(delta, offset=1 << offset)
+            if part == 0 and row < mLSE2.shape[2]:
+                # -inf: a row past seqlen_q, or one that sees no key
+                lse2 = Float32.inf
+                if rLSE[g] != -Float32.inf:
+                    lse2 = rLSE[g] * LOG2_E
+                mDelta[batch, head, row] = delta
+                mLSE2[batch, head, row] = lse2
 
     @cute.jit
     def _zero_dq_rows(self, mdQacc, bx, head, batch, tidx):
-        """Zero this CTA's ROWS_PER_CTA rows of the dQ accumulator (the main kernel adds into
-        it; grid_x * ROWS_PER_CTA = seqlen_q_pad rows cover it exactly)."""
+        """Zero the ROWS_PER_CTA rows of group ``bx`` of the dQ accumulator (the main kernel
+        adds into it; seqlen_q_pad / ROWS_PER_CTA groups cover it exactly)."""
         acc = mdQacc[batch, head, None, None].iterator + bx * self.zero_vecs * DQ_VEC
         zeros = cute.make_rmem_tensor((DQ_VEC,), Float32)
         zeros.fill(0.0)
@@ -239,8 +303,9 @@ class DqPostprocess:
     def compile_key(cfg) -> tuple:
         """What the compiled kernel depends on: the fragment order (tile_m, head dim), dtype,
         the launch, first stores, and with ``early_dq_post`` the key-block height (the count
-        it waits for)."""
-        early = (cfg.tile_n,) if cfg.early_dq_post else ()
+        it waits for) and where that count is (``finished_ctas_count``: before the persistent
+        preprocess's, with ``pre_ctas``)."""
+        early = (cfg.tile_n, cfg.pre_ctas > 0) if cfg.early_dq_post else ()
         return (cfg.tile_m, cfg.head_dim, cfg.dtype, cfg.pdl, cfg.first_stores_dq) + early
 
     @cute.jit
@@ -299,17 +364,10 @@ class DqPostprocess:
 
     @cute.jit
     def _wait_for_head(self, mSem, seqlen_k, head, batch, tidx):
-        """Note [dQ postprocess in the tail]: thread 0 polls the (batch, head)'s count of
-        finished main-kernel CTAs (acquire) until all its key blocks' CTAs are done, or after
-        ``MAX_POLLS`` polls waits for the whole main kernel instead; then the CTA meets."""
-        if tidx == 0:
-            target = self.cfg.num_key_blocks(seqlen_k)
-            sem_ptr = finished_ctas_count(mSem, batch, head)
-            seen = cute.arch.load(sem_ptr, Int32, sem="acquire", scope="gpu")
-            polls = Int32(0)
-            while seen < target and polls < MAX_POLLS:
-                seen = cute.arch.load(sem_ptr, Int32, sem="acquire", scope="gpu")
-                polls = polls + 1
-            if seen < target:
-                cute.arch.griddepcontrol_wait()
+        """Note [dQ postprocess in the tail]: warp 0 waits for the (batch, head)'s count of
+        finished main-kernel CTAs to reach its number of key blocks (``wait_for_count``); then
+        the CTA meets."""
+        if tidx < 32:
+            wait_for_count(finished_ctas_count(self.cfg, mSem, batch, head),
+                           self.cfg.num_key_blocks(seqlen_k), True)
         cute.arch.barrier()

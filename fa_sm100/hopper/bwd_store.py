@@ -102,11 +102,44 @@ def dq_fragment_view(cfg, ptr, tidx):
     return cute.make_tensor(ptr + (wg * groups * WARPGROUP_THREADS + t) * DQ_VEC, layout)
 
 
-def finished_ctas_count(mdQsem, batch, head):
+def finished_ctas_count(cfg, mdQsem, batch, head):
     """The pointer to (batch, head)'s count of finished main-kernel CTAs, its last dQ
-    semaphore (``BwdConfig.dq_sem_slots``, Note [dQ postprocess in the tail] in
-    bwd_prepost.py): the dq-store warp adds to it, the dQ postprocess polls it."""
+    semaphore but the preprocess's count (``BwdConfig.dq_sem_slots``, Note [dQ postprocess in
+    the tail] in bwd_prepost.py): the dq-store warp adds to it, the dQ postprocess polls it."""
+    return mdQsem[batch, head, None].iterator + mdQsem.shape[2] - 1 - int(cfg.pre_ctas > 0)
+
+
+def preprocess_count(mdQsem, batch, head):
+    """The pointer to (batch, head)'s count of query rows the persistent preprocess has
+    finished, its last dQ semaphore (``BwdConfig.dq_sem_slots``, Note [Preprocess beside the
+    main kernel] in bwd_prepost.py): the preprocess adds to it, the main kernel polls it."""
     return mdQsem[batch, head, None].iterator + mdQsem.shape[2] - 1
+
+
+# Polls of a count (each an L2 round trip, about a microsecond) before ``wait_for_count`` waits
+# for the whole kernel before instead (Note [dQ postprocess in the tail], Note [Preprocess
+# beside the main kernel], both in bwd_prepost.py)
+MAX_POLLS = 1 << 16
+
+
+@cute.jit
+def wait_for_count(count_ptr, target, pdl: cutlass.Constexpr):
+    """One whole warp: poll the int32 count at ``count_ptr`` (``ld.acquire.gpu``) until it
+    reaches ``target``. After ``MAX_POLLS`` polls short of it, wait for the whole kernel before
+    in the stream (``griddepcontrol.wait``; with ``pdl``, else that kernel has ended already),
+    whose CTAs do the counting: slow, never wrong. Every lane loads and the warp votes, so the
+    loop stays warp-uniform (a lane-0 loop left ptxas guarding every later elect and
+    collective of the warp against divergence)."""
+    short = cute.arch.vote_any_sync(
+        cute.arch.load(count_ptr, Int32, sem="acquire", scope="gpu") < target)
+    polls = Int32(0)
+    while short and polls < MAX_POLLS:
+        short = cute.arch.vote_any_sync(
+            cute.arch.load(count_ptr, Int32, sem="acquire", scope="gpu") < target)
+        polls = polls + 1
+    if const_expr(pdl):
+        if short:
+            cute.arch.griddepcontrol_wait()
 
 
 def dq_tile_shape(cfg):
@@ -229,7 +262,7 @@ class BwdStoreRole:
                 if first:
                     self._release_dq_block(sem_ptr, lane)  # state 1 -> 2: stored
         if const_expr(self.cfg.early_dq_post):
-            self._release_dq_block(finished_ctas_count(mdQsem, batch, head), lane)
+            self._release_dq_block(finished_ctas_count(self.cfg, mdQsem, batch, head), lane)
         cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
