@@ -155,6 +155,9 @@ def launch_plan(config: BwdConfig, q, k, v, out, dout, lse, dq, dk, dv, softmax_
       its (batch, head)'s CTAs of the main kernel to count themselves done, and one CTA waits
       for the whole main kernel before it exits (Note [dQ postprocess in the tail] in
       bwd_prepost.py).
+    With ``pre_ctas`` the preprocess runs beside the main kernel instead, whose load and
+    dq-store warps wait for their (batch, head)'s rows (Note [Preprocess beside the main
+    kernel] in bwd_prepost.py).
     Waiting is transitive (a kernel can only launch once the one before it has passed its
     own wait), so nothing in the chain overlaps a write it depends on. What overlaps is the
     launch and the CTAs' start-up: the preprocess's tail with the main kernel's K/V loads,
