@@ -440,9 +440,10 @@ class BwdConfig:
                 "its CTA done once its bulk reduces have completed, and the postprocess starts "
                 "as a programmatic dependent of the main kernel (Note [dQ postprocess in the "
                 "tail])")
-        if isinstance(self.pre_ctas, bool) or not isinstance(self.pre_ctas, int) \
-                or self.pre_ctas < 0:
-            raise ValueError(f"pre_ctas={self.pre_ctas!r}: must be an int >= 0 (0: off)")
+        for name, least in (("pre_ctas", 0), ("tail_ctas", 1)):  # pre_ctas 0: off
+            n = getattr(self, name)
+            if isinstance(n, bool) or not isinstance(n, int) or n < least:
+                raise ValueError(f"{name}={n!r}: must be an int >= {least}")
         if self.pre_ctas and (self.dq_accum != "bulk" or not self.stats_smem):
             raise ValueError(
                 "pre_ctas > 0 needs dq_accum='bulk' and stats_smem=True: then only the load "
@@ -451,9 +452,6 @@ class BwdConfig:
                 "(Note [Preprocess beside the main kernel])")
         if isinstance(self.qdo_cluster, bool) or self.qdo_cluster not in QDO_CLUSTERS:
             raise ValueError(f"qdo_cluster={self.qdo_cluster!r}: must be one of {QDO_CLUSTERS}")
-        if isinstance(self.tail_ctas, bool) or not isinstance(self.tail_ctas, int) \
-                or self.tail_ctas < 1:
-            raise ValueError(f"tail_ctas={self.tail_ctas!r}: must be an int >= 1")
         for name in ("window_left", "window_right"):
             w = getattr(self, name)
             if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 0):
