@@ -441,8 +441,9 @@ def test_early_dq_post_default_rules_and_semaphore_slots():
     with pytest.raises(ValueError, match="early_dq_post=1: must be a bool"):
         BwdConfig(early_dq_post=1).validate()
     # (config, slots for 13 query blocks): per block (first stores, turns) + the count
-    for cfg, slots in ((select_bwd_config(head_dim=128), 14),
-                       (select_bwd_config(head_dim=128, stagger_m=False, dq_first_store=False), 1),
+    for cfg, slots in ((select_bwd_config(head_dim=128, pre_ctas=0), 14),
+                       (select_bwd_config(head_dim=128, stagger_m=False, dq_first_store=False,
+                                          pre_ctas=0), 1),
                        (select_bwd_config(head_dim=64), 1),
                        (select_bwd_config(head_dim=64, deterministic=True), 13),
                        (select_bwd_config(head_dim=64, deterministic=True, early_dq_post=True),
@@ -480,9 +481,29 @@ def test_pre_ctas_rules_semaphore_slot_and_zeroed_semaphores():
     # instead and converted dQ before the main kernel had finished (found on the H100)
     from fa_sm100.hopper.bwd_prepost import DqPostprocess
 
-    on, off = select_bwd_config(head_dim=128, pre_ctas=8), select_bwd_config(head_dim=128)
+    on, off = select_bwd_config(head_dim=128, pre_ctas=8), select_bwd_config(head_dim=128,
+                                                                               pre_ctas=0)
     assert on.early_dq_post and off.early_dq_post
     assert DqPostprocess.compile_key(on) != DqPostprocess.compile_key(off)
+
+
+def test_pre_ctas_default_at_hdim_128_with_bulk_dq():
+    """Note [Preprocess beside the main kernel]: on by default (DEFAULT_PRE_CTAS CTAs) at the
+    head dims of PRE_CTAS_HEAD_DIMS (128: measured +1-2% a call) wherever it can run ("bulk"
+    dQ and ``stats_smem``), causal or not, GQA, deterministic; off at the other head dims and
+    where asked."""
+    from fa_sm100.hopper.bwd_config import DEFAULT_PRE_CTAS, PRE_CTAS_HEAD_DIMS
+
+    assert PRE_CTAS_HEAD_DIMS == (128,) and DEFAULT_PRE_CTAS == 32
+    for kw in ({}, dict(causal=True, seqlen_q=2048, seqlen_k=2048), dict(deterministic=True),
+               dict(qhead_per_kvhead=4), dict(window_left=100, window_right=0)):
+        assert select_bwd_config(head_dim=128, **kw).pre_ctas == 32, kw
+        assert select_bwd_config(head_dim=128, pre_ctas=0, **kw).pre_ctas == 0, kw
+        assert select_bwd_config(head_dim=128, dq_accum="red", **kw).pre_ctas == 0, kw
+        assert select_bwd_config(head_dim=128, stats_smem=False, **kw).pre_ctas == 0, kw
+        for d, dv in ((64, 64), (96, 96), (192, 128), (256, 256)):
+            assert select_bwd_config(head_dim=d, head_dim_v=dv, **kw).pre_ctas == 0, (d, kw)
+    assert select_bwd_config(head_dim=64, pre_ctas=16).pre_ctas == 16
 
 
 def test_qdo_multicast_default_under_a_causal_mask_from_4k_at_hdim_64_and_128():
@@ -1330,13 +1351,15 @@ def test_preprocess_beside_the_main_kernel_compiles_to_polls(overrides, tmp_path
     each poll their (batch, head)'s row count (``ld.acquire.gpu`` before and in the loop, warp
     votes, no divergent lane-0 loop) and fence the async proxy once; ``griddepcontrol.wait``
     stays only as each poll's fallback, the MMA warpgroups wait for nothing; the main loop is
-    the one without the switch. The preprocess launches ``pre_ctas`` CTAs, waits for the kernel
-    before and then lets the main kernel launch, issues every load of a unit before its first
-    shuffle, and counts a unit with one release add."""
+    the one without the switch. The preprocess launches ``pre_ctas`` CTAs of workers, a load
+    warp and count warps with the SMEM it allocates, waits for the kernel before and then lets
+    the main kernel launch, brings O and dO by TMA and the LSE by ``cp.async`` (no thread loads
+    O or dO), and counts a chunk with one release add."""
     from fa_sm100.compile_tools import cross_compile, sass_loops, sass_opcode
     from fa_sm100.config import cutlass_dtype
     from fa_sm100.hopper.bwd_interface import fake_pre_arguments
-    from fa_sm100.hopper.bwd_prepost import BwdPreprocess
+    from fa_sm100.hopper.bwd_config import SM90_SMEM_BYTES
+    from fa_sm100.hopper.bwd_prepost import PRE_COUNT_WARPS, PRE_STAGES, BwdPreprocess
     from fa_sm100.inspection import inspect_kernel
 
     def main_kernel(switches, where):
@@ -1348,7 +1371,7 @@ def test_preprocess_beside_the_main_kernel_compiles_to_polls(overrides, tmp_path
         main = max(loops, key=lambda ops: sum(op.startswith("HGMMA") for op in ops))
         return open(ptx).read(), open(sass).read(), main
 
-    off = [o for o in overrides if not o.startswith("pre_ctas")]
+    off = [o for o in overrides if not o.startswith("pre_ctas")] + ["pre_ctas=0"]
     ptx, sass, loop = main_kernel(overrides, tmp_path / "on")
     ptx0, _, loop0 = main_kernel(off, tmp_path / "off")
     assert loop == loop0
@@ -1358,17 +1381,28 @@ def test_preprocess_beside_the_main_kernel_compiles_to_polls(overrides, tmp_path
     assert "BRA.DIV" not in sass and "ENDCOLLECTIVE" not in sass
     ctas = int(overrides[0].split("=")[1])
     d = 64 if "head_dim=64" in overrides else 128
-    pre = cross_compile(BwdPreprocess(d, d, True, True, ctas),
-                        fake_pre_arguments(cutlass_dtype("bfloat16"), d), "sm_90a")
-    assert pre.launches[0]["grid"] == (ctas, 1, 1) and pre.launches[0]["use_pdl"]
-    assert pre.ptx.count("red.release.gpu.global.add.s32") == 1
+    dt = cutlass_dtype("bfloat16")
+    kernel = BwdPreprocess(d, d, True, True, ctas)
+    pre = cross_compile(kernel, fake_pre_arguments(dt, d), "sm_90a")
+    launch = pre.launches[0]
+    assert launch["grid"] == (ctas, 1, 1) and launch["use_pdl"]
+    # the workers, the load warp, the count warps; PRE_STAGES units of O and dO in SMEM
+    assert launch["block"] == (256 + 32 * (1 + PRE_COUNT_WARPS), 1, 1)
+    assert launch["smem"] == kernel.smem_bytes(dt) <= SM90_SMEM_BYTES
+    assert kernel.smem_bytes(dt) > 2 * PRE_STAGES * kernel.unit_rows * d * 2
+    # one release add per chunk and no fence of its own (a release is cumulative)
+    assert pre.ptx.count("red.release.gpu.global.add.s32") == 1 and "fence.acq_rel" not in pre.ptx
     wait, launch = pre.ptx.index("griddepcontrol.wait"), pre.ptx.index("griddepcontrol.launch")
     assert pre.ptx.count("griddepcontrol.launch_dependents") == 1 and wait < launch
+    # O and dO by TMA (a tile each per unit), the LSE by cp.async, waited for PRE_STAGES - 1
+    # groups behind; no thread loads O or dO itself
+    assert pre.ptx.count("cp.async.bulk.tensor") == 2
+    assert "cp.async.ca.shared.global" in pre.ptx
+    assert re.findall(r"cp\.async\.wait_group\s+(\d+)", pre.ptx) == [str(PRE_STAGES - 1)]
     ops = [sass_opcode(line.split("*/", 1)[1].strip()) for line in pre.sass.splitlines()
            if re.match(r"\s*/\*[0-9a-f]{4}\*/", line)]
-    first_shuffle = ops.index("SHFL.BFLY")
-    loads = [op for op in ops if op.startswith("LDG")]
-    assert len(loads) > 16 and not any(op.startswith("LDG") for op in ops[first_shuffle:])
+    assert ops.count("UTMALDG.4D") == 2 and "LDGSTS.E" in ops
+    assert not [op for op in ops if op.split(".")[0] == "LDG"]
 
 
 SWAP_CASES = [[], ["causal=true", "head_dim=64"], ["head_dim=96", "dq_accum=red", "early_dv=false"]]

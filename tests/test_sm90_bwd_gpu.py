@@ -44,9 +44,10 @@ def _run_case(b, sq, sk, hq, hk, d, causal=False, window=(None, None), dtype=tor
 
 def _poison_workspace(monkeypatch, sems=None, stats=False):
     """Make ``sm90_bwd``'s workspace start with a NaN dQ accumulator, every dQ semaphore at
-    ``sems`` (unless None) and with ``stats`` NaN LSE2 and Delta: the preprocess must zero the
-    semaphores, and nothing may read an accumulator block before a CTA has stored or added
-    into it, or a statistic before the preprocess has written it."""
+    ``sems`` (unless None; not with ``pre_ctas``, whose semaphores arrive zeroed) and with
+    ``stats`` NaN LSE2 and Delta: the preprocess must zero the semaphores, and nothing may read
+    an accumulator block before a CTA has stored or added into it, or a statistic before the
+    preprocess has written it."""
     from fa_sm100.hopper import bwd_interface
 
     workspace = bwd_interface.workspace
@@ -54,7 +55,10 @@ def _poison_workspace(monkeypatch, sems=None, stats=False):
     def poisoned(config, q, k):
         ws = workspace(config, q, k)
         ws["dq_acc"].fill_(float("nan"))
-        if sems is not None:
+        # with pre_ctas the semaphores must arrive zeroed (the workspace's torch.zeros): the
+        # persistent preprocess counts on the last and zeroes none (Note [Preprocess beside
+        # the main kernel])
+        if sems is not None and not config.pre_ctas:
             ws["dq_sem"].fill_(sems)
         if stats:
             ws["lse2"].fill_(float("nan"))
@@ -440,12 +444,13 @@ def test_sm90_bwd_dq_first_store_with_a_poisoned_accumulator(sm90_device, monkey
 # turns, the zero fill, causal multicast with a short tail; at the other head dims by switch,
 # with windows. The dQ accumulator and the semaphores (the count included) are poisoned: the
 # preprocess must zero the count, and a count that starts high would let the postprocess read
-# unfinished blocks.
+# unfinished blocks (with hdim 128's persistent preprocess, ``pre_ctas``, the semaphores
+# arrive zeroed instead: two cases turn it off).
 EARLY_POST_CASES = [  # (b, sq, sk, hq, hk, d, causal, window, deterministic, switches)
-    (4, 2048, 2048, 16, 16, 128, False, (None, None), False, {}),
+    (4, 2048, 2048, 16, 16, 128, False, (None, None), False, dict(pre_ctas=0)),
     (4, 2048, 2048, 16, 4, 128, True, (None, None), False, {}),
     (2, 700, 150, 2, 2, 128, True, (None, None), False, {}),
-    (2, 700, 150, 4, 2, 128, True, (None, None), True, {}),
+    (2, 700, 150, 4, 2, 128, True, (None, None), True, dict(pre_ctas=0)),
     (1, 500, 400, 2, 2, 128, False, (None, None), False,
      dict(dq_first_store=False, stagger_m=False)),
     (2, 333, 500, 4, 2, 128, True, (None, None), False, dict(qdo_multicast=True, tail_ctas=7)),
@@ -477,8 +482,9 @@ def test_sm90_bwd_early_dq_postprocess(sm90_device, monkeypatch, case):
 # preprocess and each CTA's load and dq-store warps wait for their (batch, head)'s rows. Many
 # heads over a few preprocess CTAs (the main kernel really waits), one preprocess CTA, more
 # preprocess CTAs than units, GQA, causal multicast with a short tail, the zero fill, early
-# dQ postprocess, windows, head dims 64 to (192, 128) (hdim 256 runs "red" dQ). LSE2, Delta and the dQ
-# accumulator start as NaN: read before the preprocess wrote them, they would show.
+# dQ postprocess, windows, head dims 64 to (192, 128) (hdim 256 runs "red" dQ), pairs of 33
+# units in chunks of 7 and 5. LSE2, Delta and the dQ accumulator start as NaN: read before the
+# preprocess wrote them, they would show.
 PRE_CASES = [  # (b, sq, sk, hq, hk, d, causal, window, switches)
     (4, 2048, 2048, 16, 16, 128, False, (None, None), dict(pre_ctas=32)),
     (4, 2048, 2048, 16, 4, 128, True, (None, None), dict(pre_ctas=8)),
@@ -492,6 +498,7 @@ PRE_CASES = [  # (b, sq, sk, hq, hk, d, causal, window, switches)
     (1, 777, 640, 2, 1, 96, False, (None, None), dict(pre_ctas=4)),
     (1, 300, 200, 2, 1, (192, 128), True, (None, None), dict(pre_ctas=4)),
     (2, 1500, 1500, 8, 8, 128, False, (None, None), dict(pre_ctas=2)),
+    (1, 4097, 1000, 4, 2, 128, False, (None, None), dict(pre_ctas=3)),
 ]
 
 

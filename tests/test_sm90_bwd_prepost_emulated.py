@@ -77,17 +77,25 @@ def test_preprocess_delta_lse2_padding_and_zeroed_dq(head_dim, head_dim_v, dtype
     assert torch.equal(lse2[..., sq:], torch.full((b, h, pad - sq), math.inf))
 
 
-@pytest.mark.parametrize("head_dim,sq,tile_m,ctas,zero_dq",
-                         [(256, 300, 64, 4, True), (128, 80, 80, 3, False),
-                          (64, 37, 64, 1, True)],
-                         ids=["d256-3units-per-head", "d128-1unit", "d64-one-cta"])
-def test_persistent_preprocess_counts_every_row_once(head_dim, sq, tile_m, ctas, zero_dq):
-    """Note [Preprocess beside the main kernel]: ``ctas`` persistent CTAs write the same Delta
-    (bit for bit: the same operations per row) and LSE2 as one CTA per 16 rows, zero the dQ
-    accumulator with ``zero_dq``, leave the dQ semaphores alone (they arrive zeroed) and add
-    exactly seqlen_q_pad rows to each (batch, head)'s count, the last semaphore, whatever the
-    split: units of 128 rows at hdim 256 (three per head: 128, 128, 64), one unit per head at
-    hdim 128 and 64, more units than CTAs and fewer."""
+@pytest.mark.parametrize("head_dim,sq,tile_m,ctas,zero_dq,chunk",
+                         [(256, 300, 64, 4, True, 8), (256, 300, 64, 3, False, 2),
+                          (128, 80, 80, 3, False, 8), (64, 37, 64, 1, True, 8)],
+                         ids=["d256-5units-per-head", "d256-chunks-2-2-1", "d128-1unit",
+                              "d64-one-cta"])
+def test_persistent_preprocess_counts_every_row_once(monkeypatch, head_dim, sq, tile_m, ctas,
+                                                     zero_dq, chunk):
+    """Note [Preprocess beside the main kernel]: ``ctas`` persistent CTAs (O and dO by TMA, the
+    LSE by ``cp.async``, PRE_STAGES units in flight) write the same Delta (bit for bit: the
+    same operations per row) and LSE2 as one CTA per 16 rows, zero the dQ accumulator with
+    ``zero_dq``, leave the dQ semaphores alone (they arrive zeroed) and add exactly
+    seqlen_q_pad rows to each (batch, head)'s count, the last semaphore, whatever the split:
+    units of 64 rows at hdim 256 (five per head: one chunk, or with PRE_CHUNK_UNITS = 2 chunks
+    of 2, 2 and 1 units, the last with an empty slot), one unit per head at hdim 128 and 64,
+    more units than CTAs and fewer. The emulator also holds every SMEM access within the
+    launch's ``smem_bytes()`` and every LSE read behind its copy's wait."""
+    from fa_sm100.hopper import bwd_prepost
+
+    monkeypatch.setattr(bwd_prepost, "PRE_CHUNK_UNITS", chunk)
     torch.manual_seed(sq)
     b, h, n_sem = 2, 3, 4
     pad = -(-sq // tile_m) * tile_m

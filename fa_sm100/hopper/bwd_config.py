@@ -68,6 +68,14 @@ STAGGER_HEAD_DIMS = (128,)
 # longer at causal 1k: the main kernel's last wave lost more to the concurrent postprocess
 # than the postprocess gained). Others unmeasured.
 EARLY_DQ_POST_HEAD_DIMS = (128,)
+# Note [Preprocess beside the main kernel] (pre_ctas) by default at these head dims, with this
+# many CTAs. H100, round 18, paired over off (scripts/ab_bench.py, 6 and 8 rounds): hdim 128
+# with 32 CTAs non-causal +3.2% / +0.3% (1k), +1.9% / +1.3% (2k), +2.4% / +1.9% (4k), +2.3%
+# (8k), -0.6% (16k); causal +1.3% / +2.2% (1k), +1.1% / -0.1% (2k), +1.2% / +0.5% (4k),
+# +0.1% (8k), +5.0% (16k); 24 and 48 CTAs alike (means +1.4%, +1.1%). hdim 64 with 32: -0.6%
+# to +2.0% (1k-4k, mean +0.7%): off there.
+PRE_CTAS_HEAD_DIMS = (128,)
+DEFAULT_PRE_CTAS = 32
 SMEM_BUFFER_ALIGN = 1024  # every SMEM buffer of the kernel starts on a swizzle-atom boundary
 SM90_SMEM_BYTES = SMEM_BUDGET[SM90_ARCH]  # 227 KiB of dynamic shared memory per CTA on H100/H200
 
@@ -590,6 +598,9 @@ def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = Fals
         early_post = (head_dim in EARLY_DQ_POST_HEAD_DIMS and cfg.dq_accum == "bulk"
                       and cfg.pdl)
     cfg = cfg.replace(early_dq_post=early_post)
+    if "pre_ctas" not in overrides and cfg.head_dim in PRE_CTAS_HEAD_DIMS:
+        if cfg.dq_accum == "bulk" and cfg.stats_smem:  # Note [Preprocess beside the main kernel]
+            cfg = cfg.replace(pre_ctas=DEFAULT_PRE_CTAS)
     if "qdo_multicast" not in overrides:  # Note [Q/dO multicast]: the clusters must line up
         whole = seqlen_k is not None and cfg.pairs_key_blocks(seqlen_k)
         # causal: only long enough that a cluster's skipped query blocks are few (Note [Q/dO

@@ -50,15 +50,23 @@ kernel on the SMs around it); at hdim 64 causal 1k the loss outweighed the gain 
 longer calls), hence the default at hdim 128 only (``EARLY_DQ_POST_HEAD_DIMS``). "red" dQ
 (from the MMA registers) has no dq-store warp to count its adds; ``validate()`` rejects it.
 
-Note [Preprocess beside the main kernel] (``pre_ctas``): the preprocess reads O and dO (128 MiB
-at 16k tokens, hidden 2048: 53 us on an H100, 7% of a hdim 128 call at 1k) on every SM, and
-the main kernel, which needs all of an SM, starts only in its last wave. With the switch:
-- ``pre_ctas`` persistent CTAs take units of ``groups`` x ROWS_PER_CTA query rows (every load
-  of a unit in flight at once, PRE_BYTES_IN_FLIGHT per thread), (batch, head) after (batch,
-  head) in the main kernel's order, unit u on CTA u mod pre_ctas; after a unit's stores the CTA
-  meets and thread 0 adds the unit's rows to the (batch, head)'s count, the last dQ semaphore
-  (fence, then a release add). Each CTA lets the main kernel launch once it has waited for the
-  kernel before it, so the main kernel launches as soon as they all run, on the other SMs;
+Note [Preprocess beside the main kernel] (``pre_ctas``; hdim 128's default, 32 CTAs): the
+preprocess reads O and dO (128 MiB at 16k tokens, hidden 2048: 53 us on an H100, 7% of a hdim
+128 call at 1k) on every SM, and the main kernel, which needs all of an SM, starts only in its
+last wave. With the switch:
+- ``pre_ctas`` persistent CTAs (``persistent_kernel``) take the rows of the (batch, head) pairs
+  in the main kernel's order: units of ``unit_rows`` rows (PRE_UNIT_BYTES of O and dO per
+  worker thread: 128 rows, 64 KiB at hdim 128), in chunks of up to PRE_CHUNK_UNITS units of
+  one pair, chunk c to CTA c mod ctas (``_PreSchedule``). In a CTA the load warp brings each
+  unit's O and dO tiles by TMA into PRE_STAGES SMEM stages (rows past seqlen_q arrive as
+  zeros); the 256 worker threads copy their rows' LSE with ``cp.async`` PRE_STAGES - 1 units
+  ahead (each thread reads back only its own copies: ``cp.async.wait_group``), sum a unit
+  from SMEM and store Delta and LSE2 (and with ``zero_dq`` zero its rows of the dQ
+  accumulator); after a chunk's last unit they hand it (mbarrier, release at CTA scope) to
+  one of PRE_COUNT_WARPS count warps, which adds the chunk's rows to the pair's count, the
+  last dQ semaphore, with one release add at GPU scope (cumulative: the workers' stores it
+  acquired go first). Each CTA lets the main kernel launch once it has waited for the kernel
+  before it;
 - the semaphores arrive zeroed (``torch.zeros`` in the workspace: the preprocess cannot zero
   a count it adds to), and the preprocess no longer touches the others;
 - in the main kernel the load warp (before the first Q / dO stage, with its LSE2 / Delta) and
@@ -69,12 +77,17 @@ the main kernel, which needs all of an SM, starts only in its last wave. With th
   for nothing: ``validate()`` asks for "bulk" dQ and ``stats_smem``, so they read nothing the
   preprocess writes. After ``MAX_POLLS`` polls a warp waits for the whole preprocess instead.
 No deadlock: the main kernel launches only once every preprocess CTA has started, and those
-wait for nothing. Measured on the H100 (CUDA profiler, hdim 128, non-causal 1k): with 32 CTAs
-the preprocess takes 184 us (0.7 TB/s, against 2.5 TB/s on all SMs: about 22 GB/s per SM
-either way), with 64 96 us; the main kernel starts 50 us earlier and runs 30-50 us longer on
-the SMs left, so a call is 1-2% shorter at best (paired: +2.1% / +1.7% at non-causal 1k / 4k
-with 32 CTAs, -1.6% causal 2k). Off by default; a preprocess that moves more bytes per SM (TMA
-into SMEM) is what it lacks.
+wait for nothing. How fast one SM moves the rows is what decides: the preprocess CTAs hold
+their SMs while the main kernel runs on the others. Each thread loading its rows into
+registers (round 17) moved 22 GB/s per SM beside the main kernel. Alone on the H100 (hdim
+128, 16k tokens, one to 32 CTAs), per SM: ``cp.async`` into SMEM stages 37 GB/s with 64 KiB
+units and 22 GB/s with 32 KiB ones, whatever the stages (2, 3, 6) and count warps (1, 2, 4),
+i.e. a fixed cost per unit (1.2-1.8 us) that neither hid; TMA tiles 46-48 GB/s, and counted
+in chunks of 4 or 8 units 51-52 GB/s (55 with two stages). Beside the main kernel (CUDA
+profiler, 1k non-causal) 32 CTAs take 111 us (38 GB/s per SM), and the main kernel runs as
+long as without (641 vs 643 us) but starts 50 us earlier. Paired over off: hdim 128 +0.3% to
++3.2%, -0.6% at non-causal 16k and -0.1% at causal 2k (``PRE_CTAS_HEAD_DIMS`` in
+bwd_config.py); hdim 64 -0.6% to +2.0%, off there.
 
 GQA dK/dV postprocess (``BwdPostprocess``), per output row:
     out[b, i, h, :] = scale * sum_{g < G} acc[b, h * G + g, i, :]   converted to the output dtype
@@ -91,7 +104,8 @@ import math
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, Int32, const_expr, pipeline
+from cutlass.cute.nvgpu import cpasync
 
 from fa_sm100.hopper.bwd_config import DQ_VEC
 from fa_sm100.hopper.bwd_store import (dq_fragment_view, dq_registers, dq_tile_shape,
@@ -99,15 +113,22 @@ from fa_sm100.hopper.bwd_store import (dq_fragment_view, dq_registers, dq_tile_s
                                        preprocess_count, wait_for_count)
 from fa_sm100.hopper.common import assume_aligned
 from fa_sm100.hopper.config import WARPGROUP_THREADS
+from pipelines.dsl_values import NoLoopCarriedValues
 
 THREADS_PER_ROW = 16
 CTA_THREADS = 256
 ROWS_PER_CTA = CTA_THREADS // THREADS_PER_ROW
 OUT_VEC = 8  # 16-bit elements per 16-byte store of the dQ postprocess
 LOG2_E = math.log2(math.e)
-# Note [Preprocess beside the main kernel]: bytes of O and dO each thread of a persistent
-# preprocess CTA loads at once (a unit of work: 256 rows at hdim 128, 128 KiB)
-PRE_BYTES_IN_FLIGHT = 512
+# Note [Preprocess beside the main kernel]: a persistent preprocess CTA's unit of work is
+# PRE_UNIT_BYTES of O and dO per worker thread (128 rows at hdim 128: 64 KiB), PRE_STAGES
+# units in SMEM (PRE_STAGES - 1 in flight while one is summed), and PRE_COUNT_WARPS count warps
+# taking finished units in turn
+PRE_UNIT_BYTES = 256
+PRE_STAGES = 3
+PRE_COUNT_WARPS = 4
+PRE_LOAD_WARP = CTA_THREADS // 32  # after the worker warps; the count warps follow it
+PRE_CHUNK_UNITS = 8
 
 
 def _vector(ptr, n: int):
@@ -140,9 +161,27 @@ class BwdPreprocess:
         self.pdl = pdl
         self.zero_dq = zero_dq
         self.ctas = ctas
-        # persistent CTAs: ROWS_PER_CTA-row groups per unit of work, every load of a unit in
-        # flight at once (PRE_BYTES_IN_FLIGHT per thread, O and dO)
-        self.groups = max(1, PRE_BYTES_IN_FLIGHT // (2 * self.cols * 2))
+        # persistent CTAs: units of ``groups`` ROWS_PER_CTA-row groups (PRE_UNIT_BYTES of O and
+        # dO per worker thread), ``unit_rows`` rows; the worker warps, the load warp, the count
+        # warps
+        self.groups = max(1, PRE_UNIT_BYTES // (2 * self.cols * 2))
+        self.unit_rows = self.groups * ROWS_PER_CTA
+        self.threads = CTA_THREADS
+        if ctas:
+            self.threads += (1 + PRE_COUNT_WARPS) * cute.arch.WARP_SIZE
+
+    def smem_bytes(self, dtype) -> int:
+        """SMEM of a persistent CTA, as ``persistent_kernel`` allocates it: the mbarriers of
+        the loads and of the handoff, PRE_STAGES units of O and dO (128-byte aligned) and LSE;
+        none for one CTA per ROWS_PER_CTA rows."""
+        if not self.ctas:
+            return 0
+        rows = PRE_STAGES * self.unit_rows * self.hdimv * dtype.width // 8
+        end = 0
+        for size, align in ((2 * PRE_STAGES * 8, 8), (2 * PRE_COUNT_WARPS * 8, 8), (rows, 128),
+                            (rows, 128), (PRE_STAGES * self.unit_rows * 4, 16)):
+            end = -(-end // align) * align + size
+        return end
 
     @cute.jit
     def __call__(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
@@ -152,11 +191,25 @@ class BwdPreprocess:
         # mLSE2, mDelta: (batch, heads, seqlen_q_pad) f32; mdQacc: (batch, heads, m_blocks,
         # tile_m * hdim) f32, seqlen_q_pad * hdim floats per (batch, head); mdQsem: (batch,
         # heads, n) i32
-        grid = [cute.ceil_div(mLSE2.shape[2], ROWS_PER_CTA), mO.shape[2], mO.shape[0]]
+        self.dtype = mO.element_type
         if const_expr(self.ctas):
-            grid = [self.ctas, 1, 1]
-        self.kernel(mO, mdO, mLSE, mLSE2, mDelta, mdQacc, mdQsem).launch(
-            grid=grid, block=[CTA_THREADS, 1, 1], stream=stream, use_pdl=self.pdl)
+            # a unit of O / dO is one TMA tile (unit_rows, hdimv) of a (batch, head):
+            # (b, s, h, d) -> (s, d, h, b); rows past seqlen_q arrive as zeros
+            s_layout = cute.make_layout((self.unit_rows, self.hdimv, PRE_STAGES),
+                                        stride=(self.hdimv, 1, self.unit_rows * self.hdimv))
+            tmas = [cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileG2SOp(),
+                cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0])),
+                cute.select(s_layout, mode=[0, 1]), (self.unit_rows, self.hdimv))
+                for t in (mO, mdO)]
+            self.persistent_kernel(tmas[0][0], tmas[0][1], tmas[1][0], tmas[1][1], s_layout,
+                                   mLSE, mLSE2, mDelta, mdQacc, mdQsem).launch(
+                grid=[self.ctas, 1, 1], block=[self.threads, 1, 1],
+                smem=self.smem_bytes(mO.element_type), stream=stream, use_pdl=self.pdl)
+        else:
+            self.kernel(mO, mdO, mLSE, mLSE2, mDelta, mdQacc, mdQsem).launch(
+                grid=[cute.ceil_div(mLSE2.shape[2], ROWS_PER_CTA), mO.shape[2], mO.shape[0]],
+                block=[CTA_THREADS, 1, 1], stream=stream, use_pdl=self.pdl)
 
     @cute.kernel
     def kernel(self, mO, mdO, mLSE, mLSE2, mDelta, mdQacc, mdQsem):
@@ -164,89 +217,203 @@ class BwdPreprocess:
         bx, head, batch = cute.arch.block_idx()
         if const_expr(self.pdl):  # Note [chained launches]: the kernel before has finished
             cute.arch.griddepcontrol_wait()
-        if const_expr(self.ctas):
-            self._persistent(mO, mdO, mLSE, mLSE2, mDelta, mdQacc, mdQsem, bx, tidx)
-        else:
-            # the main kernel may launch once O and dO are read; it waits before reading ours
-            self._row_groups(mO, mdO, mLSE, mLSE2, mDelta, batch, head, bx, 1, tidx,
-                             after_loads=self.pdl)
-            if const_expr(self.zero_dq):
-                self._zero_dq_rows(mdQacc, bx, head, batch, tidx)
-            # the dQ semaphores (deterministic mode's turns or Note [dQ first store]'s states,
-            # one per query block; a single unused one per (batch, head) otherwise)
-            sem = bx * CTA_THREADS + tidx
-            if sem < mdQsem.shape[2]:
-                mdQsem[batch, head, sem] = Int32(0)
+        # the main kernel may launch once O and dO are read; it waits before reading ours
+        self._rows(mO, mdO, mLSE, mLSE2, mDelta, batch, head, bx, tidx)
+        if const_expr(self.zero_dq):
+            self._zero_dq_rows(mdQacc, bx, head, batch, tidx)
+        # the dQ semaphores (deterministic mode's turns or Note [dQ first store]'s states, one
+        # per query block; a single unused one per (batch, head) otherwise)
+        sem = bx * CTA_THREADS + tidx
+        if sem < mdQsem.shape[2]:
+            mdQsem[batch, head, sem] = Int32(0)
 
     @cute.jit
-    def _persistent(self, mO, mdO, mLSE, mLSE2, mDelta, mdQacc, mdQsem, cta, tidx):
-        """Note [Preprocess beside the main kernel]: units of ``groups`` x ROWS_PER_CTA rows,
-        (batch, head) after (batch, head) in the main kernel's order, unit u to CTA u mod
-        ctas; after each unit thread 0 adds its rows to the (batch, head)'s count (release)."""
-        cute.arch.griddepcontrol_launch_dependents()  # the main kernel may start at once
-        heads = mO.shape[2]
-        rows_pad = mLSE2.shape[2]
-        unit_rows = self.groups * ROWS_PER_CTA
-        units_per_pair = cute.ceil_div(rows_pad, unit_rows)
-        for unit in cutlass.range(cta, units_per_pair * heads * mO.shape[0], self.ctas, unroll=1):
-            pair = unit // units_per_pair
-            first_group = (unit - pair * units_per_pair) * self.groups
-            batch = pair // heads
-            head = pair - batch * heads
-            self._row_groups(mO, mdO, mLSE, mLSE2, mDelta, batch, head, first_group, self.groups,
-                             tidx, after_loads=False)
-            if const_expr(self.zero_dq):
-                for g in cutlass.range_constexpr(self.groups):
-                    if (first_group + g) * ROWS_PER_CTA < rows_pad:
-                        self._zero_dq_rows(mdQacc, first_group + g, head, batch, tidx)
-            cute.arch.barrier()  # every thread's stores of the unit are done
-            if tidx == 0:
-                rows = cutlass.min(unit_rows, rows_pad - first_group * ROWS_PER_CTA)
-                cute.arch.fence_acq_rel_gpu()
-                cute.arch.red(preprocess_count(mdQsem, batch, head), rows, op="add",
-                              dtype="s32", sem="release", scope="gpu")
-
-    @cute.jit
-    def _row_groups(self, mO, mdO, mLSE, mLSE2, mDelta, batch, head, first_group,
-                    groups: cutlass.Constexpr, tidx, after_loads: cutlass.Constexpr):
-        """Delta and LSE2 of the ``groups`` x ROWS_PER_CTA rows from row ``first_group`` x
-        ROWS_PER_CTA on, each row on THREADS_PER_ROW adjacent threads: every group's O and dO
-        loaded first (then ``griddepcontrol.launch_dependents`` if ``after_loads``), then
-        summed. Rows past seqlen_q read as 0 (Delta 0, LSE2 +inf); rows past seqlen_q_pad are
-        not stored."""
-        seqlen_q = mO.shape[1]
+    def _rows(self, mO, mdO, mLSE, mLSE2, mDelta, batch, head, bx, tidx):
+        """Delta and LSE2 of the ROWS_PER_CTA rows of group ``bx``, each row on THREADS_PER_ROW
+        adjacent threads: O and dO loaded (then ``griddepcontrol.launch_dependents`` with
+        ``pdl``), then summed. Rows past seqlen_q read nothing: zeros (Delta 0, LSE2 +inf)."""
+        row = bx * ROWS_PER_CTA + tidx // THREADS_PER_ROW
         part = tidx % THREADS_PER_ROW
-        rO = cute.make_rmem_tensor((self.cols, groups), mO.element_type)
-        rdO = cute.make_rmem_tensor((self.cols, groups), mdO.element_type)
-        rLSE = cute.make_rmem_tensor((groups,), Float32)
+        rO = cute.make_rmem_tensor((self.cols,), mO.element_type)
+        rdO = cute.make_rmem_tensor((self.cols,), mdO.element_type)
         rO.fill(0.0)
         rdO.fill(0.0)
-        rLSE.fill(-Float32.inf)
-        for g in cutlass.range_constexpr(groups):
-            row = (first_group + g) * ROWS_PER_CTA + tidx // THREADS_PER_ROW
-            if row < seqlen_q:
-                cute.autovec_copy(_row_part(mO[batch, row, head, None], part, self.cols),
-                                  rO[None, g])
-                cute.autovec_copy(_row_part(mdO[batch, row, head, None], part, self.cols),
-                                  rdO[None, g])
-                if part == 0:
-                    rLSE[g] = mLSE[batch, head, row]
-        if const_expr(after_loads):
+        lse = -Float32.inf
+        if row < mO.shape[1]:
+            cute.autovec_copy(_row_part(mO[batch, row, head, None], part, self.cols), rO)
+            cute.autovec_copy(_row_part(mdO[batch, row, head, None], part, self.cols), rdO)
+            if part == 0:
+                lse = mLSE[batch, head, row]
+        if const_expr(self.pdl):
             cute.arch.griddepcontrol_launch_dependents()
-        for g in cutlass.range_constexpr(groups):
-            row = (first_group + g) * ROWS_PER_CTA + tidx // THREADS_PER_ROW
-            # every lane of a row takes part in the shuffles, so only the stores are predicated
-            delta = (rO[None, g].load().to(Float32) * rdO[None, g].load().to(Float32)).reduce(
-                cute.ReductionOp.ADD, Float32(0.0), 0)
-            for offset in cutlass.range_constexpr(THREADS_PER_ROW.bit_length() - 2, -1, -1):
-                delta = delta + cute.arch.shuffle_sync_bfly(delta, offset=1 << offset)
-            if part == 0 and row < mLSE2.shape[2]:
-                # -inf: a row past seqlen_q, or one that sees no key
-                lse2 = Float32.inf
-                if rLSE[g] != -Float32.inf:
-                    lse2 = rLSE[g] * LOG2_E
-                mDelta[batch, head, row] = delta
-                mLSE2[batch, head, row] = lse2
+        self._store_row(rO, rdO, lse, row, row < mO.shape[1], mLSE2, mDelta, batch, head, tidx)
+
+    @cute.kernel
+    def persistent_kernel(self, tma_O: cute.CopyAtom, mO: cute.Tensor, tma_dO: cute.CopyAtom,
+                          mdO: cute.Tensor, s_layout: cute.Layout, mLSE, mLSE2, mDelta, mdQacc,
+                          mdQsem):
+        """Note [Preprocess beside the main kernel]: this CTA's units (``_PreSchedule``). The
+        load warp keeps up to PRE_STAGES units of O and dO in SMEM (TMA); the worker threads
+        copy their rows' LSE (``cp.async``, each thread reading back only what it copied) and
+        sum (``_work``); the count warps add each finished chunk's rows to its (batch, head)'s
+        count (release). ``mO``, ``mdO``: the TMA views, (seqlen_q, hdimv, heads, batch)."""
+        tidx, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp == PRE_LOAD_WARP:
+            cpasync.prefetch_descriptor(tma_O)
+            cpasync.prefetch_descriptor(tma_dO)
+        smem = cutlass.utils.SmemAllocator()
+        mbar_rows = smem.allocate_array(cutlass.Int64, 2 * PRE_STAGES)
+        mbar_count = smem.allocate_array(cutlass.Int64, 2 * PRE_COUNT_WARPS)
+        sO = smem.allocate_tensor(self.dtype, s_layout, byte_alignment=128)
+        sdO = smem.allocate_tensor(self.dtype, s_layout, byte_alignment=128)
+        sLSE = smem.allocate_tensor(Float32, cute.make_layout((self.unit_rows, PRE_STAGES)),
+                                    byte_alignment=16)
+        workers = pipeline.CooperativeGroup(pipeline.Agent.Thread, CTA_THREADS)
+        pipe_rows = pipeline.PipelineTmaAsync.create(
+            barrier_storage=mbar_rows, num_stages=PRE_STAGES,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                                     CTA_THREADS // cute.arch.WARP_SIZE),
+            tx_count=2 * cute.size_in_bytes(self.dtype, cute.select(s_layout, mode=[0, 1])),
+            defer_sync=True)
+        # the workers hand finished units to the count warps (slot c: count warp c)
+        handoff = pipeline.PipelineAsync.create(
+            barrier_storage=mbar_count, num_stages=PRE_COUNT_WARPS, producer_group=workers,
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, cute.arch.WARP_SIZE),
+            defer_sync=True)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.barrier()
+        if const_expr(self.pdl):  # Note [chained launches]: the kernel before has finished
+            cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()  # the main kernel may start at once
+        sched = _PreSchedule(self, cta, mLSE2.shape[2], mO.shape[2], mO.shape[3])
+        if warp < PRE_LOAD_WARP:
+            self._work(mO, mLSE, mLSE2, mDelta, mdQacc, sO, sdO, sLSE, pipe_rows, handoff, sched,
+                       tidx)
+        elif warp == PRE_LOAD_WARP:
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, PRE_STAGES)
+            for i in cutlass.range(sched.slots, unroll=1):
+                batch, head, tile, real = sched.unit(i)
+                if real:
+                    pipe_rows.producer_acquire(state)
+                    for tma, mX, sX in ((tma_O, mO, sO), (tma_dO, mdO, sdO)):
+                        gX = cute.local_tile(mX[None, None, head, batch],
+                                             (self.unit_rows, self.hdimv), (None, 0))
+                        sX_part, gX_part = cpasync.tma_partition(
+                            tma, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2),
+                            cute.group_modes(gX, 0, 2))
+                        cute.copy(tma, gX_part[None, tile], sX_part[None, state.index],
+                                  tma_bar_ptr=pipe_rows.producer_get_barrier(state))
+                    state.advance()
+        else:
+            # count warp c takes this CTA's chunks c, c + PRE_COUNT_WARPS, ..., always in
+            # handoff slot c
+            c = warp - PRE_LOAD_WARP - 1
+            state = pipeline.PipelineState(PRE_COUNT_WARPS, c, c, Int32(0))
+            for j in cutlass.range(c, sched.chunks, PRE_COUNT_WARPS, unroll=1):
+                handoff.consumer_wait(state)  # acquire (CTA): every worker's stores of the chunk
+                if tidx % cute.arch.WARP_SIZE == 0:
+                    batch, head, rows = sched.chunk_rows(j)
+                    # release (GPU), cumulative: the workers' stores this warp acquired go first
+                    cute.arch.red(preprocess_count(mdQsem, batch, head), rows, op="add",
+                                  dtype="s32", sem="release", scope="gpu")
+                handoff.consumer_release(state)
+                for _ in cutlass.range_constexpr(PRE_COUNT_WARPS):
+                    state.advance()
+
+    @cute.jit
+    def _work(self, mO, mLSE, mLSE2, mDelta, mdQacc, sO, sdO, sLSE, pipe_rows, handoff, sched,
+              tidx):
+        """The worker threads of a persistent CTA: for each of this CTA's units, the LSE of
+        this thread's rows copied PRE_STAGES - 1 units ahead (``cp.async``), then, once the
+        unit's O and dO have landed, its Delta and LSE2 (and the dQ accumulator's zeros); after
+        a chunk's last unit, the chunk to the count warps."""
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, PRE_STAGES)
+        count_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
+                                                   PRE_COUNT_WARPS)
+        for i in cutlass.range_constexpr(PRE_STAGES - 1):
+            self._load_lse(mO, mLSE, sLSE, sched, i, tidx)
+            cute.arch.cp_async_commit_group()
+        for i in cutlass.range(sched.slots, unroll=1):
+            self._load_lse(mO, mLSE, sLSE, sched, i + PRE_STAGES - 1, tidx)
+            cute.arch.cp_async_commit_group()  # empty past the last unit: the count holds
+            batch, head, tile, real = sched.unit(i)
+            if real:
+                cute.arch.cp_async_wait_group(PRE_STAGES - 1)  # this thread's LSE of unit i
+                pipe_rows.consumer_wait(state)
+                self._finish_unit(mO, mLSE2, mDelta, mdQacc, sO, sdO, sLSE, batch, head,
+                                  tile * self.unit_rows, i % PRE_STAGES, state.index, tidx)
+                pipe_rows.consumer_release(state)
+                state.advance()
+            if i % sched.chunk_units == sched.chunk_units - 1:
+                handoff.producer_acquire(count_state)
+                handoff.producer_commit(count_state)  # release (CTA): this thread's stores
+                count_state.advance()
+
+    @cute.jit
+    def _load_lse(self, mO, mLSE, sLSE, sched, i, tidx):
+        """Start the copy of the LSE of this thread's row in each group of this CTA's unit
+        slot ``i`` into LSE stage i mod PRE_STAGES (the row's first thread; nothing for a slot
+        past the last unit or of no unit, or for rows past seqlen_q: ``_finish_unit`` reads
+        those as -inf)."""
+        batch, head, tile, real = sched.unit(i)
+        copy_lse = cute.make_copy_atom(cpasync.CopyG2SOp(), Float32, num_bits_per_copy=32)
+        if i < sched.slots and tidx % THREADS_PER_ROW == 0:
+            if real:
+                for g in cutlass.range_constexpr(self.groups):
+                    r = g * ROWS_PER_CTA + tidx // THREADS_PER_ROW
+                    row = tile * self.unit_rows + r
+                    if row < mO.shape[0]:
+                        cute.copy(copy_lse,
+                                  cute.local_tile(mLSE[batch, head, None], (1,), (row,)),
+                                  cute.local_tile(sLSE[None, i % PRE_STAGES], (1,), (r,)))
+
+    @cute.jit
+    def _finish_unit(self, mO, mLSE2, mDelta, mdQacc, sO, sdO, sLSE, batch, head, first_row,
+                     lse_stage, stage, tidx):
+        """Delta and LSE2 of the unit of (batch, head) from row ``first_row`` on, from SMEM
+        stage ``stage`` (O, dO) and ``lse_stage`` (this thread's LSE), which have landed; with
+        ``zero_dq`` its rows of the dQ accumulator."""
+        part = tidx % THREADS_PER_ROW
+        rO = cute.make_rmem_tensor((self.cols,), self.dtype)
+        rdO = cute.make_rmem_tensor((self.cols,), self.dtype)
+        for g in cutlass.range_constexpr(self.groups):
+            r = g * ROWS_PER_CTA + tidx // THREADS_PER_ROW
+            cute.autovec_copy(_row_part(sO[r, None, stage], part, self.cols), rO)
+            cute.autovec_copy(_row_part(sdO[r, None, stage], part, self.cols), rdO)
+            valid = first_row + r < mO.shape[0]
+            lse = -Float32.inf
+            if valid and part == 0:
+                lse = sLSE[r, lse_stage]
+            self._store_row(rO, rdO, lse, first_row + r, valid, mLSE2, mDelta, batch, head,
+                            tidx)
+        if const_expr(self.zero_dq):
+            first_group = first_row // ROWS_PER_CTA
+            for g in cutlass.range_constexpr(self.groups):
+                if (first_group + g) * ROWS_PER_CTA < mLSE2.shape[2]:
+                    self._zero_dq_rows(mdQacc, first_group + g, head, batch, tidx)
+
+    @cute.jit
+    def _store_row(self, rO, rdO, lse, row, valid, mLSE2, mDelta, batch, head, tidx):
+        """Sum this thread's part of O * dO over the row's THREADS_PER_ROW lanes (every lane of
+        the warp shuffles, so only the stores are predicated) and store the row's Delta and
+        LSE2 (an invalid row, past seqlen_q: Delta 0 whatever the registers hold, LSE2 +inf;
+        rows past seqlen_q_pad are not stored)."""
+        delta = (rO.load().to(Float32) * rdO.load().to(Float32)).reduce(
+            cute.ReductionOp.ADD, Float32(0.0), 0)
+        for offset in cutlass.range_constexpr(THREADS_PER_ROW.bit_length() - 2, -1, -1):
+            delta = delta + cute.arch.shuffle_sync_bfly(delta, offset=1 << offset)
+        if not valid:
+            delta = Float32(0.0)
+        if tidx % THREADS_PER_ROW == 0 and row < mLSE2.shape[2]:
+            # -inf: a row past seqlen_q, or one that sees no key
+            lse2 = Float32.inf
+            if lse != -Float32.inf:
+                lse2 = lse * LOG2_E
+            mDelta[batch, head, row] = delta
+            mLSE2[batch, head, row] = lse2
 
     @cute.jit
     def _zero_dq_rows(self, mdQacc, bx, head, batch, tidx):
@@ -262,6 +429,48 @@ class BwdPreprocess:
             if full_steps * CTA_THREADS + tidx < self.zero_vecs:
                 cute.autovec_copy(zeros, _vector(acc + (full_steps * CTA_THREADS + tidx) * DQ_VEC,
                                                  DQ_VEC))
+
+
+class _PreSchedule(NoLoopCarriedValues):
+    """Note [Preprocess beside the main kernel]: the work of persistent preprocess CTA ``cta``
+    (traced inline). A (batch, head) pair's padded rows are ``units_per_pair`` units of
+    ``unit_rows`` rows, split evenly into ``chunks_per_pair`` chunks of at most
+    ``chunk_units`` (<= PRE_CHUNK_UNITS) consecutive units; the chunks, pair after pair in the
+    main kernel's order, go to the CTAs in turn (chunk c to CTA c mod ctas), and each chunk is
+    counted once. A CTA walks ``slots`` = ``chunks`` x ``chunk_units`` unit slots; a pair's
+    last chunk may leave slots without a unit (``real`` false). Its values are defined before
+    any branch, so branches and loops need not carry it."""
+
+    def __init__(self, pre, cta, rows_pad, heads, batches):
+        self.cta, self.ctas, self.unit_rows = cta, pre.ctas, pre.unit_rows
+        self.rows_pad, self.heads = rows_pad, heads
+        self.units_per_pair = cute.ceil_div(rows_pad, pre.unit_rows)
+        self.chunks_per_pair = cute.ceil_div(self.units_per_pair, PRE_CHUNK_UNITS)
+        self.chunk_units = cute.ceil_div(self.units_per_pair, self.chunks_per_pair)
+        total = self.chunks_per_pair * heads * batches
+        self.chunks = (total - cta + pre.ctas - 1) // pre.ctas  # cta < ctas: never negative
+        self.slots = self.chunks * self.chunk_units
+
+    def _chunk(self, j):
+        """(batch, head, index in its pair) of this CTA's chunk ``j``."""
+        chunk = self.cta + j * self.ctas
+        pair = chunk // self.chunks_per_pair
+        batch = pair // self.heads
+        return batch, pair - batch * self.heads, chunk - pair * self.chunks_per_pair
+
+    def unit(self, i):
+        """(batch, head, unit index in the pair, whether the slot holds a unit) of slot i."""
+        j = i // self.chunk_units
+        batch, head, k = self._chunk(j)
+        tile = k * self.chunk_units + i - j * self.chunk_units
+        return batch, head, tile, tile < self.units_per_pair
+
+    def chunk_rows(self, j):
+        """(batch, head, padded rows) of this CTA's chunk ``j``: what its count adds."""
+        batch, head, k = self._chunk(j)
+        first_row = k * self.chunk_units * self.unit_rows
+        return batch, head, cutlass.min(self.chunk_units * self.unit_rows,
+                                        self.rows_pad - first_row)
 
 
 class BwdPostprocess:

@@ -1,6 +1,7 @@
 """TMA: ``cp.async.bulk.tensor`` loads (global -> shared, with multicast and cta_group::2) and
 stores (shared -> global, bulk groups), through the tensor maps recorded at the
-``cuTensorMapEncodeTiled`` call.
+``cuTensorMapEncodeTiled`` call; and the per-thread ``cp.async`` copies (global -> shared, 4,
+8 or 16 bytes, zero-filled past ``src-size``) with their commit and wait groups.
 
 A load is asynchronous: at issue its destination region is marked pending (a thread that
 touches it before the copy lands is an error) and an ``AsyncOp`` is queued; when the
@@ -108,8 +109,10 @@ def _prefetch(ins, k):
 def _cp(ins, k):
     md = mods(ins)
     parts = ins.parts
+    if parts[1] == "async" and parts[2] != "bulk":
+        return _cp_async(ins, k)
     if parts[1:3] != ["async", "bulk"]:
-        unsupported(ins, "only cp.async.bulk* is modelled")
+        unsupported(ins, "only cp.async and cp.async.bulk* are modelled")
     if "commit_group" in md:
         return _commit_group(ins)
     if "wait_group" in md:
@@ -175,6 +178,52 @@ def _tma_load(ins, k):
     return run
 
 
+def _cp_async(ins, k):
+    """``cp.async.{ca,cg}.shared{::cta}.global [dst], [src], cp-size{, src-size}``, and its
+    ``commit_group`` / ``wait_group N`` / ``wait_all``: each copy lands asynchronously (its
+    destination pending until then, as a TMA load's); a thread's copies are grouped at each
+    commit and ``wait_group N`` waits until at most N of its groups have copies in flight."""
+    md = mods(ins)
+    if "commit_group" in md:
+        return _commit_group(ins, "cp_async_groups")
+    if "wait_group" in md or "wait_all" in md:
+        return _wait_group(ins, k, "cp_async_groups", "cp.async")
+    if "mbarrier" in md:
+        unsupported(ins, "cp.async.mbarrier.arrive is not modelled")
+    where = f"line {ins.line}"
+    dst = address_reader(ins.operands[0], "shared", k)
+    src = address_reader(ins.operands[1], "global", k)
+    size = reader(ins.operands[2], "u32", k)
+    src_size = reader(ins.operands[3], "u32", k) if len(ins.operands) > 3 else size
+
+    def run(m, w, idx):
+        d_all, s_all = dst(m, w, idx), src(m, w, idx)
+        n_all, z_all = size(m, w, idx), src_size(m, w, idx)
+        for i, lane in enumerate(idx):
+            n, z, s_addr = int(n_all[i]), int(z_all[i]), int(s_all[i])
+            if n not in (4, 8, 16) or (".cg" in ins.text and n != 16):
+                raise EmulationError(f"{where}: cp.async of {n} bytes ({ins.text})")
+            (cta, doff, _), = resolve_shared(m, w, np.asarray([d_all[i]]), "shared")
+            d0 = int(doff[0])
+            if d0 % n or s_addr % n:
+                raise EmulationError(f"{where}: cp.async of {n} bytes from {s_addr:#x} to shared "
+                                     f"{d0:#x}: both must be {n}-byte aligned")
+            region = (d0, d0 + n, f"cp.async by {w.gid} lane {int(lane)} (line {ins.line})")
+            _pending(cta).append(region)
+
+            def land(cta=cta, d0=d0, n=n, z=z, s_addr=s_addr, region=region):
+                _pending(cta).remove(region)
+                data = np.zeros((1, n), dtype=np.uint8)
+                if z:
+                    data[:, :z] = m.gmem.read(np.asarray([s_addr], dtype=np.uint64), z,
+                                              f"{where} (cp.async)")
+                cta.smem.write(np.asarray([d0]), data, f"{where} (cp.async)")
+            op = AsyncOp(land, f"cp.async to shared {d0:#x} ({n} bytes) issued at line {ins.line}")
+            m.async_ops.append(op)
+            _group_state(w, int(lane), "cp_async_groups")["open"].append(op)
+    return run
+
+
 def _pending(cta) -> list:
     if not hasattr(cta, "pending_smem"):
         cta.pending_smem = []
@@ -236,37 +285,52 @@ def _pending_reads(cta) -> list:
     return cta.pending_smem_reads
 
 
+def _group_state(w, lane: int, kind: str) -> dict:
+    """A lane's open (uncommitted) ops and committed groups of one kind (bulk stores,
+    ``cp.async`` copies)."""
+    if not hasattr(w, kind):
+        setattr(w, kind, {})
+    return getattr(w, kind).setdefault(lane, {"open": [], "committed": []})
+
+
 def _bulk_state(w, lane: int) -> dict:
-    if not hasattr(w, "bulk_groups"):
-        w.bulk_groups = {}
-    return w.bulk_groups.setdefault(lane, {"open": [], "committed": []})
+    return _group_state(w, lane, "bulk_groups")
 
 
-def _commit_group(ins):
+def _commit_group(ins, kind="bulk_groups"):
     def run(m, w, idx):
         for lane in idx:
-            st = _bulk_state(w, int(lane))
+            st = _group_state(w, int(lane), kind)
             st["committed"].append(st["open"])
             st["open"] = []
     return run
 
 
-def _wait_group(ins, k):
-    n_r = reader(ins.operands[0], "u32", k)
+def _wait_group(ins, k, kind="bulk_groups", what="cp.async.bulk"):
+    """``wait_group N``: wait until every group the thread committed, but the N most recent,
+    has completed (groups may complete out of order; ``wait_all``: N = 0, uncommitted copies
+    included)."""
+    wait_all = "wait_all" in mods(ins)
+    n_r = None if wait_all else reader(ins.operands[0], "u32", k)
 
     def run(m, w, idx):
-        n = int(n_r(m, w, idx)[0])
-        states = [_bulk_state(w, int(lane)) for lane in idx]
+        n = 0 if wait_all else int(n_r(m, w, idx)[0])
+        states = [_group_state(w, int(lane), kind) for lane in idx]
+        if wait_all:
+            for st in states:
+                st["committed"].append(st["open"])
+                st["open"] = []
 
-        def outstanding():
-            return max(sum(1 for g in st["committed"] if not all(op.done for op in g))
-                       for st in states)
-        if outstanding() > n:
-            w.add_wait(PredWait(lambda: outstanding() <= n,
-                                f"cp.async.bulk.wait_group {n}: bulk stores in flight"), idx)
+        def older(st):  # every group but the n most recent must have completed
+            return st["committed"][:max(len(st["committed"]) - n, 0)]
+
+        def settled():
+            return all(op.done for st in states for g in older(st) for op in g)
+        if not settled():
+            w.add_wait(PredWait(settled, f"{what}.wait_group {n}: older copies in flight"), idx)
             return True
-        for st in states:
-            st["committed"] = [g for g in st["committed"] if not all(op.done for op in g)]
+        for st in states:  # the n most recent stay, in order, done or not
+            st["committed"] = st["committed"][len(older(st)):]
     return run
 
 
