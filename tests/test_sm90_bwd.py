@@ -1324,14 +1324,15 @@ def test_chained_launches_wait_before_reading_the_kernel_before(pdl, early, tmp_
     from fa_sm100.hopper.bwd_prepost import BwdPreprocess, DqPostprocess
     from fa_sm100.inspection import inspect_kernel
 
-    switches = [f"pdl={pdl}".lower(), f"early_dq_post={early}".lower()]
+    # the preprocess ahead of the main kernel (pre_ctas: test_preprocess_beside_the_main_...)
+    switches = [f"pdl={pdl}".lower(), f"early_dq_post={early}".lower(), "pre_ctas=0"]
     r = inspect_kernel("sm90_bwd", "sm_90a", switches, keep_dir=tmp_path)
     (ptx_path,) = glob.glob(str(tmp_path / "*.ptx"))
     ptx = open(ptx_path).read()
     assert r["launch"]["use_pdl"] is pdl
     assert ptx.count("griddepcontrol.wait") == (3 if pdl else 0)
     assert ptx.count("griddepcontrol.launch_dependents") == int(early)
-    cfg = select_bwd_config(pdl=pdl, early_dq_post=early)
+    cfg = select_bwd_config(pdl=pdl, early_dq_post=early, pre_ctas=0)
     pre = cross_compile(BwdPreprocess(128, 128, pdl), fake_pre_arguments(
         cutlass_dtype("bfloat16"), 128), "sm_90a")
     post = cross_compile(DqPostprocess(cfg), fake_dq_post_arguments(cfg), "sm_90a")
@@ -1492,7 +1493,9 @@ def test_sm90_bwd_stats_come_with_their_stage(overrides, tmp_path):
     sass = {}
     for on in (True, False):
         keep = tmp_path / f"stats_{on}"
-        r = inspect_kernel("sm90_bwd", "sm_90a", overrides + [f"stats_smem={on}"], keep_dir=keep)
+        # pre_ctas off on both sides (it needs stats_smem, and its polls are loads too)
+        r = inspect_kernel("sm90_bwd", "sm_90a", overrides + [f"stats_smem={on}", "pre_ctas=0"],
+                           keep_dir=keep)
         assert r["spill_bytes"] == 0 and r["local_bytes"] == 0
         sass[on] = read_kept_sass(keep)
         assert _hgmma_commits(sass[on]) == 5, "WGMMAs serialized"

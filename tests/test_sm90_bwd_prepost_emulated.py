@@ -188,8 +188,11 @@ def test_dq_postprocess_inverts_the_fragment_order(overrides):
     acc = torch.empty(b, h, n_m, tm * d)
     acc[..., index.flatten()] = tiles.reshape(b, h, n_m, tm * d)
     sem = torch.full((b, h, cfg.dq_sem_slots(n_m)), 2, dtype=torch.int32)
+    # the finished-CTA count: the last semaphore, or the one before the persistent
+    # preprocess's row count (pre_ctas, hdim 128's default)
+    done = cfg.dq_sem_slots(n_m) - 1 - int(cfg.pre_ctas > 0)
     if cfg.early_dq_post:  # every key block's CTA is done
-        sem[:, :, -1] = cfg.num_key_blocks(s)
+        sem[:, :, done] = cfg.num_key_blocks(s)
     if cfg.first_stores_dq:  # head 1's first block: no CTA reached it
         sem[0, 1, 0] = 0
         acc[0, 1, 0] = math.nan
@@ -205,6 +208,6 @@ def test_dq_postprocess_inverts_the_fragment_order(overrides):
     want = (tiles * 0.125).to(t).reshape(b, h, n_m * tm, d)[:, :, :s].transpose(1, 2)
     assert torch.equal(out, want)
     if cfg.early_dq_post:
-        sem[0, 1, -1] -= 1  # one CTA of head 1 not done yet
+        sem[0, 1, done] -= 1  # one CTA of head 1 not done yet
         with pytest.raises(EmulationError, match="step limit"):
             _run(DqPostprocess(cfg), fakes, (acc, sem, out), scalars, max_steps=steps)

@@ -190,7 +190,8 @@ class BwdConfig:
     # Run the preprocess on this many persistent CTAs beside the main kernel instead of one
     # CTA per 16 query rows ahead of it (Note [Preprocess beside the main kernel] in
     # bwd_prepost.py): the main kernel launches at once, and its load and dq-store warps wait
-    # only for their (batch, head)'s rows; 0: off.
+    # only for their (batch, head)'s rows; 0: off. select_bwd_config: DEFAULT_PRE_CTAS at
+    # PRE_CTAS_HEAD_DIMS with "bulk" dQ and stats_smem.
     pre_ctas: int = 0
     # registers after setmaxnreg: producer warpgroup and each of the two MMA warpgroups
     regs_producer: int = 24
