@@ -122,8 +122,8 @@ OUT_VEC = 8  # 16-bit elements per 16-byte store of the dQ postprocess
 LOG2_E = math.log2(math.e)
 # Note [Preprocess beside the main kernel]: a persistent preprocess CTA's unit of work is
 # PRE_UNIT_BYTES of O and dO per worker thread (128 rows at hdim 128: 64 KiB), PRE_STAGES
-# units in SMEM (PRE_STAGES - 1 in flight while one is summed), and PRE_COUNT_WARPS count warps
-# taking finished units in turn
+# units in SMEM (PRE_STAGES - 1 in flight while one is summed), counted in chunks of up to
+# PRE_CHUNK_UNITS units of one (batch, head) by PRE_COUNT_WARPS count warps in turn
 PRE_UNIT_BYTES = 256
 PRE_STAGES = 3
 PRE_COUNT_WARPS = 4
