@@ -182,7 +182,8 @@ def _cp_async(ins, k):
     """``cp.async.{ca,cg}.shared{::cta}.global [dst], [src], cp-size{, src-size}``, and its
     ``commit_group`` / ``wait_group N`` / ``wait_all``: each copy lands asynchronously (its
     destination pending until then, as a TMA load's); a thread's copies are grouped at each
-    commit and ``wait_group N`` waits until at most N of its groups have copies in flight."""
+    commit and ``wait_group N`` waits until all its groups but the N most recent have landed
+    (``_wait_group``)."""
     md = mods(ins)
     if "commit_group" in md:
         return _commit_group(ins, "cp_async_groups")
@@ -316,10 +317,11 @@ def _wait_group(ins, k, kind="bulk_groups", what="cp.async.bulk"):
     def run(m, w, idx):
         n = 0 if wait_all else int(n_r(m, w, idx)[0])
         states = [_group_state(w, int(lane), kind) for lane in idx]
-        if wait_all:
+        if wait_all:  # the uncommitted copies as a group (once: the wait re-runs this)
             for st in states:
-                st["committed"].append(st["open"])
-                st["open"] = []
+                if st["open"]:
+                    st["committed"].append(st["open"])
+                    st["open"] = []
 
         def older(st):  # every group but the n most recent must have completed
             return st["committed"][:max(len(st["committed"]) - n, 0)]
