@@ -48,7 +48,11 @@ SCHEDULES = {"tile": {"persistent": False},
                        "q_stage": 2},
              # CTA pairs multicasting their halves of each K/V tile (Note [K/V multicast])
              "multicast": {"persistent": False, "kv_multicast": True},
-             "multicast4": {"persistent": False, "kv_multicast": True, "kv_cluster": 4}}
+             "multicast4": {"persistent": False, "kv_multicast": True, "kv_cluster": 4},
+             # ... from one work tile to the next (Note [Persistent multicast])
+             "multicast_persistent": {"persistent": True, "kv_multicast": True},
+             "multicast_two_q": {"persistent": True, "kv_multicast": True,
+                                 "wg_epilogue": True, "q_stage": 2}}
 CASES = [
     (2, 300, 300, 4, 4, 128, 128, False, "tile"),
     (2, 300, 300, 4, 4, 128, 128, True, "static"),
@@ -69,6 +73,9 @@ CASES = [
     (1, 255, 1, 2, 2, 256, 256, False, "multicast"),  # one key
     (2, 500, 1000, 4, 2, 128, 128, False, "multicast4"),  # clusters of 4 m blocks
     (1, 500, 80, 2, 2, 256, 256, False, "multicast4"),  # a quarter of an 80-row tile each
+    (4, 500, 1000, 40, 8, 128, 128, False, "multicast_persistent"),  # 640 tiles on the SMs
+    (2, 700, 333, 36, 36, 64, 64, False, "multicast_two_q"),  # 288 tiles of 192 rows
+    (2, 255, 300, 70, 70, 256, 256, False, "multicast_persistent"),  # O in Q's buffer
 ]
 
 

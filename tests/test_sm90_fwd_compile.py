@@ -13,7 +13,7 @@ import pytest
 
 from fa_sm100.hopper.config import SM90_SMEM_BUDGET, sm90_fwd_config_from_overrides
 from fa_sm100.inspection import inspect_kernel
-from kept_sass import main_loop_ops, read_kept_sass
+from kept_sass import read_kept_sass
 
 
 def expected_hgmma(cfg) -> int:
@@ -119,29 +119,41 @@ def test_kv_multicast_multicasts_every_k_and_v_load(head_dim, tmp_path):
     multicast TMA load and Q's is not (TMA boxes are 64 elements wide: head_dim / 64 per
     tile; K and V are each loaded at two places, the tile's first and the overlapped loop's),
     and the main loop keeps the one-tile kernel's GEMMs, exp2s and barriers, with the K and V
-    releases as cluster-wide (remote) arrives instead of local ones."""
-    loops = {}
-    for name, extra in (("multicast", "kv_multicast=true"), ("one", "persistent=false")):
-        rep = inspect_kernel("sm90_fwd", "sm_90a", [f"head_dim={head_dim}", extra],
-                             keep_dir=tmp_path / name)
+    releases as cluster-wide (remote) arrives instead of local ones. Note [Persistent
+    multicast]: the same with persistent CTAs, whose tile loop holds the main loop."""
+    loops, tile_loops = {}, {}
+    variants = (("multicast", ["kv_multicast=true", "persistent=false"]),
+                ("one", ["persistent=false"]),
+                ("persistent", ["kv_multicast=true", "persistent=true"]))
+    for name, extra in variants:
+        overrides = [f"head_dim={head_dim}"] + extra
+        rep = inspect_kernel("sm90_fwd", "sm_90a", overrides, keep_dir=tmp_path / name)
         assert rep["spill_bytes"] == 0 and rep["local_bytes"] == 0
-        loops[name] = collections.Counter(main_loop_ops(read_kept_sass(tmp_path / name)))
-        if name == "multicast":
-            assert rep["config"]["kv_multicast"] and not rep["config"]["persistent"]
+        sass = read_kept_sass(tmp_path / name)
+        loops[name] = _main_kv_loop(sass)
+        tile_loops[name] = _tile_loops(sass)
+        if name != "one":
+            assert rep["config"]["kv_multicast"]
+            assert rep["config"]["persistent"] == (name == "persistent")
+            assert not rep["config"]["dynamic_schedule"]
             assert rep["cluster"] == [2, 1, 1]
             boxes = head_dim // 64
             ops = rep["sass"]
             assert ops.get("UTMALDG.MULTICAST", 0) == 2 * boxes + 2 * boxes, ops
-            assert ops["UTMALDG"] - ops["UTMALDG.MULTICAST"] == boxes, ops  # Q
-            assert ops["HGMMA"] == expected_hgmma(sm90_fwd_config_from_overrides(
-                [f"head_dim={head_dim}", extra]))
-    mc, one = loops["multicast"], loops["one"]
+            # Q: loaded at two places where the first K tile goes first (O in Q's buffer)
+            q_sites = 2 if rep["config"]["o_in_q_buffer"] or rep["config"]["k_before_q"] else 1
+            assert ops["UTMALDG"] - ops["UTMALDG.MULTICAST"] == q_sites * boxes, ops
+            assert ops["HGMMA"] == expected_hgmma(sm90_fwd_config_from_overrides(overrides))
+    one = loops["one"]
     kept = lambda ops: {k: v for k, v in ops.items()
                         if k.split(".")[0] in ("HGMMA", "MUFU", "BAR", "WARPGROUP")}
-    assert sum(mc.values()) > 100 and kept(mc) == kept(one), (mc - one, one - mc)
     local, remote = "SYNCS.ARRIVE.TRANS64.ART0", "SYNCS.ARRIVE.TRANS64.RED.ART0"
     assert one[local] == 2 and one[remote] == 0, one  # releases of K and V, in this CTA
-    assert mc[local] == 0 and mc[remote] == 2, mc  # ... in both CTAs of the cluster
+    for name in ("multicast", "persistent"):
+        mc = loops[name]
+        assert sum(mc.values()) > 100 and kept(mc) == kept(one), (name, mc - one, one - mc)
+        assert mc[local] == 0 and mc[remote] == 2, mc  # ... in both CTAs of the cluster
+    assert tile_loops["one"] == tile_loops["multicast"] == 0 < tile_loops["persistent"]
 
 
 def _hgmma_loops(sass: str) -> list:
@@ -157,6 +169,32 @@ def _hgmma_loops(sass: str) -> list:
         if hgmma:
             found.append((hgmma, len(body), ops))
     return found
+
+
+def _hgmma_bodies(sass: str) -> list:
+    """(first address, last address, opcode counts) of every loop that holds an HGMMA."""
+    from fa_sm100.compile_tools import sass_loops, sass_opcode
+
+    return [(body[0][0], body[-1][0], collections.Counter(sass_opcode(t) for _, t in body))
+            for body in sass_loops(sass)
+            if any(sass_opcode(t).startswith("HGMMA") for _, t in body)]
+
+
+def _tile_loops(sass: str) -> int:
+    """How many HGMMA loops hold another one: the persistent tile loops around the KV loops."""
+    bodies = _hgmma_bodies(sass)
+    return sum(any(a <= a2 and b2 <= b and (a, b) != (a2, b2) for a2, b2, _ in bodies)
+               for a, b, _ in bodies)
+
+
+def _main_kv_loop(sass: str) -> collections.Counter:
+    """Opcode counts of the KV loop with the most HGMMAs (ties: the shortest) among the loops
+    that hold no other loop with an HGMMA: the main loop, with or without a tile loop around."""
+    bodies = _hgmma_bodies(sass)
+    inner = [ops for a, b, ops in bodies
+             if not any(a <= a2 and b2 <= b and (a, b) != (a2, b2) for a2, b2, _ in bodies)]
+    hgmma = lambda ops: sum(n for op, n in ops.items() if op.startswith("HGMMA"))
+    return max(inner, key=lambda ops: (hgmma(ops), -sum(ops.values())))
 
 
 def _kv_loops(sass: str) -> list:

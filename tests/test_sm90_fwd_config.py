@@ -8,6 +8,7 @@ from fa_sm100.hopper.config import (
     MULTICAST_MIN_SEQLEN_K,
     SM90_HEAD_DIMS,
     SM90_SMEM_BUDGET,
+    TILE_BOUNDARY_MAX_SEQLEN_K,
     Sm90FwdConfig,
     select_sm90_fwd_config,
     sm90_fwd_config_from_overrides,
@@ -141,9 +142,9 @@ def test_sm90_fwd_rejects_before_launch():
 def test_seqlen_hints_pick_the_measured_schedule():
     """Persistent CTAs with the dynamic schedule (where a separate O buffer fits in SMEM):
     causal problems at every length; non-causal 128-row tiles (hdim 96, 128) at every length,
-    hdim 64 up to 4k and (192, 128) up to 2k keys; one tile per CTA otherwise. Short causal
-    hdim-64 rows: 128-row tiles."""
-    for head_dim, longest in ((64, 4096), (192, 2048), (256, 1024)):
+    hdim 64 up to 8k and (192, 128) up to 2k keys; one tile per CTA otherwise (without seqlen_q:
+    no multicast pairs). Short causal hdim-64 rows: 128-row tiles."""
+    for head_dim, longest in ((64, 8192), (192, 2048), (256, 1024)):
         assert select_sm90_fwd_config(head_dim, seqlen_k=longest).persistent
         assert not select_sm90_fwd_config(head_dim, seqlen_k=2 * longest).persistent
         assert not select_sm90_fwd_config(head_dim).persistent  # no length: no hint
@@ -182,23 +183,35 @@ def test_seqlen_hints_pick_the_measured_schedule():
 
 
 def test_kv_multicast_rules_and_default():
-    """Note [K/V multicast]: only non-causal one-tile-per-CTA kernels (ValueError otherwise);
-    the default turns it on for non-causal problems from MULTICAST_MIN_SEQLEN_K keys on whose
-    seqlen_q gives an even number of m blocks, and then runs one tile per CTA; never without
-    seqlen_q, for causal problems, or when persistence is asked for."""
+    """Note [K/V multicast]: only non-causal kernels, one tile per CTA or persistent pairs on
+    the static schedule (Note [Persistent multicast]; ValueError otherwise); the default turns
+    it on for non-causal problems from MULTICAST_MIN_SEQLEN_K keys on whose seqlen_q gives an
+    even number of m blocks, and then runs one tile per CTA; never without seqlen_q, for
+    causal problems, or when persistence alone is asked for."""
 
     with pytest.raises(ValueError, match="causal=False"):
         select_sm90_fwd_config(128, causal=True, kv_multicast=True)
-    with pytest.raises(ValueError, match="persistent=False"):
-        select_sm90_fwd_config(128, kv_multicast=True, persistent=True)
+    with pytest.raises(ValueError, match="dynamic_schedule=False"):
+        select_sm90_fwd_config(128, kv_multicast=True, persistent=True, dynamic_schedule=True)
+    with pytest.raises(ValueError, match="clusters of 2"):
+        select_sm90_fwd_config(128, kv_multicast=True, persistent=True, kv_cluster=4)
+    # Note [Persistent multicast]: pairs are persistent on the static schedule by default
     explicit = select_sm90_fwd_config(128, kv_multicast=True)
-    assert explicit.kv_multicast and not explicit.persistent and explicit.cluster == (2, 1, 1)
+    assert explicit.kv_multicast and explicit.persistent and not explicit.dynamic_schedule
+    assert explicit.cluster == (2, 1, 1) and explicit.own_o_buffer
+    one = select_sm90_fwd_config(128, kv_multicast=True, persistent=False)
+    assert one.kv_multicast and not one.persistent and one.cluster == (2, 1, 1)
+    fours = select_sm90_fwd_config(128, kv_multicast=True, kv_cluster=4)
+    assert fours.cluster == (4, 1, 1) and not fours.persistent  # clusters of 4: one tile each
+    assert select_sm90_fwd_config(256, kv_multicast=True).o_in_q_buffer
     assert select_sm90_fwd_config(128).cluster == (1, 1, 1)
     for head_dim, shortest in MULTICAST_MIN_SEQLEN_K.items():
         m = select_sm90_fwd_config(head_dim).m_block
         even_q = 2 * m * (shortest // (2 * m) + 1)
         on = select_sm90_fwd_config(head_dim, seqlen_k=shortest, seqlen_q=even_q)
-        assert on.kv_multicast and not on.persistent, head_dim
+        assert on.kv_multicast and on.persistent and not on.dynamic_schedule, head_dim
+        # the tile-boundary switches follow their own rule (up to TILE_BOUNDARY_MAX_SEQLEN_K)
+        assert on.wg_epilogue == (on.own_o_buffer and shortest <= TILE_BOUNDARY_MAX_SEQLEN_K)
         for off in (dict(seqlen_k=shortest // 2, seqlen_q=even_q),
                     dict(seqlen_k=shortest, seqlen_q=even_q - m),  # odd m blocks
                     dict(seqlen_k=shortest),  # no seqlen_q
@@ -214,8 +227,8 @@ def test_kv_multicast_needs_an_even_number_of_m_blocks():
     """A given multicast config groups the CTAs of m blocks 2c and 2c+1 of a head (or four
     blocks with kv_cluster=4); a count that does not divide would group blocks of two heads
     (different K/V): ValueError before any launch."""
-    cfg = select_sm90_fwd_config(128, kv_multicast=True)
-    cfg4 = cfg.replace(kv_cluster=4)  # a whole number of four-block groups
+    cfg = select_sm90_fwd_config(128, kv_multicast=True)  # persistent pairs
+    cfg4 = select_sm90_fwd_config(128, kv_multicast=True, kv_cluster=4)  # four-block groups
     k, v = (torch.randn(1, 300, 2, 128, dtype=torch.bfloat16) for _ in range(2))
     cases = [(cfg, 256, True), (cfg, 255, True), (cfg, 129, True), (cfg, 257, False),
              (cfg, 1, False), (cfg4, 512, True), (cfg4, 385, True), (cfg4, 256, False),
@@ -289,11 +302,15 @@ def test_tile_boundary_switches_by_default_where_measured_and_where_they_fit():
         cfg = select_sm90_fwd_config(head_dim, causal=True, seqlen_k=1024, seqlen_q=1024)
         assert cfg.persistent and both(cfg) == (False, 1), cfg
     assert select_sm90_fwd_config(256, causal=True, seqlen_k=1024).o_in_q_buffer
-    # one tile per CTA (given, or non-causal hdim 64 beyond 4k, or K/V multicast): neither
+    # one tile per CTA (given, non-causal hdim 64 beyond 8k without multicast pairs, K/V
+    # multicast in clusters of 4): neither
     for cfg in (select_sm90_fwd_config(128, causal=True, seqlen_k=1024, persistent=False),
-                select_sm90_fwd_config(64, seqlen_k=8192, seqlen_q=8192),
-                select_sm90_fwd_config(128, seqlen_k=16384, seqlen_q=16384)):
+                select_sm90_fwd_config(64, seqlen_k=16384, seqlen_q=16384 - 192),
+                select_sm90_fwd_config(128, seqlen_k=8192, seqlen_q=8192, kv_cluster=4)):
         assert not cfg.persistent and both(cfg) == (False, 1), cfg
+    # persistent multicast pairs (Note [Persistent multicast]) take both up to 8k keys
+    pairs = select_sm90_fwd_config(128, seqlen_k=8192, seqlen_q=8192)
+    assert pairs.kv_multicast and pairs.persistent and both(pairs) == (True, 2)
     # each alone, by override
     assert both(select_sm90_fwd_config(128, causal=True, seqlen_k=1024, q_stage=1)) == (True, 1)
     assert both(select_sm90_fwd_config(128, causal=True, seqlen_k=1024,

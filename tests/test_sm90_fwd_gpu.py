@@ -288,7 +288,7 @@ def test_sm90_fwd_kv_multicast_matches_float64_reference(sm90_device, head_dims,
 
     d, dv = head_dims
     cfg = select_sm90_fwd_config(d, dv, causal=False, write_lse=True, kv_multicast=True,
-                                 kv_cluster=cluster)
+                                 kv_cluster=cluster, persistent=False)
     assert cfg.kv_multicast and not cfg.persistent and cfg.cluster == (cluster, 1, 1)
     gen = torch.Generator(device="cuda")
     gen.manual_seed(zlib.crc32(f"multicast{d}-{cluster}".encode()))
@@ -297,6 +297,39 @@ def test_sm90_fwd_kv_multicast_matches_float64_reference(sm90_device, head_dims,
     # clusters of m blocks
     shapes = [(2, 2 * c * m - 17, 777, 8, 2), (1, c * m, 1, 2, 1), (3, c * m - 1, 4097, 4, 4),
               (1, 4 * c * m, 2 * cfg.n_block, 6, 3)]
+    assert all(cfg.pairs_m_blocks(sq) for _, sq, *_ in shapes)
+    for shape in shapes:
+        _check_one(shape, head_dims, torch.bfloat16, False, gen, config=cfg)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dims,boundary",
+                         [(hd, False) for hd in HEAD_DIMS]
+                         + [((64, 64), True), ((96, 96), True), ((128, 128), True)],
+                         ids=lambda p: f"d{p[0]}_{p[1]}" if isinstance(p, tuple) else
+                         ("boundary" if p else "plain"))
+def test_sm90_fwd_persistent_multicast_matches_float64_reference(sm90_device, head_dims,
+                                                                 boundary):
+    """Note [Persistent multicast]: persistent CTA pairs on the static schedule, multicasting
+    their halves of every K/V tile from one work tile to the next, compute the same O and LSE
+    (NaN-poisoned first) for every head-dim pair, also with each warpgroup storing its own O
+    and two Q stages (``boundary``) and with O staged in Q's buffer (hdim 256): more tiles than
+    CTAs (two to four tiles per CTA, uneven between clusters), fewer tiles than CTAs, one key,
+    a ragged last m block and KV tile, GQA and MQA."""
+    from fa_sm100.hopper.config import select_sm90_fwd_config
+
+    d, dv = head_dims
+    extra = {"wg_epilogue": True, "q_stage": 2} if boundary else {}
+    cfg = select_sm90_fwd_config(d, dv, causal=False, write_lse=True, kv_multicast=True,
+                                 persistent=True, **extra)
+    assert cfg.kv_multicast and cfg.persistent and not cfg.dynamic_schedule
+    assert cfg.wg_epilogue == boundary and cfg.q_stage == (2 if boundary else 1)
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(zlib.crc32(f"persistent-multicast{d}-{boundary}".encode()))
+    m = cfg.m_block
+    # (batch, seqlen_q, seqlen_k, heads_q, heads_kv): 512, 288, 2 and 24 tiles on 132 SMs
+    shapes = [(8, 4 * m - 5, 1000, 16, 4), (2, 6 * m, 300, 24, 24), (1, 2 * m, 1, 2, 1),
+              (3, 2 * m - 1, 4097, 4, 1)]
     assert all(cfg.pairs_m_blocks(sq) for _, sq, *_ in shapes)
     for shape in shapes:
         _check_one(shape, head_dims, torch.bfloat16, False, gen, config=cfg)

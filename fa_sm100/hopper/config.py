@@ -102,8 +102,8 @@ class Sm90FwdConfig:
     k_before_q: bool = False
     # CTAs of neighbouring m blocks of one (batch, head) run as a cluster of kv_cluster; each
     # loads its share of every K/V tile and multicasts it to all (Note [K/V multicast] in
-    # fwd_kernel.py). Non-causal, one tile per CTA, and a whole number of clusters of m blocks
-    # per head.
+    # fwd_kernel.py). Non-causal, a whole number of clusters of m blocks per head, and one
+    # tile per CTA or persistent pairs on the static schedule (Note [Persistent multicast]).
     kv_multicast: bool = False
     # CTAs per cluster under kv_multicast: each loads 1/kv_cluster of every K / V tile (4
     # measured 6-8% slower than 2 on the H100: docs/hopper.md, round 11)
@@ -230,9 +230,15 @@ class Sm90FwdConfig:
             raise ValueError("kv_multicast=True needs causal=False (the CTAs of a cluster load "
                              "the same K/V tiles; causal tiles of neighbouring m blocks see "
                              "different numbers of them)")
-        if self.kv_multicast and self.persistent:
-            raise ValueError("kv_multicast=True needs persistent=False (a cluster's CTAs take "
-                             "one work tile each)")
+        if self.kv_multicast and self.dynamic_schedule:
+            raise ValueError("kv_multicast=True needs dynamic_schedule=False (the CTAs of a "
+                             "cluster must take neighbouring m blocks of one head, tile after "
+                             "tile: every gridDim.x-th tile, not the next from a counter)")
+        if self.kv_multicast and self.persistent and self.kv_cluster != KV_CLUSTER:
+            raise ValueError(f"kv_cluster={self.kv_cluster} with persistent=True: persistent "
+                             f"multicast CTAs come in clusters of {KV_CLUSTER} (a persistent "
+                             "grid must fit on the GPU at once; clusters of 4 may leave SMs of "
+                             "a GPC unused)")
         if isinstance(self.kv_cluster, bool) or self.kv_cluster not in KV_CLUSTERS:
             raise ValueError(f"kv_cluster={self.kv_cluster!r}: must be one of {KV_CLUSTERS}")
         if self.rescale_o_before_pv and not self.intra_wg_overlap:
@@ -294,8 +300,12 @@ def default_tile(head_dim: int) -> tuple[int, int]:
 # (Every gridDim.x-th tile instead, causal: 0.79x-0.98x; non-causal on H200: 1.005x / 0.995x
 # at 4k / 16k.) So: causal always, 128-row non-causal tiles (hdim 96, 128) always, the others
 # up to PERSISTENT_MAX_SEQLEN_K; with O in its own SMEM buffer where it fits (hdim 128 causal,
-# O in Q's buffer instead: 0.938x at 1k, 0.994x at 4k), else in Q's.
-PERSISTENT_MAX_SEQLEN_K = {64: 4096, 96: None, 128: None, 192: 2048, 256: 1024}  # None: any
+# O in Q's buffer instead: 0.938x at 1k, 0.994x at 4k), else in Q's. hdim 64 non-causal 8k
+# (43 m blocks: no multicast pairs) since round 19: persistent + dynamic with both tile-boundary
+# switches over one tile per CTA +1.5% / +2.1% (H100, paired, 20 / 12 rounds; +0.5% in round
+# 15), 1.6% fewer cycles under Nsight Compute. Multicast pairs are persistent too (Note
+# [Persistent multicast], MULTICAST_MIN_SEQLEN_K below).
+PERSISTENT_MAX_SEQLEN_K = {64: 8192, 96: None, 128: None, 192: 2048, 256: 1024}  # None: any
 # Causal problems up to this seqlen_k use 128-row tiles even where 192 is the default.
 SHORT_CAUSAL_SEQLEN_K = 1024
 # Ping-pong (Note [Ping-pong] in fwd_consumer.py) by default up to this head dim: hdim 64's
@@ -309,11 +319,14 @@ PINGPONG_MAX_HEAD_DIM = 64
 # multicast] in fwd_kernel.py), when seqlen_q gives an even number of m blocks. Measured on
 # H100 (bf16, 16k tokens; paired timing, multicast over the previous default): hdim 128
 # 0.999x (4k), 1.004x (8k), 1.015x (16k) over persistent + dynamic; hdim 256 1.018x (2k, wide
-# rounds), 1.010x (4k), 1.004x (16k) and hdim 64 1.005x (16k) over one tile per CTA. hdim 128
-# from 16k since round 16: with the rescale threshold, persistent + dynamic with the tile
-# boundary switches measured +2.4% / +2.2% over multicast at 8k (10 / 16 rounds; one tile per
-# CTA without multicast +2.8% / +2.0%), at 16k +1.4% / +0.8% with rounds 0.91-1.15 (kept).
-MULTICAST_MIN_SEQLEN_K = {64: 8192, 128: 16384, 256: 2048}
+# rounds), 1.010x (4k), 1.004x (16k) and hdim 64 1.005x (16k) over one tile per CTA (all with
+# one tile per CTA). Since round 19 the pairs are persistent (Note [Persistent multicast]:
+# static schedule, clusters of 2), over one multicast tile per CTA (10 rounds, two runs where
+# two numbers): hdim 64 16k +2.6% / +1.0%; hdim 256 2k +2.4%, 4k +3.0%, 8k +0.8%, 16k +1.8%;
+# hdim 128 16k +2.9% / +2.7%; and hdim 128 from 8k again: with the tile-boundary switches
+# +2.6% over persistent + dynamic there. Not at hdim 128 2k / 4k (-0.8% to +0.2% over
+# persistent + dynamic), hdim 64 4k (-1.5% / -0.3%) or hdim 256 1k (+0.1%).
+MULTICAST_MIN_SEQLEN_K = {64: 8192, 128: 8192, 256: 2048}
 # Persistent CTAs with O's own buffer cross work tiles faster with ``wg_epilogue`` (Note
 # [Warpgroup epilogues] in fwd_consumer.py) and two Q stages (Note [Two Q stages] in
 # fwd_kernel.py), where both fit in SMEM, up to this seqlen_k. Measured on H100 (bf16, 16k
@@ -341,13 +354,15 @@ def select_sm90_fwd_config(head_dim: int = 128, head_dim_v=None, dtype="bfloat16
     """The default SM90 config for a problem, with ``overrides`` applied, validated.
 
     ``head_dim_v`` defaults to ``fa_sm100.config.default_head_dim_v(head_dim)`` (128 for 192).
-    Persistent CTAs with the dynamic schedule, where they fit in SMEM: for causal problems
+    ``kv_multicast`` for non-causal problems from ``MULTICAST_MIN_SEQLEN_K`` keys on whose
+    ``seqlen_q`` (optional: without it, no) gives a whole number of clusters of m blocks,
+    unless ``persistent`` or it is given; multicast pairs are persistent on the static
+    schedule where they fit (Note [Persistent multicast]; clusters of 2 only). Otherwise
+    persistent CTAs with the dynamic schedule, where they fit in SMEM: for causal problems
     always; for non-causal ones when ``PERSISTENT_MAX_SEQLEN_K`` of the head dim is None or
     ``seqlen_k`` (optional: without it, no) is at most that. ``dynamic_schedule`` follows
-    ``persistent``, and ``o_in_q_buffer`` "persistent, and O's own buffer does not fit",
-    unless overridden themselves. ``kv_multicast`` (then one tile per CTA) for non-causal
-    problems from ``MULTICAST_MIN_SEQLEN_K`` keys on whose ``seqlen_q`` (optional: without it,
-    no) gives a whole number of clusters of m blocks, unless ``persistent`` or it is given.
+    ``persistent`` (but not under multicast), and ``o_in_q_buffer`` "persistent, and O's own
+    buffer does not fit", unless overridden themselves.
     ``skip_empty_wg`` where the last m block has an empty consumer warpgroup (or ``seqlen_q`` is
     not given), unless it is given. ``wg_epilogue`` and ``q_stage=2`` for persistent CTAs with
     O's own buffer up to ``TILE_BOUNDARY_MAX_SEQLEN_K`` keys (optional: without it, no) where
@@ -395,14 +410,17 @@ def select_sm90_fwd_config(head_dim: int = 128, head_dim_v=None, dtype="bfloat16
     if "skip_empty_wg" not in overrides:  # Note [Empty warpgroups]: only if there is one
         cfg = cfg.replace(skip_empty_wg=seqlen_q is None or cfg.has_empty_wg(seqlen_q))
     persistent = schedule.get("persistent")
-    if persistent is None:
+    if persistent is None and multicast:  # Note [Persistent multicast]: pairs of 2 only
+        persistent = fits and cfg.kv_cluster == KV_CLUSTER
+    elif persistent is None:
         longest = PERSISTENT_MAX_SEQLEN_K.get(head_dim, 0)  # unknown head dims: validate() says
         wanted = causal or longest is None or (seqlen_k is not None and seqlen_k <= longest)
-        persistent = wanted and fits and not multicast  # a cluster's CTAs take one tile each
+        persistent = wanted and fits
     cfg = cfg.replace(
         kv_multicast=multicast,
         persistent=persistent,
-        dynamic_schedule=schedule.get("dynamic_schedule", persistent),
+        # a multicast cluster's CTAs walk their tiles together: the static schedule
+        dynamic_schedule=schedule.get("dynamic_schedule", persistent and not multicast),
         o_in_q_buffer=schedule.get("o_in_q_buffer", persistent and not fits_own_o),
     )
     # Crossing work tiles (TILE_BOUNDARY_MAX_SEQLEN_K): both switches where both fit.

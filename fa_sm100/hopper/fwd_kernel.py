@@ -30,6 +30,16 @@ the KV loop). Persistent CTAs with O's own buffer only (one tile per CTA has no 
 in Q's buffer would overwrite it). Costs one more Q tile of SMEM: 225 KiB at hdim 128, no room
 at (192, 128) or hdim 256.
 
+Note [Persistent multicast]: ``kv_multicast`` with ``persistent`` (static schedule, clusters
+of 2): the grid is the SM count rounded down to whole clusters, so with an even tile count
+(whole clusters of m blocks per head) CTA 2c + r takes tiles 2c + r + i * gridDim.x, i = 0, 1,
+...: at every step the two CTAs of a cluster hold m blocks 2j and 2j + 1 of one (batch, head),
+visit the same K/V tiles in the same order and run the same number of steps, so the K/V ring's
+multicast protocol (Note [K/V multicast]) simply continues from one tile to the next, and each
+producer waits for the peer's last releases once, after its last tile. A dynamic schedule would
+have to hand both CTAs the same pair; it is refused. Each CTA stages and stores its own O and
+loads its own Q, as any persistent CTA.
+
 Note [Dynamic tile schedule]: a persistent CTA starts with work tile blockIdx.x. With
 ``dynamic_schedule`` it then takes the next tile from a global counter instead of every
 gridDim.x-th one, so CTAs whose tiles were short (causal tiles near the diagonal) take more of
@@ -220,6 +230,8 @@ class Sm90FwdKernel(ConsumerRole):
         grid_x = total_tiles
         if const_expr(cfg.persistent):
             grid_x = cutlass.min(total_tiles, num_ctas)
+            if const_expr(cfg.kv_multicast):  # Note [Persistent multicast]: whole clusters
+                grid_x = grid_x // cfg.kv_cluster * cfg.kv_cluster
         scale_log2 = softmax_scale * LOG2_E
         self.kernel(
             tma_mQ, tma_mK, tma_mV, tma_mO, mLSE, mTileCounter, total_tiles,
@@ -390,9 +402,9 @@ class Sm90FwdKernel(ConsumerRole):
             state, q_state = self.producer_tile(
                 mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v,
                 cute.arch.block_idx()[0], l2_heads, state, q_state)
-            if const_expr(cfg.kv_multicast):  # Note [K/V multicast]: the peer's last releases
-                pipe_k.producer_tail(state.clone())
-                pipe_v.producer_tail(state)
+        if const_expr(cfg.kv_multicast):  # Note [K/V multicast]: the peer's last releases
+            pipe_k.producer_tail(state.clone())
+            pipe_v.producer_tail(state)
 
     @cute.jit
     def publish_next_tile(self, mTileCounter, pipe_tile, sTile, tile_state, total_tiles: Int32):
