@@ -236,9 +236,10 @@ class Sm90FwdConfig:
                              "tile: every gridDim.x-th tile, not the next from a counter)")
         if self.kv_multicast and self.persistent and self.kv_cluster != KV_CLUSTER:
             raise ValueError(f"kv_cluster={self.kv_cluster} with persistent=True: persistent "
-                             f"multicast CTAs come in clusters of {KV_CLUSTER} (a persistent "
-                             "grid must fit on the GPU at once; clusters of 4 may leave SMs of "
-                             "a GPC unused)")
+                             f"multicast CTAs come in clusters of {KV_CLUSTER} (the "
+                             "persistent grid is sized for every CTA to run at once, which "
+                             "clusters of 4 may not: a GPC whose SM count is not a multiple of "
+                             "4 leaves SMs out)")
         if isinstance(self.kv_cluster, bool) or self.kv_cluster not in KV_CLUSTERS:
             raise ValueError(f"kv_cluster={self.kv_cluster!r}: must be one of {KV_CLUSTERS}")
         if self.rescale_o_before_pv and not self.intra_wg_overlap:
