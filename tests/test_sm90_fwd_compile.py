@@ -156,45 +156,44 @@ def test_kv_multicast_multicasts_every_k_and_v_load(head_dim, tmp_path):
     assert tile_loops["one"] == tile_loops["multicast"] == 0 < tile_loops["persistent"]
 
 
-def _hgmma_loops(sass: str) -> list:
-    """(HGMMAs, instructions, opcode counts) of every loop of the SASS that holds an HGMMA, in
-    address order: the KV loops of the main loop and, with persistent CTAs, the tile loop
-    around them."""
-    from fa_sm100.compile_tools import sass_loops, sass_opcode
-
-    found = []
-    for body in sass_loops(sass):
-        ops = collections.Counter(sass_opcode(t) for _, t in body)
-        hgmma = sum(n for op, n in ops.items() if op.startswith("HGMMA"))
-        if hgmma:
-            found.append((hgmma, len(body), ops))
-    return found
+def _hgmma_count(ops: collections.Counter) -> int:
+    return sum(n for op, n in ops.items() if op.startswith("HGMMA"))
 
 
 def _hgmma_bodies(sass: str) -> list:
-    """(first address, last address, opcode counts) of every loop that holds an HGMMA."""
+    """(first address, last address, opcode counts) of every loop of the SASS that holds an
+    HGMMA, in address order: the KV loops of the main loop and, with persistent CTAs, the tile
+    loop around them."""
     from fa_sm100.compile_tools import sass_loops, sass_opcode
 
-    return [(body[0][0], body[-1][0], collections.Counter(sass_opcode(t) for _, t in body))
-            for body in sass_loops(sass)
-            if any(sass_opcode(t).startswith("HGMMA") for _, t in body)]
+    bodies = [(body[0][0], body[-1][0], collections.Counter(sass_opcode(t) for _, t in body))
+              for body in sass_loops(sass)]
+    return [b for b in bodies if _hgmma_count(b[2])]
+
+
+def _hgmma_loops(sass: str) -> list:
+    """(HGMMAs, instructions, opcode counts) of each loop of ``_hgmma_bodies``."""
+    return [(_hgmma_count(ops), sum(ops.values()), ops) for _, _, ops in _hgmma_bodies(sass)]
+
+
+def _holds_another(body, bodies) -> bool:
+    """Whether the loop ``body`` (of ``_hgmma_bodies``) holds another of ``bodies``."""
+    a, b, _ = body
+    return any(a <= a2 and b2 <= b and (a, b) != (a2, b2) for a2, b2, _ in bodies)
 
 
 def _tile_loops(sass: str) -> int:
     """How many HGMMA loops hold another one: the persistent tile loops around the KV loops."""
     bodies = _hgmma_bodies(sass)
-    return sum(any(a <= a2 and b2 <= b and (a, b) != (a2, b2) for a2, b2, _ in bodies)
-               for a, b, _ in bodies)
+    return sum(_holds_another(body, bodies) for body in bodies)
 
 
 def _main_kv_loop(sass: str) -> collections.Counter:
     """Opcode counts of the KV loop with the most HGMMAs (ties: the shortest) among the loops
     that hold no other loop with an HGMMA: the main loop, with or without a tile loop around."""
     bodies = _hgmma_bodies(sass)
-    inner = [ops for a, b, ops in bodies
-             if not any(a <= a2 and b2 <= b and (a, b) != (a2, b2) for a2, b2, _ in bodies)]
-    hgmma = lambda ops: sum(n for op, n in ops.items() if op.startswith("HGMMA"))
-    return max(inner, key=lambda ops: (hgmma(ops), -sum(ops.values())))
+    inner = [body[2] for body in bodies if not _holds_another(body, bodies)]
+    return max(inner, key=lambda ops: (_hgmma_count(ops), -sum(ops.values())))
 
 
 def _kv_loops(sass: str) -> list:
