@@ -24,6 +24,20 @@ launchers) is flagged "launch-bound": back-to-back calls then time the host. Dri
 and power between rounds cancel in these ratios; in this project's runs on an H200, a 1-2%
 effect that the benchmark grid's medians could not separate from noise (cells moving by up
 to 12% between runs) showed up with paired ranges of +-1% (docs/hopper_backward.md).
+
+Two probes beside the config variants:
+
+- ``--fa4-variant NAME:field=value,...`` (forward) also times FlashAttention-4's forward with
+  its own tile choices (``flash_attn.cute.interface._flash_attn_fwd``'s ``tile_mn``,
+  ``mma_pv_is_rs``, ``intra_wg_overlap``), checked like every provider: is an option that
+  FA4 does not take by default faster in FA4 itself?
+
+      python scripts/ab_bench.py --mode fwd --hdim 64 --seqlen 16384 --causal false \
+          --fa4-variant ss192:tile_mn=192x192,mma_pv_is_rs=false
+
+- ``--heads N [N ...]`` replaces the cell's head count (hidden 2048 / head dim) with each N
+  (the batch stays 16k tokens / seqlen): the number of CTAs, and so how whole the last wave
+  of CTAs on the GPU's SMs is, changes while the work per CTA does not.
 """
 
 from __future__ import annotations
@@ -47,6 +61,8 @@ from fa_sm100.benchmarking import (calls_per_round, error_text, events_ms,  # no
 TOKENS = 16384
 HIDDEN = 2048
 LAUNCH_CHECK_CALLS = 16  # calls timed host-side for the launch-bound check
+# FlashAttention-4 forward options --fa4-variant may set (values: _fa4_value)
+FA4_FWD_FIELDS = ("tile_mn", "mma_pv_is_rs", "intra_wg_overlap")
 
 
 def _bool_list(text: str):
@@ -64,6 +80,12 @@ def parse_args(argv=None):
                    help="both (default), true or false")
     p.add_argument("--variant", action="append", default=[], metavar="NAME:FIELD=VALUE[,...]",
                    help="a config to compare with the default (repeatable)")
+    p.add_argument("--fa4-variant", action="append", default=[],
+                   metavar="NAME:FIELD=VALUE[,...]",
+                   help="forward: FlashAttention-4 with these options of its own (fields "
+                        f"{', '.join(FA4_FWD_FIELDS)}; tile_mn as MxN), repeatable")
+    p.add_argument("--heads", type=int, nargs="+", default=None,
+                   help="heads per cell (default: hidden 2048 / head dim); each value is a cell")
     p.add_argument("--rounds", type=int, default=12)
     p.add_argument("--round-ms", type=float, default=150.0,
                    help="length of one measurement of the default (sets the calls per round)")
@@ -73,13 +95,21 @@ def parse_args(argv=None):
     if a.rounds < 2:
         p.error("--rounds must be at least 2")
     names = set()
-    for spec in a.variant:
-        name, sep, fields = spec.partition(":")
-        if not sep or not name or not fields:
-            p.error(f"--variant {spec!r}: expected NAME:field=value[,field=value]")
-        if name in names or name in ("default", "fa4"):
-            p.error(f"--variant name {name!r} is taken")
-        names.add(name)
+    for flag, specs in (("--variant", a.variant), ("--fa4-variant", a.fa4_variant)):
+        for spec in specs:
+            name, sep, fields = spec.partition(":")
+            if not sep or not name or not fields:
+                p.error(f"{flag} {spec!r}: expected NAME:field=value[,field=value]")
+            if name in names or name in ("default", "fa4"):
+                p.error(f"{flag} name {name!r} is taken")
+            names.add(name)
+    if a.fa4_variant and a.mode != "fwd":
+        p.error("--fa4-variant times FlashAttention-4's forward: use it with --mode fwd")
+    if a.fa4_variant and a.no_fa4:
+        p.error("--fa4-variant needs FlashAttention-4: leave out --no-fa4")
+    for h in a.heads or ():
+        if h < 1:
+            p.error(f"--heads {h}: must be at least 1")
     for d in a.hdim:
         if HIDDEN % d:
             p.error(f"--hdim {d} does not divide the hidden size {HIDDEN}")
@@ -98,6 +128,51 @@ def parse_variants(specs, mode):
 
     cls = BwdConfig if mode == "bwd" else Sm90FwdConfig
     return [parse_variant(spec, cls) for spec in specs]
+
+
+def _fa4_value(field: str, text: str):
+    """One --fa4-variant value: ``tile_mn`` as MxN (two positive multiples of 16), the others
+    booleans (true/false)."""
+    if field == "tile_mn":
+        m, sep, n = text.lower().partition("x")
+        if not (sep and m.isdigit() and n.isdigit()) or int(m) % 16 or int(n) % 16 or \
+                not int(m) or not int(n):
+            raise ValueError(f"tile_mn={text!r}: expected MxN, two positive multiples of 16 "
+                             "(e.g. 192x192)")
+        return (int(m), int(n))
+    flag = {"true": True, "false": False}.get(text.lower())
+    if flag is None:
+        raise ValueError(f"{field}={text!r}: expected true or false")
+    return flag
+
+
+def parse_fa4_variants(specs):
+    """[(name, {FA4 forward option: value})] from ``NAME:field=value,...``; a field FA4's
+    forward does not take here (``FA4_FWD_FIELDS``) or a bad value raises ValueError (before
+    any GPU work)."""
+    out = []
+    for spec in specs:
+        name, _, text = spec.partition(":")
+        fields = {}
+        for item in filter(None, text.split(",")):
+            field, sep, value = item.partition("=")
+            if not sep or field not in FA4_FWD_FIELDS:
+                raise ValueError(f"--fa4-variant {spec!r}: {item!r} is not field=value with a "
+                                 f"field of {FA4_FWD_FIELDS}")
+            fields[field] = _fa4_value(field, value)
+        out.append((name, fields))
+    return out
+
+
+def fa4_forward_call(fa4_fwd, q, k, v, causal, fields):
+    """The no-argument call that runs FlashAttention-4's forward ``fa4_fwd`` (its
+    ``_flash_attn_fwd``) on q, k, v with the options ``fields`` and returns the output."""
+    return lambda: fa4_fwd(q, k, v, causal=causal, **fields)[0]
+
+
+def cell_heads(d, heads):
+    """The cell's head counts: ``heads`` (--heads) or hidden / head dim."""
+    return heads or [HIDDEN // d]
 
 
 def cell_config(mode, d, s, causal, fields):
@@ -121,11 +196,11 @@ def _benchmark_script():
     return mod
 
 
-def fwd_cell(d, s, causal, variants, with_fa4, torch):
+def fwd_cell(d, s, causal, h, variants, fa4_variants, with_fa4, torch):
     """Runs of one forward cell ({name: no-argument call}) and the check of their output."""
     from fa_sm100.hopper.interface import prepare_sm90_fwd
 
-    b, h = TOKENS // s, HIDDEN // d
+    b = TOKENS // s
     q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     runs = {name: prepare_sm90_fwd(q, k, v, causal=causal,
                                    config=cell_config("fwd", d, s, causal, fields))
@@ -134,6 +209,11 @@ def fwd_cell(d, s, causal, variants, with_fa4, torch):
         from flash_attn.cute import flash_attn_func as fa4
 
         runs["fa4"] = lambda: fa4(q, k, v, causal=causal)
+    if fa4_variants:
+        from flash_attn.cute.interface import _flash_attn_fwd
+
+        for name, fields in fa4_variants:
+            runs[name] = fa4_forward_call(_flash_attn_fwd, q, k, v, causal, fields)
     bench = _benchmark_script()
 
     def check(out):
@@ -142,14 +222,15 @@ def fwd_cell(d, s, causal, variants, with_fa4, torch):
     return runs, check
 
 
-def bwd_cell(d, s, causal, variants, with_fa4, torch):
-    """Runs of one backward cell and the check of their gradients."""
+def bwd_cell(d, s, causal, h, variants, fa4_variants, with_fa4, torch):
+    """Runs of one backward cell and the check of their gradients (``fa4_variants``: forward
+    only, always empty here)."""
     from fa_sm100.config import default_head_dim_v
     from fa_sm100.hopper import bwd_bench
     from fa_sm100.hopper.bwd_interface import sm90_bwd
     from fa_sm100.hopper.interface import sm90_fwd
 
-    b, h, dv = TOKENS // s, HIDDEN // d, default_head_dim_v(d)
+    b, dv = TOKENS // s, default_head_dim_v(d)
     q, k = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     v, dout = (torch.randn(b, s, h, dv, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     fa4 = bwd_bench._fa4_fn()[0] if with_fa4 else None
@@ -185,10 +266,12 @@ def format_cell(label, times, calls):
 
 def main(argv=None):
     a = parse_args(argv)
-    cells = [(d, s, c) for d in a.hdim for s in a.seqlen for c in a.causal]
+    cells = [(d, s, c, h) for d in a.hdim for s in a.seqlen for c in a.causal
+             for h in cell_heads(d, a.heads)]
     try:  # every config of the run, before any GPU work
         variants = parse_variants(a.variant, a.mode)
-        for d, s, causal in cells:
+        fa4_variants = parse_fa4_variants(a.fa4_variant)
+        for d, s, causal, _ in cells:
             for name, fields in variants:
                 cell_config(a.mode, d, s, causal, fields)
     except ValueError as e:
@@ -202,13 +285,16 @@ def main(argv=None):
         return 2
     make = bwd_cell if a.mode == "bwd" else fwd_cell
     rows = []
-    for i, (d, s, causal) in enumerate(cells):
-        label = f"[{i + 1}/{len(cells)}] {a.mode} hdim {d} seqlen {s} {'causal' if causal else 'non-causal'}"
+    for i, (d, s, causal, h) in enumerate(cells):
+        label = (f"[{i + 1}/{len(cells)}] {a.mode} hdim {d} seqlen {s} "
+                 f"{'causal' if causal else 'non-causal'}")
+        if a.heads:
+            label += f" heads {h}"
         t0 = time.time()
         print(f"{label}: compiling and checking ...", flush=True)
         torch.manual_seed(i)
         try:
-            runs, check = make(d, s, causal, variants, not a.no_fa4, torch)
+            runs, check = make(d, s, causal, h, variants, fa4_variants, not a.no_fa4, torch)
             for name, run in runs.items():
                 wrong = check(run())
                 torch.cuda.synchronize()
@@ -232,12 +318,13 @@ def main(argv=None):
                 print(f"  WARNING {name}: launch-bound (the host takes {host_ms:.3f} ms to issue "
                       f"a call that runs {gpu_ms:.3f} ms): its time is the host's, not the "
                       "kernels'; use a longer --seqlen", flush=True)
-        rows.append({"mode": a.mode, "head_dim": d, "seqlen": s, "causal": causal,
-                     "calls": calls, "ms": times, "host_ms": {n: h for n, (h, _) in host.items()},
+        rows.append({"mode": a.mode, "head_dim": d, "seqlen": s, "causal": causal, "heads": h,
+                     "calls": calls, "ms": times, "host_ms": {n: ms for n, (ms, _) in host.items()},
                      "speedup_vs_default": paired_speedups(times, "default")})
         if a.json:
             with open(a.json, "w") as f:
                 json.dump({"device": torch.cuda.get_device_name(), "variants": a.variant,
+                           "fa4_variants": a.fa4_variant,
                            "rows": rows}, f, indent=1)
         del runs, check
         torch.cuda.empty_cache()

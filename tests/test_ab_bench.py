@@ -81,7 +81,14 @@ def test_bad_variants_stop_before_any_gpu_work(argv, message, capsys, monkeypatc
 
 
 @pytest.mark.parametrize("argv", [["--variant", "bad"], ["--variant", "default:tile_m=64"],
-                                  ["--rounds", "1"], ["--hdim", "96"], ["--seqlen", "3000"]])
+                                  ["--rounds", "1"], ["--hdim", "96"], ["--seqlen", "3000"],
+                                  ["--heads", "16", "0"],
+                                  ["--mode", "fwd", "--fa4-variant", "ss"],
+                                  ["--mode", "fwd", "--fa4-variant", "fa4:tile_mn=192x192"],
+                                  ["--mode", "fwd", "--variant", "x:persistent=true",
+                                   "--fa4-variant", "x:tile_mn=192x192"],
+                                  ["--mode", "bwd", "--fa4-variant", "ss:tile_mn=192x192"],
+                                  ["--mode", "fwd", "--no-fa4", "--fa4-variant", "ss:tile_mn=192x192"]])
 def test_malformed_arguments_are_usage_errors(argv):
     with pytest.raises(SystemExit) as e:
         _script().parse_args(argv)
@@ -116,3 +123,42 @@ def test_paired_ratio_takes_the_fastest_peer_of_each_round():
     assert paired_ratio({"ours": [1.0, 2.0], "fa4": []}, "ours", ["fa4", "cudnn"]) is None
     assert paired_ratio({"ours": [1.0, 2.0], "fa4": [0.5]}, "ours", ["fa4"]) == 0.5
     assert paired_ratio({"ours": [], "fa4": [1.0]}, "ours", ["fa4"]) is None
+
+
+def test_fa4_variants_become_options_of_fa4s_forward():
+    ab = _script()
+    got = ab.parse_fa4_variants(["ss192:tile_mn=192x192,mma_pv_is_rs=false",
+                                 "noov:intra_wg_overlap=False"])
+    assert got == [("ss192", {"tile_mn": (192, 192), "mma_pv_is_rs": False}),
+                   ("noov", {"intra_wg_overlap": False})]
+    seen = []
+
+    def fake_fwd(q, k, v, **kwargs):  # _flash_attn_fwd returns (out, lse, ...)
+        seen.append((q, k, v, kwargs))
+        return ("out", "lse")
+
+    run = ab.fa4_forward_call(fake_fwd, "q", "k", "v", True, got[0][1])
+    assert seen == []  # nothing runs until the call is timed
+    assert run() == "out"
+    assert seen == [("q", "k", "v", {"causal": True, "tile_mn": (192, 192),
+                                      "mma_pv_is_rs": False})]
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("x:tile_m=64", "'tile_m=64' is not field=value with a field of"),
+    ("x:tile_mn=190x192", "tile_mn='190x192': expected MxN"),
+    ("x:tile_mn=192", "tile_mn='192': expected MxN"),
+    ("x:mma_pv_is_rs=maybe", "mma_pv_is_rs='maybe': expected true or false"),
+])
+def test_bad_fa4_variants_stop_before_any_gpu_work(spec, message, capsys, monkeypatch):
+    ab = _script()
+    monkeypatch.setitem(__import__("sys").modules, "torch", None)  # importing torch would fail
+    assert ab.main(["--mode", "fwd", "--fa4-variant", spec]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_heads_replace_the_cells_head_count():
+    ab = _script()
+    assert ab.cell_heads(128, None) == [16] and ab.cell_heads(64, None) == [32]
+    assert ab.cell_heads(128, [16, 17, 33]) == [16, 17, 33]
+    assert ab.parse_args(["--heads", "16", "17"]).heads == [16, 17]
