@@ -348,14 +348,19 @@ def select_config(
     return cfg.validate()
 
 
+def parse_bool(text: str) -> bool:
+    """A command-line boolean: 1/true/on/yes or 0/false/off/no, any case; else ValueError."""
+    low = text.lower()
+    if low in ("1", "true", "on", "yes"):
+        return True
+    if low in ("0", "false", "off", "no"):
+        return False
+    raise ValueError(f"{text!r} is not a boolean (use true/false)")
+
+
 def _parse_value(text: str, kind):
     if kind is bool or isinstance(kind, bool):
-        low = text.lower()
-        if low in ("1", "true", "on", "yes"):
-            return True
-        if low in ("0", "false", "off", "no"):
-            return False
-        raise ValueError(f"{text!r} is not a boolean (use true/false)")
+        return parse_bool(text)
     if text.lower() == "none":
         return None
     for conv in (int, float):

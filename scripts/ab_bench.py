@@ -57,6 +57,7 @@ except ImportError:  # loaded as a module (tests): this folder is not on sys.pat
 from fa_sm100.benchmarking import (calls_per_round, error_text, events_ms,  # noqa: E402
                                    host_and_gpu_ms, launch_bound, median, paired_rounds,
                                    paired_speedups)
+from fa_sm100.config import parse_bool  # noqa: E402
 
 TOKENS = 16384
 HIDDEN = 2048
@@ -132,7 +133,7 @@ def parse_variants(specs, mode):
 
 def _fa4_value(field: str, text: str):
     """One --fa4-variant value: ``tile_mn`` as MxN (two positive multiples of 16), the others
-    booleans (true/false)."""
+    booleans as every ``--variant`` reads them (``fa_sm100.config.parse_bool``)."""
     if field == "tile_mn":
         m, sep, n = text.lower().partition("x")
         if not (sep and m.isdigit() and n.isdigit()) or int(m) % 16 or int(n) % 16 or \
@@ -140,10 +141,10 @@ def _fa4_value(field: str, text: str):
             raise ValueError(f"tile_mn={text!r}: expected MxN, two positive multiples of 16 "
                              "(e.g. 192x192)")
         return (int(m), int(n))
-    flag = {"true": True, "false": False}.get(text.lower())
-    if flag is None:
-        raise ValueError(f"{field}={text!r}: expected true or false")
-    return flag
+    try:
+        return parse_bool(text)
+    except ValueError:
+        raise ValueError(f"{field}={text!r}: expected true or false") from None
 
 
 def parse_fa4_variants(specs):
@@ -197,7 +198,8 @@ def _benchmark_script():
 
 
 def fwd_cell(d, s, causal, h, variants, fa4_variants, with_fa4, torch):
-    """Runs of one forward cell ({name: no-argument call}) and the check of their output."""
+    """Runs of one forward cell ({name: no-argument call}: ours with each variant, FA4 with
+    each of ``fa4_variants``) and the check of their output."""
     from fa_sm100.hopper.interface import prepare_sm90_fwd
 
     b = TOKENS // s
@@ -222,9 +224,8 @@ def fwd_cell(d, s, causal, h, variants, fa4_variants, with_fa4, torch):
     return runs, check
 
 
-def bwd_cell(d, s, causal, h, variants, fa4_variants, with_fa4, torch):
-    """Runs of one backward cell and the check of their gradients (``fa4_variants``: forward
-    only, always empty here)."""
+def bwd_cell(d, s, causal, h, variants, with_fa4, torch):
+    """Runs of one backward cell and the check of their gradients."""
     from fa_sm100.config import default_head_dim_v
     from fa_sm100.hopper import bwd_bench
     from fa_sm100.hopper.bwd_interface import sm90_bwd
@@ -283,7 +284,6 @@ def main(argv=None):
         print("ab_bench needs an sm_90 GPU (H100/H200): the SM90 kernels are what it times",
               file=sys.stderr)
         return 2
-    make = bwd_cell if a.mode == "bwd" else fwd_cell
     rows = []
     for i, (d, s, causal, h) in enumerate(cells):
         label = (f"[{i + 1}/{len(cells)}] {a.mode} hdim {d} seqlen {s} "
@@ -294,7 +294,11 @@ def main(argv=None):
         print(f"{label}: compiling and checking ...", flush=True)
         torch.manual_seed(i)
         try:
-            runs, check = make(d, s, causal, h, variants, fa4_variants, not a.no_fa4, torch)
+            if a.mode == "bwd":  # --fa4-variant is forward only (parse_args)
+                runs, check = bwd_cell(d, s, causal, h, variants, not a.no_fa4, torch)
+            else:
+                runs, check = fwd_cell(d, s, causal, h, variants, fa4_variants, not a.no_fa4,
+                                       torch)
             for name, run in runs.items():
                 wrong = check(run())
                 torch.cuda.synchronize()

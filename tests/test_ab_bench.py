@@ -128,9 +128,10 @@ def test_paired_ratio_takes_the_fastest_peer_of_each_round():
 def test_fa4_variants_become_options_of_fa4s_forward():
     ab = _script()
     got = ab.parse_fa4_variants(["ss192:tile_mn=192x192,mma_pv_is_rs=false",
-                                 "noov:intra_wg_overlap=False"])
+                                 "noov:intra_wg_overlap=False", "rs:mma_pv_is_rs=on"])
     assert got == [("ss192", {"tile_mn": (192, 192), "mma_pv_is_rs": False}),
-                   ("noov", {"intra_wg_overlap": False})]
+                   ("noov", {"intra_wg_overlap": False}),
+                   ("rs", {"mma_pv_is_rs": True})]  # booleans spelt as for --variant
     seen = []
 
     def fake_fwd(q, k, v, **kwargs):  # _flash_attn_fwd returns (out, lse, ...)

@@ -304,8 +304,8 @@ def default_tile(head_dim: int) -> tuple[int, int]:
 # O in Q's buffer instead: 0.938x at 1k, 0.994x at 4k), else in Q's. hdim 64 non-causal 8k
 # (43 m blocks: no multicast pairs) since round 19: persistent + dynamic with both tile-boundary
 # switches over one tile per CTA +1.5% / +2.1% / -0.9% (H100, paired, 20 / 12 / 12 rounds;
-# +0.5% in round 15), 1.6% fewer cycles under Nsight Compute: a small gain at best. Multicast pairs are persistent too (Note
-# [Persistent multicast], MULTICAST_MIN_SEQLEN_K below).
+# +0.5% in round 15), 1.6% fewer cycles under Nsight Compute: a small gain at best. Multicast
+# pairs are persistent too (Note [Persistent multicast], MULTICAST_MIN_SEQLEN_K below).
 PERSISTENT_MAX_SEQLEN_K = {64: 8192, 96: None, 128: None, 192: 2048, 256: 1024}  # None: any
 # Causal problems up to this seqlen_k use 128-row tiles even where 192 is the default.
 SHORT_CAUSAL_SEQLEN_K = 1024
