@@ -310,3 +310,71 @@ def test_rescale_threshold_branches_around_the_o_rescale(overrides, tmp_path):
         assert off["VOTE.ANY"] == 0 and on["VOTE.ANY"] == 1, (on, off)
         assert on["FMUL"] == off["FMUL"] + rows, (on["FMUL"], off["FMUL"])
         assert on["BRA"] == off["BRA"] + 1 and n_off < n_on <= n_off + 24, (n_on, n_off)
+
+
+@pytest.mark.compile
+def test_hdim64_kv_tile_is_the_widest_that_keeps_the_gemms_overlapped(tmp_path):
+    """Why hdim 64 stays at 128-key tiles (docs/hopper.md, round 21): with three consumer
+    warpgroups at 160 registers, the default tile compiles without spills and its KV loop
+    waits on its GEMMs twice (WARPGROUP.ARRIVE + DEPBAR per GEMM pair: 4); one more 16-key step
+    (n_block 144) spills, and ptxas then fences its HGMMAs one by one (more than twice as many
+    WARPGROUP instructions), which gives up the GEMM/softmax overlap the tile exists for."""
+    from fa_sm100.hopper.config import select_sm90_fwd_config
+
+    assert select_sm90_fwd_config(64, seqlen_q=16384, seqlen_k=16384).n_block == 128
+    base = ["head_dim=64", "write_lse=false", "persistent=true", "kv_multicast=true"]
+    reps, loops = {}, {}
+    for n in (128, 144):
+        keep = tmp_path / str(n)
+        reps[n] = inspect_kernel("sm90_fwd", "sm_90a", base + [f"n_block={n}"], keep_dir=keep)
+        loops[n] = _main_kv_loop(read_kept_sass(keep))
+    warpgroup = {n: sum(c for op, c in ops.items() if op.startswith("WARPGROUP"))
+                 for n, ops in loops.items()}
+    assert reps[128]["spill_bytes"] == 0 and reps[128]["local_bytes"] == 0
+    assert warpgroup[128] == 4, loops[128]
+    assert reps[144]["spill_bytes"] > 0
+    assert warpgroup[144] > 2 * warpgroup[128], loops[144]
+    assert any(op.startswith("STL") for op in loops[144]), loops[144]  # spills in the KV loop
+
+
+@pytest.mark.compile
+def test_packed_16bit_exp2_is_one_sfu_op_per_element_on_sm90a():
+    """Why the softmax cannot halve its SFU work with packed exp2 (docs/hopper.md, round 21):
+    sm_90a has ``ex2.approx.ftz.bf16x2`` / ``ex2.approx.f16x2`` in PTX, but ptxas issues one
+    MUFU.EX2 per 16-bit half (two per packed operand, no packed SFU instruction), so MUFU.EX2
+    per element is the same as in float32."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Int32
+    from cutlass._mlir.dialects import llvm
+    from cutlass.cute.runtime import make_fake_compact_tensor
+    from cutlass.cutlass_dsl import T, dsl_user_op
+
+    from fa_sm100.compile_tools import cross_compile, sass_full_histogram
+
+    chain = 8  # dependent packed exp2s per thread
+    for ptx, mufu in (("ex2.approx.ftz.bf16x2", "MUFU.EX2.BF16"), ("ex2.approx.f16x2",
+                                                                  "MUFU.EX2.F16")):
+        @dsl_user_op
+        def exp2_x2(a, *, loc=None, ip=None, ptx=ptx):
+            return Int32(llvm.inline_asm(
+                T.i32(), [Int32(a).ir_value(loc=loc, ip=ip)], f"{ptx} $0, $1;", "=r,r",
+                has_side_effects=False, is_align_stack=False,
+                asm_dialect=llvm.AsmDialect.AD_ATT))
+
+        @cute.kernel
+        def kernel(x: cute.Tensor, y: cute.Tensor):
+            tidx, _, _ = cute.arch.thread_idx()
+            v = x[tidx]
+            for _ in cutlass.range_constexpr(chain):
+                v = exp2_x2(v)
+            y[tidx] = v
+
+        @cute.jit
+        def host(x: cute.Tensor, y: cute.Tensor):
+            kernel(x, y).launch(grid=[1, 1, 1], block=[128, 1, 1])
+
+        x, y = (make_fake_compact_tensor(cutlass.Int32, (128,)) for _ in range(2))
+        hist = sass_full_histogram(cross_compile(host, (x, y), "sm_90a").sass)
+        sfu = {op: n for op, n in hist.items() if op.startswith("MUFU")}
+        assert sfu == {mufu: 2 * chain}, (ptx, sfu)
