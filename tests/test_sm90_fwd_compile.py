@@ -316,9 +316,10 @@ def test_rescale_threshold_branches_around_the_o_rescale(overrides, tmp_path):
 def test_hdim64_kv_tile_is_the_widest_that_keeps_the_gemms_overlapped(tmp_path):
     """Why hdim 64 stays at 128-key tiles (docs/hopper.md, round 21): with three consumer
     warpgroups at 160 registers, the default tile compiles without spills and its KV loop
-    waits on its GEMMs twice (WARPGROUP.ARRIVE + DEPBAR per GEMM pair: 4); one more 16-key step
-    (n_block 144) spills, and ptxas then fences its HGMMAs one by one (more than twice as many
-    WARPGROUP instructions), which gives up the GEMM/softmax overlap the tile exists for."""
+    has 4 WARPGROUP instructions (an ARRIVE before each of its two GEMMs, a DEPBAR for S and
+    one for O); one more 16-key step (n_block 144) spills, and ptxas then fences its HGMMAs one
+    by one (more than twice as many WARPGROUP instructions), which gives up the GEMM/softmax
+    overlap the tile exists for."""
     from fa_sm100.hopper.config import select_sm90_fwd_config
 
     assert select_sm90_fwd_config(64, seqlen_q=16384, seqlen_k=16384).n_block == 128
