@@ -136,11 +136,11 @@ def _fa4_value(field: str, text: str):
     booleans as every ``--variant`` reads them (``fa_sm100.config.parse_bool``)."""
     if field == "tile_mn":
         m, sep, n = text.lower().partition("x")
-        if not (sep and m.isdigit() and n.isdigit()) or int(m) % 16 or int(n) % 16 or \
-                not int(m) or not int(n):
+        dims = (int(m), int(n)) if sep and m.isdigit() and n.isdigit() else ()
+        if not dims or any(x == 0 or x % 16 for x in dims):
             raise ValueError(f"tile_mn={text!r}: expected MxN, two positive multiples of 16 "
                              "(e.g. 192x192)")
-        return (int(m), int(n))
+        return dims
     try:
         return parse_bool(text)
     except ValueError:

@@ -186,8 +186,8 @@ def test_kv_multicast_rules_and_default():
     """Note [K/V multicast]: only non-causal kernels, one tile per CTA or persistent pairs on
     the static schedule (Note [Persistent multicast]; ValueError otherwise); the default turns
     it on for non-causal problems from MULTICAST_MIN_SEQLEN_K keys on whose seqlen_q gives an
-    even number of m blocks, and then runs one tile per CTA; never without seqlen_q, for
-    causal problems, or when persistence alone is asked for."""
+    even number of m blocks, and then runs the pairs persistent on the static schedule; never
+    without seqlen_q, for causal problems, or when persistence alone is asked for."""
 
     with pytest.raises(ValueError, match="causal=False"):
         select_sm90_fwd_config(128, causal=True, kv_multicast=True)
