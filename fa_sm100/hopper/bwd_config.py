@@ -35,8 +35,6 @@ TILE_M_SWAPPED_HDIM64 = 128
 DQ_ACCUM_MODES = ("bulk", "red")
 QDO_CLUSTER = 2  # CTAs that share each Q / dO tile under qdo_multicast, by default
 QDO_CLUSTERS = (2, 4)  # cluster sizes qdo_multicast accepts (qdo_cluster)
-# dq_pair_sum: per MMA warpgroup, "the peer may write my share" and "the peer's share landed"
-DQ_PAIR_MBARRIERS = 4
 DQ_VEC = 4  # float32 per dQ-accumulator store: one 16-byte STS.128 / bulk-reduce element run
 TILE_M_ATOM = 64  # query rows of one WGMMA M atom
 TILE_M_128_HEAD_DIMS = (64,)  # head dims that fit tile_m = 128 (registers: docs/hopper_backward.md)
@@ -183,13 +181,6 @@ class BwdConfig:
     # [staggered query blocks] in bwd_kernel.py): the CTAs of a (batch, head) pair no longer
     # add into the same dQ block at the same moment. No mask, not deterministic.
     stagger_m: bool = False
-    # Under qdo_multicast pairs ("bulk" dQ): the two CTAs of a pair sum their dQ tiles of a
-    # query block both visit before either adds it to global memory. Each CTA owns half of
-    # every warpgroup's part of the tile, receives the other CTA's share of it through
-    # distributed shared memory (st.async), adds it and bulk-reduces only its half: half the
-    # float32 reductions into L2 (Note [dQ pair sum] in bwd_store.py). Needs pairs, not
-    # first stores, a handoff per warpgroup.
-    dq_pair_sum: bool = False
     # "bulk" dQ with pdl: every CTA counts itself done on a semaphore of its (batch, head)
     # once its dQ reduces have completed, the main kernel lets the dQ postprocess launch from
     # its start, and each postprocess CTA waits for its (batch, head)'s count instead of for
@@ -321,12 +312,6 @@ class BwdConfig:
         """16-byte groups of dQ accumulator registers per MMA thread (4 per group)."""
         return self.dq_block_elems // (WARPGROUP_THREADS * self.num_mma_warpgroups * DQ_VEC)
 
-    @property
-    def dq_pair_share_bytes(self) -> int:
-        """``dq_pair_sum``: bytes one MMA warpgroup of a pair's CTA sends the other per query
-        block, half of its dQ groups (Note [dQ pair sum] in bwd_store.py)."""
-        return WARPGROUP_THREADS * (self.dq_groups // 2) * DQ_VEC * 4
-
     def setmaxnreg(self) -> dict:
         return {"producer": self.regs_producer, "mma": self.regs_mma}
 
@@ -347,8 +332,7 @@ class BwdConfig:
             self.tile_m * self.tile_n * b * self.ds_stage,  # dS
             self.dq_block_elems * 4 if self.dq_accum == "bulk" else 16,  # dQ
         ]
-        offset = 8 * (1 + 2 * self.q_stage + 2 * self.do_stage  # mbarriers
-                      + DQ_PAIR_MBARRIERS * self.dq_pair_sum)
+        offset = 8 * (1 + 2 * self.q_stage + 2 * self.do_stage)  # mbarriers
         for size in buffers:
             if size:
                 offset = align_up(offset, SMEM_BUFFER_ALIGN) + size
@@ -411,7 +395,7 @@ class BwdConfig:
         for name in ("sdp_swap_ab", "overlap_dk", "stats_smem", "try_wait", "stats_first",
                      "dv_before_barrier", "dkv_tma_store", "dq_handoff_per_wg", "pdl",
                      "stats_shuffle", "dv_before_fence", "longest_first", "qdo_multicast",
-                     "dq_first_store", "stagger_m", "early_dq_post", "dq_pair_sum"):
+                     "dq_first_store", "stagger_m", "early_dq_post"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be a bool")
         if self.tile_m == 2 * TILE_M_ATOM:
@@ -465,22 +449,6 @@ class BwdConfig:
                 "its CTA done once its bulk reduces have completed, and the postprocess starts "
                 "as a programmatic dependent of the main kernel (Note [dQ postprocess in the "
                 "tail])")
-        if self.dq_pair_sum:
-            needs = (("dq_accum='bulk'", self.dq_accum == "bulk"),
-                     ("qdo_multicast=True", self.qdo_multicast),
-                     (f"qdo_cluster={QDO_CLUSTER}", self.qdo_cluster == QDO_CLUSTER),
-                     ("dq_first_store=False", not self.dq_first_store),
-                     ("dq_handoff_per_wg=True", self.dq_handoff_per_wg))
-            missing = [name for name, ok in needs if not ok]
-            if missing:
-                raise ValueError(
-                    f"dq_pair_sum=True needs {', '.join(missing)}: the two CTAs of a multicast "
-                    f"pair sum each warpgroup's SMEM dQ part before the dq-store warps reduce "
-                    f"half of it each, and every CTA adds (Note [dQ pair sum])")
-            if self.dq_groups % 2:
-                raise ValueError(
-                    f"dq_pair_sum=True needs an even number of 16-byte dQ groups per thread "
-                    f"(here {self.dq_groups}): each CTA owns half of them")
         for name, least in (("pre_ctas", 0), ("tail_ctas", 1)):  # pre_ctas 0: off
             n = getattr(self, name)
             if isinstance(n, bool) or not isinstance(n, int) or n < least:

@@ -63,44 +63,16 @@ warpgroup, had 1.9% and under 1%.
 
 import cutlass
 import cutlass.cute as cute
-from cutlass._mlir.dialects import llvm, nvvm
-from cutlass.cutlass_dsl import T, dsl_user_op
 import cutlass.utils.hopper_helpers as sm90_helpers
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync
 from cutlass.experimental import primitives as prims
 
 from fa_sm100.config import WARP_SIZE
-from fa_sm100.hopper.bwd_config import DQ_PAIR_MBARRIERS, DQ_VEC
+from fa_sm100.hopper.bwd_config import DQ_VEC
 from fa_sm100.hopper.common import assume_aligned, stmatrix_to_smem
 from fa_sm100.hopper.config import WARPGROUP_THREADS, WGMMA_M
 from fa_sm100.hopper.named_barriers import Sm90BwdBarrier
-
-
-@dsl_user_op
-def peer_smem_address(ptr, rank, *, loc=None, ip=None) -> Int32:
-    """The 32-bit shared::cluster address of SMEM pointer ``ptr``'s place in CTA ``rank`` of
-    the cluster (``mapa.shared::cluster.u32``): one register, where the DSL's mapped
-    pointers take two and each st.async kept its own pair live (Note [dQ pair sum])."""
-    return Int32(llvm.inline_asm(
-        T.i32(), [Int32(ptr.toint()).ir_value(loc=loc, ip=ip),
-                  Int32(rank).ir_value(loc=loc, ip=ip)],
-        "mapa.shared::cluster.u32 $0, $1, $2;", "=r,r,r", has_side_effects=False,
-        is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
-
-
-@dsl_user_op
-def st_async_v4(addr, values, mbar_addr, *, loc=None, ip=None) -> None:
-    """``st.async`` of four float32 to the shared::cluster address ``addr`` (16-byte
-    aligned), completing as 16 transaction bytes on the mbarrier at cluster address
-    ``mbar_addr`` in the same CTA."""
-    llvm.inline_asm(
-        None, [Int32(addr).ir_value(loc=loc, ip=ip)]
-        + [Float32(v).ir_value(loc=loc, ip=ip) for v in values]
-        + [Int32(mbar_addr).ir_value(loc=loc, ip=ip)],
-        "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [$0], {$1, $2, $3, $4}, "
-        "[$5];", "r,f,f,f,f,r", has_side_effects=True, is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT)
 
 
 def dq_tiled_mma(cfg, dtype):
@@ -217,60 +189,6 @@ class BwdStoreRole:
         self._dq_handoff_barrier(Sm90BwdBarrier.DQ_FULL_WG0, tidx, wait=False)
 
     @cute.jit
-    def _stage_dq_pair(self, acc_dQ, sdQ, tidx, step, dq_pair):
-        """"bulk" dQ with ``dq_pair_sum``, MMA side of Note [dQ pair sum]: at a query block
-        only this CTA of the pair visits, ``_stage_dq``; at one both visit, send the peer its
-        share of this warpgroup's part, add the peer's share of ours, stage our share."""
-        mbar_pair, pair_min = dq_pair
-        # without a causal mask both CTAs visit every block of the sweep (pair_min is the
-        # first); the rank is read where it is used (S2R), not held across the loop
-        if const_expr(self.cfg.causal) and step < pair_min:
-            self._stage_dq(acc_dQ, sdQ, tidx)
-        else:
-            rank = cute.arch.block_idx_in_cluster()
-            wg = cute.arch.make_warp_uniform(tidx // WARPGROUP_THREADS)
-            phase = (step - pair_min) % 2
-            may_write = mbar_pair + wg  # the peer's part is ours to write into
-            landed = mbar_pair + DQ_PAIR_MBARRIERS // 2 + wg  # the peer's share is here
-            self._dq_handoff_barrier(Sm90BwdBarrier.DQ_EMPTY_WG0, tidx, wait=True)
-            if tidx % WARPGROUP_THREADS == 0:
-                # our part has left for L2: the peer may write its share of our half; arm
-                # our receipt of it
-                cute.arch.mbarrier_arrive(may_write, 1 - rank, scope=nvvm.MemScopeKind.CLUSTER)
-                cute.arch.mbarrier_arrive_and_expect_tx(landed, self.cfg.dq_pair_share_bytes)
-            cute.arch.mbarrier_wait(may_write, phase)
-            if rank == 0:
-                self._swap_dq_shares(acc_dQ, sdQ, tidx, landed, phase, 0)
-            else:
-                self._swap_dq_shares(acc_dQ, sdQ, tidx, landed, phase, 1)
-            cute.arch.fence_view_async_shared()
-            self._dq_handoff_barrier(Sm90BwdBarrier.DQ_FULL_WG0, tidx, wait=False)
-
-    @cute.jit
-    def _swap_dq_shares(self, acc_dQ, sdQ, tidx, landed, phase, own: cutlass.Constexpr):
-        """Note [dQ pair sum]: this thread's dQ groups of the peer's half (``1 - own``) go by
-        st.async into the peer's SMEM, at the place they would take in ours; once the peer's
-        groups of our half (``own``) have landed here, add them to ours and store the sums."""
-        half = self.cfg.dq_groups // 2
-        regs = dq_registers(self.cfg, acc_dQ)
-        view = dq_fragment_view(self.cfg, assume_aligned(sdQ.iterator), tidx)
-        # the peer's copy of our fragment view: group g at + g x 512 floats (an immediate)
-        peer_view = peer_smem_address(view[None, (1 - own) * half].iterator, 1 - own)
-        peer_landed = peer_smem_address(landed, 1 - own)
-        for i in cutlass.range_constexpr(half):
-            g = (1 - own) * half + i
-            st_async_v4(peer_view + i * WARPGROUP_THREADS * DQ_VEC * 4,
-                        [regs[v, g] for v in range(DQ_VEC)], peer_landed)
-        cute.arch.mbarrier_wait(landed, phase)
-        for i in cutlass.range_constexpr(half):  # one group at a time: 4 registers to spare
-            g = own * half + i
-            theirs = cute.make_rmem_tensor(DQ_VEC, Float32)
-            cute.autovec_copy(view[None, g], theirs)
-            for v in cutlass.range_constexpr(DQ_VEC):
-                regs[v, g] = regs[v, g] + theirs[v]
-            cute.autovec_copy(regs[None, g], view[None, g])
-
-    @cute.jit
     def _dq_handoff_barrier(self, first: cutlass.Constexpr, tidx, wait: cutlass.Constexpr):
         """MMA side of one Note [dQ SMEM handoff] barrier: wait on it (``wait``) or arrive on
         it; ``first`` is warpgroup 0's id, warpgroup 1's is the next one when each hands off
@@ -287,7 +205,7 @@ class BwdStoreRole:
 
     @cute.jit
     def dq_store(self, mdQacc, mdQsem, sdQ, n_block, head, batch, seqlen_q, seqlen_k,
-                 m_block_min, m_block_max, m_offset, dq_pair):
+                 m_block_min, m_block_max, m_offset):
         """Warp 1 ("bulk" dQ), Note [dQ SMEM handoff]. Per query block m and per part of the
         tile (a warpgroup's half, or the whole tile): wait until the last bulk reduce of that
         part has read SMEM, arrive on its ``DQ_EMPTY``; then per part wait on its ``DQ_FULL``
@@ -297,9 +215,7 @@ class BwdStoreRole:
         the reduces have completed, pass the turn on. With first stores (Note [dQ first
         store]) the first CTA at the block copies its tile instead of adding it. With
         ``early_dq_post``, once every reduce has completed the CTA counts itself done on the
-        (batch, head)'s last semaphore (Note [dQ postprocess in the tail] in bwd_prepost.py).
-        With ``dq_pair_sum``, at a query block both CTAs of the pair visit, each part's
-        reduce takes only this CTA's half of it (Note [dQ pair sum])."""
+        (batch, head)'s last semaphore (Note [dQ postprocess in the tail] in bwd_prepost.py)."""
         parts, handoff = self._dq_handoffs()
         first_store = self.cfg.first_stores_dq
         det = self.cfg.deterministic
@@ -315,15 +231,6 @@ class BwdStoreRole:
                 cute.arch.barrier_arrive(barrier_id=int(Sm90BwdBarrier.DQ_EMPTY_WG0) + part,
                                          number_of_threads=handoff)
             dst = gdQ.iterator + m_block * self.cfg.dq_block_elems
-            # the range of each part this CTA adds: all of it, or with dq_pair_sum at a block
-            # both CTAs of the pair visit, this CTA's half (Note [dQ pair sum])
-            share, share_elems = 0, part_elems
-            if const_expr(self.cfg.dq_pair_sum):
-                _, pair_min = dq_pair
-                rank = cute.arch.block_idx_in_cluster()
-                paired = step >= pair_min
-                share = cutlass.select_(paired, rank * Int32(part_elems // 2), Int32(0))
-                share_elems = cutlass.select_(paired, Int32(part_elems // 2), Int32(part_elems))
             sem_ptr = mdQsem[batch, head, None].iterator + m_block
             first = cutlass.Boolean(False)  # copy the tile instead of adding it
             if const_expr(det):
@@ -340,11 +247,8 @@ class BwdStoreRole:
                                   number_of_threads=handoff)
                 if const_expr(first_store and not det and part == 0):
                     first = self._claim_dq_block(sem_ptr, lane)
-                src = sdQ.iterator + part * part_elems + share
-                out = dst + part * part_elems + share
-                if const_expr(self.cfg.dq_pair_sum):
-                    src, out = assume_aligned(src), assume_aligned(out)
-                nbytes = share_elems * (Float32.width // 8)
+                src, out = sdQ.iterator + part * part_elems, dst + part * part_elems
+                nbytes = part_elems * (Float32.width // 8)
                 with cute.arch.elect_one():
                     if first:
                         prims.cp_async_bulk_global_shared_cta(out, src, nbytes)
