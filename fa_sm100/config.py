@@ -45,11 +45,35 @@ def check_setmaxnreg(name: str, regs: int) -> None:
         raise ValueError(f"{name}={regs}: setmaxnreg takes a multiple of 8 in [24, 256]")
 
 
-def check_register_budget(used: int, formula: str) -> None:
-    """The registers a CTA holds after every setmaxnreg must fit the SM's register file."""
-    if used > REGISTER_FILE:
+# ptxas gives a thread at most 255 registers, allocated in steps of 8 (256 per warp).
+MAX_REGS_PER_THREAD = 255
+REG_ALLOC_STEP = 8
+
+
+def launch_registers(threads: int) -> int:
+    """Registers per thread that ptxas gives a kernel of ``threads`` threads per CTA
+    (``.reqntid``) with one CTA per SM (``.minnctapersm 1``): as many as fit the register file,
+    rounded down to the allocation step, at most ptxas's 255. 384 threads -> 168, 512 -> 128,
+    640 -> 96, as in the cubins of ``tests/test_sm90_fwd_compile.py`` and
+    ``tests/test_sm90_bwd.py``; CTAs of 256 threads or fewer are not checked against ptxas."""
+    per_thread = min(REGISTER_FILE // threads, MAX_REGS_PER_THREAD)
+    return per_thread // REG_ALLOC_STEP * REG_ALLOC_STEP
+
+
+def check_register_budget(used: int, formula: str, threads: int) -> None:
+    """The registers a CTA holds after every setmaxnreg must fit the pool it launched with.
+
+    A CTA launches with ``threads x launch_registers(threads)`` registers, not the whole
+    register file: 384 threads hold 64512 of the 65536. ``setmaxnreg.inc`` waits until the
+    registers it asks for are free in that pool, so a budget beyond it never completes and the
+    kernel hangs (seen on an H200: 128 x (32 + 2 x 240) = 65536 with 384 threads,
+    docs/hopper.md, round 23)."""
+    pool = threads * launch_registers(threads)
+    if used > pool:
         raise ValueError(
-            f"register budget {used} exceeds the register file ({REGISTER_FILE}): {formula}"
+            f"register budget {used} exceeds the {pool} registers a CTA of {threads} threads "
+            f"launches with ({threads} x {launch_registers(threads)}; setmaxnreg.inc would wait "
+            f"for registers that never free up and the kernel would hang): {formula}"
         )
 
 
@@ -148,6 +172,7 @@ class WarpRoles:
         check_register_budget(
             self.registers_used(),
             f"128 x (2 x {self.regs_softmax} + {self.regs_correction} + {self.regs_other})",
+            self.threads_per_cta,
         )
         return self
 

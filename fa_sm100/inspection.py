@@ -8,8 +8,8 @@ docs/inspect.md; tests and other tools read them):
     smem_bytes, tmem_cols, local_bytes, spill_bytes, sass
 
 plus informational keys: kernel_symbol, launch, setmaxnreg_ptx, setmaxnreg_sass,
-setmaxnreg_by_warp, tmem_alloc_ptx, spill_store_bytes, spill_load_bytes, sass_full, sources,
-warnings.
+setmaxnreg_by_warp, registers_after_setmaxnreg, tmem_alloc_ptx, spill_store_bytes,
+spill_load_bytes, sass_full, sources, warnings.
 """
 
 from __future__ import annotations
@@ -195,6 +195,12 @@ def make_report(name: str, build, art) -> dict:
     for d, n in sorted(set(in_sass)):
         if n not in build.setmaxnreg.values():
             warnings.append(f"SASS setmaxnreg.{d} {n} is not declared for any role")
+    held = None if by_warp is None or not regs else registers_after_setmaxnreg(by_warp, regs)
+    if held is not None and held > threads * regs:
+        warnings.append(f"setmaxnreg: the warps hold {held} registers after their setmaxnreg, "
+                        f"more than the {threads * regs} the CTA launches with ({threads} x "
+                        f"{regs}): setmaxnreg.inc waits for registers that never free up, so "
+                        "the kernel hangs")
     dropped = sorted(set(seen) - set(in_sass))
     if dropped:
         warnings.append(
@@ -241,6 +247,7 @@ def make_report(name: str, build, art) -> dict:
         "setmaxnreg_ptx": [[d, n] for d, n in seen],
         "setmaxnreg_sass": [[d, n] for d, n in in_sass],
         "setmaxnreg_by_warp": by_warp,
+        "registers_after_setmaxnreg": held,
         "tmem_alloc_ptx": [{"cta_group": g, "cols": c} for g, c in allocs],
         "spill_store_bytes": stores,
         "spill_load_bytes": loads,
@@ -248,6 +255,13 @@ def make_report(name: str, build, art) -> dict:
         "sources": sources,
         "warnings": warnings,
     }
+
+
+def registers_after_setmaxnreg(per_warp, launch_regs: int) -> int:
+    """Registers a CTA holds once each warp has run its setmaxnreg: ``per_warp`` lists each
+    warp's [direction, count] pairs (``setmaxnreg_by_warp``); a warp with several counts is
+    taken at its largest, a warp with none keeps ``launch_regs``."""
+    return sum(WARP_SIZE * max((n for _, n in w), default=launch_regs) for w in per_warp)
 
 
 def _warp_list(warps) -> str:

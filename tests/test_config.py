@@ -8,6 +8,7 @@ from fa_sm100.config import (
     WarpRoles,
     config_from_overrides,
     default_split_p_col,
+    launch_registers,
     normalize_dtype,
     parse_overrides,
     select_config,
@@ -92,7 +93,8 @@ ROLE_BAD = [
     (dict(mma=12, load=15, empty=14, epilogue=11, correction=(8, 9, 10, 13)), "aligned warpgroup"),
     (dict(regs_softmax=196), "multiple of 8"),
     (dict(regs_other=16), "multiple of 8 in \\[24, 256\\]"),
-    (dict(regs_softmax=240, regs_correction=80, regs_other=48), "exceeds the register file"),
+    (dict(regs_softmax=240, regs_correction=80, regs_other=48),
+     "exceeds the 65536 registers a CTA of 512 threads launches with"),
 ]
 
 
@@ -104,7 +106,7 @@ def test_warp_roles_validate_names_the_rule(change, message):
 
 def test_default_warp_roles_fill_the_register_file_and_map_every_warp():
     roles = WarpRoles().validate()
-    assert roles.registers_used() <= 64 * 1024
+    assert roles.registers_used() <= roles.threads_per_cta * launch_registers(512) == 64 * 1024
     assert roles.threads_per_cta == 512
     assert [roles.role_of_warp(w) for w in (0, 4, 8, 12, 13, 14, 15)] == [
         "softmax0", "softmax1", "correction", "mma", "epilogue", "load", "empty"]

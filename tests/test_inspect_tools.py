@@ -137,6 +137,27 @@ def test_setmaxnreg_by_warp_follows_the_warp_dispatch():
         setmaxnreg_by_warp(DISPATCH_PTX, "other", 8)
 
 
+def test_registers_after_setmaxnreg_takes_each_warps_largest_request():
+    """DISPATCH_PTX's 8 warps: 4 x inc 232, 2 x dec 40, 2 x dec 24. A warp that may reach two
+    requests counts at the larger; a warp with none keeps its launch registers."""
+    from fa_sm100.inspection import registers_after_setmaxnreg
+    from fa_sm100.ptx_dispatch import setmaxnreg_by_warp
+
+    per_warp = setmaxnreg_by_warp(DISPATCH_PTX, "roles", 8)
+    assert registers_after_setmaxnreg(per_warp, 128) == 32 * (4 * 232 + 2 * 40 + 2 * 24)
+    assert registers_after_setmaxnreg([[("inc", 232), ("dec", 24)], []], 96) == 32 * (232 + 96)
+
+
+@pytest.mark.parametrize("threads, regs", [(384, 168), (512, 128), (640, 96)])
+def test_launch_registers_fill_the_register_file_in_steps_of_8(threads, regs):
+    """The three CTA sizes whose cubins confirm the rule (tests/test_sm90_fwd_compile.py,
+    tests/test_sm90_bwd.py)."""
+    from fa_sm100.config import launch_registers
+
+    assert launch_registers(threads) == regs
+    assert threads * regs <= 64 * 1024 < threads * (regs + 8)
+
+
 def test_parse_ptxas_log():
     log = """ptxas info    : 0 bytes gmem
 ptxas info    : Compiling entry function 'kern_a' for 'sm_100a'

@@ -29,6 +29,7 @@ import re
 import pytest
 import torch
 
+from fa_sm100.config import launch_registers
 from fa_sm100.hopper.bwd_config import (SM90_SMEM_BYTES, BwdConfig, first_n_block,
                                         longest_first_cluster_cta, longest_first_cta,
                                         longest_first_tail_pairs,
@@ -69,6 +70,7 @@ from script_loader import load_script
     (dict(qhead_per_kvhead=4, deterministic=True, gqa_reduce="atomic"), "deterministic"),
     (dict(regs_mma=250), "setmaxnreg"),
     (dict(regs_producer=64, regs_mma=248), "register budget"),
+    (dict(regs_producer=32), "exceeds the 64512 registers a CTA of 384 threads .*hang"),
     (dict(window_left=-1), "window_left"),
     (dict(window_right=True), "window_right"),
     (dict(dtype="float32"), "dtype"),
@@ -804,6 +806,9 @@ def test_sm90_bwd_compile_contract(overrides, dq_mnemonic, tmp_path):
     assert [list(x) for x in r["setmaxnreg_ptx"]] == [["dec", 24], ["inc", 240]]
     # the launch declares min_blocks_per_mp=1, so ptxas keeps both setmaxnreg in the SASS
     assert r["setmaxnreg"] == {"producer": 24, "mma": 240}, r["warnings"]
+    # 384 threads launch with 168 registers each; after setmaxnreg they hold all 64512
+    assert r["regs_at_launch"] == launch_registers(384) == 168
+    assert r["registers_after_setmaxnreg"] == 128 * (24 + 2 * 240) == 384 * 168
     assert r["spill_bytes"] == 0 and r["local_bytes"] == 0
     assert 0 < r["smem_bytes"] <= SM90_SMEM_BYTES
     assert any(k.startswith(dq_mnemonic) for k in sass), f"{dq_mnemonic} missing: {sorted(sass)}"

@@ -11,7 +11,9 @@ import re
 
 import pytest
 
-from fa_sm100.hopper.config import SM90_SMEM_BUDGET, sm90_fwd_config_from_overrides
+from fa_sm100.config import launch_registers
+from fa_sm100.hopper.config import (SM90_SMEM_BUDGET, Sm90FwdConfig,
+                                    sm90_fwd_config_from_overrides)
 from fa_sm100.inspection import inspect_kernel
 from kept_sass import read_kept_sass
 
@@ -51,11 +53,40 @@ def test_sm90_fwd_compile_contract(overrides):
     assert rep["sass"]["HGMMA"] == expected_hgmma(cfg), rep["sass"]
     assert rep["sass"]["USETMAXREG"] == 2  # producer gives registers away, consumers take them
     assert rep["setmaxnreg"] == {"producer": cfg.regs_producer, "consumer": cfg.regs_consumer}
+    # ptxas launches the CTA with the registers fa_sm100.config.launch_registers predicts, and
+    # the warps' setmaxnreg requests fill that pool without exceeding it (else they hang)
+    assert rep["regs_at_launch"] == launch_registers(cfg.num_threads)
+    assert rep["registers_after_setmaxnreg"] == cfg.registers_used() <= (
+        cfg.num_threads * rep["regs_at_launch"])
     assert rep["spill_bytes"] == 0 and rep["local_bytes"] == 0
     assert rep["smem_bytes"] == cfg.smem_bytes() <= SM90_SMEM_BUDGET
     assert rep["sass"]["UTMALDG"] > 0 and rep["sass"]["UTMASTG"] > 0
     assert rep["sass"]["MUFU.EX2"] > 0
     assert not [w for w in rep["warnings"] if "setmaxnreg" in w], rep["warnings"]
+
+
+@pytest.mark.compile
+def test_four_consumer_warpgroups_would_ask_for_registers_the_cta_never_gets(monkeypatch):
+    """Why ``validate()`` allows two or three consumer warpgroups, read from a cubin built past
+    it: four make 640 threads, which ptxas launches with 96 registers each (61440 in all).
+    The producer's 24 leave 112 per consumer thread; 120 would need 64512, and the report
+    flags the hang (on an H200, ``setmaxnreg.inc`` past the pool never returned, round 23).
+    At 112, 64-key tiles are the widest without spills: docs/hopper.md, round 23."""
+    monkeypatch.setattr(Sm90FwdConfig, "validate", lambda self: self)
+    four = ["head_dim=64", "head_dim_v=64", "num_consumer_wg=4", "m_block=256",
+            "regs_producer=24", "kv_multicast=false", "persistent=false",
+            "dynamic_schedule=false", "pingpong=false", "skip_empty_wg=false"]
+    rep = inspect_kernel("sm90_fwd", "sm_90a", four + ["n_block=64", "regs_consumer=120"])
+    assert rep["threads_per_cta"] == 640
+    assert rep["regs_at_launch"] == launch_registers(640) == 96
+    assert rep["registers_after_setmaxnreg"] == 128 * (24 + 4 * 120) > 640 * 96
+    assert any("never free up" in w for w in rep["warnings"]), rep["warnings"]
+    fits = inspect_kernel("sm90_fwd", "sm_90a", four + ["n_block=64", "regs_consumer=112"])
+    assert fits["registers_after_setmaxnreg"] == 128 * (24 + 4 * 112) <= 640 * 96
+    assert fits["spill_bytes"] == 0
+    assert not any("never free up" in w for w in fits["warnings"]), fits["warnings"]
+    wider = inspect_kernel("sm90_fwd", "sm_90a", four + ["n_block=80", "regs_consumer=112"])
+    assert wider["spill_bytes"] > 0
 
 
 @pytest.mark.compile

@@ -4,6 +4,7 @@ the per-problem defaults are valid, and sm90_fwd checks a given config against i
 import pytest
 import torch
 
+from fa_sm100.config import launch_registers
 from fa_sm100.hopper.config import (
     MULTICAST_MIN_SEQLEN_K,
     SM90_HEAD_DIMS,
@@ -24,7 +25,8 @@ def test_defaults_are_valid_and_fit(dims, causal):
     cfg = select_sm90_fwd_config(*dims, causal=causal)
     assert cfg.validate() is cfg
     assert cfg.smem_bytes() <= SM90_SMEM_BUDGET
-    assert cfg.registers_used() <= 64 * 1024
+    # exactly the pool a CTA launches with (384 threads x 168, 512 x 128): no register is idle
+    assert cfg.registers_used() == cfg.num_threads * launch_registers(cfg.num_threads)
     assert cfg.m_block == 64 * cfg.num_consumer_wg
     # Ping-pong: on at hdim 64 only (PINGPONG_MAX_HEAD_DIM; off measured faster at hdim 128)
     assert cfg.pingpong == (dims[0] <= 64)
@@ -46,6 +48,8 @@ def test_defaults_are_valid_and_fit(dims, causal):
         ({"kv_stage": 0, "intra_wg_overlap": False}, "at least 1"),
         ({"regs_consumer": 250}, "multiple of 8"),
         ({"regs_consumer": 256, "regs_producer": 64}, "register budget"),
+        # 65536 registers, but 384 threads launch with 168 each: setmaxnreg.inc would hang
+        ({"regs_producer": 32}, "exceeds the 64512 registers a CTA of 384 threads .*hang"),
         ({"kv_stage": 8}, "SMEM"),
         ({"rescale_o_before_pv": True, "intra_wg_overlap": False}, "needs intra_wg_overlap"),
         ({"l2_section_mib": 0}, "l2_section_mib"),

@@ -471,6 +471,7 @@ class BwdConfig:
             WARPGROUP_THREADS * (self.regs_producer + self.num_mma_warpgroups * self.regs_mma),
             f"{WARPGROUP_THREADS} x ({self.regs_producer} + {self.num_mma_warpgroups} x "
             f"{self.regs_mma})",
+            self.threads_per_cta,
         )
         if self.smem_bytes() > SM90_SMEM_BYTES:
             raise ValueError(
