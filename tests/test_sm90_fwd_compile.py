@@ -151,11 +151,14 @@ def test_kv_multicast_multicasts_every_k_and_v_load(head_dim, tmp_path):
     tile; K and V are each loaded at two places, the tile's first and the overlapped loop's),
     and the main loop keeps the one-tile kernel's GEMMs, exp2s and barriers, with the K and V
     releases as cluster-wide (remote) arrives instead of local ones. Note [Persistent
-    multicast]: the same with persistent CTAs, whose tile loop holds the main loop."""
+    multicast]: the same with persistent CTAs, whose tile loop holds the main loop. Note [Peer
+    release]: the releases' cluster address is not re-derived in the main loop (no ``PRMT``,
+    the SASS of ``mapa``), which has fewer instructions than with the DSL's release."""
     loops, tile_loops = {}, {}
     variants = (("multicast", ["kv_multicast=true", "persistent=false"]),
                 ("one", ["persistent=false"]),
-                ("persistent", ["kv_multicast=true", "persistent=true"]))
+                ("persistent", ["kv_multicast=true", "persistent=true"]),
+                ("dsl_release", ["kv_multicast=true", "persistent=true", "peer_release=false"]))
     for name, extra in variants:
         overrides = [f"head_dim={head_dim}"] + extra
         rep = inspect_kernel("sm90_fwd", "sm_90a", overrides, keep_dir=tmp_path / name)
@@ -165,7 +168,8 @@ def test_kv_multicast_multicasts_every_k_and_v_load(head_dim, tmp_path):
         tile_loops[name] = _tile_loops(sass)
         if name != "one":
             assert rep["config"]["kv_multicast"]
-            assert rep["config"]["persistent"] == (name == "persistent")
+            assert rep["config"]["persistent"] == (name != "multicast")
+            assert rep["config"]["peer_release"] == (name != "dsl_release")
             assert not rep["config"]["dynamic_schedule"]
             assert rep["cluster"] == [2, 1, 1]
             boxes = head_dim // 64
@@ -178,13 +182,19 @@ def test_kv_multicast_multicasts_every_k_and_v_load(head_dim, tmp_path):
     one = loops["one"]
     kept = lambda ops: {k: v for k, v in ops.items()
                         if k.split(".")[0] in ("HGMMA", "MUFU", "BAR", "WARPGROUP")}
-    local, remote = "SYNCS.ARRIVE.TRANS64.ART0", "SYNCS.ARRIVE.TRANS64.RED.ART0"
-    assert one[local] == 2 and one[remote] == 0, one  # releases of K and V, in this CTA
-    for name in ("multicast", "persistent"):
+    local = "SYNCS.ARRIVE.TRANS64.ART0"
+    remote = lambda ops: sum(n for op, n in ops.items()
+                             if op.startswith("SYNCS.ARRIVE.TRANS64.RED"))
+    assert one[local] == 2 and remote(one) == 0, one  # releases of K and V, in this CTA
+    for name in ("multicast", "persistent", "dsl_release"):
         mc = loops[name]
         assert sum(mc.values()) > 100 and kept(mc) == kept(one), (name, mc - one, one - mc)
-        assert mc[local] == 0 and mc[remote] == 2, mc  # ... in both CTAs of the cluster
-    assert tile_loops["one"] == tile_loops["multicast"] == 0 < tile_loops["persistent"]
+        assert mc[local] == 0 and remote(mc) == 2, mc  # ... in both CTAs of the cluster
+    assert loops["dsl_release"]["PRMT"] >= 2  # a mapa per release
+    assert loops["multicast"]["PRMT"] == loops["persistent"]["PRMT"] == 0
+    assert sum(loops["persistent"].values()) < sum(loops["dsl_release"].values())
+    assert (tile_loops["one"] == tile_loops["multicast"] == 0
+            < tile_loops["persistent"] == tile_loops["dsl_release"])
 
 
 def _hgmma_count(ops: collections.Counter) -> int:

@@ -277,21 +277,25 @@ def test_sm90_fwd_rescale_threshold_matches_float64_reference(sm90_device, head_
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("peer_release", [False, True], ids=["dsl_release", "peer_release"])
 @pytest.mark.parametrize("cluster", [2, 4])
 @pytest.mark.parametrize("head_dims", HEAD_DIMS, ids=lambda p: f"d{p[0]}_{p[1]}")
-def test_sm90_fwd_kv_multicast_matches_float64_reference(sm90_device, head_dims, cluster):
+def test_sm90_fwd_kv_multicast_matches_float64_reference(sm90_device, head_dims, cluster,
+                                                         peer_release):
     """Note [K/V multicast]: clusters of 2 or 4 CTAs that multicast their shares of each K/V
     tile compute the same O and LSE (NaN-poisoned first) for every head-dim pair: seqlen_q with
     a ragged last m block, seqlen_k with a ragged last KV tile, fewer keys than one KV tile (one
-    key), more K/V tiles than stages, GQA and MQA, several batches."""
+    key), more K/V tiles than stages, GQA and MQA, several batches; with the DSL's releases and
+    with Note [Peer release]'s (lane r of each consumer warp releases on CTA r)."""
     from fa_sm100.hopper.config import select_sm90_fwd_config
 
     d, dv = head_dims
     cfg = select_sm90_fwd_config(d, dv, causal=False, write_lse=True, kv_multicast=True,
-                                 kv_cluster=cluster, persistent=False)
+                                 kv_cluster=cluster, persistent=False, peer_release=peer_release)
     assert cfg.kv_multicast and not cfg.persistent and cfg.cluster == (cluster, 1, 1)
+    assert cfg.peer_release == peer_release
     gen = torch.Generator(device="cuda")
-    gen.manual_seed(zlib.crc32(f"multicast{d}-{cluster}".encode()))
+    gen.manual_seed(zlib.crc32(f"multicast{d}-{cluster}-{peer_release}".encode()))
     m, c = cfg.m_block, cluster
     # (batch, seqlen_q, seqlen_k, heads_q, heads_kv); every seqlen_q gives a whole number of
     # clusters of m blocks
@@ -303,13 +307,14 @@ def test_sm90_fwd_kv_multicast_matches_float64_reference(sm90_device, head_dims,
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("peer_release", [False, True], ids=["dsl_release", "peer_release"])
 @pytest.mark.parametrize("head_dims,boundary",
                          [(hd, False) for hd in HEAD_DIMS]
                          + [((64, 64), True), ((96, 96), True), ((128, 128), True)],
                          ids=lambda p: f"d{p[0]}_{p[1]}" if isinstance(p, tuple) else
                          ("boundary" if p else "plain"))
 def test_sm90_fwd_persistent_multicast_matches_float64_reference(sm90_device, head_dims,
-                                                                 boundary):
+                                                                 boundary, peer_release):
     """Note [Persistent multicast]: persistent CTA pairs on the static schedule, multicasting
     their halves of every K/V tile from one work tile to the next, compute the same O and LSE
     (NaN-poisoned first) for every head-dim pair, also with each warpgroup storing its own O
@@ -321,11 +326,12 @@ def test_sm90_fwd_persistent_multicast_matches_float64_reference(sm90_device, he
     d, dv = head_dims
     extra = {"wg_epilogue": True, "q_stage": 2} if boundary else {}
     cfg = select_sm90_fwd_config(d, dv, causal=False, write_lse=True, kv_multicast=True,
-                                 persistent=True, **extra)
+                                 persistent=True, peer_release=peer_release, **extra)
     assert cfg.kv_multicast and cfg.persistent and not cfg.dynamic_schedule
     assert cfg.wg_epilogue == boundary and cfg.q_stage == (2 if boundary else 1)
+    assert cfg.peer_release == peer_release
     gen = torch.Generator(device="cuda")
-    gen.manual_seed(zlib.crc32(f"persistent-multicast{d}-{boundary}".encode()))
+    gen.manual_seed(zlib.crc32(f"persistent-multicast{d}-{boundary}-{peer_release}".encode()))
     m = cfg.m_block
     # (batch, seqlen_q, seqlen_k, heads_q, heads_kv): 512, 288, 2 and 24 tiles on 132 SMs
     shapes = [(8, 4 * m - 5, 1000, 16, 4), (2, 6 * m, 300, 24, 24), (1, 2 * m, 1, 2, 1),

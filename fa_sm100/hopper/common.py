@@ -12,16 +12,20 @@ Importing this module imports CuTe DSL; host modules import it lazily, where the
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import const_expr
+from cutlass import Int32, const_expr
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import warpgroup
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 from fa_sm100.hopper.config import SM90_ARCH
 
 # ``wgmma(..., wait=NO_WAIT)`` commits the GEMM and returns; the caller waits later.
 NO_WAIT = -1
+MBARRIER_BYTES = 8  # one mbarrier (the stages of a pipeline's barriers lie side by side)
 
 
 # ---- kernel side -------------------------------------------------------------------------------
@@ -55,6 +59,71 @@ def transpose_view(t: cute.Tensor) -> cute.Tensor:
     shape = (t.shape[1], t.shape[0], *t.shape[2:])
     order = (1, 0, *range(2, cute.rank(t)))
     return cute.composition(t, cute.make_ordered_layout(shape, order=order))
+
+
+@dsl_user_op
+def peer_smem_address(ptr, rank, *, loc=None, ip=None) -> Int32:
+    """The 32-bit shared::cluster address of SMEM pointer ``ptr``'s place in CTA ``rank`` of
+    the cluster (``mapa.shared::cluster.u32``)."""
+    return Int32(llvm.inline_asm(
+        T.i32(), [Int32(ptr.toint()).ir_value(loc=loc, ip=ip),
+                  Int32(rank).ir_value(loc=loc, ip=ip)],
+        "mapa.shared::cluster.u32 $0, $1, $2;", "=r,r,r", has_side_effects=False,
+        is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+@dsl_user_op
+def arrive_cluster_if(addr, pred, *, loc=None, ip=None) -> None:
+    """Arrive once on the mbarrier at shared::cluster address ``addr`` where ``pred`` is
+    nonzero: one predicated ``mbarrier.arrive.shared::cluster.b64``, no branch."""
+    llvm.inline_asm(
+        None, [Int32(addr).ir_value(loc=loc, ip=ip), Int32(pred).ir_value(loc=loc, ip=ip)],
+        "{\n.reg .pred p;\nsetp.ne.b32 p, $1, 0;\n"
+        "@p mbarrier.arrive.shared::cluster.b64 _, [$0];\n}",
+        "r,r", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
+# Note [Peer release]
+# ~~~~~~~~~~~~~~~~~~~
+# Under multicast, every CTA of a cluster loads into every other's stages, so a stage is free
+# only when the consumers of all of them are done: lane r (r < cluster size) of each consumer
+# warp arrives on CTA r's empty barrier. The DSL's ``PipelineTmaAsync.consumer_release``
+# computes that barrier's shared::cluster address at each release (stage offset, then
+# ``mapa`` with the lane's target rank), and at 160 registers ptxas keeps none of it live: in
+# the hdim 64 forward's main loop it re-reads ``SR_TID`` and rebuilds the lane, the predicate
+# and both addresses at every KV tile, 26 instructions of 446. ``PeerReleasePipeline`` maps
+# stage 0's address once, before any loop; a release adds the stage offset and arrives,
+# predicated on the signalling lanes: 15 fewer instructions per KV tile at hdim 64 (the lane
+# predicate is still re-derived), 5 at hdim 128, 50 at hdim 256. Measured on the H200 (round
+# 23, docs/hopper.md): hdim 64 non-causal 16k +0.7% / +0.8% (30 / 16 paired rounds), 8k
+# +0.0% / +0.2%, hdim 128 and 256 within +-0.5%. The backward's Q/dO releases would lose 3
+# of 587 instructions, so it keeps the DSL's.
+
+
+@dataclasses.dataclass(frozen=True)
+class PeerReleasePipeline:
+    """The consumer side of a multicast ``PipelineTmaAsync``, releasing through an address
+    mapped once (Note [Peer release]); waits pass through. A dataclass, so the DSL can carry it
+    through run-time loops."""
+
+    pipe: object  # the PipelineTmaAsync
+    peer_empty: Int32  # cluster address of stage 0's empty barrier in this lane's target CTA
+    signal: Int32  # nonzero on the lanes that release (one per CTA of the cluster)
+
+    @staticmethod
+    def create(pipe) -> "PeerReleasePipeline":
+        return PeerReleasePipeline(
+            pipe, peer_smem_address(pipe.sync_object_empty.get_barrier(0), pipe.consumer_mask),
+            Int32(pipe.is_signaling_thread))
+
+    def consumer_try_wait(self, state):
+        return self.pipe.consumer_try_wait(state)
+
+    def consumer_wait(self, state, try_wait_token=None):
+        self.pipe.consumer_wait(state, try_wait_token)
+
+    def consumer_release(self, state):
+        arrive_cluster_if(self.peer_empty + state.index * MBARRIER_BYTES, self.signal)
 
 
 @cute.jit

@@ -60,8 +60,9 @@ its half of the rows of every K/V tile and multicasts it into both CTAs' SMEM, s
 each K/V tile once per cluster instead of once per CTA. Each CTA's full barrier still expects
 the whole tile's bytes (both halves land on it); a stage is empty only when both CTAs'
 consumers have released it, so each consumer warp arrives on the empty barrier of both CTAs
-(lanes 0 and 1, the DSL's ``PipelineTmaAsync`` with a (1, 2, 1, 1) cluster), and a producer
-issues its half only then. Before a CTA exits, its producer waits until every stage is empty
+(lanes 0 and 1, the DSL's ``PipelineTmaAsync`` with a (1, 2, 1, 1) cluster; with
+``peer_release``, through addresses mapped once, Note [Peer release] in common.py), and a
+producer issues its half only then. Before a CTA exits, its producer waits until every stage is empty
 again (``producer_tail``): the peer's last releases arrive on this CTA's barriers, which must
 still exist. With ``kv_cluster=4`` the same holds for four neighbouring m blocks, each loading
 a quarter of every tile (measured 6-8% slower than pairs on the H100).
@@ -77,6 +78,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 from fa_sm100.config import WARP_SIZE, cutlass_dtype
+from fa_sm100.hopper.common import PeerReleasePipeline
 from fa_sm100.hopper.config import WARPGROUP_THREADS, WGMMA_M, Sm90FwdConfig
 from fa_sm100.hopper.fwd_consumer import ConsumerRole
 from fa_sm100.softmax_math import LOG2_E
@@ -328,8 +330,12 @@ class Sm90FwdKernel(ConsumerRole):
                               total_tiles, l2_heads, mTileCounter, pipe_tile, sTile)
         else:
             cute.arch.setmaxregister_increase(cfg.regs_consumer)
+            kv_release = (pipe_k, pipe_v)
+            if const_expr(cfg.kv_multicast and cfg.peer_release):  # Note [Peer release]
+                kv_release = (PeerReleasePipeline.create(pipe_k),
+                              PeerReleasePipeline.create(pipe_v))
             self.consumer(mO, mLSE, mK, sQ, sK, sV, sO, tma_o, tiled_mma_qk, tiled_mma_pv,
-                          pipe_q, pipe_k, pipe_v, scale_log2, total_tiles, l2_heads, pipe_tile,
+                          pipe_q, *kv_release, scale_log2, total_tiles, l2_heads, pipe_tile,
                           sTile)
 
     @cute.jit
