@@ -151,8 +151,7 @@ def test_flash_attn_func_dispatches_to_sm90(sm90_device):
     # causal sections of 2 and of 5 (batch, head) pairs: 32 pairs, the last section short
     "l2_section_mib=1", "l2_section_mib=2", "skip_empty_wg=false",
     "persistent=true,wg_epilogue=true", "persistent=true,q_stage=2", "rescale_threshold=0",
-    "rescale_threshold=0,intra_wg_overlap=false", "raw_qk_desc=true",
-    "raw_qk_desc=true,intra_wg_overlap=false", "raw_qk_desc=true,persistent=true,q_stage=2",
+    "rescale_threshold=0,intra_wg_overlap=false",
 ])
 def test_sm90_fwd_switches_keep_numerics(sm90_device, switch):
     """Every switch of the config computes the same attention (they change speed only).
@@ -275,40 +274,6 @@ def test_sm90_fwd_rescale_threshold_matches_float64_reference(sm90_device, head_
             assert moved > 100 and kept > 100, (moved, kept)
             _check_inputs(q, k, v, causal, cfg,
                           f"{shape} {head_dims} {dtype} causal={causal} {cfg.rescale_threshold}")
-
-
-RAW_QK_HEAD_DIMS = [hd for hd in HEAD_DIMS if hd[0] % 64 == 0]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
-@pytest.mark.parametrize("head_dims", RAW_QK_HEAD_DIMS, ids=lambda p: f"d{p[0]}_{p[1]}")
-def test_sm90_fwd_raw_qk_descriptors_match_float64_reference(sm90_device, head_dims, dtype,
-                                                              causal):
-    """Note [Raw QK descriptors]: the QK GEMM issued by inline PTX from hand-built SMEM
-    descriptors (k-steps across the 64-column swizzle atoms at hdim 128-256, each warpgroup's
-    64 rows of Q, each K stage) computes the same O and LSE (NaN-poisoned first) for every
-    head-dim pair it takes, bf16 and fp16, over every shape of the issue; at hdim 64 and 128
-    also as K/V multicast pairs with both Q stages."""
-    from fa_sm100.hopper.config import select_sm90_fwd_config
-
-    d, dv = head_dims
-    gen = torch.Generator(device="cuda")
-    gen.manual_seed(zlib.crc32(f"raw-qk{head_dims}{dtype}{causal}".encode()))
-    for shape in SHAPES:
-        cfg = select_sm90_fwd_config(d, dv, dtype=dtype, causal=causal, seqlen_q=shape[1],
-                                     seqlen_k=shape[2], raw_qk_desc=True)
-        assert cfg.raw_qk_desc
-        _check_one(shape, head_dims, dtype, causal, gen, config=cfg)
-    if d <= 128 and not causal:
-        cfg = select_sm90_fwd_config(d, dv, dtype=dtype, causal=False, raw_qk_desc=True,
-                                     kv_multicast=True, persistent=True, q_stage=2,
-                                     wg_epilogue=True)
-        assert cfg.kv_multicast and cfg.q_stage == 2
-        m = cfg.m_block
-        for shape in ((8, 4 * m - 5, 1000, 16, 4), (1, 2 * m, 1, 2, 1)):
-            _check_one(shape, head_dims, dtype, False, gen, config=cfg)
 
 
 @pytest.mark.gpu

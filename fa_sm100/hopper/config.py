@@ -114,10 +114,6 @@ class Sm90FwdConfig:
     # over off, hdim 64 non-causal 16k +0.7%, 8k +0.0%, hdim 128 / 256 within +-0.5%. No
     # effect without multicast.
     peer_release: bool = True
-    # The QK GEMM issued from hand-built SMEM descriptors whose k-steps are 32-bit adds to the
-    # low word (Note [Raw QK descriptors] in fa_sm100/hopper/gmma.py). Head dims that are
-    # multiples of 64 (128-byte swizzled Q and K tiles).
-    raw_qk_desc: bool = False
     # Causal scheduling: (batch, head) pairs are cut into sections whose K and V take at most
     # this many MiB, so a section's K/V stay in L2 (50 MB on H100/H200) while its tiles run.
     # 16 measured best of 8/16/24/40 on H200 in 5 of 8 causal cells (docs/hopper.md).
@@ -259,9 +255,6 @@ class Sm90FwdConfig:
         if self.rescale_o_before_pv and not self.intra_wg_overlap:
             raise ValueError("rescale_o_before_pv=True needs intra_wg_overlap=True (it moves the "
                              "rescale into the shadow of the overlapped QK GEMM)")
-        if self.raw_qk_desc and self.head_dim % 64:
-            raise ValueError(f"raw_qk_desc=True needs a head_dim that is a multiple of 64 (Q and "
-                             f"K in 128-byte swizzled tiles), got {self.head_dim}")
         if not 1 <= self.l2_section_mib <= 1024:
             raise ValueError(f"l2_section_mib={self.l2_section_mib}: must lie in [1, 1024] "
                              "(the kernel computes the section in 32-bit bytes)")

@@ -74,7 +74,6 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from fa_sm100.hopper import gmma
 from fa_sm100.hopper.common import NO_WAIT, rows_cols_view, stmatrix_to_smem, transpose_view, wgmma
 from fa_sm100.hopper.config import WARPGROUP_THREADS, WGMMA_M
 from fa_sm100.hopper.fwd_math import (
@@ -120,34 +119,12 @@ class ConsumerRole:
                                      number_of_threads=2 * WARPGROUP_THREADS)
 
     @cute.jit
-    def qk_gemm(self, f: ConsumerFrags, q, stage: Int32,
+    def qk_gemm(self, f: ConsumerFrags, tSrQ: cute.Tensor, stage: Int32,
                 wait: cutlass.Constexpr[int]) -> cute.Tensor:
-        """S = Q K^T with Q's stage ``q`` (``q_operand``) and K's stage ``stage``."""
-        cfg = self.cfg
+        """S = Q K^T with Q's stage ``tSrQ`` (MMA, MMA_M, MMA_K) and K's stage ``stage``."""
         acc_S = cute.make_rmem_tensor(f.s_shape, Float32)  # (MMA, MMA_M, MMA_N)
-        if const_expr(cfg.raw_qk_desc):  # Note [Raw QK descriptors] in gmma.py
-            k_lo = f.k_lo + stage * (cfg.n_block * cfg.head_dim * gmma.ELEMENT_BYTES
-                                     // gmma.DESC_UNIT)
-            warpgroup.fence()
-            for k in cutlass.range_constexpr(cfg.head_dim // gmma.K_STEP):
-                gmma.wgmma_ss(acc_S, q + gmma.k_step_offset(k, cfg.m_block),
-                              k_lo + gmma.k_step_offset(k, cfg.n_block), k > 0, cfg.n_block,
-                              gmma.PTX_TYPES[cfg.dtype])
-            warpgroup.commit_group()
-            if const_expr(wait != NO_WAIT):
-                warpgroup.wait_group(wait)
-        else:
-            wgmma(f.tiled_mma_qk, acc_S, q, f.tSrK[None, None, None, stage], True, wait)
+        wgmma(f.tiled_mma_qk, acc_S, tSrQ, f.tSrK[None, None, None, stage], True, wait)
         return acc_S
-
-    def q_operand(self, f: ConsumerFrags, q_state):
-        """Q's stage as the QK GEMM's A operand: its descriptor fragment (MMA, MMA_M, MMA_K),
-        or with ``raw_qk_desc`` the low word of its first k-step's descriptor."""
-        index = self.q_index(q_state)
-        if const_expr(self.cfg.raw_qk_desc):
-            return f.q_lo + index * (self.cfg.m_block * self.cfg.head_dim * gmma.ELEMENT_BYTES
-                                     // gmma.DESC_UNIT)
-        return f.tSrQ[None, None, None, index]
 
     def q_index(self, q_state):
         """The Q stage of ``q_state``: a constant 0 with one stage (Note [Two Q stages] in
@@ -216,10 +193,6 @@ class ConsumerRole:
             causal_offset=seqlen_k - seqlen_q,
             scale_log2=scale_log2,
         )
-        if const_expr(cfg.raw_qk_desc):  # Note [Raw QK descriptors]: stage 0, k-step 0
-            f.q_lo = gmma.desc_lo(sQ.iterator.toint()) + wg * (
-                WGMMA_M * gmma.SWIZZLE_BYTES // gmma.DESC_UNIT)
-            f.k_lo = gmma.desc_lo(sK.iterator.toint())
         lse = cute.make_rmem_tensor((rows,), Float32)
 
         if const_expr(cfg.pingpong):
@@ -312,7 +285,7 @@ class ConsumerRole:
         after the first cross the causal diagonal); Q's stage is released after the last QK
         GEMM. Returns the advanced KV pipeline state."""
         cfg = self.cfg
-        q = self.q_operand(f, q_state)  # Q's stage
+        q = f.tSrQ[None, None, None, self.q_index(q_state)]  # Q's stage
         if const_expr(cfg.intra_wg_overlap):
             # First tile: S and P only; its PV GEMM runs in the next step.
             pipe_k.consumer_wait(state, pipe_k.consumer_try_wait(state))
