@@ -62,9 +62,9 @@ the whole tile's bytes (both halves land on it); a stage is empty only when both
 consumers have released it, so each consumer warp arrives on the empty barrier of both CTAs
 (lanes 0 and 1, the DSL's ``PipelineTmaAsync`` with a (1, 2, 1, 1) cluster; with
 ``peer_release``, through addresses mapped once, Note [Peer release] in common.py), and a
-producer issues its half only then. Before a CTA exits, its producer waits until every stage is empty
-again (``producer_tail``): the peer's last releases arrive on this CTA's barriers, which must
-still exist. With ``kv_cluster=4`` the same holds for four neighbouring m blocks, each loading
+producer issues its half only then. Before a CTA exits, its producer waits until every stage
+is empty again (``producer_tail``): the peer's last releases arrive on this CTA's barriers,
+which must still exist. With ``kv_cluster=4`` the same holds for four neighbouring m blocks, each loading
 a quarter of every tile (measured 6-8% slower than pairs on the H100).
 """
 
