@@ -19,7 +19,7 @@ import cutlass.cute as cute
 from cutlass import Int32, const_expr
 from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import warpgroup
-from cutlass.cutlass_dsl import T, dsl_user_op
+from cutlass.cutlass_dsl import dsl_user_op
 
 from fa_sm100.hopper.config import SM90_ARCH
 
@@ -62,17 +62,6 @@ def transpose_view(t: cute.Tensor) -> cute.Tensor:
 
 
 @dsl_user_op
-def peer_smem_address(ptr, rank, *, loc=None, ip=None) -> Int32:
-    """The 32-bit shared::cluster address of SMEM pointer ``ptr``'s place in CTA ``rank`` of
-    the cluster (``mapa.shared::cluster.u32``)."""
-    return Int32(llvm.inline_asm(
-        T.i32(), [Int32(ptr.toint()).ir_value(loc=loc, ip=ip),
-                  Int32(rank).ir_value(loc=loc, ip=ip)],
-        "mapa.shared::cluster.u32 $0, $1, $2;", "=r,r,r", has_side_effects=False,
-        is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
-
-
-@dsl_user_op
 def arrive_cluster_if(addr, pred, *, loc=None, ip=None) -> None:
     """Arrive once on the mbarrier at shared::cluster address ``addr`` where ``pred`` is
     nonzero: one predicated ``mbarrier.arrive.shared::cluster.b64``, no branch."""
@@ -92,8 +81,10 @@ def arrive_cluster_if(addr, pred, *, loc=None, ip=None) -> None:
 # ``mapa`` with the lane's target rank), and at 160 registers ptxas keeps none of it live: in
 # the hdim 64 forward's main loop it re-reads ``SR_TID`` and rebuilds the lane, the predicate
 # and both addresses at every KV tile, 26 instructions of 446. ``PeerReleasePipeline`` maps
-# stage 0's address once, before any loop; a release adds the stage offset and arrives,
-# predicated on the signalling lanes: 15 fewer instructions per KV tile at hdim 64 (the lane
+# stage 0's address once, before any loop (``cute.arch.map_dsmem_ptr``); a release adds the
+# stage offset and arrives with one predicated ``mbarrier.arrive`` of its own (the DSL's
+# ``mbarrier_arrive`` on the mapped pointer, under ``if_generate``, costs 10 instructions more
+# per KV tile at hdim 64). That is 15 fewer instructions per KV tile at hdim 64 (the lane
 # predicate is still re-derived), 5 at hdim 128, 50 at hdim 256. Measured on the H200 (round
 # 23, docs/hopper.md): hdim 64 non-causal 16k +0.7% / +0.8% (30 / 16 paired rounds), 8k
 # +0.0% / +0.2%, hdim 128 and 256 within +-0.5%. The backward's Q/dO releases would lose 3
@@ -112,9 +103,9 @@ class PeerReleasePipeline:
 
     @staticmethod
     def create(pipe) -> "PeerReleasePipeline":
-        return PeerReleasePipeline(
-            pipe, peer_smem_address(pipe.sync_object_empty.get_barrier(0), pipe.consumer_mask),
-            Int32(pipe.is_signaling_thread))
+        stage0 = cute.arch.map_dsmem_ptr(pipe.sync_object_empty.get_barrier(0),
+                                         pipe.consumer_mask)
+        return PeerReleasePipeline(pipe, Int32(stage0.toint()), Int32(pipe.is_signaling_thread))
 
     def consumer_try_wait(self, state):
         return self.pipe.consumer_try_wait(state)
