@@ -176,8 +176,10 @@ def cell_heads(d, heads):
     return heads or [HIDDEN // d]
 
 
-def cell_config(mode, d, s, causal, fields):
-    """The config a provider of the cell runs (validated: bad fields raise ValueError)."""
+def cell_config(mode, d, s, causal, fields, heads=None):
+    """The config a provider of the cell runs (validated: bad fields raise ValueError);
+    ``heads``: the cell's query heads (default hidden / head dim), whose (batch, head) pairs
+    decide whether an odd number of m blocks still multicasts (Note [Odd m blocks])."""
     if mode == "bwd":
         from fa_sm100.hopper.bwd_config import select_bwd_config
 
@@ -185,7 +187,9 @@ def cell_config(mode, d, s, causal, fields):
     from fa_sm100.hopper.config import select_sm90_fwd_config
 
     fields = {"write_lse": False, **fields}  # as the benchmark: nobody reads the LSE
-    return select_sm90_fwd_config(d, None, "bfloat16", causal, seqlen_k=s, seqlen_q=s, **fields)
+    batch_heads = TOKENS // s * (heads or HIDDEN // d)
+    return select_sm90_fwd_config(d, None, "bfloat16", causal, seqlen_k=s, seqlen_q=s,
+                                  batch_heads=batch_heads, **fields)
 
 
 def _benchmark_script():
@@ -205,7 +209,7 @@ def fwd_cell(d, s, causal, h, variants, fa4_variants, with_fa4, torch):
     b = TOKENS // s
     q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     runs = {name: prepare_sm90_fwd(q, k, v, causal=causal,
-                                   config=cell_config("fwd", d, s, causal, fields))
+                                   config=cell_config("fwd", d, s, causal, fields, h))
             for name, fields in [("default", {})] + variants}
     if with_fa4:
         from flash_attn.cute import flash_attn_func as fa4
@@ -272,9 +276,9 @@ def main(argv=None):
     try:  # every config of the run, before any GPU work
         variants = parse_variants(a.variant, a.mode)
         fa4_variants = parse_fa4_variants(a.fa4_variant)
-        for d, s, causal, _ in cells:
+        for d, s, causal, h in cells:
             for name, fields in variants:
-                cell_config(a.mode, d, s, causal, fields)
+                cell_config(a.mode, d, s, causal, fields, h)
     except ValueError as e:
         print(f"ab_bench: {e}", file=sys.stderr)
         return 2

@@ -120,7 +120,8 @@ def make_variant(spec, torch):
     def prepare(q, k, v, causal):
         d, dv = q.shape[-1], v.shape[-1]
         cfg = select_sm90_fwd_config(d, dv, str(q.dtype).split(".")[-1], causal,
-                                     seqlen_k=k.shape[1], seqlen_q=q.shape[1], **overrides)
+                                     seqlen_k=k.shape[1], seqlen_q=q.shape[1],
+                                     batch_heads=q.shape[0] * q.shape[2], **overrides)
         return prepare_ours(q, k, v, causal, config=cfg)
 
     return f"ours:{name}", prepare

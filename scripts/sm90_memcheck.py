@@ -76,6 +76,10 @@ CASES = [
     (4, 500, 1000, 40, 8, 128, 128, False, "multicast_persistent"),  # 640 tiles on the SMs
     (2, 700, 333, 36, 36, 64, 64, False, "multicast_two_q"),  # 288 tiles of 192 rows
     (2, 255, 300, 70, 70, 256, 256, False, "multicast_persistent"),  # O in Q's buffer
+    # Note [Odd m blocks]: 3 and 5 m blocks per head, the last ones paired across heads
+    (2, 500, 700, 4, 2, 64, 64, False, "multicast"),
+    (3, 1200, 333, 46, 23, 64, 64, False, "multicast_persistent"),  # 690 tiles on the SMs
+    (1, 600, 1000, 2, 1, 128, 128, False, "multicast_persistent"),
 ]
 
 

@@ -103,6 +103,11 @@ def test_variants_reach_the_configs_of_every_cell():
     assert (cfg.dv_before_fence, cfg.q_stage, cfg.tile_m, cfg.stats_first) == (False, 1, 64, True)
     fwd = ab.cell_config("fwd", 128, 4096, False, {"persistent": True})
     assert fwd.persistent and not fwd.write_lse  # as the benchmark: no LSE unless asked
+    # hdim 64 at 8k: 43 m blocks of 192 rows and 2 x 32 (batch, head) pairs, so the last m
+    # blocks pair across heads (Note [Odd m blocks])
+    odd = ab.cell_config("fwd", 64, 8192, False, {})
+    assert odd.kv_multicast and odd.odd_m_pairs and odd.num_m_blocks(8192) == 43
+    assert not ab.cell_config("fwd", 64, 8192, False, {"multicast_odd_m": False}).kv_multicast
 
 
 def test_launch_bound_flags_calls_the_host_cannot_keep_ahead_of():

@@ -153,12 +153,16 @@ def test_kv_multicast_multicasts_every_k_and_v_load(head_dim, tmp_path):
     releases as cluster-wide (remote) arrives instead of local ones. Note [Persistent
     multicast]: the same with persistent CTAs, whose tile loop holds the main loop. Note [Peer
     release]: the releases' cluster address is not re-derived in the main loop (no ``PRMT``,
-    the SASS of ``mapa``), which has fewer instructions than with the DSL's release."""
+    the SASS of ``mapa``), which has fewer instructions than with the DSL's release. Note [Odd
+    m blocks]: the producer also holds a load of the peer's share of each K and V tile (the
+    tile's own loads when a cluster pairs the last m blocks of two heads); the main loop is the
+    same without them (``multicast_odd_m=false``)."""
     loops, tile_loops = {}, {}
     variants = (("multicast", ["kv_multicast=true", "persistent=false"]),
                 ("one", ["persistent=false"]),
                 ("persistent", ["kv_multicast=true", "persistent=true"]),
-                ("dsl_release", ["kv_multicast=true", "persistent=true", "peer_release=false"]))
+                ("dsl_release", ["kv_multicast=true", "persistent=true", "peer_release=false"]),
+                ("no_odd", ["kv_multicast=true", "persistent=true", "multicast_odd_m=false"]))
     for name, extra in variants:
         overrides = [f"head_dim={head_dim}"] + extra
         rep = inspect_kernel("sm90_fwd", "sm_90a", overrides, keep_dir=tmp_path / name)
@@ -170,11 +174,13 @@ def test_kv_multicast_multicasts_every_k_and_v_load(head_dim, tmp_path):
             assert rep["config"]["kv_multicast"]
             assert rep["config"]["persistent"] == (name != "multicast")
             assert rep["config"]["peer_release"] == (name != "dsl_release")
+            assert rep["config"]["multicast_odd_m"] == (name != "no_odd")
             assert not rep["config"]["dynamic_schedule"]
             assert rep["cluster"] == [2, 1, 1]
             boxes = head_dim // 64
             ops = rep["sass"]
-            assert ops.get("UTMALDG.MULTICAST", 0) == 2 * boxes + 2 * boxes, ops
+            shares = 2 if name != "no_odd" else 1  # this CTA's share (and the peer's)
+            assert ops.get("UTMALDG.MULTICAST", 0) == (2 * boxes + 2 * boxes) * shares, ops
             # Q: loaded at two places where the first K tile goes first (O in Q's buffer)
             q_sites = 2 if rep["config"]["o_in_q_buffer"] or rep["config"]["k_before_q"] else 1
             assert ops["UTMALDG"] - ops["UTMALDG.MULTICAST"] == q_sites * boxes, ops
@@ -186,6 +192,10 @@ def test_kv_multicast_multicasts_every_k_and_v_load(head_dim, tmp_path):
     remote = lambda ops: sum(n for op, n in ops.items()
                              if op.startswith("SYNCS.ARRIVE.TRANS64.RED"))
     assert one[local] == 2 and remote(one) == 0, one  # releases of K and V, in this CTA
+    # the same main loop but for a few instructions of scheduling (0-4 per KV tile measured;
+    # which is why select_sm90_fwd_config turns the switch on only for an odd m block count)
+    no_odd, odd = loops["no_odd"], loops["persistent"]
+    assert kept(no_odd) == kept(odd) and abs(sum(no_odd.values()) - sum(odd.values())) <= 4
     for name in ("multicast", "persistent", "dsl_release"):
         mc = loops[name]
         assert sum(mc.values()) > 100 and kept(mc) == kept(one), (name, mc - one, one - mc)
@@ -194,7 +204,7 @@ def test_kv_multicast_multicasts_every_k_and_v_load(head_dim, tmp_path):
     assert loops["multicast"]["PRMT"] == loops["persistent"]["PRMT"] == 0
     assert sum(loops["persistent"].values()) < sum(loops["dsl_release"].values())
     assert (tile_loops["one"] == tile_loops["multicast"] == 0
-            < tile_loops["persistent"] == tile_loops["dsl_release"])
+            < tile_loops["persistent"] == tile_loops["dsl_release"] == tile_loops["no_odd"])
 
 
 def _hgmma_count(ops: collections.Counter) -> int:

@@ -17,6 +17,7 @@ from fa_sm100.hopper.config import (
 from fa_sm100.hopper.interface import sm90_config_for, sm90_fwd
 from fa_sm100.softmax_math import P_MAX_LOG2
 from fa_sm100.validation import validate_attention_inputs
+from script_loader import load_script
 
 
 @pytest.mark.parametrize("dims", SM90_HEAD_DIMS)
@@ -190,8 +191,9 @@ def test_kv_multicast_rules_and_default():
     """Note [K/V multicast]: only non-causal kernels, one tile per CTA or persistent pairs on
     the static schedule (Note [Persistent multicast]; ValueError otherwise); the default turns
     it on for non-causal problems from MULTICAST_MIN_SEQLEN_K keys on whose seqlen_q gives an
-    even number of m blocks, and then runs the pairs persistent on the static schedule; never
-    without seqlen_q, for causal problems, or when persistence alone is asked for."""
+    even number of m blocks (or an odd one and an even number of (batch, head) pairs, Note [Odd
+    m blocks]), and then runs the pairs persistent on the static schedule; never without
+    seqlen_q, for causal problems, or when persistence alone is asked for."""
 
     with pytest.raises(ValueError, match="causal=False"):
         select_sm90_fwd_config(128, causal=True, kv_multicast=True)
@@ -216,8 +218,13 @@ def test_kv_multicast_rules_and_default():
         assert on.kv_multicast and on.persistent and not on.dynamic_schedule, head_dim
         # the tile-boundary switches follow their own rule (up to TILE_BOUNDARY_MAX_SEQLEN_K)
         assert on.wg_epilogue == (on.own_o_buffer and shortest <= TILE_BOUNDARY_MAX_SEQLEN_K)
+        # an odd number of m blocks: with an even number of (batch, head) pairs, or no count
+        odd = dict(seqlen_k=shortest, seqlen_q=even_q - m)
+        odd_on = select_sm90_fwd_config(head_dim, batch_heads=64, **odd)
+        assert odd_on.kv_multicast and odd_on.odd_m_pairs, head_dim
+        assert not on.multicast_odd_m  # Note [Odd m blocks]: on only for an odd count
         for off in (dict(seqlen_k=shortest // 2, seqlen_q=even_q),
-                    dict(seqlen_k=shortest, seqlen_q=even_q - m),  # odd m blocks
+                    dict(odd, batch_heads=63), odd, dict(odd, batch_heads=64, multicast_odd_m=False),
                     dict(seqlen_k=shortest),  # no seqlen_q
                     dict(seqlen_k=shortest, seqlen_q=even_q, causal=True),
                     dict(seqlen_k=shortest, seqlen_q=even_q, persistent=True),
@@ -227,33 +234,43 @@ def test_kv_multicast_rules_and_default():
         assert not select_sm90_fwd_config(head_dim, seqlen_k=16384, seqlen_q=16384).kv_multicast
 
 
-def test_kv_multicast_needs_an_even_number_of_m_blocks():
+def test_kv_multicast_needs_clusters_of_m_blocks_or_pairs_of_heads():
     """A given multicast config groups the CTAs of m blocks 2c and 2c+1 of a head (or four
-    blocks with kv_cluster=4); a count that does not divide would group blocks of two heads
-    (different K/V): ValueError before any launch."""
+    blocks with kv_cluster=4). A count that does not divide would group blocks of two heads
+    (different K/V); with clusters of 2 and ``multicast_odd_m`` an odd count is fine when the
+    (batch, head) pairs are even in number, whose last m blocks then pair up (Note [Odd m
+    blocks]). Anything else: ValueError before any launch."""
     cfg = select_sm90_fwd_config(128, kv_multicast=True)  # persistent pairs
+    no_odd = select_sm90_fwd_config(128, kv_multicast=True, multicast_odd_m=False)
     cfg4 = select_sm90_fwd_config(128, kv_multicast=True, kv_cluster=4)  # four-block groups
-    k, v = (torch.randn(1, 300, 2, 128, dtype=torch.bfloat16) for _ in range(2))
-    cases = [(cfg, 256, True), (cfg, 255, True), (cfg, 129, True), (cfg, 257, False),
-             (cfg, 1, False), (cfg4, 512, True), (cfg4, 385, True), (cfg4, 256, False),
-             (cfg4, 513, False)]
-    for config, seqlen_q, ok in cases:
-        q = torch.randn(1, seqlen_q, 2, 128, dtype=torch.bfloat16)
+    assert cfg.odd_m_pairs and not no_odd.odd_m_pairs and not cfg4.odd_m_pairs
+    # (config, seqlen_q, batch, heads, fits): 128-row m blocks
+    cases = [(cfg, 256, 1, 2, True), (cfg, 255, 1, 3, True), (cfg, 129, 1, 1, True),
+             (cfg, 257, 1, 2, True), (cfg, 1, 2, 3, True), (cfg, 4097, 3, 2, True),
+             (cfg, 257, 1, 3, False), (cfg, 1, 3, 1, False), (cfg, 4097, 3, 1, False),
+             (no_odd, 256, 1, 2, True), (no_odd, 257, 1, 2, False), (no_odd, 1, 2, 2, False),
+             (cfg4, 512, 1, 2, True), (cfg4, 385, 1, 3, True), (cfg4, 256, 1, 2, False),
+             (cfg4, 513, 1, 2, False)]
+    for config, seqlen_q, batch, heads, ok in cases:
+        assert config.multicast_fits(seqlen_q, batch * heads) == ok, (seqlen_q, batch, heads)
+        q = torch.randn(batch, seqlen_q, heads, 128, dtype=torch.bfloat16)
+        k, v = (torch.randn(batch, 300, heads, 128, dtype=torch.bfloat16) for _ in range(2))
         prob = validate_attention_inputs(q, k, v, require_cuda=False)
         if ok:
             assert sm90_config_for(prob, config) is config
         else:
-            with pytest.raises(ValueError, match=f"in clusters of {config.kv_cluster}"):
+            with pytest.raises(ValueError, match=f"in clusters of {config.kv_cluster}.*"
+                                                 f"{batch * heads} \\(batch, head\\) pairs"):
                 sm90_config_for(prob, config)
-    # the default for such a problem simply does not multicast
-    q = torch.randn(1, 257, 2, 128, dtype=torch.bfloat16)
+    # without the pair count an odd number of m blocks does not fit
+    assert not cfg.multicast_fits(257) and cfg.multicast_fits(256)
+    # the default multicasts where the problem fits, and otherwise simply does not
     k, v = (torch.randn(1, MULTICAST_MIN_SEQLEN_K[128], 2, 128, dtype=torch.bfloat16)
             for _ in range(2))
-    assert not sm90_config_for(validate_attention_inputs(q, k, v, require_cuda=False),
-                               None).kv_multicast
-    q = torch.randn(1, 256, 2, 128, dtype=torch.bfloat16)
-    assert sm90_config_for(validate_attention_inputs(q, k, v, require_cuda=False),
-                           None).kv_multicast
+    for seqlen_q, heads, multicast in ((256, 2, True), (257, 2, True), (257, 1, False)):
+        q = torch.randn(1, seqlen_q, heads, 128, dtype=torch.bfloat16)
+        prob = validate_attention_inputs(q, k[:, :, :heads], v[:, :, :heads], require_cuda=False)
+        assert sm90_config_for(prob, None).kv_multicast == multicast, (seqlen_q, heads)
 
 
 def test_empty_warpgroups_are_skipped_by_default_only_where_there_is_one():
@@ -321,3 +338,24 @@ def test_tile_boundary_switches_by_default_where_measured_and_where_they_fit():
                                        wg_epilogue=False)) == (False, 2)
     assert both(select_sm90_fwd_config(192, 128, causal=True, seqlen_k=1024,
                                        wg_epilogue=True)) == (True, 1)
+
+
+def test_fwd_memcheck_cases_fit_their_configs():
+    """``scripts/sm90_memcheck.py`` (run under compute-sanitizer on the GPU): every forward
+    case's config validates and takes its problem (no ValueError on the GPU), and between them
+    the multicast cases cover clusters of 2 and 4, one tile per CTA and persistent pairs, and an
+    odd number of m blocks paired across heads (Note [Odd m blocks]) both ways."""
+    mod = load_script("sm90_memcheck")
+    kinds = set()
+    for b, sq, sk, h, hk, d, dv, causal, schedule in mod.CASES:
+        cfg = select_sm90_fwd_config(d, dv, "bfloat16", causal, **mod.SCHEDULES[schedule])
+        q = torch.randn(b, sq, h, d, dtype=torch.bfloat16)
+        k = torch.randn(b, sk, hk, d, dtype=torch.bfloat16)
+        v = torch.randn(b, sk, hk, dv, dtype=torch.bfloat16)
+        prob = validate_attention_inputs(q, k, v, causal=causal, require_cuda=False)
+        assert sm90_config_for(prob, cfg) is cfg
+        if cfg.kv_multicast:
+            odd = cfg.num_m_blocks(sq) % cfg.kv_cluster != 0
+            kinds.add((cfg.kv_cluster, cfg.persistent, odd))
+    assert kinds == {(2, False, False), (4, False, False), (2, True, False), (2, False, True),
+                     (2, True, True)}, kinds

@@ -301,7 +301,7 @@ def test_sm90_fwd_kv_multicast_matches_float64_reference(sm90_device, head_dims,
     # clusters of m blocks
     shapes = [(2, 2 * c * m - 17, 777, 8, 2), (1, c * m, 1, 2, 1), (3, c * m - 1, 4097, 4, 4),
               (1, 4 * c * m, 2 * cfg.n_block, 6, 3)]
-    assert all(cfg.pairs_m_blocks(sq) for _, sq, *_ in shapes)
+    assert all(cfg.num_m_blocks(sq) % cluster == 0 for _, sq, *_ in shapes)
     for shape in shapes:
         _check_one(shape, head_dims, torch.bfloat16, False, gen, config=cfg)
 
@@ -336,7 +336,36 @@ def test_sm90_fwd_persistent_multicast_matches_float64_reference(sm90_device, he
     # (batch, seqlen_q, seqlen_k, heads_q, heads_kv): 512, 288, 2 and 24 tiles on 132 SMs
     shapes = [(8, 4 * m - 5, 1000, 16, 4), (2, 6 * m, 300, 24, 24), (1, 2 * m, 1, 2, 1),
               (3, 2 * m - 1, 4097, 4, 1)]
-    assert all(cfg.pairs_m_blocks(sq) for _, sq, *_ in shapes)
+    assert all(cfg.num_m_blocks(sq) % 2 == 0 for _, sq, *_ in shapes)
+    for shape in shapes:
+        _check_one(shape, head_dims, torch.bfloat16, False, gen, config=cfg)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("persistent", [False, True], ids=["one_tile", "persistent"])
+@pytest.mark.parametrize("head_dims", HEAD_DIMS, ids=lambda p: f"d{p[0]}_{p[1]}")
+def test_sm90_fwd_odd_m_block_multicast_matches_float64_reference(sm90_device, head_dims,
+                                                                  persistent):
+    """Note [Odd m blocks]: with an odd number of m blocks per head, clusters of 2 share K/V
+    over the even part and pair the last m blocks of two (batch, head) pairs, which load their
+    own K/V, and compute the same O and LSE (NaN-poisoned first) for every head-dim pair: one m
+    block per head (no shared tile at all), three to nine, more tiles than SMs (persistent CTAs
+    go from shared tiles to own loads), a ragged last m block and KV tile, one key, GQA (the two
+    heads of a pair may read one K/V head or two) and MQA."""
+    from fa_sm100.hopper.config import select_sm90_fwd_config
+
+    d, dv = head_dims
+    cfg = select_sm90_fwd_config(d, dv, causal=False, write_lse=True, kv_multicast=True,
+                                 persistent=persistent)
+    assert cfg.odd_m_pairs and cfg.persistent == persistent and cfg.cluster == (2, 1, 1)
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(zlib.crc32(f"odd-m{d}-{persistent}".encode()))
+    m = cfg.m_block
+    # (batch, seqlen_q, seqlen_k, heads_q, heads_kv): 48, 2, 60, 1152 and 36 tiles
+    shapes = [(2, 3 * m - 5, 1000, 8, 2), (1, 1, 777, 2, 1), (3, 5 * m, 4097, 4, 4),
+              (8, 9 * m - 1, 300, 16, 4), (2, 2 * m + 1, 1, 6, 1)]
+    assert all(cfg.num_m_blocks(sq) % 2 == 1 and cfg.multicast_fits(sq, b * h)
+               for b, sq, _, h, _ in shapes)
     for shape in shapes:
         _check_one(shape, head_dims, torch.bfloat16, False, gen, config=cfg)
 

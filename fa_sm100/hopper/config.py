@@ -108,6 +108,13 @@ class Sm90FwdConfig:
     # CTAs per cluster under kv_multicast: each loads 1/kv_cluster of every K / V tile (4
     # measured 6-8% slower than 2 on the H100: docs/hopper.md, round 11)
     kv_cluster: int = KV_CLUSTER
+    # Under kv_multicast with clusters of 2, an odd number of m blocks per head no longer rules
+    # multicast out: the even part pairs as before, and the last m blocks of two (batch, head)
+    # pairs share a cluster whose CTAs load their own K/V (Note [Odd m blocks] in
+    # fwd_kernel.py). Needs an even number of (batch, head) pairs. select_sm90_fwd_config: on
+    # only for an odd number of m blocks (the consumers' main loop came out 4 instructions
+    # longer per KV tile at hdim 256 with it, though it changes nothing for an even number).
+    multicast_odd_m: bool = True
     # Under kv_multicast, the consumers release K/V stages on the cluster's empty barriers
     # through addresses mapped once, not re-derived at every release (Note [Peer release] in
     # fa_sm100/hopper/common.py): 15 fewer instructions per KV tile at hdim 64; H200, paired
@@ -144,10 +151,24 @@ class Sm90FwdConfig:
         ``seqlen_q`` (Note [Empty warpgroups] in fwd_consumer.py)."""
         return (-seqlen_q) % self.m_block >= WGMMA_M
 
-    def pairs_m_blocks(self, seqlen_q: int) -> bool:
-        """Whether ``seqlen_q``'s m blocks group into whole ``kv_multicast`` clusters (of
-        ``kv_cluster``), so that no cluster spans two heads (Note [K/V multicast])."""
-        return self.num_m_blocks(seqlen_q) % self.kv_cluster == 0
+    @property
+    def odd_m_pairs(self) -> bool:
+        """Whether the kernel pairs the last m blocks of two heads when a head has an odd
+        number of them (Note [Odd m blocks] in fwd_kernel.py): ``multicast_odd_m`` under
+        ``kv_multicast`` with clusters of 2."""
+        return self.kv_multicast and self.multicast_odd_m and self.kv_cluster == 2
+
+    def multicast_fits(self, seqlen_q: int, batch_heads=None) -> bool:
+        """Whether ``kv_multicast`` can group the work tiles of a problem with ``seqlen_q``
+        rows and ``batch_heads`` (batch, head) pairs into clusters of ``kv_cluster``: a whole
+        number of clusters of m blocks per head (Note [K/V multicast]), or, with
+        ``multicast_odd_m`` and clusters of 2, an odd number of m blocks and an even number of
+        pairs (Note [Odd m blocks]; ``batch_heads=None``: unknown, so no)."""
+        m_blocks = self.num_m_blocks(seqlen_q)
+        if m_blocks % self.kv_cluster == 0:
+            return True
+        return (self.multicast_odd_m and self.kv_cluster == 2 and batch_heads is not None
+                and batch_heads % 2 == 0)
 
     @property
     def own_o_buffer(self) -> bool:
@@ -361,22 +382,24 @@ RESCALE_THRESHOLD_MIN_HEAD_DIM_V = 128
 
 
 def select_sm90_fwd_config(head_dim: int = 128, head_dim_v=None, dtype="bfloat16", causal=False,
-                           write_lse=True, seqlen_k=None, seqlen_q=None,
+                           write_lse=True, seqlen_k=None, seqlen_q=None, batch_heads=None,
                            **overrides) -> Sm90FwdConfig:
     """The default SM90 config for a problem, with ``overrides`` applied, validated.
 
     ``head_dim_v`` defaults to ``fa_sm100.config.default_head_dim_v(head_dim)`` (128 for 192).
-    ``kv_multicast`` for non-causal problems from ``MULTICAST_MIN_SEQLEN_K`` keys on whose
-    ``seqlen_q`` (optional: without it, no) gives a whole number of clusters of m blocks,
-    unless ``persistent`` or it is given; multicast pairs are persistent on the static
+    ``kv_multicast`` for non-causal problems from ``MULTICAST_MIN_SEQLEN_K`` keys whose
+    ``seqlen_q`` (optional: without it, no) and ``batch_heads`` ((batch, head) pairs,
+    optional) fit clusters (``Sm90FwdConfig.multicast_fits``), unless ``persistent`` or it is
+    given; multicast pairs are persistent on the static
     schedule where they fit (Note [Persistent multicast]; clusters of 2 only). Otherwise
     persistent CTAs with the dynamic schedule, where they fit in SMEM: for causal problems
     always; for non-causal ones when ``PERSISTENT_MAX_SEQLEN_K`` of the head dim is None or
     ``seqlen_k`` (optional: without it, no) is at most that. ``dynamic_schedule`` follows
     ``persistent`` (but not under multicast), and ``o_in_q_buffer`` "persistent, and O's own
     buffer does not fit", unless overridden themselves.
-    ``skip_empty_wg`` where the last m block has an empty consumer warpgroup (or ``seqlen_q`` is
-    not given), unless it is given. ``wg_epilogue`` and ``q_stage=2`` for persistent CTAs with
+    ``skip_empty_wg`` where the last m block has an empty consumer warpgroup, and
+    ``multicast_odd_m`` where the m blocks are odd in number (each also where ``seqlen_q`` is
+    not given), unless given. ``wg_epilogue`` and ``q_stage=2`` for persistent CTAs with
     O's own buffer up to ``TILE_BOUNDARY_MAX_SEQLEN_K`` keys (optional: without it, no) where
     two Q stages fit, each unless given. ``rescale_threshold`` 8 from head_dim_v 128 on
     (``RESCALE_THRESHOLD_MIN_HEAD_DIM_V``), else 0.
@@ -413,12 +436,15 @@ def select_sm90_fwd_config(head_dim: int = 128, head_dim_v=None, dtype="bfloat16
     own_o = cfg.replace(persistent=True, dynamic_schedule=True)
     fits_own_o = own_o.smem_bytes() <= SM90_SMEM_BUDGET
     fits = fits_own_o or own_o.replace(o_in_q_buffer=True).smem_bytes() <= SM90_SMEM_BUDGET
+    if "multicast_odd_m" not in overrides:  # Note [Odd m blocks]: only where the count is odd
+        cfg = cfg.replace(multicast_odd_m=seqlen_q is None or cfg.num_m_blocks(seqlen_q) % 2 == 1)
     multicast = schedule.get("kv_multicast")
     if multicast is None:
         shortest = MULTICAST_MIN_SEQLEN_K.get(head_dim)
         multicast = (not causal and shortest is not None and seqlen_k is not None
                      and seqlen_k >= shortest and seqlen_q is not None
-                     and cfg.pairs_m_blocks(seqlen_q) and not schedule.get("persistent"))
+                     and cfg.multicast_fits(seqlen_q, batch_heads)
+                     and not schedule.get("persistent"))
     if "skip_empty_wg" not in overrides:  # Note [Empty warpgroups]: only if there is one
         cfg = cfg.replace(skip_empty_wg=seqlen_q is None or cfg.has_empty_wg(seqlen_q))
     persistent = schedule.get("persistent")

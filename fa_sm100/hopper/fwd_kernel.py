@@ -66,6 +66,20 @@ producer issues its half only then. Before a CTA exits, its producer waits until
 is empty again (``producer_tail``): the peer's last releases arrive on this CTA's barriers,
 which must still exist. With ``kv_cluster=4`` the same holds for four neighbouring m blocks, each loading
 a quarter of every tile (measured 6-8% slower than pairs on the H100).
+
+Note [Odd m blocks] (``multicast_odd_m``, clusters of 2): with an odd number M of m blocks per
+head, tiles 2c and 2c + 1 of the plain order would straddle two heads whose K/V differ. So the
+flat order changes: its first (M - 1) x pairs tiles are m blocks 0 .. M - 2 of each (batch, head)
+pair in turn (an even count per head: clusters share K/V as in Note [K/V multicast]), and the
+last ``pairs`` tiles are the last m block of pair 0, 1, 2, ... Clusters there hold the last m
+blocks of two pairs (an even number of pairs, so no cluster is left half empty): both CTAs see
+the same seqlen_k, hence the same KV tiles in the same order, but not the same K/V, so each
+producer loads both halves of every tile into its own SMEM only (the multicast TMA with its own
+CTA's bit in the mask). Nothing else changes: each full barrier still expects the whole tile,
+and the consumers still release on both CTAs' empty barriers, which only makes a producer wait
+for the peer's consumers too. Static persistent CTAs walk the order upwards and the grid is even,
+so a cluster meets its shared tiles first and its own-load tiles at the end. hdim 64 (192-row
+blocks) gives 43 m blocks at 8k, which had no multicast before.
 """
 
 import cuda.bindings.driver as cuda
@@ -355,6 +369,13 @@ class Sm90FwdKernel(ConsumerRole):
         num_m_blocks = cute.ceil_div(seqlen_q, cfg.m_block)
         pair = t // num_m_blocks
         m_block = t - pair * num_m_blocks
+        if const_expr(cfg.odd_m_pairs):  # Note [Odd m blocks]: the even part first
+            paired_m, paired_tiles = self.paired_tiles(mQ)
+            pair = t - paired_tiles
+            m_block = num_m_blocks - 1
+            if t < paired_tiles:
+                pair = t // cutlass.max(paired_m, 1)
+                m_block = t - pair * paired_m
         n_blocks = cute.ceil_div(seqlen_k, cfg.n_block)
         n_masked_from = n_blocks
         if const_expr(cfg.causal):
@@ -373,6 +394,14 @@ class Sm90FwdKernel(ConsumerRole):
         batch = pair // num_heads
         head = pair - batch * num_heads
         return m_block, head, batch, n_blocks, n_masked_from, seqlen_q, seqlen_k
+
+    @cute.jit
+    def paired_tiles(self, mQ: cute.Tensor):
+        """(m blocks per head that share K/V in clusters, flat tiles that do): the even part
+        of each head's m blocks (Note [Odd m blocks])."""
+        num_m_blocks = cute.ceil_div(mQ.shape[0], self.cfg.m_block)
+        paired_m = num_m_blocks - num_m_blocks % 2
+        return paired_m, paired_m * mQ.shape[2] * mQ.shape[3]
 
     @cute.jit
     def producer(self, mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v,
@@ -458,12 +487,22 @@ class Sm90FwdKernel(ConsumerRole):
         kv_rank, kv_ctas = 0, cfg.cluster[0]
         if const_expr(cfg.kv_multicast):
             kv_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
-        tKsK, tKgK = cpasync.tma_partition(tma_k, kv_rank, cute.make_layout(kv_ctas),
-                                           cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
-        tVsV, tVgV = cpasync.tma_partition(tma_v, kv_rank, cute.make_layout(kv_ctas),
-                                           cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
-        load_k = lambda n, st: self.load_kv(tma_k, tKgK, tKsK, n, pipe_k, st)
-        load_v = lambda n, st: self.load_kv(tma_v, tVgV, tVsV, n, pipe_v, st)
+        share = lambda tma, sX, gX, rank: cpasync.tma_partition(
+            tma, rank, cute.make_layout(kv_ctas), cute.group_modes(sX, 0, 2),
+            cute.group_modes(gX, 0, 2))
+        tKsK, tKgK = share(tma_k, sK, gK, kv_rank)
+        tVsV, tVgV = share(tma_v, sV, gV, kv_rank)
+        # Under multicast: the CTAs the loads go to, and the peer's shares to load as well when
+        # this tile's K/V are this CTA's alone (Note [Odd m blocks]).
+        mcast_mask = cutlass.Int16((1 << kv_ctas) - 1)
+        peer_k, peer_v = None, None
+        if const_expr(cfg.odd_m_pairs):
+            peer_k = share(tma_k, sK, gK, 1 - kv_rank)
+            peer_v = share(tma_v, sV, gV, 1 - kv_rank)
+            if t >= self.paired_tiles(mQ)[1]:
+                mcast_mask = cutlass.Int16(1 << kv_rank)
+        load_k = lambda n, st: self.load_kv(tma_k, tKgK, tKsK, n, pipe_k, st, mcast_mask, peer_k)
+        load_v = lambda n, st: self.load_kv(tma_v, tVgV, tVsV, n, pipe_v, st, mcast_mask, peer_v)
 
         # With O in Q's buffer the Q stage frees only after the previous tile's O store: the
         # first K tile goes first so that it is not held up behind it.
@@ -496,12 +535,18 @@ class Sm90FwdKernel(ConsumerRole):
         return state, q_state
 
     @cute.jit
-    def load_kv(self, tma, tXgX, tXsX, n: Int32, pipe, state):
+    def load_kv(self, tma, tXgX, tXsX, n: Int32, pipe, state, mcast_mask, peer):
         """K or V tile n into the ring stage of ``state``, once the consumers released it (those
-        of both CTAs under kv_multicast, which multicasts this CTA's share to both)."""
+        of both CTAs under kv_multicast, which multicasts this CTA's share to the CTAs of
+        ``mcast_mask``). ``peer``: the peer's share (sX, gX) under ``odd_m_pairs``, loaded too
+        when the mask holds this CTA alone (Note [Odd m blocks])."""
         mcast = {}
         if const_expr(self.cfg.kv_multicast):
-            mcast = {"mcast_mask": cutlass.Int16((1 << self.cfg.kv_cluster) - 1)}
+            mcast = {"mcast_mask": mcast_mask}
         pipe.producer_acquire(state, pipe.producer_try_acquire(state))
-        cute.copy(tma, tXgX[None, n], tXsX[None, state.index],
-                  tma_bar_ptr=pipe.producer_get_barrier(state), **mcast)
+        bar = pipe.producer_get_barrier(state)
+        cute.copy(tma, tXgX[None, n], tXsX[None, state.index], tma_bar_ptr=bar, **mcast)
+        if const_expr(peer is not None):
+            if mcast_mask != (1 << self.cfg.kv_cluster) - 1:
+                cute.copy(tma, peer[1][None, n], peer[0][None, state.index], tma_bar_ptr=bar,
+                          **mcast)

@@ -49,7 +49,8 @@ def sm90_config_for(problem, config: Optional[Sm90FwdConfig], need_lse: bool = F
     if config is None:
         return select_sm90_fwd_config(problem.head_dim, problem.head_dim_v, dtype, problem.causal,
                                       write_lse=need_lse, seqlen_k=problem.seqlen_k,
-                                      seqlen_q=problem.seqlen_q)
+                                      seqlen_q=problem.seqlen_q,
+                                      batch_heads=problem.batch * problem.heads)
     if not isinstance(config, Sm90FwdConfig):
         raise ValueError(f"config must be an Sm90FwdConfig on SM90, got {type(config).__name__}")
     config = config.validate()
@@ -62,12 +63,16 @@ def sm90_config_for(problem, config: Optional[Sm90FwdConfig], need_lse: bool = F
     if need_lse and not config.write_lse:
         raise ValueError("config.write_lse=False, but LSE is needed (return_lse=True, an lse "
                          "buffer, or gradients): use a config with write_lse=True")
-    if config.kv_multicast and not config.pairs_m_blocks(problem.seqlen_q):
+    batch_heads = problem.batch * problem.heads
+    if config.kv_multicast and not config.multicast_fits(problem.seqlen_q, batch_heads):
+        odd = (" (an odd count pairs across heads only with kv_cluster=2, multicast_odd_m=True "
+               "and an even number of (batch, head) pairs)")
         raise ValueError(f"config.kv_multicast=True groups the CTAs of neighbouring m blocks of "
                          f"a head in clusters of {config.kv_cluster}, but "
                          f"seqlen_q={problem.seqlen_q} gives "
                          f"{config.num_m_blocks(problem.seqlen_q)} blocks of {config.m_block} "
-                         f"rows: use kv_multicast=False")
+                         f"rows and there are {batch_heads} (batch, head) pairs{odd}: use "
+                         f"kv_multicast=False")
     return config
 
 
