@@ -25,6 +25,13 @@ and power between rounds cancel in these ratios; in this project's runs on an H2
 effect that the benchmark grid's medians could not separate from noise (cells moving by up
 to 12% between runs) showed up with paired ranges of +-1% (docs/hopper_backward.md).
 
+A variant whose config builds the same kernels as the default's in a cell (equal
+``effective()`` configs: a switch the kernel does not read there, such as the backward's
+``stats_first`` with 80-row blocks) is named before any GPU work and marked "[same kernel as
+default: A/A]" in its cell; its ratio is a measure of the noise. On an H200 (round 24), such a
+variant measured 0.997x-1.007x over 16 rounds in ten cells, +0.6% / +1.0% over 12 rounds at
+16k: read smaller effects with that in mind.
+
 Two probes beside the config variants:
 
 - ``--fa4-variant NAME:field=value,...`` (forward) also times FlashAttention-4's forward with
@@ -254,14 +261,25 @@ def bwd_cell(d, s, causal, h, variants, with_fa4, torch):
     return runs, lambda grads: bwd_bench.check_grads(grads, ref, plain)
 
 
-def format_cell(label, times, calls):
-    """The cell's lines: per provider the median ms and the paired speed-up over default."""
+def same_kernel_variants(mode, d, s, causal, variants, heads=None):
+    """{name: the fields it sets} of the variants whose config builds the same kernels as
+    the default's in this cell (equal ``effective()`` configs): their ratio over the default
+    measures noise, an A/A check, not the switch."""
+    base = cell_config(mode, d, s, causal, {}, heads).effective()
+    return {name: sorted(fields) for name, fields in variants
+            if cell_config(mode, d, s, causal, fields, heads).effective() == base}
+
+
+def format_cell(label, times, calls, same=()):
+    """The cell's lines: per provider the median ms and the paired speed-up over default;
+    variants in ``same`` are marked as building the default's kernels."""
     speed = paired_speedups(times, "default")
     lines = [f"{label}: {len(times['default'])} rounds of {calls} calls"]
     for name, ms in times.items():
         mid, lo, hi = speed[name]
         lines.append(f"  {name:12s} {median(ms):9.4f} ms   x{mid:.3f} vs default "
-                     f"(rounds {lo:.3f}-{hi:.3f})")
+                     f"(rounds {lo:.3f}-{hi:.3f})"
+                     + ("   [same kernel as default: A/A]" if name in same else ""))
     if "fa4" in times:
         fa4 = median(times["fa4"])
         lines.append("  over fa4: " + ", ".join(f"{n} {fa4 / median(ms):.3f}x"
@@ -276,9 +294,16 @@ def main(argv=None):
     try:  # every config of the run, before any GPU work
         variants = parse_variants(a.variant, a.mode)
         fa4_variants = parse_fa4_variants(a.fa4_variant)
+        same = {}  # per cell: the variants that build the default's kernels
         for d, s, causal, h in cells:
             for name, fields in variants:
                 cell_config(a.mode, d, s, causal, fields, h)
+            same[d, s, causal, h] = same_kernel_variants(a.mode, d, s, causal, variants, h)
+            for name, fields in same[d, s, causal, h].items():
+                print(f"ab_bench: note: variant {name} ({', '.join(fields)}) builds the same "
+                      f"kernels as the default at {a.mode} hdim {d} seqlen {s} "
+                      f"{'causal' if causal else 'non-causal'}: the switch has no effect "
+                      "there, so its ratio measures noise (an A/A check)", flush=True)
     except ValueError as e:
         print(f"ab_bench: {e}", file=sys.stderr)
         return 2
@@ -320,7 +345,8 @@ def main(argv=None):
         host = {name: host_and_gpu_ms(run, min(calls, LAUNCH_CHECK_CALLS), torch)
                 for name, run in runs.items()}
         times = paired_rounds(runs, a.rounds, lambda run: events_ms(run, calls, torch))
-        print(format_cell(label, times, calls) + f"   ({time.time() - t0:.0f} s)", flush=True)
+        print(format_cell(label, times, calls, same[d, s, causal, h])
+              + f"   ({time.time() - t0:.0f} s)", flush=True)
         for name, (host_ms, gpu_ms) in host.items():
             if launch_bound(host_ms, gpu_ms):
                 print(f"  WARNING {name}: launch-bound (the host takes {host_ms:.3f} ms to issue "
@@ -328,7 +354,8 @@ def main(argv=None):
                       "kernels'; use a longer --seqlen", flush=True)
         rows.append({"mode": a.mode, "head_dim": d, "seqlen": s, "causal": causal, "heads": h,
                      "calls": calls, "ms": times, "host_ms": {n: ms for n, (ms, _) in host.items()},
-                     "speedup_vs_default": paired_speedups(times, "default")})
+                     "speedup_vs_default": paired_speedups(times, "default"),
+                     "same_kernel_as_default": sorted(same[d, s, causal, h])})
         if a.json:
             with open(a.json, "w") as f:
                 json.dump({"device": torch.cuda.get_device_name(), "variants": a.variant,

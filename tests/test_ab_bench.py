@@ -168,3 +168,30 @@ def test_heads_replace_the_cells_head_count():
     assert ab.cell_heads(128, None) == [16] and ab.cell_heads(64, None) == [32]
     assert ab.cell_heads(128, [16, 17, 33]) == [16, 17, 33]
     assert ab.parse_args(["--heads", "16", "17"]).heads == [16, 17]
+
+
+def test_variants_that_build_the_default_kernels_are_named():
+    """A switch the kernel does not read in a cell (``effective()``) makes the variant an A/A
+    check of noise; ab_bench names such variants per cell (round 24 timed ``stats_first`` at
+    hdim 128 16k, 80-row blocks, as +0.5-1.0% over 12-16 rounds before this was noticed), and
+    only those: a switch that changes the kernel is not named."""
+    ab = _script()
+    variants = ab.parse_variants(["sf:stats_first=true", "edv:early_dv=true",
+                                  "same:qdo_cluster=4,qdo_multicast=false",
+                                  "dflt:stats_first=false"], "bwd")
+    wide = ab.same_kernel_variants("bwd", 128, 16384, True, variants)
+    assert wide == {"sf": ["stats_first"], "dflt": ["stats_first"]}, wide
+    # short causal hdim 128 runs 64-row blocks, with stats_first=true already by default;
+    # turning multicast off there changes nothing either (no multicast at 1k causal)
+    short = ab.same_kernel_variants("bwd", 128, 1024, True, variants)
+    assert short == {"sf": ["stats_first"],
+                     "same": ["qdo_cluster", "qdo_multicast"]}, short
+    fwd = ab.parse_variants(["pr:peer_release=false", "odd:multicast_odd_m=false"], "fwd")
+    # hdim 64 non-causal 8k multicasts (43 m blocks, Note [Odd m blocks]): both switches count
+    assert ab.same_kernel_variants("fwd", 64, 8192, False, fwd) == {}
+    # causal: no multicast, so neither switch is read
+    assert ab.same_kernel_variants("fwd", 64, 8192, True, fwd) == {
+        "pr": ["peer_release"], "odd": ["multicast_odd_m"]}
+    text = ab.format_cell("[1/1] x", {"default": [1.0, 1.0], "sf": [1.0, 1.01]}, 3, {"sf"})
+    assert text.splitlines()[2].endswith("[same kernel as default: A/A]")
+    assert not text.splitlines()[1].endswith("A/A]")

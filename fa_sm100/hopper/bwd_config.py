@@ -262,6 +262,19 @@ class BwdConfig:
     def replace(self, **changes) -> "BwdConfig":
         return dataclasses.replace(self, **changes)
 
+    def effective(self) -> "BwdConfig":
+        """This config with the switches that its kernels do not read set to their defaults:
+        ``stats_first`` with blocks of more than 64 query rows (they read LSE2/Delta after the
+        GEMMs, Note [tile_m 128]), ``stats_shuffle`` with 64-row blocks, ``qdo_cluster``
+        without ``qdo_multicast``. Two configs with equal ``effective()`` build the same
+        kernels (a compile test holds their SASS equal), so timing one against the other
+        measures noise (``scripts/ab_bench.py`` says so)."""
+        changes = {"stats_shuffle": BwdConfig.stats_shuffle} if not self.wide_query_block \
+            else {"stats_first": BwdConfig.stats_first}
+        if not self.qdo_multicast:
+            changes["qdo_cluster"] = BwdConfig.qdo_cluster
+        return self.replace(**changes)
+
     @property
     def dq_split_rows(self) -> bool:
         """dQ = dS K split over the two MMA warpgroups by query rows (64 each; tile_m = 128)

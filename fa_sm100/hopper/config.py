@@ -179,6 +179,20 @@ class Sm90FwdConfig:
     def replace(self, **changes) -> "Sm90FwdConfig":
         return dataclasses.replace(self, **changes)
 
+    def effective(self) -> "Sm90FwdConfig":
+        """This config with the switches that its kernel does not read set to their defaults:
+        ``kv_cluster``, ``peer_release`` and ``multicast_odd_m`` without ``kv_multicast``, and
+        ``multicast_odd_m`` in clusters of 4. Two configs with equal ``effective()`` build the
+        same kernel (a compile test holds their SASS equal), so timing one against the other
+        measures noise (``scripts/ab_bench.py`` says so)."""
+        cls = Sm90FwdConfig
+        if not self.kv_multicast:
+            return self.replace(kv_cluster=cls.kv_cluster, peer_release=cls.peer_release,
+                                multicast_odd_m=cls.multicast_odd_m)
+        if self.kv_cluster != 2:
+            return self.replace(multicast_odd_m=cls.multicast_odd_m)
+        return self
+
     def setmaxnreg(self) -> dict[str, int]:
         """Role -> registers per thread after ``setmaxnreg`` (the compile contract checks these)."""
         return {"producer": self.regs_producer, "consumer": self.regs_consumer}
