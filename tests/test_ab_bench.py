@@ -170,7 +170,7 @@ def test_heads_replace_the_cells_head_count():
     assert ab.parse_args(["--heads", "16", "17"]).heads == [16, 17]
 
 
-def test_variants_that_build_the_default_kernels_are_named():
+def test_variants_that_build_the_default_kernels_are_named(capsys):
     """A switch the kernel does not read in a cell (``effective()``) makes the variant an A/A
     check of noise; ab_bench names such variants per cell (round 24 timed ``stats_first`` at
     hdim 128 16k, 80-row blocks, as +0.5-1.0% over 12-16 rounds before this was noticed), and
@@ -192,6 +192,13 @@ def test_variants_that_build_the_default_kernels_are_named():
     # causal: no multicast, so neither switch is read
     assert ab.same_kernel_variants("fwd", 64, 8192, True, fwd) == {
         "pr": ["peer_release"], "odd": ["multicast_odd_m"]}
+    # main() names them before it looks for a GPU (none here: it stops with status 2)
+    argv = ["--mode", "bwd", "--hdim", "128", "--seqlen", "1024", "16384", "--causal", "true",
+            "--variant", "sf:stats_first=true", "--variant", "edv:early_dv=true"]
+    assert ab.main(argv) == 2
+    notes = [line for line in capsys.readouterr().out.splitlines() if "ab_bench: note" in line]
+    assert len(notes) == 2 and all("variant sf (stats_first)" in n for n in notes), notes
+    assert "seqlen 1024 causal" in notes[0] and "seqlen 16384 causal" in notes[1]
     text = ab.format_cell("[1/1] x", {"default": [1.0, 1.0], "sf": [1.0, 1.01]}, 3, {"sf"})
     assert text.splitlines()[2].endswith("[same kernel as default: A/A]")
     assert not text.splitlines()[1].endswith("A/A]")
