@@ -25,11 +25,15 @@ SAME = [
      ["peer_release=false", "kv_cluster=4", "multicast_odd_m=false"]),
     ("sm90_fwd", ["head_dim=64", "kv_multicast=true", "kv_cluster=4", "persistent=false"],
      ["multicast_odd_m=false"]),
+    ("sm90_bwd", ["head_dim=128"], ["tail_ctas=100"]),  # non-causal: not longest first
+    ("sm90_fwd", ["head_dim=128"], ["l2_section_mib=40"]),  # non-causal: no sections
+    ("sm90_fwd", ["head_dim=256", "causal=true"], ["k_before_q=true"]),  # O in Q's buffer
 ]
 DIFFERENT = [
     ("sm90_bwd", ["head_dim=96"], ["stats_first=true"]),  # 64-row blocks read it
     ("sm90_fwd", ["head_dim=64", "kv_multicast=true", "persistent=true"],
      ["peer_release=false"]),
+    ("sm90_fwd", ["head_dim=128", "causal=true"], ["k_before_q=true"]),  # O has its own buffer
 ]
 
 

@@ -266,13 +266,16 @@ class BwdConfig:
         """This config with the switches that its kernels do not read set to their defaults:
         ``stats_first`` with blocks of more than 64 query rows (they read LSE2/Delta after the
         GEMMs, Note [tile_m 128]), ``stats_shuffle`` with 64-row blocks, ``qdo_cluster``
-        without ``qdo_multicast``. Two configs with equal ``effective()`` build the same
-        kernels (a compile test holds their SASS equal), so timing one against the other
-        measures noise (``scripts/ab_bench.py`` says so)."""
+        without ``qdo_multicast``, ``tail_ctas`` without ``longest_first`` (the kernel gets
+        the tail as an argument that it then never reads). Two configs with equal
+        ``effective()`` build the same kernels (a compile test holds their SASS equal), so
+        timing one against the other measures noise (``scripts/ab_bench.py`` says so)."""
         changes = {"stats_shuffle": BwdConfig.stats_shuffle} if not self.wide_query_block \
             else {"stats_first": BwdConfig.stats_first}
         if not self.qdo_multicast:
             changes["qdo_cluster"] = BwdConfig.qdo_cluster
+        if not self.longest_first:
+            changes["tail_ctas"] = BwdConfig.tail_ctas
         return self.replace(**changes)
 
     @property

@@ -181,17 +181,24 @@ class Sm90FwdConfig:
 
     def effective(self) -> "Sm90FwdConfig":
         """This config with the switches that its kernel does not read set to their defaults:
-        ``kv_cluster``, ``peer_release`` and ``multicast_odd_m`` without ``kv_multicast``, and
-        ``multicast_odd_m`` in clusters of 4. Two configs with equal ``effective()`` build the
-        same kernel (a compile test holds their SASS equal), so timing one against the other
-        measures noise (``scripts/ab_bench.py`` says so)."""
+        ``kv_cluster``, ``peer_release`` and ``multicast_odd_m`` without ``kv_multicast``,
+        ``multicast_odd_m`` in clusters of 4, ``l2_section_mib`` without ``causal`` (only the
+        causal tile order has sections; the kernel gets their size as an argument that it then
+        never reads), ``k_before_q`` with ``o_in_q_buffer`` (which loads K first anyway). Two
+        configs with equal ``effective()`` build the same kernel (a compile test holds their
+        SASS equal), so timing one against the other measures noise (``scripts/ab_bench.py``
+        says so)."""
         cls = Sm90FwdConfig
+        changes = {}
         if not self.kv_multicast:
-            return self.replace(kv_cluster=cls.kv_cluster, peer_release=cls.peer_release,
-                                multicast_odd_m=cls.multicast_odd_m)
-        if self.kv_cluster != 2:
-            return self.replace(multicast_odd_m=cls.multicast_odd_m)
-        return self
+            changes.update(kv_cluster=cls.kv_cluster, peer_release=cls.peer_release)
+        if not self.odd_m_pairs:
+            changes["multicast_odd_m"] = cls.multicast_odd_m
+        if not self.causal:
+            changes["l2_section_mib"] = cls.l2_section_mib
+        if self.o_in_q_buffer:
+            changes["k_before_q"] = cls.k_before_q
+        return self.replace(**changes)
 
     def setmaxnreg(self) -> dict[str, int]:
         """Role -> registers per thread after ``setmaxnreg`` (the compile contract checks these)."""
