@@ -11,8 +11,8 @@ import re
 import pytest
 
 from fa_sm100.hopper.bwd_config import select_bwd_config
-from fa_sm100.hopper.config import select_sm90_fwd_config
 from fa_sm100.inspection import inspect_kernel
+from fa_sm100.registry import get_kernel
 from kept_sass import read_kept_sass
 
 # (kernel, --set overrides of the pair, the fields that differ): configs the same effective()
@@ -43,14 +43,8 @@ def _instructions(sass: str) -> list:
 
 
 def _config(kernel, overrides):
-    from fa_sm100.config import parse_overrides
-    from fa_sm100.hopper.bwd_config import BwdConfig
-    from fa_sm100.hopper.config import Sm90FwdConfig
-
-    if kernel == "sm90_bwd":
-        return select_bwd_config(**parse_overrides(overrides, cls=BwdConfig))
-    changes = parse_overrides(overrides, cls=Sm90FwdConfig)
-    return select_sm90_fwd_config(changes.pop("head_dim"), **changes)
+    """The config ``inspect_kernel`` compiles for these ``--set`` overrides."""
+    return get_kernel(kernel).make_config(overrides)
 
 
 def test_effective_configs_name_exactly_the_unread_switches():

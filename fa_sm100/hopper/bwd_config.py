@@ -270,8 +270,10 @@ class BwdConfig:
         the tail as an argument that it then never reads). Two configs with equal
         ``effective()`` build the same kernels (a compile test holds their SASS equal), so
         timing one against the other measures noise (``scripts/ab_bench.py`` says so)."""
-        changes = {"stats_shuffle": BwdConfig.stats_shuffle} if not self.wide_query_block \
-            else {"stats_first": BwdConfig.stats_first}
+        if self.wide_query_block:
+            changes = {"stats_first": BwdConfig.stats_first}
+        else:
+            changes = {"stats_shuffle": BwdConfig.stats_shuffle}
         if not self.qdo_multicast:
             changes["qdo_cluster"] = BwdConfig.qdo_cluster
         if not self.longest_first:

@@ -367,8 +367,6 @@ class Sm90FwdKernel(ConsumerRole):
         seqlen_k = mK.shape[0]
         num_heads = mQ.shape[2]
         num_m_blocks = cute.ceil_div(seqlen_q, cfg.m_block)
-        pair = t // num_m_blocks
-        m_block = t - pair * num_m_blocks
         if const_expr(cfg.odd_m_pairs):  # Note [Odd m blocks]: the even part first
             paired_m, paired_tiles = self.paired_tiles(mQ)
             pair = t - paired_tiles
@@ -376,6 +374,9 @@ class Sm90FwdKernel(ConsumerRole):
             if t < paired_tiles:
                 pair = t // cutlass.max(paired_m, 1)
                 m_block = t - pair * paired_m
+        else:
+            pair = t // num_m_blocks
+            m_block = t - pair * num_m_blocks
         n_blocks = cute.ceil_div(seqlen_k, cfg.n_block)
         n_masked_from = n_blocks
         if const_expr(cfg.causal):
