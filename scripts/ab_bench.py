@@ -32,7 +32,7 @@ default: A/A]" in its cell; its ratio is a measure of the noise. On an H200 (rou
 variant measured 0.997x-1.007x over 16 rounds in ten cells, +0.6% / +1.0% over 12 rounds at
 16k: read smaller effects with that in mind.
 
-Two probes beside the config variants:
+Three probes beside the config variants:
 
 - ``--fa4-variant NAME:field=value,...`` (forward) also times FlashAttention-4's forward with
   its own tile choices (``flash_attn.cute.interface._flash_attn_fwd``'s ``tile_mn``,
@@ -41,6 +41,15 @@ Two probes beside the config variants:
 
       python scripts/ab_bench.py --mode fwd --hdim 64 --seqlen 16384 --causal false \
           --fa4-variant ss192:tile_mn=192x192,mma_pv_is_rs=false
+
+- ``--probe NAME=VALUE`` (backward) also times the default kernel with a cost probe
+  (``fa_sm100.hopper.probes``, Note [cost probes]): a piece of its work taken out or made
+  cheaper, e.g. ``dq_reduce=none`` (no dQ reduce into L2), to measure what that piece costs.
+  A probe's gradients are wrong by design: its run is compiled and timed, not checked, and its
+  line in the cell says so.
+
+      python scripts/ab_bench.py --mode bwd --hdim 128 --seqlen 4096 16384 \
+          --probe dq_reduce=none --probe dq_reduce=copy
 
 - ``--heads N [N ...]`` replaces the cell's head count (hidden 2048 / head dim) with each N
   (the batch stays 16k tokens / seqlen): the number of CTAs, and so how whole the last wave
@@ -65,6 +74,7 @@ from fa_sm100.benchmarking import (calls_per_round, error_text, events_ms,  # no
                                    host_and_gpu_ms, launch_bound, median, paired_rounds,
                                    paired_speedups)
 from fa_sm100.config import parse_bool  # noqa: E402
+from fa_sm100.hopper import probes  # noqa: E402
 
 TOKENS = 16384
 HIDDEN = 2048
@@ -92,6 +102,9 @@ def parse_args(argv=None):
                    metavar="NAME:FIELD=VALUE[,...]",
                    help="forward: FlashAttention-4 with these options of its own (fields "
                         f"{', '.join(FA4_FWD_FIELDS)}; tile_mn as MxN), repeatable")
+    p.add_argument("--probe", action="append", default=[], metavar="NAME=VALUE",
+                   help="backward: also time the default with this cost probe (results not "
+                        "checked; fa_sm100.hopper.probes), repeatable")
     p.add_argument("--heads", type=int, nargs="+", default=None,
                    help="heads per cell (default: hidden 2048 / head dim); each value is a cell")
     p.add_argument("--rounds", type=int, default=12)
@@ -113,6 +126,15 @@ def parse_args(argv=None):
             names.add(name)
     if a.fa4_variant and a.mode != "fwd":
         p.error("--fa4-variant times FlashAttention-4's forward: use it with --mode fwd")
+    if a.probe and a.mode != "bwd":
+        p.error("--probe probes the backward kernel: use it with --mode bwd")
+    for spec in a.probe:
+        try:
+            probes.parse_probe(spec)
+        except ValueError as e:
+            p.error(f"--probe: {e}")
+    if len(set(a.probe)) != len(a.probe):
+        p.error("--probe: each probe once")
     if a.fa4_variant and a.no_fa4:
         p.error("--fa4-variant needs FlashAttention-4: leave out --no-fa4")
     for h in a.heads or ():
@@ -235,8 +257,13 @@ def fwd_cell(d, s, causal, h, variants, fa4_variants, with_fa4, torch):
     return runs, check
 
 
-def bwd_cell(d, s, causal, h, variants, with_fa4, torch):
-    """Runs of one backward cell and the check of their gradients."""
+PROBE_PREFIX = "probe:"  # a probe's run name: PROBE_PREFIX + "name=value"
+
+
+def bwd_cell(d, s, causal, h, variants, with_fa4, torch, probe_specs=()):
+    """Runs of one backward cell and the check of their gradients; each of ``probe_specs``
+    (``name=value``) adds a run of the default kernel under that cost probe, named
+    ``PROBE_PREFIX + spec`` (not to be checked: Note [cost probes])."""
     from fa_sm100.config import default_head_dim_v
     from fa_sm100.hopper import bwd_bench
     from fa_sm100.hopper.bwd_interface import sm90_bwd
@@ -254,11 +281,22 @@ def bwd_cell(d, s, causal, h, variants, with_fa4, torch):
         cfg = cell_config("bwd", d, s, causal, fields)
         runs[name] = (lambda cfg=cfg: sm90_bwd(dout, q, k, v, out, lse, causal=causal,
                                                 config=cfg))
+    for spec in probe_specs:
+        runs[PROBE_PREFIX + spec] = probed_call(runs["default"], *probes.parse_probe(spec))
     if fa4 is not None:
         runs["fa4"] = bwd_bench._fa4_backward(fa4, q, k, v, dout, causal)
     ref = bwd_bench.reference_grads(q, k, v, dout, causal, torch.float32)
     plain = bwd_bench.reference_grads(q, k, v, dout, causal, torch.bfloat16)
     return runs, lambda grads: bwd_bench.check_grads(grads, ref, plain)
+
+
+def probed_call(run, name, value):
+    """``run`` made inside ``probes.probe(name, value)``: every call, so that each finds the
+    probed kernel in the compile cache (Note [cost probes])."""
+    def call():
+        with probes.probe(name, value):
+            return run()
+    return call
 
 
 def same_kernel_variants(mode, d, s, causal, variants, heads=None):
@@ -279,7 +317,8 @@ def format_cell(label, times, calls, same=()):
         mid, lo, hi = speed[name]
         lines.append(f"  {name:12s} {median(ms):9.4f} ms   x{mid:.3f} vs default "
                      f"(rounds {lo:.3f}-{hi:.3f})"
-                     + ("   [same kernel as default: A/A]" if name in same else ""))
+                     + ("   [same kernel as default: A/A]" if name in same else "")
+                 + ("   [probe: results not checked]" if name.startswith(PROBE_PREFIX) else ""))
     if "fa4" in times:
         fa4 = median(times["fa4"])
         lines.append("  over fa4: " + ", ".join(f"{n} {fa4 / median(ms):.3f}x"
@@ -302,6 +341,9 @@ def main(argv=None):
                       f"kernels as the default at {a.mode} hdim {d} seqlen {s} "
                       f"{'causal' if causal else 'non-causal'}: the switch has no effect "
                       "there, so its ratio measures noise (an A/A check)", flush=True)
+            for spec in a.probe:  # a probe with nothing to probe in a cell stops the run
+                probes.check_probe_config(*probes.parse_probe(spec),
+                                          cell_config("bwd", d, s, causal, {}))
     except ValueError as e:
         print(f"ab_bench: {e}", file=sys.stderr)
         return 2
@@ -322,11 +364,16 @@ def main(argv=None):
         torch.manual_seed(i)
         try:
             if a.mode == "bwd":  # --fa4-variant is forward only (parse_args)
-                runs, check = bwd_cell(d, s, causal, h, variants, not a.no_fa4, torch)
+                runs, check = bwd_cell(d, s, causal, h, variants, not a.no_fa4, torch,
+                                       a.probe)
             else:
                 runs, check = fwd_cell(d, s, causal, h, variants, fa4_variants, not a.no_fa4,
                                        torch)
             for name, run in runs.items():
+                if name.startswith(PROBE_PREFIX):  # compiled and run once, wrong by design
+                    run()
+                    torch.cuda.synchronize()
+                    continue
                 wrong = check(run())
                 torch.cuda.synchronize()
                 if wrong is not None:
@@ -357,7 +404,7 @@ def main(argv=None):
         if a.json:
             with open(a.json, "w") as f:
                 json.dump({"device": torch.cuda.get_device_name(), "variants": a.variant,
-                           "fa4_variants": a.fa4_variant,
+                           "fa4_variants": a.fa4_variant, "probes": a.probe,
                            "rows": rows}, f, indent=1)
         del runs, check
         torch.cuda.empty_cache()

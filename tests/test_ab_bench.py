@@ -88,7 +88,11 @@ def test_bad_variants_stop_before_any_gpu_work(argv, message, capsys, monkeypatc
                                   ["--mode", "fwd", "--variant", "x:persistent=true",
                                    "--fa4-variant", "x:tile_mn=192x192"],
                                   ["--mode", "bwd", "--fa4-variant", "ss:tile_mn=192x192"],
-                                  ["--mode", "fwd", "--no-fa4", "--fa4-variant", "ss:tile_mn=192x192"]])
+                                  ["--mode", "fwd", "--no-fa4", "--fa4-variant", "ss:tile_mn=192x192"],
+                                  ["--probe", "dq_reduce"], ["--probe", "dq_reduce=all"],
+                                  ["--probe", "nothing=none"],
+                                  ["--probe", "dq_reduce=none", "--probe", "dq_reduce=none"],
+                                  ["--mode", "fwd", "--probe", "dq_reduce=none"]])
 def test_malformed_arguments_are_usage_errors(argv):
     with pytest.raises(SystemExit) as e:
         _script().parse_args(argv)
@@ -202,3 +206,32 @@ def test_variants_that_build_the_default_kernels_are_named(capsys):
     text = ab.format_cell("[1/1] x", {"default": [1.0, 1.0], "sf": [1.0, 1.01]}, 3, {"sf"})
     assert text.splitlines()[2].endswith("[same kernel as default: A/A]")
     assert not text.splitlines()[1].endswith("A/A]")
+
+
+def test_probes_are_timed_unchecked_and_marked(monkeypatch):
+    """A cost probe's run calls the default's run inside the probe (every call, so each finds
+    the probed kernel: Note [cost probes]); its line in the cell says it was not checked."""
+    from fa_sm100.hopper import probes
+
+    ab = _script()
+    seen = []
+    call = ab.probed_call(lambda: seen.append(probes.compile_tag()) or "grads",
+                          "dq_reduce", "copy")
+    assert seen == []  # nothing runs until it is timed
+    assert call() == "grads" and call() == "grads"
+    assert seen == [(("dq_reduce", "copy"),)] * 2
+    assert probes.compile_tag() == ()  # closed after each call
+    name = ab.PROBE_PREFIX + "dq_reduce=none"
+    text = ab.format_cell("hdim 128", {"default": [2.0, 2.0], name: [1.9, 1.9]}, 10)
+    line, = [x for x in text.splitlines() if name in x]
+    assert "x1.053 vs default" in line and line.endswith("[probe: results not checked]")
+    assert "probe" not in text.splitlines()[1]  # the default's line
+
+
+def test_a_probe_with_nothing_to_probe_stops_before_any_gpu_work(capsys, monkeypatch):
+    """hdim 256 adds dQ from registers ("red"): there is no bulk reduce to probe."""
+    ab = _script()
+    monkeypatch.setitem(__import__("sys").modules, "torch", None)  # importing torch would fail
+    assert ab.main(["--mode", "bwd", "--hdim", "128", "256", "--seqlen", "4096",
+                    "--probe", "dq_reduce=none"]) == 2
+    assert "dq_accum='red'" in capsys.readouterr().err

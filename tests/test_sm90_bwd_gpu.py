@@ -540,3 +540,24 @@ def test_sm90_bwd_preprocess_beside_is_bitwise_the_one_before(sm90_device, d, ca
                               deterministic=True, config=cfg))
     for name, x, y in zip(("dq", "dk", "dv"), *grads):
         assert torch.equal(x, y), name
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_sm90_bwd_cost_probes_change_only_dq_and_leave_plain_calls_alone(sm90_device, causal):
+    """Note [cost probes]: under a ``dq_reduce`` probe the same call runs the probed kernel
+    (dK and dV bit for bit the plain kernel's, dQ no longer the sum over key blocks), and a
+    plain call made after it gets the plain kernel again (the compile cache keeps them apart:
+    the gradients pass the float64 rule)."""
+    from fa_sm100.hopper import probes
+    from fa_sm100.hopper.bwd_interface import sm90_bwd
+
+    case = (1, 1000, 1000, 2, 2, 128, causal)
+    inputs, plain = _run_case(*case)
+    q, k, v, out, lse, dout = inputs
+    for value in ("copy", "half", "none"):
+        with probes.probe("dq_reduce", value):
+            dq, dk, dv = sm90_bwd(dout, q, k, v, out, lse, causal=causal)
+        assert torch.equal(dk, plain[1]) and torch.equal(dv, plain[2]), value
+        if value != "none":  # "none": dQ is whatever the accumulator held
+            assert not torch.allclose(dq.float(), plain[0].float(), atol=0.05), value
+    _run_case(*case)  # plain again, checked against float64

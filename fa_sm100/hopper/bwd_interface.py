@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 
 from fa_sm100.config import normalize_dtype
+from fa_sm100.hopper import probes
 from fa_sm100.hopper.bwd_config import SM90_BWD_HEAD_DIMS, BwdConfig, select_bwd_config
 from fa_sm100.hopper.config import SM90_ARCH
 from fa_sm100.validation import (SUPPORTED_DTYPES, check_softmax_scale, normalize_window,
@@ -181,7 +182,7 @@ def launch_plan(config: BwdConfig, q, k, v, out, dout, lse, dq, dk, dv, softmax_
          lambda: BwdPreprocess(d_v, d, pdl, zero_dq, ctas),
          lambda: fake_pre_arguments(dt, d_v),
          (out, dout, lse, ws["lse2"], ws["delta"], ws["dq_acc"], ws["dq_sem"])),
-        ("main", config, lambda: Sm90FlashBackward(config),
+        ("main", main_compile_key(config), lambda: Sm90FlashBackward(config),
          lambda: fake_arguments(config, env_stream=True),
          (q, k, v, dout, ws["lse2"], ws["delta"], ws["dq_acc"], dk_arg, dv_arg, ws["dq_sem"],
           softmax_scale)),
@@ -198,6 +199,13 @@ def launch_plan(config: BwdConfig, q, k, v, out, dout, lse, dq, dk, dv, softmax_
             plan.append(("post", (cols, g, dtype, cols, pdl), lambda c=cols: BwdPostprocess(c, g, pdl),
                          lambda c=cols: fake_post_arguments(dt, c, c), (acc, res, 1.0)))
     return plan
+
+
+def main_compile_key(config: BwdConfig):
+    """The main kernel's compile key: its config, with the active cost probes when there are
+    any (Note [cost probes] in probes.py), so a probed kernel never serves a plain call."""
+    tag = probes.compile_tag()
+    return (config, tag) if tag else config
 
 
 def workspace(config: BwdConfig, q, k) -> dict:

@@ -69,6 +69,7 @@ from cutlass.cute.nvgpu import cpasync
 from cutlass.experimental import primitives as prims
 
 from fa_sm100.config import WARP_SIZE
+from fa_sm100.hopper import probes
 from fa_sm100.hopper.bwd_config import DQ_VEC
 from fa_sm100.hopper.common import assume_aligned, stmatrix_to_smem
 from fa_sm100.hopper.config import WARPGROUP_THREADS, WGMMA_M
@@ -215,8 +216,11 @@ class BwdStoreRole:
         the reduces have completed, pass the turn on. With first stores (Note [dQ first
         store]) the first CTA at the block copies its tile instead of adding it. With
         ``early_dq_post``, once every reduce has completed the CTA counts itself done on the
-        (batch, head)'s last semaphore (Note [dQ postprocess in the tail] in bwd_prepost.py)."""
+        (batch, head)'s last semaphore (Note [dQ postprocess in the tail] in bwd_prepost.py).
+        The ``dq_reduce`` cost probe (Note [cost probes] in probes.py) drops or shrinks the
+        bulk operations here."""
         parts, handoff = self._dq_handoffs()
+        probe = probes.active("dq_reduce")  # None unless timing a cost probe (probes.py)
         first_store = self.cfg.first_stores_dq
         det = self.cfg.deterministic
         part_elems = self.cfg.dq_block_elems // parts
@@ -248,13 +252,18 @@ class BwdStoreRole:
                 if const_expr(first_store and not det and part == 0):
                     first = self._claim_dq_block(sem_ptr, lane)
                 src, out = sdQ.iterator + part * part_elems, dst + part * part_elems
-                nbytes = part_elems * (Float32.width // 8)
+                nbytes = (part_elems * (Float32.width // 8)) >> int(probe == "half")
                 with cute.arch.elect_one():
                     if first:
-                        prims.cp_async_bulk_global_shared_cta(out, src, nbytes)
+                        if const_expr(probe != "none"):
+                            prims.cp_async_bulk_global_shared_cta(out, src, nbytes)
                     else:
-                        prims.cp_reduce_async_bulk_global_shared_cta(
-                            out, src, nbytes, op=prims.CpReduceOp.ADD, type=prims.CpReduceType.F32)
+                        if const_expr(probe == "copy"):
+                            prims.cp_async_bulk_global_shared_cta(out, src, nbytes)
+                        elif const_expr(probe != "none"):
+                            prims.cp_reduce_async_bulk_global_shared_cta(
+                                out, src, nbytes, op=prims.CpReduceOp.ADD,
+                                type=prims.CpReduceType.F32)
                 cute.arch.cp_async_bulk_commit_group()
             if const_expr(det):
                 self._release_dq_block(sem_ptr, lane)  # the next turn
