@@ -300,22 +300,6 @@ MULTICAST_CASES = [  # (b, sq, sk, hq, hk, d, switches)
     # Note [staggered query blocks] with the zero fill (first stores off), "red" dQ
     (2, 333, 250, 4, 2, 128, dict(stagger_m=True, dq_first_store=False)),
     (1, 129, 250, 2, 2, 256, dict(stagger_m=True)),
-    # Note [dQ pair sum]: the CTAs of a pair sum their dQ tiles through distributed SMEM and
-    # each reduces one part; staggered and not, under a causal mask (the lower key block alone
-    # at its first query blocks), tails, GQA / MQA, rows that see no key, the "bulk" head dims
-    (2, 333, 500, 4, 2, 128, dict(dq_pair_sum=True, dq_first_store=False, stagger_m=True)),
-    (2, 333, 250, 4, 2, 128, dict(dq_pair_sum=True, dq_first_store=False, stagger_m=False)),
-    (2, 333, 500, 4, 2, 128, dict(causal=True, dq_pair_sum=True, dq_first_store=False)),
-    (1, 700, 512, 2, 2, 128, dict(causal=True, tile_m=64, stats_first=True,
-                                  dv_before_barrier=True, dq_pair_sum=True,
-                                  dq_first_store=False)),
-    (2, 257, 255, 4, 1, 64, dict(dq_pair_sum=True)),
-    (2, 257, 255, 4, 1, 64, dict(causal=True, dq_pair_sum=True, dq_first_store=False)),
-    (1, 190, 200, 2, 2, 96, dict(dq_pair_sum=True)),
-    (3, 300, 1000, 4, 2, 128, dict(causal=True, tail_ctas=20, dq_pair_sum=True,
-                                   dq_first_store=False)),
-    (2, 600, 256, 2, 2, 128, dict(causal=True, dq_pair_sum=True, dq_first_store=False)),
-    (1, 4000, 4096, 2, 2, 128, dict(dq_pair_sum=True, dq_first_store=False, stagger_m=True)),
 ]
 
 

@@ -34,9 +34,6 @@ GQA_REDUCE_MODES = ("atomic", "buffers")
 TILE_M_SWAPPED_HDIM64 = 128
 DQ_ACCUM_MODES = ("bulk", "red")
 QDO_CLUSTER = 2  # CTAs that share each Q / dO tile under qdo_multicast, by default
-# dq_pair_sum (Note [dQ pair sum] in bwd_store.py): "the peer's copy of my part is staged" and
-# "the peer has read its part of my tile", each arrived on from the other CTA
-DQ_PAIR_MBARRIERS = 2
 QDO_CLUSTERS = (2, 4)  # cluster sizes qdo_multicast accepts (qdo_cluster)
 DQ_VEC = 4  # float32 per dQ-accumulator store: one 16-byte STS.128 / bulk-reduce element run
 TILE_M_ATOM = 64  # query rows of one WGMMA M atom
@@ -125,11 +122,6 @@ class BwdConfig:
     # handoff] in bwd_store.py); off: one handoff of the whole tile, which waits for both
     # warpgroups.
     dq_handoff_per_wg: bool = True
-    # Under qdo_multicast pairs ("bulk" dQ, zero fill): at a query block both CTAs of a pair
-    # visit, each CTA adds the peer's copy of one warpgroup's part of the dQ tile to its own,
-    # reading it through distributed SMEM with the idle producer warps, and bulk-reduces only
-    # that part: half the float32 reductions into L2 (Note [dQ pair sum] in bwd_store.py).
-    dq_pair_sum: bool = False
     # Issue dV += P^T dO right after P is in SMEM, overlapping it with the dS math
     # (select_bwd_config: on for non-causal problems, where it measured faster).
     early_dv: bool = True
@@ -358,8 +350,7 @@ class BwdConfig:
             self.tile_m * self.tile_n * b * self.ds_stage,  # dS
             self.dq_block_elems * 4 if self.dq_accum == "bulk" else 16,  # dQ
         ]
-        offset = 8 * (1 + 2 * self.q_stage + 2 * self.do_stage  # mbarriers
-                      + DQ_PAIR_MBARRIERS * self.dq_pair_sum)
+        offset = 8 * (1 + 2 * self.q_stage + 2 * self.do_stage)  # mbarriers
         for size in buffers:
             if size:
                 offset = align_up(offset, SMEM_BUFFER_ALIGN) + size
@@ -422,7 +413,7 @@ class BwdConfig:
         for name in ("sdp_swap_ab", "overlap_dk", "stats_smem", "try_wait", "stats_first",
                      "dv_before_barrier", "dkv_tma_store", "dq_handoff_per_wg", "pdl",
                      "stats_shuffle", "dv_before_fence", "longest_first", "qdo_multicast",
-                     "dq_first_store", "stagger_m", "early_dq_post", "dq_pair_sum"):
+                     "dq_first_store", "stagger_m", "early_dq_post"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be a bool")
         if self.tile_m == 2 * TILE_M_ATOM:
@@ -476,18 +467,6 @@ class BwdConfig:
                 "its CTA done once its bulk reduces have completed, and the postprocess starts "
                 "as a programmatic dependent of the main kernel (Note [dQ postprocess in the "
                 "tail])")
-        if self.dq_pair_sum:
-            needs = (("dq_accum='bulk'", self.dq_accum == "bulk"),
-                     ("qdo_multicast=True", self.qdo_multicast),
-                     (f"qdo_cluster={QDO_CLUSTER}", self.qdo_cluster == QDO_CLUSTER),
-                     ("dq_first_store=False", not self.dq_first_store),
-                     ("dq_handoff_per_wg=True", self.dq_handoff_per_wg))
-            missing = [name for name, ok in needs if not ok]
-            if missing:
-                raise ValueError(
-                    f"dq_pair_sum=True needs {', '.join(missing)}: the two CTAs of a multicast "
-                    f"pair sum each warpgroup's SMEM part of the dQ tile, one part per CTA, and "
-                    f"every CTA adds into a zeroed accumulator (Note [dQ pair sum])")
         for name, least in (("pre_ctas", 0), ("tail_ctas", 1)):  # pre_ctas 0: off
             n = getattr(self, name)
             if isinstance(n, bool) or not isinstance(n, int) or n < least:

@@ -210,8 +210,8 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
 from fa_sm100.config import WARP_SIZE, cutlass_dtype
-from fa_sm100.hopper.bwd_config import (DQ_PAIR_MBARRIERS, BwdConfig, first_n_block,
-                                        longest_first_cluster_cta, longest_first_tail_pairs, m_block_range,
+from fa_sm100.hopper.bwd_config import (BwdConfig, first_n_block, longest_first_cluster_cta,
+                                        longest_first_tail_pairs, m_block_range,
                                         stagger_offset, staggered_m_block)
 from fa_sm100.hopper.bwd_load import BwdLoadRole
 from fa_sm100.hopper.bwd_scores import BwdScoresRole
@@ -312,8 +312,6 @@ class Sm90FlashBackward(BwdLoadRole, BwdStoreRole, BwdScoresRole):
             mbar_kv: cute.struct.MemRange[cutlass.Int64, 1]
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * c.q_stage]
             mbar_do: cute.struct.MemRange[cutlass.Int64, 2 * c.do_stage]
-            if c.dq_pair_sum:  # Note [dQ pair sum]: theirs_ready, mine_read
-                mbar_dq_pair: cute.struct.MemRange[cutlass.Int64, DQ_PAIR_MBARRIERS]
             sQ: buf(self.sQ_layout)
             sdO: buf(self.sdO_layout)
             sK: buf(self.sK_layout)
@@ -436,13 +434,6 @@ class Sm90FlashBackward(BwdLoadRole, BwdStoreRole, BwdScoresRole):
         if warp_idx == LOAD_WARP:
             with cute.arch.elect_one():
                 cute.arch.mbarrier_init(mbar_kv, 1)
-        mbar_pair = None
-        if const_expr(self.cfg.dq_pair_sum):  # Note [dQ pair sum]: one (remote) arrival each
-            mbar_pair = storage.mbar_dq_pair.data_ptr()
-            if warp_idx == LOAD_WARP:
-                with cute.arch.elect_one():
-                    for i in cutlass.range_constexpr(DQ_PAIR_MBARRIERS):
-                        cute.arch.mbarrier_init(mbar_pair + i, 1)
         producer = pipeline.CooperativeGroup(pipeline.Agent.Thread)
         # consumer_release arrives once per warp (lane 0): 8 MMA warps, in each CTA of the
         # cluster under qdo_multicast (Note [Q/dO multicast]).
@@ -492,18 +483,6 @@ class Sm90FlashBackward(BwdLoadRole, BwdStoreRole, BwdScoresRole):
             rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
             m_block_first, _ = self._m_block_range(n_block - rank, seqlen_q, seqlen_k)
 
-        dq_pair = None
-        if const_expr(self.cfg.dq_pair_sum):
-            # Note [dQ pair sum]: the steps from pair_min on are the query blocks both CTAs
-            # of the pair visit (all without a mask; under a causal mask the lower key block
-            # visits a few before the higher one's first)
-            pair_min = m_block_min
-            if const_expr(self.cfg.causal):
-                rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
-                peer_min, _ = self._m_block_range(n_block + 1 - 2 * rank, seqlen_q, seqlen_k)
-                pair_min = cutlass.max(m_block_min, peer_min)
-            dq_pair = (mbar_pair, pair_min)
-
         # Note [staggered query blocks]: where this CTA's sweep starts (0 without)
         m_offset = stagger_offset(self.cfg, n_block, cute.arch.grid_dim()[0], m_block_min,
                                   m_block_max)
@@ -520,15 +499,8 @@ class Sm90FlashBackward(BwdLoadRole, BwdStoreRole, BwdScoresRole):
                     # dQacc, without first stores); Note [Preprocess beside the main kernel]:
                     # with pre_ctas, those of this (batch, head) are zero already, dQacc not
                     self.wait_for_preprocess(mdQsem, mLSE2, batch, head)
-                    if const_expr(self.cfg.dq_pair_sum):
-                        self.dq_store_paired(mdQacc, mdQsem, sdQ, head, batch, m_block_min,
-                                             m_block_max, m_offset, dq_pair)
-                    else:
-                        self.dq_store(mdQacc, mdQsem, sdQ, n_block, head, batch, seqlen_q,
-                                      seqlen_k, m_block_min, m_block_max, m_offset)
-                if const_expr(self.cfg.dq_pair_sum):
-                    if warp_idx > DQ_STORE_WARP:
-                        self.dq_pair_helper(sdQ, m_block_max, dq_pair, tidx)
+                    self.dq_store(mdQacc, mdQsem, sdQ, n_block, head, batch, seqlen_q, seqlen_k,
+                                  m_block_min, m_block_max, m_offset)
         else:
             cute.arch.setmaxregister_increase(self.cfg.regs_mma)
             # Note [chained launches]: the preprocess is done. With pre_ctas the warpgroups

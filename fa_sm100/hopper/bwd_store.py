@@ -59,37 +59,12 @@ one handoff for the whole tile, both warpgroups met at ``DQ_EMPTY`` once more pe
 Nsight Compute (hdim 128, 4k, non-causal) put 4.6% of the main loop's stall samples on that
 barrier and 6.7% on the SMEM queue (MIO) behind the stores, where FA4, which hands off per
 warpgroup, had 1.9% and under 1%.
-
-Note [dQ pair sum] (``dq_pair_sum``, "bulk" dQ under ``qdo_multicast`` pairs, zero fill): the
-bulk reduces are most of a CTA's traffic into L2 (a float32 dQ tile per query block, 40 KiB
-at hdim 128), and they cost: the ``dq_reduce`` probes (Note [cost probes] in probes.py)
-measured the backward 5-8% faster without them at 16k tokens, 4-5% with half their bytes.
-The two CTAs of a pair visit the same query blocks at the same steps (under a causal mask,
-from the higher key block's first block on: ``pair_min``), so their dQ tiles of a block can
-be summed before either reaches L2. CTA r of the pair owns part r of the tile (MMA warpgroup
-r's half, contiguous in fragment order). At a paired step its dq-store warp:
-1. waits for its part 1 - r (``DQ_FULL``) and tells the peer it may read it (a remote arrive
-   on the peer's ``theirs_ready`` mbarrier);
-2. waits for its part r, and for its own ``theirs_ready``: the peer's part r is staged;
-3. with the idle producer warps 2-3 (96 threads, ``DQ_PAIR_GO`` / ``DQ_PAIR_DONE``) adds
-   the peer's part r, read through distributed SMEM (``ld.shared::cluster``), into its own
-   part r in place, fenced for the async proxy;
-4. tells the peer it has read that part (a remote arrive on the peer's ``mine_read``) and
-   bulk-reduces part r alone: half the bytes into L2 per CTA;
-5. hands part 1 - r back to its warpgroup (``DQ_EMPTY``) only once its own ``mine_read``
-   says the peer has read it, at the next step (and waits for the last one before the CTA
-   exits: the peer reads its SMEM).
-The MMA warpgroups' code is unchanged: the exchange runs in the producer warpgroup, so the
-rendezvous of the two CTAs is in warps that otherwise only wait. Round 22 summed the pair in
-the MMA warpgroups instead (registers to the peer by ``st.async``) and measured 0.82-0.85x
-of the default (docs/hopper_backward.md).
 """
 
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_helpers
 from cutlass import Float32, Int32, const_expr
-from cutlass._mlir.dialects import nvvm
 from cutlass.cute.nvgpu import cpasync
 from cutlass.experimental import primitives as prims
 
@@ -99,10 +74,6 @@ from fa_sm100.hopper.bwd_config import DQ_VEC
 from fa_sm100.hopper.common import assume_aligned, stmatrix_to_smem
 from fa_sm100.hopper.config import WARPGROUP_THREADS, WGMMA_M
 from fa_sm100.hopper.named_barriers import Sm90BwdBarrier
-
-
-# dq_pair_sum: the producer warps 1-3 sum a pair's part of the dQ tile (Note [dQ pair sum])
-PAIR_SUM_THREADS = 3 * WARP_SIZE
 
 
 def dq_tiled_mma(cfg, dtype):
@@ -302,112 +273,6 @@ class BwdStoreRole:
         if const_expr(self.cfg.early_dq_post):
             self._release_dq_block(finished_ctas_count(self.cfg, mdQsem, batch, head), lane)
         cute.arch.cp_async_bulk_wait_group(0, read=True)
-
-    @cute.jit
-    def dq_store_paired(self, mdQacc, mdQsem, sdQ, head, batch, m_block_min, m_block_max,
-                        m_offset, dq_pair):
-        """Warp 1 with ``dq_pair_sum`` (Note [dQ pair sum]): ``dq_store`` for a CTA of a
-        multicast pair, whose rank decides which part of each shared block it reduces."""
-        rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
-        if rank == 0:
-            self._dq_store_paired(mdQacc, mdQsem, sdQ, head, batch, m_block_min, m_block_max,
-                                  m_offset, dq_pair, 0)
-        else:
-            self._dq_store_paired(mdQacc, mdQsem, sdQ, head, batch, m_block_min, m_block_max,
-                                  m_offset, dq_pair, 1)
-
-    @cute.jit
-    def _dq_store_paired(self, mdQacc, mdQsem, sdQ, head, batch, m_block_min, m_block_max,
-                         m_offset, dq_pair, own: cutlass.Constexpr):
-        mbar_pair, pair_min = dq_pair
-        other = 1 - own  # also the peer's rank
-        theirs_ready, mine_read = mbar_pair, mbar_pair + 1
-        handoff = WARPGROUP_THREADS + WARP_SIZE
-        part_elems = self.cfg.dq_block_elems // 2
-        nbytes = part_elems * (Float32.width // 8)
-        gdQ = mdQacc[batch, head, None, None]
-        lane = cute.arch.lane_idx()
-        for step in cutlass.range(m_block_min, m_block_max, unroll=1):
-            m_block = self._m_block_at(step, m_offset, m_block_min, m_block_max)
-            cute.arch.cp_async_bulk_wait_group(0, read=True)  # this CTA's reduces read SMEM
-            cute.arch.barrier_arrive(barrier_id=int(Sm90BwdBarrier.DQ_EMPTY_WG0) + own,
-                                     number_of_threads=handoff)
-            if step > pair_min:  # the peer has read part `other` of the previous block
-                cute.arch.mbarrier_wait(mine_read, (step - 1 - pair_min) % 2)
-            cute.arch.barrier_arrive(barrier_id=int(Sm90BwdBarrier.DQ_EMPTY_WG0) + other,
-                                     number_of_threads=handoff)
-            dst = gdQ.iterator + m_block * self.cfg.dq_block_elems
-            if step >= pair_min:
-                cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.DQ_FULL_WG0) + other,
-                                  number_of_threads=handoff)
-                if lane == 0:  # the peer may read our part `other`
-                    cute.arch.mbarrier_arrive(theirs_ready, other, scope=nvvm.MemScopeKind.CLUSTER)
-                cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.DQ_FULL_WG0) + own,
-                                  number_of_threads=handoff)
-                cute.arch.mbarrier_wait(theirs_ready, (step - pair_min) % 2)
-                cute.arch.fence_acq_rel_cluster()
-                cute.arch.barrier_arrive(barrier_id=int(Sm90BwdBarrier.DQ_PAIR_GO),
-                                         number_of_threads=PAIR_SUM_THREADS)
-                self._add_peer_part(sdQ, own, lane)
-                cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.DQ_PAIR_DONE),
-                                  number_of_threads=PAIR_SUM_THREADS)
-                if lane == 0:  # we have read the peer's part `own`
-                    cute.arch.mbarrier_arrive(mine_read, other, scope=nvvm.MemScopeKind.CLUSTER)
-                with cute.arch.elect_one():
-                    prims.cp_reduce_async_bulk_global_shared_cta(
-                        dst + own * part_elems, sdQ.iterator + own * part_elems, nbytes,
-                        op=prims.CpReduceOp.ADD, type=prims.CpReduceType.F32)
-                cute.arch.cp_async_bulk_commit_group()
-            else:  # the lower key block alone (causal): both parts, as dq_store
-                for part in cutlass.range_constexpr(2):
-                    cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.DQ_FULL_WG0) + part,
-                                      number_of_threads=handoff)
-                    with cute.arch.elect_one():
-                        prims.cp_reduce_async_bulk_global_shared_cta(
-                            dst + part * part_elems, sdQ.iterator + part * part_elems, nbytes,
-                            op=prims.CpReduceOp.ADD, type=prims.CpReduceType.F32)
-                    cute.arch.cp_async_bulk_commit_group()
-        if m_block_max > pair_min:  # the peer reads our SMEM until it says so: then exit
-            cute.arch.mbarrier_wait(mine_read, (m_block_max - 1 - pair_min) % 2)
-        if const_expr(self.cfg.early_dq_post):
-            self._release_dq_block(finished_ctas_count(self.cfg, mdQsem, batch, head), lane)
-        cute.arch.cp_async_bulk_wait_group(0, read=True)
-
-    @cute.jit
-    def dq_pair_helper(self, sdQ, m_block_max, dq_pair, tidx):
-        """Warps 2-3 with ``dq_pair_sum``: their share of step 3 of Note [dQ pair sum] at every
-        paired step (``tidx``: 0..127 in the producer warpgroup)."""
-        _, pair_min = dq_pair
-        rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
-        for _ in cutlass.range(pair_min, m_block_max, unroll=1):
-            cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.DQ_PAIR_GO),
-                              number_of_threads=PAIR_SUM_THREADS)
-            if rank == 0:
-                self._add_peer_part(sdQ, 0, tidx - WARP_SIZE)
-            else:
-                self._add_peer_part(sdQ, 1, tidx - WARP_SIZE)
-            cute.arch.barrier_arrive(barrier_id=int(Sm90BwdBarrier.DQ_PAIR_DONE),
-                                     number_of_threads=PAIR_SUM_THREADS)
-
-    @cute.jit
-    def _add_peer_part(self, sdQ, own: cutlass.Constexpr, t):
-        """Thread ``t`` of the 96 summing threads: part ``own`` of this CTA's dQ tile +=
-        the peer's (CTA ``1 - own``), 16 bytes at a time, every 96th group; then fence the
-        sums for the bulk reduce (async proxy)."""
-        part_elems = self.cfg.dq_block_elems // 2
-        mine = cute.make_tensor(assume_aligned(sdQ.iterator + own * part_elems),
-                                cute.make_layout((DQ_VEC, part_elems // DQ_VEC),
-                                                 stride=(1, DQ_VEC)))
-        theirs = cute.make_tensor(cute.arch.map_dsmem_ptr(mine.iterator, 1 - own), mine.layout)
-        for i in cutlass.range(t, part_elems // DQ_VEC, PAIR_SUM_THREADS, unroll=2):
-            a = cute.make_rmem_tensor(DQ_VEC, Float32)
-            b = cute.make_rmem_tensor(DQ_VEC, Float32)
-            cute.autovec_copy(theirs[None, i], a)
-            cute.autovec_copy(mine[None, i], b)
-            for v in cutlass.range_constexpr(DQ_VEC):
-                b[v] = b[v] + a[v]
-            cute.autovec_copy(b, mine[None, i])
-        cute.arch.fence_view_async_shared()
 
     @cute.jit
     def _claim_dq_block(self, sem_ptr, lane):

@@ -43,7 +43,3 @@ class Sm90BwdBarrier(IntEnum):
     # MHA dK/dV by TMA: both MMA warpgroups' GEMMs have retired (K and V may be overwritten),
     # then dK and dV are in SMEM (256 threads).
     EPILOGUE = 10
-    # dq_pair_sum (Note [dQ pair sum]): the producer warps 1-3 (96 threads) start summing the
-    # pair's part (the dq-store warp arrives), then have stored their sums (it waits).
-    DQ_PAIR_GO = 11
-    DQ_PAIR_DONE = 12
