@@ -1,6 +1,6 @@
 """The timing method shared by the forward and backward benchmarks (``scripts/benchmark.py``,
 ``fa_sm100.hopper.bwd_bench``): providers prepared and checked first, a discarded warm-up,
-then rounds in a rotated order, each timed with ``triton.testing.do_bench`` (CUDA events when
+then rounds in a carry-over balanced order (``round_order``), each timed with ``triton.testing.do_bench`` (CUDA events when
 triton is missing), and the GPU's SM clock and power recorded while each round runs
 (``ClockSampler``). Nothing here needs a GPU except what the callables do."""
 
@@ -19,17 +19,39 @@ def error_text(e: Exception) -> str:
     return f"{type(e).__name__}: {msg}"
 
 
-def rotated(names: list, rnd: int) -> list:
-    """``names`` rotated left by ``rnd``: the order of round ``rnd``, so that no provider
-    always runs first (clocks, caches) in ``run_cell`` and ``paired_rounds``."""
-    k = rnd % len(names)
-    return names[k:] + names[:k]
+def round_order(names: list, rnd: int) -> list:
+    """The order of round ``rnd`` in ``run_cell`` and ``paired_rounds``: a row of a Williams
+    design, a Latin square balanced for carry-over. Over every ``len(names)`` rounds (twice
+    that for an odd count, where each row is also run reversed) each provider runs first
+    equally often, and each ordered pair of providers runs back to back equally often.
+
+    Why not a rotation: rotated, every provider always runs right after the same one, and
+    what that one leaves behind (a GPU that a slow kernel let cool, the L2's contents) falls
+    on it in every round, so it cancels in no paired ratio. Round 25 timed the backward's
+    zero fill (``dq_first_store=False``) 4.0% faster than the default in four cells where,
+    rotated, it ran right after a kernel at 0.6x speed in every round; shuffled, beside the
+    same kernel, 1.8-2.2%; with no such kernel in the cell, -2.9% to +0.4%
+    (docs/hopper_backward.md)."""
+    n = len(names)
+    first, lo, hi = [0], 1, n - 1  # 0, 1, n-1, 2, n-2, ...
+    while len(first) < n:
+        first.append(lo)
+        lo += 1
+        if len(first) < n:
+            first.append(hi)
+            hi -= 1
+    r = rnd % (n if n % 2 == 0 else 2 * n)
+    row = [(i + r) % n for i in first]
+    if r >= n:
+        row.reverse()
+    return [names[i] for i in row]
 
 
 def run_cell(prepares: dict, check: Callable, repeat: int, measure: Callable,
              sync: Optional[Callable] = None, on_step: Optional[Callable] = None,
              monitor: Optional[Callable] = None, conditions: Optional[dict] = None):
-    """Time every provider on one cell: ``repeat`` rounds, provider order rotated each round.
+    """Time every provider on one cell: ``repeat`` rounds, each in the order ``round_order``
+    gives.
 
     ``prepares[name]()`` returns ``run``, the no-argument call to time (work done by prepare,
     such as a compile, is not timed). First every provider is prepared and its first output
@@ -66,7 +88,7 @@ def run_cell(prepares: dict, check: Callable, repeat: int, measure: Callable,
             errors[name] = error_text(e)
             del runs[name]
     for rnd in range(repeat):
-        for name in rotated(names, rnd):
+        for name in round_order(names, rnd):
             if on_step is not None:
                 on_step(name)
             if name not in runs:  # failed its check, or an earlier round
@@ -200,13 +222,13 @@ def time_ms(fn, warmup: int, rep: int, torch):
 
 def paired_rounds(runs: dict, rounds: int, measure: Callable, on_round: Optional[Callable] = None):
     """Interleaved timing for A/B comparisons (``scripts/ab_bench.py``): every round measures
-    each of ``runs`` once (``measure(run)`` returns ms per call), in an order rotated by one
-    each round, so drifts of clock, power and caches fall on every run alike and the ratio of
-    two runs within one round is a paired sample. Returns {name: [ms of round 0, ...]}."""
+    each of ``runs`` once (``measure(run)`` returns ms per call), in the order ``round_order``
+    gives, so drifts of clock, power and caches fall on every run alike and the ratio of two
+    runs within one round is a paired sample. Returns {name: [ms of round 0, ...]}."""
     names = list(runs)
     times = {name: [] for name in names}
     for rnd in range(rounds):
-        for name in rotated(names, rnd):
+        for name in round_order(names, rnd):
             times[name].append(measure(runs[name]))
         if on_round is not None:
             on_round(rnd)

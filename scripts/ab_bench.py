@@ -16,7 +16,8 @@ provider stops the run with exit status 1.
 
 Timing (``fa_sm100.benchmarking.paired_rounds``): ``--rounds`` rounds; a round times every
 provider once, as ``calls`` back-to-back calls between two CUDA events (``calls`` makes the
-default's measurement last about ``--round-ms``), in an order rotated each round. A
+default's measurement last about ``--round-ms``), in an order balanced for carry-over
+(``round_order``: each provider first equally often, each pair back to back equally often). A
 provider's speed-up over ``default`` is the median over rounds of the ratio of the two
 measurements of the same round, printed with its lowest and highest round. A provider whose
 host-side launch path takes about as long as its kernels (short sequences: Python-level

@@ -69,8 +69,8 @@ def parse_args(argv=None):
                    help="also time ours with these SM90 config overrides, as provider ours:NAME "
                         "(repeatable), e.g. --ours-variant nopp:pingpong=false")
     p.add_argument("--repeat", type=int, default=5,
-                   help="rounds per cell, provider order rotated each round; the median of the "
-                        "rounds is kept (the slower one of two), and ours over the best peer is "
+                   help="rounds per cell, provider order balanced for carry-over "
+                        "(fa_sm100.benchmarking.round_order); the median of the rounds is kept (the slower one of two), and ours over the best peer is "
                         "also reported paired by round (column 'paired')")
     p.add_argument("--warmup", type=int, default=25, help="ms of warmup per cell")
     p.add_argument("--rep", type=int, default=100, help="ms of timed repetitions per cell")

@@ -1,5 +1,5 @@
 """The paired A/B timing (``fa_sm100.benchmarking.paired_rounds`` / ``paired_speedups``) and
-its command line ``scripts/ab_bench.py``: the rotation, the paired ratios, the report, and
+its command line ``scripts/ab_bench.py``: the round order, the paired ratios, the report, and
 that bad variants stop the run before any GPU work. CPU only: a fake clock stands in for the
 GPU."""
 
@@ -15,14 +15,59 @@ def _script():
     return load_script("ab_bench")
 
 
-def test_rounds_rotate_the_order_and_time_every_run_once_per_round():
+def test_rounds_time_every_run_once_in_a_carry_over_balanced_order():
+    """Over a cycle of round_order (n rounds for an even count of runs, 2n for an odd one)
+    each run is first equally often and each ordered pair runs back to back equally often."""
+    from collections import Counter
+
+    from fa_sm100.benchmarking import round_order
+
+    for n in range(1, 8):
+        names = [f"r{i}" for i in range(n)]
+        cycle = n if n % 2 == 0 else 2 * n
+        firsts, pairs = Counter(), Counter()
+        for rnd in range(cycle):
+            order = round_order(names, rnd)
+            assert sorted(order) == names
+            assert order == round_order(names, rnd + cycle)  # the same every run
+            firsts[order[0]] += 1
+            pairs.update(zip(order, order[1:]))
+        assert set(firsts.values()) == {cycle // n} and len(firsts) == n
+        if n > 1:
+            assert len(pairs) == n * (n - 1) and len(set(pairs.values())) == 1, pairs
     order, rounds_done = [], []
-    runs = {"default": "a", "v": "b", "fa4": "c"}
-    times = paired_rounds(runs, 4, lambda run: order.append(run) or 1.0,
-                          on_round=rounds_done.append)
-    assert order == list("abc" "bca" "cab" "abc")
-    assert rounds_done == [0, 1, 2, 3]
-    assert {k: len(v) for k, v in times.items()} == {"default": 4, "v": 4, "fa4": 4}
+    times = paired_rounds({"default": "a", "v": "b", "fa4": "c"}, 6,
+                          lambda run: order.append(run) or 1.0, on_round=rounds_done.append)
+    assert rounds_done == list(range(6))
+    assert sorted(order) == sorted("abc" * 6)
+    assert {k: len(v) for k, v in times.items()} == {"default": 6, "v": 6, "fa4": 6}
+
+
+def test_a_carry_over_from_the_run_before_cancels_in_the_paired_ratio():
+    """A run that leaves the GPU faster for the next one (a slow kernel lets it cool): the
+    run after it measures 4% faster. Rotated, the same run would follow it in every round
+    (round 25: the zero fill, 4% faster after a 0.6x kernel); in round_order every run follows
+    it equally often, and two equal runs stay at a paired 1.00."""
+    from fa_sm100.benchmarking import round_order
+
+    runs = {"default": "default", "zf": "zf", "slow": "slow", "fa4": "fa4"}
+    last = [None]
+
+    def measure(name):
+        ms = 1.0 if last[0] != "slow" else 1.0 / 1.04
+        last[0] = name
+        return ms
+
+    times = paired_rounds(runs, 8, measure)
+    assert paired_speedups(times, "default")["zf"][0] == pytest.approx(1.0)
+    names = list(runs)
+
+    def follower(order):  # the run right after "slow" in a round (None: slow ran last)
+        i = order.index("slow")
+        return order[i + 1] if i + 1 < len(order) else None
+
+    assert {follower(names[k:] + names[:k]) for k in range(4)} == {"fa4", None}  # rotated
+    assert {follower(round_order(names, r)) for r in range(4)} >= {"default", "zf", "fa4"}
 
 
 def test_paired_speedups_cancel_a_drift_that_medians_of_times_do_not():
@@ -38,7 +83,7 @@ def test_paired_speedups_cancel_a_drift_that_medians_of_times_do_not():
     times = paired_rounds({"default": "default", "v": "v"}, 6, measure)
     assert max(times["v"]) > min(times["default"])  # the raw times alone do not separate them
     mid, lo, hi = paired_speedups(times, "default")["v"]
-    # the rotation puts v first in odd rounds: both of a round share its clock
+    # the order alternates (v first in odd rounds): both of a round share its clock
     assert mid == pytest.approx(1.02, rel=1e-9) and lo == pytest.approx(1.02, rel=1e-9)
     assert hi == pytest.approx(1.02, rel=1e-9)
     assert paired_speedups(times, "default")["default"] == (1.0, 1.0, 1.0)

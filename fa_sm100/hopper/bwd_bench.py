@@ -4,8 +4,8 @@ Used by ``scripts/benchmark.py --mode bwd`` and runnable as
 ``python -m fa_sm100.hopper.bwd_bench [--json out.json]``. Every cell draws fresh random
 inputs and times each implementation in the same process with the forward benchmark's method
 (``fa_sm100.benchmarking.run_cell``): every provider prepared and its first gradients checked
-before any timing, a discarded warm-up, then ``repeat`` rounds in a rotated order, each the
-median of ``triton.testing.do_bench``; the cell keeps the median round. TFLOP/s use the
+before any timing, a discarded warm-up, then ``repeat`` rounds in a carry-over balanced order
+(``round_order``), each the median of ``triton.testing.do_bench``; the cell keeps the median round. TFLOP/s use the
 backward's conventional FLOP count 2.5 x the forward's: 2.5 * 2 * b * h * sq * sk * (d + dv),
 halved for causal. V (and O, dO) take the forward's default V head dim for the head dim d
 (``fa_sm100.config.default_head_dim_v``: 128 with 192, else d). The peers' times include
