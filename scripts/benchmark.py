@@ -68,10 +68,12 @@ def parse_args(argv=None):
     p.add_argument("--ours-variant", action="append", default=[], metavar="NAME:FIELD=VALUE[,...]",
                    help="also time ours with these SM90 config overrides, as provider ours:NAME "
                         "(repeatable), e.g. --ours-variant nopp:pingpong=false")
-    p.add_argument("--repeat", type=int, default=5,
+    p.add_argument("--repeat", type=int, default=6,
                    help="rounds per cell, provider order balanced for carry-over "
-                        "(fa_sm100.benchmarking.round_order); the median of the rounds is kept (the slower one of two), and ours over the best peer is "
-                        "also reported paired by round (column 'paired')")
+                        "(fa_sm100.benchmarking.round_order; 6 rounds: a whole cycle for three "
+                        "providers); the median of the rounds is kept (the slower one of two), "
+                        "and ours over the best peer is also reported paired by round (column "
+                        "'paired')")
     p.add_argument("--warmup", type=int, default=25, help="ms of warmup per cell")
     p.add_argument("--rep", type=int, default=100, help="ms of timed repetitions per cell")
     p.add_argument("--csv")
