@@ -1,8 +1,9 @@
 """The timing method shared by the forward and backward benchmarks (``scripts/benchmark.py``,
 ``fa_sm100.hopper.bwd_bench``): providers prepared and checked first, a discarded warm-up,
-then rounds in a carry-over balanced order (``round_order``), each timed with ``triton.testing.do_bench`` (CUDA events when
-triton is missing), and the GPU's SM clock and power recorded while each round runs
-(``ClockSampler``). Nothing here needs a GPU except what the callables do."""
+then rounds in a carry-over balanced order (``round_order``), each timed with
+``triton.testing.do_bench`` (CUDA events when triton is missing), and the GPU's SM clock and
+power recorded while each round runs (``ClockSampler``). Nothing here needs a GPU except what
+the callables do."""
 
 from __future__ import annotations
 
