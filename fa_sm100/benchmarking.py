@@ -20,6 +20,23 @@ def error_text(e: Exception) -> str:
     return f"{type(e).__name__}: {msg}"
 
 
+MIN_ROUNDS = 6  # the benchmark's default: at least this many rounds per cell, whole cycles
+
+
+def order_cycle(n: int) -> int:
+    """Rounds after which ``round_order`` of ``n`` providers repeats: n when n is even, 2n when
+    it is odd (each row is then also run reversed)."""
+    return n if n % 2 == 0 else 2 * n
+
+
+def whole_cycles(rounds: int, n: int) -> int:
+    """``rounds`` rounded up to whole cycles of ``round_order`` for ``n`` providers: only
+    whole cycles balance the order (the benchmark's default, with ``MIN_ROUNDS``: 6 rounds
+    for three providers, 8 for four)."""
+    cycle = order_cycle(n)
+    return -(-rounds // cycle) * cycle
+
+
 def round_order(names: list, rnd: int) -> list:
     """The order of round ``rnd`` in ``run_cell`` and ``paired_rounds``: a row of a Williams
     design, a Latin square balanced for carry-over. Over every ``len(names)`` rounds (twice
@@ -41,7 +58,7 @@ def round_order(names: list, rnd: int) -> list:
         if len(first) < n:
             first.append(hi)
             hi -= 1
-    r = rnd % (n if n % 2 == 0 else 2 * n)
+    r = rnd % order_cycle(n)
     row = [(i + r) % n for i in first]
     if r >= n:
         row.reverse()

@@ -39,8 +39,9 @@ try:  # first import: keeps scripts/inspect.py from shadowing the standard `insp
 except ImportError:  # loaded as a module (tests): this folder is not on sys.path
     pass
 
-from fa_sm100.benchmarking import (ClockSampler, clock_summary, median,  # noqa: E402
-                                   paired_ratio, plot_grid, summarize_conditions, time_ms)
+from fa_sm100.benchmarking import (MIN_ROUNDS, ClockSampler, clock_summary,  # noqa: E402
+                                   median, paired_ratio, plot_grid, summarize_conditions,
+                                   time_ms, whole_cycles)
 
 PROVIDERS = ("ours", "fa4", "cudnn", "flash")
 
@@ -68,18 +69,20 @@ def parse_args(argv=None):
     p.add_argument("--ours-variant", action="append", default=[], metavar="NAME:FIELD=VALUE[,...]",
                    help="also time ours with these SM90 config overrides, as provider ours:NAME "
                         "(repeatable), e.g. --ours-variant nopp:pingpong=false")
-    p.add_argument("--repeat", type=int, default=6,
+    p.add_argument("--repeat", type=int, default=None,
                    help="rounds per cell, provider order balanced for carry-over "
-                        "(fa_sm100.benchmarking.round_order; 6 rounds: a whole cycle for three "
-                        "providers); the median of the rounds is kept (the slower one of two), "
-                        "and ours over the best peer is also reported paired by round (column "
-                        "'paired')")
+                        "(fa_sm100.benchmarking.round_order; default: whole cycles of it, at "
+                        "least 6: 8 for the forward's four providers, 6 for three); the median "
+                        "of the rounds is kept (the slower one of two), and ours over the best "
+                        "peer is also reported paired by round (column 'paired')")
     p.add_argument("--warmup", type=int, default=25, help="ms of warmup per cell")
     p.add_argument("--rep", type=int, default=100, help="ms of timed repetitions per cell")
     p.add_argument("--csv")
     p.add_argument("--json")
     p.add_argument("--png")
     args = p.parse_args(argv)
+    if args.repeat is not None and args.repeat < 1:
+        p.error(f"--repeat {args.repeat}: must be at least 1")
     for s in args.seqlen:
         if s < 1 or args.total_tokens % s:
             p.error(f"--seqlen {s} must divide --total-tokens {args.total_tokens}")
@@ -249,7 +252,8 @@ def run_grid(args):
         label, fn = make_variant(spec, torch)
         providers[label] = fn
     cells = [(d, c, s) for d in args.hdim for c in args.causal for s in args.seqlen]
-    total = len(cells) * len(providers) * args.repeat
+    repeat = args.repeat or whole_cycles(MIN_ROUNDS, len(providers))
+    total = len(cells) * len(providers) * repeat
     rows, step = [], 0
     for d, causal, s in cells:
         b, h = args.total_tokens // s, args.hidden // d
@@ -266,7 +270,7 @@ def run_grid(args):
             progress(step, total, f"hdim {d} {'causal' if causal else 'noncausal'} seqlen {s} {name}")
 
         conditions = {}
-        times, errors = run_cell(providers, q, k, v, causal, args.repeat,
+        times, errors = run_cell(providers, q, k, v, causal, repeat,
                                  lambda fn: time_ms(fn, args.warmup, args.rep, torch), torch,
                                  on_step, monitor=lambda: ClockSampler(q.device.index or 0),
                                  conditions=conditions)

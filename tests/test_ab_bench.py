@@ -43,6 +43,20 @@ def test_rounds_time_every_run_once_in_a_carry_over_balanced_order():
     assert {k: len(v) for k, v in times.items()} == {"default": 6, "v": 6, "fa4": 6}
 
 
+def test_default_rounds_are_whole_cycles_of_the_order():
+    """The benchmark's default rounds per cell: at least MIN_ROUNDS, in whole cycles (6 for
+    the backward's three providers, 8 for the forward's four); --repeat below 1 is refused."""
+    from fa_sm100.benchmarking import MIN_ROUNDS, order_cycle, whole_cycles
+
+    assert [order_cycle(n) for n in range(1, 6)] == [2, 2, 6, 4, 10]
+    assert (whole_cycles(MIN_ROUNDS, 3), whole_cycles(MIN_ROUNDS, 4)) == (6, 8)
+    assert whole_cycles(MIN_ROUNDS, 5) == 10 and whole_cycles(7, 2) == 8
+    bench = load_script("benchmark")
+    assert bench.parse_args([]).repeat is None
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--repeat", "0"])
+
+
 def test_a_carry_over_from_the_run_before_cancels_in_the_paired_ratio():
     """A run that leaves the GPU faster for the next one (a slow kernel lets it cool): the
     run after it measures 4% faster. Rotated, the same run would follow it in every round

@@ -25,15 +25,15 @@ import math
 
 import torch
 
-from fa_sm100.benchmarking import (ClockSampler, clock_summary, median, paired_ratio,
-                                   run_cell, summarize_conditions, time_ms)
+from fa_sm100.benchmarking import (MIN_ROUNDS, ClockSampler, clock_summary, median,
+                                   paired_ratio, run_cell, summarize_conditions, time_ms,
+                                   whole_cycles)
 
 DEFAULT_SEQLENS = (1024, 4096, 16384)
 DEFAULT_HEAD_DIMS = (64, 128)
 TOKENS = 16384  # batch * seqlen per cell
 MODEL_DIM = 2048  # heads * head_dim per cell
-# REPEAT: a whole cycle of round_order for three providers (ours, FA4, cuDNN)
-WARMUP_MS, REP_MS, REPEAT = 25, 100, 6
+WARMUP_MS, REP_MS = 25, 100
 
 
 def bwd_flops(b, h, sq, sk, d, dv, causal):
@@ -133,7 +133,7 @@ def _cudnn_backward(q, k, v, dout, causal):
 
 
 def bench_cell(b, h, hk, s, d, causal, dtype=torch.bfloat16, deterministic=False, variants=(),
-               repeat=REPEAT, warmup=WARMUP_MS, rep=REP_MS):
+               repeat=None, warmup=WARMUP_MS, rep=REP_MS):
     from fa_sm100.hopper.bwd_config import SM90_BWD_HEAD_DIMS, select_bwd_config
     from fa_sm100.hopper.bwd_interface import sm90_bwd
 
@@ -180,6 +180,8 @@ def bench_cell(b, h, hk, s, d, causal, dtype=torch.bfloat16, deterministic=False
     ref = reference_grads(q, k, v, dout, causal, torch.float32)
     plain = reference_grads(q, k, v, dout, causal, dtype)
     conditions = {}
+    if repeat is None:  # whole cycles of the balanced order for this cell's providers
+        repeat = whole_cycles(MIN_ROUNDS, len(prepares))
     times, errors = run_cell(prepares, lambda grads: check_grads(grads, ref, plain), repeat,
                              lambda fn: time_ms(fn, warmup, rep, torch),
                              sync=torch.cuda.synchronize,
@@ -223,7 +225,7 @@ def _torch_forward(q, k, v, causal):
 
 def run_grid(seqlens=DEFAULT_SEQLENS, head_dims=DEFAULT_HEAD_DIMS, causals=(False, True),
              gqa_ratio=1, deterministic=False, variants=(), tokens=TOKENS, model_dim=MODEL_DIM,
-             repeat=REPEAT, warmup=WARMUP_MS, rep=REP_MS, dtype=torch.bfloat16):
+             repeat=None, warmup=WARMUP_MS, rep=REP_MS, dtype=torch.bfloat16):
     rows = []
     for d in head_dims:
         h = model_dim // d
@@ -373,13 +375,17 @@ def main(argv=None):
     p.add_argument("--deterministic", action="store_true")
     p.add_argument("--variant", action="append", default=[], metavar="NAME:FIELD=VALUE[,...]",
                    help="also time sm90_bwd with these BwdConfig overrides")
-    p.add_argument("--repeat", type=int, default=REPEAT, help="rounds per cell (median kept)")
+    p.add_argument("--repeat", type=int, default=None,
+                   help="rounds per cell (median kept; default: whole cycles of the balanced "
+                        f"order, at least {MIN_ROUNDS})")
     p.add_argument("--warmup", type=int, default=WARMUP_MS, help="ms of warm-up per measurement")
     p.add_argument("--rep", type=int, default=REP_MS, help="ms of timed calls per measurement")
     p.add_argument("--json", default=None)
     p.add_argument("--breakdown", action="store_true",
                    help="per-kernel times (CUDA profiler) of ours and FA4 instead of the grid")
     a = p.parse_args(argv)
+    if a.repeat is not None and a.repeat < 1:
+        p.error(f"--repeat {a.repeat}: must be at least 1")
     if a.breakdown:
         rows = []
         for d in a.head_dims:
