@@ -261,10 +261,10 @@ def fwd_cell(d, s, causal, h, variants, fa4_variants, with_fa4, torch):
 PROBE_PREFIX = "probe:"  # a probe's run name: PROBE_PREFIX + "name=value"
 
 
-def bwd_cell(d, s, causal, h, variants, with_fa4, torch, probe_specs=()):
-    """Runs of one backward cell and the check of their gradients; each of ``probe_specs``
-    (``name=value``) adds a run of the default kernel under that cost probe, named
-    ``PROBE_PREFIX + spec`` (not to be checked: Note [cost probes])."""
+def bwd_cell(d, s, causal, h, variants, with_fa4, torch, probe_list=()):
+    """Runs of one backward cell and the check of their gradients; each ``(name, value)`` of
+    ``probe_list`` adds a run of the default kernel under that cost probe, named
+    ``PROBE_PREFIX + "name=value"`` (not to be checked: Note [cost probes])."""
     from fa_sm100.config import default_head_dim_v
     from fa_sm100.hopper import bwd_bench
     from fa_sm100.hopper.bwd_interface import sm90_bwd
@@ -282,8 +282,8 @@ def bwd_cell(d, s, causal, h, variants, with_fa4, torch, probe_specs=()):
         cfg = cell_config("bwd", d, s, causal, fields)
         runs[name] = (lambda cfg=cfg: sm90_bwd(dout, q, k, v, out, lse, causal=causal,
                                                 config=cfg))
-    for spec in probe_specs:
-        runs[PROBE_PREFIX + spec] = probed_call(runs["default"], *probes.parse_probe(spec))
+    for name, value in probe_list:
+        runs[f"{PROBE_PREFIX}{name}={value}"] = probed_call(runs["default"], name, value)
     if fa4 is not None:
         runs["fa4"] = bwd_bench._fa4_backward(fa4, q, k, v, dout, causal)
     ref = bwd_bench.reference_grads(q, k, v, dout, causal, torch.float32)
@@ -319,7 +319,8 @@ def format_cell(label, times, calls, same=()):
         lines.append(f"  {name:12s} {median(ms):9.4f} ms   x{mid:.3f} vs default "
                      f"(rounds {lo:.3f}-{hi:.3f})"
                      + ("   [same kernel as default: A/A]" if name in same else "")
-                 + ("   [probe: results not checked]" if name.startswith(PROBE_PREFIX) else ""))
+                     + ("   [probe: results not checked]" if name.startswith(PROBE_PREFIX)
+                        else ""))
     if "fa4" in times:
         fa4 = median(times["fa4"])
         lines.append("  over fa4: " + ", ".join(f"{n} {fa4 / median(ms):.3f}x"
@@ -334,6 +335,7 @@ def main(argv=None):
     try:  # every config of the run, before any GPU work
         variants = parse_variants(a.variant, a.mode)
         fa4_variants = parse_fa4_variants(a.fa4_variant)
+        probe_list = [probes.parse_probe(spec) for spec in a.probe]
         same = {}  # per cell: the variants that build the default's kernels
         for d, s, causal, h in cells:  # builds (so validates) every variant's config
             same[d, s, causal, h] = same_kernel_variants(a.mode, d, s, causal, variants, h)
@@ -342,9 +344,8 @@ def main(argv=None):
                       f"kernels as the default at {a.mode} hdim {d} seqlen {s} "
                       f"{'causal' if causal else 'non-causal'}: the switch has no effect "
                       "there, so its ratio measures noise (an A/A check)", flush=True)
-            for spec in a.probe:  # a probe with nothing to probe in a cell stops the run
-                probes.check_probe_config(*probes.parse_probe(spec),
-                                          cell_config("bwd", d, s, causal, {}))
+            for name, value in probe_list:  # a probe with nothing to probe stops the run
+                probes.check_probe_config(name, value, cell_config("bwd", d, s, causal, {}))
     except ValueError as e:
         print(f"ab_bench: {e}", file=sys.stderr)
         return 2
@@ -366,7 +367,7 @@ def main(argv=None):
         try:
             if a.mode == "bwd":  # --fa4-variant is forward only (parse_args)
                 runs, check = bwd_cell(d, s, causal, h, variants, not a.no_fa4, torch,
-                                       a.probe)
+                                       probe_list)
             else:
                 runs, check = fwd_cell(d, s, causal, h, variants, fa4_variants, not a.no_fa4,
                                        torch)

@@ -7,11 +7,11 @@ inputs and times each implementation in the same process with the forward benchm
 before any timing, a discarded warm-up, then ``repeat`` rounds in a carry-over balanced order
 (``round_order``), each the median of ``triton.testing.do_bench``; the cell keeps the median
 round. TFLOP/s use the backward's conventional FLOP count 2.5 x the forward's:
-2.5 * 2 * b * h * sq * sk * (d + dv), halved for causal. V (and O, dO) take the forward's default V head dim
-for the head dim d (``fa_sm100.config.default_head_dim_v``: 128 with 192, else d). The peers'
-times include their own preprocess/postprocess kernels, as ours do; ``do_bench`` does not
-synchronize between calls, so host time shorter than a call's GPU time does not show for
-anyone.
+2.5 * 2 * b * h * sq * sk * (d + dv), halved for causal. V (and O, dO) take the forward's
+default V head dim for the head dim d (``fa_sm100.config.default_head_dim_v``: 128 with 192,
+else d). The peers' times include their own preprocess/postprocess kernels, as ours do;
+``do_bench`` does not synchronize between calls, so host time shorter than a call's GPU time
+does not show for anyone.
 
 Check: dQ, dK, dV of batch 0 for the first and the last KV head (with their query heads)
 against float32 autograd of the same attention, with the project's rule (error <= 2 x the
