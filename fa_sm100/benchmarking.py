@@ -312,6 +312,40 @@ def launch_bound(host_ms: float, gpu_ms: float, margin: float = 0.9) -> bool:
     return host_ms >= margin * gpu_ms
 
 
+GRID_TOKENS = 16384  # the benchmark grid's cells: batch x seqlen
+GRID_HIDDEN = 2048  # heads x head dim
+
+
+def cell_config(mode, d, s, causal, fields, heads=None, tokens=GRID_TOKENS, hidden=GRID_HIDDEN,
+                dtype="bfloat16"):
+    """The config ours runs in a benchmark cell ("fwd": ``Sm90FwdConfig``, "bwd":
+    ``BwdConfig``) with the overrides ``fields`` (validated: bad fields raise ValueError).
+    ``heads``: the cell's query heads (default hidden / head dim), whose (batch, head) pairs
+    decide whether an odd number of m blocks still multicasts (Note [Odd m blocks])."""
+    if mode == "bwd":
+        from fa_sm100.hopper.bwd_config import select_bwd_config
+
+        return select_bwd_config(head_dim=d, dtype=dtype, causal=causal, seqlen_q=s,
+                                 seqlen_k=s, **fields)
+    from fa_sm100.hopper.config import select_sm90_fwd_config
+
+    fields = {"write_lse": False, **fields}  # as the benchmark: nobody reads the LSE
+    batch_heads = tokens // s * (heads or hidden // d)
+    return select_sm90_fwd_config(d, None, dtype, causal, seqlen_k=s, seqlen_q=s,
+                                  batch_heads=batch_heads, **fields)
+
+
+def same_kernel_variants(mode, d, s, causal, variants, heads=None, tokens=GRID_TOKENS,
+                         hidden=GRID_HIDDEN, dtype="bfloat16"):
+    """{name: the fields it sets} of the ``variants`` ((name, fields) pairs) whose config
+    builds the same kernels as the default's in this cell (equal ``effective()`` configs):
+    their ratio over the default measures noise, an A/A check, not the switch."""
+    cell = lambda fields: cell_config(mode, d, s, causal, fields, heads, tokens, hidden,
+                                      dtype).effective()
+    base = cell({})
+    return {name: sorted(fields) for name, fields in variants if cell(fields) == base}
+
+
 def plot_grid(rows, providers, path: str, title: str):
     """TFLOP/s over seqlen (log 2), one panel per (head dim, causality), one line per provider,
     from ``rows`` of {"provider", "hdim", "causal", "seqlen", "tflops"} (the forward's rows;

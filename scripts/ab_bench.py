@@ -45,7 +45,8 @@ Three probes beside the config variants:
 
 - ``--probe NAME=VALUE`` (backward) also times the default kernel with a cost probe
   (``fa_sm100.hopper.probes``, Note [cost probes]): a piece of its work taken out or made
-  cheaper, e.g. ``dq_reduce=none`` (no dQ reduce into L2), to measure what that piece costs.
+  cheaper, e.g. ``dq_reduce=none`` (no dQ reduce into L2) or ``ds_barrier=none`` (the MMA
+  warpgroups do not meet before the dQ GEMM), to measure what that piece costs.
   A probe's gradients are wrong by design: its run is compiled and timed, not checked, and its
   line in the cell says so.
 
@@ -71,14 +72,15 @@ try:  # first import: keeps scripts/inspect.py from shadowing the standard `insp
 except ImportError:  # loaded as a module (tests): this folder is not on sys.path
     pass
 
-from fa_sm100.benchmarking import (calls_per_round, error_text, events_ms,  # noqa: E402
+from fa_sm100.benchmarking import (GRID_HIDDEN, GRID_TOKENS,  # noqa: E402
+                                   calls_per_round, cell_config, error_text, events_ms,
                                    host_and_gpu_ms, launch_bound, median, paired_rounds,
-                                   paired_speedups)
+                                   paired_speedups, same_kernel_variants)
 from fa_sm100.config import parse_bool  # noqa: E402
 from fa_sm100.hopper import probes  # noqa: E402
 
-TOKENS = 16384
-HIDDEN = 2048
+TOKENS = GRID_TOKENS  # the benchmark grid's cells
+HIDDEN = GRID_HIDDEN
 LAUNCH_CHECK_CALLS = 16  # calls timed host-side for the launch-bound check
 # FlashAttention-4 forward options --fa4-variant may set (values: _fa4_value)
 FA4_FWD_FIELDS = ("tile_mn", "mma_pv_is_rs", "intra_wg_overlap")
@@ -206,22 +208,6 @@ def cell_heads(d, heads):
     return heads or [HIDDEN // d]
 
 
-def cell_config(mode, d, s, causal, fields, heads=None):
-    """The config a provider of the cell runs (validated: bad fields raise ValueError);
-    ``heads``: the cell's query heads (default hidden / head dim), whose (batch, head) pairs
-    decide whether an odd number of m blocks still multicasts (Note [Odd m blocks])."""
-    if mode == "bwd":
-        from fa_sm100.hopper.bwd_config import select_bwd_config
-
-        return select_bwd_config(head_dim=d, causal=causal, seqlen_q=s, seqlen_k=s, **fields)
-    from fa_sm100.hopper.config import select_sm90_fwd_config
-
-    fields = {"write_lse": False, **fields}  # as the benchmark: nobody reads the LSE
-    batch_heads = TOKENS // s * (heads or HIDDEN // d)
-    return select_sm90_fwd_config(d, None, "bfloat16", causal, seqlen_k=s, seqlen_q=s,
-                                  batch_heads=batch_heads, **fields)
-
-
 def _benchmark_script():
     """scripts/benchmark.py as a module (its forward output check)."""
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "benchmark.py")
@@ -298,15 +284,6 @@ def probed_call(run, name, value):
         with probes.probe(name, value):
             return run()
     return call
-
-
-def same_kernel_variants(mode, d, s, causal, variants, heads=None):
-    """{name: the fields it sets} of the variants whose config builds the same kernels as
-    the default's in this cell (equal ``effective()`` configs): their ratio over the default
-    measures noise, an A/A check, not the switch."""
-    base = cell_config(mode, d, s, causal, {}, heads).effective()
-    return {name: sorted(fields) for name, fields in variants
-            if cell_config(mode, d, s, causal, fields, heads).effective() == base}
 
 
 def format_cell(label, times, calls, same=()):

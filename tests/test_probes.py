@@ -1,7 +1,8 @@
 """Cost probes of the SM90 backward (``fa_sm100.hopper.probes``, Note [cost probes]): the
 probe context, the compile key that keeps probed kernels apart from plain ones, and, on the
-sm_90a SASS cross-compiled on the CPU, that each ``dq_reduce`` probe changes the dq-store
-warp's bulk operations as it says and nothing once it is closed."""
+sm_90a SASS cross-compiled on the CPU, that each probe changes what it says (``dq_reduce``: the
+dq-store warp's bulk operations; ``ds_barrier``: the MMA loop's ``DS_READY`` barrier) and
+nothing once it is closed."""
 
 import glob
 import re
@@ -48,7 +49,13 @@ def test_probed_kernels_compile_under_their_own_key():
     for value in probes.PROBES["dq_reduce"]:
         with probes.probe("dq_reduce", value):
             keys.add(main_compile_key(cfg))
-    assert len(keys) == 3 and cfg not in keys
+    with probes.probe("ds_barrier", "none"):
+        keys.add(main_compile_key(cfg))
+        with probes.probe("dq_reduce", "none"):  # two probes at once: a key of their own
+            keys.add(main_compile_key(cfg))
+    with probes.probe("sweep", "twice"):
+        keys.add(main_compile_key(cfg))
+    assert len(keys) == 6 and cfg not in keys
     assert main_compile_key(cfg) == cfg
 
 
@@ -58,6 +65,37 @@ def test_dq_reduce_needs_bulk_dq():
     assert red.dq_accum == "red"
     with pytest.raises(ValueError, match="nothing to probe"):
         probes.check_probe_config("dq_reduce", "none", red)
+
+
+@pytest.mark.parametrize("hk", [4, 2], ids=["mha", "gqa"])
+def test_dq_post_probe_leaves_only_the_dq_postprocess_out_of_the_plan(hk):
+    """``dq_post=none``: the call's chain without the dQ postprocess; every other kernel (and
+    the GQA dK/dV postprocesses) stays, and the plain plan comes back once it is closed."""
+    import torch
+
+    from fa_sm100.hopper.bwd_interface import launch_plan
+
+    cfg = select_bwd_config(head_dim=128, qhead_per_kvhead=4 // hk)
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    q, dq, out, dout = (torch.empty(1, 300, 4, 128, **meta) for _ in range(4))
+    k, dk, v, dv = (torch.empty(1, 300, hk, 128, **meta) for _ in range(4))
+    lse = torch.empty(1, 4, 300, device="meta", dtype=torch.float32)
+    kinds = lambda: [c[0] for c in launch_plan(cfg, q, k, v, out, dout, lse, dq, dk, dv, 0.1)]
+    plain = kinds()
+    assert plain == ["pre", "main", "post_dq"] + ["post"] * (2 * (hk != 4))
+    with probes.probe("dq_post", "none"):
+        assert kinds() == [kind for kind in plain if kind != "post_dq"]
+    assert kinds() == plain
+
+
+def test_sweep_probe_refuses_causal_problems_before_any_compile():
+    probes.check_probe_config("sweep", "twice", select_bwd_config(head_dim=128))
+    causal = select_bwd_config(head_dim=128, causal=True, seqlen_q=16384, seqlen_k=16384)
+    with pytest.raises(ValueError, match="non-causal sweeps only"):
+        probes.check_probe_config("sweep", "twice", causal)
+    with probes.probe("sweep", "twice"):  # what sm90_bwd's launch plan asks first
+        with pytest.raises(ValueError, match="non-causal sweeps only"):
+            main_compile_key(causal)
 
 
 def _bulk_ops(report):
@@ -93,5 +131,43 @@ def test_dq_reduce_probes_change_the_bulk_operations_and_nothing_after(tmp_path)
     assert _bulk_ops(got["half"]) == (2, 2)
     plain, half = _reduce_bytes(tmp_path / "before"), _reduce_bytes(tmp_path / "half")
     assert plain == ["20480", "20480"] and half == ["10240", "10240"]  # 80 x 64 float32 / half
+    inspect_kernel("sm90_bwd", "sm_90a", overrides, keep_dir=tmp_path / "after")
+    assert read_kept_sass(tmp_path / "after") == read_kept_sass(tmp_path / "before")
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_ds_barrier_probe_drops_one_barrier_and_nothing_else(tmp_path, head_dim):
+    """``ds_barrier=none`` takes exactly one ``BAR.SYNC`` out of the kernel (the ``DS_READY``
+    wait of the MMA loop), leaves every GEMM, exp2 and bulk operation where it was, and the
+    plain kernel compiled afterwards is the one compiled before."""
+    overrides = [f"head_dim={head_dim}"]
+    before = inspect_kernel("sm90_bwd", "sm_90a", overrides, keep_dir=tmp_path / "before")
+    with probes.probe("ds_barrier", "none"):
+        probed = inspect_kernel("sm90_bwd", "sm_90a", overrides, keep_dir=tmp_path / "probed")
+    bar = "BAR.SYNC.DEFER_BLOCKING"
+    assert probed["sass_full"][bar] == before["sass_full"][bar] - 1
+    for op in ("HGMMA", "MUFU.EX2", "UTMALDG", "UTMASTG", "USETMAXREG"):
+        assert probed["sass"][op] == before["sass"][op] > 0, op
+    assert _bulk_ops(probed) == _bulk_ops(before)
+    assert probed["spill_bytes"] == before["spill_bytes"] == 0
+    inspect_kernel("sm90_bwd", "sm_90a", overrides, keep_dir=tmp_path / "after")
+    assert read_kept_sass(tmp_path / "after") == read_kept_sass(tmp_path / "before")
+
+
+@pytest.mark.compile
+def test_sweep_probe_keeps_the_loop_body_and_nothing_after(tmp_path):
+    """``sweep=twice`` changes where the three roles' loops end, not what a step does: the
+    same GEMMs, exp2s, bulk operations and TMA copies, no spills; the plain kernel compiled
+    afterwards is the one compiled before."""
+    overrides = ["head_dim=128"]
+    before = inspect_kernel("sm90_bwd", "sm_90a", overrides, keep_dir=tmp_path / "before")
+    with probes.probe("sweep", "twice"):
+        probed = inspect_kernel("sm90_bwd", "sm_90a", overrides, keep_dir=tmp_path / "probed")
+    for op in ("HGMMA", "MUFU.EX2", "UTMALDG", "UTMASTG", "STS.128", "BAR.SYNC"):
+        assert probed["sass"][op] == before["sass"][op] > 0, op
+    assert _bulk_ops(probed) == _bulk_ops(before)
+    assert probed["spill_bytes"] == before["spill_bytes"] == 0
+    assert read_kept_sass(tmp_path / "probed") != read_kept_sass(tmp_path / "before")
     inspect_kernel("sm90_bwd", "sm_90a", overrides, keep_dir=tmp_path / "after")
     assert read_kept_sass(tmp_path / "after") == read_kept_sass(tmp_path / "before")

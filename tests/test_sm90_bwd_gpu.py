@@ -561,3 +561,58 @@ def test_sm90_bwd_cost_probes_change_only_dq_and_leave_plain_calls_alone(sm90_de
         if value != "none":  # "none": dQ is whatever the accumulator held
             assert not torch.allclose(dq.float(), plain[0].float(), atol=0.05), value
     _run_case(*case)  # plain again, checked against float64
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_sm90_bwd_ds_barrier_probe_runs_and_leaves_plain_calls_alone(sm90_device, head_dim):
+    """Note [cost probes]: without the ``DS_READY`` barrier (``ds_barrier=none``) the two MMA
+    warpgroups still finish (they meet only through the Q/dO stages, so the probed kernel
+    must not hang), and a plain call afterwards gets the plain kernel (float64 rule)."""
+    from fa_sm100.hopper import probes
+    from fa_sm100.hopper.bwd_interface import sm90_bwd
+
+    case = (2, 1000, 1000, 2, 2, head_dim, False)
+    (q, k, v, out, lse, dout), _ = _run_case(*case)
+    with probes.probe("ds_barrier", "none"):
+        grads = sm90_bwd(dout, q, k, v, out, lse, causal=False)
+    torch.cuda.synchronize()
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+    _run_case(*case)  # plain again, checked against float64
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_sm90_bwd_sweep_probe_adds_every_block_twice(sm90_device, head_dim):
+    """Note [cost probes]: ``sweep=twice`` repeats each CTA's sweep over the same query blocks
+    (staggered at hdim 128, with first dQ stores and tails), so dQ, dK and dV come out twice
+    the plain gradients, up to the rounding of the longer sums and of bf16; a plain call
+    afterwards gets the plain kernel (float64 rule)."""
+    from fa_sm100.hopper import probes
+    from fa_sm100.hopper.bwd_interface import sm90_bwd
+
+    case = (2, 1000, 1000, 2, 2, head_dim, False)
+    (q, k, v, out, lse, dout), plain = _run_case(*case)
+    with probes.probe("sweep", "twice"):
+        twice = sm90_bwd(dout, q, k, v, out, lse, causal=False)
+    for name, x, p in zip(("dq", "dk", "dv"), twice, plain):
+        ref = 2 * p.float()
+        err = (x.float() - ref).abs().max().item()
+        assert err <= 2 ** -7 * ref.abs().max().item(), (name, err)
+    _run_case(*case)  # plain again, checked against float64
+
+
+def test_sm90_bwd_dq_post_probe_leaves_dq_alone_and_dk_dv_right(sm90_device, monkeypatch):
+    """Note [cost probes]: ``dq_post=none`` launches no dQ postprocess, so dq keeps what its
+    allocation held (here NaN: ``empty_like`` made to fill) while dK and dV are the plain
+    kernel's bit for bit; a plain call afterwards writes dq again (float64 rule)."""
+    from fa_sm100.hopper import probes
+    from fa_sm100.hopper.bwd_interface import sm90_bwd
+
+    case = (1, 1000, 1000, 2, 2, 128, False)
+    (q, k, v, out, lse, dout), plain = _run_case(*case)
+    with monkeypatch.context() as m:
+        m.setattr(torch, "empty_like", lambda t, **kw: torch.full_like(t, float("nan"), **kw))
+        with probes.probe("dq_post", "none"):
+            dq, dk, dv = sm90_bwd(dout, q, k, v, out, lse, causal=False)
+    assert torch.isnan(dq).all()
+    assert torch.equal(dk, plain[1]) and torch.equal(dv, plain[2])
+    _run_case(*case)

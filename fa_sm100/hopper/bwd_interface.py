@@ -186,13 +186,14 @@ def launch_plan(config: BwdConfig, q, k, v, out, dout, lse, dq, dk, dv, softmax_
          lambda: fake_arguments(config, env_stream=True),
          (q, k, v, dout, ws["lse2"], ws["delta"], ws["dq_acc"], dk_arg, dv_arg, ws["dq_sem"],
           softmax_scale)),
+    ]
+    if probes.active("dq_post") != "none":  # Note [cost probes]: the probe leaves dq unwritten
         # the fragment order depends on tile_m (which warpgroup split) and the head dim; the
         # main kernel's dQ tiles are unscaled; with first stores a block no CTA reached is
         # zero (its semaphore says so)
-        ("post_dq", DqPostprocess.compile_key(config),
-         lambda: DqPostprocess(config), lambda: fake_dq_post_arguments(config),
-         (ws["dq_acc"], ws["dq_sem"], dq, softmax_scale, k.shape[1])),
-    ]
+        plan.append(("post_dq", DqPostprocess.compile_key(config),
+                     lambda: DqPostprocess(config), lambda: fake_dq_post_arguments(config),
+                     (ws["dq_acc"], ws["dq_sem"], dq, softmax_scale, k.shape[1])))
     if config.uses_gqa_buffers:
         g = config.qhead_per_kvhead if config.gqa_reduce == "buffers" else 1
         for acc, res, cols in ((dk_arg, dk, d), (dv_arg, dv, d_v)):  # dK arrives scaled
@@ -203,8 +204,11 @@ def launch_plan(config: BwdConfig, q, k, v, out, dout, lse, dq, dk, dv, softmax_
 
 def main_compile_key(config: BwdConfig):
     """The main kernel's compile key: its config, with the active cost probes when there are
-    any (Note [cost probes] in probes.py), so a probed kernel never serves a plain call."""
+    any (Note [cost probes] in probes.py), so a probed kernel never serves a plain call.
+    Raises ValueError for an active probe with nothing to probe in ``config``."""
     tag = probes.compile_tag()
+    for name, value in tag:
+        probes.check_probe_config(name, value, config)
     return (config, tag) if tag else config
 
 

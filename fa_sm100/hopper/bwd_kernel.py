@@ -210,6 +210,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
 from fa_sm100.config import WARP_SIZE, cutlass_dtype
+from fa_sm100.hopper import probes
 from fa_sm100.hopper.bwd_config import (BwdConfig, first_n_block, longest_first_cluster_cta,
                                         longest_first_tail_pairs, m_block_range,
                                         stagger_offset, staggered_m_block)
@@ -523,9 +524,19 @@ class Sm90FlashBackward(BwdLoadRole, BwdStoreRole, BwdScoresRole):
     def _m_block_at(self, step: Int32, m_offset: Int32, m_block_min: Int32, m_block_max: Int32):
         """The query block of sweep step ``step``: ``step`` itself, or with ``stagger_m`` the
         staggered sweep's (Note [staggered query blocks])."""
+        if const_expr(probes.active("sweep") == "twice"):  # Note [cost probes]: step 2 sweeps
+            step = _pick(step >= m_block_max, step - (m_block_max - m_block_min), step)
         if const_expr(not self.cfg.stagger_m):
             return step
         return staggered_m_block(step, m_offset, m_block_min, m_block_max, _pick)
+
+    def _sweep_end(self, m_block_min: Int32, m_block_max: Int32):
+        """Where the sweep's steps end: ``m_block_max``; under the ``sweep=twice`` cost probe
+        (Note [cost probes]) one sweep later (``_m_block_at`` folds the second onto the
+        first)."""
+        if const_expr(probes.active("sweep") == "twice"):
+            return m_block_max + (m_block_max - m_block_min)
+        return m_block_max
 
     def _n_block_first(self, m_block: Int32, seqlen_q: Int32, seqlen_k: Int32):
         """The first key block that adds into query block ``m_block`` (semaphore base)."""
@@ -612,7 +623,8 @@ class Sm90FlashBackward(BwdLoadRole, BwdStoreRole, BwdScoresRole):
                 state_do.advance()
         if const_expr(self.cfg.overlap_dk):
             state_q_prev = state_q.clone()  # the stage the previous block's dK reads
-        for step in cutlass.range(m_block_min, m_block_max, unroll=1):
+        for step in cutlass.range(m_block_min, self._sweep_end(m_block_min, m_block_max),
+                                  unroll=1):
             m_block = self._m_block_at(step, m_offset, m_block_min, m_block_max)
             ds_idx = (step - m_block_min) % 2
             # S = Q K^T, dP = dO V^T (swapped: S^T = K Q^T, dP^T = V dO^T)
@@ -686,8 +698,9 @@ class Sm90FlashBackward(BwdLoadRole, BwdStoreRole, BwdScoresRole):
                                       number_of_threads=WARPGROUP_THREADS)
                 wgmma(mma_dv, acc_dV, tdVrPt_cur, tdVrdOt[None, None, None, state_do.index], False,
                       NO_WAIT)
-            cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.DS_READY),
-                              number_of_threads=self.num_mma_threads)
+            if const_expr(probes.active("ds_barrier") != "none"):  # Note [cost probes]
+                cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.DS_READY),
+                                  number_of_threads=self.num_mma_threads)
             # dV += P^T dO (unless issued before), dQ = dS K, dK += dS^T Q; groups retire in order
             if const_expr(not self.cfg.early_dv and not dv_mid):
                 wgmma(mma_dv, acc_dV, tdVrPt_cur, tdVrdOt[None, None, None, state_do.index], False,

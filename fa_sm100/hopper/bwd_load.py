@@ -61,7 +61,8 @@ class BwdLoadRole:
         self.wait_for_preprocess(mdQsem, mLSE2, batch, head)
         state_q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.cfg.q_stage)
         state_do = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.cfg.do_stage)
-        for step in cutlass.range(m_block_min, m_block_max, unroll=1):
+        for step in cutlass.range(m_block_min, self._sweep_end(m_block_min, m_block_max),
+                                  unroll=1):
             m_block = self._m_block_at(step, m_offset, m_block_min, m_block_max)
             self._load_stage(pipe_q, state_q, tma_Q, tQgQ, tQsQ, mcast, mLSE2, sLSE2, batch,
                              head, m_block)

@@ -226,7 +226,8 @@ class BwdStoreRole:
         part_elems = self.cfg.dq_block_elems // parts
         gdQ = mdQacc[batch, head, None, None]
         lane = cute.arch.lane_idx()
-        for step in cutlass.range(m_block_min, m_block_max, unroll=1):
+        for step in cutlass.range(m_block_min, self._sweep_end(m_block_min, m_block_max),
+                                  unroll=1):
             m_block = self._m_block_at(step, m_offset, m_block_min, m_block_max)
             for part in cutlass.range_constexpr(parts):
                 # bulk groups complete in commit order: this part's previous reduce is done

@@ -21,6 +21,23 @@ gets a probed kernel. Probes:
   traffic into L2;
   ``copy``: each reduce is a plain bulk copy of the same bytes: the writes without the
   additions at L2.
+- ``ds_barrier`` (the MMA loop, bwd_kernel.py): ``none``: the 256-thread ``DS_READY``
+  barrier, where the two MMA warpgroups meet once per query block before the dQ GEMM reads
+  both halves of dS, is left out. They then meet only through the Q / dO stages they both
+  release, and may drift apart by up to a stage: the cost of the rendezvous, an upper bound
+  on what decoupling the warpgroups (dQ from each warpgroup's own dS) could win.
+- ``sweep`` (all three roles' loops, bwd_kernel.py ``_sweep_end`` / ``_m_block_at``):
+  ``twice``: every CTA sweeps its query blocks twice, the second sweep the first again (dK,
+  dV and dQ get every block's share twice), between one K/V load and one dK/dV epilogue. With
+  T1 the plain time and T2 the probed one, T2 - T1 is what the sweeps cost and 2 T1 - T2 what
+  the CTAs cost beyond them: launch, K/V load, pipeline fill and drain, dK/dV epilogue, the
+  last wave, and the pre/postprocess where they do not overlap. That is the most a
+  persistent backward (the next tile's loads under this one's epilogue) could win.
+  Non-causal only: under a causal mask with Q/dO multicast a CTA first waits through its
+  cluster's blocks before its own, which the second sweep would not repeat.
+- ``dq_post`` (``bwd_interface.launch_plan``): ``none``: the dQ postprocess (float32
+  accumulator -> dq) is not launched, so dq is left as it was: what the postprocess adds to
+  the call beyond what overlaps the main kernel (Note [dQ postprocess in the tail]).
 """
 
 import contextlib
@@ -30,6 +47,15 @@ PROBES = {
         "none": "no dQ bulk reduce or first-store copy: the dQ accumulator is not written",
         "half": "each dQ bulk reduce and copy moves half its bytes",
         "copy": "each dQ bulk reduce is a plain bulk copy (the same bytes, no add in L2)",
+    },
+    "ds_barrier": {
+        "none": "the MMA warpgroups do not meet at DS_READY before the dQ GEMM",
+    },
+    "dq_post": {
+        "none": "the dQ postprocess is not launched: dq is not written",
+    },
+    "sweep": {
+        "twice": "every CTA sweeps its query blocks twice between one K/V load and one epilogue",
     },
 }
 
@@ -55,8 +81,12 @@ def parse_probe(spec: str):
 
 def check_probe_config(name: str, value: str, config) -> None:
     """Raise ValueError when probe ``name=value`` has nothing to probe in the backward built
-    from ``config`` (a ``BwdConfig``): ``dq_reduce`` needs "bulk" dQ."""
+    from ``config`` (a ``BwdConfig``): ``dq_reduce`` needs "bulk" dQ, ``sweep`` a problem
+    without a causal mask."""
     check_probe(name, value)
+    if name == "sweep" and config.causal:
+        raise ValueError(f"probe sweep={value} repeats non-causal sweeps only: under a causal "
+                         f"mask a CTA's first blocks are its cluster's (Note [cost probes])")
     if name == "dq_reduce" and config.dq_accum != "bulk":
         raise ValueError(f"probe dq_reduce={value} probes the bulk dQ reduce, but this "
                          f"config adds dQ with dq_accum={config.dq_accum!r} (the default at "
