@@ -24,6 +24,10 @@ error of the same rows computed plainly in the input precision + 1e-3). A provid
 wrong on a cell is not timed there; its row says "wrong output: ...". A provider that raises
 reports the error instead of a number. Exit status 1 when any provider gave a wrong output or
 ours (or a variant of it) failed on a cell; peers that cannot run a cell do not fail the run.
+
+``--ours-variant`` cells where the variant sets only switches the kernels do not read there
+(equal ``effective()`` configs) are named before any GPU work ("benchmark: note: ... A/A")
+and listed under ``same_kernel_as_default`` in the JSON: the variant's ratio there is noise.
 """
 
 from __future__ import annotations
@@ -40,8 +44,8 @@ except ImportError:  # loaded as a module (tests): this folder is not on sys.pat
     pass
 
 from fa_sm100.benchmarking import (MIN_ROUNDS, ClockSampler, clock_summary,  # noqa: E402
-                                   median, paired_ratio, plot_grid, summarize_conditions,
-                                   time_ms, whole_cycles)
+                                   median, paired_ratio, plot_grid, same_kernel_variants,
+                                   summarize_conditions, time_ms, whole_cycles)
 
 PROVIDERS = ("ours", "fa4", "cudnn", "flash")
 
@@ -68,7 +72,8 @@ def parse_args(argv=None):
     p.add_argument("--providers", nargs="+", choices=PROVIDERS, default=list(PROVIDERS))
     p.add_argument("--ours-variant", action="append", default=[], metavar="NAME:FIELD=VALUE[,...]",
                    help="also time ours with these SM90 config overrides, as provider ours:NAME "
-                        "(repeatable), e.g. --ours-variant nopp:pingpong=false")
+                        "(repeatable), e.g. --ours-variant nopp:pingpong=false; the cells where "
+                        "it builds the default's kernels (an A/A check) are named before the run")
     p.add_argument("--repeat", type=int, default=None,
                    help="rounds per cell, provider order balanced for carry-over "
                         "(fa_sm100.benchmarking.round_order; default: whole cycles of it, at "
@@ -130,6 +135,43 @@ def make_variant(spec, torch):
         return prepare_ours(q, k, v, causal, config=cfg)
 
     return f"ours:{name}", prepare
+
+
+def same_kernel_cells(args) -> dict:
+    """{variant name: [[hdim, causal, seqlen], ...]}: the grid's cells where an
+    ``--ours-variant`` builds the same kernels as the default (equal ``effective()`` configs:
+    it sets only switches the kernels do not read there), so that its ratio there measures
+    noise, not the switch. Needs no GPU; a variant with a bad field raises ValueError, a cell
+    whose default config cannot be built (a head dim ours lacks) is left to the run."""
+    from fa_sm100.config import parse_variant
+
+    if args.mode == "bwd":
+        from fa_sm100.hopper.bwd_config import BwdConfig as config_class
+    else:
+        from fa_sm100.hopper.config import Sm90FwdConfig as config_class
+    variants = [parse_variant(spec, config_class) for spec in args.ours_variant]
+    dtype = {"bf16": "bfloat16", "fp16": "float16"}[args.dtype]
+    found = {}
+    for d in args.hdim:
+        for causal in args.causal:
+            for s in args.seqlen:
+                cell = (args.mode, d, s, causal)
+                try:
+                    same_kernel_variants(*cell, [], None, args.total_tokens, args.hidden, dtype)
+                except ValueError:
+                    continue  # no default kernel here: the run reports the cell
+                for name in same_kernel_variants(*cell, variants, None, args.total_tokens,
+                                                 args.hidden, dtype):
+                    found.setdefault(name, []).append([d, causal, s])
+    return found
+
+
+def print_same_kernel_notes(found: dict, cells: int) -> None:
+    """One line per variant of ``same_kernel_cells``: where it is an A/A check."""
+    for name, where in found.items():
+        listed = ", ".join(f"hdim {d} {'causal' if c else 'non-causal'} {s}" for d, c, s in where)
+        print(f"benchmark: note: variant {name} builds the same kernels as the default in "
+              f"{len(where)} of {cells} cells (A/A: its ratio there measures noise): {listed}")
 
 
 def make_provider(name, torch):
@@ -335,10 +377,16 @@ def plot(rows, providers, path, device):
 
 def main(argv=None):
     args = parse_args(argv)
+    try:  # before any GPU work
+        same = same_kernel_cells(args)
+    except ValueError as e:
+        print(f"benchmark: {e}", file=sys.stderr)
+        return 2
+    print_same_kernel_notes(same, len(args.hdim) * len(args.causal) * len(args.seqlen))
     if args.mode == "bwd":
         from fa_sm100.hopper.bwd_bench import run_from_benchmark_args
 
-        return run_from_benchmark_args(args)
+        return run_from_benchmark_args(args, {"same_kernel_as_default": same})
     rows, device, unavailable = run_grid(args)
     providers = list(args.providers) + [f"ours:{v.partition(':')[0]}" for v in args.ours_variant]
     print(f"device: {device}")
@@ -353,7 +401,8 @@ def main(argv=None):
         if r["error"] and not r["error"].startswith("unavailable"):
             print(f"{r['provider']} hdim {r['hdim']} causal {r['causal']} seqlen {r['seqlen']}: {r['error']}")
     meta = {"device": device, "command": " ".join(sys.argv), "dtype": args.dtype,
-            "total_tokens": args.total_tokens, "hidden": args.hidden}
+            "total_tokens": args.total_tokens, "hidden": args.hidden,
+            "same_kernel_as_default": same}
     if args.csv:
         import csv
 

@@ -167,3 +167,33 @@ def test_variants_write_no_lse_unless_asked(monkeypatch):
     assert label == "ours:nopp"
     assert not seen[0].write_lse and not seen[0].pingpong and not seen[0].causal
     assert seen[1].write_lse and seen[1].causal
+
+
+def test_variants_that_build_the_default_kernels_are_named_before_any_gpu_work(capsys,
+                                                                                monkeypatch):
+    """``--ours-variant`` of a switch the kernels do not read in a cell (``effective()``) is
+    an A/A check of noise there; the benchmark names such cells per variant, in both modes,
+    before it touches the GPU, and only those: a switch that changes the kernel is not named.
+    A bad field stops the run there (status 2)."""
+    bench = load()
+    bwd = bench.parse_args(["--mode", "bwd", "--hdim", "128", "--seqlen", "1024", "16384",
+                            "--causal", "true", "--ours-variant", "sf:stats_first=true",
+                            "--ours-variant", "edv:early_dv=true"])
+    # 1k causal runs 64-row blocks with stats_first on already; 16k's 80-row blocks ignore it
+    assert bench.same_kernel_cells(bwd) == {"sf": [[128, True, 1024], [128, True, 16384]]}
+    fwd = bench.parse_args(["--hdim", "64", "--seqlen", "8192",
+                            "--ours-variant", "pr:peer_release=false"])
+    # non-causal hdim 64 8k multicasts, so peer_release counts there; causal has no multicast
+    assert bench.same_kernel_cells(fwd) == {"pr": [[64, True, 8192]]}
+
+    def no_gpu(*a, **k):
+        raise AssertionError("the GPU run started")
+
+    monkeypatch.setattr(bench, "run_grid", no_gpu)
+    bad = ["--hdim", "64", "--seqlen", "8192", "--ours-variant", "x:no_such_field=1"]
+    assert bench.main(bad) == 2
+    assert "no_such_field" in capsys.readouterr().err
+    bench.print_same_kernel_notes(bench.same_kernel_cells(fwd), 2)
+    assert capsys.readouterr().out.splitlines() == [
+        "benchmark: note: variant pr builds the same kernels as the default in 1 of 2 cells "
+        "(A/A: its ratio there measures noise): hdim 64 causal 8192"]

@@ -239,12 +239,12 @@ def run_grid(seqlens=DEFAULT_SEQLENS, head_dims=DEFAULT_HEAD_DIMS, causals=(Fals
     return rows
 
 
-def run_from_benchmark_args(args):
+def run_from_benchmark_args(args, meta=None):
     """``scripts/benchmark.py --mode bwd``: the forward grid's flags (``--providers`` aside:
     the backward always times ours, FA4 and cuDNN), timed for the backward; ``--csv`` and
-    ``--png`` get one row / line per provider as the forward's.
-    ``--ours-variant NAME:field=value,...`` takes BwdConfig fields here. Returns the exit
-    status (``exit_status``)."""
+    ``--png`` get one row / line per provider as the forward's; ``meta`` (a dict) goes into
+    the JSON beside the rows. ``--ours-variant NAME:field=value,...`` takes BwdConfig fields
+    here. Returns the exit status (``exit_status``)."""
     variants = [parse_variant(v) for v in args.ours_variant]
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     rows = run_grid(args.seqlen, args.hdim, args.causal, variants=variants,
@@ -254,7 +254,8 @@ def run_from_benchmark_args(args):
     device = torch.cuda.get_device_name()
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"mode": "bwd", "device": device, "rows": rows}, f, indent=1)
+            json.dump({"mode": "bwd", "device": device, **(meta or {}), "rows": rows}, f,
+                      indent=1)
     long = long_rows(rows)
     if args.csv:
         import csv
