@@ -320,8 +320,9 @@ def cell_config(mode, d, s, causal, fields, heads=None, tokens=GRID_TOKENS, hidd
                 dtype="bfloat16"):
     """The config ours runs in a benchmark cell ("fwd": ``Sm90FwdConfig``, "bwd":
     ``BwdConfig``) with the overrides ``fields`` (validated: bad fields raise ValueError).
-    ``heads``: the cell's query heads (default hidden / head dim), whose (batch, head) pairs
-    decide whether an odd number of m blocks still multicasts (Note [Odd m blocks])."""
+    Forward only: ``heads``, the cell's query heads (default hidden / head dim), and with
+    ``tokens`` the (batch, head) pairs, which decide whether an odd number of m blocks still
+    multicasts (Note [Odd m blocks]); the backward's config does not depend on them."""
     if mode == "bwd":
         from fa_sm100.hopper.bwd_config import select_bwd_config
 

@@ -56,7 +56,25 @@ def test_probed_kernels_compile_under_their_own_key():
     with probes.probe("sweep", "twice"):
         keys.add(main_compile_key(cfg))
     assert len(keys) == 6 and cfg not in keys
+    with probes.probe("dq_post", "none"):  # the main kernel does not read it: the plain key
+        assert main_compile_key(cfg) == cfg
     assert main_compile_key(cfg) == cfg
+
+
+def test_the_main_kernel_key_carries_exactly_the_probes_its_code_reads():
+    """``MAIN_KERNEL_PROBES`` (what ``main_compile_key`` tags) is the set of probes the main
+    kernel's modules read while tracing: one read there and not in the key would let a probed
+    kernel serve a plain call."""
+    import pathlib
+
+    import fa_sm100.hopper as hopper
+
+    root = pathlib.Path(hopper.__file__).parent
+    read = set()
+    for name in ("bwd_kernel.py", "bwd_load.py", "bwd_store.py", "bwd_scores.py"):
+        read |= set(re.findall(r'probes\.active\("(\w+)"\)', (root / name).read_text()))
+    assert read == set(probes.MAIN_KERNEL_PROBES)
+    assert set(probes.PROBES) - read == {"dq_post"}  # read by the launch plan only
 
 
 def test_dq_reduce_needs_bulk_dq():
@@ -88,7 +106,7 @@ def test_dq_post_probe_leaves_only_the_dq_postprocess_out_of_the_plan(hk):
     assert kinds() == plain
 
 
-def test_sweep_probe_refuses_causal_problems_before_any_compile():
+def test_sweep_probe_refuses_causal_and_deterministic_problems_before_any_compile():
     probes.check_probe_config("sweep", "twice", select_bwd_config(head_dim=128))
     causal = select_bwd_config(head_dim=128, causal=True, seqlen_q=16384, seqlen_k=16384)
     with pytest.raises(ValueError, match="non-causal sweeps only"):
@@ -96,6 +114,9 @@ def test_sweep_probe_refuses_causal_problems_before_any_compile():
     with probes.probe("sweep", "twice"):  # what sm90_bwd's launch plan asks first
         with pytest.raises(ValueError, match="non-causal sweeps only"):
             main_compile_key(causal)
+    det = select_bwd_config(head_dim=128, deterministic=True)
+    with pytest.raises(ValueError, match="cannot run deterministic"):
+        probes.check_probe_config("sweep", "twice", det)
 
 
 def _bulk_ops(report):

@@ -193,7 +193,34 @@ def test_variants_that_build_the_default_kernels_are_named_before_any_gpu_work(c
     bad = ["--hdim", "64", "--seqlen", "8192", "--ours-variant", "x:no_such_field=1"]
     assert bench.main(bad) == 2
     assert "no_such_field" in capsys.readouterr().err
+    # a switch valid in some cells only, or a field that names the problem, is left to the
+    # run there (it reports that provider's error in the cell) instead of stopping it
+    mixed = bench.parse_args(["--hdim", "64", "--seqlen", "8192", "--ours-variant",
+                              "mc:kv_multicast=true", "--ours-variant", "c:causal=true"])
+    # (multicast is the default non-causal, so there it is an A/A; causal it is invalid)
+    assert bench.same_kernel_cells(mixed) == {"mc": [[64, False, 8192]]}
     bench.print_same_kernel_notes(bench.same_kernel_cells(fwd), 2)
     assert capsys.readouterr().out.splitlines() == [
         "benchmark: note: variant pr builds the same kernels as the default in 1 of 2 cells "
         "(A/A: its ratio there measures noise): hdim 64 causal 8192"]
+
+
+def test_the_same_kernel_notes_come_before_the_run_and_go_into_the_json(capsys, monkeypatch,
+                                                                         tmp_path):
+    bench = load()
+    events = []
+
+    def fake_grid(args):
+        events.append("run" if "benchmark: note: variant pr" in capsys.readouterr().out
+                      else "run before the note")
+        return [], "fake GPU", {}
+
+    monkeypatch.setattr(bench, "run_grid", fake_grid)
+    out = tmp_path / "grid.json"
+    argv = ["--hdim", "64", "--seqlen", "8192", "--providers", "ours",
+            "--ours-variant", "pr:peer_release=false", "--json", str(out)]
+    assert bench.main(argv) == 0
+    assert events == ["run"]
+    import json
+
+    assert json.loads(out.read_text())["same_kernel_as_default"] == {"pr": [[64, True, 8192]]}

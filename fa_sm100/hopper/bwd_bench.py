@@ -254,7 +254,7 @@ def run_from_benchmark_args(args, meta=None):
     device = torch.cuda.get_device_name()
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"mode": "bwd", "device": device, **(meta or {}), "rows": rows}, f,
+            json.dump({**(meta or {}), "mode": "bwd", "device": device, "rows": rows}, f,
                       indent=1)
     long = long_rows(rows)
     if args.csv:

@@ -206,9 +206,9 @@ def main_compile_key(config: BwdConfig):
     """The main kernel's compile key: its config, with the active cost probes when there are
     any (Note [cost probes] in probes.py), so a probed kernel never serves a plain call.
     Raises ValueError for an active probe with nothing to probe in ``config``."""
-    tag = probes.compile_tag()
-    for name, value in tag:
+    for name, value in probes.compile_tag():
         probes.check_probe_config(name, value, config)
+    tag = probes.compile_tag(probes.MAIN_KERNEL_PROBES)
     return (config, tag) if tag else config
 
 

@@ -23,9 +23,12 @@ gets a probed kernel. Probes:
   additions at L2.
 - ``ds_barrier`` (the MMA loop, bwd_kernel.py): ``none``: the 256-thread ``DS_READY``
   barrier, where the two MMA warpgroups meet once per query block before the dQ GEMM reads
-  both halves of dS, is left out. They then meet only through the Q / dO stages they both
-  release, and may drift apart by up to a stage: the cost of the rendezvous, an upper bound
-  on what decoupling the warpgroups (dQ from each warpgroup's own dS) could win.
+  both halves of dS, is left out. They are then still coupled through the Q / dO stages they
+  both release and, with "bulk" dQ, through the dq-store warp, which takes the two halves of
+  a block's dQ tile in order before it frees the tile for the next block; so they may drift
+  apart by about a block. What this measures is the cost of the barrier itself: it bounds
+  what decoupling the warpgroups at that point could win, not what removing every coupling
+  (each warpgroup's own dQ, its own handoff) would.
 - ``sweep`` (all three roles' loops, bwd_kernel.py ``_sweep_end`` / ``_m_block_at``):
   ``twice``: every CTA sweeps its query blocks twice, the second sweep the first again (dK,
   dV and dQ get every block's share twice), between one K/V load and one dK/dV epilogue. With
@@ -33,11 +36,14 @@ gets a probed kernel. Probes:
   the CTAs cost beyond them: launch, K/V load, pipeline fill and drain, dK/dV epilogue, the
   last wave, and the pre/postprocess where they do not overlap. That is the most a
   persistent backward (the next tile's loads under this one's epilogue) could win.
-  Non-causal only: under a causal mask with Q/dO multicast a CTA first waits through its
-  cluster's blocks before its own, which the second sweep would not repeat.
+  Non-causal and not deterministic only: under a causal mask with Q/dO multicast a CTA
+  first waits through its cluster's blocks before its own, which the second sweep would not
+  repeat; in deterministic mode the second sweep would wait for dQ turns the first has
+  already taken, forever.
 - ``dq_post`` (``bwd_interface.launch_plan``): ``none``: the dQ postprocess (float32
   accumulator -> dq) is not launched, so dq is left as it was: what the postprocess adds to
-  the call beyond what overlaps the main kernel (Note [dQ postprocess in the tail]).
+  the call beyond what overlaps the main kernel (Note [dQ postprocess in the tail]). The
+  main kernel does not read it, so it is not in the main kernel's compile key.
 """
 
 import contextlib
@@ -58,6 +64,7 @@ PROBES = {
         "twice": "every CTA sweeps its query blocks twice between one K/V load and one epilogue",
     },
 }
+MAIN_KERNEL_PROBES = ("dq_reduce", "ds_barrier", "sweep")  # read while the main kernel traces
 
 _active: dict = {}  # name -> value while a ``probe`` block is open
 
@@ -81,12 +88,15 @@ def parse_probe(spec: str):
 
 def check_probe_config(name: str, value: str, config) -> None:
     """Raise ValueError when probe ``name=value`` has nothing to probe in the backward built
-    from ``config`` (a ``BwdConfig``): ``dq_reduce`` needs "bulk" dQ, ``sweep`` a problem
-    without a causal mask."""
+    from ``config`` (a ``BwdConfig``), or cannot run it: ``dq_reduce`` needs "bulk" dQ,
+    ``sweep`` a problem without a causal mask, not deterministic."""
     check_probe(name, value)
     if name == "sweep" and config.causal:
         raise ValueError(f"probe sweep={value} repeats non-causal sweeps only: under a causal "
                          f"mask a CTA's first blocks are its cluster's (Note [cost probes])")
+    if name == "sweep" and config.deterministic:
+        raise ValueError(f"probe sweep={value} cannot run deterministic: the second sweep "
+                         f"would wait for dQ turns the first has taken (Note [cost probes])")
     if name == "dq_reduce" and config.dq_accum != "bulk":
         raise ValueError(f"probe dq_reduce={value} probes the bulk dQ reduce, but this "
                          f"config adds dQ with dq_accum={config.dq_accum!r} (the default at "
@@ -112,6 +122,7 @@ def active(name: str):
     return _active.get(name)
 
 
-def compile_tag() -> tuple:
-    """The active probes as a hashable tag for compile keys; () when none is active."""
-    return tuple(sorted(_active.items()))
+def compile_tag(names=None) -> tuple:
+    """The active probes (of ``names``, default all) as a hashable tag for compile keys; ()
+    when none is active."""
+    return tuple(sorted((n, v) for n, v in _active.items() if names is None or n in names))
