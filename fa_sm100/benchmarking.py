@@ -337,14 +337,24 @@ def cell_config(mode, d, s, causal, fields, heads=None, tokens=GRID_TOKENS, hidd
 
 
 def same_kernel_variants(mode, d, s, causal, variants, heads=None, tokens=GRID_TOKENS,
-                         hidden=GRID_HIDDEN, dtype="bfloat16"):
+                         hidden=GRID_HIDDEN, dtype="bfloat16", skip_invalid=False):
     """{name: the fields it sets} of the ``variants`` ((name, fields) pairs) whose config
     builds the same kernels as the default's in this cell (equal ``effective()`` configs):
-    their ratio over the default measures noise, an A/A check, not the switch."""
+    their ratio over the default measures noise, an A/A check, not the switch. A variant
+    whose config cannot be built here raises ValueError (TypeError for a field that names
+    the problem), or with ``skip_invalid`` is left out; the default's always raises."""
     cell = lambda fields: cell_config(mode, d, s, causal, fields, heads, tokens, hidden,
                                       dtype).effective()
     base = cell({})
-    return {name: sorted(fields) for name, fields in variants if cell(fields) == base}
+    same = {}
+    for name, fields in variants:
+        try:
+            if cell(fields) == base:
+                same[name] = sorted(fields)
+        except (ValueError, TypeError):
+            if not skip_invalid:
+                raise
+    return same
 
 
 def plot_grid(rows, providers, path: str, title: str):

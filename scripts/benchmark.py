@@ -44,8 +44,8 @@ except ImportError:  # loaded as a module (tests): this folder is not on sys.pat
     pass
 
 from fa_sm100.benchmarking import (MIN_ROUNDS, ClockSampler, clock_summary,  # noqa: E402
-                                   median, paired_ratio, plot_grid, summarize_conditions,
-                                   time_ms, whole_cycles)
+                                   median, paired_ratio, plot_grid, same_kernel_variants,
+                                   summarize_conditions, time_ms, whole_cycles)
 
 PROVIDERS = ("ours", "fa4", "cudnn", "flash")
 
@@ -144,7 +144,6 @@ def same_kernel_cells(args) -> dict:
     noise, not the switch. Needs no GPU. An unknown field raises ValueError; a cell where the
     default's or a variant's config cannot be built (a head dim ours lacks, a switch invalid
     there) is left to the run, which reports it for that provider."""
-    from fa_sm100.benchmarking import cell_config
     from fa_sm100.config import parse_variant
 
     if args.mode == "bwd":
@@ -157,20 +156,14 @@ def same_kernel_cells(args) -> dict:
     for d in args.hdim:
         for causal in args.causal:
             for s in args.seqlen:
-                def effective(fields):
-                    return cell_config(args.mode, d, s, causal, fields, None, args.total_tokens,
-                                       args.hidden, dtype).effective()
                 try:
-                    base = effective({})
+                    same = same_kernel_variants(args.mode, d, s, causal, variants, None,
+                                                args.total_tokens, args.hidden, dtype,
+                                                skip_invalid=True)
                 except ValueError:
                     continue  # no default kernel here: the run reports the cell
-                for name, fields in variants:
-                    try:
-                        same = effective(fields) == base
-                    except (ValueError, TypeError):
-                        continue  # not valid here: the run reports it for this provider
-                    if same:
-                        found.setdefault(name, []).append([d, causal, s])
+                for name in same:
+                    found.setdefault(name, []).append([d, causal, s])
     return found
 
 

@@ -1,8 +1,9 @@
 """Cost probes of the SM90 backward (``fa_sm100.hopper.probes``, Note [cost probes]): the
 probe context, the compile key that keeps probed kernels apart from plain ones, and, on the
 sm_90a SASS cross-compiled on the CPU, that each probe changes what it says (``dq_reduce``: the
-dq-store warp's bulk operations; ``ds_barrier``: the MMA loop's ``DS_READY`` barrier) and
-nothing once it is closed."""
+dq-store warp's bulk operations; ``ds_barrier``: the MMA loop's ``DS_READY`` barrier;
+``sweep``: where the loops end, not their body; ``dq_post``: the launch plan) and nothing once
+it is closed."""
 
 import glob
 import re

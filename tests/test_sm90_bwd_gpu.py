@@ -566,15 +566,16 @@ def test_sm90_bwd_cost_probes_change_only_dq_and_leave_plain_calls_alone(sm90_de
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_sm90_bwd_ds_barrier_probe_runs_and_leaves_plain_calls_alone(sm90_device, head_dim):
     """Note [cost probes]: without the ``DS_READY`` barrier (``ds_barrier=none``) the two MMA
-    warpgroups still finish (they meet only through the Q/dO stages, so the probed kernel
-    must not hang), and a plain call afterwards gets the plain kernel (float64 rule)."""
+    warpgroups still finish (they stay coupled through the Q/dO stages and the dQ handoff,
+    and the probed kernel must not hang: a deadline fails it), and a plain call afterwards
+    gets the plain kernel (float64 rule)."""
+    import time
+
     from fa_sm100.hopper import probes
     from fa_sm100.hopper.bwd_interface import sm90_bwd
 
     case = (2, 1000, 1000, 2, 2, head_dim, False)
     (q, k, v, out, lse, dout), _ = _run_case(*case)
-    import time
-
     with probes.probe("ds_barrier", "none"):
         grads = sm90_bwd(dout, q, k, v, out, lse, causal=False)
     done = torch.cuda.Event()
