@@ -1109,6 +1109,7 @@ PLAN_CASES = [  # (b, sq, sk, hq, hk, d, config overrides); v's head dim: the fo
     (2, 130, 70, 4, 4, 256, {}), (1, 70, 190, 4, 2, 192, {}),
     (1, 65, 63, 4, 1, 192, dict(gqa_reduce="atomic", deterministic=False)),
     (2, 100, 100, 6, 2, 256, dict(deterministic=True)),
+    (2, 300, 256, 4, 4, 128, dict(persistent_ctas=132, pre_ctas=0)),
 ]
 
 
@@ -1592,7 +1593,10 @@ SMEM_CASES = [dict(head_dim=128), dict(head_dim=128, tile_m=64, sdp_swap_ab=Fals
               dict(head_dim=128, tile_m=64, dq_accum="red", q_stage=3, do_stage=3),
               dict(head_dim=64), dict(head_dim=64, stats_smem=False), dict(head_dim=96),
               dict(head_dim=192), dict(head_dim=256),
-              dict(head_dim=256, dq_accum="bulk", q_stage=1, do_stage=1)]
+              dict(head_dim=256, dq_accum="bulk", q_stage=1, do_stage=1),
+              # Note [persistent CTAs]: one more mbarrier (K/V empty)
+              dict(head_dim=128, persistent_ctas=132, pre_ctas=0),
+              dict(head_dim=64, persistent_ctas=8)]
 
 
 @pytest.mark.compile

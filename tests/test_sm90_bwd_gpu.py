@@ -624,3 +624,56 @@ def test_sm90_bwd_dq_post_probe_leaves_dq_alone_and_dk_dv_right(sm90_device, mon
     assert torch.isnan(dq).all()
     assert torch.equal(dk, plain[1]) and torch.equal(dv, plain[2])
     _run_case(*case)
+
+
+PERSISTENT_CASES = [
+    # (b, sq, sk, hq, hk, d, switches): persistent_ctas far below the tile count, so that every
+    # CTA walks many tiles (Note [persistent CTAs])
+    (2, 1000, 1000, 4, 4, 128, dict(persistent_ctas=4)),  # the defaults: multicast, stagger
+    (3, 333, 250, 2, 2, 128, dict(persistent_ctas=2)),  # ragged, one cluster for 12 tiles
+    (2, 700, 1024, 3, 3, 128, dict(persistent_ctas=6, qdo_multicast=False)),
+    (2, 1000, 1000, 4, 4, 128, dict(persistent_ctas=8, stagger_m=False, dq_first_store=False,
+                                    early_dq_post=False)),
+    (2, 1000, 1000, 4, 4, 64, dict(persistent_ctas=4)),
+    (1, 257, 255, 3, 3, 64, dict(persistent_ctas=2, qdo_multicast=False)),
+    (2, 2048, 2048, 16, 16, 128, dict(persistent_ctas=132)),  # one CTA per SM, 8 tiles each
+]
+
+
+@pytest.mark.parametrize("case", PERSISTENT_CASES, ids=lambda c: (
+    f"d{c[5]}-b{c[0]}-q{c[1]}-k{c[2]}-h{c[3]}" + "".join(f"-{k}={v}" for k, v in c[6].items())))
+def test_sm90_bwd_persistent_ctas_match_float64(sm90_device, monkeypatch, case):
+    """Persistent CTAs (Note [persistent CTAs]) keep the gradients right, with a NaN dQ
+    accumulator and NaN statistics to start from (nothing may read a block before it is
+    written) and, where the defaults take them, multicast pairs, staggered sweeps, first dQ
+    stores and the early dQ postprocess."""
+    from fa_sm100.hopper.bwd_config import select_bwd_config
+
+    b, sq, sk, hq, hk, d, switches = case
+    cfg = select_bwd_config(head_dim=d, seqlen_q=sq, seqlen_k=sk, pre_ctas=0, **switches)
+    assert cfg.persistent_ctas == switches["persistent_ctas"]
+    _poison_workspace(monkeypatch, sems=7, stats=True)
+    _run_case(b, sq, sk, hq, hk, d, config=cfg, seed=sq)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_sm90_bwd_persistent_dk_dv_are_bitwise_one_cta_per_tile(sm90_device, d):
+    """A tile's dK and dV come from the same GEMMs in the same order whichever CTA runs it, so
+    persistent CTAs give them bit for bit; dQ (added by many tiles in a run-dependent order)
+    passes the float64 rule in the test above."""
+    from fa_sm100.hopper.bwd_config import select_bwd_config
+    from fa_sm100.hopper.bwd_interface import sm90_bwd
+
+    b, s, h = 2, 1536, 6
+    g = torch.Generator(device="cuda").manual_seed(d)
+    q, k, v, dout = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
+                     for _ in range(4))
+    out64, lse64, _ = attention_reference_grads(q, k, v, dout, False, (None, None),
+                                                torch.float64)
+    grads = []
+    for ctas in (0, 10):
+        cfg = select_bwd_config(head_dim=d, seqlen_q=s, seqlen_k=s, pre_ctas=0,
+                                persistent_ctas=ctas)
+        grads.append(sm90_bwd(dout, q, k, v, out64.to(q.dtype), lse64.float(), config=cfg))
+    for name, x, y in zip(("dk", "dv"), grads[0][1:], grads[1][1:]):
+        assert torch.equal(x, y), name

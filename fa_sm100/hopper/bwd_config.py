@@ -76,6 +76,12 @@ EARLY_DQ_POST_HEAD_DIMS = (128,)
 # to +2.0% (1k-4k, mean +0.7%): off there.
 PRE_CTAS_HEAD_DIMS = (128,)
 DEFAULT_PRE_CTAS = 32
+# Note [persistent CTAs] (bwd_kernel.py): one CTA per SM of an H100 SXM / H200 (the interface
+# lowers it on a smaller device), taken by default up to this sequence length at these head
+# dims, where paired timing on an H200 measured it faster (select_bwd_config's docstring)
+DEFAULT_PERSISTENT_CTAS = 132
+PERSISTENT_MAX_SEQLEN = 2048
+PERSISTENT_HEAD_DIMS = (64, 128)
 SMEM_BUFFER_ALIGN = 1024  # every SMEM buffer of the kernel starts on a swizzle-atom boundary
 SM90_SMEM_BYTES = SMEM_BUDGET[SM90_ARCH]  # 227 KiB of dynamic shared memory per CTA on H100/H200
 
@@ -193,6 +199,13 @@ class BwdConfig:
     # only for their (batch, head)'s rows; 0: off. select_bwd_config: DEFAULT_PRE_CTAS at
     # PRE_CTAS_HEAD_DIMS with "bulk" dQ and stats_smem.
     pre_ctas: int = 0
+    # Launch at most this many CTAs and let each walk the tiles (key block, head, batch)
+    # c, c + grid, c + 2 grid, ... instead of one CTA per tile (Note [persistent CTAs] in
+    # bwd_kernel.py): the next tile's K, V and first Q / dO load while this tile's dK / dV
+    # epilogue runs, and no CTA starts or ends between tiles. 0: off. The interface lowers it
+    # to the device's SM count. Non-causal MHA without a window, "bulk" dQ, dK / dV by TMA,
+    # not deterministic, no pre_ctas, no longest_first (``validate``).
+    persistent_ctas: int = 0
     # registers after setmaxnreg: producer warpgroup and each of the two MMA warpgroups
     regs_producer: int = 24
     regs_mma: int = 240
@@ -350,7 +363,8 @@ class BwdConfig:
             self.tile_m * self.tile_n * b * self.ds_stage,  # dS
             self.dq_block_elems * 4 if self.dq_accum == "bulk" else 16,  # dQ
         ]
-        offset = 8 * (1 + 2 * self.q_stage + 2 * self.do_stage)  # mbarriers
+        # mbarriers: K/V full (and K/V empty with persistent CTAs), Q and dO full / empty
+        offset = 8 * (1 + int(self.persistent_ctas > 0) + 2 * self.q_stage + 2 * self.do_stage)
         for size in buffers:
             if size:
                 offset = align_up(offset, SMEM_BUFFER_ALIGN) + size
@@ -358,6 +372,40 @@ class BwdConfig:
             for stages in (self.q_stage, self.do_stage):  # LSE2, Delta
                 offset = align_up(offset, 128) + self.tile_m * 4 * stages
         return align_up(offset, SMEM_BUFFER_ALIGN)
+
+    def epilogue_staging_fits(self) -> bool:
+        """Whether dK fits in the dS buffers and dV in the SMEM dQ tile, where persistent
+        CTAs stage them for their TMA stores (Note [persistent CTAs] in bwd_kernel.py)."""
+        b = self.dtype_bytes
+        return (self.dq_accum == "bulk"
+                and self.tile_n * self.head_dim * b <= self.tile_m * self.tile_n * b * self.ds_stage
+                and self.tile_n * self.head_dim_v * b <= self.dq_block_elems * 4)
+
+    def _validate_persistent(self):
+        """The rules of ``persistent_ctas`` > 0 (Note [persistent CTAs] in bwd_kernel.py)."""
+        rules = (
+            (self.causal or self.is_local,
+             "a problem without a causal mask or window: the CTAs take the tiles in a fixed "
+             "order, which balances only tiles of equal length (with a band the hardware's "
+             "dispatch of one CTA per tile, longest first, does)"),
+            (self.deterministic, "deterministic=False"),
+            (not self.stores_dkv_by_tma,
+             "MHA with dkv_tma_store=True: the epilogue stages dK / dV for TMA stores"),
+            (self.dq_accum != "bulk", "dq_accum='bulk'"),
+            (not self.epilogue_staging_fits(),
+             "dK to fit the dS buffers and dV the SMEM dQ tile, where the epilogue stages "
+             "them, so that K and V can load meanwhile"),
+            (self.pre_ctas > 0,
+             "pre_ctas=0: the preprocess's CTAs would hold SMs that some of the persistent "
+             "CTAs then wait for, and those would end last"),
+            (self.longest_first, "longest_first=False"),
+            (self.persistent_ctas % self.cluster[0] != 0,
+             f"a multiple of the cluster size {self.cluster[0]}"),
+        )
+        for bad, need in rules:
+            if bad:
+                raise ValueError(f"persistent_ctas={self.persistent_ctas} needs {need}")
+        return self
 
     def validate(self) -> "BwdConfig":
         if self.dtype not in DTYPES:
@@ -467,7 +515,7 @@ class BwdConfig:
                 "its CTA done once its bulk reduces have completed, and the postprocess starts "
                 "as a programmatic dependent of the main kernel (Note [dQ postprocess in the "
                 "tail])")
-        for name, least in (("pre_ctas", 0), ("tail_ctas", 1)):  # pre_ctas 0: off
+        for name, least in (("pre_ctas", 0), ("tail_ctas", 1), ("persistent_ctas", 0)):
             n = getattr(self, name)
             if isinstance(n, bool) or not isinstance(n, int) or n < least:
                 raise ValueError(f"{name}={n!r}: must be an int >= {least}")
@@ -477,6 +525,8 @@ class BwdConfig:
                 "warp (LSE2 / Delta) and the dq-store warp (semaphores, dQ accumulator) read "
                 "what the preprocess writes, and they wait for their (batch, head)'s rows "
                 "(Note [Preprocess beside the main kernel])")
+        if self.persistent_ctas:
+            self._validate_persistent()
         if isinstance(self.qdo_cluster, bool) or self.qdo_cluster not in QDO_CLUSTERS:
             raise ValueError(f"qdo_cluster={self.qdo_cluster!r}: must be one of {QDO_CLUSTERS}")
         for name in ("window_left", "window_right"):
@@ -551,6 +601,11 @@ def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = Fals
       columns]). hdim 256: dQ by vector reductions with 2-stage Q/dO, 260-422, against the
       SMEM dQ tile with 1-stage Q/dO, 216-313 (``_wide_head_defaults``). (192, 128) is
       unmeasured: "bulk", 2-stage.
+    - non-causal hdim 64 and 128 up to ``PERSISTENT_MAX_SEQLEN``, where its rules allow:
+      ``DEFAULT_PERSISTENT_CTAS`` persistent CTAs (Note [persistent CTAs]) with the
+      preprocess ahead of the main kernel (``pre_ctas=0``); H200, paired over the defaults
+      before, 8-12 rounds: hdim 128 +3.1% / +3.1% (1k), +0.8% / +1.5% (2k), +0.5% / -1.5%
+      (4k), -0.6% (8k), -1.0% / +1.1% (16k); hdim 64 +3.4% (1k), +1.1% (2k), 0.0% (4k).
     """
     head_dim_v = default_head_dim_v(head_dim) if head_dim_v is None else head_dim_v
     windowed = window_left is not None or window_right is not None
@@ -630,6 +685,15 @@ def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = Fals
                                      and min(seqlen_q, seqlen_k) >= shortest)
         cfg = cfg.replace(qdo_multicast=whole and band_ok
                           and not (cfg.is_local or cfg.deterministic))
+    short = (seqlen_q is not None and seqlen_k is not None
+             and max(seqlen_q, seqlen_k) <= PERSISTENT_MAX_SEQLEN)
+    if ("persistent_ctas" not in overrides and "pre_ctas" not in overrides and short
+            and head_dim in PERSISTENT_HEAD_DIMS):  # Note [persistent CTAs], where it may run
+        persistent = cfg.replace(persistent_ctas=DEFAULT_PERSISTENT_CTAS, pre_ctas=0)
+        try:
+            cfg = persistent._validate_persistent()
+        except ValueError:
+            pass
     return cfg.validate()
 
 

@@ -126,12 +126,24 @@ def sm90_bwd(dout, q, k, v, out, lse, softmax_scale: Optional[float] = None, cau
                          f"{config.num_key_blocks(k.shape[1])} blocks of {config.tile_n} keys: use "
                          f"qdo_multicast=False")
 
+    config = fit_persistent_ctas(config, torch.cuda.get_device_properties(q.device)
+                                 .multi_processor_count)
     q, k, v, out, dout = (t.contiguous() for t in (q, k, v, out, dout))
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     for kind, key, build, make_fake_args, args in launch_plan(
             config, q, k, v, out, dout, lse.contiguous(), dq, dk, dv, softmax_scale):
         _compiled(kind, key, build, make_fake_args)(*args)
     return dq, dk, dv
+
+
+def fit_persistent_ctas(config: BwdConfig, num_sms: int) -> BwdConfig:
+    """``config`` with ``persistent_ctas`` lowered to the SMs of the device, in whole clusters
+    (Note [persistent CTAs] in bwd_kernel.py: one CTA per SM, and a CTA that finds no SM
+    would start only when another has finished all its tiles)."""
+    most = num_sms // config.cluster[0] * config.cluster[0]
+    if config.persistent_ctas > most:
+        return config.replace(persistent_ctas=most).validate()
+    return config
 
 
 def launch_plan(config: BwdConfig, q, k, v, out, dout, lse, dq, dk, dv, softmax_scale):

@@ -195,6 +195,36 @@ KiB per pair at 1k, 8 MiB at 16k, hdim 128: L2 holds them). Not for masked or de
 problems (``validate``). Default with first stores at hdim 128 (``STAGGER_HEAD_DIMS``), where
 it measured +1-2%; at hdim 64 and 256 it moved both ways.
 
+Note [persistent CTAs] (``persistent_ctas``): one CTA per tile pays, per tile, for a CTA's end
+and start and for a pipeline that drains and fills: the epilogue's TMA stores must read SMEM
+before the CTA exits, the next CTA initializes its barriers, loads K and V, and only then
+issues its first Q / dO. With ``persistent_ctas = P`` the grid is min(tiles, P) CTAs in one
+row and CTA c walks the tiles c, c + grid, c + 2 grid, ... (numbered as the one-CTA grid:
+key block fastest; ``TileWalk``, ``_tile_at``). Each role loops over the walk, carrying its
+pipeline states from tile to tile, and between tiles:
+- the load warp issues the next tile's first Q / dO into the stage the previous tile's
+  second-to-last block has freed, then waits on K/V empty (``mbar_kv + 1``) and loads K, V;
+- the MMA warpgroups' epilogue stages dK in the dS buffers and dV in the SMEM dQ tile
+  instead of K's and V's buffers (``_epilogue_staging``; ``validate`` checks they fit), so
+  that K/V empty is signalled as soon as the tile's GEMMs have retired, and the next K, V
+  load while dK and dV are converted, staged and stored. The dQ tile is borrowed from the
+  dq-store warp by one more round of its hand-off (``DQ_EMPTY`` after the tile's last reduce
+  has read it, ``DQ_FULL`` once the stores have read it); the dS buffers are free because
+  both warpgroups have passed the epilogue barrier, and the next tile writes them only after
+  a third one that follows the stores' read;
+- K/V full (``mbar_kv``) completes once per tile: tile k waits for phase k % 2.
+Under ``qdo_multicast`` the grid and ``persistent_ctas`` are whole clusters and the tile count
+is even, so the two CTAs of a cluster always hold neighbouring key blocks of one pair and walk
+the same number of tiles in step: the Q/dO stages' multicast protocol continues across tiles
+(as the forward's Note [Persistent multicast]). The order is static, so it balances only tiles
+of equal length: no mask or window (a band's tiles differ, and one CTA per tile with
+``longest_first`` balances them). The preprocess runs ahead (``pre_ctas=0``): its CTAs beside
+the main kernel would hold SMs that some persistent CTAs then wait for, and those end last.
+The gain is the per-tile cost, so it shrinks as tiles grow: ``select_bwd_config`` takes it up
+to ``PERSISTENT_MAX_SEQLEN`` (hdim 64 and 128, +3% at 1k, +1% at 2k; paired timing on an
+H200). GPU tests: the float64 rule with NaN-poisoned workspaces and CTAs walking many tiles,
+and dK, dV bit for bit those of one CTA per tile.
+
 dQ is accumulated in float32 in global memory by one of two switchable paths (``dq_accum``);
 the load warp is in ``bwd_load.py`` (``BwdLoadRole``); the stores of dQ, dK and dV are in
 ``bwd_store.py`` (``BwdStoreRole``, with Note [dQ SMEM handoff]); the per-element math
@@ -233,6 +263,32 @@ PS_ATOM_COLS = 64  # key columns of one P / dS swizzle atom row (128 bytes)
 def _pick(cond, a, b) -> Int32:
     """a if cond else b, for DSL integers (a select, no branch)."""
     return Int32(cutlass.select_(cond, Int32(a), Int32(b)))
+
+
+class BwdTile:
+    """One tile of the main kernel: key block ``n_block`` of (``batch``, ``head``), the query
+    blocks [``m_block_min``, ``m_block_max``) it visits from step ``m_offset`` on (Note
+    [staggered query blocks]), and ``m_block_first``, the first one its load warp loads (Note
+    [Q/dO multicast]). A plain holder of DSL integers (the DSL would carry a dataclass
+    through run-time loops as run-time values)."""
+
+    def __init__(self, n_block, head, batch, m_block_first, m_block_min, m_block_max, m_offset):
+        self.n_block, self.head, self.batch = n_block, head, batch
+        self.m_block_first, self.m_block_min, self.m_block_max = (m_block_first, m_block_min,
+                                                                  m_block_max)
+        self.m_offset = m_offset
+
+
+class TileWalk:
+    """A persistent CTA's tiles (Note [persistent CTAs]): ``first``, ``first + stride``, ...
+    below ``num_n_blocks * num_pairs``, numbered as the one-CTA-per-tile grid is (key block
+    fastest, then head, then batch). A plain holder, like ``BwdTile``."""
+
+    def __init__(self, first, stride, num_pairs, num_heads, seqlen_q, seqlen_k, num_n_blocks):
+        self.first, self.stride = first, stride
+        self.count = num_n_blocks * num_pairs
+        self.num_heads, self.num_n_blocks = num_heads, num_n_blocks
+        self.seqlen_q, self.seqlen_k = seqlen_q, seqlen_k
 
 
 class Sm90FlashBackward(BwdLoadRole, BwdStoreRole, BwdScoresRole):
@@ -310,7 +366,8 @@ class Sm90FlashBackward(BwdLoadRole, BwdStoreRole, BwdScoresRole):
 
         @cute.struct
         class SharedStorage:
-            mbar_kv: cute.struct.MemRange[cutlass.Int64, 1]
+            # K/V full; with persistent CTAs also K/V empty (Note [persistent CTAs])
+            mbar_kv: cute.struct.MemRange[cutlass.Int64, 1 + int(c.persistent_ctas > 0)]
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * c.q_stage]
             mbar_do: cute.struct.MemRange[cutlass.Int64, 2 * c.do_stage]
             sQ: buf(self.sQ_layout)
@@ -397,13 +454,22 @@ class Sm90FlashBackward(BwdLoadRole, BwdStoreRole, BwdScoresRole):
             self.sQ_layout, self.sdO_layout, self.sK_layout, self.sV_layout,
             self.sP_layout, self.sdS_layout, SharedStorage,
         ).launch(
-            grid=[num_n_blocks, mQ.shape[2], mQ.shape[0]],
+            grid=self._grid(num_n_blocks, mQ.shape[2], mQ.shape[0]),
             block=[self.num_threads, 1, 1],
             stream=stream,
             min_blocks_per_mp=1,  # register count at entry known: ptxas keeps setmaxnreg
             use_pdl=self.cfg.pdl,  # Note [chained launches] in bwd_interface.py
             **({"cluster": list(self.cfg.cluster)} if self.cfg.qdo_multicast else {}),
         )
+
+    def _grid(self, num_n_blocks, num_heads, num_batch):
+        """One CTA per tile (key block, head, batch); with ``persistent_ctas`` at most that
+        many CTAs in one row, each walking the tiles (Note [persistent CTAs]; the tile count is
+        a whole number of clusters, and so is ``persistent_ctas``)."""
+        if const_expr(self.cfg.persistent_ctas):
+            tiles = num_n_blocks * num_heads * num_batch
+            return [cutlass.min(tiles, self.cfg.persistent_ctas), 1, 1]
+        return [num_n_blocks, num_heads, num_batch]
 
     # ---- kernel: shared storage, registers, role dispatch ------------------------------------
 
@@ -435,6 +501,8 @@ class Sm90FlashBackward(BwdLoadRole, BwdStoreRole, BwdScoresRole):
         if warp_idx == LOAD_WARP:
             with cute.arch.elect_one():
                 cute.arch.mbarrier_init(mbar_kv, 1)
+                if const_expr(self.cfg.persistent_ctas):  # K/V empty: one MMA thread arrives
+                    cute.arch.mbarrier_init(mbar_kv + 1, 1)
         producer = pipeline.CooperativeGroup(pipeline.Agent.Thread)
         # consumer_release arrives once per warp (lane 0): 8 MMA warps, in each CTA of the
         # cluster under qdo_multicast (Note [Q/dO multicast]).
@@ -468,6 +536,35 @@ class Sm90FlashBackward(BwdLoadRole, BwdStoreRole, BwdScoresRole):
             sLSE2 = storage.sLSE2.get_tensor(cute.make_layout((self.tile_m, self.cfg.q_stage)))
             sDelta = storage.sDelta.get_tensor(cute.make_layout((self.tile_m, self.cfg.do_stage)))
 
+        if const_expr(self.cfg.persistent_ctas):  # Note [persistent CTAs]
+            work = TileWalk(cute.arch.block_idx()[0], cute.arch.grid_dim()[0],
+                            mQ.shape[3] * mQ.shape[2], mQ.shape[2], seqlen_q, seqlen_k,
+                            self.cfg.num_key_blocks(seqlen_k))
+        else:
+            work = self._cta_tile(qdo_ctas, tail_pairs, seqlen_q, seqlen_k)
+        if warp_idx < PRODUCER_WARPS:
+            cute.arch.setmaxregister_decrease(self.cfg.regs_producer)
+            if warp_idx == LOAD_WARP:
+                self.load(mQ, mK, mV, mdO, tma_Q, tma_K, tma_V, tma_dO, sQ, sK, sV, sdO,
+                          mLSE2, mDelta, sLSE2, sDelta, mdQsem, mbar_kv, pipe_q, pipe_do,
+                          work, group)
+            if const_expr(self.cfg.dq_accum == "bulk"):
+                if warp_idx == DQ_STORE_WARP:
+                    self.dq_store(mdQacc, mdQsem, sdQ, mLSE2, work, seqlen_q, seqlen_k)
+        else:
+            cute.arch.setmaxregister_increase(self.cfg.regs_mma)
+            # Note [chained launches]: the preprocess is done. With pre_ctas the warpgroups
+            # read nothing it writes (LSE2 / Delta come with the load warp's stages)
+            if const_expr(self.cfg.pdl and not self.cfg.pre_ctas):
+                cute.arch.griddepcontrol_wait()
+            self.mma(mma_sdp, mma_dk, mma_dv, mma_dq, sQ, sK, sV, sdO, sP, sdS, sdQ, sLSE2, sDelta,
+                     mLSE2, mDelta, mdQacc, (mdK, mdV, tma_dK, tma_mdK, tma_dV, tma_mdV),
+                     mdQsem, mbar_kv, pipe_q, pipe_do, tidx - WARPGROUP_THREADS, work, group,
+                     seqlen_q, seqlen_k, softmax_scale, scale_log2,
+                     self._epilogue_staging(storage, sK, sV, sK_layout, sV_layout))
+
+    def _cta_tile(self, qdo_ctas, tail_pairs, seqlen_q: Int32, seqlen_k: Int32):
+        """This CTA's one tile, from its block index (Note [longest first] renumbers it)."""
         n_block, head, batch = cute.arch.block_idx()
         if const_expr(self.cfg.longest_first):  # Note [longest first], by whole clusters
             num_n_blocks, num_heads, num_batch = cute.arch.grid_dim()
@@ -487,33 +584,28 @@ class Sm90FlashBackward(BwdLoadRole, BwdStoreRole, BwdScoresRole):
         # Note [staggered query blocks]: where this CTA's sweep starts (0 without)
         m_offset = stagger_offset(self.cfg, n_block, cute.arch.grid_dim()[0], m_block_min,
                                   m_block_max)
-        if warp_idx < PRODUCER_WARPS:
-            cute.arch.setmaxregister_decrease(self.cfg.regs_producer)
-            if warp_idx == LOAD_WARP:
-                self.load(mQ, mK, mV, mdO, tma_Q, tma_K, tma_V, tma_dO, sQ, sK, sV, sdO,
-                          mLSE2, mDelta, sLSE2, sDelta, mdQsem,
-                          mbar_kv, pipe_q, pipe_do, n_block, head, batch, group,
-                          m_block_first, m_block_max, m_offset)
-            if const_expr(self.cfg.dq_accum == "bulk"):
-                if warp_idx == DQ_STORE_WARP:
-                    # Note [chained launches]: the preprocess has zeroed the semaphores (and
-                    # dQacc, without first stores); Note [Preprocess beside the main kernel]:
-                    # with pre_ctas, those of this (batch, head) are zero already, dQacc not
-                    self.wait_for_preprocess(mdQsem, mLSE2, batch, head)
-                    self.dq_store(mdQacc, mdQsem, sdQ, n_block, head, batch, seqlen_q, seqlen_k,
-                                  m_block_min, m_block_max, m_offset)
-        else:
-            cute.arch.setmaxregister_increase(self.cfg.regs_mma)
-            # Note [chained launches]: the preprocess is done. With pre_ctas the warpgroups
-            # read nothing it writes (LSE2 / Delta come with the load warp's stages)
-            if const_expr(self.cfg.pdl and not self.cfg.pre_ctas):
-                cute.arch.griddepcontrol_wait()
-            self.mma(mma_sdp, mma_dk, mma_dv, mma_dq, sQ, sK, sV, sdO, sP, sdS, sdQ, sLSE2, sDelta,
-                     mLSE2, mDelta, mdQacc, (mdK, mdV, tma_dK, tma_mdK, tma_dV, tma_mdV),
-                     mdQsem, mbar_kv, pipe_q, pipe_do,
-                     tidx - WARPGROUP_THREADS, n_block, head, batch, group, seqlen_q, seqlen_k,
-                     softmax_scale, scale_log2, m_block_first, m_block_min, m_block_max,
-                     m_offset)
+        return BwdTile(n_block, head, batch, m_block_first, m_block_min, m_block_max, m_offset)
+
+    def _tile_at(self, t: Int32, work):
+        """Tile ``t`` of a persistent CTA's walk (Note [persistent CTAs]): key block
+        ``t % num_n_blocks`` of (batch, head) pair ``t // num_n_blocks``, the grid's order."""
+        n_block = t % work.num_n_blocks
+        pair = t // work.num_n_blocks
+        batch = pair // work.num_heads
+        head = pair - batch * work.num_heads
+        m_block_min, m_block_max = self._m_block_range(n_block, work.seqlen_q, work.seqlen_k)
+        m_offset = stagger_offset(self.cfg, n_block, work.num_n_blocks, m_block_min, m_block_max)
+        return BwdTile(n_block, head, batch, m_block_min, m_block_min, m_block_max, m_offset)
+
+    def _epilogue_staging(self, storage, sK, sV, sK_layout, sV_layout):
+        """Where the dK / dV epilogue stages its tiles for the TMA stores (Note [dK/dV by
+        TMA]): K's and V's buffers; with persistent CTAs the dS buffers and the SMEM dQ tile,
+        so that the next tile's K and V can load meanwhile (Note [persistent CTAs])."""
+        if const_expr(not self.cfg.persistent_ctas):
+            return sK, sV
+        return (storage.sdS.get_tensor(sK_layout.outer, swizzle=sK_layout.inner),
+                storage.sdQ.get_tensor(sV_layout.outer, swizzle=sV_layout.inner,
+                                       dtype=self.dtype))
 
     # ---- block ranges and masks ----------------------------------------------------------
 
@@ -547,9 +639,30 @@ class Sm90FlashBackward(BwdLoadRole, BwdStoreRole, BwdScoresRole):
     @cute.jit
     def mma(self, mma_sdp, mma_dk, mma_dv, mma_dq, sQ, sK, sV, sdO, sP, sdS, sdQ, sLSE2, sDelta,
             mLSE2, mDelta, mdQacc, dkv_out, mdQsem, mbar_kv, pipe_q, pipe_do,
-            tidx, n_block, head, batch, group, seqlen_q, seqlen_k,
-            softmax_scale, scale_log2, m_block_first, m_block_min, m_block_max, m_offset):
-        """Warpgroups 1-2 (``tidx`` 0..255 here). Per query block m: wait ``q``, ``do``;
+            tidx, work, group, seqlen_q, seqlen_k, softmax_scale, scale_log2, staging):
+        """Warpgroups 1-2: ``_mma_tile`` for this CTA's tile, or with persistent CTAs for each
+        tile of its walk (Note [persistent CTAs]), the ``q`` / ``do`` states carried from one
+        to the next."""
+        state_q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.cfg.q_stage)
+        state_do = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.cfg.do_stage)
+        args = (mma_sdp, mma_dk, mma_dv, mma_dq, sQ, sK, sV, sdO, sP, sdS, sdQ, sLSE2, sDelta,
+                mLSE2, mDelta, mdQacc, dkv_out, mdQsem, mbar_kv, pipe_q, pipe_do, tidx, group,
+                seqlen_q, seqlen_k, softmax_scale, scale_log2, staging)
+        if const_expr(self.cfg.persistent_ctas):
+            k = Int32(0)
+            for t in cutlass.range(work.first, work.count, work.stride, unroll=1):
+                state_q, state_do = self._mma_tile(*args, self._tile_at(t, work), k, state_q,
+                                                   state_do)
+                k += 1
+        else:
+            self._mma_tile(*args, work, 0, state_q, state_do)
+
+    @cute.jit
+    def _mma_tile(self, mma_sdp, mma_dk, mma_dv, mma_dq, sQ, sK, sV, sdO, sP, sdS, sdQ, sLSE2,
+                  sDelta, mLSE2, mDelta, mdQacc, dkv_out, mdQsem, mbar_kv, pipe_q, pipe_do, tidx,
+                  group, seqlen_q, seqlen_k, softmax_scale, scale_log2, staging, tile, k,
+                  state_q, state_do):
+        """One tile (``BwdTile``) of warpgroups 1-2 (``tidx`` 0..255 here). Per query block m: wait ``q``, ``do``;
         S, dP (WGMMA); P = exp2(S * scale_log2 - LSE2) with the band mask; dS = P (dP - Delta);
         P, dS -> SMEM; ``DS_READY``; dV += P^T dO, dK += dS^T Q, dQ = dS K; release ``q``, ``do``;
         dQ -> global float32 (atomic, or in n_block order when deterministic). After the last
@@ -557,7 +670,14 @@ class Sm90FlashBackward(BwdLoadRole, BwdStoreRole, BwdScoresRole):
 
         With ``sdp_swap_ab`` (Note [swapped S/dP]) the S and dP accumulators hold S^T and dP^T,
         P^T and dS^T stay in registers as the A operands of dV and dK, and only dS^T goes to
-        SMEM (transposed, into the dS image that dQ reads)."""
+        SMEM (transposed, into the dS image that dQ reads).
+
+        ``k``: which of the CTA's tiles this is (0 without persistent CTAs), for the phase of
+        K/V's barrier; ``staging``: where the epilogue stages dK and dV. Returns the advanced
+        ``q`` / ``do`` states."""
+        n_block, head, batch, m_offset = tile.n_block, tile.head, tile.batch, tile.m_offset
+        m_block_first, m_block_min, m_block_max = (tile.m_block_first, tile.m_block_min,
+                                                   tile.m_block_max)
         swap = self.cfg.sdp_swap_ab
         wide = self.cfg.wide_query_block  # tile_m 80 / 128 (swapped only): Note [tile_m 128]
         late_p = wide and not self.cfg.early_dv  # P^T converted after dS
@@ -606,9 +726,7 @@ class Sm90FlashBackward(BwdLoadRole, BwdStoreRole, BwdScoresRole):
         tScS0 = rows_cols_view(
             mma_sdp.get_slice(0).partition_C(cute.make_identity_tensor(sdp_shape)))
 
-        cute.arch.mbarrier_wait(mbar_kv, 0)
-        state_q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.cfg.q_stage)
-        state_do = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.cfg.do_stage)
+        cute.arch.mbarrier_wait(mbar_kv, k % 2)
         mLSE2_cur = mLSE2[batch, head, None]
         mDelta_cur = mDelta[batch, head, None]
         if const_expr(self.cfg.qdo_multicast and self.cfg.causal):
@@ -735,11 +853,12 @@ class Sm90FlashBackward(BwdLoadRole, BwdStoreRole, BwdScoresRole):
             acc_dK[i] = acc_dK[i] * softmax_scale
         mdK, mdV, tma_dK, tma_mdK, tma_dV, tma_mdV = dkv_out
         if const_expr(self.cfg.stores_dkv_by_tma):
-            self._store_dkdv_tma(mma_dk, mma_dv, acc_dK, acc_dV, sK, sV, tma_dK, tma_mdK, tma_dV,
-                                 tma_mdV, tidx, n_block, head, batch)
+            self._store_dkdv_tma(mma_dk, mma_dv, acc_dK, acc_dV, staging, tma_dK, tma_mdK,
+                                 tma_dV, tma_mdV, tidx, n_block, head, batch, mbar_kv)
         else:
             self._store_dkdv(mma_dk, mma_dv, acc_dK, acc_dV, mdK, mdV, tidx, n_block, head, batch,
                              group, seqlen_k)
+        return state_q, state_do
 
     @cute.jit
     def _consumer_wait(self, pipe, state):

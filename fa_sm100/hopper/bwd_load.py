@@ -9,7 +9,7 @@ in ``bwd_kernel.py``.
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import const_expr
+from cutlass import Int32, const_expr
 from cutlass.cute.nvgpu import cpasync
 from cutlass.experimental import primitives as prims
 
@@ -25,13 +25,41 @@ class BwdLoadRole:
 
     @cute.jit
     def load(self, mQ, mK, mV, mdO, tma_Q, tma_K, tma_V, tma_dO, sQ, sK, sV, sdO,
-             mLSE2, mDelta, sLSE2, sDelta, mdQsem,
-             mbar_kv, pipe_q, pipe_do, n_block, head, batch, group, m_block_min, m_block_max,
-             m_offset):
-        """Warp 0. K, V of ``n_block`` once (``mbar_kv``); then for each query block m in
-        [m_block_min, m_block_max), in the order of Note [staggered query blocks]: acquire a
-        ``q`` stage, TMA Q[m] (and, with ``stats_smem``, bulk-copy LSE2[m]); acquire a ``do``
-        stage, TMA dO[m] (and Delta[m]). The MMA warpgroups release the stages."""
+             mLSE2, mDelta, sLSE2, sDelta, mdQsem, mbar_kv, pipe_q, pipe_do, work, group):
+        """Warp 0: ``_load_tile`` for this CTA's tile, or with persistent CTAs for each tile of
+        its walk (Note [persistent CTAs] in bwd_kernel.py), the ``q`` / ``do`` states carried
+        from one to the next; under ``qdo_multicast`` it then waits for the peers' last
+        releases."""
+        state_q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.cfg.q_stage)
+        state_do = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.cfg.do_stage)
+        args = (mQ, mK, mV, mdO, tma_Q, tma_K, tma_V, tma_dO, sQ, sK, sV, sdO, mLSE2, mDelta,
+                sLSE2, sDelta, mdQsem, mbar_kv, pipe_q, pipe_do, group)
+        if const_expr(self.cfg.persistent_ctas):
+            k = Int32(0)
+            for t in cutlass.range(work.first, work.count, work.stride, unroll=1):
+                state_q, state_do = self._load_tile(*args, self._tile_at(t, work), k, state_q,
+                                                    state_do)
+                k += 1
+        else:
+            state_q, state_do = self._load_tile(*args, work, 0, state_q, state_do)
+        if const_expr(self.cfg.qdo_multicast):  # Note [Q/dO multicast]: the peer's releases
+            pipe_q.producer_tail(state_q)
+            pipe_do.producer_tail(state_do)
+
+    @cute.jit
+    def _load_tile(self, mQ, mK, mV, mdO, tma_Q, tma_K, tma_V, tma_dO, sQ, sK, sV, sdO,
+                   mLSE2, mDelta, sLSE2, sDelta, mdQsem, mbar_kv, pipe_q, pipe_do, group,
+                   tile, k, state_q, state_do):
+        """One tile (``BwdTile``): K, V of its key block (``mbar_kv``); then for each query
+        block m from ``m_block_first`` to ``m_block_max``, in the order of Note [staggered query
+        blocks]: acquire a ``q`` stage, TMA Q[m] (and, with ``stats_smem``, bulk-copy LSE2[m]);
+        acquire a ``do`` stage, TMA dO[m] (and Delta[m]). The MMA warpgroups release the
+        stages. With persistent CTAs (``k``: which of the CTA's tiles this is) the first
+        block's Q and dO go first, into stages the previous tile has freed, and K, V wait
+        until the previous tile's last GEMMs have retired (K/V empty, ``mbar_kv + 1``).
+        Returns the advanced states."""
+        n_block, head, batch = tile.n_block, tile.head, tile.batch
+        m_block_min, m_block_max, m_offset = tile.m_block_first, tile.m_block_max, tile.m_offset
         head_kv = head // group
         gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.hdim), (n_block, 0))
         gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.hdimv), (n_block, 0))
@@ -52,16 +80,30 @@ class BwdLoadRole:
                                            cute.group_modes(gQ, 0, 2))
         tdOsdO, tdOgdO = cpasync.tma_partition(tma_dO, rank, qdo, cute.group_modes(sdO, 0, 2),
                                                cute.group_modes(gdO, 0, 2))
+        first_step = m_block_min
+        if const_expr(self.cfg.persistent_ctas):
+            # Note [persistent CTAs]: the first block's Q / dO (seqlen_q >= 1: there is one)
+            # while the previous tile ends, then K / V once that tile's GEMMs have retired
+            self.wait_for_preprocess(mdQsem, mLSE2, batch, head)
+            m_first = self._m_block_at(m_block_min, m_offset, m_block_min, m_block_max)
+            self._load_stage(pipe_q, state_q, tma_Q, tQgQ, tQsQ, mcast, mLSE2, sLSE2, batch,
+                             head, m_first)
+            self._load_stage(pipe_do, state_do, tma_dO, tdOgdO, tdOsdO, mcast, mDelta, sDelta,
+                             batch, head, m_first)
+            state_q.advance()
+            state_do.advance()
+            first_step = m_block_min + 1
+            if k > 0:
+                cute.arch.mbarrier_wait(mbar_kv + 1, (k - 1) % 2)
         with cute.arch.elect_one():
             cute.arch.mbarrier_arrive_and_expect_tx(mbar_kv, self.bytes_kv)
         cute.copy(tma_K, tKgK, tKsK, tma_bar_ptr=mbar_kv)
         cute.copy(tma_V, tVgV, tVsV, tma_bar_ptr=mbar_kv)
-        # Note [chained launches]: K, V do not come from the preprocess; LSE2 / Delta (with
-        # Q / dO) do
-        self.wait_for_preprocess(mdQsem, mLSE2, batch, head)
-        state_q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.cfg.q_stage)
-        state_do = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.cfg.do_stage)
-        for step in cutlass.range(m_block_min, self._sweep_end(m_block_min, m_block_max),
+        if const_expr(not self.cfg.persistent_ctas):
+            # Note [chained launches]: K, V do not come from the preprocess; LSE2 / Delta
+            # (with Q / dO) do
+            self.wait_for_preprocess(mdQsem, mLSE2, batch, head)
+        for step in cutlass.range(first_step, self._sweep_end(m_block_min, m_block_max),
                                   unroll=1):
             m_block = self._m_block_at(step, m_offset, m_block_min, m_block_max)
             self._load_stage(pipe_q, state_q, tma_Q, tQgQ, tQsQ, mcast, mLSE2, sLSE2, batch,
@@ -70,9 +112,7 @@ class BwdLoadRole:
                              batch, head, m_block)
             state_q.advance()
             state_do.advance()
-        if const_expr(self.cfg.qdo_multicast):  # Note [Q/dO multicast]: the peer's releases
-            pipe_q.producer_tail(state_q)
-            pipe_do.producer_tail(state_do)
+        return state_q, state_do
 
     @cute.jit
     def wait_for_preprocess(self, mdQsem, mLSE2, batch, head):

@@ -205,10 +205,23 @@ class BwdStoreRole:
             _named_barrier(bar_id + 1, handoff, wait)
 
     @cute.jit
-    def dq_store(self, mdQacc, mdQsem, sdQ, n_block, head, batch, seqlen_q, seqlen_k,
-                 m_block_min, m_block_max, m_offset):
-        """Warp 1 ("bulk" dQ), Note [dQ SMEM handoff]. Per query block m and per part of the
-        tile (a warpgroup's half, or the whole tile): wait until the last bulk reduce of that
+    def dq_store(self, mdQacc, mdQsem, sdQ, mLSE2, work, seqlen_q, seqlen_k):
+        """Warp 1 ("bulk" dQ): ``_dq_store_tile`` for this CTA's tile, or with persistent CTAs
+        for each tile of its walk (Note [persistent CTAs] in bwd_kernel.py); then it waits
+        until its last bulk operation has read SMEM."""
+        if const_expr(self.cfg.persistent_ctas):
+            for t in cutlass.range(work.first, work.count, work.stride, unroll=1):
+                self._dq_store_tile(mdQacc, mdQsem, sdQ, mLSE2, self._tile_at(t, work),
+                                    seqlen_q, seqlen_k)
+        else:
+            self._dq_store_tile(mdQacc, mdQsem, sdQ, mLSE2, work, seqlen_q, seqlen_k)
+        cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def _dq_store_tile(self, mdQacc, mdQsem, sdQ, mLSE2, tile, seqlen_q, seqlen_k):
+        """One tile (``BwdTile``) of warp 1, Note [dQ SMEM handoff]. Per query block m and per
+        part of the tile (a warpgroup's half, or the whole tile): wait until the last bulk
+        reduce of that
         part has read SMEM, arrive on its ``DQ_EMPTY``; then per part wait on its ``DQ_FULL``
         and add it into dQacc[batch, head, m] with one cp.reduce.async.bulk.add.f32 (both in
         fragment order, where a warpgroup's half is contiguous: Note [dQ in fragment order]).
@@ -218,7 +231,15 @@ class BwdStoreRole:
         ``early_dq_post``, once every reduce has completed the CTA counts itself done on the
         (batch, head)'s last semaphore (Note [dQ postprocess in the tail] in bwd_prepost.py).
         The ``dq_reduce`` cost probe (Note [cost probes] in probes.py) drops or shrinks the
-        bulk operations here."""
+        bulk operations here. With persistent CTAs, after the tile's last block it lends the
+        SMEM dQ tile to the dK / dV epilogue (Note [persistent CTAs]): once its reduces have
+        read it, it arrives on ``DQ_EMPTY`` and waits on ``DQ_FULL`` once more."""
+        n_block, head, batch, m_offset = tile.n_block, tile.head, tile.batch, tile.m_offset
+        m_block_min, m_block_max = tile.m_block_min, tile.m_block_max
+        # Note [chained launches]: the preprocess has zeroed the semaphores (and dQacc, without
+        # first stores); Note [Preprocess beside the main kernel]: with pre_ctas, those of this
+        # (batch, head) are zero already, dQacc not
+        self.wait_for_preprocess(mdQsem, mLSE2, batch, head)
         parts, handoff = self._dq_handoffs()
         probe = probes.active("dq_reduce")  # None unless timing a cost probe (probes.py)
         first_store = self.cfg.first_stores_dq
@@ -271,9 +292,17 @@ class BwdStoreRole:
             elif const_expr(first_store):
                 if first:
                     self._release_dq_block(sem_ptr, lane)  # state 1 -> 2: stored
-        if const_expr(self.cfg.early_dq_post):
+        if const_expr(self.cfg.persistent_ctas):  # lend the tile once the reduces have read it
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+            for part in cutlass.range_constexpr(parts):
+                cute.arch.barrier_arrive(barrier_id=int(Sm90BwdBarrier.DQ_EMPTY_WG0) + part,
+                                         number_of_threads=handoff)
+        if const_expr(self.cfg.early_dq_post):  # waits until the reduces have written
             self._release_dq_block(finished_ctas_count(self.cfg, mdQsem, batch, head), lane)
-        cute.arch.cp_async_bulk_wait_group(0, read=True)
+        if const_expr(self.cfg.persistent_ctas):  # ... and take it back from the epilogue
+            for part in cutlass.range_constexpr(parts):
+                cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.DQ_FULL_WG0) + part,
+                                  number_of_threads=handoff)
 
     @cute.jit
     def _claim_dq_block(self, sem_ptr, lane):
@@ -329,23 +358,34 @@ class BwdStoreRole:
                               dtype="s32", sem="release", scope="gpu")
 
     @cute.jit
-    def _store_dkdv_tma(self, mma_dk, mma_dv, acc_dK, acc_dV, sK, sV, tma_dK, tma_mdK, tma_dV,
-                        tma_mdV, tidx, n_block, head, batch):
-        """MHA dK (scaled by the caller) and dV -> SMEM (K's, V's buffers) -> GMEM by TMA (Note
-        [dK/dV by TMA])."""
+    def _store_dkdv_tma(self, mma_dk, mma_dv, acc_dK, acc_dV, staging, tma_dK, tma_mdK, tma_dV,
+                        tma_mdV, tidx, n_block, head, batch, mbar_kv):
+        """MHA dK (scaled by the caller) and dV -> SMEM (``staging``: K's and V's buffers, or
+        with persistent CTAs the dS buffers and the dQ tile) -> GMEM by TMA (Note [dK/dV by
+        TMA]). With persistent CTAs (Note [persistent CTAs] in bwd_kernel.py) the warpgroups
+        first take the dQ tile back from the dq-store warp (``DQ_EMPTY``), tell the load warp
+        that K and V are free (``mbar_kv + 1``) and, once the stores have read SMEM, hand the
+        dQ tile back (``DQ_FULL``), which the dS buffers need no hand-off for."""
+        persistent = self.cfg.persistent_ctas > 0
+        sK_out, sV_out = staging
         rdK, rdV = self._in_dtype(acc_dK), self._in_dtype(acc_dV)
+        if const_expr(persistent):  # the dq-store warp's last reduce of the tile has read sdQ
+            self._dq_handoff_barrier(Sm90BwdBarrier.DQ_EMPTY_WG0, tidx, wait=True)
         # every dQ GEMM (reads K) and S/dP GEMM (K, V) of both warpgroups has retired
         cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.EPILOGUE),
                           number_of_threads=self.num_mma_threads)
-        stmatrix_to_smem(mma_dk, self.dtype, tidx, rdK, sK)
-        stmatrix_to_smem(mma_dv, self.dtype, tidx, rdV, sV)
+        if const_expr(persistent):
+            if tidx == 0:  # K/V empty: the next tile's K and V may load
+                cute.arch.mbarrier_arrive(mbar_kv + 1)
+        stmatrix_to_smem(mma_dk, self.dtype, tidx, rdK, sK_out)
+        stmatrix_to_smem(mma_dv, self.dtype, tidx, rdV, sV_out)
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.EPILOGUE),
                           number_of_threads=self.num_mma_threads)
         if tidx // WARP_SIZE == 0:
             one = cute.make_layout(1)
-            for tma, m_out, s_tile, cols in ((tma_dK, tma_mdK, sK, self.hdim),
-                                             (tma_dV, tma_mdV, sV, self.hdimv)):
+            for tma, m_out, s_tile, cols in ((tma_dK, tma_mdK, sK_out, self.hdim),
+                                             (tma_dV, tma_mdV, sV_out, self.hdimv)):
                 g_tile = cute.local_tile(m_out[None, None, head, batch], (self.tile_n, cols),
                                          (n_block, 0))
                 t_s, t_g = cpasync.tma_partition(tma, 0, one, cute.group_modes(s_tile, 0, 2),
@@ -353,6 +393,10 @@ class BwdStoreRole:
                 cute.copy(tma, t_s, t_g)
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)  # SMEM is read before the exit
+        if const_expr(persistent):  # ... and before the next tile writes dS and dQ there
+            cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.EPILOGUE),
+                              number_of_threads=self.num_mma_threads)
+            self._dq_handoff_barrier(Sm90BwdBarrier.DQ_FULL_WG0, tidx, wait=False)
 
     @cute.jit
     def _in_dtype(self, acc):

@@ -1,0 +1,120 @@
+"""Persistent CTAs of the SM90 backward (Note [persistent CTAs] in fa_sm100/hopper/bwd_kernel.py),
+on the CPU: the config's rules and defaults, the interface's SM-count fit, and the
+cross-compiled kernel (no spill, the sweep's loop body unchanged, one TMA load of K and V per
+tile behind the K/V-empty wait). Gradients on an H200: tests/test_sm90_bwd_gpu.py
+(``persistent``)."""
+
+import collections
+
+import pytest
+from kept_sass import main_loop_ops, read_kept_sass
+
+from fa_sm100.hopper.bwd_config import (DEFAULT_PERSISTENT_CTAS, PERSISTENT_MAX_SEQLEN,
+                                        select_bwd_config)
+from fa_sm100.hopper.bwd_interface import fit_persistent_ctas
+
+# the hdim 128 non-causal defaults of a 1k problem: multicast pairs, staggered sweeps, first dQ
+# stores, the early dQ postprocess
+H128 = select_bwd_config(head_dim=128, seqlen_q=1024, seqlen_k=1024)
+
+
+@pytest.mark.parametrize("changes,rule", [
+    (dict(causal=True), "without a causal mask or window"),
+    (dict(window_left=100), "without a causal mask or window"),
+    (dict(deterministic=True, qdo_multicast=False, stagger_m=False), "deterministic=False"),
+    (dict(qhead_per_kvhead=2), "MHA with dkv_tma_store=True"),
+    (dict(dkv_tma_store=False), "MHA with dkv_tma_store=True"),
+    (dict(dq_accum="red", early_dq_post=False), "dq_accum='bulk'"),
+    (dict(pre_ctas=32), "pre_ctas=0"),
+    (dict(longest_first=True), "longest_first=False"),
+    (dict(persistent_ctas=131, qdo_multicast=True), "a multiple of the cluster size 2"),
+    (dict(persistent_ctas=-1), "persistent_ctas=-1: must be an int >= 0"),
+    (dict(persistent_ctas=True), "must be an int"),
+])
+def test_persistent_rules_raise_value_error_naming_the_rule(changes, rule):
+    # the other switches' own rules (multicast, stagger) left out of the way
+    base = H128.replace(qdo_multicast=False, stagger_m=False)
+    cfg = base.replace(**{"persistent_ctas": 132, **changes})
+    with pytest.raises(ValueError, match=rule):
+        cfg.validate()
+
+
+def test_persistent_epilogue_staging_must_fit():
+    """dK is staged in the dS buffers, dV in the SMEM dQ tile: hdim 256 (64 keys of 256
+    columns, 32 KiB each, against 16 KiB of dS) does not fit; hdim 64 and 128 do."""
+    for d in (64, 128):
+        assert select_bwd_config(head_dim=d).epilogue_staging_fits()
+    wide = select_bwd_config(head_dim=256, dq_accum="bulk", q_stage=1, do_stage=1)
+    assert not wide.epilogue_staging_fits()
+    with pytest.raises(ValueError, match="dK to fit the dS buffers"):
+        wide.replace(persistent_ctas=132).validate()
+
+
+def test_persistent_defaults_where_measured():
+    """select_bwd_config: on for non-causal MHA hdim 64 / 128 up to PERSISTENT_MAX_SEQLEN, with
+    the preprocess ahead of the main kernel; off elsewhere and wherever a field it depends on
+    is asked for."""
+    for d in (64, 128):
+        for s in (1024, PERSISTENT_MAX_SEQLEN):
+            cfg = select_bwd_config(head_dim=d, seqlen_q=s, seqlen_k=s)
+            assert cfg.persistent_ctas == DEFAULT_PERSISTENT_CTAS and cfg.pre_ctas == 0
+        assert select_bwd_config(head_dim=d, seqlen_q=4096, seqlen_k=1024).persistent_ctas == 0
+    assert select_bwd_config(head_dim=128, seqlen_q=4096, seqlen_k=4096).pre_ctas == 32
+    off = [dict(head_dim=128, causal=True), dict(head_dim=128, window_left=64),
+           dict(head_dim=128, qhead_per_kvhead=4), dict(head_dim=64, deterministic=True),
+           dict(head_dim=96), dict(head_dim=256), dict(head_dim=128, pre_ctas=8),
+           dict(head_dim=128, dkv_tma_store=False), dict(head_dim=128)]  # last: no lengths
+    for kw in off:
+        lengths = {} if kw == dict(head_dim=128) else dict(seqlen_q=1024, seqlen_k=1024)
+        assert select_bwd_config(**kw, **lengths).persistent_ctas == 0, kw
+    asked = select_bwd_config(head_dim=128, seqlen_q=8192, seqlen_k=8192, persistent_ctas=64,
+                              pre_ctas=0)
+    assert asked.persistent_ctas == 64
+
+
+def test_fit_persistent_ctas_to_the_device():
+    """The interface lowers persistent_ctas to the device's SMs in whole clusters, and leaves
+    every other config alone."""
+    assert fit_persistent_ctas(H128, 132) == H128
+    assert fit_persistent_ctas(H128, 114).persistent_ctas == 114
+    assert fit_persistent_ctas(H128, 115).persistent_ctas == 114  # clusters of 2
+    assert H128.qdo_multicast
+    single = H128.replace(qdo_multicast=False)
+    assert fit_persistent_ctas(single, 115).persistent_ctas == 115
+    small = H128.replace(persistent_ctas=8)
+    assert fit_persistent_ctas(small, 132) == small
+    plain = select_bwd_config(head_dim=128, seqlen_q=8192, seqlen_k=8192)
+    assert fit_persistent_ctas(plain, 100) == plain
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_persistent_kernel_compiles_with_the_sweep_unchanged(head_dim, tmp_path):
+    """The persistent kernel: no spill, the WGMMAs still issued in five commit groups per
+    block, the sweep's loop body (its GEMMs, barriers, exp2s, stores and reduces) the one of
+    one CTA per tile, one more mbarrier (K/V empty) and a cluster of 2."""
+    from fa_sm100.inspection import inspect_kernel
+
+    def build(persistent):
+        keep = tmp_path / str(persistent)
+        overrides = [f"head_dim={head_dim}", f"head_dim_v={head_dim}", "qdo_multicast=true",
+                     "pre_ctas=0", f"persistent_ctas={132 if persistent else 0}"]
+        report = inspect_kernel("sm90_bwd", "sm_90a", overrides, keep_dir=keep)
+        return report, read_kept_sass(keep)
+
+    (plain, plain_sass), (pers, pers_sass) = build(False), build(True)
+    assert pers["spill_bytes"] == 0 and pers["local_bytes"] == 0
+    assert list(pers["cluster"]) == [2, 1, 1]
+    loop_kinds = ("HGMMA", "MUFU", "BAR", "WARPGROUP", "UBLKRED", "STSM", "FENCE", "SYNCS")
+
+    def loop_work(sass):
+        ops = collections.Counter(main_loop_ops(sass))
+        return {k: v for k, v in ops.items() if k.split(".")[0] in loop_kinds}
+
+    assert loop_work(pers_sass) == loop_work(plain_sass)
+    commits = lambda s: len([line for line in s.splitlines() if "HGMMA" in line and "gsb0" in line])
+    assert commits(pers_sass) == commits(plain_sass) == 5
+    # the Q / dO loads appear twice (the first block's, issued before K / V, and the loop's),
+    # K's and V's once
+    tma = lambda s: sum(1 for line in s.splitlines() if "UTMALDG" in line)
+    assert tma(plain_sass) < tma(pers_sass) < 2 * tma(plain_sass)
