@@ -636,7 +636,14 @@ PERSISTENT_CASES = [
                                     early_dq_post=False)),
     (2, 1000, 1000, 4, 4, 64, dict(persistent_ctas=4)),
     (1, 257, 255, 3, 3, 64, dict(persistent_ctas=2, qdo_multicast=False)),
-    (2, 2048, 2048, 16, 16, 128, dict(persistent_ctas=132)),  # one CTA per SM, 8 tiles each
+    # one CTA per SM: 512 tiles, 3 or 4 each (the tile count not a multiple of the grid)
+    (2, 2048, 2048, 16, 16, 128, dict(persistent_ctas=132)),
+    # switches the defaults do not take with it: one dQ hand-off for the whole tile, one Q/dO
+    # stage, unswapped 64-row blocks with overlapped dK (hdim 96), LSE2 / Delta from GMEM
+    (2, 1000, 1000, 4, 4, 128, dict(persistent_ctas=4, dq_handoff_per_wg=False)),
+    (2, 700, 512, 2, 2, 64, dict(persistent_ctas=2, q_stage=1, do_stage=1)),
+    (2, 600, 512, 2, 2, 96, dict(persistent_ctas=2, overlap_dk=True)),
+    (1, 1000, 768, 4, 4, 128, dict(persistent_ctas=6, stats_smem=False)),
 ]
 
 
@@ -650,8 +657,9 @@ def test_sm90_bwd_persistent_ctas_match_float64(sm90_device, monkeypatch, case):
     from fa_sm100.hopper.bwd_config import select_bwd_config
 
     b, sq, sk, hq, hk, d, switches = case
-    cfg = select_bwd_config(head_dim=d, seqlen_q=sq, seqlen_k=sk, pre_ctas=0, **switches)
-    assert cfg.persistent_ctas == switches["persistent_ctas"]
+    cfg = select_bwd_config(head_dim=d, seqlen_q=sq, seqlen_k=sk, **switches)
+    tiles = b * hq * cfg.num_key_blocks(sk)
+    assert cfg.pre_ctas == 0 and tiles > cfg.persistent_ctas, "CTAs that walk several tiles"
     _poison_workspace(monkeypatch, sems=7, stats=True)
     _run_case(b, sq, sk, hq, hk, d, config=cfg, seed=sq)
 

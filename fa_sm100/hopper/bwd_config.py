@@ -203,8 +203,10 @@ class BwdConfig:
     # c, c + grid, c + 2 grid, ... instead of one CTA per tile (Note [persistent CTAs] in
     # bwd_kernel.py): the next tile's K, V and first Q / dO load while this tile's dK / dV
     # epilogue runs, and no CTA starts or ends between tiles. 0: off. The interface lowers it
-    # to the device's SM count. Non-causal MHA without a window, "bulk" dQ, dK / dV by TMA,
-    # not deterministic, no pre_ctas, no longest_first (``validate``).
+    # to the device's SM count. Non-causal MHA without a window, "bulk" dQ, dK / dV by TMA
+    # staged where they fit (``epilogue_staging_fits``), not deterministic, no pre_ctas (an
+    # explicit persistent_ctas makes pre_ctas default to 0), no longest_first, whole clusters
+    # of 2 (``validate``).
     persistent_ctas: int = 0
     # registers after setmaxnreg: producer warpgroup and each of the two MMA warpgroups
     regs_producer: int = 24
@@ -401,6 +403,11 @@ class BwdConfig:
             (self.longest_first, "longest_first=False"),
             (self.persistent_ctas % self.cluster[0] != 0,
              f"a multiple of the cluster size {self.cluster[0]}"),
+            (self.cluster[0] > QDO_CLUSTER,
+             f"qdo_cluster={QDO_CLUSTER} under qdo_multicast: clusters of "
+             f"{self.cluster[0]} do not all fit at once (an H200 holds 30 clusters of 4 CTAs "
+             f"of this kernel, not 33), and a cluster that finds no room starts only when "
+             f"another has walked all its tiles"),
         )
         for bad, need in rules:
             if bad:
@@ -673,7 +680,9 @@ def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = Fals
         early_post = (head_dim in EARLY_DQ_POST_HEAD_DIMS and cfg.dq_accum == "bulk"
                       and cfg.pdl)
     cfg = cfg.replace(early_dq_post=early_post)
-    if "pre_ctas" not in overrides and cfg.head_dim in PRE_CTAS_HEAD_DIMS:
+    # persistent CTAs asked for: the preprocess ahead (Note [persistent CTAs])
+    if ("pre_ctas" not in overrides and cfg.head_dim in PRE_CTAS_HEAD_DIMS
+            and not cfg.persistent_ctas):
         if cfg.dq_accum == "bulk" and cfg.stats_smem:  # Note [Preprocess beside the main kernel]
             cfg = cfg.replace(pre_ctas=DEFAULT_PRE_CTAS)
     if "qdo_multicast" not in overrides:  # Note [Q/dO multicast]: the clusters must line up
@@ -687,7 +696,7 @@ def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = Fals
                           and not (cfg.is_local or cfg.deterministic))
     short = (seqlen_q is not None and seqlen_k is not None
              and max(seqlen_q, seqlen_k) <= PERSISTENT_MAX_SEQLEN)
-    if ("persistent_ctas" not in overrides and "pre_ctas" not in overrides and short
+    if ("persistent_ctas" not in overrides and overrides.get("pre_ctas", 0) == 0 and short
             and head_dim in PERSISTENT_HEAD_DIMS):  # Note [persistent CTAs], where it may run
         persistent = cfg.replace(persistent_ctas=DEFAULT_PERSISTENT_CTAS, pre_ctas=0)
         try:

@@ -126,8 +126,9 @@ def sm90_bwd(dout, q, k, v, out, lse, softmax_scale: Optional[float] = None, cau
                          f"{config.num_key_blocks(k.shape[1])} blocks of {config.tile_n} keys: use "
                          f"qdo_multicast=False")
 
-    config = fit_persistent_ctas(config, torch.cuda.get_device_properties(q.device)
-                                 .multi_processor_count)
+    if config.persistent_ctas:
+        config = fit_persistent_ctas(config, torch.cuda.get_device_properties(q.device)
+                                     .multi_processor_count)
     q, k, v, out, dout = (t.contiguous() for t in (q, k, v, out, dout))
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     for kind, key, build, make_fake_args, args in launch_plan(

@@ -1,6 +1,7 @@
 """The SM90 attention backward main kernel (`sm90_bwd`): warp-specialized, WGMMA.
 
-One CTA owns one (key block ``n_block``, query head, batch): it keeps K and V of its
+One CTA owns one tile (key block ``n_block``, query head, batch), or with persistent CTAs
+one tile at a time of its walk (Note [persistent CTAs]): it keeps K and V of its
 ``tile_n`` key rows (128; 64 above hdim 128) in SMEM and accumulates dK and dV in registers
 while it walks the query blocks that can see those keys. Per query block (``tile_m`` = 64
 rows, or 80 / 128 with ``sdp_swap_ab``) it recomputes S and dP and produces P and dS.
@@ -207,15 +208,16 @@ pipeline states from tile to tile, and between tiles:
 - the MMA warpgroups' epilogue stages dK in the dS buffers and dV in the SMEM dQ tile
   instead of K's and V's buffers (``_epilogue_staging``; ``validate`` checks they fit), so
   that K/V empty is signalled as soon as the tile's GEMMs have retired, and the next K, V
-  load while dK and dV are converted, staged and stored. The dQ tile is borrowed from the
-  dq-store warp by one more round of its hand-off (``DQ_EMPTY`` after the tile's last reduce
-  has read it, ``DQ_FULL`` once the stores have read it); the dS buffers are free because
-  both warpgroups have passed the epilogue barrier, and the next tile writes them only after
-  a third one that follows the stores' read;
+  load while dK and dV are converted, staged and stored. The dS buffers are free once both
+  warpgroups have passed the first epilogue barrier; the dQ tile is borrowed from the
+  dq-store warp by one more round of its hand-off (``DQ_EMPTY`` once the tile's last reduce
+  has read it, waited for after dK is staged; ``DQ_FULL`` once the stores have read both,
+  after a last epilogue barrier, before the next tile writes dS or dQ);
 - K/V full (``mbar_kv``) completes once per tile: tile k waits for phase k % 2.
-Under ``qdo_multicast`` the grid and ``persistent_ctas`` are whole clusters and the tile count
-is even, so the two CTAs of a cluster always hold neighbouring key blocks of one pair and walk
-the same number of tiles in step: the Q/dO stages' multicast protocol continues across tiles
+Under ``qdo_multicast`` (clusters of 2: 4 do not all fit at once) the grid and
+``persistent_ctas`` are whole clusters and so is every pair's key-block count (``sm90_bwd``
+checks it), so the two CTAs of a cluster always hold neighbouring key blocks of one pair and
+walk the same number of tiles in step: the Q/dO stages' multicast protocol continues across tiles
 (as the forward's Note [Persistent multicast]). The order is static, so it balances only tiles
 of equal length: no mask or window (a band's tiles differ, and one CTA per tile with
 ``longest_first`` balances them). The preprocess runs ahead (``pre_ctas=0``): its CTAs beside
@@ -464,8 +466,8 @@ class Sm90FlashBackward(BwdLoadRole, BwdStoreRole, BwdScoresRole):
 
     def _grid(self, num_n_blocks, num_heads, num_batch):
         """One CTA per tile (key block, head, batch); with ``persistent_ctas`` at most that
-        many CTAs in one row, each walking the tiles (Note [persistent CTAs]; the tile count is
-        a whole number of clusters, and so is ``persistent_ctas``)."""
+        many CTAs in one row, each walking the tiles (Note [persistent CTAs]; every pair's
+        key blocks are whole clusters, and so is ``persistent_ctas``)."""
         if const_expr(self.cfg.persistent_ctas):
             tiles = num_n_blocks * num_heads * num_batch
             return [cutlass.min(tiles, self.cfg.persistent_ctas), 1, 1]

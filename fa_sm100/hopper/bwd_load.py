@@ -2,8 +2,9 @@
 producer warpgroup. It loads K and V of the CTA's key block once and then, per query block in
 the order of Note [staggered query blocks], Q and dO into the ``q`` and ``do`` pipelines, each
 stage with its block's LSE2 / Delta (Note [stats with their stage]); under ``qdo_multicast``
-this CTA's share of each tile, multicast to the cluster (Note [Q/dO multicast]). The Notes are
-in ``bwd_kernel.py``.
+this CTA's share of each tile, multicast to the cluster (Note [Q/dO multicast]). With
+persistent CTAs it does so for each tile of the CTA's walk, the next tile's first Q / dO
+before its K / V (Note [persistent CTAs]). The Notes are in ``bwd_kernel.py``.
 """
 
 import cutlass
@@ -54,9 +55,9 @@ class BwdLoadRole:
         block m from ``m_block_first`` to ``m_block_max``, in the order of Note [staggered query
         blocks]: acquire a ``q`` stage, TMA Q[m] (and, with ``stats_smem``, bulk-copy LSE2[m]);
         acquire a ``do`` stage, TMA dO[m] (and Delta[m]). The MMA warpgroups release the
-        stages. With persistent CTAs (``k``: which of the CTA's tiles this is) the first
-        block's Q and dO go first, into stages the previous tile has freed, and K, V wait
-        until the previous tile's last GEMMs have retired (K/V empty, ``mbar_kv + 1``).
+        stages. With persistent CTAs (``k``: which of the CTA's tiles this is) a later
+        tile's first Q and dO go first, into stages the previous tile has freed, and its K, V
+        wait until the previous tile's last GEMMs have retired (K/V empty, ``mbar_kv + 1``).
         Returns the advanced states."""
         n_block, head, batch = tile.n_block, tile.head, tile.batch
         m_block_min, m_block_max, m_offset = tile.m_block_first, tile.m_block_max, tile.m_offset
@@ -82,8 +83,11 @@ class BwdLoadRole:
                                                cute.group_modes(gdO, 0, 2))
         first_step = m_block_min
         if const_expr(self.cfg.persistent_ctas):
-            # Note [persistent CTAs]: the first block's Q / dO (seqlen_q >= 1: there is one)
-            # while the previous tile ends, then K / V once that tile's GEMMs have retired
+            # Note [persistent CTAs]: the first tile's K / V before the preprocess's wait (Note
+            # [chained launches]); a later tile's first Q / dO (seqlen_q >= 1: there is one)
+            # while the previous tile ends, then its K / V once that tile's GEMMs have retired
+            if k == 0:
+                self._load_kv(tma_K, tma_V, tKgK, tKsK, tVgV, tVsV, mbar_kv)
             self.wait_for_preprocess(mdQsem, mLSE2, batch, head)
             m_first = self._m_block_at(m_block_min, m_offset, m_block_min, m_block_max)
             self._load_stage(pipe_q, state_q, tma_Q, tQgQ, tQsQ, mcast, mLSE2, sLSE2, batch,
@@ -95,11 +99,9 @@ class BwdLoadRole:
             first_step = m_block_min + 1
             if k > 0:
                 cute.arch.mbarrier_wait(mbar_kv + 1, (k - 1) % 2)
-        with cute.arch.elect_one():
-            cute.arch.mbarrier_arrive_and_expect_tx(mbar_kv, self.bytes_kv)
-        cute.copy(tma_K, tKgK, tKsK, tma_bar_ptr=mbar_kv)
-        cute.copy(tma_V, tVgV, tVsV, tma_bar_ptr=mbar_kv)
-        if const_expr(not self.cfg.persistent_ctas):
+                self._load_kv(tma_K, tma_V, tKgK, tKsK, tVgV, tVsV, mbar_kv)
+        else:
+            self._load_kv(tma_K, tma_V, tKgK, tKsK, tVgV, tVsV, mbar_kv)
             # Note [chained launches]: K, V do not come from the preprocess; LSE2 / Delta
             # (with Q / dO) do
             self.wait_for_preprocess(mdQsem, mLSE2, batch, head)
@@ -113,6 +115,14 @@ class BwdLoadRole:
             state_q.advance()
             state_do.advance()
         return state_q, state_do
+
+    def _load_kv(self, tma_K, tma_V, tKgK, tKsK, tVgV, tVsV, mbar_kv):
+        """TMA K and V of the tile's key block onto K/V full (``mbar_kv``), which expects
+        their bytes. Traced inline."""
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive_and_expect_tx(mbar_kv, self.bytes_kv)
+        cute.copy(tma_K, tKgK, tKsK, tma_bar_ptr=mbar_kv)
+        cute.copy(tma_V, tVgV, tVsV, tma_bar_ptr=mbar_kv)
 
     @cute.jit
     def wait_for_preprocess(self, mdQsem, mLSE2, batch, head):

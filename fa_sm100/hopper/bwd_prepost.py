@@ -28,10 +28,13 @@ H100), and as a plain programmatic dependent it started only once the main kerne
 while the main kernel's last wave left more and more SMs idle. With the switch:
 - every main-kernel CTA calls ``griddepcontrol.launch_dependents`` first thing, so the
   postprocess launches once the last main CTA has started and its CTAs take SMs as the main
-  kernel's CTAs leave them;
+  kernel's CTAs leave them (persistent CTAs, Note [persistent CTAs] in bwd_kernel.py, leave
+  only after their last tile: then the postprocess has the SMs of the walks that end
+  first);
 - the dq-store warp of every main CTA, after its last query block, waits until its bulk
   reduces have completed (not only read SMEM), fences and adds 1 (release) to the last
-  semaphore of its (batch, head), the count of finished CTAs (``BwdConfig.dq_sem_slots``;
+  semaphore of its (batch, head), the count of finished CTAs (of finished tiles with
+  persistent CTAs; ``BwdConfig.dq_sem_slots``;
   the preprocess zeroes it with the others);
 - a postprocess CTA, instead of ``griddepcontrol.wait``, has thread 0 poll that count
   (acquire) until it equals the number of key blocks, every CTA of the (batch, head), then

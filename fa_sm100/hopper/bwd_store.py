@@ -1,5 +1,5 @@
 """The stores of the SM90 backward (a mixin of ``Sm90FlashBackward``): dQ into its float32
-accumulator, and dK, dV at the end of a CTA.
+accumulator, and dK, dV at the end of a tile (of a CTA, or of a persistent CTA's walk).
 
 dQ is accumulated in float32 in global memory, by one of two switchable paths (``dq_accum``):
 "bulk" stages the dQ tile in SMEM and the dq-store warp adds it with one bulk reduce; "red"
@@ -44,7 +44,9 @@ Note [dK/dV by TMA] (``dkv_tma_store``, MHA): after the last query block every G
 both warpgroups has retired (``EPILOGUE`` barrier), so K's and V's SMEM buffers are free; the
 warpgroups write scaled dK and dV there with stmatrix, fence, meet again, and one warp stores
 both tiles by TMA (one store per swizzle box; rows past seqlen_k are clipped by the TMA unit)
-and waits for them to read SMEM before the CTA exits. The direct path
+and waits for them to read SMEM before the CTA exits. Persistent CTAs stage dK in the dS
+buffers and dV in the dQ tile instead, so that the next tile's K and V can load meanwhile
+(Note [persistent CTAs] in bwd_kernel.py). The direct path
 (``dkv_tma_store=False``, and GQA's float32 buffers) stores 2-byte elements from registers:
 128 STG.U16 per thread at hdim 128, each touching 8 rows of 16 bytes.
 
@@ -104,7 +106,8 @@ def dq_fragment_view(cfg, ptr, tidx):
 
 
 def finished_ctas_count(cfg, mdQsem, batch, head):
-    """The pointer to (batch, head)'s count of finished main-kernel CTAs, its last dQ
+    """The pointer to (batch, head)'s count of finished main-kernel tiles (CTAs, unless
+    persistent: Note [persistent CTAs] in bwd_kernel.py), its last dQ
     semaphore but the preprocess's count (``BwdConfig.dq_sem_slots``, Note [dQ postprocess in
     the tail] in bwd_prepost.py): the dq-store warp adds to it, the dQ postprocess polls it."""
     return mdQsem[batch, head, None].iterator + mdQsem.shape[2] - 1 - int(cfg.pre_ctas > 0)
@@ -363,14 +366,14 @@ class BwdStoreRole:
         """MHA dK (scaled by the caller) and dV -> SMEM (``staging``: K's and V's buffers, or
         with persistent CTAs the dS buffers and the dQ tile) -> GMEM by TMA (Note [dK/dV by
         TMA]). With persistent CTAs (Note [persistent CTAs] in bwd_kernel.py) the warpgroups
-        first take the dQ tile back from the dq-store warp (``DQ_EMPTY``), tell the load warp
-        that K and V are free (``mbar_kv + 1``) and, once the stores have read SMEM, hand the
-        dQ tile back (``DQ_FULL``), which the dS buffers need no hand-off for."""
+        tell the load warp that K and V are free (``mbar_kv + 1``) right after the first
+        ``EPILOGUE`` barrier, stage dK, take the dQ tile back from the dq-store warp
+        (``DQ_EMPTY``, then ``EPILOGUE`` so that both halves are free) before they stage dV,
+        and once the stores have read SMEM (a last ``EPILOGUE``) hand the dQ tile back
+        (``DQ_FULL``); the dS buffers need no hand-off."""
         persistent = self.cfg.persistent_ctas > 0
         sK_out, sV_out = staging
         rdK, rdV = self._in_dtype(acc_dK), self._in_dtype(acc_dV)
-        if const_expr(persistent):  # the dq-store warp's last reduce of the tile has read sdQ
-            self._dq_handoff_barrier(Sm90BwdBarrier.DQ_EMPTY_WG0, tidx, wait=True)
         # every dQ GEMM (reads K) and S/dP GEMM (K, V) of both warpgroups has retired
         cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.EPILOGUE),
                           number_of_threads=self.num_mma_threads)
@@ -378,6 +381,10 @@ class BwdStoreRole:
             if tidx == 0:  # K/V empty: the next tile's K and V may load
                 cute.arch.mbarrier_arrive(mbar_kv + 1)
         stmatrix_to_smem(mma_dk, self.dtype, tidx, rdK, sK_out)
+        if const_expr(persistent):  # the dq-store warp's last reduce of the tile has read sdQ
+            self._dq_handoff_barrier(Sm90BwdBarrier.DQ_EMPTY_WG0, tidx, wait=True)
+            cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.EPILOGUE),
+                              number_of_threads=self.num_mma_threads)
         stmatrix_to_smem(mma_dv, self.dtype, tidx, rdV, sV_out)
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.EPILOGUE),

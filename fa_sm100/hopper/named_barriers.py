@@ -41,5 +41,7 @@ class Sm90BwdBarrier(IntEnum):
     P_READY_WG0 = 8
     P_READY_WG1 = 9
     # MHA dK/dV by TMA: both MMA warpgroups' GEMMs have retired (K and V may be overwritten),
-    # then dK and dV are in SMEM (256 threads).
+    # then dK and dV are in SMEM (256 threads). With persistent CTAs also: both warpgroups
+    # have the dQ tile back (before dV is staged there), and the stores have read SMEM
+    # (before the next tile writes dS and dQ); Note [persistent CTAs] in bwd_kernel.py.
     EPILOGUE = 10
