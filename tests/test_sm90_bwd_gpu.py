@@ -42,6 +42,17 @@ def _run_case(b, sq, sk, hq, hk, d, causal=False, window=(None, None), dtype=tor
     return (q, k, v, out, lse, dout), got
 
 
+def _bf16_problem(b, s, h, d, causal, seed):
+    """A random bf16 MHA problem (b, s, h, d) with O and LSE from the float64 reference:
+    (q, k, v, out, lse, dout)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v, dout = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
+                     for _ in range(4))
+    out64, lse64, _ = attention_reference_grads(q, k, v, dout, causal, (None, None),
+                                                torch.float64)
+    return q, k, v, out64.to(q.dtype), lse64.float(), dout
+
+
 def _poison_workspace(monkeypatch, sems=None, stats=False):
     """Make ``sm90_bwd``'s workspace start with a NaN dQ accumulator, every dQ semaphore at
     ``sems`` (unless None; not with ``pre_ctas``, whose semaphores arrive zeroed) and with
@@ -526,18 +537,14 @@ def test_sm90_bwd_preprocess_beside_is_bitwise_the_one_before(sm90_device, d, ca
     from fa_sm100.hopper.bwd_config import select_bwd_config
     from fa_sm100.hopper.bwd_interface import sm90_bwd
 
-    b, s, h = 2, 1500, 6
-    g = torch.Generator(device="cuda").manual_seed(d)
-    q, k, v, dout = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
-                     for _ in range(4))
-    out64, lse64, _ = attention_reference_grads(q, k, v, dout, causal, (None, None),
-                                                torch.float64)
+    s = 1500
+    q, k, v, out, lse, dout = _bf16_problem(2, s, 6, d, causal, seed=d)
     grads = []
     for pre in (0, 8):
         cfg = select_bwd_config(head_dim=d, causal=causal, deterministic=True, seqlen_q=s,
                                 seqlen_k=s, pre_ctas=pre)
-        grads.append(sm90_bwd(dout, q, k, v, out64.to(q.dtype), lse64.float(), causal=causal,
-                              deterministic=True, config=cfg))
+        grads.append(sm90_bwd(dout, q, k, v, out, lse, causal=causal, deterministic=True,
+                              config=cfg))
     for name, x, y in zip(("dq", "dk", "dv"), *grads):
         assert torch.equal(x, y), name
 
@@ -672,16 +679,12 @@ def test_sm90_bwd_persistent_dk_dv_are_bitwise_one_cta_per_tile(sm90_device, d):
     from fa_sm100.hopper.bwd_config import select_bwd_config
     from fa_sm100.hopper.bwd_interface import sm90_bwd
 
-    b, s, h = 2, 1536, 6
-    g = torch.Generator(device="cuda").manual_seed(d)
-    q, k, v, dout = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
-                     for _ in range(4))
-    out64, lse64, _ = attention_reference_grads(q, k, v, dout, False, (None, None),
-                                                torch.float64)
+    s = 1536
+    q, k, v, out, lse, dout = _bf16_problem(2, s, 6, d, False, seed=d)
     grads = []
     for ctas in (0, 10):
         cfg = select_bwd_config(head_dim=d, seqlen_q=s, seqlen_k=s, pre_ctas=0,
                                 persistent_ctas=ctas)
-        grads.append(sm90_bwd(dout, q, k, v, out64.to(q.dtype), lse64.float(), config=cfg))
+        grads.append(sm90_bwd(dout, q, k, v, out, lse, config=cfg))
     for name, x, y in zip(("dk", "dv"), grads[0][1:], grads[1][1:]):
         assert torch.equal(x, y), name

@@ -650,25 +650,35 @@ class Sm90FlashBackward(BwdLoadRole, BwdStoreRole, BwdScoresRole):
         args = (mma_sdp, mma_dk, mma_dv, mma_dq, sQ, sK, sV, sdO, sP, sdS, sdQ, sLSE2, sDelta,
                 mLSE2, mDelta, mdQacc, dkv_out, mdQsem, mbar_kv, pipe_q, pipe_do, tidx, group,
                 seqlen_q, seqlen_k, softmax_scale, scale_log2, staging)
+        self._walk(work, self._mma_tile, args, state_q, state_do)
+
+    @cute.jit
+    def _walk(self, work, tile_body, args, state_q, state_do):
+        """``tile_body(*args, tile, k, state_q, state_do)``, which returns the advanced states,
+        for this CTA's tile (``work``: a ``BwdTile``; k = 0), or with persistent CTAs for each
+        tile of its walk (``work``: a ``TileWalk``; k = 0, 1, ...), the ``q`` / ``do``
+        pipeline states carried from one to the next (Note [persistent CTAs]). The load warp
+        and the MMA warpgroups walk this way. Returns the states after the last tile."""
         if const_expr(self.cfg.persistent_ctas):
             k = Int32(0)
             for t in cutlass.range(work.first, work.count, work.stride, unroll=1):
-                state_q, state_do = self._mma_tile(*args, self._tile_at(t, work), k, state_q,
-                                                   state_do)
+                state_q, state_do = tile_body(*args, self._tile_at(t, work), k, state_q,
+                                              state_do)
                 k += 1
         else:
-            self._mma_tile(*args, work, 0, state_q, state_do)
+            state_q, state_do = tile_body(*args, work, 0, state_q, state_do)
+        return state_q, state_do
 
     @cute.jit
     def _mma_tile(self, mma_sdp, mma_dk, mma_dv, mma_dq, sQ, sK, sV, sdO, sP, sdS, sdQ, sLSE2,
                   sDelta, mLSE2, mDelta, mdQacc, dkv_out, mdQsem, mbar_kv, pipe_q, pipe_do, tidx,
                   group, seqlen_q, seqlen_k, softmax_scale, scale_log2, staging, tile, k,
                   state_q, state_do):
-        """One tile (``BwdTile``) of warpgroups 1-2 (``tidx`` 0..255 here). Per query block m: wait ``q``, ``do``;
-        S, dP (WGMMA); P = exp2(S * scale_log2 - LSE2) with the band mask; dS = P (dP - Delta);
-        P, dS -> SMEM; ``DS_READY``; dV += P^T dO, dK += dS^T Q, dQ = dS K; release ``q``, ``do``;
-        dQ -> global float32 (atomic, or in n_block order when deterministic). After the last
-        block: dK *= scale, then dK, dV -> global.
+        """One tile (``BwdTile``) of warpgroups 1-2 (``tidx`` 0..255 here). Per query block m:
+        wait ``q``, ``do``; S, dP (WGMMA); P = exp2(S * scale_log2 - LSE2) with the band mask;
+        dS = P (dP - Delta); P, dS -> SMEM; ``DS_READY``; dV += P^T dO, dK += dS^T Q,
+        dQ = dS K; release ``q``, ``do``; dQ -> global float32 (atomic, or in n_block order when
+        deterministic). After the last block: dK *= scale, then dK, dV -> global.
 
         With ``sdp_swap_ab`` (Note [swapped S/dP]) the S and dP accumulators hold S^T and dP^T,
         P^T and dS^T stay in registers as the A operands of dV and dK, and only dS^T goes to

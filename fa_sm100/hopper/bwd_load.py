@@ -10,7 +10,7 @@ before its K / V (Note [persistent CTAs]). The Notes are in ``bwd_kernel.py``.
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import Int32, const_expr
+from cutlass import const_expr
 from cutlass.cute.nvgpu import cpasync
 from cutlass.experimental import primitives as prims
 
@@ -35,14 +35,7 @@ class BwdLoadRole:
         state_do = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.cfg.do_stage)
         args = (mQ, mK, mV, mdO, tma_Q, tma_K, tma_V, tma_dO, sQ, sK, sV, sdO, mLSE2, mDelta,
                 sLSE2, sDelta, mdQsem, mbar_kv, pipe_q, pipe_do, group)
-        if const_expr(self.cfg.persistent_ctas):
-            k = Int32(0)
-            for t in cutlass.range(work.first, work.count, work.stride, unroll=1):
-                state_q, state_do = self._load_tile(*args, self._tile_at(t, work), k, state_q,
-                                                    state_do)
-                k += 1
-        else:
-            state_q, state_do = self._load_tile(*args, work, 0, state_q, state_do)
+        state_q, state_do = self._walk(work, self._load_tile, args, state_q, state_do)
         if const_expr(self.cfg.qdo_multicast):  # Note [Q/dO multicast]: the peer's releases
             pipe_q.producer_tail(state_q)
             pipe_do.producer_tail(state_do)
@@ -81,6 +74,9 @@ class BwdLoadRole:
                                            cute.group_modes(gQ, 0, 2))
         tdOsdO, tdOgdO = cpasync.tma_partition(tma_dO, rank, qdo, cute.group_modes(sdO, 0, 2),
                                                cute.group_modes(gdO, 0, 2))
+        # what _load_block loads Q and dO with: pipelines, TMA, their partitions, statistics
+        stages = ((pipe_q, tma_Q, tQgQ, tQsQ, mLSE2, sLSE2),
+                  (pipe_do, tma_dO, tdOgdO, tdOsdO, mDelta, sDelta))
         first_step = m_block_min
         if const_expr(self.cfg.persistent_ctas):
             # Note [persistent CTAs]: the first tile's K / V before the preprocess's wait (Note
@@ -90,10 +86,7 @@ class BwdLoadRole:
                 self._load_kv(tma_K, tma_V, tKgK, tKsK, tVgV, tVsV, mbar_kv)
             self.wait_for_preprocess(mdQsem, mLSE2, batch, head)
             m_first = self._m_block_at(m_block_min, m_offset, m_block_min, m_block_max)
-            self._load_stage(pipe_q, state_q, tma_Q, tQgQ, tQsQ, mcast, mLSE2, sLSE2, batch,
-                             head, m_first)
-            self._load_stage(pipe_do, state_do, tma_dO, tdOgdO, tdOsdO, mcast, mDelta, sDelta,
-                             batch, head, m_first)
+            self._load_block(stages, state_q, state_do, mcast, batch, head, m_first)
             state_q.advance()
             state_do.advance()
             first_step = m_block_min + 1
@@ -108,13 +101,18 @@ class BwdLoadRole:
         for step in cutlass.range(first_step, self._sweep_end(m_block_min, m_block_max),
                                   unroll=1):
             m_block = self._m_block_at(step, m_offset, m_block_min, m_block_max)
-            self._load_stage(pipe_q, state_q, tma_Q, tQgQ, tQsQ, mcast, mLSE2, sLSE2, batch,
-                             head, m_block)
-            self._load_stage(pipe_do, state_do, tma_dO, tdOgdO, tdOsdO, mcast, mDelta, sDelta,
-                             batch, head, m_block)
+            self._load_block(stages, state_q, state_do, mcast, batch, head, m_block)
             state_q.advance()
             state_do.advance()
         return state_q, state_do
+
+    def _load_block(self, stages, state_q, state_do, mcast, batch, head, m_block):
+        """Query block ``m_block``'s Q and dO, each into the stage its state names
+        (``_load_stage``); ``stages`` holds, for Q then dO, (pipeline, TMA atom, GMEM and SMEM
+        partitions, statistic in GMEM and SMEM). Traced inline."""
+        for (pipe, tma, t_g, t_s, m_stat, s_stat), state in zip(stages, (state_q, state_do)):
+            self._load_stage(pipe, state, tma, t_g, t_s, mcast, m_stat, s_stat, batch, head,
+                             m_block)
 
     def _load_kv(self, tma_K, tma_V, tKgK, tKsK, tVgV, tVsV, mbar_kv):
         """TMA K and V of the tile's key block onto K/V full (``mbar_kv``), which expects
