@@ -19,7 +19,10 @@ at a time): a CTA costs its query blocks (``m_block_range``, plus ``tile_overhea
 the dK/dV epilogue), the hardware hands CTAs out in launch order to the SM that frees up first
 (the dynamic deal above), and the order is the grid's or ``longest_first_cta``'s (Note [longest
 first] in bwd_kernel.py). Under ``qdo_multicast`` a cluster's CTAs start together and hold their
-SMs for the cluster's query blocks (Note [Q/dO multicast]).
+SMs for the cluster's query blocks (Note [Q/dO multicast]). A third column deals the tiles in
+the grid's order to ``num_ctas`` persistent CTAs, statically (Note [persistent CTAs] in
+bwd_kernel.py): equal to the hardware's deal for tiles of equal length, and why persistent
+CTAs are refused under a causal mask.
 """
 
 from __future__ import annotations
@@ -127,6 +130,18 @@ def bwd_imbalance(cfg: BwdConfig, batch: int, heads: int, seqlen: int, num_ctas:
     return span / (sum(own) / min(num_ctas, len(own)))
 
 
+def bwd_persistent_imbalance(cfg: BwdConfig, batch: int, heads: int, seqlen: int,
+                             num_ctas: int = 132, tile_overhead: float = 0.0) -> float:
+    """Makespan over the ideal of persistent backward CTAs (square problem; Note [persistent
+    CTAs]): the tiles in the grid's order, CTA c walking c, c + G, ... (G = min(tiles,
+    ``num_ctas``)), each tile holding its CTA for the blocks it holds its SM for (a
+    cluster's CTAs walk in step, so both hold theirs for the cluster's blocks)."""
+    grid = cfg.replace(longest_first=False)
+    own = [w + tile_overhead for w in bwd_cta_work(grid, batch, heads, seqlen, seqlen)]
+    held = [w + tile_overhead for w in bwd_cta_work(grid, batch, heads, seqlen, seqlen, True)]
+    return makespan_static(held, num_ctas) / (sum(own) / min(num_ctas, len(own)))
+
+
 def _problems(args):
     """(hdim, causal, seqlen, batch, heads) of the grid the command line asks for."""
     for hdim in args.hdim:
@@ -147,16 +162,17 @@ def _print_fwd(args) -> None:
 
 def _print_bwd(args) -> None:
     print("| hdim | causal | seqlen | tile_m x tile_n | CTAs | grid order / ideal "
-          "| longest first / ideal |")
-    print("|---|---|---|---|---|---|---|")
+          "| longest first / ideal | persistent, static / ideal |")
+    print("|---|---|---|---|---|---|---|---|")
     for hdim, causal, seqlen, batch, heads in _problems(args):
         cfg = select_bwd_config(hdim, causal=causal, seqlen_q=seqlen, seqlen_k=seqlen)
         shape = (batch, heads, seqlen, args.num_ctas, args.tile_overhead)
         grid = bwd_imbalance(cfg.replace(longest_first=False), *shape)
         lpt = bwd_imbalance(cfg.replace(longest_first=True), *shape)
+        static = bwd_persistent_imbalance(cfg, *shape)
         ctas = cfg.num_key_blocks(seqlen) * batch * heads
         print(f"| {hdim} | {'yes' if causal else 'no'} | {seqlen} | "
-              f"{cfg.tile_m} x {cfg.tile_n} | {ctas} | {grid:.3f} | {lpt:.3f} |")
+              f"{cfg.tile_m} x {cfg.tile_n} | {ctas} | {grid:.3f} | {lpt:.3f} | {static:.3f} |")
 
 
 def main(argv=None) -> int:
