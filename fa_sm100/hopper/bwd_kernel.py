@@ -650,24 +650,23 @@ class Sm90FlashBackward(BwdLoadRole, BwdStoreRole, BwdScoresRole):
         args = (mma_sdp, mma_dk, mma_dv, mma_dq, sQ, sK, sV, sdO, sP, sdS, sdQ, sLSE2, sDelta,
                 mLSE2, mDelta, mdQacc, dkv_out, mdQsem, mbar_kv, pipe_q, pipe_do, tidx, group,
                 seqlen_q, seqlen_k, softmax_scale, scale_log2, staging)
-        self._walk(work, self._mma_tile, args, state_q, state_do)
+        self._walk(work, self._mma_tile, args, (state_q, state_do))
 
     @cute.jit
-    def _walk(self, work, tile_body, args, state_q, state_do):
-        """``tile_body(*args, tile, k, state_q, state_do)``, which returns the advanced states,
-        for this CTA's tile (``work``: a ``BwdTile``; k = 0), or with persistent CTAs for each
-        tile of its walk (``work``: a ``TileWalk``; k = 0, 1, ...), the ``q`` / ``do``
-        pipeline states carried from one to the next (Note [persistent CTAs]). The load warp
-        and the MMA warpgroups walk this way. Returns the states after the last tile."""
+    def _walk(self, work, tile_body, args, states):
+        """``states = tile_body(*args, tile, k, *states)`` for this CTA's tile (``work``: a
+        ``BwdTile``; k = 0), or with persistent CTAs for each tile of its walk (``work``: a
+        ``TileWalk``; k = 0, 1, ...), ``states`` (a role's pipeline states, or none) carried
+        from one tile to the next (Note [persistent CTAs]). Every role walks this way.
+        Returns the states after the last tile."""
         if const_expr(self.cfg.persistent_ctas):
             k = Int32(0)
             for t in cutlass.range(work.first, work.count, work.stride, unroll=1):
-                state_q, state_do = tile_body(*args, self._tile_at(t, work), k, state_q,
-                                              state_do)
+                states = tile_body(*args, self._tile_at(t, work), k, *states)
                 k += 1
         else:
-            state_q, state_do = tile_body(*args, work, 0, state_q, state_do)
-        return state_q, state_do
+            states = tile_body(*args, work, 0, *states)
+        return states
 
     @cute.jit
     def _mma_tile(self, mma_sdp, mma_dk, mma_dv, mma_dq, sQ, sK, sV, sdO, sP, sdS, sdQ, sLSE2,

@@ -212,20 +212,16 @@ class BwdStoreRole:
         """Warp 1 ("bulk" dQ): ``_dq_store_tile`` for this CTA's tile, or with persistent CTAs
         for each tile of its walk (Note [persistent CTAs] in bwd_kernel.py); then it waits
         until its last bulk operation has read SMEM."""
-        if const_expr(self.cfg.persistent_ctas):
-            for t in cutlass.range(work.first, work.count, work.stride, unroll=1):
-                self._dq_store_tile(mdQacc, mdQsem, sdQ, mLSE2, self._tile_at(t, work),
-                                    seqlen_q, seqlen_k)
-        else:
-            self._dq_store_tile(mdQacc, mdQsem, sdQ, mLSE2, work, seqlen_q, seqlen_k)
+        self._walk(work, self._dq_store_tile, (mdQacc, mdQsem, sdQ, mLSE2, seqlen_q, seqlen_k),
+                   ())
         cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
-    def _dq_store_tile(self, mdQacc, mdQsem, sdQ, mLSE2, tile, seqlen_q, seqlen_k):
-        """One tile (``BwdTile``) of warp 1, Note [dQ SMEM handoff]. Per query block m and per
-        part of the tile (a warpgroup's half, or the whole tile): wait until the last bulk
-        reduce of that
-        part has read SMEM, arrive on its ``DQ_EMPTY``; then per part wait on its ``DQ_FULL``
+    def _dq_store_tile(self, mdQacc, mdQsem, sdQ, mLSE2, seqlen_q, seqlen_k, tile, k):
+        """One tile (``BwdTile``; ``k`` unused: this role carries no pipeline state) of warp 1,
+        Note [dQ SMEM handoff]. Per query block m and per part of the tile (a warpgroup's half,
+        or the whole tile): wait until the last bulk reduce of that part has read SMEM, arrive
+        on its ``DQ_EMPTY``; then per part wait on its ``DQ_FULL``
         and add it into dQacc[batch, head, m] with one cp.reduce.async.bulk.add.f32 (both in
         fragment order, where a warpgroup's half is contiguous: Note [dQ in fragment order]).
         Deterministic: first wait for this CTA's turn on the query block's semaphore; after
@@ -306,6 +302,7 @@ class BwdStoreRole:
             for part in cutlass.range_constexpr(parts):
                 cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.DQ_FULL_WG0) + part,
                                   number_of_threads=handoff)
+        return ()  # no states to carry (``_walk``)
 
     @cute.jit
     def _claim_dq_block(self, sem_ptr, lane):
