@@ -64,16 +64,18 @@ def test_probed_kernels_compile_under_their_own_key():
 
 def test_the_main_kernel_key_carries_exactly_the_probes_its_code_reads():
     """``MAIN_KERNEL_PROBES`` (what ``main_compile_key`` tags) is the set of probes the main
-    kernel's modules read while tracing: one read there and not in the key would let a probed
-    kernel serve a plain call."""
-    import pathlib
+    kernel's modules (the class's and its role mixins') read while tracing: one read there and
+    not in the key would let a probed kernel serve a plain call."""
+    import inspect
 
-    import fa_sm100.hopper as hopper
+    from fa_sm100.hopper.bwd_kernel import Sm90FlashBackward
 
-    root = pathlib.Path(hopper.__file__).parent
+    modules = {inspect.getsourcefile(c) for c in Sm90FlashBackward.__mro__
+               if c.__module__.startswith("fa_sm100.")}
+    assert len(modules) == 5  # bwd_kernel, bwd_tiles, bwd_load, bwd_store, bwd_scores
     read = set()
-    for name in ("bwd_kernel.py", "bwd_load.py", "bwd_store.py", "bwd_scores.py"):
-        read |= set(re.findall(r'probes\.active\("(\w+)"\)', (root / name).read_text()))
+    for path in modules:
+        read |= set(re.findall(r'probes\.active\("(\w+)"\)', open(path).read()))
     assert read == set(probes.MAIN_KERNEL_PROBES)
     assert set(probes.PROBES) - read == {"dq_post"}  # read by the launch plan only
 

@@ -30,12 +30,11 @@ import pytest
 import torch
 
 from fa_sm100.config import launch_registers
-from fa_sm100.hopper.bwd_config import (SM90_SMEM_BYTES, BwdConfig, first_n_block,
-                                        longest_first_cluster_cta, longest_first_cta,
-                                        longest_first_tail_pairs,
-                                        m_block_range, select_bwd_config, stagger_offset,
-                                        staggered_m_block)
+from fa_sm100.hopper.bwd_config import SM90_SMEM_BYTES, BwdConfig, select_bwd_config
 from fa_sm100.hopper.bwd_interface import sm90_bwd
+from fa_sm100.hopper.bwd_tiles import (first_n_block, longest_first_cluster_cta,
+                                       longest_first_cta, longest_first_tail_pairs,
+                                       m_block_range, stagger_offset, staggered_m_block)
 from fa_sm100.testing import attention_mask
 from kept_sass import main_loop_ops, read_kept_sass
 from script_loader import load_script

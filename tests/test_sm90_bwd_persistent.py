@@ -1,4 +1,4 @@
-"""Persistent CTAs of the SM90 backward (Note [persistent CTAs] in fa_sm100/hopper/bwd_kernel.py),
+"""Persistent CTAs of the SM90 backward (Note [persistent CTAs] in fa_sm100/hopper/bwd_tiles.py),
 on the CPU: the config's rules and defaults, the interface's SM-count fit, and the
 cross-compiled kernel (no spill, the sweep's loop body unchanged, one TMA load of K and V per
 tile behind the K/V-empty wait). Gradients on an H200: tests/test_sm90_bwd_gpu.py

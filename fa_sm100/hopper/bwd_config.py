@@ -76,7 +76,7 @@ EARLY_DQ_POST_HEAD_DIMS = (128,)
 # to +2.0% (1k-4k, mean +0.7%): off there.
 PRE_CTAS_HEAD_DIMS = (128,)
 DEFAULT_PRE_CTAS = 32
-# Note [persistent CTAs] (bwd_kernel.py): one CTA per SM of an H100 SXM / H200 (the interface
+# Note [persistent CTAs] (bwd_tiles.py): one CTA per SM of an H100 SXM / H200 (the interface
 # lowers it on a smaller device), taken by default up to this sequence length at these head
 # dims, where paired timing on an H200 measured it faster (select_bwd_config's docstring)
 DEFAULT_PERSISTENT_CTAS = 132
@@ -168,7 +168,7 @@ class BwdConfig:
     # before them, and have each wait for it only where it reads that kernel's output (Note
     # [chained launches] in bwd_interface.py); off: plain stream order.
     pdl: bool = True
-    # Start the last CTAs longest first (Note [longest first] in bwd_kernel.py): a causal band
+    # Start the last CTAs longest first (Note [longest first] in bwd_tiles.py): a causal band
     # gives key block n fewer query blocks the larger n is. The grid's order (the key blocks
     # of a (batch, head) pair, then the next pair) leaves the last pair's key block 0 to start
     # when most of the grid is done; with this on, the last ``tail_ctas`` CTAs (rounded up to
@@ -201,7 +201,7 @@ class BwdConfig:
     pre_ctas: int = 0
     # Launch at most this many CTAs and let each walk the tiles (key block, head, batch)
     # c, c + grid, c + 2 grid, ... instead of one CTA per tile (Note [persistent CTAs] in
-    # bwd_kernel.py): the next tile's K, V and first Q / dO load while this tile's dK / dV
+    # bwd_tiles.py): the next tile's K, V and first Q / dO load while this tile's dK / dV
     # epilogue runs, and no CTA starts or ends between tiles. 0: off. The interface lowers it
     # to the device's SM count. Non-causal MHA without a window, "bulk" dQ, dK / dV by TMA
     # staged where they fit (``epilogue_staging_fits``), not deterministic, no pre_ctas (an
@@ -377,14 +377,14 @@ class BwdConfig:
 
     def epilogue_staging_fits(self) -> bool:
         """Whether dK fits in the dS buffers and dV in the SMEM dQ tile, where persistent
-        CTAs stage them for their TMA stores (Note [persistent CTAs] in bwd_kernel.py)."""
+        CTAs stage them for their TMA stores (Note [persistent CTAs] in bwd_tiles.py)."""
         b = self.dtype_bytes
         return (self.dq_accum == "bulk"
                 and self.tile_n * self.head_dim * b <= self.tile_m * self.tile_n * b * self.ds_stage
                 and self.tile_n * self.head_dim_v * b <= self.dq_block_elems * 4)
 
     def _validate_persistent(self):
-        """The rules of ``persistent_ctas`` > 0 (Note [persistent CTAs] in bwd_kernel.py)."""
+        """The rules of ``persistent_ctas`` > 0 (Note [persistent CTAs] in bwd_tiles.py)."""
         rules = (
             (self.causal or self.is_local,
              "a problem without a causal mask or window: the CTAs take the tiles in a fixed "
@@ -758,89 +758,3 @@ def effective_window_right(cfg: BwdConfig) -> Optional[int]:
     if cfg.causal:
         right = 0 if right is None else min(right, 0)
     return right
-
-
-def m_block_range(cfg: BwdConfig, n_block, seqlen_q, seqlen_k, imax=max, imin=min):
-    """Query blocks [m_min, m_max) whose band reaches key block ``n_block``.
-
-    Rows are aligned bottom-right: query i sees key j iff i + off - left <= j <= i + off + right
-    with off = seqlen_k - seqlen_q. The kernel calls this while tracing with DSL integers (and
-    ``imax``/``imin`` = cutlass.max/min); the tests call it with Python integers.
-    """
-    tm, tn = cfg.tile_m, cfg.tile_n
-    m_max = (seqlen_q + tm - 1) // tm
-    m_min = 0 * n_block
-    off = seqlen_k - seqlen_q
-    right = effective_window_right(cfg)
-    if right is not None:
-        m_min = imax(n_block * tn - off - right, 0) // tm
-    if cfg.window_left is not None:
-        m_max = imin(m_max, imax((n_block + 1) * tn - 1 - off + cfg.window_left + tm, 0) // tm)
-    return m_min, m_max
-
-
-def _pick(cond, a, b):
-    return a if cond else b
-
-
-def stagger_offset(cfg: BwdConfig, n_block, num_n_blocks, m_min, m_max):
-    """Where key block ``n_block``'s sweep over its query blocks [m_min, m_max) starts,
-    relative to m_min (Note [staggered query blocks] in bwd_kernel.py): 0 without
-    ``stagger_m``; else its cluster's (its own without ``qdo_multicast``) share of the sweep,
-    cluster c of C starting c / C of the way in. DSL or Python integers."""
-    if not cfg.stagger_m:
-        return 0 * n_block
-    ctas = cfg.cluster[0]
-    clusters = (num_n_blocks + ctas - 1) // ctas
-    return (n_block // ctas) * (m_max - m_min) // clusters
-
-
-def staggered_m_block(i, offset, m_min, m_max, pick=_pick):
-    """The query block of step ``i`` (m_min <= i < m_max) of a sweep that starts ``offset``
-    (0 <= offset < m_max - m_min) blocks in and wraps around at m_max."""
-    m = i + offset
-    return pick(m >= m_max, m - (m_max - m_min), m)
-
-
-def first_n_block(cfg: BwdConfig, m_block, seqlen_q, seqlen_k, imax=max):
-    """The lowest key block whose range contains query block ``m_block``: the base of the
-    deterministic dQ semaphore (the key blocks that add into ``m_block`` are consecutive)."""
-    if cfg.window_left is None:
-        return 0 * m_block
-    return imax(m_block * cfg.tile_m + seqlen_k - seqlen_q - cfg.window_left, 0) // cfg.tile_n
-
-
-def longest_first_tail_pairs(cfg: BwdConfig, num_n_blocks, num_pairs, imin=min, imax=max):
-    """(batch, head) pairs whose CTAs start longest first: ``tail_ctas`` in whole pairs, at
-    least one, at most all (Note [longest first] in bwd_kernel.py)."""
-    return imax(imin((cfg.tail_ctas + num_n_blocks - 1) // num_n_blocks, num_pairs), 1)
-
-
-def longest_first_cluster_cta(linear, num_n_blocks, num_pairs, tail_pairs, ctas, pick=_pick):
-    """``longest_first_cta`` for clusters of ``ctas`` neighbouring key blocks (Note [Q/dO
-    multicast]): the cluster launched ``linear // ctas``-th is renumbered as one CTA of a grid
-    of ``num_n_blocks // ctas`` columns, and the CTA keeps its rank in it, so that a cluster
-    still holds key blocks ``ctas c .. ctas c + ctas - 1`` of one pair. ``ctas`` is a Python
-    integer (1: ``longest_first_cta`` itself)."""
-    if ctas == 1:
-        return longest_first_cta(linear, num_n_blocks, num_pairs, tail_pairs, pick)
-    rank = linear % ctas
-    column, pair = longest_first_cta(linear // ctas, num_n_blocks // ctas, num_pairs,
-                                     tail_pairs, pick)
-    return column * ctas + rank, pair
-
-
-def longest_first_cta(linear, num_n_blocks, num_pairs, tail_pairs, pick=_pick):
-    """(key block, (batch, head) pair) of the CTA launched ``linear``-th (Note [longest first]
-    in bwd_kernel.py): the grid's order (``linear`` = key block + num_n_blocks x pair) up to
-    the last ``tail_pairs`` pairs; those start key block 0 of each pair, then key block 1,
-    .... The kernel calls this with DSL integers (``pick(cond, a, b)`` = a if cond else b, a
-    select there), the tests and the schedule model with Python integers."""
-    head_ctas = (num_pairs - tail_pairs) * num_n_blocks
-    in_tail = linear >= head_ctas
-    rest = linear - head_ctas
-    n_tail = rest // tail_pairs
-    pair_tail = num_pairs - tail_pairs + rest - n_tail * tail_pairs
-    pair_grid = linear // num_n_blocks
-    n_grid = linear - pair_grid * num_n_blocks
-    return pick(in_tail, n_tail, n_grid), pick(in_tail, pair_tail, pair_grid)

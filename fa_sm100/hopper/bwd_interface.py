@@ -139,7 +139,7 @@ def sm90_bwd(dout, q, k, v, out, lse, softmax_scale: Optional[float] = None, cau
 
 def fit_persistent_ctas(config: BwdConfig, num_sms: int) -> BwdConfig:
     """``config`` with ``persistent_ctas`` lowered to the SMs of the device, in whole clusters
-    (Note [persistent CTAs] in bwd_kernel.py: one CTA per SM, and a CTA that finds no SM
+    (Note [persistent CTAs] in bwd_tiles.py: one CTA per SM, and a CTA that finds no SM
     would start only when another has finished all its tiles)."""
     most = num_sms // config.cluster[0] * config.cluster[0]
     if config.persistent_ctas > most:

@@ -1,7 +1,8 @@
 """The SM90 attention backward main kernel (`sm90_bwd`): warp-specialized, WGMMA.
 
 One CTA owns one tile (key block ``n_block``, query head, batch), or with persistent CTAs
-one tile at a time of its walk (Note [persistent CTAs]): it keeps K and V of its
+one tile at a time of its walk (Note [persistent CTAs] in bwd_tiles.py, which also
+says which tiles a CTA takes and in what order): it keeps K and V of its
 ``tile_n`` key rows (128; 64 above hdim 128) in SMEM and accumulates dK and dV in registers
 while it walks the query blocks that can see those keys. Per query block (``tile_m`` = 64
 rows, or 80 / 128 with ``sdp_swap_ab``) it recomputes S and dP and produces P and dS.
@@ -141,23 +142,6 @@ with swapped 64-row blocks and a left window (GQA, deterministic) ptxas spilled,
 (``_mask``) that kernel fits with the token (the compile test), and the default waits for a
 GPU run.
 
-Note [longest first] (``longest_first``): a CTA owns one key block of one (batch, head) pair
-and visits the query blocks whose band reaches it. Under a causal mask key block n sees
-``m_block_range`` = all query blocks from about n * tile_n / tile_m on, so key block 0 has the
-most work and the last one the least. The hardware hands out CTAs in launch order, each to the
-first SM that frees up. In the grid's order (key blocks of a pair, then the next pair) that
-balances itself until the end: the last pair's key block 0 starts when most of the grid is
-done and runs on alone (``python -m fa_sm100.hopper.schedule_model --mode bwd``: 1.03-1.07x
-the ideal makespan at 1k-8k). With the switch on, the kernel renumbers its CTAs
-(``longest_first_cta``): the grid's order up to the last ``tail_ctas`` CTAs (two waves,
-rounded up to whole pairs); those start key block 0 of each of their pairs, then key block 1,
-and so on, so the last CTAs to start are the shortest. Only the tail is reordered because the
-grid's order is what keeps L2 warm: the CTAs that run together share a few pairs' Q, dO and
-dQ accumulator (reordering the whole grid this way, in sections of 16-96 MiB of pairs,
-measured up to 24% slower at 1k, where a section spans many pairs). Within a pair key blocks
-still start in increasing order, which the deterministic dQ semaphore relies on (Deterministic
-mode in docs/hopper_backward.md).
-
 Note [Q/dO multicast] (``qdo_multicast``): without a mask every key block of a (batch, head)
 pair visits the same query blocks in the same order, so the CTAs of key blocks c q .. c q +
 q - 1 (q = ``qdo_cluster``, 2 by default; the launch needs a whole number of clusters of key
@@ -180,53 +164,6 @@ CTAs, are renumbered (``longest_first_cluster_cta``). Same idea as the forward's
 multicast]. Clusters of 4 measured slower than pairs on the H100 (backward 4.5-7%, forward
 6.5-8%).
 
-Note [staggered query blocks] (``stagger_m``): without a mask every key block of a (batch,
-head) pair visits the query blocks 0, 1, ... in step, so all of them (up to 128 at 16k) add
-their dQ tiles into the same query block's accumulator at about the same moment, and with
-``dq_first_store`` all but one wait for its copy at every block. With the switch the sweep of
-key block n's cluster c (of C clusters in the pair; a cluster is one CTA without
-``qdo_multicast``) starts ``c * count // C`` blocks in and wraps around (``stagger_offset``,
-``staggered_m_block``): at any moment the clusters work on blocks spread over the whole range.
-The load, MMA and dq-store roles map their step i to the same block; which blocks need the
-mask, and everything else per block, follow the block, not the step. A block's first CTA is
-then alone there and copies while the other clusters are elsewhere; only the CTAs of one
-cluster (which share their Q/dO loads, hence their order) arrive together, and one of them
-waits for the other's copy. Q/dO of a pair are read in C places at once instead of one (512
-KiB per pair at 1k, 8 MiB at 16k, hdim 128: L2 holds them). Not for masked or deterministic
-problems (``validate``). Default with first stores at hdim 128 (``STAGGER_HEAD_DIMS``), where
-it measured +1-2%; at hdim 64 and 256 it moved both ways.
-
-Note [persistent CTAs] (``persistent_ctas``): one CTA per tile pays, per tile, for a CTA's end
-and start and for a pipeline that drains and fills: the epilogue's TMA stores must read SMEM
-before the CTA exits, the next CTA initializes its barriers, loads K and V, and only then
-issues its first Q / dO. With ``persistent_ctas = P`` the grid is min(tiles, P) CTAs in one
-row and CTA c walks the tiles c, c + grid, c + 2 grid, ... (numbered as the one-CTA grid:
-key block fastest; ``TileWalk``, ``_tile_at``). Each role loops over the walk, carrying its
-pipeline states from tile to tile, and between tiles:
-- the load warp issues the next tile's first Q / dO into the stage the previous tile's
-  second-to-last block has freed, then waits on K/V empty (``mbar_kv + 1``) and loads K, V;
-- the MMA warpgroups' epilogue stages dK in the dS buffers and dV in the SMEM dQ tile
-  instead of K's and V's buffers (``_epilogue_staging``; ``validate`` checks they fit), so
-  that K/V empty is signalled as soon as the tile's GEMMs have retired, and the next K, V
-  load while dK and dV are converted, staged and stored. The dS buffers are free once both
-  warpgroups have passed the first epilogue barrier; the dQ tile is borrowed from the
-  dq-store warp by one more round of its hand-off (``DQ_EMPTY`` once the tile's last reduce
-  has read it, waited for after dK is staged; ``DQ_FULL`` once the stores have read both,
-  after a last epilogue barrier, before the next tile writes dS or dQ);
-- K/V full (``mbar_kv``) completes once per tile: tile k waits for phase k % 2.
-Under ``qdo_multicast`` (clusters of 2: 4 do not all fit at once) the grid and
-``persistent_ctas`` are whole clusters and so is every pair's key-block count (``sm90_bwd``
-checks it), so the two CTAs of a cluster always hold neighbouring key blocks of one pair and
-walk the same number of tiles in step: the Q/dO stages' multicast protocol continues across tiles
-(as the forward's Note [Persistent multicast]). The order is static, so it balances only tiles
-of equal length: no mask or window (a band's tiles differ, and one CTA per tile with
-``longest_first`` balances them). The preprocess runs ahead (``pre_ctas=0``): its CTAs beside
-the main kernel would hold SMs that some persistent CTAs then wait for, and those end last.
-The gain is the per-tile cost, so it shrinks as tiles grow: ``select_bwd_config`` takes it up
-to ``PERSISTENT_MAX_SEQLEN`` (hdim 64 and 128, +3% at 1k, +1% at 2k; paired timing on an
-H200). GPU tests: the float64 rule with NaN-poisoned workspaces and CTAs walking many tiles,
-and dK, dV bit for bit those of one CTA per tile.
-
 dQ is accumulated in float32 in global memory by one of two switchable paths (``dq_accum``);
 the load warp is in ``bwd_load.py`` (``BwdLoadRole``); the stores of dQ, dK and dV are in
 ``bwd_store.py`` (``BwdStoreRole``, with Note [dQ SMEM handoff]); the per-element math
@@ -243,12 +180,11 @@ from cutlass.utils import LayoutEnum
 
 from fa_sm100.config import WARP_SIZE, cutlass_dtype
 from fa_sm100.hopper import probes
-from fa_sm100.hopper.bwd_config import (BwdConfig, first_n_block, longest_first_cluster_cta,
-                                        longest_first_tail_pairs, m_block_range,
-                                        stagger_offset, staggered_m_block)
+from fa_sm100.hopper.bwd_config import BwdConfig
 from fa_sm100.hopper.bwd_load import BwdLoadRole
 from fa_sm100.hopper.bwd_scores import BwdScoresRole
 from fa_sm100.hopper.bwd_store import BwdStoreRole, dq_tile_shape, dq_tiled_mma
+from fa_sm100.hopper.bwd_tiles import BwdTileRole, TileWalk, longest_first_tail_pairs
 from fa_sm100.hopper.common import NO_WAIT, rows_cols_view, transpose_view, wgmma
 from fa_sm100.hopper.config import SMEM_ALIGN, WARPGROUP_THREADS, WGMMA_M
 from fa_sm100.hopper.fwd_math import convert_to, operand_a_view
@@ -262,38 +198,7 @@ DQ_STORE_WARP = 1  # "bulk" dQ only
 PS_ATOM_COLS = 64  # key columns of one P / dS swizzle atom row (128 bytes)
 
 
-def _pick(cond, a, b) -> Int32:
-    """a if cond else b, for DSL integers (a select, no branch)."""
-    return Int32(cutlass.select_(cond, Int32(a), Int32(b)))
-
-
-class BwdTile:
-    """One tile of the main kernel: key block ``n_block`` of (``batch``, ``head``), the query
-    blocks [``m_block_min``, ``m_block_max``) it visits from step ``m_offset`` on (Note
-    [staggered query blocks]), and ``m_block_first``, the first one its load warp loads (Note
-    [Q/dO multicast]). A plain holder of DSL integers (the DSL would carry a dataclass
-    through run-time loops as run-time values)."""
-
-    def __init__(self, n_block, head, batch, m_block_first, m_block_min, m_block_max, m_offset):
-        self.n_block, self.head, self.batch = n_block, head, batch
-        self.m_block_first, self.m_block_min, self.m_block_max = (m_block_first, m_block_min,
-                                                                  m_block_max)
-        self.m_offset = m_offset
-
-
-class TileWalk:
-    """A persistent CTA's tiles (Note [persistent CTAs]): ``first``, ``first + stride``, ...
-    below ``num_n_blocks * num_pairs``, numbered as the one-CTA-per-tile grid is (key block
-    fastest, then head, then batch). A plain holder, like ``BwdTile``."""
-
-    def __init__(self, first, stride, num_pairs, num_heads, seqlen_q, seqlen_k, num_n_blocks):
-        self.first, self.stride = first, stride
-        self.count = num_n_blocks * num_pairs
-        self.num_heads, self.num_n_blocks = num_heads, num_n_blocks
-        self.seqlen_q, self.seqlen_k = seqlen_q, seqlen_k
-
-
-class Sm90FlashBackward(BwdLoadRole, BwdStoreRole, BwdScoresRole):
+class Sm90FlashBackward(BwdTileRole, BwdLoadRole, BwdStoreRole, BwdScoresRole):
     """Builds and launches the main backward kernel for one ``BwdConfig``."""
 
     def __init__(self, cfg: BwdConfig):
@@ -368,7 +273,7 @@ class Sm90FlashBackward(BwdLoadRole, BwdStoreRole, BwdScoresRole):
 
         @cute.struct
         class SharedStorage:
-            # K/V full; with persistent CTAs also K/V empty (Note [persistent CTAs])
+            # K/V full; with persistent CTAs also K/V empty (Note [persistent CTAs], bwd_tiles.py)
             mbar_kv: cute.struct.MemRange[cutlass.Int64, 1 + int(c.persistent_ctas > 0)]
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * c.q_stage]
             mbar_do: cute.struct.MemRange[cutlass.Int64, 2 * c.do_stage]
@@ -446,7 +351,7 @@ class Sm90FlashBackward(BwdLoadRole, BwdStoreRole, BwdScoresRole):
         num_n_blocks = cute.ceil_div(mK.shape[1], self.tile_n)
         num_pairs = mQ.shape[0] * mQ.shape[2]
         tail_pairs = longest_first_tail_pairs(self.cfg, num_n_blocks, num_pairs, cutlass.min,
-                                              cutlass.max)  # Note [longest first]
+                                              cutlass.max)  # Note [longest first], bwd_tiles.py
         self.kernel(
             tma_mQ, tma_mK, tma_mV, tma_mdO, tma_Q, tma_K, tma_V, tma_dO,
             mLSE2, mDelta, mdQacc, mdK, mdV, mdQsem, tma_dK, tma_mdK, tma_dV, tma_mdV,
@@ -463,15 +368,6 @@ class Sm90FlashBackward(BwdLoadRole, BwdStoreRole, BwdScoresRole):
             use_pdl=self.cfg.pdl,  # Note [chained launches] in bwd_interface.py
             **({"cluster": list(self.cfg.cluster)} if self.cfg.qdo_multicast else {}),
         )
-
-    def _grid(self, num_n_blocks, num_heads, num_batch):
-        """One CTA per tile (key block, head, batch); with ``persistent_ctas`` at most that
-        many CTAs in one row, each walking the tiles (Note [persistent CTAs]; every pair's
-        key blocks are whole clusters, and so is ``persistent_ctas``)."""
-        if const_expr(self.cfg.persistent_ctas):
-            tiles = num_n_blocks * num_heads * num_batch
-            return [cutlass.min(tiles, self.cfg.persistent_ctas), 1, 1]
-        return [num_n_blocks, num_heads, num_batch]
 
     # ---- kernel: shared storage, registers, role dispatch ------------------------------------
 
@@ -538,7 +434,7 @@ class Sm90FlashBackward(BwdLoadRole, BwdStoreRole, BwdScoresRole):
             sLSE2 = storage.sLSE2.get_tensor(cute.make_layout((self.tile_m, self.cfg.q_stage)))
             sDelta = storage.sDelta.get_tensor(cute.make_layout((self.tile_m, self.cfg.do_stage)))
 
-        if const_expr(self.cfg.persistent_ctas):  # Note [persistent CTAs]
+        if const_expr(self.cfg.persistent_ctas):  # Note [persistent CTAs], bwd_tiles.py
             work = TileWalk(cute.arch.block_idx()[0], cute.arch.grid_dim()[0],
                             mQ.shape[3] * mQ.shape[2], mQ.shape[2], seqlen_q, seqlen_k,
                             self.cfg.num_key_blocks(seqlen_k))
@@ -565,40 +461,6 @@ class Sm90FlashBackward(BwdLoadRole, BwdStoreRole, BwdScoresRole):
                      seqlen_q, seqlen_k, softmax_scale, scale_log2,
                      self._epilogue_staging(storage, sK, sV, sK_layout, sV_layout))
 
-    def _cta_tile(self, qdo_ctas, tail_pairs, seqlen_q: Int32, seqlen_k: Int32):
-        """This CTA's one tile, from its block index (Note [longest first] renumbers it)."""
-        n_block, head, batch = cute.arch.block_idx()
-        if const_expr(self.cfg.longest_first):  # Note [longest first], by whole clusters
-            num_n_blocks, num_heads, num_batch = cute.arch.grid_dim()
-            n_block, pair = longest_first_cluster_cta(
-                n_block + num_n_blocks * (head + num_heads * batch), num_n_blocks,
-                num_heads * num_batch, tail_pairs, qdo_ctas, _pick)
-            batch = pair // num_heads
-            head = pair - batch * num_heads
-        m_block_min, m_block_max = self._m_block_range(n_block, seqlen_q, seqlen_k)
-        # The first query block this CTA loads and waits for: its own first, or under a
-        # causal qdo_multicast the cluster's (its rank-0 key block's; Note [Q/dO multicast])
-        m_block_first = m_block_min
-        if const_expr(self.cfg.qdo_multicast and self.cfg.causal):
-            rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
-            m_block_first, _ = self._m_block_range(n_block - rank, seqlen_q, seqlen_k)
-
-        # Note [staggered query blocks]: where this CTA's sweep starts (0 without)
-        m_offset = stagger_offset(self.cfg, n_block, cute.arch.grid_dim()[0], m_block_min,
-                                  m_block_max)
-        return BwdTile(n_block, head, batch, m_block_first, m_block_min, m_block_max, m_offset)
-
-    def _tile_at(self, t: Int32, work):
-        """Tile ``t`` of a persistent CTA's walk (Note [persistent CTAs]): key block
-        ``t % num_n_blocks`` of (batch, head) pair ``t // num_n_blocks``, the grid's order."""
-        n_block = t % work.num_n_blocks
-        pair = t // work.num_n_blocks
-        batch = pair // work.num_heads
-        head = pair - batch * work.num_heads
-        m_block_min, m_block_max = self._m_block_range(n_block, work.seqlen_q, work.seqlen_k)
-        m_offset = stagger_offset(self.cfg, n_block, work.num_n_blocks, m_block_min, m_block_max)
-        return BwdTile(n_block, head, batch, m_block_min, m_block_min, m_block_max, m_offset)
-
     def _epilogue_staging(self, storage, sK, sV, sK_layout, sV_layout):
         """Where the dK / dV epilogue stages its tiles for the TMA stores (Note [dK/dV by
         TMA]): K's and V's buffers; with persistent CTAs the dS buffers and the SMEM dQ tile,
@@ -608,33 +470,6 @@ class Sm90FlashBackward(BwdLoadRole, BwdStoreRole, BwdScoresRole):
         return (storage.sdS.get_tensor(sK_layout.outer, swizzle=sK_layout.inner),
                 storage.sdQ.get_tensor(sV_layout.outer, swizzle=sV_layout.inner,
                                        dtype=self.dtype))
-
-    # ---- block ranges and masks ----------------------------------------------------------
-
-    def _m_block_range(self, n_block: Int32, seqlen_q: Int32, seqlen_k: Int32):
-        """Query blocks [min, max) this CTA visits (``bwd_config.m_block_range``)."""
-        return m_block_range(self.cfg, n_block, seqlen_q, seqlen_k, cutlass.max, cutlass.min)
-
-    def _m_block_at(self, step: Int32, m_offset: Int32, m_block_min: Int32, m_block_max: Int32):
-        """The query block of sweep step ``step``: ``step`` itself, or with ``stagger_m`` the
-        staggered sweep's (Note [staggered query blocks])."""
-        if const_expr(probes.active("sweep") == "twice"):  # Note [cost probes]: step 2 sweeps
-            step = _pick(step >= m_block_max, step - (m_block_max - m_block_min), step)
-        if const_expr(not self.cfg.stagger_m):
-            return step
-        return staggered_m_block(step, m_offset, m_block_min, m_block_max, _pick)
-
-    def _sweep_end(self, m_block_min: Int32, m_block_max: Int32):
-        """Where the sweep's steps end: ``m_block_max``; under the ``sweep=twice`` cost probe
-        (Note [cost probes]) one sweep later (``_m_block_at`` folds the second onto the
-        first)."""
-        if const_expr(probes.active("sweep") == "twice"):
-            return m_block_max + (m_block_max - m_block_min)
-        return m_block_max
-
-    def _n_block_first(self, m_block: Int32, seqlen_q: Int32, seqlen_k: Int32):
-        """The first key block that adds into query block ``m_block`` (semaphore base)."""
-        return first_n_block(self.cfg, m_block, seqlen_q, seqlen_k, cutlass.max)
 
     # ---- MMA role ------------------------------------------------------------------------
 
@@ -651,22 +486,6 @@ class Sm90FlashBackward(BwdLoadRole, BwdStoreRole, BwdScoresRole):
                 mLSE2, mDelta, mdQacc, dkv_out, mdQsem, mbar_kv, pipe_q, pipe_do, tidx, group,
                 seqlen_q, seqlen_k, softmax_scale, scale_log2, staging)
         self._walk(work, self._mma_tile, args, (state_q, state_do))
-
-    @cute.jit
-    def _walk(self, work, tile_body, args, states):
-        """``states = tile_body(*args, tile, k, *states)`` for this CTA's tile (``work``: a
-        ``BwdTile``; k = 0), or with persistent CTAs for each tile of its walk (``work``: a
-        ``TileWalk``; k = 0, 1, ...), ``states`` (a role's pipeline states, or none) carried
-        from one tile to the next (Note [persistent CTAs]). Every role walks this way.
-        Returns the states after the last tile."""
-        if const_expr(self.cfg.persistent_ctas):
-            k = Int32(0)
-            for t in cutlass.range(work.first, work.count, work.stride, unroll=1):
-                states = tile_body(*args, self._tile_at(t, work), k, *states)
-                k += 1
-        else:
-            states = tile_body(*args, work, 0, *states)
-        return states
 
     @cute.jit
     def _mma_tile(self, mma_sdp, mma_dk, mma_dv, mma_dq, sQ, sK, sV, sdO, sP, sdS, sdQ, sLSE2,

@@ -4,7 +4,8 @@ the order of Note [staggered query blocks], Q and dO into the ``q`` and ``do`` p
 stage with its block's LSE2 / Delta (Note [stats with their stage]); under ``qdo_multicast``
 this CTA's share of each tile, multicast to the cluster (Note [Q/dO multicast]). With
 persistent CTAs it does so for each tile of the CTA's walk, the next tile's first Q / dO
-before its K / V (Note [persistent CTAs]). The Notes are in ``bwd_kernel.py``.
+before its K / V. The Notes are in ``bwd_kernel.py``, but [staggered query blocks] and
+[persistent CTAs], which are in ``bwd_tiles.py``.
 """
 
 import cutlass
@@ -28,7 +29,7 @@ class BwdLoadRole:
     def load(self, mQ, mK, mV, mdO, tma_Q, tma_K, tma_V, tma_dO, sQ, sK, sV, sdO,
              mLSE2, mDelta, sLSE2, sDelta, mdQsem, mbar_kv, pipe_q, pipe_do, work, group):
         """Warp 0: ``_load_tile`` for this CTA's tile, or with persistent CTAs for each tile of
-        its walk (Note [persistent CTAs] in bwd_kernel.py), the ``q`` / ``do`` states carried
+        its walk (Note [persistent CTAs] in bwd_tiles.py), the ``q`` / ``do`` states carried
         from one to the next; under ``qdo_multicast`` it then waits for the peers' last
         releases."""
         state_q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.cfg.q_stage)

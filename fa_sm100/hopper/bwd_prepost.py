@@ -28,7 +28,7 @@ H100), and as a plain programmatic dependent it started only once the main kerne
 while the main kernel's last wave left more and more SMs idle. With the switch:
 - every main-kernel CTA calls ``griddepcontrol.launch_dependents`` first thing, so the
   postprocess launches once the last main CTA has started and its CTAs take SMs as the main
-  kernel's CTAs leave them (persistent CTAs, Note [persistent CTAs] in bwd_kernel.py, leave
+  kernel's CTAs leave them (persistent CTAs, Note [persistent CTAs] in bwd_tiles.py, leave
   only after their last tile: then the postprocess has the SMs of the walks that end
   first);
 - the dq-store warp of every main CTA, after its last query block, waits until its bulk

@@ -46,7 +46,7 @@ warpgroups write scaled dK and dV there with stmatrix, fence, meet again, and on
 both tiles by TMA (one store per swizzle box; rows past seqlen_k are clipped by the TMA unit)
 and waits for them to read SMEM before the CTA exits. Persistent CTAs stage dK in the dS
 buffers and dV in the dQ tile instead, so that the next tile's K and V can load meanwhile
-(Note [persistent CTAs] in bwd_kernel.py). The direct path
+(Note [persistent CTAs] in bwd_tiles.py). The direct path
 (``dkv_tma_store=False``, and GQA's float32 buffers) stores 2-byte elements from registers:
 128 STG.U16 per thread at hdim 128, each touching 8 rows of 16 bytes.
 
@@ -107,7 +107,7 @@ def dq_fragment_view(cfg, ptr, tidx):
 
 def finished_ctas_count(cfg, mdQsem, batch, head):
     """The pointer to (batch, head)'s count of finished main-kernel tiles (CTAs, unless
-    persistent: Note [persistent CTAs] in bwd_kernel.py), its last dQ
+    persistent: Note [persistent CTAs] in bwd_tiles.py), its last dQ
     semaphore but the preprocess's count (``BwdConfig.dq_sem_slots``, Note [dQ postprocess in
     the tail] in bwd_prepost.py): the dq-store warp adds to it, the dQ postprocess polls it."""
     return mdQsem[batch, head, None].iterator + mdQsem.shape[2] - 1 - int(cfg.pre_ctas > 0)
@@ -210,7 +210,7 @@ class BwdStoreRole:
     @cute.jit
     def dq_store(self, mdQacc, mdQsem, sdQ, mLSE2, work, seqlen_q, seqlen_k):
         """Warp 1 ("bulk" dQ): ``_dq_store_tile`` for this CTA's tile, or with persistent CTAs
-        for each tile of its walk (Note [persistent CTAs] in bwd_kernel.py); then it waits
+        for each tile of its walk (Note [persistent CTAs] in bwd_tiles.py); then it waits
         until its last bulk operation has read SMEM."""
         self._walk(work, self._dq_store_tile, (mdQacc, mdQsem, sdQ, mLSE2, seqlen_q, seqlen_k),
                    ())
@@ -362,7 +362,7 @@ class BwdStoreRole:
                         tma_mdV, tidx, n_block, head, batch, mbar_kv):
         """MHA dK (scaled by the caller) and dV -> SMEM (``staging``: K's and V's buffers, or
         with persistent CTAs the dS buffers and the dQ tile) -> GMEM by TMA (Note [dK/dV by
-        TMA]). With persistent CTAs (Note [persistent CTAs] in bwd_kernel.py) the warpgroups
+        TMA]). With persistent CTAs (Note [persistent CTAs] in bwd_tiles.py) the warpgroups
         tell the load warp that K and V are free (``mbar_kv + 1``) right after the first
         ``EPILOGUE`` barrier, stage dK, take the dQ tile back from the dq-store warp
         (``DQ_EMPTY``, then ``EPILOGUE`` so that both halves are free) before they stage dV,

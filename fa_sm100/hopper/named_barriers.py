@@ -43,5 +43,5 @@ class Sm90BwdBarrier(IntEnum):
     # MHA dK/dV by TMA: both MMA warpgroups' GEMMs have retired (K and V may be overwritten),
     # then dK and dV are in SMEM (256 threads). With persistent CTAs also: both warpgroups
     # have the dQ tile back (before dV is staged there), and the stores have read SMEM
-    # (before the next tile writes dS and dQ); Note [persistent CTAs] in bwd_kernel.py.
+    # (before the next tile writes dS and dQ); Note [persistent CTAs] in bwd_tiles.py.
     EPILOGUE = 10

@@ -35,7 +35,7 @@ gets a probed kernel. Probes:
   T1 the plain time and T2 the probed one, T2 - T1 is what the sweeps cost and 2 T1 - T2 what
   the CTAs cost beyond them: launch, K/V load, pipeline fill and drain, dK/dV epilogue, the
   last wave, and the pre/postprocess where they do not overlap. That bounds what persistent
-  CTAs (Note [persistent CTAs] in bwd_kernel.py: the next tile's loads under this one's
+  CTAs (Note [persistent CTAs] in bwd_tiles.py: the next tile's loads under this one's
   epilogue) could win; with them on (the default up to 2k) the epilogue is still counted.
   Non-causal and not deterministic only: under a causal mask with Q/dO multicast a CTA
   first waits through its cluster's blocks before its own, which the second sweep would not

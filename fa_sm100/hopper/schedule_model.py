@@ -21,7 +21,7 @@ the dK/dV epilogue), the hardware hands CTAs out in launch order to the SM that 
 first] in bwd_kernel.py). Under ``qdo_multicast`` a cluster's CTAs start together and hold their
 SMs for the cluster's query blocks (Note [Q/dO multicast]). A third column deals the tiles in
 the grid's order to ``num_ctas`` persistent CTAs, statically (Note [persistent CTAs] in
-bwd_kernel.py): equal to the hardware's deal for tiles of equal length, and why persistent
+bwd_tiles.py): equal to the hardware's deal for tiles of equal length, and why persistent
 CTAs are refused under a causal mask.
 """
 
@@ -30,9 +30,9 @@ from __future__ import annotations
 import argparse
 import heapq
 
-from fa_sm100.hopper.bwd_config import (BwdConfig, longest_first_cluster_cta,
-                                        longest_first_tail_pairs, m_block_range,
-                                        select_bwd_config)
+from fa_sm100.hopper.bwd_config import BwdConfig, select_bwd_config
+from fa_sm100.hopper.bwd_tiles import (longest_first_cluster_cta, longest_first_tail_pairs,
+                                       m_block_range)
 from fa_sm100.hopper.config import Sm90FwdConfig, select_sm90_fwd_config
 
 
