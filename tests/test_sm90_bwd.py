@@ -1109,6 +1109,7 @@ PLAN_CASES = [  # (b, sq, sk, hq, hk, d, config overrides); v's head dim: the fo
     (1, 65, 63, 4, 1, 192, dict(gqa_reduce="atomic", deterministic=False)),
     (2, 100, 100, 6, 2, 256, dict(deterministic=True)),
     (2, 300, 256, 4, 4, 128, dict(persistent_ctas=132, pre_ctas=0)),
+    (2, 300, 256, 4, 4, 64, dict(causal=True, persistent_ctas=132, dynamic_tiles=True)),
 ]
 
 
@@ -1595,7 +1596,9 @@ SMEM_CASES = [dict(head_dim=128), dict(head_dim=128, tile_m=64, sdp_swap_ab=Fals
               dict(head_dim=256, dq_accum="bulk", q_stage=1, do_stage=1),
               # Note [persistent CTAs]: one more mbarrier (K/V empty)
               dict(head_dim=128, persistent_ctas=132, pre_ctas=0),
-              dict(head_dim=64, persistent_ctas=8)]
+              dict(head_dim=64, persistent_ctas=8),
+              # Note [dynamic tiles]: the handoff's mbarriers and index slots
+              dict(head_dim=64, causal=True, persistent_ctas=8, dynamic_tiles=True)]
 
 
 @pytest.mark.compile

@@ -671,6 +671,65 @@ def test_sm90_bwd_persistent_ctas_match_float64(sm90_device, monkeypatch, case):
     _run_case(b, sq, sk, hq, hk, d, config=cfg, seed=sq)
 
 
+DYNAMIC_CASES = [
+    # (b, sq, sk, hq, hk, d, causal, window, switches): persistent CTAs that fetch their tiles
+    # (Note [dynamic tiles]), far fewer than the tiles, so that the fetches and the handoff
+    # slots go round many times
+    (2, 1000, 1000, 4, 4, 64, True, (None, None), dict(persistent_ctas=4)),
+    (2, 1000, 1000, 4, 4, 128, True, (None, None), dict(persistent_ctas=6)),  # 64-row blocks
+    (1, 3000, 3000, 2, 2, 128, True, (None, None), dict(persistent_ctas=5)),  # 80-row blocks
+    (3, 333, 777, 2, 2, 64, True, (None, None), dict(persistent_ctas=3)),  # ragged, sq < sk
+    (2, 900, 700, 3, 3, 128, True, (None, None), dict(persistent_ctas=2)),  # sq > sk
+    (2, 1000, 1000, 4, 4, 128, False, (256, 64), dict(persistent_ctas=4)),  # a band
+    (2, 1000, 1000, 4, 4, 64, False, (None, None), dict(persistent_ctas=4)),  # no mask
+    (2, 1000, 1000, 4, 4, 128, False, (None, None), dict(persistent_ctas=4)),  # staggered
+    (2, 1000, 1000, 4, 4, 64, True, (None, None), dict(persistent_ctas=4, longest_first=False)),
+    # one CTA per SM: 16 x 16 tiles of 1 to 16 query blocks each
+    (2, 2048, 2048, 8, 8, 128, True, (None, None), dict(persistent_ctas=132)),
+]
+
+
+@pytest.mark.parametrize("case", DYNAMIC_CASES, ids=lambda c: (
+    f"d{c[5]}-b{c[0]}-q{c[1]}-k{c[2]}-h{c[3]}-causal={c[6]}-w={c[7][0]},{c[7][1]}"
+    + "".join(f"-{k}={v}" for k, v in c[8].items())))
+def test_sm90_bwd_dynamic_tiles_match_float64(sm90_device, monkeypatch, case):
+    """Dynamic tiles (Note [dynamic tiles]) keep the gradients right: every tile runs once
+    (the tile counter, poisoned like every dQ semaphore, must be zeroed by the preprocess), with
+    a causal mask (longest first, or in the grid's order), a band, or none, and with a NaN dQ
+    accumulator and NaN statistics to start from."""
+    from fa_sm100.hopper.bwd_config import select_bwd_config
+
+    b, sq, sk, hq, hk, d, causal, window, switches = case
+    cfg = select_bwd_config(head_dim=d, causal=causal, window_left=window[0],
+                            window_right=window[1], seqlen_q=sq, seqlen_k=sk,
+                            dynamic_tiles=True, **switches)
+    tiles = b * hq * cfg.num_key_blocks(sk)
+    assert cfg.pre_ctas == 0 and tiles > cfg.persistent_ctas, "CTAs that fetch several tiles"
+    _poison_workspace(monkeypatch, sems=7, stats=True)
+    _run_case(b, sq, sk, hq, hk, d, causal=causal, window=window, config=cfg, seed=sq + d)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_sm90_bwd_dynamic_tiles_dk_dv_are_bitwise_one_cta_per_tile(sm90_device, d):
+    """Causal: whichever CTA fetches a tile runs the same GEMMs in the same order, so dK and
+    dV are those of one CTA per tile bit for bit, over repeated calls (the counter starts from
+    zero each time: a call that skipped or repeated a tile would differ)."""
+    from fa_sm100.hopper.bwd_config import select_bwd_config
+    from fa_sm100.hopper.bwd_interface import sm90_bwd
+
+    s = 1536
+    q, k, v, out, lse, dout = _bf16_problem(2, s, 6, d, True, seed=d)
+    base = select_bwd_config(head_dim=d, causal=True, seqlen_q=s, seqlen_k=s)
+    assert not base.persistent_ctas
+    ref = sm90_bwd(dout, q, k, v, out, lse, causal=True, config=base)
+    cfg = select_bwd_config(head_dim=d, causal=True, seqlen_q=s, seqlen_k=s,
+                            persistent_ctas=10, dynamic_tiles=True)
+    for _ in range(3):
+        got = sm90_bwd(dout, q, k, v, out, lse, causal=True, config=cfg)
+        for name, x, y in zip(("dk", "dv"), ref[1:], got[1:]):
+            assert torch.equal(x, y), name
+
+
 @pytest.mark.parametrize("d", [64, 128])
 def test_sm90_bwd_persistent_dk_dv_are_bitwise_one_cta_per_tile(sm90_device, d):
     """A tile's dK and dV come from the same GEMMs in the same order whichever CTA runs it, so

@@ -1,16 +1,16 @@
-"""Persistent CTAs of the SM90 backward (Note [persistent CTAs] in fa_sm100/hopper/bwd_tiles.py),
-on the CPU: the config's rules and defaults, the interface's SM-count fit, and the
-cross-compiled kernel (no spill, the sweep's loop body unchanged, one TMA load of K and V per
-tile behind the K/V-empty wait). Gradients on an H200: tests/test_sm90_bwd_gpu.py
-(``persistent``)."""
+"""Persistent CTAs of the SM90 backward (Notes [persistent CTAs] and [dynamic tiles] in
+fa_sm100/hopper/bwd_tiles.py), on the CPU: the config's rules and defaults, the interface's
+SM-count fit, and the cross-compiled kernel (no spill, the sweep's loop body unchanged, one TMA
+load of K and V per tile behind the K/V-empty wait, one tile fetch). Gradients on an H200:
+tests/test_sm90_bwd_gpu.py (``persistent``, ``dynamic_tiles``)."""
 
 import collections
 
 import pytest
 from kept_sass import main_loop_ops, read_kept_sass
 
-from fa_sm100.hopper.bwd_config import (DEFAULT_PERSISTENT_CTAS, PERSISTENT_MAX_SEQLEN,
-                                        select_bwd_config)
+from fa_sm100.hopper.bwd_config import (DEFAULT_PERSISTENT_CTAS, DYNAMIC_TILES_HEAD_DIMS,
+                                        PERSISTENT_MAX_SEQLEN, select_bwd_config)
 from fa_sm100.hopper.bwd_interface import fit_persistent_ctas
 
 # the hdim 128 non-causal defaults of a 1k problem: multicast pairs, staggered sweeps, first dQ
@@ -122,3 +122,98 @@ def test_persistent_kernel_compiles_with_the_sweep_unchanged(head_dim, tmp_path)
     # block (before K / V) and in the loop
     tma = lambda s: sum(1 for line in s.splitlines() if "UTMALDG" in line)
     assert tma(pers_sass) == 2 * tma(plain_sass)
+
+
+# hdim 64 causal 1k with dynamic tiles, the default there
+C64 = select_bwd_config(head_dim=64, causal=True, seqlen_q=1024, seqlen_k=1024)
+
+
+@pytest.mark.parametrize("changes,rule", [
+    (dict(persistent_ctas=0), "dynamic_tiles=True needs persistent_ctas > 0"),
+    (dict(qdo_multicast=True), "qdo_multicast=False with dynamic_tiles"),
+    (dict(early_dq_post=True), "early_dq_post=False with dynamic_tiles"),
+    (dict(pre_ctas=32), "pre_ctas=0"),
+    (dict(deterministic=True), "deterministic=False"),
+    (dict(dynamic_tiles=1), "dynamic_tiles=1: must be a bool"),
+])
+def test_dynamic_tiles_rules_raise_value_error_naming_the_rule(changes, rule):
+    assert C64.dynamic_tiles and C64.persistent_ctas
+    with pytest.raises(ValueError, match=rule):
+        C64.replace(**changes).validate()
+
+
+def test_dynamic_tiles_take_masks_windows_and_longest_first():
+    """What a fixed stride refuses, fetched tiles take: a causal mask (longest first or not),
+    a window, no mask."""
+    for changes in (dict(), dict(longest_first=False), dict(causal=False, window_left=100),
+                    dict(causal=False)):
+        assert C64.replace(**changes).validate().dynamic_tiles
+    with pytest.raises(ValueError, match="or dynamic_tiles=True"):
+        C64.replace(dynamic_tiles=False).validate()
+
+
+def test_dynamic_tiles_defaults_where_measured():
+    """select_bwd_config: on for causal hdim 64 up to PERSISTENT_MAX_SEQLEN (persistent CTAs,
+    the preprocess ahead); off at longer lengths, at hdim 128, with a window, and wherever
+    persistent CTAs or their preprocess are asked for; asked for, it turns multicast and the
+    early dQ postprocess off instead of failing on them."""
+    assert DYNAMIC_TILES_HEAD_DIMS == (64,)
+    for s in (1024, PERSISTENT_MAX_SEQLEN):
+        cfg = select_bwd_config(head_dim=64, causal=True, seqlen_q=s, seqlen_k=s)
+        assert (cfg.dynamic_tiles, cfg.persistent_ctas, cfg.pre_ctas) == (
+            True, DEFAULT_PERSISTENT_CTAS, 0)
+    off = [dict(head_dim=64, causal=True, seqlen_q=4096, seqlen_k=4096),
+           dict(head_dim=128, causal=True), dict(head_dim=64, causal=False),
+           dict(head_dim=64, causal=True, window_left=64),
+           dict(head_dim=64, causal=True, persistent_ctas=0),
+           dict(head_dim=64, causal=True, pre_ctas=8),
+           dict(head_dim=64, causal=True, deterministic=True)]
+    for kw in off:
+        lengths = {k: 1024 for k in ("seqlen_q", "seqlen_k") if k not in kw}
+        assert not select_bwd_config(**kw, **lengths).dynamic_tiles, kw
+    asked = select_bwd_config(head_dim=128, causal=True, seqlen_q=8192, seqlen_k=8192,
+                              persistent_ctas=132, dynamic_tiles=True)
+    assert (asked.qdo_multicast, asked.early_dq_post, asked.pre_ctas) == (False, False, 0)
+    assert select_bwd_config(head_dim=128, causal=True, seqlen_q=8192, seqlen_k=8192).qdo_multicast
+
+
+def test_dynamic_tiles_take_one_more_semaphore_slot():
+    """The tile counter is one more dQ semaphore of every (batch, head) (the kernel uses
+    (0, 0)'s), zeroed by the preprocess with the others."""
+    plain = C64.replace(dynamic_tiles=False, persistent_ctas=0)
+    assert C64.dq_sems_per_block  # first dQ stores: one per query block
+    assert (plain.dq_sem_slots(8), C64.dq_sem_slots(8)) == (8, 9)
+    # without per-block semaphores the one slot every (batch, head) has is the counter
+    assert C64.replace(dq_first_store=False).dq_sem_slots(8) == 1
+
+
+@pytest.mark.compile
+def test_dynamic_tiles_kernel_compiles_with_the_sweep_unchanged(tmp_path):
+    """Causal hdim 64 with dynamic tiles: no spill, the sweep's loop body that of one CTA
+    per tile, one atomic add (the tile fetch) beside the first dQ store's compare-and-swap,
+    K / V loaded before the first tile's preprocess wait and after K/V empty."""
+    from fa_sm100.inspection import inspect_kernel
+
+    def build(dynamic):
+        keep = tmp_path / str(dynamic)
+        overrides = ["head_dim=64", "head_dim_v=64", "causal=true"]  # no lengths: no default
+        if dynamic:
+            overrides += ["persistent_ctas=132", "dynamic_tiles=true"]
+        report = inspect_kernel("sm90_bwd", "sm_90a", overrides, keep_dir=keep)
+        return report, read_kept_sass(keep)
+
+    (plain, plain_sass), (dyn, dyn_sass) = build(False), build(True)
+    assert dyn["config"]["dynamic_tiles"] and not plain["config"]["persistent_ctas"]
+    assert dyn["spill_bytes"] == 0 and dyn["local_bytes"] == 0
+    loop_kinds = ("HGMMA", "MUFU", "BAR", "WARPGROUP", "UBLKRED", "STSM", "FENCE", "SYNCS")
+
+    def loop_work(sass):
+        ops = collections.Counter(main_loop_ops(sass))
+        return {k: v for k, v in ops.items() if k.split(".")[0] in loop_kinds}
+
+    assert loop_work(dyn_sass) == loop_work(plain_sass)
+    atomics = lambda s: sorted(line.split()[1] for line in s.splitlines() if "ATOMG" in line)
+    assert atomics(plain_sass) == ["ATOMG.E.CAS.STRONG.GPU"]
+    assert atomics(dyn_sass) == ["ATOMG.E.ADD.STRONG.GPU", "ATOMG.E.CAS.STRONG.GPU"]
+    tma = lambda s: sum(1 for line in s.splitlines() if "UTMALDG" in line)
+    assert tma(dyn_sass) == 2 * tma(plain_sass)

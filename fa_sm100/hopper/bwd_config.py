@@ -82,6 +82,12 @@ DEFAULT_PRE_CTAS = 32
 DEFAULT_PERSISTENT_CTAS = 132
 PERSISTENT_MAX_SEQLEN = 2048
 PERSISTENT_HEAD_DIMS = (64, 128)
+# Note [dynamic tiles] (bwd_tiles.py): the tile indices in flight from the load warp to the
+# other roles (one being read, the next being written)
+TILE_SLOTS = 2
+# ... taken by default for causal problems (no window) up to PERSISTENT_MAX_SEQLEN at these
+# head dims (select_bwd_config's docstring)
+DYNAMIC_TILES_HEAD_DIMS = (64,)
 SMEM_BUFFER_ALIGN = 1024  # every SMEM buffer of the kernel starts on a swizzle-atom boundary
 SM90_SMEM_BYTES = SMEM_BUDGET[SM90_ARCH]  # 227 KiB of dynamic shared memory per CTA on H100/H200
 
@@ -203,11 +209,19 @@ class BwdConfig:
     # c, c + grid, c + 2 grid, ... instead of one CTA per tile (Note [persistent CTAs] in
     # bwd_tiles.py): the next tile's K, V and first Q / dO load while this tile's dK / dV
     # epilogue runs, and no CTA starts or ends between tiles. 0: off. The interface lowers it
-    # to the device's SM count. Non-causal MHA without a window, "bulk" dQ, dK / dV by TMA
-    # staged where they fit (``epilogue_staging_fits``), not deterministic, no pre_ctas (an
-    # explicit persistent_ctas makes pre_ctas default to 0), no longest_first, whole clusters
-    # of 2 (``validate``).
+    # to the device's SM count. MHA, "bulk" dQ, dK / dV by TMA staged where they fit
+    # (``epilogue_staging_fits``), not deterministic, no pre_ctas (an explicit
+    # persistent_ctas makes pre_ctas default to 0), whole clusters of 2; without
+    # dynamic_tiles no causal mask or window and no longest_first (``validate``).
     persistent_ctas: int = 0
+    # Persistent CTAs take their tiles from a counter instead of by a fixed stride: each CTA
+    # starts at its own index, then its load warp fetches the next tile's (one atomic add)
+    # and hands it to the other roles through SMEM (Note [dynamic tiles] in bwd_tiles.py).
+    # The tiles go out in launch order, as the hardware hands out one CTA per tile, so tiles
+    # of unequal length (a causal mask, a window; ``longest_first`` renumbers them) balance as
+    # they do without persistent CTAs. Needs persistent_ctas; no qdo_multicast (a cluster's
+    # CTAs would need one index), no early_dq_post (``validate``).
+    dynamic_tiles: bool = False
     # registers after setmaxnreg: producer warpgroup and each of the two MMA warpgroups
     regs_producer: int = 24
     regs_mma: int = 240
@@ -251,11 +265,13 @@ class BwdConfig:
     def dq_sem_slots(self, num_m_blocks: int) -> int:
         """dQ semaphores per (batch, head): one per query block where ``dq_sems_per_block``;
         with ``early_dq_post`` one more counting the finished CTAs (Note [dQ postprocess in
-        the tail]); with ``pre_ctas`` one more, last, counting the query rows the preprocess
-        has finished (Note [Preprocess beside the main kernel]); at least one (unused without
-        any of them)."""
+        the tail]); with ``dynamic_tiles`` one more, the tile counter (batch 0, head 0's)
+        (Note [dynamic tiles] in bwd_tiles.py); with ``pre_ctas`` one more, last, counting
+        the query rows the preprocess has finished (Note [Preprocess beside the main
+        kernel]); at least one (unused without any of them)."""
         per_block = num_m_blocks if self.dq_sems_per_block else 0
-        return max(per_block + int(self.early_dq_post) + int(self.pre_ctas > 0), 1)
+        return max(per_block + int(self.early_dq_post) + int(self.dynamic_tiles)
+                   + int(self.pre_ctas > 0), 1)
 
     @property
     def cluster(self) -> tuple:
@@ -365,8 +381,11 @@ class BwdConfig:
             self.tile_m * self.tile_n * b * self.ds_stage,  # dS
             self.dq_block_elems * 4 if self.dq_accum == "bulk" else 16,  # dQ
         ]
-        # mbarriers: K/V full (and K/V empty with persistent CTAs), Q and dO full / empty
+        # mbarriers: K/V full (and K/V empty with persistent CTAs), Q and dO full / empty;
+        # with dynamic tiles the tile handoff's full / empty pairs and its index slots
         offset = 8 * (1 + int(self.persistent_ctas > 0) + 2 * self.q_stage + 2 * self.do_stage)
+        if self.dynamic_tiles:
+            offset += 8 * 2 * TILE_SLOTS + 4 * TILE_SLOTS
         for size in buffers:
             if size:
                 offset = align_up(offset, SMEM_BUFFER_ALIGN) + size
@@ -385,11 +404,18 @@ class BwdConfig:
 
     def _validate_persistent(self):
         """The rules of ``persistent_ctas`` > 0 (Note [persistent CTAs] in bwd_tiles.py)."""
+        dynamic = self.dynamic_tiles
         rules = (
-            (self.causal or self.is_local,
-             "a problem without a causal mask or window: the CTAs take the tiles in a fixed "
-             "order, which balances only tiles of equal length (with a band the hardware's "
-             "dispatch of one CTA per tile, longest first, does)"),
+            (not dynamic and (self.causal or self.is_local),
+             "a problem without a causal mask or window, or dynamic_tiles=True: a fixed "
+             "order balances only tiles of equal length (Note [dynamic tiles])"),
+            (dynamic and self.qdo_multicast,
+             "qdo_multicast=False with dynamic_tiles: both CTAs of a cluster would need the "
+             "same fetched tile"),
+            (dynamic and self.early_dq_post,
+             "early_dq_post=False with dynamic_tiles: the dQ postprocess, and the next call's "
+             "preprocess after it, could run before the kernel's last tile fetches, which "
+             "would then count on in the zeroed counter (Note [dynamic tiles])"),
             (self.deterministic, "deterministic=False"),
             (not self.stores_dkv_by_tma,
              "MHA with dkv_tma_store=True: the epilogue stages dK / dV for TMA stores"),
@@ -400,7 +426,8 @@ class BwdConfig:
             (self.pre_ctas > 0,
              "pre_ctas=0: the preprocess's CTAs would hold SMs that some of the persistent "
              "CTAs then wait for, and those would end last"),
-            (self.longest_first, "longest_first=False"),
+            (self.longest_first and not dynamic,
+             "longest_first=False, or dynamic_tiles=True: a fixed order takes no renumbering"),
             (self.persistent_ctas % self.cluster[0] != 0,
              f"a multiple of the cluster size {self.cluster[0]}"),
             (self.cluster[0] > QDO_CLUSTER,
@@ -468,7 +495,7 @@ class BwdConfig:
         for name in ("sdp_swap_ab", "overlap_dk", "stats_smem", "try_wait", "stats_first",
                      "dv_before_barrier", "dkv_tma_store", "dq_handoff_per_wg", "pdl",
                      "stats_shuffle", "dv_before_fence", "longest_first", "qdo_multicast",
-                     "dq_first_store", "stagger_m", "early_dq_post"):
+                     "dq_first_store", "stagger_m", "early_dq_post", "dynamic_tiles"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be a bool")
         if self.tile_m == 2 * TILE_M_ATOM:
@@ -534,6 +561,9 @@ class BwdConfig:
                 "(Note [Preprocess beside the main kernel])")
         if self.persistent_ctas:
             self._validate_persistent()
+        elif self.dynamic_tiles:
+            raise ValueError("dynamic_tiles=True needs persistent_ctas > 0: the CTAs that fetch "
+                             "the tiles (Note [dynamic tiles] in bwd_tiles.py)")
         if isinstance(self.qdo_cluster, bool) or self.qdo_cluster not in QDO_CLUSTERS:
             raise ValueError(f"qdo_cluster={self.qdo_cluster!r}: must be one of {QDO_CLUSTERS}")
         for name in ("window_left", "window_right"):
@@ -613,6 +643,10 @@ def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = Fals
       preprocess ahead of the main kernel (``pre_ctas=0``); H200, paired over the defaults
       before, 8-12 rounds: hdim 128 +3.1% / +3.1% (1k), +0.8% / +1.5% (2k), +0.5% / -1.5%
       (4k), -0.6% (8k), -1.0% / +1.1% (16k); hdim 64 +3.4% (1k), +1.1% (2k), 0.0% (4k).
+    - causal hdim 64 without a window up to ``PERSISTENT_MAX_SEQLEN``: persistent CTAs that
+      fetch their tiles (``dynamic_tiles``, Note [dynamic tiles]); H200, paired over one CTA
+      per tile, 16-20 rounds: +4.5% / +2.9% (1k), +2.1% / +2.8% (2k); -1.0% at 4k; hdim 128
+      causal +1.3% (1k), -1.9% (2k), off.
     """
     head_dim_v = default_head_dim_v(head_dim) if head_dim_v is None else head_dim_v
     windowed = window_left is not None or window_right is not None
@@ -678,7 +712,7 @@ def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = Fals
     cfg = cfg.replace(**overrides)
     if early_post is None:  # Note [dQ postprocess in the tail]: measured at hdim 128 only
         early_post = (head_dim in EARLY_DQ_POST_HEAD_DIMS and cfg.dq_accum == "bulk"
-                      and cfg.pdl)
+                      and cfg.pdl and not cfg.dynamic_tiles)
     cfg = cfg.replace(early_dq_post=early_post)
     # persistent CTAs asked for: the preprocess ahead (Note [persistent CTAs])
     if ("pre_ctas" not in overrides and cfg.head_dim in PRE_CTAS_HEAD_DIMS
@@ -693,7 +727,7 @@ def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = Fals
         band_ok = not cfg.causal or (shortest is not None and seqlen_q is not None
                                      and min(seqlen_q, seqlen_k) >= shortest)
         cfg = cfg.replace(qdo_multicast=whole and band_ok
-                          and not (cfg.is_local or cfg.deterministic))
+                          and not (cfg.is_local or cfg.deterministic or cfg.dynamic_tiles))
     short = (seqlen_q is not None and seqlen_k is not None
              and max(seqlen_q, seqlen_k) <= PERSISTENT_MAX_SEQLEN)
     if ("persistent_ctas" not in overrides and overrides.get("pre_ctas", 0) == 0 and short
@@ -701,6 +735,15 @@ def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = Fals
         persistent = cfg.replace(persistent_ctas=DEFAULT_PERSISTENT_CTAS, pre_ctas=0)
         try:
             cfg = persistent._validate_persistent()
+        except ValueError:
+            pass
+    if ("persistent_ctas" not in overrides and "dynamic_tiles" not in overrides
+            and overrides.get("pre_ctas", 0) == 0 and short and cfg.causal and not cfg.is_local
+            and head_dim in DYNAMIC_TILES_HEAD_DIMS):  # Note [dynamic tiles]
+        dynamic = cfg.replace(persistent_ctas=DEFAULT_PERSISTENT_CTAS, dynamic_tiles=True,
+                              pre_ctas=0)
+        try:
+            cfg = dynamic._validate_persistent()
         except ValueError:
             pass
     return cfg.validate()

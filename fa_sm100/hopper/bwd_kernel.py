@@ -180,10 +180,10 @@ from cutlass.utils import LayoutEnum
 
 from fa_sm100.config import WARP_SIZE, cutlass_dtype
 from fa_sm100.hopper import probes
-from fa_sm100.hopper.bwd_config import BwdConfig
+from fa_sm100.hopper.bwd_config import TILE_SLOTS, BwdConfig
 from fa_sm100.hopper.bwd_load import BwdLoadRole
 from fa_sm100.hopper.bwd_scores import BwdScoresRole
-from fa_sm100.hopper.bwd_store import BwdStoreRole, dq_tile_shape, dq_tiled_mma
+from fa_sm100.hopper.bwd_store import BwdStoreRole, dq_tile_shape, dq_tiled_mma, tile_counter
 from fa_sm100.hopper.bwd_tiles import BwdTileRole, TileWalk, longest_first_tail_pairs
 from fa_sm100.hopper.common import NO_WAIT, rows_cols_view, transpose_view, wgmma
 from fa_sm100.hopper.config import SMEM_ALIGN, WARPGROUP_THREADS, WGMMA_M
@@ -277,6 +277,9 @@ class Sm90FlashBackward(BwdTileRole, BwdLoadRole, BwdStoreRole, BwdScoresRole):
             mbar_kv: cute.struct.MemRange[cutlass.Int64, 1 + int(c.persistent_ctas > 0)]
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * c.q_stage]
             mbar_do: cute.struct.MemRange[cutlass.Int64, 2 * c.do_stage]
+            if c.dynamic_tiles:  # Note [dynamic tiles] (bwd_tiles.py): full, then empty
+                mbar_tile: cute.struct.MemRange[cutlass.Int64, 2 * TILE_SLOTS]
+                tile_slots: cute.struct.MemRange[Int32, TILE_SLOTS]
             sQ: buf(self.sQ_layout)
             sdO: buf(self.sdO_layout)
             sK: buf(self.sK_layout)
@@ -401,6 +404,8 @@ class Sm90FlashBackward(BwdTileRole, BwdLoadRole, BwdStoreRole, BwdScoresRole):
                 cute.arch.mbarrier_init(mbar_kv, 1)
                 if const_expr(self.cfg.persistent_ctas):  # K/V empty: one MMA thread arrives
                     cute.arch.mbarrier_init(mbar_kv + 1, 1)
+                if const_expr(self.cfg.dynamic_tiles):  # Note [dynamic tiles] (bwd_tiles.py)
+                    self._init_tile_handoff(storage.mbar_tile.data_ptr())
         producer = pipeline.CooperativeGroup(pipeline.Agent.Thread)
         # consumer_release arrives once per warp (lane 0): 8 MMA warps, in each CTA of the
         # cluster under qdo_multicast (Note [Q/dO multicast]).
@@ -434,7 +439,14 @@ class Sm90FlashBackward(BwdTileRole, BwdLoadRole, BwdStoreRole, BwdScoresRole):
             sLSE2 = storage.sLSE2.get_tensor(cute.make_layout((self.tile_m, self.cfg.q_stage)))
             sDelta = storage.sDelta.get_tensor(cute.make_layout((self.tile_m, self.cfg.do_stage)))
 
-        if const_expr(self.cfg.persistent_ctas):  # Note [persistent CTAs], bwd_tiles.py
+        if const_expr(self.cfg.dynamic_tiles):  # Note [dynamic tiles], bwd_tiles.py
+            work = TileWalk(cute.arch.block_idx()[0], cute.arch.grid_dim()[0],
+                            mQ.shape[3] * mQ.shape[2], mQ.shape[2], seqlen_q, seqlen_k,
+                            self.cfg.num_key_blocks(seqlen_k), tail_pairs,
+                            tile_counter(self.cfg, mdQsem),
+                            storage.tile_slots.get_tensor(cute.make_layout(TILE_SLOTS)),
+                            storage.mbar_tile.data_ptr())
+        elif const_expr(self.cfg.persistent_ctas):  # Note [persistent CTAs], bwd_tiles.py
             work = TileWalk(cute.arch.block_idx()[0], cute.arch.grid_dim()[0],
                             mQ.shape[3] * mQ.shape[2], mQ.shape[2], seqlen_q, seqlen_k,
                             self.cfg.num_key_blocks(seqlen_k))

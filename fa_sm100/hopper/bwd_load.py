@@ -36,7 +36,8 @@ class BwdLoadRole:
         state_do = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.cfg.do_stage)
         args = (mQ, mK, mV, mdO, tma_Q, tma_K, tma_V, tma_dO, sQ, sK, sV, sdO, mLSE2, mDelta,
                 sLSE2, sDelta, mdQsem, mbar_kv, pipe_q, pipe_do, group)
-        state_q, state_do = self._walk(work, self._load_tile, args, (state_q, state_do))
+        state_q, state_do = self._walk(work, self._load_tile, args, (state_q, state_do),
+                                        fetches=True)
         if const_expr(self.cfg.qdo_multicast):  # Note [Q/dO multicast]: the peer's releases
             pipe_q.producer_tail(state_q)
             pipe_do.producer_tail(state_do)

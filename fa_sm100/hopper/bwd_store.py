@@ -107,10 +107,18 @@ def dq_fragment_view(cfg, ptr, tidx):
 
 def finished_ctas_count(cfg, mdQsem, batch, head):
     """The pointer to (batch, head)'s count of finished main-kernel tiles (CTAs, unless
-    persistent: Note [persistent CTAs] in bwd_tiles.py), its last dQ
-    semaphore but the preprocess's count (``BwdConfig.dq_sem_slots``, Note [dQ postprocess in
+    persistent: Note [persistent CTAs] in bwd_tiles.py), its last dQ semaphore but the tile
+    counter's and the preprocess's count (``BwdConfig.dq_sem_slots``, Note [dQ postprocess in
     the tail] in bwd_prepost.py): the dq-store warp adds to it, the dQ postprocess polls it."""
-    return mdQsem[batch, head, None].iterator + mdQsem.shape[2] - 1 - int(cfg.pre_ctas > 0)
+    after = int(cfg.dynamic_tiles) + int(cfg.pre_ctas > 0)  # the slots after it
+    return mdQsem[batch, head, None].iterator + mdQsem.shape[2] - 1 - after
+
+
+def tile_counter(cfg, mdQsem):
+    """The pointer to the tile counter of ``dynamic_tiles``: (batch 0, head 0)'s dQ semaphore
+    after the finished count, before the preprocess's count (``BwdConfig.dq_sem_slots``, Note
+    [dynamic tiles] in bwd_tiles.py). The preprocess zeroes it; the load warps add to it."""
+    return mdQsem[0, 0, None].iterator + mdQsem.shape[2] - 1 - int(cfg.pre_ctas > 0)
 
 
 def preprocess_count(mdQsem, batch, head):

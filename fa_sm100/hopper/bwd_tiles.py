@@ -67,13 +67,44 @@ checks it), so the two CTAs of a cluster always hold neighbouring key blocks of 
 walk the same number of tiles in step: the Q/dO stages' multicast protocol (Note [Q/dO
 multicast] in bwd_kernel.py) continues across tiles, as the forward's Note [Persistent
 multicast] in fwd_kernel.py does. The order is static, so it balances only tiles of equal
-length: no mask or window (a band's tiles differ, and one CTA per tile with
-``longest_first`` balances them). The preprocess runs ahead (``pre_ctas=0``): its CTAs beside
+length: no mask or window, unless the tiles are fetched (Note [dynamic tiles]). The preprocess runs ahead (``pre_ctas=0``): its CTAs beside
 the main kernel would hold SMs that some persistent CTAs then wait for, and those end last.
 The gain is the per-tile cost, so it shrinks as tiles grow: ``select_bwd_config`` takes it up
 to ``PERSISTENT_MAX_SEQLEN`` (hdim 64 and 128, +3% at 1k, +1% at 2k; paired timing on an
 H200). GPU tests: the float64 rule with NaN-poisoned workspaces and CTAs walking many tiles,
 and dK, dV bit for bit those of one CTA per tile.
+
+Note [dynamic tiles] (``dynamic_tiles``): under a causal mask a tile's sweep is as long as
+its key block is far from the diagonal (Note [longest first]), so a fixed stride deals the
+CTAs unequal work (``schedule_model --mode bwd``: 1.08-1.56x the ideal makespan). Instead,
+CTA c starts with tile c, and each later tile is the next one nobody has taken: the load warp
+fetches it from a tile counter in GMEM (one ``atom.add`` by lane 0; index = grid + the count
+before it), so tiles go out in launch order (renumbered longest first with
+``longest_first``), each to the first CTA that asks, as the hardware hands out one CTA per
+tile, without the CTA's end and start (Note [persistent CTAs]). The load warp fetches once it
+has loaded its tile's last block, about two blocks before the MMA warpgroups need the index,
+and hands it over in SMEM: TILE_SLOTS slots, each with a full mbarrier (the load warp's lane
+0 arrives after writing it) and an empty one (lane 0 of each of the 8 MMA warps and of the
+dq-store warp arrive after reading it). Tile k's index travels in slot k % TILE_SLOTS; the
+load warp reuses a slot only after every reader has arrived, which they did at the end of
+tile k - 2, before tile k - 1's first dQ hand-off, so the load warp never waits there in
+practice. An index >= the tile count ends every role's walk. The counter is (batch 0, head
+0)'s dQ semaphore after the finished-tile count (``tile_counter`` in bwd_store.py), zeroed by
+the preprocess with the others: the first fetch comes after the load warp's wait for the
+preprocess. Rules (``validate``): persistent CTAs; no ``qdo_multicast`` (both CTAs of a
+cluster would need one fetched index); no ``early_dq_post``: the dQ postprocess polls the
+finished-tile counts, so it, and the next call's preprocess, which zeroes the counter, could
+run before this kernel's last fetches (the fetch that finds no tile), which would then count
+on into the next call. Default (``select_bwd_config``) for causal hdim 64 without a window up
+to ``PERSISTENT_MAX_SEQLEN``: paired on an H200 over one CTA per tile, +4.5% / +2.9% (1k)
+and +2.1% / +2.8% (2k), 16-20 rounds; -1.0% at 4k (off there). At hdim 128 causal, where
+the defaults take the persistent preprocess and the early dQ postprocess that dynamic tiles
+refuse, +1.3% (1k) and -1.9% (2k), 10 rounds: off. Non-causal, against the fixed stride
+without multicast, -1.1% (hdim 64 1k, 16 rounds): the fetch costs about a percent there
+and multicast another two, so the fixed stride keeps non-causal problems. GPU tests: the
+float64 rule with the counter poisoned (must be zeroed), many tiles per CTA, causal with and
+without longest first, bottom-right ragged lengths, a band, no mask; causal dK, dV bit for
+bit those of one CTA per tile over repeated calls.
 """
 
 import cutlass
@@ -81,7 +112,7 @@ import cutlass.cute as cute
 from cutlass import Int32, const_expr
 
 from fa_sm100.hopper import probes
-from fa_sm100.hopper.bwd_config import BwdConfig, effective_window_right
+from fa_sm100.hopper.bwd_config import TILE_SLOTS, BwdConfig, effective_window_right
 
 
 def m_block_range(cfg: BwdConfig, n_block, seqlen_q, seqlen_k, imax=max, imin=min):
@@ -192,13 +223,19 @@ class BwdTile:
 class TileWalk:
     """A persistent CTA's tiles (Note [persistent CTAs]): ``first``, ``first + stride``, ...
     below ``num_n_blocks * num_pairs``, numbered as the one-CTA-per-tile grid is (key block
-    fastest, then head, then batch). A plain holder, like ``BwdTile``."""
+    fastest, then head, then batch); with ``dynamic_tiles`` ``first``, then the indices its
+    load warp fetches (Note [dynamic tiles]: ``counter``, the tile counter in GMEM; ``slots``,
+    the SMEM tensor of TILE_SLOTS indices; ``handoff``, their full then empty mbarriers;
+    ``tail_pairs`` of Note [longest first]). A plain holder, like ``BwdTile``."""
 
-    def __init__(self, first, stride, num_pairs, num_heads, seqlen_q, seqlen_k, num_n_blocks):
+    def __init__(self, first, stride, num_pairs, num_heads, seqlen_q, seqlen_k, num_n_blocks,
+                 tail_pairs=None, counter=None, slots=None, handoff=None):
         self.first, self.stride = first, stride
         self.count = num_n_blocks * num_pairs
-        self.num_heads, self.num_n_blocks = num_heads, num_n_blocks
+        self.num_pairs, self.num_heads, self.num_n_blocks = num_pairs, num_heads, num_n_blocks
         self.seqlen_q, self.seqlen_k = seqlen_q, seqlen_k
+        self.tail_pairs, self.counter, self.slots, self.handoff = (tail_pairs, counter, slots,
+                                                                   handoff)
 
 
 class BwdTileRole:
@@ -243,9 +280,15 @@ class BwdTileRole:
 
     def _tile_at(self, t: Int32, work):
         """Tile ``t`` of a persistent CTA's walk (Note [persistent CTAs]): key block
-        ``t % num_n_blocks`` of (batch, head) pair ``t // num_n_blocks``, the grid's order."""
-        n_block = t % work.num_n_blocks
-        pair = t // work.num_n_blocks
+        ``t % num_n_blocks`` of (batch, head) pair ``t // num_n_blocks``, the grid's order;
+        with ``longest_first`` (dynamic tiles only) the tail renumbered as one CTA per tile's
+        is (Note [longest first])."""
+        if const_expr(self.cfg.longest_first):
+            n_block, pair = longest_first_cta(t, work.num_n_blocks, work.num_pairs,
+                                              work.tail_pairs, _select)
+        else:
+            n_block = t % work.num_n_blocks
+            pair = t // work.num_n_blocks
         batch = pair // work.num_heads
         head = pair - batch * work.num_heads
         m_block_min, m_block_max = self._m_block_range(n_block, work.seqlen_q, work.seqlen_k)
@@ -278,13 +321,22 @@ class BwdTileRole:
         return first_n_block(self.cfg, m_block, seqlen_q, seqlen_k, cutlass.max)
 
     @cute.jit
-    def _walk(self, work, tile_body, args, states):
+    def _walk(self, work, tile_body, args, states, fetches: cutlass.Constexpr = False):
         """``states = tile_body(*args, tile, k, *states)`` for this CTA's tile (``work``: a
         ``BwdTile``; k = 0), or with persistent CTAs for each tile of its walk (``work``: a
         ``TileWalk``; k = 0, 1, ...), ``states`` (a role's pipeline states, or none) carried
-        from one tile to the next (Note [persistent CTAs]). Every role walks this way.
-        Returns the states after the last tile."""
-        if const_expr(self.cfg.persistent_ctas):
+        from one tile to the next (Note [persistent CTAs]). Every role walks this way; with
+        ``dynamic_tiles`` the load warp (``fetches``) fetches each next tile and the others
+        wait for it (``_next_tile``, Note [dynamic tiles]). Returns the states after the last
+        tile."""
+        if const_expr(self.cfg.dynamic_tiles):
+            t = work.first
+            k = Int32(0)
+            while t < work.count:
+                states = tile_body(*args, self._tile_at(t, work), k, *states)
+                t = self._next_tile(work, k, fetches)
+                k += 1
+        elif const_expr(self.cfg.persistent_ctas):
             k = Int32(0)
             for t in cutlass.range(work.first, work.count, work.stride, unroll=1):
                 states = tile_body(*args, self._tile_at(t, work), k, *states)
@@ -292,3 +344,46 @@ class BwdTileRole:
         else:
             states = tile_body(*args, work, 0, *states)
         return states
+
+    def _init_tile_handoff(self, handoff):
+        """Initialize the tile handoff's mbarriers (Note [dynamic tiles]): TILE_SLOTS full
+        ones, which the load warp's lane 0 arrives on, then TILE_SLOTS empty ones, which lane 0
+        of each MMA warp and of the dq-store warp arrives on. One thread; the kernel fences
+        and syncs after it."""
+        readers = self.num_mma_threads // cute.arch.WARP_SIZE + 1
+        for i in range(TILE_SLOTS):  # traced inline
+            cute.arch.mbarrier_init(handoff + i, 1)
+            cute.arch.mbarrier_init(handoff + TILE_SLOTS + i, readers)
+
+    @cute.jit
+    def _next_tile(self, work, k: Int32, fetches: cutlass.Constexpr):
+        """The index of the tile after this CTA's ``k``-th (Note [dynamic tiles]); at least
+        ``work.count`` when there is none. The load warp (``fetches``; after its first tile's
+        wait for the preprocess, which zeroed the counter): lane 0 adds one to the tile counter
+        (the CTAs' first tiles are the grid's, so the count before it plus the grid is the
+        index), the warp waits until every other role has read the index this slot held two
+        tiles ago, and lane 0 writes the new one and arrives on the slot's full barrier. The
+        other roles' warps: wait on the full barrier, read, and lane 0 arrives on the empty
+        one. One whole warp; slot ``k % TILE_SLOTS``, its ``k // TILE_SLOTS``-th use."""
+        slot = k % TILE_SLOTS
+        use = k // TILE_SLOTS
+        full = work.handoff + slot
+        empty = work.handoff + TILE_SLOTS + slot
+        slots, lane = work.slots, cute.arch.lane_idx()
+        t = Int32(0)
+        if const_expr(fetches):
+            if lane == 0:
+                t = cute.arch.atomic_add(work.counter, Int32(1), sem="relaxed",
+                                         scope="gpu") + work.stride
+            t = cute.arch.shuffle_sync(t, 0)
+            cute.arch.mbarrier_wait(empty, (use + 1) % 2)  # a fresh barrier passes parity 1
+            if lane == 0:
+                slots[slot] = t
+                cute.arch.mbarrier_arrive(full)
+        else:
+            cute.arch.mbarrier_wait(full, use % 2)
+            t = slots[slot]
+            cute.arch.sync_warp()
+            if lane == 0:
+                cute.arch.mbarrier_arrive(empty)
+        return t
