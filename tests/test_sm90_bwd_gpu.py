@@ -719,8 +719,8 @@ def test_sm90_bwd_dynamic_tiles_dk_dv_are_bitwise_one_cta_per_tile(sm90_device, 
 
     s = 1536
     q, k, v, out, lse, dout = _bf16_problem(2, s, 6, d, True, seed=d)
-    base = select_bwd_config(head_dim=d, causal=True, seqlen_q=s, seqlen_k=s)
-    assert not base.persistent_ctas
+    base = select_bwd_config(head_dim=d, causal=True, seqlen_q=s, seqlen_k=s, persistent_ctas=0)
+    assert not base.persistent_ctas and not base.dynamic_tiles
     ref = sm90_bwd(dout, q, k, v, out, lse, causal=True, config=base)
     cfg = select_bwd_config(head_dim=d, causal=True, seqlen_q=s, seqlen_k=s,
                             persistent_ctas=10, dynamic_tiles=True)

@@ -131,7 +131,6 @@ C64 = select_bwd_config(head_dim=64, causal=True, seqlen_q=1024, seqlen_k=1024)
 @pytest.mark.parametrize("changes,rule", [
     (dict(persistent_ctas=0), "dynamic_tiles=True needs persistent_ctas > 0"),
     (dict(qdo_multicast=True), "qdo_multicast=False with dynamic_tiles"),
-    (dict(early_dq_post=True), "early_dq_post=False with dynamic_tiles"),
     (dict(pre_ctas=32), "pre_ctas=0"),
     (dict(deterministic=True), "deterministic=False"),
     (dict(dynamic_tiles=1), "dynamic_tiles=1: must be a bool"),
@@ -155,8 +154,8 @@ def test_dynamic_tiles_take_masks_windows_and_longest_first():
 def test_dynamic_tiles_defaults_where_measured():
     """select_bwd_config: on for causal hdim 64 up to PERSISTENT_MAX_SEQLEN (persistent CTAs,
     the preprocess ahead); off at longer lengths, at hdim 128, with a window, and wherever
-    persistent CTAs or their preprocess are asked for; asked for, it turns multicast and the
-    early dQ postprocess off instead of failing on them."""
+    persistent CTAs or their preprocess are asked for; asked for, it turns multicast off
+    instead of failing on it."""
     assert DYNAMIC_TILES_HEAD_DIMS == (64,)
     for s in (1024, PERSISTENT_MAX_SEQLEN):
         cfg = select_bwd_config(head_dim=64, causal=True, seqlen_q=s, seqlen_k=s)
@@ -173,7 +172,7 @@ def test_dynamic_tiles_defaults_where_measured():
         assert not select_bwd_config(**kw, **lengths).dynamic_tiles, kw
     asked = select_bwd_config(head_dim=128, causal=True, seqlen_q=8192, seqlen_k=8192,
                               persistent_ctas=132, dynamic_tiles=True)
-    assert (asked.qdo_multicast, asked.early_dq_post, asked.pre_ctas) == (False, False, 0)
+    assert (asked.qdo_multicast, asked.early_dq_post, asked.pre_ctas) == (False, True, 0)
     assert select_bwd_config(head_dim=128, causal=True, seqlen_q=8192, seqlen_k=8192).qdo_multicast
 
 

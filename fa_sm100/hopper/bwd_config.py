@@ -220,7 +220,7 @@ class BwdConfig:
     # The tiles go out in launch order, as the hardware hands out one CTA per tile, so tiles
     # of unequal length (a causal mask, a window; ``longest_first`` renumbers them) balance as
     # they do without persistent CTAs. Needs persistent_ctas; no qdo_multicast (a cluster's
-    # CTAs would need one index), no early_dq_post (``validate``).
+    # CTAs would need one index).
     dynamic_tiles: bool = False
     # registers after setmaxnreg: producer warpgroup and each of the two MMA warpgroups
     regs_producer: int = 24
@@ -412,10 +412,6 @@ class BwdConfig:
             (dynamic and self.qdo_multicast,
              "qdo_multicast=False with dynamic_tiles: both CTAs of a cluster would need the "
              "same fetched tile"),
-            (dynamic and self.early_dq_post,
-             "early_dq_post=False with dynamic_tiles: the dQ postprocess, and the next call's "
-             "preprocess after it, could run before the kernel's last tile fetches, which "
-             "would then count on in the zeroed counter (Note [dynamic tiles])"),
             (self.deterministic, "deterministic=False"),
             (not self.stores_dkv_by_tma,
              "MHA with dkv_tma_store=True: the epilogue stages dK / dV for TMA stores"),
@@ -712,7 +708,7 @@ def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = Fals
     cfg = cfg.replace(**overrides)
     if early_post is None:  # Note [dQ postprocess in the tail]: measured at hdim 128 only
         early_post = (head_dim in EARLY_DQ_POST_HEAD_DIMS and cfg.dq_accum == "bulk"
-                      and cfg.pdl and not cfg.dynamic_tiles)
+                      and cfg.pdl)
     cfg = cfg.replace(early_dq_post=early_post)
     # persistent CTAs asked for: the preprocess ahead (Note [persistent CTAs])
     if ("pre_ctas" not in overrides and cfg.head_dim in PRE_CTAS_HEAD_DIMS

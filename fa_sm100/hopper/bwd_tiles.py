@@ -91,11 +91,11 @@ tile k - 2, before tile k - 1's first dQ hand-off, so the load warp never waits 
 practice. An index >= the tile count ends every role's walk. The counter is (batch 0, head
 0)'s dQ semaphore after the finished-tile count (``tile_counter`` in bwd_store.py), zeroed by
 the preprocess with the others: the first fetch comes after the load warp's wait for the
-preprocess. Rules (``validate``): persistent CTAs; no ``qdo_multicast`` (both CTAs of a
-cluster would need one fetched index); no ``early_dq_post``: the dQ postprocess polls the
-finished-tile counts, so it, and the next call's preprocess, which zeroes the counter, could
-run before this kernel's last fetches (the fetch that finds no tile), which would then count
-on into the next call. Default (``select_bwd_config``) for causal hdim 64 without a window up
+preprocess. The next call's preprocess zeroes it only after this kernel has ended, fetches
+that find no tile included: it waits for the kernel before it, the dQ postprocess, which
+itself ends after the main kernel (Note [chained launches] in bwd_interface.py, also with
+``early_dq_post``). Rules (``validate``): persistent CTAs; no ``qdo_multicast`` (both CTAs of
+a cluster would need one fetched index). Default (``select_bwd_config``) for causal hdim 64 without a window up
 to ``PERSISTENT_MAX_SEQLEN``: paired on an H200 over one CTA per tile, +4.5% / +2.9% (1k)
 and +2.1% / +2.8% (2k), 16-20 rounds; -1.0% at 4k (off there). At hdim 128 causal, where
 the defaults take the persistent preprocess and the early dQ postprocess that dynamic tiles
