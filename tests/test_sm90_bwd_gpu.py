@@ -730,6 +730,78 @@ def test_sm90_bwd_dynamic_tiles_dk_dv_are_bitwise_one_cta_per_tile(sm90_device, 
             assert torch.equal(x, y), name
 
 
+SPLIT_CASES = [
+    # (b, sq, sk, hq, hk, d, switches): persistent CTAs whose last rounds of tiles are shared
+    # out by query blocks (Note [split tail]); few CTAs, so that they walk many tiles and the
+    # tail has split tiles
+    (2, 1000, 1000, 4, 4, 128, dict(persistent_ctas=6)),  # multicast, staggered, first stores
+    (2, 1000, 1000, 4, 4, 64, dict(persistent_ctas=6)),
+    (3, 333, 250, 2, 2, 128, dict(persistent_ctas=8)),  # ragged
+    (2, 700, 1024, 3, 3, 128, dict(persistent_ctas=5, qdo_multicast=False)),
+    (2, 1000, 1000, 4, 4, 128, dict(persistent_ctas=6, stagger_m=False, dq_first_store=False)),
+    (2, 600, 512, 2, 2, 96, dict(persistent_ctas=3, overlap_dk=True, qdo_multicast=False)),
+    (1, 1000, 768, 4, 4, 128, dict(persistent_ctas=10, stats_smem=False,
+                                    dq_handoff_per_wg=False)),
+    # one CTA per SM: 512 tiles, 3.9 each
+    (2, 2048, 2048, 16, 16, 128, dict(persistent_ctas=132)),
+]
+
+
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=lambda c: (
+    f"d{c[5]}-b{c[0]}-q{c[1]}-k{c[2]}-h{c[3]}" + "".join(f"-{k}={v}" for k, v in c[6].items())))
+def test_sm90_bwd_split_tail_matches_float64(sm90_device, monkeypatch, case):
+    """A split tail (Note [split tail]) keeps the gradients right: every split tile's dK and
+    dV are the sum of its two pieces' (the fix-up flags, poisoned like every dQ semaphore,
+    must be zeroed by the preprocess; the partials' workspace starts NaN), with a NaN dQ
+    accumulator and NaN statistics to start from."""
+    from fa_sm100.hopper import bwd_interface
+    from fa_sm100.hopper.bwd_config import select_bwd_config
+    from fa_sm100.hopper.bwd_split import split_tail_piece, split_tail_range
+
+    b, sq, sk, hq, hk, d, switches = case
+    cfg = select_bwd_config(head_dim=d, seqlen_q=sq, seqlen_k=sk, split_tail=True, **switches)
+    tiles = b * hq * cfg.num_key_blocks(sk)
+    blocks = -(-sq // cfg.tile_m)
+    ctas = cfg.cluster[0]
+    split = set()  # the tail really splits tiles here
+    for cta in range(cfg.persistent_ctas):
+        rounds, u, u_end = split_tail_range(tiles, cfg.persistent_ctas, ctas, blocks, cta)
+        while u < u_end:
+            _, s0, s1, slot = split_tail_piece(u, u_end, rounds, cfg.persistent_ctas, ctas,
+                                               blocks, cta)
+            split.add(slot)
+            u += s1 - s0
+    assert cfg.pre_ctas == 0 and not cfg.early_dq_post and len(split - {-1}) > 0
+    _poison_workspace(monkeypatch, sems=7, stats=True)
+    poisoned = bwd_interface.workspace
+
+    def nan_parts(config, q, k):
+        ws = poisoned(config, q, k)
+        ws["dkv_part"].fill_(float("nan"))
+        return ws
+
+    monkeypatch.setattr(bwd_interface, "workspace", nan_parts)
+    _run_case(b, sq, sk, hq, hk, d, config=cfg, seed=sq + d)
+
+
+def test_sm90_bwd_split_tail_dk_dv_are_bitwise_repeatable(sm90_device):
+    """A split tile's dK and dV are one float32 addition of its two pieces' partials, which
+    gives the same bits whichever piece finishes first: repeated calls agree bit for bit
+    (dQ, added by many tiles in a run-dependent order, is not compared)."""
+    from fa_sm100.hopper.bwd_config import select_bwd_config
+    from fa_sm100.hopper.bwd_interface import sm90_bwd
+
+    s = 1536
+    q, k, v, out, lse, dout = _bf16_problem(2, s, 6, 128, False, seed=3)
+    cfg = select_bwd_config(head_dim=128, seqlen_q=s, seqlen_k=s, persistent_ctas=10,
+                            split_tail=True)
+    first = sm90_bwd(dout, q, k, v, out, lse, config=cfg)
+    for _ in range(3):
+        again = sm90_bwd(dout, q, k, v, out, lse, config=cfg)
+        for name, x, y in zip(("dk", "dv"), first[1:], again[1:]):
+            assert torch.equal(x, y), name
+
+
 @pytest.mark.parametrize("d", [64, 128])
 def test_sm90_bwd_persistent_dk_dv_are_bitwise_one_cta_per_tile(sm90_device, d):
     """A tile's dK and dV come from the same GEMMs in the same order whichever CTA runs it, so
