@@ -85,9 +85,6 @@ PERSISTENT_HEAD_DIMS = (64, 128)
 # Note [dynamic tiles] (bwd_tiles.py): the tile indices in flight from the load warp to the
 # other roles (one being read, the next being written)
 TILE_SLOTS = 2
-# Note [split tail] (bwd_split.py): the SMEM words of a CTA's split walk (1-5) and of its
-# pieces' hand-ins (6, 7)
-SPLIT_WORDS = 8
 # ... taken by default for causal problems (no window) up to PERSISTENT_MAX_SEQLEN at these
 # head dims (select_bwd_config's docstring)
 DYNAMIC_TILES_HEAD_DIMS = (64,)
@@ -225,13 +222,6 @@ class BwdConfig:
     # they do without persistent CTAs. Needs persistent_ctas; no qdo_multicast (a cluster's
     # CTAs would need one index).
     dynamic_tiles: bool = False
-    # Persistent CTAs (fixed stride, no mask) take the last one to two rounds of tiles not
-    # whole but as equal shares of their query blocks: a tile that two clusters share gets
-    # its dK / dV from both, summed by whichever finishes second (Note [split tail] in
-    # bwd_tiles.py). Without it the last round of equal tiles leaves SMs idle (2048 tiles on
-    # 132 SMs: 15.5 rounds, 3% of the time). Needs persistent_ctas, no dynamic_tiles, no
-    # early_dq_post (``validate``).
-    split_tail: bool = False
     # registers after setmaxnreg: producer warpgroup and each of the two MMA warpgroups
     regs_producer: int = 24
     regs_mma: int = 240
@@ -275,27 +265,13 @@ class BwdConfig:
     def dq_sem_slots(self, num_m_blocks: int) -> int:
         """dQ semaphores per (batch, head): one per query block where ``dq_sems_per_block``;
         with ``early_dq_post`` one more counting the finished CTAs (Note [dQ postprocess in
-        the tail]); with ``split_tail`` one per persistent CTA, the fix-up flags (batch 0,
-        head 0's, ``split_slots``); with ``dynamic_tiles`` one more, the tile counter (batch
-        0, head 0's)
+        the tail]); with ``dynamic_tiles`` one more, the tile counter (batch 0, head 0's)
         (Note [dynamic tiles] in bwd_tiles.py); with ``pre_ctas`` one more, last, counting
         the query rows the preprocess has finished (Note [Preprocess beside the main
         kernel]); at least one (unused without any of them)."""
         per_block = num_m_blocks if self.dq_sems_per_block else 0
-        return max(per_block + int(self.early_dq_post) + self.split_slots
-                   + int(self.dynamic_tiles) + int(self.pre_ctas > 0), 1)
-
-    @property
-    def split_slots(self) -> int:
-        """Fix-up flags of ``split_tail`` (Note [split tail] in bwd_split.py): one per
-        persistent CTA, among (batch 0, head 0)'s dQ semaphores; else none."""
-        return self.persistent_ctas if self.split_tail else 0
-
-    @property
-    def split_part_elems(self) -> int:
-        """Float32 elements of one piece's partial dK and dV (Note [split tail]); a fix-up
-        slot holds two."""
-        return self.tile_n * (self.head_dim + self.head_dim_v)
+        return max(per_block + int(self.early_dq_post) + int(self.dynamic_tiles)
+                   + int(self.pre_ctas > 0), 1)
 
     @property
     def cluster(self) -> tuple:
@@ -410,8 +386,6 @@ class BwdConfig:
         offset = 8 * (1 + int(self.persistent_ctas > 0) + 2 * self.q_stage + 2 * self.do_stage)
         if self.dynamic_tiles:
             offset += 8 * 2 * TILE_SLOTS + 4 * TILE_SLOTS
-        if self.split_tail:  # Note [split tail]: the walk's and the hand-ins' words
-            offset += 4 * SPLIT_WORDS
         for size in buffers:
             if size:
                 offset = align_up(offset, SMEM_BUFFER_ALIGN) + size
@@ -435,11 +409,6 @@ class BwdConfig:
             (not dynamic and (self.causal or self.is_local),
              "a problem without a causal mask or window, or dynamic_tiles=True: a fixed "
              "order balances only tiles of equal length (Note [dynamic tiles])"),
-            (self.split_tail and dynamic,
-             "split_tail=False with dynamic_tiles: the tail is split by the fixed stride"),
-            (self.split_tail and self.early_dq_post,
-             "early_dq_post=False with split_tail: the dQ postprocess counts a head's tiles "
-             "done, not pieces of them (and with a split tail no SM idles for it to use)"),
             (dynamic and self.qdo_multicast,
              "qdo_multicast=False with dynamic_tiles: both CTAs of a cluster would need the "
              "same fetched tile"),
@@ -522,8 +491,7 @@ class BwdConfig:
         for name in ("sdp_swap_ab", "overlap_dk", "stats_smem", "try_wait", "stats_first",
                      "dv_before_barrier", "dkv_tma_store", "dq_handoff_per_wg", "pdl",
                      "stats_shuffle", "dv_before_fence", "longest_first", "qdo_multicast",
-                     "dq_first_store", "stagger_m", "early_dq_post", "dynamic_tiles",
-                     "split_tail"):
+                     "dq_first_store", "stagger_m", "early_dq_post", "dynamic_tiles"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be a bool")
         if self.tile_m == 2 * TILE_M_ATOM:
@@ -589,10 +557,9 @@ class BwdConfig:
                 "(Note [Preprocess beside the main kernel])")
         if self.persistent_ctas:
             self._validate_persistent()
-        elif self.dynamic_tiles or self.split_tail:
-            name = "dynamic_tiles" if self.dynamic_tiles else "split_tail"
-            raise ValueError(f"{name}=True needs persistent_ctas > 0: the CTAs that walk the "
-                             f"tiles (Notes [dynamic tiles] in bwd_tiles.py, [split tail] in bwd_split.py)")
+        elif self.dynamic_tiles:
+            raise ValueError("dynamic_tiles=True needs persistent_ctas > 0: the CTAs that fetch "
+                             "the tiles (Note [dynamic tiles] in bwd_tiles.py)")
         if isinstance(self.qdo_cluster, bool) or self.qdo_cluster not in QDO_CLUSTERS:
             raise ValueError(f"qdo_cluster={self.qdo_cluster!r}: must be one of {QDO_CLUSTERS}")
         for name in ("window_left", "window_right"):
@@ -741,7 +708,7 @@ def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = Fals
     cfg = cfg.replace(**overrides)
     if early_post is None:  # Note [dQ postprocess in the tail]: measured at hdim 128 only
         early_post = (head_dim in EARLY_DQ_POST_HEAD_DIMS and cfg.dq_accum == "bulk"
-                      and cfg.pdl and not cfg.split_tail)
+                      and cfg.pdl)
     cfg = cfg.replace(early_dq_post=early_post)
     # persistent CTAs asked for: the preprocess ahead (Note [persistent CTAs])
     if ("pre_ctas" not in overrides and cfg.head_dim in PRE_CTAS_HEAD_DIMS

@@ -198,7 +198,7 @@ def launch_plan(config: BwdConfig, q, k, v, out, dout, lse, dq, dk, dv, softmax_
         ("main", main_compile_key(config), lambda: Sm90FlashBackward(config),
          lambda: fake_arguments(config, env_stream=True),
          (q, k, v, dout, ws["lse2"], ws["delta"], ws["dq_acc"], dk_arg, dv_arg, ws["dq_sem"],
-          ws["dkv_part"], softmax_scale)),
+          softmax_scale)),
     ]
     if probes.active("dq_post") != "none":  # Note [cost probes]: the probe leaves dq unwritten
         # the fragment order depends on tile_m (which warpgroup split) and the head dim; the
@@ -245,11 +245,6 @@ def workspace(config: BwdConfig, q, k) -> dict:
         # its rows in the last one (Note [Preprocess beside the main kernel])
         "dq_sem": (torch.zeros if config.pre_ctas else torch.empty)(
             b, hq, config.dq_sem_slots(n_m_blocks), device=dev, dtype=torch.int32),
-        # Note [split tail] (bwd_split.py): a fix-up slot per persistent CTA, each with both
-        # pieces' partial dK / dV (a placeholder without)
-        "dkv_part": torch.empty(max(config.split_slots, 1),
-                                2 * config.split_part_elems if config.split_tail else 4,
-                                device=dev, dtype=f32),
     }
     if config.uses_gqa_buffers:
         h_acc = hq if config.gqa_reduce == "buffers" else hk
@@ -294,8 +289,7 @@ def fake_arguments(config: BwdConfig, env_stream: bool = False):
     else:
         dk_out, dv_out = _rowmajor(dt, (b, sk, h, d)), _rowmajor(dt, (b, sk, h, dv))
     sem = _rowmajor(cutlass.Int32, (b, h, n_sem), 4)
-    part = _rowmajor(cutlass.Float32, (cute.sym_int(), cute.sym_int()))
-    return (q, k, v, do, lse2, delta, dq_acc, dk_out, dv_out, sem, part, cutlass.Float32(0.125),
+    return (q, k, v, do, lse2, delta, dq_acc, dk_out, dv_out, sem, cutlass.Float32(0.125),
             make_fake_stream(use_tvm_ffi_env_stream=env_stream))
 
 

@@ -180,12 +180,10 @@ from cutlass.utils import LayoutEnum
 
 from fa_sm100.config import WARP_SIZE, cutlass_dtype
 from fa_sm100.hopper import probes
-from fa_sm100.hopper.bwd_config import SPLIT_WORDS, TILE_SLOTS, BwdConfig
+from fa_sm100.hopper.bwd_config import TILE_SLOTS, BwdConfig
 from fa_sm100.hopper.bwd_load import BwdLoadRole
 from fa_sm100.hopper.bwd_scores import BwdScoresRole
-from fa_sm100.hopper.bwd_split import BwdSplitRole
-from fa_sm100.hopper.bwd_store import (BwdStoreRole, dq_tile_shape, dq_tiled_mma, split_flags,
-                                       tile_counter)
+from fa_sm100.hopper.bwd_store import BwdStoreRole, dq_tile_shape, dq_tiled_mma, tile_counter
 from fa_sm100.hopper.bwd_tiles import BwdTileRole, TileWalk, longest_first_tail_pairs
 from fa_sm100.hopper.common import NO_WAIT, rows_cols_view, transpose_view, wgmma
 from fa_sm100.hopper.config import SMEM_ALIGN, WARPGROUP_THREADS, WGMMA_M
@@ -200,7 +198,7 @@ DQ_STORE_WARP = 1  # "bulk" dQ only
 PS_ATOM_COLS = 64  # key columns of one P / dS swizzle atom row (128 bytes)
 
 
-class Sm90FlashBackward(BwdTileRole, BwdSplitRole, BwdLoadRole, BwdStoreRole, BwdScoresRole):
+class Sm90FlashBackward(BwdTileRole, BwdLoadRole, BwdStoreRole, BwdScoresRole):
     """Builds and launches the main backward kernel for one ``BwdConfig``."""
 
     def __init__(self, cfg: BwdConfig):
@@ -282,8 +280,6 @@ class Sm90FlashBackward(BwdTileRole, BwdSplitRole, BwdLoadRole, BwdStoreRole, Bw
             if c.dynamic_tiles:  # Note [dynamic tiles] (bwd_tiles.py): full, then empty
                 mbar_tile: cute.struct.MemRange[cutlass.Int64, 2 * TILE_SLOTS]
                 tile_slots: cute.struct.MemRange[Int32, TILE_SLOTS]
-            if c.split_tail:  # Note [split tail] (bwd_split.py): the walk, the hand-ins
-                split_words: cute.struct.MemRange[Int32, SPLIT_WORDS]
             sQ: buf(self.sQ_layout)
             sdO: buf(self.sdO_layout)
             sK: buf(self.sK_layout)
@@ -321,7 +317,6 @@ class Sm90FlashBackward(BwdTileRole, BwdSplitRole, BwdLoadRole, BwdStoreRole, Bw
         mdK: cute.Tensor,  # MHA: (batch, seqlen_k, heads, hdim) dtype; GQA: f32 (batch, h, seqlen_k_pad, hdim)
         mdV: cute.Tensor,
         mdQsem: cute.Tensor,  # (batch, heads, BwdConfig.dq_sem_slots) i32, zeroed
-        mdKVpart: cute.Tensor,  # split_tail: (persistent_ctas, split_part_elems) f32; else unused
         softmax_scale: Float32,
         stream,
     ):
@@ -367,7 +362,7 @@ class Sm90FlashBackward(BwdTileRole, BwdSplitRole, BwdLoadRole, BwdStoreRole, Bw
             softmax_scale, softmax_scale * LOG2_E,
             mma_sdp, mma_dk, mma_dv, mma_dq,
             self.sQ_layout, self.sdO_layout, self.sK_layout, self.sV_layout,
-            self.sP_layout, self.sdS_layout, SharedStorage, mdKVpart,
+            self.sP_layout, self.sdS_layout, SharedStorage,
         ).launch(
             grid=self._grid(num_n_blocks, mQ.shape[2], mQ.shape[0]),
             block=[self.num_threads, 1, 1],
@@ -390,7 +385,7 @@ class Sm90FlashBackward(BwdTileRole, BwdSplitRole, BwdLoadRole, BwdStoreRole, Bw
         sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
         sP_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout,
-        SharedStorage: cutlass.Constexpr, mdKVpart: cute.Tensor,
+        SharedStorage: cutlass.Constexpr,
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
@@ -411,10 +406,6 @@ class Sm90FlashBackward(BwdTileRole, BwdSplitRole, BwdLoadRole, BwdStoreRole, Bw
                     cute.arch.mbarrier_init(mbar_kv + 1, 1)
                 if const_expr(self.cfg.dynamic_tiles):  # Note [dynamic tiles] (bwd_tiles.py)
                     self._init_tile_handoff(storage.mbar_tile.data_ptr())
-                if const_expr(self.cfg.split_tail):  # Note [split tail]: before the CTA syncs
-                    self._split_walk_words(self._split_words(storage),
-                                           self._persistent_walk(mQ, seqlen_q, seqlen_k),
-                                           split_flags(self.cfg, mdQsem))
         producer = pipeline.CooperativeGroup(pipeline.Agent.Thread)
         # consumer_release arrives once per warp (lane 0): 8 MMA warps, in each CTA of the
         # cluster under qdo_multicast (Note [Q/dO multicast]).
@@ -456,9 +447,9 @@ class Sm90FlashBackward(BwdTileRole, BwdSplitRole, BwdLoadRole, BwdStoreRole, Bw
                             storage.tile_slots.get_tensor(cute.make_layout(TILE_SLOTS)),
                             storage.mbar_tile.data_ptr())
         elif const_expr(self.cfg.persistent_ctas):  # Note [persistent CTAs], bwd_tiles.py
-            work = self._persistent_walk(mQ, seqlen_q, seqlen_k)
-            if const_expr(self.cfg.split_tail):  # Note [split tail], bwd_split.py
-                work.split = self._split_words(storage)
+            work = TileWalk(cute.arch.block_idx()[0], cute.arch.grid_dim()[0],
+                            mQ.shape[3] * mQ.shape[2], mQ.shape[2], seqlen_q, seqlen_k,
+                            self.cfg.num_key_blocks(seqlen_k))
         else:
             work = self._cta_tile(qdo_ctas, tail_pairs, seqlen_q, seqlen_k)
         if warp_idx < PRODUCER_WARPS:
@@ -477,32 +468,10 @@ class Sm90FlashBackward(BwdTileRole, BwdSplitRole, BwdLoadRole, BwdStoreRole, Bw
             if const_expr(self.cfg.pdl and not self.cfg.pre_ctas):
                 cute.arch.griddepcontrol_wait()
             self.mma(mma_sdp, mma_dk, mma_dv, mma_dq, sQ, sK, sV, sdO, sP, sdS, sdQ, sLSE2, sDelta,
-                     mLSE2, mDelta, mdQacc,
-                     (mdK, mdV, tma_dK, tma_mdK, tma_dV, tma_mdV) + self._split_fixup(
-                         mdQsem, mdKVpart, work),
+                     mLSE2, mDelta, mdQacc, (mdK, mdV, tma_dK, tma_mdK, tma_dV, tma_mdV),
                      mdQsem, mbar_kv, pipe_q, pipe_do, tidx - WARPGROUP_THREADS, work, group,
                      seqlen_q, seqlen_k, softmax_scale, scale_log2,
                      self._epilogue_staging(storage, sK, sV, sK_layout, sV_layout))
-
-    def _persistent_walk(self, mQ, seqlen_q, seqlen_k):
-        """This persistent CTA's ``TileWalk`` of the fixed stride (Note [persistent CTAs] in
-        bwd_tiles.py)."""
-        return TileWalk(cute.arch.block_idx()[0], cute.arch.grid_dim()[0],
-                        mQ.shape[3] * mQ.shape[2], mQ.shape[2], seqlen_q, seqlen_k,
-                        self.cfg.num_key_blocks(seqlen_k))
-
-    def _split_words(self, storage):
-        """Note [split tail] (bwd_split.py): the SMEM words of the CTA's walk (1-5) and of its
-        pieces' hand-ins (6, 7)."""
-        return storage.split_words.get_tensor(cute.make_layout(SPLIT_WORDS))
-
-    def _split_fixup(self, mdQsem, mdKVpart, work):
-        """With ``split_tail`` what the epilogue hands a split tile's piece in through (Note
-        [split tail] in bwd_split.py): the partials in GMEM, the dQ semaphores (the fix-up
-        flags are among them), the walk (its SMEM words); else nothing."""
-        if const_expr(not self.cfg.split_tail):
-            return ()
-        return (mdKVpart, mdQsem, work)
 
     def _epilogue_staging(self, storage, sK, sV, sK_layout, sV_layout):
         """Where the dK / dV epilogue stages its tiles for the TMA stores (Note [dK/dV by
@@ -614,10 +583,10 @@ class Sm90FlashBackward(BwdTileRole, BwdSplitRole, BwdLoadRole, BwdStoreRole, Bw
                 state_do.advance()
         if const_expr(self.cfg.overlap_dk):
             state_q_prev = state_q.clone()  # the stage the previous block's dK reads
-        step_begin, step_end = self._steps(tile)
-        for step in cutlass.range(step_begin, step_end, unroll=1):
+        for step in cutlass.range(m_block_min, self._sweep_end(m_block_min, m_block_max),
+                                  unroll=1):
             m_block = self._m_block_at(step, m_offset, m_block_min, m_block_max)
-            ds_idx = (step - step_begin) % 2
+            ds_idx = (step - m_block_min) % 2
             # S = Q K^T, dP = dO V^T (swapped: S^T = K Q^T, dP^T = V dO^T)
             self._consumer_wait(pipe_q, state_q)
             lse_block = self._stat_block(mLSE2_cur, sLSE2, m_block, state_q.index)
@@ -639,7 +608,7 @@ class Sm90FlashBackward(BwdTileRole, BwdSplitRole, BwdLoadRole, BwdStoreRole, Bw
                     dpsum = self._query_stats(delta_block, thr_sdp, sdp_shape, tScS)
             warpgroup.wait_group(1)  # S done (Note [overlapped dK]: so is the previous dK)
             if const_expr(self.cfg.overlap_dk):
-                if step > step_begin:
+                if step > m_block_min:
                     pipe_q.consumer_release(state_q_prev)
             if self._block_needs_mask(m_block, n_block, seqlen_q, seqlen_k):
                 self._mask(S, tScS, tScS0, m_block, n_block, seqlen_q, seqlen_k)
@@ -720,23 +689,14 @@ class Sm90FlashBackward(BwdTileRole, BwdSplitRole, BwdLoadRole, BwdStoreRole, Bw
             state_do.advance()
         if const_expr(self.cfg.overlap_dk):
             warpgroup.wait_group(0)  # the last dK
-            if step_end > step_begin:
+            if m_block_max > m_block_min:
                 pipe_q.consumer_release(state_q_prev)
         for i in cutlass.range_constexpr(cute.size(acc_dK)):  # dK = scale * dS^T Q
             acc_dK[i] = acc_dK[i] * softmax_scale
-        mdK, mdV, tma_dK, tma_mdK, tma_dV, tma_mdV = dkv_out[:6]
-        split = None
-        if const_expr(self.cfg.split_tail):  # Note [split tail]: meet the other piece
-            mdKVpart, mdQsem_, work = dkv_out[6:]
-            slot, half = self._split_slot(tile.split_unit, work)
-            role = self._hand_in_piece(acc_dK, acc_dV, mdKVpart, mdQsem_, work, slot, half,
-                                       tidx)
-            slot = cutlass.max(slot, 0)
-            split = (role, (self.split_parts(mdKVpart, slot, 0, tidx),
-                            self.split_parts(mdKVpart, slot, 1, tidx)))
+        mdK, mdV, tma_dK, tma_mdK, tma_dV, tma_mdV = dkv_out
         if const_expr(self.cfg.stores_dkv_by_tma):
             self._store_dkdv_tma(mma_dk, mma_dv, acc_dK, acc_dV, staging, tma_dK, tma_mdK,
-                                 tma_dV, tma_mdV, tidx, n_block, head, batch, mbar_kv, split)
+                                 tma_dV, tma_mdV, tidx, n_block, head, batch, mbar_kv)
         else:
             self._store_dkdv(mma_dk, mma_dv, acc_dK, acc_dV, mdK, mdV, tidx, n_block, head, batch,
                              group, seqlen_k)

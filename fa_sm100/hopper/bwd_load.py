@@ -79,11 +79,7 @@ class BwdLoadRole:
         # what _load_block loads Q and dO with: pipelines, TMA, their partitions, statistics
         stages = ((pipe_q, tma_Q, tQgQ, tQsQ, mLSE2, sLSE2),
                   (pipe_do, tma_dO, tdOgdO, tdOsdO, mDelta, sDelta))
-        # the sweep's steps: from the first block to load, or a split tile's piece (Note
-        # [split tail] in bwd_split.py: no mask, so m_block_first is m_block_min there)
-        first_step, step_end = m_block_min, self._sweep_end(m_block_min, m_block_max)
-        if const_expr(self.cfg.split_tail):
-            first_step, step_end = tile.step_begin, tile.step_end
+        first_step = m_block_min
         if const_expr(self.cfg.persistent_ctas):
             # Note [persistent CTAs]: the first tile's K / V before the preprocess's wait (Note
             # [chained launches]); a later tile's first Q / dO (seqlen_q >= 1: there is one)
@@ -91,11 +87,11 @@ class BwdLoadRole:
             if k == 0:
                 self._load_kv(tma_K, tma_V, tKgK, tKsK, tVgV, tVsV, mbar_kv)
             self.wait_for_preprocess(mdQsem, mLSE2, batch, head)
-            m_first = self._m_block_at(first_step, m_offset, m_block_min, m_block_max)
+            m_first = self._m_block_at(m_block_min, m_offset, m_block_min, m_block_max)
             self._load_block(stages, state_q, state_do, mcast, batch, head, m_first)
             state_q.advance()
             state_do.advance()
-            first_step = first_step + 1
+            first_step = m_block_min + 1
             if k > 0:
                 cute.arch.mbarrier_wait(mbar_kv + 1, (k - 1) % 2)
                 self._load_kv(tma_K, tma_V, tKgK, tKsK, tVgV, tVsV, mbar_kv)
@@ -104,7 +100,8 @@ class BwdLoadRole:
             # Note [chained launches]: K, V do not come from the preprocess; LSE2 / Delta
             # (with Q / dO) do
             self.wait_for_preprocess(mdQsem, mLSE2, batch, head)
-        for step in cutlass.range(first_step, step_end, unroll=1):
+        for step in cutlass.range(first_step, self._sweep_end(m_block_min, m_block_max),
+                                  unroll=1):
             m_block = self._m_block_at(step, m_offset, m_block_min, m_block_max)
             self._load_block(stages, state_q, state_do, mcast, batch, head, m_block)
             state_q.advance()

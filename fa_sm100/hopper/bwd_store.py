@@ -110,16 +110,8 @@ def finished_ctas_count(cfg, mdQsem, batch, head):
     persistent: Note [persistent CTAs] in bwd_tiles.py), its last dQ semaphore but the tile
     counter's and the preprocess's count (``BwdConfig.dq_sem_slots``, Note [dQ postprocess in
     the tail] in bwd_prepost.py): the dq-store warp adds to it, the dQ postprocess polls it."""
-    after = cfg.split_slots + int(cfg.dynamic_tiles) + int(cfg.pre_ctas > 0)  # slots after it
+    after = int(cfg.dynamic_tiles) + int(cfg.pre_ctas > 0)  # the slots after it
     return mdQsem[batch, head, None].iterator + mdQsem.shape[2] - 1 - after
-
-
-def split_flags(cfg, mdQsem):
-    """Where ``split_tail``'s fix-up flags start among (batch 0, head 0)'s dQ semaphores:
-    after the finished count (``BwdConfig.dq_sem_slots``, Note [split tail] in bwd_split.py).
-    The preprocess zeroes them."""
-    after = int(cfg.dynamic_tiles) + int(cfg.pre_ctas > 0)
-    return mdQsem.shape[2] - cfg.split_slots - after
 
 
 def tile_counter(cfg, mdQsem):
@@ -177,20 +169,6 @@ def _named_barrier(bar_id: cutlass.Constexpr, threads: cutlass.Constexpr, wait: 
         cute.arch.barrier(barrier_id=bar_id, number_of_threads=threads)
     else:
         cute.arch.barrier_arrive(barrier_id=bar_id, number_of_threads=threads)
-
-
-def fragment_view(ptr, tidx, threads: int, count: int):
-    """Thread ``tidx``'s ``count`` float32 registers of an accumulator stored by ``threads``
-    threads in fragment order (16-byte vectors, thread-major within each group of 4
-    registers: a warp's 16-byte vectors are contiguous), at ``ptr`` (16-byte aligned): (4,
-    count / 4), strides (1, 4 * threads). Note [split tail]'s partial dK / dV."""
-    layout = cute.make_layout((DQ_VEC, count // DQ_VEC), stride=(1, threads * DQ_VEC))
-    return cute.make_tensor(ptr + tidx * DQ_VEC, layout)
-
-
-def fragment_registers(acc):
-    """An accumulator's registers as (4, count / 4), in register order (``fragment_view``)."""
-    return cute.make_tensor(acc.iterator, cute.make_layout((DQ_VEC, cute.size(acc) // DQ_VEC)))
 
 
 def dq_registers(cfg, acc_dQ):
@@ -276,8 +254,8 @@ class BwdStoreRole:
         part_elems = self.cfg.dq_block_elems // parts
         gdQ = mdQacc[batch, head, None, None]
         lane = cute.arch.lane_idx()
-        step_begin, step_end = self._steps(tile)
-        for step in cutlass.range(step_begin, step_end, unroll=1):
+        for step in cutlass.range(m_block_min, self._sweep_end(m_block_min, m_block_max),
+                                  unroll=1):
             m_block = self._m_block_at(step, m_offset, m_block_min, m_block_max)
             for part in cutlass.range_constexpr(parts):
                 # bulk groups complete in commit order: this part's previous reduce is done
@@ -389,7 +367,7 @@ class BwdStoreRole:
 
     @cute.jit
     def _store_dkdv_tma(self, mma_dk, mma_dv, acc_dK, acc_dV, staging, tma_dK, tma_mdK, tma_dV,
-                        tma_mdV, tidx, n_block, head, batch, mbar_kv, split=None):
+                        tma_mdV, tidx, n_block, head, batch, mbar_kv):
         """MHA dK (scaled by the caller) and dV -> SMEM (``staging``: K's and V's buffers, or
         with persistent CTAs the dS buffers and the dQ tile) -> GMEM by TMA (Note [dK/dV by
         TMA]). With persistent CTAs (Note [persistent CTAs] in bwd_tiles.py) the warpgroups
@@ -397,26 +375,10 @@ class BwdStoreRole:
         ``EPILOGUE`` barrier, stage dK, take the dQ tile back from the dq-store warp
         (``DQ_EMPTY``, then ``EPILOGUE`` so that both halves are free) before they stage dV,
         and once the stores have read SMEM (a last ``EPILOGUE``) hand the dQ tile back
-        (``DQ_FULL``); the dS buffers need no hand-off. ``split`` (Note [split tail] in
-        bwd_split.py): (role, the fix-up slot's halves) of ``_hand_in_piece``: a piece that
-        finished first takes every step but the TMA stores; one that finished second stages
-        the sum of the halves instead of its registers."""
+        (``DQ_FULL``); the dS buffers need no hand-off."""
         persistent = self.cfg.persistent_ctas > 0
         sK_out, sV_out = staging
-        store = True
-        if const_expr(split is None):
-            rdK, rdV = self._in_dtype(acc_dK), self._in_dtype(acc_dV)
-        else:
-            role, halves = split
-            store = role != 1
-            rdK = cute.make_fragment_like(acc_dK, self.dtype)
-            rdV = cute.make_fragment_like(acc_dV, self.dtype)
-            if role == 2:
-                self._sum_halves(rdK, halves, 0)
-                self._sum_halves(rdV, halves, 1)
-            else:
-                rdK.store(acc_dK.load().to(self.dtype))
-                rdV.store(acc_dV.load().to(self.dtype))
+        rdK, rdV = self._in_dtype(acc_dK), self._in_dtype(acc_dV)
         # every dQ GEMM (reads K) and S/dP GEMM (K, V) of both warpgroups has retired
         cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.EPILOGUE),
                           number_of_threads=self.num_mma_threads)
@@ -433,16 +395,14 @@ class BwdStoreRole:
         cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.EPILOGUE),
                           number_of_threads=self.num_mma_threads)
         if tidx // WARP_SIZE == 0:
-            if store:
-                one = cute.make_layout(1)
-                for tma, m_out, s_tile, cols in ((tma_dK, tma_mdK, sK_out, self.hdim),
-                                                 (tma_dV, tma_mdV, sV_out, self.hdimv)):
-                    g_tile = cute.local_tile(m_out[None, None, head, batch],
-                                             (self.tile_n, cols), (n_block, 0))
-                    t_s, t_g = cpasync.tma_partition(tma, 0, one,
-                                                     cute.group_modes(s_tile, 0, 2),
-                                                     cute.group_modes(g_tile, 0, 2))
-                    cute.copy(tma, t_s, t_g)
+            one = cute.make_layout(1)
+            for tma, m_out, s_tile, cols in ((tma_dK, tma_mdK, sK_out, self.hdim),
+                                             (tma_dV, tma_mdV, sV_out, self.hdimv)):
+                g_tile = cute.local_tile(m_out[None, None, head, batch], (self.tile_n, cols),
+                                         (n_block, 0))
+                t_s, t_g = cpasync.tma_partition(tma, 0, one, cute.group_modes(s_tile, 0, 2),
+                                                 cute.group_modes(g_tile, 0, 2))
+                cute.copy(tma, t_s, t_g)
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)  # SMEM is read before the exit
         if const_expr(persistent):  # ... and before the next tile writes dS and dQ there

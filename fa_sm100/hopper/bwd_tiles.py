@@ -210,18 +210,14 @@ class BwdTile:
     """One tile of the main kernel: key block ``n_block`` of (``batch``, ``head``), the query
     blocks [``m_block_min``, ``m_block_max``) it visits from step ``m_offset`` on (Note
     [staggered query blocks]), and ``m_block_first``, the first one its load warp loads (Note
-    [Q/dO multicast] in bwd_kernel.py); with ``split_tail`` the steps [``step_begin``,
-    ``step_end``) of the sweep it runs and ``split_unit``, where it starts in the CTA's walk
-    (Note [split tail]). A plain holder of DSL integers (the DSL would carry a dataclass through
-    run-time loops as run-time values)."""
+    [Q/dO multicast] in bwd_kernel.py). A plain holder of DSL integers (the DSL would carry a dataclass
+    through run-time loops as run-time values)."""
 
-    def __init__(self, n_block, head, batch, m_block_first, m_block_min, m_block_max, m_offset,
-                 step_begin=None, step_end=None, split_unit=None):
+    def __init__(self, n_block, head, batch, m_block_first, m_block_min, m_block_max, m_offset):
         self.n_block, self.head, self.batch = n_block, head, batch
         self.m_block_first, self.m_block_min, self.m_block_max = (m_block_first, m_block_min,
                                                                   m_block_max)
         self.m_offset = m_offset
-        self.step_begin, self.step_end, self.split_unit = step_begin, step_end, split_unit
 
 
 class TileWalk:
@@ -230,18 +226,16 @@ class TileWalk:
     fastest, then head, then batch); with ``dynamic_tiles`` ``first``, then the indices its
     load warp fetches (Note [dynamic tiles]: ``counter``, the tile counter in GMEM; ``slots``,
     the SMEM tensor of TILE_SLOTS indices; ``handoff``, their full then empty mbarriers;
-    ``tail_pairs`` of Note [longest first]); with ``split_tail`` ``split``: the SMEM words
-    holding its ``split_tail_range`` (Note [split tail]). A plain holder, like ``BwdTile``."""
+    ``tail_pairs`` of Note [longest first]). A plain holder, like ``BwdTile``."""
 
     def __init__(self, first, stride, num_pairs, num_heads, seqlen_q, seqlen_k, num_n_blocks,
-                 tail_pairs=None, counter=None, slots=None, handoff=None, split=None):
+                 tail_pairs=None, counter=None, slots=None, handoff=None):
         self.first, self.stride = first, stride
         self.count = num_n_blocks * num_pairs
         self.num_pairs, self.num_heads, self.num_n_blocks = num_pairs, num_heads, num_n_blocks
         self.seqlen_q, self.seqlen_k = seqlen_q, seqlen_k
         self.tail_pairs, self.counter, self.slots, self.handoff = (tail_pairs, counter, slots,
                                                                    handoff)
-        self.split = split
 
 
 class BwdTileRole:
@@ -301,13 +295,6 @@ class BwdTileRole:
         m_offset = stagger_offset(self.cfg, n_block, work.num_n_blocks, m_block_min, m_block_max)
         return BwdTile(n_block, head, batch, m_block_min, m_block_min, m_block_max, m_offset)
 
-    def _steps(self, tile):
-        """The steps [begin, end) of a tile's sweep the MMA and dq-store roles run: all of it
-        (``_sweep_end``), or with ``split_tail`` the tile's piece (Note [split tail])."""
-        if const_expr(self.cfg.split_tail):
-            return tile.step_begin, tile.step_end
-        return tile.m_block_min, self._sweep_end(tile.m_block_min, tile.m_block_max)
-
     def _m_block_range(self, n_block: Int32, seqlen_q: Int32, seqlen_k: Int32):
         """Query blocks [min, max) this CTA visits (``m_block_range``)."""
         return m_block_range(self.cfg, n_block, seqlen_q, seqlen_k, cutlass.max, cutlass.min)
@@ -348,14 +335,6 @@ class BwdTileRole:
             while t < work.count:
                 states = tile_body(*args, self._tile_at(t, work), k, *states)
                 t = self._next_tile(work, k, fetches)
-                k += 1
-        elif const_expr(self.cfg.split_tail):  # Note [split tail]: one unit per sweep step
-            v = Int32(0)
-            k = Int32(0)
-            while v < self._split_walk_end(work):
-                tile = self._split_tile_at(v, work)
-                states = tile_body(*args, tile, k, *states)
-                v += tile.step_end - tile.step_begin
                 k += 1
         elif const_expr(self.cfg.persistent_ctas):
             k = Int32(0)
