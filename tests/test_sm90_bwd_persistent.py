@@ -216,3 +216,36 @@ def test_dynamic_tiles_kernel_compiles_with_the_sweep_unchanged(tmp_path):
     assert atomics(dyn_sass) == ["ATOMG.E.ADD.STRONG.GPU", "ATOMG.E.CAS.STRONG.GPU"]
     tma = lambda s: sum(1 for line in s.splitlines() if "UTMALDG" in line)
     assert tma(dyn_sass) == 2 * tma(plain_sass)
+
+
+def test_dq_postprocess_compile_key_tells_where_its_count_is():
+    """With ``early_dq_post`` the dQ postprocess polls the finished-tile count, whose slot
+    among the dQ semaphores moves with the config (``finished_ctas_count``: before the tile
+    counter of dynamic tiles and the persistent preprocess's count). One compiled
+    postprocess serves every config with its compile key, so equal keys must mean the same
+    slot: a key without ``dynamic_tiles`` once let a dynamic config's postprocess poll the
+    tile counter and convert head (0, 0) too early, whenever a config without dynamic tiles
+    had compiled it first (a GPU test failed only in the full run)."""
+    from types import SimpleNamespace
+
+    from fa_sm100.hopper.bwd_prepost import DqPostprocess
+    from fa_sm100.hopper.bwd_store import finished_ctas_count
+
+    class Semaphores:  # what finished_ctas_count reads of the (batch, heads, slots) tensor
+        shape = (1, 1, 100)
+
+        def __getitem__(self, index):
+            return SimpleNamespace(iterator=0)
+
+    slot_of_key = {}
+    kinds = set()
+    for causal, kw in ((False, dict()), (True, dict()), (False, dict(pre_ctas=32)),
+                       (True, dict(pre_ctas=32)), (False, dict(persistent_ctas=132)),
+                       (False, dict(persistent_ctas=132, dynamic_tiles=True)),
+                       (True, dict(persistent_ctas=132, dynamic_tiles=True))):
+        cfg = select_bwd_config(head_dim=128, causal=causal, seqlen_q=1024, seqlen_k=1024,
+                                early_dq_post=True, **kw)
+        slot = finished_ctas_count(cfg, Semaphores(), 0, 0)
+        kinds.add(slot)
+        assert slot_of_key.setdefault(DqPostprocess.compile_key(cfg), slot) == slot, kw
+    assert kinds == {99, 98}  # last; before the tile counter or the preprocess's count

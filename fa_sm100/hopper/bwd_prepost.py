@@ -541,9 +541,10 @@ class DqPostprocess:
     def compile_key(cfg) -> tuple:
         """What the compiled kernel depends on: the fragment order (tile_m, head dim), dtype,
         the launch, first stores, and with ``early_dq_post`` the key-block height (the count
-        it waits for) and where that count is (``finished_ctas_count``: before the persistent
-        preprocess's, with ``pre_ctas``)."""
-        early = (cfg.tile_n, cfg.pre_ctas > 0) if cfg.early_dq_post else ()
+        it waits for) and where that count is (``finished_ctas_count``: before the tile
+        counter of dynamic tiles and the persistent preprocess's count, where they are)."""
+        early = ((cfg.tile_n, cfg.pre_ctas > 0, cfg.dynamic_tiles) if cfg.early_dq_post
+                 else ())
         return (cfg.tile_m, cfg.head_dim, cfg.dtype, cfg.pdl, cfg.first_stores_dq) + early
 
     @cute.jit
