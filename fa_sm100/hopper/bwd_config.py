@@ -641,8 +641,8 @@ def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = Fals
       (4k), -0.6% (8k), -1.0% / +1.1% (16k); hdim 64 +3.4% (1k), +1.1% (2k), 0.0% (4k).
     - causal hdim 64 without a window up to ``PERSISTENT_MAX_SEQLEN``: persistent CTAs that
       fetch their tiles (``dynamic_tiles``, Note [dynamic tiles]); H200, paired over one CTA
-      per tile, 16-20 rounds: +4.5% / +2.9% (1k), +2.1% / +2.8% (2k); -1.0% at 4k; hdim 128
-      causal +1.3% (1k), -1.9% (2k), off.
+      per tile, 10-20 rounds: +2.9% to +4.8% (1k), +2.1% to +2.9% (2k); -1.0% at 4k; hdim 128
+      causal -0.5% (1k), -2.5% (2k), off.
     """
     head_dim_v = default_head_dim_v(head_dim) if head_dim_v is None else head_dim_v
     windowed = window_left is not None or window_right is not None

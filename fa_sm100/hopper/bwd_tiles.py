@@ -67,8 +67,9 @@ checks it), so the two CTAs of a cluster always hold neighbouring key blocks of 
 walk the same number of tiles in step: the Q/dO stages' multicast protocol (Note [Q/dO
 multicast] in bwd_kernel.py) continues across tiles, as the forward's Note [Persistent
 multicast] in fwd_kernel.py does. The order is static, so it balances only tiles of equal
-length: no mask or window, unless the tiles are fetched (Note [dynamic tiles]). The preprocess runs ahead (``pre_ctas=0``): its CTAs beside
-the main kernel would hold SMs that some persistent CTAs then wait for, and those end last.
+length: no mask or window, unless the tiles are fetched (Note [dynamic tiles]). The
+preprocess runs ahead (``pre_ctas=0``): its CTAs beside the main kernel would hold SMs that
+some persistent CTAs then wait for, and those end last.
 The gain is the per-tile cost, so it shrinks as tiles grow: ``select_bwd_config`` takes it up
 to ``PERSISTENT_MAX_SEQLEN`` (hdim 64 and 128, +3% at 1k, +1% at 2k; paired timing on an
 H200). GPU tests: the float64 rule with NaN-poisoned workspaces and CTAs walking many tiles,
@@ -95,15 +96,19 @@ preprocess. The next call's preprocess zeroes it only after this kernel has ende
 that find no tile included: it waits for the kernel before it, the dQ postprocess, which
 itself ends after the main kernel (Note [chained launches] in bwd_interface.py, also with
 ``early_dq_post``). Rules (``validate``): persistent CTAs; no ``qdo_multicast`` (both CTAs of
-a cluster would need one fetched index). Default (``select_bwd_config``) for causal hdim 64 without a window up
-to ``PERSISTENT_MAX_SEQLEN``: paired on an H200 over one CTA per tile, +4.5% / +2.9% (1k)
-and +2.1% / +2.8% (2k), 16-20 rounds; -1.0% at 4k (off there). At hdim 128 causal, where
-the defaults take the persistent preprocess and the early dQ postprocess that dynamic tiles
-refuse, +1.3% (1k) and -1.9% (2k), 10 rounds: off. Non-causal, against the fixed stride
-without multicast, -1.1% (hdim 64 1k, 16 rounds): the fetch costs about a percent there
-and multicast another two, so the fixed stride keeps non-causal problems. GPU tests: the
-float64 rule with the counter poisoned (must be zeroed), many tiles per CTA, causal with and
-without longest first, bottom-right ragged lengths, a band, no mask; causal dK, dV bit for
+a cluster would need one fetched index).
+
+Default (``select_bwd_config``) for causal hdim 64 without a window up to
+``PERSISTENT_MAX_SEQLEN``; paired on an H200 over one CTA per tile (docs/data/round28/):
++4.5% / +2.9% / +4.8% (1k) and +2.8% / +2.1% / +2.9% (2k), 10-20 rounds; -1.0% at 4k (off
+there). At hdim 128 causal, where one CTA per tile has the persistent preprocess beside it
+(``pre_ctas``, which persistent CTAs refuse), -0.5% (1k) and -2.5% (2k): off. Non-causal,
+against the fixed stride without multicast, -1.1% (hdim 64 1k): the fetch costs about a
+percent there and multicast is worth two, so the fixed stride keeps non-causal problems. A
+fetch one tile ahead (at the tile's start) measured the same as at its end. The schedule
+model's "longest first" column is what the fetched tiles deal (no per-tile cost). GPU tests:
+the float64 rule with the counter poisoned (must be zeroed), many tiles per CTA, causal with
+and without longest first, bottom-right ragged lengths, a band, no mask; causal dK, dV bit for
 bit those of one CTA per tile over repeated calls.
 """
 
