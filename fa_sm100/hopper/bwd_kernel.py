@@ -439,17 +439,14 @@ class Sm90FlashBackward(BwdTileRole, BwdLoadRole, BwdStoreRole, BwdScoresRole):
             sLSE2 = storage.sLSE2.get_tensor(cute.make_layout((self.tile_m, self.cfg.q_stage)))
             sDelta = storage.sDelta.get_tensor(cute.make_layout((self.tile_m, self.cfg.do_stage)))
 
-        if const_expr(self.cfg.dynamic_tiles):  # Note [dynamic tiles], bwd_tiles.py
-            work = TileWalk(cute.arch.block_idx()[0], cute.arch.grid_dim()[0],
-                            mQ.shape[3] * mQ.shape[2], mQ.shape[2], seqlen_q, seqlen_k,
-                            self.cfg.num_key_blocks(seqlen_k), tail_pairs,
-                            tile_counter(self.cfg, mdQsem),
-                            storage.tile_slots.get_tensor(cute.make_layout(TILE_SLOTS)),
-                            storage.mbar_tile.data_ptr())
-        elif const_expr(self.cfg.persistent_ctas):  # Note [persistent CTAs], bwd_tiles.py
+        if const_expr(self.cfg.persistent_ctas):  # Note [persistent CTAs], bwd_tiles.py
             work = TileWalk(cute.arch.block_idx()[0], cute.arch.grid_dim()[0],
                             mQ.shape[3] * mQ.shape[2], mQ.shape[2], seqlen_q, seqlen_k,
                             self.cfg.num_key_blocks(seqlen_k))
+            if const_expr(self.cfg.dynamic_tiles):  # Note [dynamic tiles], bwd_tiles.py
+                work.fetch_from(tail_pairs, tile_counter(self.cfg, mdQsem),
+                                storage.tile_slots.get_tensor(cute.make_layout(TILE_SLOTS)),
+                                storage.mbar_tile.data_ptr())
         else:
             work = self._cta_tile(qdo_ctas, tail_pairs, seqlen_q, seqlen_k)
         if warp_idx < PRODUCER_WARPS:

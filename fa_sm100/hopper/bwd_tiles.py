@@ -233,12 +233,16 @@ class TileWalk:
     the SMEM tensor of TILE_SLOTS indices; ``handoff``, their full then empty mbarriers;
     ``tail_pairs`` of Note [longest first]). A plain holder, like ``BwdTile``."""
 
-    def __init__(self, first, stride, num_pairs, num_heads, seqlen_q, seqlen_k, num_n_blocks,
-                 tail_pairs=None, counter=None, slots=None, handoff=None):
+    def __init__(self, first, stride, num_pairs, num_heads, seqlen_q, seqlen_k, num_n_blocks):
         self.first, self.stride = first, stride
         self.count = num_n_blocks * num_pairs
         self.num_pairs, self.num_heads, self.num_n_blocks = num_pairs, num_heads, num_n_blocks
         self.seqlen_q, self.seqlen_k = seqlen_q, seqlen_k
+        self.tail_pairs = self.counter = self.slots = self.handoff = None
+
+    def fetch_from(self, tail_pairs, counter, slots, handoff):
+        """With ``dynamic_tiles``: where the walk's later tiles come from (Note [dynamic
+        tiles])."""
         self.tail_pairs, self.counter, self.slots, self.handoff = (tail_pairs, counter, slots,
                                                                    handoff)
 
