@@ -787,6 +787,11 @@ CONTRACT_CASES = [
     # Note [dQ SMEM handoff]: one handoff of the whole tile
     (["dq_handoff_per_wg=false"], "UBLKRED"),
     (["head_dim=64", "dq_handoff_per_wg=false", "deterministic=true", "causal=true"], "UBLKRED"),
+    # Note [dynamic tiles]: persistent CTAs fetching causal tiles (hdim 64's default up to 2k),
+    # and at hdim 96 (unswapped 64-row blocks) with the early dQ postprocess and a window
+    (["head_dim=64", "causal=true", "persistent_ctas=132", "dynamic_tiles=true"], "UBLKRED"),
+    (["head_dim=96", "causal=true", "window_left=300", "persistent_ctas=132",
+      "dynamic_tiles=true", "early_dq_post=true"], "UBLKRED"),
 ]
 
 

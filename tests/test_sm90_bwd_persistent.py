@@ -170,10 +170,21 @@ def test_dynamic_tiles_defaults_where_measured():
     for kw in off:
         lengths = {k: 1024 for k in ("seqlen_q", "seqlen_k") if k not in kw}
         assert not select_bwd_config(**kw, **lengths).dynamic_tiles, kw
-    asked = select_bwd_config(head_dim=128, causal=True, seqlen_q=8192, seqlen_k=8192,
-                              persistent_ctas=132, dynamic_tiles=True)
+    asked = select_bwd_config(head_dim=64, causal=True, seqlen_q=8192, seqlen_k=8192,
+                              persistent_ctas=132, dynamic_tiles=True, early_dq_post=True)
     assert (asked.qdo_multicast, asked.early_dq_post, asked.pre_ctas) == (False, True, 0)
-    assert select_bwd_config(head_dim=128, causal=True, seqlen_q=8192, seqlen_k=8192).qdo_multicast
+    assert select_bwd_config(head_dim=64, causal=True, seqlen_q=8192, seqlen_k=8192).qdo_multicast
+
+
+def test_dynamic_tiles_refused_at_hdim_128():
+    """At hdim 128 the fetched walk's values do not fit the MMA warpgroups' registers (the
+    compile contract saw 34 WGMMA commit groups per block instead of 5 at 80-row blocks):
+    refused, naming the rule; hdim 96 is taken."""
+    for d in (64, 96):
+        assert select_bwd_config(head_dim=d, causal=True, persistent_ctas=132,
+                                 dynamic_tiles=True).dynamic_tiles
+    with pytest.raises(ValueError, match="head_dim <= 96 with dynamic_tiles"):
+        select_bwd_config(head_dim=128, causal=True, persistent_ctas=132, dynamic_tiles=True)
 
 
 def test_dynamic_tiles_take_one_more_semaphore_slot():
@@ -243,7 +254,8 @@ def test_dq_postprocess_compile_key_tells_where_its_count_is():
                        (True, dict(pre_ctas=32)), (False, dict(persistent_ctas=132)),
                        (False, dict(persistent_ctas=132, dynamic_tiles=True)),
                        (True, dict(persistent_ctas=132, dynamic_tiles=True))):
-        cfg = select_bwd_config(head_dim=128, causal=causal, seqlen_q=1024, seqlen_k=1024,
+        d = 96 if kw.get("dynamic_tiles") else 128  # dynamic tiles: head dims up to 96
+        cfg = select_bwd_config(head_dim=d, causal=causal, seqlen_q=1024, seqlen_k=1024,
                                 early_dq_post=True, **kw)
         slot = finished_ctas_count(cfg, Semaphores(), 0, 0)
         kinds.add(slot)

@@ -88,6 +88,9 @@ TILE_SLOTS = 2
 # ... taken by default for causal problems (no window) up to PERSISTENT_MAX_SEQLEN at these
 # head dims (select_bwd_config's docstring)
 DYNAMIC_TILES_HEAD_DIMS = (64,)
+# ... and allowed up to this head dim: at hdim 128 the MMA warpgroups have no registers left
+# for the fetched walk (ptxas spills 52-64 bytes, and with 80-row blocks serializes the WGMMAs)
+DYNAMIC_TILES_MAX_HEAD_DIM = 96
 SMEM_BUFFER_ALIGN = 1024  # every SMEM buffer of the kernel starts on a swizzle-atom boundary
 SM90_SMEM_BYTES = SMEM_BUDGET[SM90_ARCH]  # 227 KiB of dynamic shared memory per CTA on H100/H200
 
@@ -219,8 +222,8 @@ class BwdConfig:
     # and hands it to the other roles through SMEM (Note [dynamic tiles] in bwd_tiles.py).
     # The tiles go out in launch order, as the hardware hands out one CTA per tile, so tiles
     # of unequal length (a causal mask, a window; ``longest_first`` renumbers them) balance as
-    # they do without persistent CTAs. Needs persistent_ctas; no qdo_multicast (a cluster's
-    # CTAs would need one index).
+    # they do without persistent CTAs. Needs persistent_ctas, head_dim <= 96; no
+    # qdo_multicast (a cluster's CTAs would need one index).
     dynamic_tiles: bool = False
     # registers after setmaxnreg: producer warpgroup and each of the two MMA warpgroups
     regs_producer: int = 24
@@ -409,6 +412,10 @@ class BwdConfig:
             (not dynamic and (self.causal or self.is_local),
              "a problem without a causal mask or window, or dynamic_tiles=True: a fixed "
              "order balances only tiles of equal length (Note [dynamic tiles])"),
+            (dynamic and self.head_dim > DYNAMIC_TILES_MAX_HEAD_DIM,
+             f"head_dim <= {DYNAMIC_TILES_MAX_HEAD_DIM} with dynamic_tiles: at head_dim="
+             f"{self.head_dim} the MMA warpgroups have no registers left for the fetched walk "
+             f"(ptxas spills, and with 80-row blocks serializes every WGMMA)"),
             (dynamic and self.qdo_multicast,
              "qdo_multicast=False with dynamic_tiles: both CTAs of a cluster would need the "
              "same fetched tile"),
@@ -641,8 +648,8 @@ def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = Fals
       (4k), -0.6% (8k), -1.0% / +1.1% (16k); hdim 64 +3.4% (1k), +1.1% (2k), 0.0% (4k).
     - causal hdim 64 without a window up to ``PERSISTENT_MAX_SEQLEN``: persistent CTAs that
       fetch their tiles (``dynamic_tiles``, Note [dynamic tiles]); H200, paired over one CTA
-      per tile, 10-20 rounds: +2.9% to +4.8% (1k), +2.1% to +2.9% (2k); -1.0% at 4k; hdim 128
-      causal -0.5% (1k), -2.5% (2k), off.
+      per tile, 10-20 rounds: +2.9% to +4.8% (1k), +2.1% to +2.9% (2k); -1.0% at 4k. (hdim
+      128 causal measured -0.5% (1k), -2.5% (2k) with a kernel that spilled: refused now.)
     """
     head_dim_v = default_head_dim_v(head_dim) if head_dim_v is None else head_dim_v
     windowed = window_left is not None or window_right is not None

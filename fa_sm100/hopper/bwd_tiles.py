@@ -96,13 +96,17 @@ preprocess. The next call's preprocess zeroes it only after this kernel has ende
 that find no tile included: it waits for the kernel before it, the dQ postprocess, which
 itself ends after the main kernel (Note [chained launches] in bwd_interface.py, also with
 ``early_dq_post``). Rules (``validate``): persistent CTAs; no ``qdo_multicast`` (both CTAs of
-a cluster would need one fetched index).
+a cluster would need one fetched index); head dims up to 96 (``DYNAMIC_TILES_MAX_HEAD_DIM``):
+at hdim 128 the walk's values take registers the MMA warpgroups do not have, and ptxas
+spills 52-64 bytes and, with 80-row blocks, serializes every WGMMA (34 commit groups per
+block instead of 5; the compile contract caught it).
 
 Default (``select_bwd_config``) for causal hdim 64 without a window up to
 ``PERSISTENT_MAX_SEQLEN``; paired on an H200 over one CTA per tile (docs/data/round28/):
 +4.5% / +2.9% / +4.8% (1k) and +2.8% / +2.1% / +2.9% (2k), 10-20 rounds; -1.0% at 4k (off
-there). At hdim 128 causal, where one CTA per tile has the persistent preprocess beside it
-(``pre_ctas``, which persistent CTAs refuse), -0.5% (1k) and -2.5% (2k): off. Non-causal,
+there). At hdim 128 causal -0.5% (1k) and -2.5% (2k), with a kernel that spilled and
+without the persistent preprocess one CTA per tile has beside it (``pre_ctas``, which
+persistent CTAs refuse); refused since. Non-causal,
 against the fixed stride without multicast, -1.1% (hdim 64 1k): the fetch costs about a
 percent there and multicast is worth two, so the fixed stride keeps non-causal problems. A
 fetch one tile ahead (at the tile's start) measured the same as at its end. The schedule
