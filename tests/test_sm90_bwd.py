@@ -1629,3 +1629,44 @@ def test_smem_bytes_is_the_kernels_shared_storage_size(overrides):
 
     cute.compile(probe, options="--gpu-arch sm_90a")
     assert size["struct"] == cfg.smem_bytes() <= SM90_SMEM_BYTES
+
+
+def _grid_default_configs():
+    """The distinct configs ``select_bwd_config`` picks for the benchmark grid's cells (head
+    dims 64 / 128 / 256, causal and not, 1k-16k; MHA)."""
+    configs = []
+    for d in (64, 128, 256):
+        for causal in (False, True):
+            for s in (1024, 2048, 4096, 8192, 16384):
+                cfg = select_bwd_config(head_dim=d, causal=causal, seqlen_q=s, seqlen_k=s)
+                if cfg not in configs:
+                    configs.append(cfg)
+    return configs
+
+
+GRID_DEFAULTS = _grid_default_configs()
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("cfg", GRID_DEFAULTS, ids=lambda c: (
+    f"d{c.head_dim}-{'causal' if c.causal else 'full'}-tm{c.tile_m}"
+    f"{'-pers' if c.persistent_ctas else ''}{'-dyn' if c.dynamic_tiles else ''}"
+    f"{'-mc' if c.qdo_multicast else ''}{'-stagger' if c.stagger_m else ''}"
+    f"{'-pre' if c.pre_ctas else ''}{'-post' if c.early_dq_post else ''}"))
+def test_grid_defaults_compile_without_spill_or_serialized_wgmma(cfg, tmp_path):
+    """Every config the benchmark grid runs by default cross-compiles with no spill and its
+    five GEMMs as five WGMMA commit groups. When a value the sweep does not need stays live
+    through it, ptxas runs out of registers in the MMA warpgroups and serializes every
+    WGMMA (one commit each: 34 per block at hdim 128) or spills; the compile contract's
+    hand-picked cases missed that for dynamic tiles at hdim 128 until one was added, so the
+    defaults are checked here as ``select_bwd_config`` picks them."""
+    from fa_sm100.compile_tools import cross_compile, find_nvdisasm, prepare_arch_env
+    from fa_sm100.hopper.inspect_bwd import build
+    from fa_sm100.inspection import make_report
+
+    prepare_arch_env("sm_90a")
+    kernel = build(cfg, "sm_90a")
+    report = make_report("sm90_bwd", kernel, cross_compile(
+        kernel.fn, kernel.args, "sm_90a", keep_dir=tmp_path, nvdisasm=find_nvdisasm()))
+    assert report["spill_bytes"] == 0 and report["local_bytes"] == 0, report["warnings"]
+    assert _hgmma_commits(read_kept_sass(tmp_path)) == 5, "WGMMAs serialized"
