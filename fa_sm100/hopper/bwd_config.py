@@ -277,6 +277,14 @@ class BwdConfig:
                    + int(self.pre_ctas > 0), 1)
 
     @property
+    def slots_after_finished_count(self) -> int:
+        """dQ semaphore slots after the finished-tile count of ``early_dq_post``
+        (``dq_sem_slots``): the tile counter of ``dynamic_tiles`` and the persistent
+        preprocess's count, where they are. Where ``finished_ctas_count`` finds the count,
+        hence part of the dQ postprocess's compile key."""
+        return int(self.dynamic_tiles) + int(self.pre_ctas > 0)
+
+    @property
     def cluster(self) -> tuple:
         """The launch's cluster shape (Note [Q/dO multicast] in bwd_kernel.py)."""
         return (self.qdo_cluster, 1, 1) if self.qdo_multicast else (1, 1, 1)

@@ -541,10 +541,9 @@ class DqPostprocess:
     def compile_key(cfg) -> tuple:
         """What the compiled kernel depends on: the fragment order (tile_m, head dim), dtype,
         the launch, first stores, and with ``early_dq_post`` the key-block height (the count
-        it waits for) and where that count is (``finished_ctas_count``: before the tile
-        counter of dynamic tiles and the persistent preprocess's count, where they are)."""
-        early = ((cfg.tile_n, cfg.pre_ctas > 0, cfg.dynamic_tiles) if cfg.early_dq_post
-                 else ())
+        it waits for) and where that count is (``slots_after_finished_count``, which
+        ``finished_ctas_count`` reads)."""
+        early = (cfg.tile_n, cfg.slots_after_finished_count) if cfg.early_dq_post else ()
         return (cfg.tile_m, cfg.head_dim, cfg.dtype, cfg.pdl, cfg.first_stores_dq) + early
 
     @cute.jit

@@ -110,8 +110,8 @@ def finished_ctas_count(cfg, mdQsem, batch, head):
     persistent: Note [persistent CTAs] in bwd_tiles.py), its last dQ semaphore but the tile
     counter's and the preprocess's count (``BwdConfig.dq_sem_slots``, Note [dQ postprocess in
     the tail] in bwd_prepost.py): the dq-store warp adds to it, the dQ postprocess polls it."""
-    after = int(cfg.dynamic_tiles) + int(cfg.pre_ctas > 0)  # the slots after it
-    return mdQsem[batch, head, None].iterator + mdQsem.shape[2] - 1 - after
+    return (mdQsem[batch, head, None].iterator + mdQsem.shape[2] - 1
+            - cfg.slots_after_finished_count)
 
 
 def tile_counter(cfg, mdQsem):

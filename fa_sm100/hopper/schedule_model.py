@@ -18,11 +18,12 @@ problems. A model: it knows tile lengths, not the hardware (no L2, no clocks, eq
 at a time): a CTA costs its query blocks (``m_block_range``, plus ``tile_overhead`` for K/V and
 the dK/dV epilogue), the hardware hands CTAs out in launch order to the SM that frees up first
 (the dynamic deal above), and the order is the grid's or ``longest_first_cta``'s (Note [longest
-first] in bwd_kernel.py). Under ``qdo_multicast`` a cluster's CTAs start together and hold their
+first] in bwd_tiles.py). Under ``qdo_multicast`` a cluster's CTAs start together and hold their
 SMs for the cluster's query blocks (Note [Q/dO multicast]). A third column deals the tiles in
 the grid's order to ``num_ctas`` persistent CTAs, statically (Note [persistent CTAs] in
-bwd_tiles.py): equal to the hardware's deal for tiles of equal length, and why persistent
-CTAs are refused under a causal mask.
+bwd_tiles.py): equal to the hardware's deal for tiles of equal length, and why a fixed
+stride is refused under a causal mask. Persistent CTAs that fetch their tiles (Note [dynamic
+tiles]) deal them as the second column does, without the per-tile cost.
 """
 
 from __future__ import annotations
