@@ -324,7 +324,7 @@ def cell_config(mode, d, s, causal, fields, heads=None, tokens=GRID_TOKENS, hidd
     ``tokens`` the (batch, head) pairs, which decide whether an odd number of m blocks still
     multicasts (Note [Odd m blocks]); the backward's config does not depend on them."""
     if mode == "bwd":
-        from fa_sm100.hopper.bwd_config import select_bwd_config
+        from fa_sm100.hopper.bwd_defaults import select_bwd_config
 
         return select_bwd_config(head_dim=d, dtype=dtype, causal=causal, seqlen_q=s,
                                  seqlen_k=s, **fields)

@@ -28,7 +28,7 @@ except ImportError:  # loaded as a module (tests): this folder is not on sys.pat
 
 import torch  # noqa: E402
 
-from fa_sm100.hopper.bwd_config import select_bwd_config  # noqa: E402
+from fa_sm100.hopper.bwd_defaults import select_bwd_config  # noqa: E402
 from fa_sm100.hopper.bwd_interface import sm90_bwd  # noqa: E402
 from fa_sm100.hopper.config import select_sm90_fwd_config  # noqa: E402
 from fa_sm100.hopper.interface import sm90_fwd  # noqa: E402

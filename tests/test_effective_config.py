@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from fa_sm100.hopper.bwd_config import select_bwd_config
+from fa_sm100.hopper.bwd_defaults import select_bwd_config
 from fa_sm100.inspection import inspect_kernel
 from fa_sm100.registry import get_kernel
 from kept_sass import read_kept_sass

@@ -11,7 +11,7 @@ import re
 import pytest
 
 from fa_sm100.hopper import probes
-from fa_sm100.hopper.bwd_config import select_bwd_config
+from fa_sm100.hopper.bwd_defaults import select_bwd_config
 from fa_sm100.hopper.bwd_interface import main_compile_key
 from fa_sm100.inspection import inspect_kernel
 from kept_sass import read_kept_sass

@@ -14,7 +14,7 @@ at least 3% worse than longest first in every cell.
 
 import pytest
 
-from fa_sm100.hopper.bwd_config import select_bwd_config
+from fa_sm100.hopper.bwd_defaults import select_bwd_config
 from fa_sm100.hopper.config import select_sm90_fwd_config
 from fa_sm100.hopper.schedule_model import (bwd_cta_work, bwd_imbalance,
                                             bwd_persistent_imbalance, imbalance, main,

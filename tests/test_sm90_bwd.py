@@ -30,7 +30,8 @@ import pytest
 import torch
 
 from fa_sm100.config import launch_registers
-from fa_sm100.hopper.bwd_config import SM90_SMEM_BYTES, BwdConfig, select_bwd_config
+from fa_sm100.hopper.bwd_config import SM90_SMEM_BYTES, BwdConfig
+from fa_sm100.hopper.bwd_defaults import select_bwd_config
 from fa_sm100.hopper.bwd_interface import sm90_bwd
 from fa_sm100.hopper.bwd_tiles import (first_n_block, longest_first_cluster_cta,
                                        longest_first_cta, longest_first_tail_pairs,
@@ -163,7 +164,7 @@ def test_short_causal_hdim128_takes_64_row_blocks():
     """Causal hdim 128 up to SHORT_CAUSAL_SEQLEN (both lengths) takes FA4's causal tile: 64-row
     blocks with dV before the dS barrier; longer, non-causal, windowed or without lengths it
     keeps 80-row blocks; other head dims and explicit fields are untouched."""
-    from fa_sm100.hopper.bwd_config import SHORT_CAUSAL_SEQLEN
+    from fa_sm100.hopper.bwd_defaults import SHORT_CAUSAL_SEQLEN
 
     def pick(**kw):
         cfg = select_bwd_config(head_dim=kw.pop("head_dim", 128), **kw)
@@ -424,7 +425,7 @@ def test_early_dq_post_default_rules_and_semaphore_slots():
     wherever it can run ("bulk" dQ, chained launches), off elsewhere; ``validate()`` rejects it
     with "red" dQ or without ``pdl``. The workspace holds one more semaphore per (batch, head),
     last, for the count of finished CTAs."""
-    from fa_sm100.hopper.bwd_config import EARLY_DQ_POST_HEAD_DIMS
+    from fa_sm100.hopper.bwd_defaults import EARLY_DQ_POST_HEAD_DIMS
     from fa_sm100.hopper.bwd_interface import workspace
 
     assert EARLY_DQ_POST_HEAD_DIMS == (128,)
@@ -493,7 +494,7 @@ def test_pre_ctas_default_at_hdim_128_with_bulk_dq():
     head dims of PRE_CTAS_HEAD_DIMS (128: measured +1-2% a call) wherever it can run ("bulk"
     dQ and ``stats_smem``), causal or not, GQA, deterministic; off at the other head dims and
     where asked."""
-    from fa_sm100.hopper.bwd_config import DEFAULT_PRE_CTAS, PRE_CTAS_HEAD_DIMS
+    from fa_sm100.hopper.bwd_defaults import DEFAULT_PRE_CTAS, PRE_CTAS_HEAD_DIMS
 
     assert PRE_CTAS_HEAD_DIMS == (128,) and DEFAULT_PRE_CTAS == 32
     for kw in ({}, dict(causal=True, seqlen_q=2048, seqlen_k=2048), dict(deterministic=True),
@@ -511,7 +512,7 @@ def test_qdo_multicast_default_under_a_causal_mask_from_4k_at_hdim_64_and_128():
     """Causal problems multicast by default only where measured faster: hdim 64 and 128 with
     both lengths at least CAUSAL_MULTICAST_MIN_SEQLEN (4k), the key blocks even, not
     deterministic; the CTAs still start longest first (by clusters)."""
-    from fa_sm100.hopper.bwd_config import CAUSAL_MULTICAST_MIN_SEQLEN
+    from fa_sm100.hopper.bwd_defaults import CAUSAL_MULTICAST_MIN_SEQLEN
 
     for d in (64, 128):
         long = CAUSAL_MULTICAST_MIN_SEQLEN[d]

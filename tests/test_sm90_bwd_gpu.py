@@ -97,7 +97,7 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"b{c[0]}-q{c[1]}-k{c[2]}-h{c[3]}/{c[4]}-d{c[5]}"
                          f"-{'causal' if c[6] else 'full'}-w{c[7][0]},{c[7][1]}-{str(c[8])[6:]}")
 def test_sm90_bwd_matches_float64(sm90_device, case, sdp_swap_ab):
-    from fa_sm100.hopper.bwd_config import select_bwd_config
+    from fa_sm100.hopper.bwd_defaults import select_bwd_config
 
     b, sq, sk, hq, hk, d, causal, window, dtype = case
     cfg = select_bwd_config(head_dim=d, causal=causal, window_left=window[0],
@@ -144,7 +144,7 @@ WIDE_SWITCHES = [  # (switches, kv heads of 4 query heads)
                          if isinstance(x, dict) else f"hk{x}")
 @pytest.mark.parametrize("d", [(256, 256), (192, 128)], ids=["d256", "d192"])
 def test_sm90_bwd_wide_head_dim_switches(sm90_device, switches, hk, d):
-    from fa_sm100.hopper.bwd_config import select_bwd_config
+    from fa_sm100.hopper.bwd_defaults import select_bwd_config
 
     cfg = select_bwd_config(head_dim=d[0], head_dim_v=d[1], causal=True, qhead_per_kvhead=4 // hk,
                             **switches)
@@ -177,7 +177,7 @@ TILE_M_128_CASES = [
 def test_sm90_bwd_tile_m_128_matches_float64(sm90_device, case, early_dv):
     """tile_m=128 with swapped S/dP: both early-dV variants (with early dV, dS is computed from
     the 16-bit P^T that dV uses)."""
-    from fa_sm100.hopper.bwd_config import select_bwd_config
+    from fa_sm100.hopper.bwd_defaults import select_bwd_config
 
     b, sq, sk, hq, hk, causal, window, dtype = case
     cfg = select_bwd_config(head_dim=64, causal=causal, window_left=window[0],
@@ -193,7 +193,7 @@ def test_sm90_bwd_tile_m_128_matches_float64(sm90_device, case, early_dv):
 def test_sm90_bwd_tile_m_80_matches_float64(sm90_device, case, early_dv):
     """tile_m=80 at hdim 128 (Note [dQ transposed]): dQ^T = K^T dS^T, 80-row query blocks and
     their tails (1, 17, 1000 = 12 x 80 + 40, 4097 rows), both early-dV variants."""
-    from fa_sm100.hopper.bwd_config import select_bwd_config
+    from fa_sm100.hopper.bwd_defaults import select_bwd_config
 
     b, sq, sk, hq, hk, causal, window, dtype = case
     cfg = select_bwd_config(head_dim=128, causal=causal, window_left=window[0],
@@ -210,7 +210,7 @@ def test_sm90_bwd_tile_m_80_matches_float64(sm90_device, case, early_dv):
                                   (1, 4097, 4000, 2, 2, False, (300, 20))],
                          ids=["gqa-causal", "window"])
 def test_sm90_bwd_tile_m_128_switches(sm90_device, switches, case):
-    from fa_sm100.hopper.bwd_config import select_bwd_config
+    from fa_sm100.hopper.bwd_defaults import select_bwd_config
 
     b, sq, sk, hq, hk, causal, window = case
     cfg = select_bwd_config(head_dim=64, tile_m=128, sdp_swap_ab=True, **switches)
@@ -220,7 +220,7 @@ def test_sm90_bwd_tile_m_128_switches(sm90_device, switches, case):
 @pytest.mark.parametrize("sdp_swap_ab", [False, True])
 @pytest.mark.parametrize("gqa_reduce", ["atomic", "buffers"])
 def test_sm90_bwd_gqa_reduce_modes(sm90_device, gqa_reduce, sdp_swap_ab):
-    from fa_sm100.hopper.bwd_config import select_bwd_config
+    from fa_sm100.hopper.bwd_defaults import select_bwd_config
 
     cfg = select_bwd_config(head_dim=128, causal=True, qhead_per_kvhead=4,
                             gqa_reduce=gqa_reduce, sdp_swap_ab=sdp_swap_ab)
@@ -276,7 +276,7 @@ SWITCHES = [
 def test_sm90_bwd_switches_keep_gradients_right(sm90_device, switches, case):
     """Every switch of BwdConfig (dQ path, early dV, swapped S/dP, overlapped dK, where the
     stats live and when they are read, how stage waits poll) computes the same gradients."""
-    from fa_sm100.hopper.bwd_config import select_bwd_config
+    from fa_sm100.hopper.bwd_defaults import select_bwd_config
 
     b, sq, sk, hq, hk, d, causal, window = case
     cfg = select_bwd_config(head_dim=d, causal=causal, window_left=window[0],
@@ -319,7 +319,7 @@ MULTICAST_CASES = [  # (b, sq, sk, hq, hk, d, switches)
 def test_sm90_bwd_qdo_multicast_keeps_gradients_right(sm90_device, case):
     """Clusters of CTAs that multicast their shares of each Q and dO tile give the same
     gradients."""
-    from fa_sm100.hopper.bwd_config import select_bwd_config
+    from fa_sm100.hopper.bwd_defaults import select_bwd_config
 
     b, sq, sk, hq, hk, d, switches = case
     switches = dict(switches)
@@ -353,7 +353,7 @@ def _assert_reproducible(inputs, first, causal, window, cfg, runs=3):
     (4, True, (None, None), "red", "longest_first")])
 def test_sm90_bwd_deterministic_is_bitwise_reproducible(sm90_device, hk, causal, window, dq_accum,
                                                         switch):
-    from fa_sm100.hopper.bwd_config import select_bwd_config
+    from fa_sm100.hopper.bwd_defaults import select_bwd_config
 
     switches = {} if switch is None else {switch: True}
     if switch == "overlap_dk":  # unswapped only, so 64-row blocks at hdim 128
@@ -379,7 +379,7 @@ def test_sm90_bwd_wide_blocks_deterministic_is_bitwise_reproducible(sm90_device,
                                                                     window, dq_accum, tile_m, d):
     """The dQ semaphore counts 128-row (hdim 64) and 80-row (hdim 128, Note [dQ transposed])
     query blocks."""
-    from fa_sm100.hopper.bwd_config import select_bwd_config
+    from fa_sm100.hopper.bwd_defaults import select_bwd_config
 
     cfg = select_bwd_config(head_dim=d, causal=causal, window_left=window[0],
                             window_right=window[1], deterministic=True, dq_accum=dq_accum,
@@ -396,7 +396,7 @@ def test_sm90_bwd_wide_blocks_deterministic_is_bitwise_reproducible(sm90_device,
 def test_sm90_bwd_wide_head_dims_deterministic_is_bitwise_reproducible(sm90_device, d, hk,
                                                                        window, dq_accum):
     """The dQ semaphore counts 64-row query blocks over 64-key blocks (tile_n=64)."""
-    from fa_sm100.hopper.bwd_config import select_bwd_config
+    from fa_sm100.hopper.bwd_defaults import select_bwd_config
 
     stages = dict(q_stage=1, do_stage=1) if d[0] == 256 and dq_accum == "bulk" else {}
     cfg = select_bwd_config(head_dim=d[0], head_dim_v=d[1], dq_accum=dq_accum, **stages)
@@ -435,7 +435,7 @@ FIRST_STORE_CASES = [  # (b, sq, sk, hq, hk, d, causal, window, deterministic, s
     f"d{c[5]}-q{c[1]}-k{c[2]}-{'causal' if c[6] else 'full'}-w{c[7][0]}"
     + ("-det" if c[8] else "") + "".join(f"-{k}={v}" for k, v in c[9].items())))
 def test_sm90_bwd_dq_first_store_with_a_poisoned_accumulator(sm90_device, monkeypatch, case):
-    from fa_sm100.hopper.bwd_config import select_bwd_config
+    from fa_sm100.hopper.bwd_defaults import select_bwd_config
 
     b, sq, sk, hq, hk, d, causal, window, det, switches = case
     switches = {"dq_first_store": True, **switches}  # on where the default is off too
@@ -477,7 +477,7 @@ EARLY_POST_CASES = [  # (b, sq, sk, hq, hk, d, causal, window, deterministic, sw
     f"-{'causal' if c[6] else 'full'}-w{c[7][0]}" + ("-det" if c[8] else "")
     + "".join(f"-{k}={v}" for k, v in c[9].items())))
 def test_sm90_bwd_early_dq_postprocess(sm90_device, monkeypatch, case):
-    from fa_sm100.hopper.bwd_config import select_bwd_config
+    from fa_sm100.hopper.bwd_defaults import select_bwd_config
 
     b, sq, sk, hq, hk, d, causal, window, det, switches = case
     dqk, dv = d if isinstance(d, tuple) else (d, d)
@@ -518,7 +518,7 @@ PRE_CASES = [  # (b, sq, sk, hq, hk, d, causal, window, switches)
     f"-{'causal' if c[6] else 'full'}-w{c[7][0]}"
     + "".join(f"-{k}={v}" for k, v in c[8].items())))
 def test_sm90_bwd_preprocess_beside_the_main_kernel(sm90_device, monkeypatch, case):
-    from fa_sm100.hopper.bwd_config import select_bwd_config
+    from fa_sm100.hopper.bwd_defaults import select_bwd_config
 
     b, sq, sk, hq, hk, d, causal, window, switches = case
     dqk, dv = d if isinstance(d, tuple) else (d, d)
@@ -534,7 +534,7 @@ def test_sm90_bwd_preprocess_beside_the_main_kernel(sm90_device, monkeypatch, ca
 def test_sm90_bwd_preprocess_beside_is_bitwise_the_one_before(sm90_device, d, causal):
     """Deterministic mode: the gradients with the preprocess beside the main kernel are bit for
     bit those with it ahead (the same Delta, the same order of dQ additions)."""
-    from fa_sm100.hopper.bwd_config import select_bwd_config
+    from fa_sm100.hopper.bwd_defaults import select_bwd_config
     from fa_sm100.hopper.bwd_interface import sm90_bwd
 
     s = 1500
@@ -661,7 +661,7 @@ def test_sm90_bwd_persistent_ctas_match_float64(sm90_device, monkeypatch, case):
     accumulator and NaN statistics to start from (nothing may read a block before it is
     written) and, where the defaults take them, multicast pairs, staggered sweeps, first dQ
     stores and the early dQ postprocess."""
-    from fa_sm100.hopper.bwd_config import select_bwd_config
+    from fa_sm100.hopper.bwd_defaults import select_bwd_config
 
     b, sq, sk, hq, hk, d, switches = case
     cfg = select_bwd_config(head_dim=d, seqlen_q=sq, seqlen_k=sk, **switches)
@@ -697,7 +697,7 @@ def test_sm90_bwd_dynamic_tiles_match_float64(sm90_device, monkeypatch, case):
     (the tile counter, poisoned like every dQ semaphore, must be zeroed by the preprocess), with
     a causal mask (longest first, or in the grid's order), a band, or none, and with a NaN dQ
     accumulator and NaN statistics to start from."""
-    from fa_sm100.hopper.bwd_config import select_bwd_config
+    from fa_sm100.hopper.bwd_defaults import select_bwd_config
 
     b, sq, sk, hq, hk, d, causal, window, switches = case
     cfg = select_bwd_config(head_dim=d, causal=causal, window_left=window[0],
@@ -714,7 +714,7 @@ def test_sm90_bwd_dynamic_tiles_dk_dv_are_bitwise_one_cta_per_tile(sm90_device, 
     """Causal: whichever CTA fetches a tile runs the same GEMMs in the same order, so dK and
     dV are those of one CTA per tile bit for bit, over repeated calls (the counter starts from
     zero each time: a call that skipped or repeated a tile would differ)."""
-    from fa_sm100.hopper.bwd_config import select_bwd_config
+    from fa_sm100.hopper.bwd_defaults import select_bwd_config
     from fa_sm100.hopper.bwd_interface import sm90_bwd
 
     s = 1536
@@ -735,7 +735,7 @@ def test_sm90_bwd_persistent_dk_dv_are_bitwise_one_cta_per_tile(sm90_device, d):
     """A tile's dK and dV come from the same GEMMs in the same order whichever CTA runs it, so
     persistent CTAs give them bit for bit; dQ (added by many tiles in a run-dependent order)
     passes the float64 rule in the test above."""
-    from fa_sm100.hopper.bwd_config import select_bwd_config
+    from fa_sm100.hopper.bwd_defaults import select_bwd_config
     from fa_sm100.hopper.bwd_interface import sm90_bwd
 
     s = 1536

@@ -9,8 +9,8 @@ import collections
 import pytest
 from kept_sass import main_loop_ops, read_kept_sass
 
-from fa_sm100.hopper.bwd_config import (DEFAULT_PERSISTENT_CTAS, DYNAMIC_TILES_HEAD_DIMS,
-                                        PERSISTENT_MAX_SEQLEN, select_bwd_config)
+from fa_sm100.hopper.bwd_defaults import (DEFAULT_PERSISTENT_CTAS, DYNAMIC_TILES_HEAD_DIMS,
+                                          PERSISTENT_MAX_SEQLEN, select_bwd_config)
 from fa_sm100.hopper.bwd_interface import fit_persistent_ctas
 
 # the hdim 128 non-causal defaults of a 1k problem: multicast pairs, staggered sweeps, first dQ

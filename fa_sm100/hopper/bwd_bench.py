@@ -134,7 +134,8 @@ def _cudnn_backward(q, k, v, dout, causal):
 
 def bench_cell(b, h, hk, s, d, causal, dtype=torch.bfloat16, deterministic=False, variants=(),
                repeat=None, warmup=WARMUP_MS, rep=REP_MS):
-    from fa_sm100.hopper.bwd_config import SM90_BWD_HEAD_DIMS, select_bwd_config
+    from fa_sm100.hopper.bwd_config import SM90_BWD_HEAD_DIMS
+    from fa_sm100.hopper.bwd_defaults import select_bwd_config
     from fa_sm100.hopper.bwd_interface import sm90_bwd
 
     from fa_sm100.config import default_head_dim_v

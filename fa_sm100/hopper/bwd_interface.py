@@ -18,7 +18,8 @@ import torch
 
 from fa_sm100.config import normalize_dtype
 from fa_sm100.hopper import probes
-from fa_sm100.hopper.bwd_config import SM90_BWD_HEAD_DIMS, BwdConfig, select_bwd_config
+from fa_sm100.hopper.bwd_config import SM90_BWD_HEAD_DIMS, BwdConfig
+from fa_sm100.hopper.bwd_defaults import select_bwd_config
 from fa_sm100.hopper.config import SM90_ARCH
 from fa_sm100.validation import (SUPPORTED_DTYPES, check_softmax_scale, normalize_window,
                                  require_sm90)

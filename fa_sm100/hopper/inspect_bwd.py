@@ -7,7 +7,8 @@ kernels are plain CUDA-core code and are not part of the report.
 """
 
 from fa_sm100.config import parse_overrides
-from fa_sm100.hopper.bwd_config import BwdConfig, select_bwd_config
+from fa_sm100.hopper.bwd_config import BwdConfig
+from fa_sm100.hopper.bwd_defaults import select_bwd_config
 from fa_sm100.hopper.config import SM90_ARCH
 from fa_sm100.registry import KernelBuild, KernelEntry
 

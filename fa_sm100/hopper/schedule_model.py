@@ -31,7 +31,8 @@ from __future__ import annotations
 import argparse
 import heapq
 
-from fa_sm100.hopper.bwd_config import BwdConfig, select_bwd_config
+from fa_sm100.hopper.bwd_config import BwdConfig
+from fa_sm100.hopper.bwd_defaults import select_bwd_config
 from fa_sm100.hopper.bwd_tiles import (longest_first_cluster_cta, longest_first_tail_pairs,
                                        m_block_range)
 from fa_sm100.hopper.config import Sm90FwdConfig, select_sm90_fwd_config
