@@ -189,9 +189,9 @@ def test_dq_postprocess_inverts_the_fragment_order(overrides):
     acc = torch.empty(b, h, n_m, tm * d)
     acc[..., index.flatten()] = tiles.reshape(b, h, n_m, tm * d)
     sem = torch.full((b, h, cfg.dq_sem_slots(n_m)), 2, dtype=torch.int32)
-    # the finished-CTA count: the last semaphore, or the one before the persistent
-    # preprocess's row count (pre_ctas, hdim 128's default)
-    done = cfg.dq_sem_slots(n_m) - 1 - int(cfg.pre_ctas > 0)
+    # the finished-CTA count: the last semaphore, or the one before the tile counter and the
+    # persistent preprocess's row count (pre_ctas, hdim 128's default), where they are
+    done = cfg.dq_sem_slots(n_m) - 1 - cfg.slots_after_finished_count
     if cfg.early_dq_post:  # every key block's CTA is done
         sem[:, :, done] = cfg.num_key_blocks(s)
     if cfg.first_stores_dq:  # head 1's first block: no CTA reached it

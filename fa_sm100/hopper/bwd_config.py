@@ -239,7 +239,13 @@ class BwdConfig:
         (``dq_sem_slots``): the tile counter of ``dynamic_tiles`` and the persistent
         preprocess's count, where they are. Where ``finished_ctas_count`` finds the count,
         hence part of the dQ postprocess's compile key."""
-        return int(self.dynamic_tiles) + int(self.pre_ctas > 0)
+        return int(self.dynamic_tiles) + self.slots_after_tile_counter
+
+    @property
+    def slots_after_tile_counter(self) -> int:
+        """dQ semaphore slots after the tile counter of ``dynamic_tiles`` (``dq_sem_slots``):
+        the persistent preprocess's count, where there is one."""
+        return int(self.pre_ctas > 0)
 
     @property
     def cluster(self) -> tuple:

@@ -105,27 +105,32 @@ def dq_fragment_view(cfg, ptr, tidx):
     return cute.make_tensor(ptr + (wg * groups * WARPGROUP_THREADS + t) * DQ_VEC, layout)
 
 
+def _sem_from_end(mdQsem, batch, head, after: int):
+    """The pointer to (batch, head)'s dQ semaphore with ``after`` slots after it
+    (``BwdConfig.dq_sem_slots`` puts the counts last)."""
+    return mdQsem[batch, head, None].iterator + mdQsem.shape[2] - 1 - after
+
+
 def finished_ctas_count(cfg, mdQsem, batch, head):
     """The pointer to (batch, head)'s count of finished main-kernel tiles (CTAs, unless
     persistent: Note [persistent CTAs] in bwd_tiles.py), its last dQ semaphore but the tile
     counter's and the preprocess's count (``BwdConfig.dq_sem_slots``, Note [dQ postprocess in
     the tail] in bwd_prepost.py): the dq-store warp adds to it, the dQ postprocess polls it."""
-    return (mdQsem[batch, head, None].iterator + mdQsem.shape[2] - 1
-            - cfg.slots_after_finished_count)
+    return _sem_from_end(mdQsem, batch, head, cfg.slots_after_finished_count)
 
 
 def tile_counter(cfg, mdQsem):
     """The pointer to the tile counter of ``dynamic_tiles``: (batch 0, head 0)'s dQ semaphore
     after the finished count, before the preprocess's count (``BwdConfig.dq_sem_slots``, Note
     [dynamic tiles] in bwd_tiles.py). The preprocess zeroes it; the load warps add to it."""
-    return mdQsem[0, 0, None].iterator + mdQsem.shape[2] - 1 - int(cfg.pre_ctas > 0)
+    return _sem_from_end(mdQsem, 0, 0, cfg.slots_after_tile_counter)
 
 
 def preprocess_count(mdQsem, batch, head):
     """The pointer to (batch, head)'s count of query rows the persistent preprocess has
     finished, its last dQ semaphore (``BwdConfig.dq_sem_slots``, Note [Preprocess beside the
     main kernel] in bwd_prepost.py): the preprocess adds to it, the main kernel polls it."""
-    return mdQsem[batch, head, None].iterator + mdQsem.shape[2] - 1
+    return _sem_from_end(mdQsem, batch, head, 0)
 
 
 # Polls of a count (each an L2 round trip, about a microsecond) before ``wait_for_count`` waits
