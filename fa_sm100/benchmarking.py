@@ -317,17 +317,22 @@ GRID_HIDDEN = 2048  # heads x head dim
 
 
 def cell_config(mode, d, s, causal, fields, heads=None, tokens=GRID_TOKENS, hidden=GRID_HIDDEN,
-                dtype="bfloat16"):
+                dtype="bfloat16", problem=None):
     """The config ours runs in a benchmark cell ("fwd": ``Sm90FwdConfig``, "bwd":
     ``BwdConfig``) with the overrides ``fields`` (validated: bad fields raise ValueError).
     Forward only: ``heads``, the cell's query heads (default hidden / head dim), and with
     ``tokens`` the (batch, head) pairs, which decide whether an odd number of m blocks still
-    multicasts (Note [Odd m blocks]); the backward's config does not depend on them."""
+    multicasts (Note [Odd m blocks]); the backward's config does not depend on them. Backward
+    only: ``problem``, the cell's ``window_left`` / ``window_right`` / ``deterministic``
+    (``scripts/ab_bench.py --window / --deterministic``), from which the defaults are chosen
+    as ``sm90_bwd`` chooses them."""
     if mode == "bwd":
         from fa_sm100.hopper.bwd_defaults import select_bwd_config
 
         return select_bwd_config(head_dim=d, dtype=dtype, causal=causal, seqlen_q=s,
-                                 seqlen_k=s, **fields)
+                                 seqlen_k=s, **(problem or {}), **fields)
+    if problem:
+        raise ValueError(f"the forward's cells have no {sorted(problem)}")
     from fa_sm100.hopper.config import select_sm90_fwd_config
 
     fields = {"write_lse": False, **fields}  # as the benchmark: nobody reads the LSE
@@ -337,14 +342,14 @@ def cell_config(mode, d, s, causal, fields, heads=None, tokens=GRID_TOKENS, hidd
 
 
 def same_kernel_variants(mode, d, s, causal, variants, heads=None, tokens=GRID_TOKENS,
-                         hidden=GRID_HIDDEN, dtype="bfloat16", skip_invalid=False):
+                         hidden=GRID_HIDDEN, dtype="bfloat16", skip_invalid=False, problem=None):
     """{name: the fields it sets} of the ``variants`` ((name, fields) pairs) whose config
     builds the same kernels as the default's in this cell (equal ``effective()`` configs):
     their ratio over the default measures noise, an A/A check, not the switch. A variant
     whose config cannot be built here raises ValueError (TypeError for a field that names
     the problem), or with ``skip_invalid`` is left out; the default's always raises."""
     cell = lambda fields: cell_config(mode, d, s, causal, fields, heads, tokens, hidden,
-                                      dtype).effective()
+                                      dtype, problem).effective()
     base = cell({})
     same = {}
     for name, fields in variants:

@@ -420,11 +420,26 @@ def parse_overrides(items: Iterable[str], cls=FmhaConfig) -> dict:
     return out
 
 
+# config fields that name the problem, not a switch: a benchmark's cell sets them
+VARIANT_PROBLEM_FIELDS = ("head_dim", "head_dim_v", "dtype", "causal", "window_left",
+                          "window_right", "deterministic", "qhead_per_kvhead", "num_sms")
+
+
 def parse_variant(spec: str, cls=FmhaConfig) -> tuple:
     """``"NAME:field=value,field=value"`` (the benchmarks' config variants) -> (NAME, the
-    typed fields of ``cls`` as ``parse_overrides`` reads them)."""
+    typed fields of ``cls`` as ``parse_overrides`` reads them). A field that names the problem
+    (``VARIANT_PROBLEM_FIELDS``) raises ValueError: the kernels take the problem from the
+    call, so such a variant would run under its name what it does not say (a deterministic
+    variant, for one, ran non-deterministic kernels)."""
     name, _, fields = spec.partition(":")
-    return name, parse_overrides([f for f in fields.split(",") if f], cls)
+    out = parse_overrides([f for f in fields.split(",") if f], cls)
+    named = sorted(set(out) & set(VARIANT_PROBLEM_FIELDS))
+    if named:
+        raise ValueError(f"variant {name}: {', '.join(named)} "
+                         f"{'names' if len(named) == 1 else 'name'} the problem, not a switch "
+                         "(every run of a cell solves the same problem): set it with the "
+                         "script's own flags")
+    return name, out
 
 
 def config_from_overrides(items: Iterable[str]) -> FmhaConfig:

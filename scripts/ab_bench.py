@@ -56,6 +56,17 @@ Three probes beside the config variants:
 - ``--heads N [N ...]`` replaces the cell's head count (hidden 2048 / head dim) with each N
   (the batch stays 16k tokens / seqlen): the number of CTAs, and so how whole the last wave
   of CTAs on the GPU's SMs is, changes while the work per CTA does not.
+
+Backward cells beside the grid's: ``--window LEFT RIGHT`` (each side an int >= 0 or
+``none``) adds a sliding window, ``--deterministic`` asks for deterministic gradients. The
+defaults (and every variant's other fields) are then chosen for that problem, as
+``sm90_bwd`` chooses them; with a window the forward's O and LSE come from a float32
+reference (the SM90 forward has no window). A variant may not set a field that names the
+problem (``causal``, ``window_left``, ``deterministic``, ...): every run of a cell computes
+the same gradients.
+
+    python scripts/ab_bench.py --mode bwd --hdim 128 --seqlen 4096 --causal false \
+        --window 256 0 --deterministic --variant wg:dq_handoff_per_wg=true --no-fa4
 """
 
 from __future__ import annotations
@@ -113,6 +124,10 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=12)
     p.add_argument("--round-ms", type=float, default=150.0,
                    help="length of one measurement of the default (sets the calls per round)")
+    p.add_argument("--window", nargs=2, default=None, metavar=("LEFT", "RIGHT"),
+                   help="backward: a sliding window, each side an int >= 0 or 'none'")
+    p.add_argument("--deterministic", action="store_true",
+                   help="backward: deterministic gradients")
     p.add_argument("--no-fa4", action="store_true", help="leave FlashAttention-4 out")
     p.add_argument("--json", default=None, help="write every round's times here")
     a = p.parse_args(argv)
@@ -149,12 +164,25 @@ def parse_args(argv=None):
     for s in a.seqlen:
         if s < 1 or TOKENS % s:
             p.error(f"--seqlen {s} must divide {TOKENS} tokens")
+    a.problem = {}  # the backward cells' window / deterministic (cell_config's ``problem``)
+    if (a.window or a.deterministic) and a.mode != "bwd":
+        p.error("--window and --deterministic are backward problems: use them with --mode bwd")
+    if a.window:
+        sides = [None if x.lower() == "none" else x for x in a.window]
+        if any(x is not None and not x.isdigit() for x in sides) or sides == [None, None]:
+            p.error(f"--window {' '.join(a.window)}: each side an int >= 0 or 'none', not both "
+                    "'none'")
+        a.problem["window_left"], a.problem["window_right"] = (
+            None if x is None else int(x) for x in sides)
+    if a.deterministic:
+        a.problem["deterministic"] = True
     return a
 
 
 def parse_variants(specs, mode):
-    """[(name, {field: value})] from ``NAME:field=value,...``; unknown fields raise
-    ValueError (before any GPU work)."""
+    """[(name, {field: value})] from ``NAME:field=value,...``; unknown fields and fields
+    that name the problem (use --hdim, --causal, --window, --deterministic) raise ValueError
+    (before any GPU work)."""
     from fa_sm100.config import parse_variant
     from fa_sm100.hopper.bwd_config import BwdConfig
     from fa_sm100.hopper.config import Sm90FwdConfig
@@ -247,10 +275,11 @@ def fwd_cell(d, s, causal, h, variants, fa4_variants, with_fa4, torch):
 PROBE_PREFIX = "probe:"  # a probe's run name: PROBE_PREFIX + "name=value"
 
 
-def bwd_cell(d, s, causal, h, variants, with_fa4, torch, probe_list=()):
+def bwd_cell(d, s, causal, h, variants, with_fa4, torch, probe_list=(), problem=None):
     """Runs of one backward cell and the check of their gradients; each ``(name, value)`` of
     ``probe_list`` adds a run of the default kernel under that cost probe, named
-    ``PROBE_PREFIX + "name=value"`` (not to be checked: Note [cost probes])."""
+    ``PROBE_PREFIX + "name=value"`` (not to be checked: Note [cost probes]). ``problem``: the
+    cell's window and deterministic mode (``parse_args``)."""
     from fa_sm100.config import default_head_dim_v
     from fa_sm100.hopper import bwd_bench
     from fa_sm100.hopper.bwd_interface import sm90_bwd
@@ -262,18 +291,25 @@ def bwd_cell(d, s, causal, h, variants, with_fa4, torch, probe_list=()):
     fa4 = bwd_bench._fa4_fn()[0] if with_fa4 else None
     if with_fa4 and fa4 is None:
         raise RuntimeError("FlashAttention-4 is not importable here: pass --no-fa4")
-    out, lse = sm90_fwd(q, k, v, causal=causal, return_lse=True)  # natural-log LSE (b, h, s)
+    problem = problem or {}
+    window = (problem.get("window_left"), problem.get("window_right"))
+    det = problem.get("deterministic", False)
+    if window == (None, None):  # natural-log LSE (b, h, s)
+        out, lse = sm90_fwd(q, k, v, causal=causal, return_lse=True)
+    else:
+        out, lse = bwd_bench.reference_forward(q, k, v, causal, window)
     runs = {}
     for name, fields in [("default", {})] + variants:
-        cfg = cell_config("bwd", d, s, causal, fields)
+        cfg = cell_config("bwd", d, s, causal, fields, problem=problem)
         runs[name] = (lambda cfg=cfg: sm90_bwd(dout, q, k, v, out, lse, causal=causal,
+                                                window_size=window, deterministic=det,
                                                 config=cfg))
     for name, value in probe_list:
         runs[f"{PROBE_PREFIX}{name}={value}"] = probed_call(runs["default"], name, value)
     if fa4 is not None:
-        runs["fa4"] = bwd_bench._fa4_backward(fa4, q, k, v, dout, causal)
-    ref = bwd_bench.reference_grads(q, k, v, dout, causal, torch.float32)
-    plain = bwd_bench.reference_grads(q, k, v, dout, causal, torch.bfloat16)
+        runs["fa4"] = bwd_bench._fa4_backward(fa4, q, k, v, dout, causal, det, window)
+    ref = bwd_bench.reference_grads(q, k, v, dout, causal, torch.float32, window)
+    plain = bwd_bench.reference_grads(q, k, v, dout, causal, torch.bfloat16, window)
     return runs, lambda grads: bwd_bench.check_grads(grads, ref, plain)
 
 
@@ -284,6 +320,16 @@ def probed_call(run, name, value):
         with probes.probe(name, value):
             return run()
     return call
+
+
+def problem_label(problem):
+    """The cell label's tail for ``--window`` / ``--deterministic``."""
+    text = ""
+    if "window_left" in problem:
+        text += f" window ({problem['window_left']}, {problem['window_right']})"
+    if problem.get("deterministic"):
+        text += " deterministic"
+    return text
 
 
 def format_cell(label, times, calls, same=()):
@@ -315,14 +361,16 @@ def main(argv=None):
         probe_list = [probes.parse_probe(spec) for spec in a.probe]
         same = {}  # per cell: the variants that build the default's kernels
         for d, s, causal, h in cells:  # builds (so validates) every variant's config
-            same[d, s, causal, h] = same_kernel_variants(a.mode, d, s, causal, variants, h)
+            same[d, s, causal, h] = same_kernel_variants(a.mode, d, s, causal, variants, h,
+                                                         problem=a.problem)
             for name, fields in same[d, s, causal, h].items():
                 print(f"ab_bench: note: variant {name} ({', '.join(fields)}) builds the same "
                       f"kernels as the default at {a.mode} hdim {d} seqlen {s} "
                       f"{'causal' if causal else 'non-causal'}: the switch has no effect "
                       "there, so its ratio measures noise (an A/A check)", flush=True)
             for name, value in probe_list:  # a probe with nothing to probe stops the run
-                probes.check_probe_config(name, value, cell_config("bwd", d, s, causal, {}))
+                probes.check_probe_config(name, value, cell_config("bwd", d, s, causal, {},
+                                                                   problem=a.problem))
     except ValueError as e:
         print(f"ab_bench: {e}", file=sys.stderr)
         return 2
@@ -338,13 +386,14 @@ def main(argv=None):
                  f"{'causal' if causal else 'non-causal'}")
         if a.heads:
             label += f" heads {h}"
+        label += problem_label(a.problem)
         t0 = time.time()
         print(f"{label}: compiling and checking ...", flush=True)
         torch.manual_seed(i)
         try:
             if a.mode == "bwd":  # --fa4-variant is forward only (parse_args)
                 runs, check = bwd_cell(d, s, causal, h, variants, not a.no_fa4, torch,
-                                       probe_list)
+                                       probe_list, a.problem)
             else:
                 runs, check = fwd_cell(d, s, causal, h, variants, fa4_variants, not a.no_fa4,
                                        torch)
@@ -377,6 +426,8 @@ def main(argv=None):
                       f"a call that runs {gpu_ms:.3f} ms): its time is the host's, not the "
                       "kernels'; use a longer --seqlen", flush=True)
         rows.append({"mode": a.mode, "head_dim": d, "seqlen": s, "causal": causal, "heads": h,
+                     "window": [a.problem.get("window_left"), a.problem.get("window_right")],
+                     "deterministic": a.problem.get("deterministic", False),
                      "calls": calls, "ms": times, "host_ms": {n: ms for n, (ms, _) in host.items()},
                      "speedup_vs_default": paired_speedups(times, "default"),
                      "same_kernel_as_default": sorted(same[d, s, causal, h])})

@@ -151,7 +151,11 @@ def test_bad_variants_stop_before_any_gpu_work(argv, message, capsys, monkeypatc
                                   ["--probe", "dq_reduce"], ["--probe", "dq_reduce=all"],
                                   ["--probe", "nothing=none"],
                                   ["--probe", "dq_reduce=none", "--probe", "dq_reduce=none"],
-                                  ["--mode", "fwd", "--probe", "dq_reduce=none"]])
+                                  ["--mode", "fwd", "--probe", "dq_reduce=none"],
+                                  ["--window", "a", "0"], ["--window", "-1", "0"],
+                                  ["--window", "none", "none"], ["--window", "64"],
+                                  ["--mode", "fwd", "--window", "64", "0"],
+                                  ["--mode", "fwd", "--deterministic"]])
 def test_malformed_arguments_are_usage_errors(argv):
     with pytest.raises(SystemExit) as e:
         _script().parse_args(argv)
@@ -171,6 +175,74 @@ def test_variants_reach_the_configs_of_every_cell():
     odd = ab.cell_config("fwd", 64, 8192, False, {})
     assert odd.kv_multicast and odd.odd_m_pairs and odd.num_m_blocks(8192) == 43
     assert not ab.cell_config("fwd", 64, 8192, False, {"multicast_odd_m": False}).kv_multicast
+
+
+def test_window_and_deterministic_choose_the_defaults_of_that_problem():
+    """--window / --deterministic reach every config of a backward cell as ``sm90_bwd`` would
+    choose it (here: no multicast, no staggered sweeps, no first stores), and the label."""
+    ab = _script()
+    a = ab.parse_args(["--window", "256", "none", "--deterministic"])
+    assert a.problem == {"window_left": 256, "window_right": None, "deterministic": True}
+    assert ab.parse_args(["--window", "NONE", "0"]).problem == {"window_left": None,
+                                                                "window_right": 0}
+    assert ab.parse_args([]).problem == {}
+    plain = ab.cell_config("bwd", 128, 4096, False, {})
+    cfg = ab.cell_config("bwd", 128, 4096, False, {"q_stage": 1}, problem=a.problem)
+    assert plain.qdo_multicast and plain.stagger_m and plain.dq_first_store
+    assert (cfg.window_left, cfg.window_right, cfg.deterministic, cfg.q_stage) == (
+        256, None, True, 1)
+    assert not (cfg.qdo_multicast or cfg.stagger_m or cfg.dq_first_store)
+    assert ab.problem_label(a.problem) == " window (256, None) deterministic"
+    assert ab.problem_label({}) == ""
+    with pytest.raises(ValueError, match="forward"):
+        ab.cell_config("fwd", 128, 4096, False, {}, problem={"deterministic": True})
+
+
+@pytest.mark.parametrize("spec", ["x:deterministic=true", "x:window_left=64", "x:causal=true",
+                                  "x:head_dim=64"])
+def test_variants_may_not_change_the_problem(spec, capsys, monkeypatch):
+    """A variant that set ``deterministic`` ran non-deterministic kernels under that name
+    (``sm90_bwd`` takes the problem from its arguments); such fields stop the run."""
+    ab = _script()
+    monkeypatch.setitem(__import__("sys").modules, "torch", None)  # importing torch would fail
+    assert ab.main(["--mode", "bwd", "--seqlen", "4096", "--variant", spec]) == 2
+    assert "names the problem" in capsys.readouterr().err
+
+
+def test_every_benchmark_refuses_variants_that_name_the_problem():
+    """``fa_sm100.config.parse_variant`` serves ab_bench, the grid's ``--ours-variant`` (both
+    modes) and the SM100 configs alike."""
+    from fa_sm100.config import FmhaConfig, parse_variant
+    from fa_sm100.hopper.bwd_config import BwdConfig
+    from fa_sm100.hopper.config import Sm90FwdConfig
+
+    with pytest.raises(ValueError, match="causal, window_left name the problem"):
+        parse_variant("y:causal=true,window_left=3,q_stage=1", BwdConfig)
+    with pytest.raises(ValueError, match="head_dim names the problem"):
+        parse_variant("y:head_dim=64", Sm90FwdConfig)
+    with pytest.raises(ValueError, match="num_sms names the problem"):
+        parse_variant("y:num_sms=100", FmhaConfig)
+    assert parse_variant("y:q_stage=1", BwdConfig) == ("y", {"q_stage": 1})
+
+
+def test_reference_forward_is_the_reference_one_head_at_a_time():
+    """The forward of windowed backward cells: O and LSE of ``attention_reference`` (float32),
+    per (batch, head), GQA and a window included."""
+    import torch
+
+    from fa_sm100.hopper.bwd_bench import reference_forward
+    from fa_sm100.testing import attention_reference
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 40, 4, 16, generator=gen).to(torch.bfloat16)
+    k, v = (torch.randn(2, 40, 2, 16, generator=gen).to(torch.bfloat16) for _ in range(2))
+    for causal, window in ((False, (8, 0)), (True, (None, None)), (False, (3, 5))):
+        out, lse = reference_forward(q, k, v, causal, window)
+        want_out, want_lse = attention_reference(q, k, v, causal=causal, window=window,
+                                                 dtype=torch.float32)
+        assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+        assert torch.equal(out, want_out.to(torch.bfloat16))
+        torch.testing.assert_close(lse, want_lse, rtol=0, atol=1e-6)
 
 
 def test_launch_bound_flags_calls_the_host_cannot_keep_ahead_of():

@@ -138,19 +138,18 @@ def test_default_configs_fit_smem_and_follow_the_measured_choices():
     assert select_bwd_config(head_dim=96, sdp_swap_ab=True).sdp_swap_ab
     assert not select_bwd_config().overlap_dk
     assert select_bwd_config(head_dim=96, overlap_dk=True).overlap_dk
-    # Note [try first]: on, except with a left window and swapped 64-row blocks (ptxas
-    # spills there)
-    assert select_bwd_config().try_wait and select_bwd_config(causal=True).try_wait
-    assert select_bwd_config(head_dim=64, window_left=10).try_wait
-    assert select_bwd_config(window_left=10).try_wait
-    assert not select_bwd_config(window_left=10, tile_m=64).try_wait
-    assert select_bwd_config(window_left=10, sdp_swap_ab=False).try_wait
-    assert select_bwd_config(causal=True, stats_smem=False).try_wait
-    # Note [dQ SMEM handoff]: per warpgroup, except deterministic with a left window (spills)
+    # Note [try first]: on everywhere (round 30 timed the swapped 64-row blocks with a left
+    # window, off until then: a tie)
+    for kw in (dict(), dict(causal=True), dict(head_dim=64, window_left=10),
+               dict(window_left=10), dict(window_left=10, tile_m=64),
+               dict(window_left=10, sdp_swap_ab=False), dict(causal=True, stats_smem=False)):
+        assert select_bwd_config(**kw).try_wait, kw
+    assert not select_bwd_config(try_wait=False).try_wait
+    # Note [dQ SMEM handoff]: per warpgroup, except deterministic with a left window (one
+    # handoff measured faster there)
     assert select_bwd_config().dq_handoff_per_wg
     assert select_bwd_config(window_left=10).dq_handoff_per_wg
     assert select_bwd_config(deterministic=True, causal=True).dq_handoff_per_wg
-    # kept from when that kernel spilled (before round 7's mask; it no longer does)
     assert not select_bwd_config(deterministic=True, window_left=10).dq_handoff_per_wg
     assert not select_bwd_config(dq_handoff_per_wg=False).dq_handoff_per_wg
     # Note [tile_m 128]: wide blocks shuffle their stats unless asked not to; 64-row blocks
@@ -160,11 +159,13 @@ def test_default_configs_fit_smem_and_follow_the_measured_choices():
     assert not select_bwd_config(head_dim=96).shuffled_stats
 
 
-def test_short_causal_hdim128_takes_64_row_blocks():
-    """Causal hdim 128 up to SHORT_CAUSAL_SEQLEN (both lengths) takes FA4's causal tile: 64-row
-    blocks with dV before the dS barrier; longer, non-causal, windowed or without lengths it
-    keeps 80-row blocks; other head dims and explicit fields are untouched."""
-    from fa_sm100.hopper.bwd_defaults import SHORT_CAUSAL_SEQLEN
+def test_short_bands_at_hdim128_take_64_row_blocks():
+    """Causal hdim 128 up to SHORT_CAUSAL_SEQLEN (both lengths), and windowed hdim 128 whose
+    band is at most NARROW_WINDOW_BAND keys, take FA4's causal tile: 64-row blocks with dV
+    before the dS barrier and the stats before the GEMMs; longer, non-causal, wider or
+    open windows, or without lengths it keeps 80-row blocks; other head dims and explicit
+    fields are untouched."""
+    from fa_sm100.hopper.bwd_defaults import NARROW_WINDOW_BAND, SHORT_CAUSAL_SEQLEN, window_band
 
     def pick(**kw):
         cfg = select_bwd_config(head_dim=kw.pop("head_dim", 128), **kw)
@@ -185,7 +186,21 @@ def test_short_causal_hdim128_takes_64_row_blocks():
     assert pick(causal=True, seqlen_q=8192, seqlen_k=8192)[0] == 80
     assert pick(causal=True)[0] == 80  # lengths unknown (inspect.py, direct config builds)
     assert pick(causal=False, seqlen_q=1024, seqlen_k=1024)[0] == 80
-    assert pick(causal=True, window_left=64, seqlen_q=1024, seqlen_k=1024)[0] == 80
+    # windows: the band is left + right (right 0 under a causal mask), lengths not needed
+    assert window_band(False, 512, 0) == 512 and window_band(True, 512, None) == 512
+    assert window_band(True, 512, 300) == 512 and window_band(False, 100, 30) == 130
+    assert window_band(False, 512, None) is None and window_band(True, None, 0) is None
+    assert window_band(False, None, None) is None
+    for kw in (dict(window_left=NARROW_WINDOW_BAND, window_right=0),
+               dict(window_left=0, window_right=384), dict(causal=True, window_left=64),
+               dict(causal=True, window_left=512, seqlen_q=16384, seqlen_k=16384),
+               dict(window_left=100, window_right=30, qhead_per_kvhead=4)):
+        assert pick(**kw) == (64, True, False) and stats_first(**kw), kw
+    for kw in (dict(window_left=NARROW_WINDOW_BAND, window_right=1),
+               dict(window_left=512), dict(window_right=0), dict(window_left=4096,
+                                                                  window_right=4096)):
+        assert pick(**kw) == (80, True, False) and not stats_first(**kw), kw
+    assert pick(head_dim=64, window_left=512, window_right=0)[0] == 128
     assert pick(head_dim=64, causal=True, seqlen_q=1024, seqlen_k=1024)[0] == 128
     assert pick(head_dim=96, causal=True, seqlen_q=1024, seqlen_k=1024) == (64, False, False)
     assert pick(causal=True, seqlen_q=1024, seqlen_k=1024, tile_m=80)[0] == 80
@@ -785,6 +800,12 @@ CONTRACT_CASES = [
     (["causal=true", "tile_m=64", "dv_before_barrier=true", "stats_first=true"], "UBLKRED"),
     (["causal=true", "tile_m=64", "dv_before_barrier=true", "stats_first=true",
       "deterministic=true", "qhead_per_kvhead=4", "dtype=float16"], "UBLKRED"),
+    # narrowly windowed hdim 128 (NARROW_WINDOW_BAND): the same tile; deterministic with a
+    # left window hands dQ off once per block
+    (["window_left=512", "window_right=0", "tile_m=64", "dv_before_barrier=true",
+      "stats_first=true"], "UBLKRED"),
+    (["window_left=100", "window_right=30", "tile_m=64", "dv_before_barrier=true",
+      "stats_first=true", "deterministic=true", "dq_handoff_per_wg=false"], "UBLKRED"),
     # Note [dQ SMEM handoff]: one handoff of the whole tile
     (["dq_handoff_per_wg=false"], "UBLKRED"),
     (["head_dim=64", "dq_handoff_per_wg=false", "deterministic=true", "causal=true"], "UBLKRED"),

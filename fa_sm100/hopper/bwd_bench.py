@@ -49,11 +49,12 @@ def _fa4_fn():
     return flash_attn_func, None
 
 
-def _fa4_backward(fa4, q, k, v, dout, causal, deterministic=False):
+def _fa4_backward(fa4, q, k, v, dout, causal, deterministic=False, window=(None, None)):
     """FA4's forward run once on leaf copies of q, k, v; returns the call that times its
     backward (``torch.autograd.grad``, its own pre/postprocess included)."""
     qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
-    o4 = fa4(qg, kg, vg, causal=causal, deterministic=deterministic)
+    windowed = {} if window == (None, None) else {"window_size": tuple(window)}
+    o4 = fa4(qg, kg, vg, causal=causal, deterministic=deterministic, **windowed)
     o4 = o4[0] if isinstance(o4, tuple) else o4
     return lambda: torch.autograd.grad(o4, (qg, kg, vg), dout, retain_graph=True)
 
@@ -72,15 +73,37 @@ def checked_heads(h, hk):
     return [(kh, list(range(kh * g, (kh + 1) * g))) for kh in sorted({0, hk - 1})]
 
 
-def reference_grads(q, k, v, dout, causal, dtype):
+def reference_forward(q, k, v, causal, window=(None, None)):
+    """O (input dtype) and LSE (float32, natural log, (batch, heads, seqlen_q)) of plain
+    attention, computed in float32 one (batch, head) at a time (``attention_reference``): the
+    forward of a timed backward cell that the SM90 forward cannot run (it has no window)."""
+    from fa_sm100.testing import attention_reference
+
+    b, s, h = q.shape[:3]
+    group = h // k.shape[2]
+    out = torch.empty(b, s, h, v.shape[3], dtype=q.dtype, device=q.device)
+    lse = torch.empty(b, h, s, dtype=torch.float32, device=q.device)
+    for i in range(b):
+        for j in range(h):
+            kv = slice(j // group, j // group + 1)
+            o, l_ = attention_reference(q[i:i + 1, :, j:j + 1], k[i:i + 1, :, kv],
+                                        v[i:i + 1, :, kv], causal=causal, window=window,
+                                        dtype=torch.float32)
+            out[i, :, j] = o[0, :, 0]
+            lse[i, j] = l_[0, 0]
+    return out, lse
+
+
+def reference_grads(q, k, v, dout, causal, dtype, window=(None, None)):
     """dQ, dK, dV of batch 0 for ``checked_heads``, by autograd of plain attention computed in
     ``dtype`` (float32: the reference; the input dtype: the baseline of the error rule).
-    Causal is bottom-right aligned. Returns [(kv head, query heads, (dq, dk, dv))]."""
+    Causal is bottom-right aligned, a ``window`` (left, right) as ``sm90_bwd``'s. Returns
+    [(kv head, query heads, (dq, dk, dv))]."""
     from fa_sm100.testing import attention_mask
 
     s, h, d = q.shape[1], q.shape[2], q.shape[3]
     sk, hk = k.shape[1], k.shape[2]
-    mask = attention_mask(s, sk, causal, device=q.device)  # None when nothing is masked
+    mask = attention_mask(s, sk, causal, window, device=q.device)  # None: nothing masked
     out = []
     for kh, qh in checked_heads(h, hk):
         qs = q[0, :, qh].transpose(0, 1).to(dtype).requires_grad_()  # (g, s, d)

@@ -19,6 +19,15 @@ from fa_sm100.hopper.config import WGMMA_M
 # loop gains. 4k since round 11 (H100, paired, with the CTAs longest first: +2.9% to +3.5%;
 # 8k and 16k within +-1.7%).
 SHORT_CAUSAL_SEQLEN = 4096
+# Windowed problems whose band is at most this wide (``window_band``: the keys one query sees,
+# left + right, with right 0 under a causal mask; both sides bounded) take the same 64-row
+# tile at hdim 128 as short causal ones, for the same reason: each key block sees a short
+# band of query blocks, whose edges 80-row blocks straddle. H200, round 30, paired over the
+# 80-row blocks (scripts/ab_bench.py --window, 12 rounds, 4k / 16k): (512, 0) +6.5% / +6.0%,
+# (256, 256) +7.3% / +6.0%, (0, 384) +6.8% / +7.0%, (1024, 0) +4.8% / +4.7%, causal
+# (512, None) 4k +5.8%; at 16k (2048, 0) +2.5%, (4096, 0) +1.0%; wider: (4096, 4096) +1.6%,
+# (8192, 0) -0.2%, and a band open on one side, (512, None) non-causal, -0.6%.
+NARROW_WINDOW_BAND = 4096
 # Causal problems multicast Q/dO by default (Note [Q/dO multicast]) from this many queries and
 # keys on, at these head dims: H100, paired over the CTAs one by one, hdim 64 +2.5% / +1.6%
 # (4k), +3.2% / +3.3% (8k), +4.3% / +4.2% (16k), 2k -0.1%; hdim 128 +0.3% / +1.4% / +1.2%
@@ -65,7 +74,8 @@ def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = Fals
                       seqlen_k: Optional[int] = None, **overrides) -> BwdConfig:
     """Defaults for a problem; ``overrides`` replace any field. ``head_dim_v`` defaults to
     ``fa_sm100.config.default_head_dim_v(head_dim)`` (128 for 192). ``seqlen_q`` /
-    ``seqlen_k`` (optional) pick the block height of short causal problems.
+    ``seqlen_k`` (optional) pick the block height of short causal problems (a window's band
+    needs none).
 
     Measured on an H200 (docs/hopper_backward.md, bf16, 16k tokens, TFLOP/s):
     - GQA/MQA dK/dV through per-query-head buffers ("buffers") is as fast as or faster than
@@ -77,6 +87,9 @@ def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = Fals
       against the previous defaults (64 rows; swapped only for causal/windowed problems),
       +1.2% to +5.3% in 9 of the 10 cells of the grid, -0.2% in one (16k: 560 -> 580
       non-causal, 538 -> 567 causal). hdim 96 is unmeasured: unswapped.
+    - hdim 128 windowed with a band up to ``NARROW_WINDOW_BAND`` keys: the same tile and
+      stats as short causal problems (next two items); H200, paired over 80-row blocks:
+      +4.7% to +7.3% for bands of 384-1024 keys, +1.0% to +2.5% for 2048-4096 (round 30).
     - hdim 128 causal up to ``SHORT_CAUSAL_SEQLEN``: 64-row blocks, dV before the dS barrier
       (FA4's causal tile): +1.5% to +3.4% at 1k in four runs, +0.3% to +4.3% at 2k in three; at
       4k -2% to +0.7% before the CTAs started longest first, +2.9% to +3.5% (three paired runs,
@@ -132,16 +145,19 @@ def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = Fals
     gqa_reduce = overrides.pop("gqa_reduce", "buffers")
     # swapped where its wider query blocks fit (Notes [tile_m 128], [dQ transposed])
     swap = overrides.pop("sdp_swap_ab", head_dim in TILE_M_128_HEAD_DIMS + TILE_M_80_HEAD_DIMS)
-    # short causal hdim 128: FA4's causal tile, 64 rows with dV before the dS barrier
-    short_causal = (causal and not windowed and head_dim in TILE_M_80_HEAD_DIMS
-                    and seqlen_q is not None and seqlen_k is not None
-                    and max(seqlen_q, seqlen_k) <= SHORT_CAUSAL_SEQLEN)
-    tile_m = overrides.pop("tile_m", _default_tile_m(head_dim, swap, short_causal))
-    # blocks of 80 / 128 rows and short causal hdim 128: dV right before the dS barrier
+    # short causal or narrowly windowed hdim 128: FA4's causal tile, 64 rows with dV before
+    # the dS barrier
+    band = window_band(causal, window_left, window_right)
+    short_band = head_dim in TILE_M_80_HEAD_DIMS and (
+        (causal and not windowed and seqlen_q is not None and seqlen_k is not None
+         and max(seqlen_q, seqlen_k) <= SHORT_CAUSAL_SEQLEN)
+        or (band is not None and band <= NARROW_WINDOW_BAND))
+    tile_m = overrides.pop("tile_m", _default_tile_m(head_dim, swap, short_band))
+    # blocks of 80 / 128 rows and short bands at hdim 128: dV right before the dS barrier
     # (unless early dV is asked for)
     early_dv = overrides.pop("early_dv", None)
     dv_mid = overrides.pop("dv_before_barrier",
-                           (tile_m > TILE_M_ATOM or short_causal) and not early_dv)
+                           (tile_m > TILE_M_ATOM or short_band) and not early_dv)
     if early_dv is None:
         early_dv = not (causal or windowed or dv_mid or wide)
     # Note [staggered query blocks]: measured at hdim 128 only (with first stores)
@@ -162,16 +178,12 @@ def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = Fals
         sdp_swap_ab=swap,
         tile_m=tile_m,
         overlap_dk=overrides.pop("overlap_dk", False),
-        # short causal hdim 128 (swapped 64-row blocks): the stats before the GEMMs
-        stats_first=overrides.pop("stats_first", short_causal),
-        # swapped 64-row blocks with a left window: the token made ptxas spill until round 7's
-        # mask by limits freed registers (the compile test now finds no spill); off there
-        # until run and timed on a GPU
-        try_wait=overrides.pop("try_wait", not (swap and tile_m == TILE_M_ATOM
-                                                and window_left is not None)),
-        # deterministic with a left window: per-warpgroup barrier selection made ptxas spill
-        # (~180 B, and serialized WGMMAs) at tile_m 80 until round 7's mask (no spill now);
-        # off there until run and timed on a GPU
+        # short bands at hdim 128 (swapped 64-row blocks): the stats before the GEMMs
+        stats_first=overrides.pop("stats_first", short_band),
+        # deterministic with a left window: one dQ handoff for the whole tile. H200, round 30,
+        # paired (window (512, 0), 10 rounds, 4k / 16k): +1.4% / +1.8% at hdim 64, +0.3% /
+        # +0.3% at hdim 128 over one per warpgroup; without a window one per warpgroup stays
+        # (one handoff: causal -1.2% to -3.8%, non-causal 0.997-1.008)
         dq_handoff_per_wg=overrides.pop("dq_handoff_per_wg",
                                         not (deterministic and window_left is not None)),
         # causal without a left window: key block n's work falls with n (Note [longest first])
@@ -222,13 +234,24 @@ def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = Fals
     return cfg.validate()
 
 
-def _default_tile_m(head_dim: int, swap: bool, short_causal: bool = False) -> int:
+def window_band(causal: bool, window_left: Optional[int], window_right: Optional[int]):
+    """The keys one query sees under a window (left + right, right clamped to 0 by a causal
+    mask; ``NARROW_WINDOW_BAND``), or None without a window or with a side unbounded."""
+    right = window_right
+    if causal:
+        right = 0 if right is None else min(right, 0)
+    if window_left is None or right is None:
+        return None
+    return window_left + right
+
+
+def _default_tile_m(head_dim: int, swap: bool, short_band: bool = False) -> int:
     """Query rows per block: 128 for swapped hdim 64 (Note [tile_m 128]), 80 for swapped
-    hdim 128 (Note [dQ transposed]) unless it is short and causal (``short_causal``), else
-    64."""
+    hdim 128 (Note [dQ transposed]) unless its band is short (``short_band``: short causal,
+    a narrow window), else 64."""
     if swap and head_dim in TILE_M_128_HEAD_DIMS:
         return TILE_M_SWAPPED_HDIM64
-    if swap and head_dim in TILE_M_80_HEAD_DIMS and not short_causal:
+    if swap and head_dim in TILE_M_80_HEAD_DIMS and not short_band:
         return TILE_M_DQ_TRANSPOSED
     return TILE_M_ATOM
 

@@ -130,17 +130,17 @@ them, ptxas issues the loads between the HGMMAs, and they and the HGMMAs wait on
 the MIO queue (Nsight Compute, hdim 128 causal 4k: MIO throttle was 23% of the MMA warps'
 stall samples against FA4's 5%); placed first, their latency hides behind the GEMMs.
 ``select_bwd_config`` turns it on for short causal hdim 128 (swapped 64-row blocks), where
-paired timing measured +5.2% at 2k and +1.6% at 1k; unswapped hdim 256 it measured -0.8% to 0.
+paired timing measured +5.2% at 2k and +1.6% at 1k, and with them for narrow windows at hdim
+128 (``NARROW_WINDOW_BAND``); unswapped hdim 256 it measured -0.8% to 0.
 
 Note [try first] (``try_wait``): the MMA warpgroups' waits for a ``q`` / ``do`` stage first
 poll the mbarrier once (``consumer_try_wait``) and pass the result as the token of the
 blocking wait, which runs only if the poll failed. Without the token the wait lowers to
 try-wait + ``NANOSLEEP.SYNCS`` inside the loop body; with it, to a test and a branch to an
 out-of-line retry loop, as in the forward and in FA4. The token is one more live register:
-with swapped 64-row blocks and a left window (GQA, deterministic) ptxas spilled, so
-``select_bwd_config`` turns it off there and only there; since round 7's mask by limits
-(``_mask``) that kernel fits with the token (the compile test), and the default waits for a
-GPU run.
+with swapped 64-row blocks and a left window (GQA, deterministic) ptxas once spilled; since
+round 7's mask by limits (``_mask``) that kernel fits with the token (the compile test), and
+round 30 timed it there as a tie, so it is on everywhere.
 
 Note [Q/dO multicast] (``qdo_multicast``): without a mask every key block of a (batch, head)
 pair visits the same query blocks in the same order, so the CTAs of key blocks c q .. c q +
