@@ -193,10 +193,15 @@ def test_variants_that_build_the_default_kernels_are_named_before_any_gpu_work(c
     bad = ["--hdim", "64", "--seqlen", "8192", "--ours-variant", "x:no_such_field=1"]
     assert bench.main(bad) == 2
     assert "no_such_field" in capsys.readouterr().err
-    # a switch valid in some cells only, or a field that names the problem, is left to the
-    # run there (it reports that provider's error in the cell) instead of stopping it
+    # a field that names the problem stops the run too (every run of a cell solves the same
+    # problem: fa_sm100.config.parse_variant)
+    assert bench.main(["--hdim", "64", "--seqlen", "8192", "--ours-variant",
+                       "c:causal=true"]) == 2
+    assert "causal names the problem" in capsys.readouterr().err
+    # a switch valid in some cells only is left to the run there (it reports that provider's
+    # error in the cell) instead of stopping it
     mixed = bench.parse_args(["--hdim", "64", "--seqlen", "8192", "--ours-variant",
-                              "mc:kv_multicast=true", "--ours-variant", "c:causal=true"])
+                              "mc:kv_multicast=true"])
     # (multicast is the default non-causal, so there it is an A/A; causal it is invalid)
     assert bench.same_kernel_cells(mixed) == {"mc": [[64, False, 8192]]}
     bench.print_same_kernel_notes(bench.same_kernel_cells(fwd), 2)
