@@ -681,6 +681,7 @@ DYNAMIC_CASES = [
     (3, 333, 777, 2, 2, 64, True, (None, None), dict(persistent_ctas=3)),  # ragged, sq < sk
     (2, 900, 700, 3, 3, 96, True, (None, None), dict(persistent_ctas=2)),  # sq > sk
     (2, 1000, 1000, 4, 4, 96, False, (256, 64), dict(persistent_ctas=4)),  # a band
+    (2, 1000, 1000, 4, 4, 64, False, (256, 64), dict(persistent_ctas=4)),  # hdim 64's default
     (2, 1000, 1000, 4, 4, 64, False, (None, None), dict(persistent_ctas=4)),  # no mask
     (2, 1000, 1000, 4, 4, 96, False, (None, None), dict(persistent_ctas=4)),
     (2, 1000, 1000, 4, 4, 64, True, (None, None), dict(persistent_ctas=4, longest_first=False)),

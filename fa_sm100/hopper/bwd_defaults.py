@@ -65,6 +65,12 @@ PERSISTENT_HEAD_DIMS = (64, 128)
 # Note [dynamic tiles] (bwd_tiles.py): taken by default for causal problems (no window) up to
 # PERSISTENT_MAX_SEQLEN at these head dims (select_bwd_config's docstring)
 DYNAMIC_TILES_HEAD_DIMS = (64,)
+# ... and for windowed problems at those head dims whose band (``window_band``) is at most
+# this wide, at any length: each tile is a sweep of a few query blocks, as a short causal
+# one. H200, round 30, paired over one CTA per tile (scripts/ab_bench.py --window, 10-12
+# rounds, 4k / 16k): (256, 256) +4.2% / +3.2%, (512, 0) +4.1% / +4.1%, (1024, 0) +2.1% /
+# +2.0%, (2048, 0) -0.3% / -0.5%.
+DYNAMIC_WINDOW_BAND = 1024
 
 
 def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = False,
@@ -133,6 +139,8 @@ def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = Fals
       fetch their tiles (``dynamic_tiles``, Note [dynamic tiles]); H200, paired over one CTA
       per tile, 10-20 rounds: +2.9% to +4.8% (1k), +2.1% to +2.9% (2k); -1.0% at 4k. (hdim
       128 causal measured -0.5% (1k), -2.5% (2k) with a kernel that spilled: refused now.)
+      Also windowed hdim 64 with a band up to ``DYNAMIC_WINDOW_BAND`` keys, at any length:
+      +2.0% to +4.2% (round 30).
     """
     head_dim_v = default_head_dim_v(head_dim) if head_dim_v is None else head_dim_v
     windowed = window_left is not None or window_right is not None
@@ -222,8 +230,10 @@ def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = Fals
             cfg = persistent._validate_persistent()
         except ValueError:
             pass
+    short_tiles = ((short and cfg.causal and not cfg.is_local)
+                   or (band is not None and band <= DYNAMIC_WINDOW_BAND))
     if ("persistent_ctas" not in overrides and "dynamic_tiles" not in overrides
-            and overrides.get("pre_ctas", 0) == 0 and short and cfg.causal and not cfg.is_local
+            and overrides.get("pre_ctas", 0) == 0 and short_tiles
             and head_dim in DYNAMIC_TILES_HEAD_DIMS):  # Note [dynamic tiles]
         dynamic = cfg.replace(persistent_ctas=DEFAULT_PERSISTENT_CTAS, dynamic_tiles=True,
                               pre_ctas=0)
