@@ -420,20 +420,21 @@ def parse_overrides(items: Iterable[str], cls=FmhaConfig) -> dict:
     return out
 
 
-# config fields that name the problem, not a switch: a benchmark's cell sets them
-VARIANT_PROBLEM_FIELDS = ("head_dim", "head_dim_v", "dtype", "causal", "window_left",
-                          "window_right", "deterministic", "qhead_per_kvhead", "num_sms")
+# config fields that name the problem, not a switch: a benchmark's cell or the defaults'
+# arguments set them (``parse_variant``, ``config_from_overrides``)
+PROBLEM_FIELDS = ("head_dim", "head_dim_v", "dtype", "causal", "window_left", "window_right",
+                  "deterministic", "qhead_per_kvhead", "num_sms")
 
 
 def parse_variant(spec: str, cls=FmhaConfig) -> tuple:
     """``"NAME:field=value,field=value"`` (the benchmarks' config variants) -> (NAME, the
     typed fields of ``cls`` as ``parse_overrides`` reads them). A field that names the problem
-    (``VARIANT_PROBLEM_FIELDS``) raises ValueError: the kernels take the problem from the
+    (``PROBLEM_FIELDS``) raises ValueError: the kernels take the problem from the
     call, so such a variant would run under its name what it does not say (a deterministic
     variant, for one, ran non-deterministic kernels)."""
     name, _, fields = spec.partition(":")
     out = parse_overrides([f for f in fields.split(",") if f], cls)
-    named = sorted(set(out) & set(VARIANT_PROBLEM_FIELDS))
+    named = sorted(set(out) & set(PROBLEM_FIELDS))
     if named:
         raise ValueError(f"variant {name}: {', '.join(named)} "
                          f"{'names' if len(named) == 1 else 'name'} the problem, not a switch "
@@ -448,10 +449,8 @@ def config_from_overrides(items: Iterable[str]) -> FmhaConfig:
     Switching 2-CTA off or changing head dims re-derives kv_stage from the SMEM budget unless
     kv_stage is set explicitly, as ``select_config`` does.
     """
-    changes = parse_overrides(items)
-    problem_keys = ("head_dim", "head_dim_v", "dtype", "causal", "qhead_per_kvhead",
-                    "window_left", "window_right", "num_sms")
-    problem = {k: changes.pop(k) for k in problem_keys if k in changes}
+    changes = parse_overrides(items)  # FmhaConfig's fields only (no ``deterministic``)
+    problem = {k: changes.pop(k) for k in PROBLEM_FIELDS if k in changes}
     if "head_dim" in problem and "head_dim_v" not in problem:
         problem["head_dim_v"] = default_head_dim_v(problem["head_dim"])
     return select_config(**problem, **changes)

@@ -585,7 +585,11 @@ def dq_fragment_index(cfg: BwdConfig, row: int, col: int) -> int:
 
 def effective_window_right(cfg: BwdConfig) -> Optional[int]:
     """The right window edge the mask uses: causal is a right edge of 0."""
-    right = cfg.window_right
-    if cfg.causal:
-        right = 0 if right is None else min(right, 0)
-    return right
+    return causal_window_right(cfg.causal, cfg.window_right)
+
+
+def causal_window_right(causal: bool, window_right: Optional[int]) -> Optional[int]:
+    """``effective_window_right`` of a problem before its config is built."""
+    if causal:
+        return 0 if window_right is None else min(window_right, 0)
+    return window_right

@@ -10,7 +10,8 @@ from typing import Optional
 from fa_sm100.config import default_head_dim_v, normalize_dtype
 from fa_sm100.hopper.bwd_config import (TILE_M_80_HEAD_DIMS, TILE_M_128_HEAD_DIMS, TILE_M_ATOM,
                                         TILE_M_DQ_TRANSPOSED, TILE_M_SWAPPED_HDIM64,
-                                        TILE_N_128_MAX_HEAD_DIM, BwdConfig)
+                                        TILE_N_128_MAX_HEAD_DIM, BwdConfig,
+                                        causal_window_right)
 from fa_sm100.hopper.config import WGMMA_M
 
 # Causal problems up to this sequence length take 64-row blocks at hdim 128 instead of 80
@@ -247,9 +248,7 @@ def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = Fals
 def window_band(causal: bool, window_left: Optional[int], window_right: Optional[int]):
     """The keys one query sees under a window (left + right, right clamped to 0 by a causal
     mask; ``NARROW_WINDOW_BAND``), or None without a window or with a side unbounded."""
-    right = window_right
-    if causal:
-        right = 0 if right is None else min(right, 0)
+    right = causal_window_right(causal, window_right)
     if window_left is None or right is None:
         return None
     return window_left + right
