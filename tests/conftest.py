@@ -38,3 +38,54 @@ def sm90_device():
     if cap != (9, 0):
         pytest.skip(f"SM90 hardware test: the device is sm_{cap[0]}{cap[1]}, not sm_90")
     return cap
+
+
+# ---- --shard K/N: split a long run over several calls ----------------------------------------
+# A lent GPU runs one command for at most 10 minutes, and tests/test_sm90_bwd_gpu.py alone takes
+# about that long on an H100 (docs/hopper_backward.md, round 31). ``--shard K/N`` keeps the
+# collected tests whose position in collection order is K - 1 modulo N (a round-robin deal, so
+# that neighbouring cases, often of the same cost, spread over the shards) and deselects the
+# rest; the N runs together run every test once.
+
+
+def parse_shard(text: str):
+    """``"K/N"`` -> (K, N) with 1 <= K <= N; anything else raises ValueError naming the form."""
+    parts = text.split("/")
+    try:
+        k, n = (int(p) for p in parts)
+    except ValueError:
+        raise ValueError(f"--shard {text!r}: expected K/N with integers, e.g. 1/2") from None
+    if not 1 <= k <= n:
+        raise ValueError(f"--shard {text!r}: needs 1 <= K <= N")
+    return k, n
+
+
+def shard_of(items: list, k: int, n: int):
+    """(kept, deselected): the items at positions i with i % n == k - 1, and the others."""
+    kept = [item for i, item in enumerate(items) if i % n == k - 1]
+    dropped = [item for i, item in enumerate(items) if i % n != k - 1]
+    return kept, dropped
+
+
+def pytest_addoption(parser):
+    parser.addoption("--shard", default=None, metavar="K/N",
+                     help="run the K-th of N round-robin shares of the collected tests")
+
+
+def pytest_configure(config):
+    text = config.getoption("--shard")
+    if text is not None:
+        try:
+            parse_shard(text)
+        except ValueError as err:
+            raise pytest.UsageError(str(err)) from None
+
+
+def pytest_collection_modifyitems(config, items):
+    text = config.getoption("--shard")
+    if text is None:
+        return
+    kept, dropped = shard_of(items, *parse_shard(text))
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+    items[:] = kept
