@@ -2,7 +2,7 @@
 """Run the SM90 forward (or backward) on a representative set of problems, for compute-sanitizer.
 
     compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 1 \
-        python scripts/sm90_memcheck.py [--mode bwd]
+        python scripts/sm90_memcheck.py [--mode bwd] [--shard K/N]
 
 (``--report-api-errors no``: the DSL's runtime probes driver entry points with
 ``cuGetProcAddress``, and the failed probes would otherwise count as errors.)
@@ -12,7 +12,9 @@ multiples (tail rows and keys), seqlen_q > seqlen_k (rows with no key), the one-
 static persistent and dynamic persistent schedules. Backward (``sm90_bwd``: preprocess, main
 kernel, postprocesses): every head-dim pair, causal with the CTAs renumbered longest first
 (Note [longest first]: the whole grid, and a tail after CTAs in the grid's order), the grid's
-order, deterministic mode, windows, GQA/MQA, both dQ paths, rows with no key. Small shapes:
+order, deterministic mode, windows, GQA/MQA, both dQ paths, rows with no key, persistent CTAs
+that walk several tiles by a fixed stride or fetch them (Notes [persistent CTAs], [dynamic
+tiles]). ``--shard K/N`` runs every N-th case from the K-th (fa_sm100/shards.py). Small shapes:
 memcheck slows kernels down a lot. Each result is also checked against a float32 reference,
 so a silent wrong answer fails too.
 """
@@ -32,6 +34,7 @@ from fa_sm100.hopper.bwd_defaults import select_bwd_config  # noqa: E402
 from fa_sm100.hopper.bwd_interface import sm90_bwd  # noqa: E402
 from fa_sm100.hopper.config import select_sm90_fwd_config  # noqa: E402
 from fa_sm100.hopper.interface import sm90_fwd  # noqa: E402
+from fa_sm100.shards import parse_shard, shard_of  # noqa: E402
 from fa_sm100.testing import (attention_reference, attention_reference_grads,  # noqa: E402
                               check_against_reference, grad_atol)
 
@@ -118,6 +121,22 @@ BWD_CASES = [
     # more CTAs than SMs, GQA (the dK/dV postprocess follows), hdim 64 with a window
     (2, 2048, 2048, 8, 2, 128, 128, False, (None, None), False, {}),
     (1, 600, 500, 4, 2, 64, 64, True, (50, None), False, {"early_dq_post": True}),
+    # Note [persistent CTAs]: far fewer CTAs than tiles, so that each walks several and stages
+    # one tile's dK/dV epilogue while the next tile's K/V and first Q/dO load: multicast pairs
+    # with staggered sweeps (hdim 128's default), and alone with ragged tails (hdim 64)
+    (2, 1000, 1000, 4, 4, 128, 128, False, (None, None), False, {"persistent_ctas": 4}),
+    (1, 257, 255, 3, 3, 64, 64, False, (None, None), False,
+     {"persistent_ctas": 2, "qdo_multicast": False}),
+    # Note [dynamic tiles]: tiles fetched from the counter, causal (longest first; sq < sk),
+    # a band (hdim 64's windowed default), and unswapped hdim 96 with rows that see no key
+    (3, 333, 777, 2, 2, 64, 64, True, (None, None), False,
+     {"persistent_ctas": 3, "dynamic_tiles": True}),
+    (2, 1000, 1000, 4, 4, 64, 64, False, (256, 64), False,
+     {"persistent_ctas": 4, "dynamic_tiles": True}),
+    (2, 900, 700, 3, 3, 96, 96, True, (None, None), False,
+     {"persistent_ctas": 2, "dynamic_tiles": True}),
+    # a narrow window at hdim 128 takes the short causal tile (64-row blocks, stats first)
+    (1, 700, 900, 2, 2, 128, 128, False, (256, 0), False, {}),
 ]
 
 
@@ -129,8 +148,8 @@ def bwd_config(case):
                              deterministic=deterministic, seqlen_q=sq, seqlen_k=sk, **overrides)
 
 
-def main_fwd(gen):
-    for b, sq, sk, h, hk, d, dv, causal, schedule in CASES:
+def main_fwd(gen, cases):
+    for b, sq, sk, h, hk, d, dv, causal, schedule in cases:
         q = torch.randn(b, sq, h, d, device="cuda", dtype=torch.bfloat16, generator=gen)
         k = torch.randn(b, sk, hk, d, device="cuda", dtype=torch.bfloat16, generator=gen)
         v = torch.randn(b, sk, hk, dv, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -144,8 +163,8 @@ def main_fwd(gen):
               f"schedule={schedule}", flush=True)
 
 
-def main_bwd(gen):
-    for case in BWD_CASES:
+def main_bwd(gen, cases):
+    for case in cases:
         b, sq, sk, h, hk, d, dv, causal, window, deterministic, _ = case
         q = torch.randn(b, sq, h, d, device="cuda", dtype=torch.bfloat16, generator=gen)
         k = torch.randn(b, sk, hk, d, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -163,14 +182,29 @@ def main_bwd(gen):
               f"window={window} deterministic={deterministic} {case[-1]}", flush=True)
 
 
+def select_cases(mode: str, shard=None) -> list:
+    """The cases of ``mode`` ("fwd" or "bwd"), or with ``shard`` ("K/N") the K-th of N
+    round-robin shares of them; a malformed shard raises ValueError."""
+    cases = BWD_CASES if mode == "bwd" else CASES
+    return cases if shard is None else shard_of(cases, *parse_shard(shard))[0]
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", choices=("fwd", "bwd"), default="fwd")
+    p.add_argument("--shard", default=None, metavar="K/N",
+                   help="run the K-th of N round-robin shares of the cases (one device call "
+                        "each: a lent GPU runs a command for at most 10 minutes)")
     args = p.parse_args(argv)
+    try:
+        cases = select_cases(args.mode, args.shard)
+    except ValueError as err:
+        p.error(str(err))
     gen = torch.Generator(device="cuda")
     gen.manual_seed(0)
-    (main_bwd if args.mode == "bwd" else main_fwd)(gen)
+    (main_bwd if args.mode == "bwd" else main_fwd)(gen, cases)
+    print(f"all {len(cases)} {args.mode} cases ok", flush=True)
 
 
 if __name__ == "__main__":

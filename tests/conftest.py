@@ -45,26 +45,9 @@ def sm90_device():
 # about that long on an H100 (docs/hopper_backward.md, round 31). ``--shard K/N`` keeps the
 # collected tests whose position in collection order is K - 1 modulo N (a round-robin deal, so
 # that neighbouring cases, often of the same cost, spread over the shards) and deselects the
-# rest; the N runs together run every test once.
+# rest; the N runs together run every test once (fa_sm100/shards.py).
 
-
-def parse_shard(text: str):
-    """``"K/N"`` -> (K, N) with 1 <= K <= N; anything else raises ValueError naming the form."""
-    parts = text.split("/")
-    try:
-        k, n = (int(p) for p in parts)
-    except ValueError:
-        raise ValueError(f"--shard {text!r}: expected K/N with integers, e.g. 1/2") from None
-    if not 1 <= k <= n:
-        raise ValueError(f"--shard {text!r}: needs 1 <= K <= N")
-    return k, n
-
-
-def shard_of(items: list, k: int, n: int):
-    """(kept, deselected): the items at positions i with i % n == k - 1, and the others."""
-    kept = [item for i, item in enumerate(items) if i % n == k - 1]
-    dropped = [item for i, item in enumerate(items) if i % n != k - 1]
-    return kept, dropped
+from fa_sm100.shards import parse_shard, shard_of  # noqa: E402
 
 
 def pytest_addoption(parser):

@@ -1,12 +1,13 @@
-"""``--shard K/N`` (tests/conftest.py): the shares of a run are disjoint and cover every test,
-and a malformed value stops the run before any test."""
+"""``--shard K/N`` (tests/conftest.py, scripts/sm90_memcheck.py): the shares of a run are
+disjoint and cover every test, and a malformed value stops the run before any test."""
 
+import os
 import pathlib
 import subprocess
 import sys
 
 import pytest
-from conftest import parse_shard, shard_of
+from fa_sm100.shards import parse_shard, shard_of
 
 
 def test_shards_are_disjoint_and_cover_every_item():
@@ -32,9 +33,12 @@ def _run_pytest(tmp_path, *args):
         "import pytest\n\n@pytest.mark.parametrize('i', range(5))\ndef test_i(i):\n    pass\n")
     conftest = (pathlib.Path(__file__).parent / "conftest.py").read_text()
     (tmp_path / "conftest.py").write_text(conftest)
+    repo = str(pathlib.Path(__file__).resolve().parents[1])  # the conftest imports fa_sm100
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        p for p in (repo, os.environ.get("PYTHONPATH")) if p))
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                            str(tmp_path / "test_many.py"), *args],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
 
 
 def test_two_shards_run_every_test_once(tmp_path):
@@ -52,3 +56,19 @@ def test_a_bad_shard_is_a_usage_error(tmp_path):
     out = _run_pytest(tmp_path, "--shard", "3/2")
     assert out.returncode == 4  # pytest's usage error
     assert "needs 1 <= K <= N" in out.stderr
+
+
+def test_memcheck_shards_run_every_case_once_and_refuse_a_bad_value():
+    """``scripts/sm90_memcheck.py --shard K/N`` deals its cases as pytest deals tests, and a
+    bad value is an argparse error (exit 2) before anything touches a GPU."""
+    from script_loader import load_script
+
+    mod = load_script("sm90_memcheck")
+    for mode, cases in (("bwd", mod.BWD_CASES), ("fwd", mod.CASES)):
+        shares = [mod.select_cases(mode, f"{k}/3") for k in (1, 2, 3)]
+        assert sorted(map(repr, sum(shares, []))) == sorted(map(repr, cases))
+        assert all(shares)
+    assert mod.select_cases("bwd") == mod.BWD_CASES
+    with pytest.raises(SystemExit) as err:
+        mod.main(["--mode", "bwd", "--shard", "3/2"])
+    assert err.value.code == 2

@@ -704,8 +704,10 @@ def test_bwd_memcheck_cases_run_the_orders_they_name():
     CTAs in the grid's order (deterministic too), the grid's order under a causal mask, CTA
     pairs that multicast Q and dO (with each dQ path), every head-dim pair and both dQ
     paths, first dQ stores (Note [dQ first store]) claimed by CAS and by deterministic turn,
-    causal and not, and staggered sweeps (Note [staggered query blocks]) in clusters and
-    alone, with first stores and without."""
+    causal and not, staggered sweeps (Note [staggered query blocks]) in clusters and alone,
+    with first stores and without, persistent CTAs that each walk several tiles by a fixed
+    stride (in clusters and alone) or fetch them (causal, banded), and hdim 128's narrow-window
+    tile."""
     mod = load_script("sm90_memcheck")
     kinds, dims, dq, multicast_dq = set(), set(), set(), set()
     for case in mod.BWD_CASES:
@@ -726,6 +728,12 @@ def test_bwd_memcheck_cases_run_the_orders_they_name():
         if cfg.stagger_m:
             kinds.add("staggered" + (" pairs" if cfg.qdo_multicast else "")
                       + (" first store" if cfg.first_stores_dq else ""))
+        if cfg.persistent_ctas and b * h * cfg.num_key_blocks(sk) > cfg.persistent_ctas:
+            walk = "fetched walk" if cfg.dynamic_tiles else "strided walk"
+            kinds.add(walk + (" causal" if causal else "") + (" band" if cfg.is_local else "")
+                      + (" pairs" if cfg.qdo_multicast else ""))
+        if d == 128 and cfg.is_local and cfg.tile_m == 64 and cfg.stats_first:
+            kinds.add("narrow window")
         if cfg.qdo_multicast:
             multicast_dq.add(cfg.dq_accum)
             kinds.add("multicast causal" if causal else "multicast")
@@ -733,7 +741,9 @@ def test_bwd_memcheck_cases_run_the_orders_they_name():
                 kinds.add("multicast 4")
     assert {"whole grid", "tail", "tail det", "grid order", "multicast", "multicast causal",
             "multicast 4", "first store", "first store causal", "first store det causal",
-            "staggered pairs first store", "staggered first store", "staggered"} <= kinds
+            "staggered pairs first store", "staggered first store", "staggered",
+            "strided walk pairs", "strided walk", "fetched walk causal", "fetched walk band",
+            "narrow window"} <= kinds
     assert any(not c.stagger_m and c.first_stores_dq and not c.causal
                for c in map(mod.bwd_config, mod.BWD_CASES))  # first stores racing in step
     assert multicast_dq == {"bulk", "red"}

@@ -86,20 +86,21 @@ tile, without the CTA's end and start (Note [persistent CTAs]). The load warp fe
 has loaded its tile's last block, about two blocks before the MMA warpgroups need the index,
 and hands it over in SMEM: TILE_SLOTS slots, each with a full mbarrier (the load warp's lane
 0 arrives after writing it) and an empty one (lane 0 of each of the 8 MMA warps and of the
-dq-store warp arrive after reading it). Tile k's index travels in slot k % TILE_SLOTS; the
-load warp reuses a slot only after every reader has arrived, which they did at the end of
-tile k - 2, before tile k - 1's first dQ hand-off, so the load warp never waits there in
-practice. An index >= the tile count ends every role's walk. The counter is (batch 0, head
-0)'s dQ semaphore after the finished-tile count (``tile_counter`` in bwd_store.py), zeroed by
-the preprocess with the others: the first fetch comes after the load warp's wait for the
-preprocess. The next call's preprocess zeroes it only after this kernel has ended, fetches
-that find no tile included: it waits for the kernel before it, the dQ postprocess, which
-itself ends after the main kernel (Note [chained launches] in bwd_interface.py, also with
-``early_dq_post``). Rules (``validate``): persistent CTAs; no ``qdo_multicast`` (both CTAs of
-a cluster would need one fetched index); head dims up to 96 (``DYNAMIC_TILES_MAX_HEAD_DIM``):
-at hdim 128 the walk's values take registers the MMA warpgroups do not have, and ptxas
-spills 52-64 bytes and, with 80-row blocks, serializes every WGMMA (34 commit groups per
-block instead of 5; the compile contract caught it).
+dq-store warp reads it, arrives, and shuffles it to its warp: each read is its releasing
+thread's own, docs/hopper_backward.md, compute-sanitizer). Tile k's index travels in slot
+k % TILE_SLOTS; the load warp reuses a slot only after every reader has arrived, which they
+did at the end of tile k - 2, before tile k - 1's first dQ hand-off, so the load warp never
+waits there in practice. An index >= the tile count ends every role's walk. The counter is
+(batch 0, head 0)'s dQ semaphore after the finished-tile count (``tile_counter`` in
+bwd_store.py), zeroed by the preprocess with the others: the first fetch comes after the load
+warp's wait for the preprocess. The next call's preprocess zeroes it only after this kernel has
+ended, fetches that find no tile included: it waits for the kernel before it, the dQ
+postprocess, which itself ends after the main kernel (Note [chained launches] in
+bwd_interface.py, also with ``early_dq_post``). Rules (``validate``): persistent CTAs; no
+``qdo_multicast`` (both CTAs of a cluster would need one fetched index); head dims up to 96
+(``DYNAMIC_TILES_MAX_HEAD_DIM``): at hdim 128 the walk's values take registers the MMA
+warpgroups do not have, and ptxas spills 52-64 bytes and, with 80-row blocks, serializes every
+WGMMA (34 commit groups per block instead of 5; the compile contract caught it).
 
 Default (``select_bwd_config``) for causal hdim 64 without a window up to
 ``PERSISTENT_MAX_SEQLEN``; paired on an H200 over one CTA per tile (docs/data/round28/):
@@ -378,8 +379,9 @@ class BwdTileRole:
         (the CTAs' first tiles are the grid's, so the count before it plus the grid is the
         index), the warp waits until every other role has read the index this slot held two
         tiles ago, and lane 0 writes the new one and arrives on the slot's full barrier. The
-        other roles' warps: wait on the full barrier, read, and lane 0 arrives on the empty
-        one. One whole warp; slot ``k % TILE_SLOTS``, its ``k // TILE_SLOTS``-th use."""
+        other roles' warps: wait on the full barrier; lane 0 reads and arrives on the empty
+        one and shuffles the index to the warp. One whole warp; slot ``k % TILE_SLOTS``, its
+        ``k // TILE_SLOTS``-th use."""
         slot = k % TILE_SLOTS
         use = k // TILE_SLOTS
         full = work.handoff + slot
@@ -396,9 +398,11 @@ class BwdTileRole:
                 slots[slot] = t
                 cute.arch.mbarrier_arrive(full)
         else:
+            # lane 0 reads the slot and releases it, so its arrive orders the one read of it
+            # (no other lane's read for the arrive to cover); the warp gets the index by shuffle
             cute.arch.mbarrier_wait(full, use % 2)
-            t = slots[slot]
-            cute.arch.sync_warp()
             if lane == 0:
+                t = slots[slot]
                 cute.arch.mbarrier_arrive(empty)
+            t = cute.arch.shuffle_sync(t, 0)
         return t

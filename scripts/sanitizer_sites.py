@@ -1,0 +1,152 @@
+#!/usr/bin/env python
+"""Name the instructions behind compute-sanitizer's hazard reports.
+
+racecheck (and synccheck) name each access by kernel and offset, ``KERNEL+0x1840``; this
+script looks the offsets up in the SASS of the cubins the run kept and prints each report
+with its instructions, then the reports grouped by the pair of opcodes:
+
+    CUTE_DSL_KEEP=cubin CUTE_DSL_DUMP_DIR=cubins \\
+        compute-sanitizer --tool racecheck --report-api-errors no \\
+        python scripts/sm90_memcheck.py --mode bwd --shard 1/25 > racecheck.txt 2>&1
+    python scripts/sanitizer_sites.py racecheck.txt cubins
+
+Keep the cubins of the run itself: a cross-compile with fake tensors (``scripts/inspect.py
+--keep-dir``) may lay the code out differently. A kernel with no cubin in the folder (cuBLAS,
+say) is listed, not looked up. ``nvdisasm`` comes from the ``nvidia-cuda-nvdisasm`` wheel or
+PATH (fa_sm100/compile_tools.py). docs/hopper_backward.md (Tests, compute-sanitizer) says
+what the backward's reports are.
+"""
+
+import argparse
+import re
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import NamedTuple, Optional
+
+try:  # first import: keeps scripts/inspect.py from shadowing the standard `inspect`
+    import _paths  # noqa: F401
+except ImportError:  # loaded as a module (tests): this folder is not on sys.path
+    pass
+
+from fa_sm100.compile_tools import disassemble, find_nvdisasm  # noqa: E402
+
+# "========= Error: Race reported between Write access at NAME+0x1840"
+# "=========     and Read access at NAME+0x3420 [1024 hazards]"
+_ACCESS = re.compile(r"(?P<head>Race reported between|and) (?P<kind>Read|Write) access at "
+                     r"(?P<func>[A-Za-z_][\w$.]*)\+0x(?P<off>[0-9a-fA-F]+)"
+                     r"(?:.*?\[(?P<count>\d+) hazards?\])?")
+_SECTION = re.compile(r"^\.text\.(?P<func>\S+):\s*$")
+_INSTR = re.compile(r"^\s*/\*(?P<off>[0-9a-f]{4,})\*/\s+(?P<body>[^;]*);", re.IGNORECASE)
+_GUARD = re.compile(r"^@!?U?P[0-9T]+\s+")
+
+
+class Access(NamedTuple):
+    kind: str  # "Read" / "Write"
+    func: str
+    offset: int
+    hazards: Optional[int]  # on the paired accesses only
+
+
+class Report(NamedTuple):
+    first: Access  # the access named after "Race reported between"
+    others: list  # the accesses paired with it ("and ...")
+
+
+def parse_reports(text: str) -> list:
+    """The hazard reports of a compute-sanitizer log, in order."""
+    reports = []
+    for line in text.splitlines():
+        m = _ACCESS.search(line)
+        if not m:
+            continue
+        acc = Access(m["kind"], m["func"], int(m["off"], 16),
+                     int(m["count"]) if m["count"] else None)
+        if m["head"] == "and":
+            if not reports:
+                raise ValueError(f"a paired access before any report: {line.strip()!r}")
+            reports[-1].others.append(acc)
+        else:
+            reports.append(Report(acc, []))
+    return reports
+
+
+def sass_by_function(sass: str) -> dict:
+    """{function name: {offset: instruction text}} of one nvdisasm listing."""
+    out, current = {}, None
+    for line in sass.splitlines():
+        m = _SECTION.match(line.strip())
+        if m:
+            current = out.setdefault(m["func"], {})
+            continue
+        m = _INSTR.match(line)
+        if m and current is not None:
+            current[int(m["off"], 16)] = " ".join(m["body"].split())
+    return out
+
+
+def load_functions(cubin_dir, nvdisasm: Optional[str] = None) -> dict:
+    """Every function of every ``*.cubin`` under ``cubin_dir``, disassembled."""
+    nvdisasm = nvdisasm or find_nvdisasm()
+    funcs = {}
+    for cubin in sorted(Path(cubin_dir).rglob("*.cubin")):
+        funcs.update(sass_by_function(disassemble(cubin, nvdisasm)))
+    return funcs
+
+
+def opcode(instr: Optional[str]) -> str:
+    """``@!P1 STS [UR8+0x70], R0`` -> ``STS``; None (not found) -> ``?``."""
+    if instr is None:
+        return "?"
+    return _GUARD.sub("", instr).split()[0].split(".")[0]
+
+
+def short_name(func: str, width: int = 60) -> str:
+    return func if len(func) <= width else func[:width - 3] + "..."
+
+
+def describe(reports: list, funcs: dict) -> str:
+    """The reports with their instructions, then the count of each (opcode, opcode) pair."""
+    lines, pairs, missing = [], Counter(), set()
+
+    def look(acc: Access):
+        table = funcs.get(acc.func)
+        if table is None:
+            missing.add(acc.func)
+            return None
+        return table.get(acc.offset, "(no instruction at this offset)")
+
+    for i, rep in enumerate(reports, 1):
+        first = look(rep.first)
+        lines.append(f"report {i}: {rep.first.kind} at {short_name(rep.first.func)}"
+                     f"+0x{rep.first.offset:x}  {first or '(kernel without a cubin here)'}")
+        for acc in rep.others:
+            instr = look(acc)
+            lines.append(f"    and {acc.kind} at +0x{acc.offset:x}  "
+                         f"{instr or '(kernel without a cubin here)'}  [{acc.hazards} hazards]")
+            pairs[(rep.first.kind, opcode(first), acc.kind, opcode(instr))] += acc.hazards or 0
+    lines.append("")
+    lines.append("by instruction pair (hazards):")
+    for (k1, o1, k2, o2), n in pairs.most_common():
+        lines.append(f"  {k1} {o1} / {k2} {o2}: {n}")
+    for func in sorted(missing):
+        lines.append(f"no cubin for {short_name(func)}")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("log", help="compute-sanitizer's output")
+    p.add_argument("cubin_dir", help="folder with the run's cubins (CUTE_DSL_DUMP_DIR)")
+    args = p.parse_args(argv)
+    reports = parse_reports(Path(args.log).read_text(errors="replace"))
+    if not reports:
+        print("no hazard reports in the log")
+        return 0
+    print(describe(reports, load_functions(args.cubin_dir)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
