@@ -120,3 +120,21 @@ def test_docs_index_links_every_page_and_figures_exist():
             assert os.path.exists(path) and os.path.getsize(path) > 10_000, f"{page}: {fig} missing"
             if page in ours:
                 assert fig in generated, f"{page} embeds {fig}, which the figures generator does not draw"
+
+
+def test_docs_index_lists_every_committed_figure():
+    """Every figure under docs/figures/ has a row in docs/index.md's figure table (what drew
+    it and whether it is design, model output or a measurement), and every figure the table
+    names is committed."""
+    import os
+    import re
+
+    docs = os.path.join(os.path.dirname(__file__), "..", "docs")
+    index = open(os.path.join(docs, "index.md")).read()
+    rows = [line for line in index.splitlines() if line.startswith("| `") and ".png`" in line]
+    listed = {name for line in rows
+              for name in re.findall(r"`([\w.-]+\.png)`", line.split("|")[1])}
+    committed = {f for f in os.listdir(os.path.join(docs, "figures")) if f.endswith(".png")}
+    assert committed <= listed, (f"figures without a row in docs/index.md: "
+                                 f"{sorted(committed - listed)}")
+    assert listed <= committed, f"rows for figures not committed: {sorted(listed - committed)}"
