@@ -34,8 +34,9 @@ from fa_sm100.compile_tools import disassemble, find_nvdisasm  # noqa: E402
 # "========= Error: Race reported between Write access at NAME+0x1840"
 # "=========     and Read access at NAME+0x3420 [1024 hazards]"
 _ACCESS = re.compile(r"(?P<head>Race reported between|and) (?P<kind>Read|Write) access at "
-                     r"(?P<func>[A-Za-z_][\w$.]*)\+0x(?P<off>[0-9a-fA-F]+)"
+                     r"(?P<func>.+?)\+0x(?P<off>[0-9a-fA-F]+)"
                      r"(?:.*?\[(?P<count>\d+) hazards?\])?")
+_REPORT_LINE = re.compile(r"(Race reported between|^=+\s+and) (Read|Write) access at ")
 _SECTION = re.compile(r"^\.text\.(?P<func>\S+):\s*$")
 _INSTR = re.compile(r"^\s*/\*(?P<off>[0-9a-f]{4,})\*/\s+(?P<body>[^;]*);", re.IGNORECASE)
 _GUARD = re.compile(r"^@!?U?P[0-9T]+\s+")
@@ -59,6 +60,8 @@ def parse_reports(text: str) -> list:
     for line in text.splitlines():
         m = _ACCESS.search(line)
         if not m:
+            if _REPORT_LINE.search(line):  # a report this parser does not read: say so
+                raise ValueError(f"an access line not understood: {line.strip()!r}")
             continue
         acc = Access(m["kind"], m["func"], int(m["off"], 16),
                      int(m["count"]) if m["count"] else None)
@@ -69,6 +72,13 @@ def parse_reports(text: str) -> list:
         else:
             reports.append(Report(acc, []))
     return reports
+
+
+def summary_count(text: str) -> Optional[int]:
+    """The report count of racecheck's closing line ("RACECHECK SUMMARY: 5 hazards displayed
+    (...)"), or None without one: what ``parse_reports`` must have found."""
+    m = re.search(r"RACECHECK SUMMARY: (\d+) hazards? displayed", text)
+    return int(m.group(1)) if m else None
 
 
 def sass_by_function(sass: str) -> dict:
@@ -86,11 +96,18 @@ def sass_by_function(sass: str) -> dict:
 
 
 def load_functions(cubin_dir, nvdisasm: Optional[str] = None) -> dict:
-    """Every function of every ``*.cubin`` under ``cubin_dir``, disassembled."""
+    """Every function of every ``*.cubin`` under ``cubin_dir``, disassembled. Two cubins
+    with one function name but different code (the DSL shortens long kernel names, so two
+    configs of one kernel can share a name) raise ValueError: a report could not say which
+    of them it meant. Run one case per sanitizer run then (``--shard I/N``, N the count)."""
     nvdisasm = nvdisasm or find_nvdisasm()
     funcs = {}
     for cubin in sorted(Path(cubin_dir).rglob("*.cubin")):
-        funcs.update(sass_by_function(disassemble(cubin, nvdisasm)))
+        for name, table in sass_by_function(disassemble(cubin, nvdisasm)).items():
+            if name in funcs and funcs[name] != table:
+                raise ValueError(f"two cubins under {cubin_dir} define {short_name(name)} "
+                                 f"with different code; keep one case's cubins per run")
+            funcs[name] = table
     return funcs
 
 
@@ -110,20 +127,22 @@ def describe(reports: list, funcs: dict) -> str:
     lines, pairs, missing = [], Counter(), set()
 
     def look(acc: Access):
+        """(instruction or None, how to print it)."""
         table = funcs.get(acc.func)
         if table is None:
             missing.add(acc.func)
-            return None
-        return table.get(acc.offset, "(no instruction at this offset)")
+            return None, "(kernel without a cubin here)"
+        instr = table.get(acc.offset)
+        return instr, instr or "(no instruction at this offset)"
 
     for i, rep in enumerate(reports, 1):
-        first = look(rep.first)
+        first, shown = look(rep.first)
         lines.append(f"report {i}: {rep.first.kind} at {short_name(rep.first.func)}"
-                     f"+0x{rep.first.offset:x}  {first or '(kernel without a cubin here)'}")
+                     f"+0x{rep.first.offset:x}  {shown}")
         for acc in rep.others:
-            instr = look(acc)
-            lines.append(f"    and {acc.kind} at +0x{acc.offset:x}  "
-                         f"{instr or '(kernel without a cubin here)'}  [{acc.hazards} hazards]")
+            instr, shown = look(acc)
+            lines.append(f"    and {acc.kind} at +0x{acc.offset:x}  {shown}  "
+                         f"[{acc.hazards} hazards]")
             pairs[(rep.first.kind, opcode(first), acc.kind, opcode(instr))] += acc.hazards or 0
     lines.append("")
     lines.append("by instruction pair (hazards):")
@@ -140,7 +159,12 @@ def main(argv=None):
     p.add_argument("log", help="compute-sanitizer's output")
     p.add_argument("cubin_dir", help="folder with the run's cubins (CUTE_DSL_DUMP_DIR)")
     args = p.parse_args(argv)
-    reports = parse_reports(Path(args.log).read_text(errors="replace"))
+    text = Path(args.log).read_text(errors="replace")
+    reports = parse_reports(text)
+    expected = summary_count(text)
+    if expected is not None and expected != len(reports):
+        print(f"warning: racecheck's summary counts {expected} reports, {len(reports)} were "
+              f"read", file=sys.stderr)
     if not reports:
         print("no hazard reports in the log")
         return 0

@@ -35,8 +35,41 @@ def test_reports_are_parsed_with_their_paired_accesses():
                               sites.Access("Read", "kern_a", 0x3450, 512)]
     assert reps[1].others == [sites.Access("Write", "nvjet_x", 0x2960, 192)]
     assert sites.parse_reports("no hazards here\n") == []
+    assert sites.summary_count(LOG) == len(reps) == 2
+    assert sites.summary_count("no summary\n") is None
     with pytest.raises(ValueError, match="before any report"):
         sites.parse_reports("=========     and Read access at k+0x10 [1 hazards]\n")
+
+
+def test_names_with_signatures_parse_and_unread_report_lines_raise():
+    """A CUDA C++ kernel is named with its signature; a report line the parser cannot read
+    stops it instead of being skipped (which would hide the report)."""
+    reps = sites.parse_reports("========= Error: Race reported between Read access at "
+                               "handoff(const float *, float *, int)+0x320\n"
+                               "=========     and Write access at "
+                               "handoff(const float *, float *, int)+0x400 [124 hazards]\n")
+    assert reps[0].first == sites.Access("Read", "handoff(const float *, float *, int)", 0x320,
+                                         None)
+    assert reps[0].others[0].hazards == 124
+    with pytest.raises(ValueError, match="not understood"):
+        sites.parse_reports("========= Error: Race reported between Write access at kern\n")
+
+
+def test_missing_offsets_count_as_unknown_and_shared_names_must_agree(tmp_path, monkeypatch):
+    funcs = sites.sass_by_function(SASS)
+    text = sites.describe(sites.parse_reports(
+        "========= Error: Race reported between Write access at kern_a+0x1840\n"
+        "=========     and Read access at kern_a+0x9990 [3 hazards]\n"), funcs)
+    assert "(no instruction at this offset)" in text and "Write UBLKCP / Read ?: 3" in text
+    # two cubins, one function name, different code: which one a report means is unknown
+    (tmp_path / "a.cubin").write_bytes(b"a")
+    (tmp_path / "b.cubin").write_bytes(b"b")
+    listings = {"a.cubin": SASS, "b.cubin": SASS.replace("LDS.64 R8", "LDS.64 R9")}
+    monkeypatch.setattr(sites, "disassemble", lambda path, nvdisasm: listings[path.name])
+    with pytest.raises(ValueError, match="different code"):
+        sites.load_functions(tmp_path, nvdisasm="nvdisasm")
+    listings["b.cubin"] = SASS  # the same kernel twice is fine
+    assert sites.load_functions(tmp_path, nvdisasm="nvdisasm") == funcs
 
 
 def test_offsets_are_named_and_pairs_counted():

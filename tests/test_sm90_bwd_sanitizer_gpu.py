@@ -65,6 +65,8 @@ def test_sm90_bwd_racecheck_reports_only_the_stage_statistics(sm90_device, tmp_p
     log = out.stdout + out.stderr
     assert "all 1 bwd cases ok" in log, log[-3000:]  # ran, and met the float32 reference
     reports = sites.parse_reports(log)
+    # every report was read (a format the parser missed would otherwise pass as "none")
+    assert sites.summary_count(log) == len(reports), log[-3000:]
     funcs = sites.load_functions(cubins)
     ours = [rep for rep in reports if "fa_sm100" in rep.first.func]  # not cuBLAS (the reference)
     pairs = set()
@@ -73,6 +75,7 @@ def test_sm90_bwd_racecheck_reports_only_the_stage_statistics(sm90_device, tmp_p
                                          f"{sorted(p.name for p in cubins.rglob('*'))}")
         first = sites.opcode(funcs[rep.first.func].get(rep.first.offset))
         for acc in rep.others:
+            assert acc.func in funcs, f"no cubin kept for {acc.func}"
             pairs.add((rep.first.kind, first, acc.kind,
                        sites.opcode(funcs[acc.func].get(acc.offset))))
     assert pairs <= KNOWN, sites.describe(ours, funcs)

@@ -125,7 +125,7 @@ def test_docs_index_links_every_page_and_figures_exist():
 def test_docs_index_lists_every_committed_figure():
     """Every figure under docs/figures/ has a row in docs/index.md's figure table (what drew
     it and whether it is design, model output or a measurement), and every figure the table
-    names is committed."""
+    names is there."""
     import os
     import re
 
