@@ -29,7 +29,8 @@ try:  # first import: keeps scripts/inspect.py from shadowing the standard `insp
 except ImportError:  # loaded as a module (tests): this folder is not on sys.path
     pass
 
-from fa_sm100.compile_tools import disassemble, find_nvdisasm  # noqa: E402
+from fa_sm100.compile_tools import (disassemble, find_nvdisasm, sass_listing,  # noqa: E402
+                                    sass_opcode)
 
 # "========= Error: Race reported between Write access at NAME+0x1840"
 # "=========     and Read access at NAME+0x3420 [1024 hazards]"
@@ -37,9 +38,7 @@ _ACCESS = re.compile(r"(?P<head>Race reported between|and) (?P<kind>Read|Write) 
                      r"(?P<func>.+?)\+0x(?P<off>[0-9a-fA-F]+)"
                      r"(?:.*?\[(?P<count>\d+) hazards?\])?")
 _REPORT_LINE = re.compile(r"(Race reported between|^=+\s+and) (Read|Write) access at ")
-_SECTION = re.compile(r"^\.text\.(?P<func>\S+):\s*$")
-_INSTR = re.compile(r"^\s*/\*(?P<off>[0-9a-f]{4,})\*/\s+(?P<body>[^;]*);", re.IGNORECASE)
-_GUARD = re.compile(r"^@!?U?P[0-9T]+\s+")
+_SECTION = re.compile(r"^\.text\.(?P<func>\S+):\s*$", re.MULTILINE)
 
 
 class Access(NamedTuple):
@@ -82,16 +81,13 @@ def summary_count(text: str) -> Optional[int]:
 
 
 def sass_by_function(sass: str) -> dict:
-    """{function name: {offset: instruction text}} of one nvdisasm listing."""
-    out, current = {}, None
-    for line in sass.splitlines():
-        m = _SECTION.match(line.strip())
-        if m:
-            current = out.setdefault(m["func"], {})
-            continue
-        m = _INSTR.match(line)
-        if m and current is not None:
-            current[int(m["off"], 16)] = " ".join(m["body"].split())
+    """{function name: {offset: instruction text}} of one nvdisasm listing: each function's
+    section read by ``compile_tools.sass_listing``."""
+    heads = list(_SECTION.finditer(sass))
+    out = {}
+    for m, nxt in zip(heads, heads[1:] + [None]):
+        section = sass[m.end():nxt.start() if nxt else len(sass)]
+        out[m["func"]] = {addr: " ".join(body.split()) for addr, body in sass_listing(section)[0]}
     return out
 
 
@@ -113,42 +109,53 @@ def load_functions(cubin_dir, nvdisasm: Optional[str] = None) -> dict:
 
 def opcode(instr: Optional[str]) -> str:
     """``@!P1 STS [UR8+0x70], R0`` -> ``STS``; None (not found) -> ``?``."""
-    if instr is None:
-        return "?"
-    return _GUARD.sub("", instr).split()[0].split(".")[0]
+    return "?" if instr is None else sass_opcode(instr).split(".")[0]
 
 
 def short_name(func: str, width: int = 60) -> str:
     return func if len(func) <= width else func[:width - 3] + "..."
 
 
+def instruction(acc: Access, funcs: dict) -> Optional[str]:
+    """The instruction an access names, or None (no cubin for its kernel, or no instruction
+    at its offset)."""
+    return funcs.get(acc.func, {}).get(acc.offset)
+
+
+def instruction_pairs(reports: list, funcs: dict) -> Counter:
+    """{(kind, opcode, kind, opcode): hazards} over every report's paired accesses."""
+    pairs = Counter()
+    for rep in reports:
+        first = opcode(instruction(rep.first, funcs))
+        for acc in rep.others:
+            pairs[(rep.first.kind, first, acc.kind, opcode(instruction(acc, funcs)))] += (
+                acc.hazards or 0)
+    return pairs
+
+
 def describe(reports: list, funcs: dict) -> str:
     """The reports with their instructions, then the count of each (opcode, opcode) pair."""
-    lines, pairs, missing = [], Counter(), set()
+    lines = []
+    missing = sorted({acc.func for rep in reports for acc in (rep.first, *rep.others)
+                      if acc.func not in funcs})
 
-    def look(acc: Access):
-        """(instruction or None, how to print it)."""
-        table = funcs.get(acc.func)
-        if table is None:
-            missing.add(acc.func)
-            return None, "(kernel without a cubin here)"
-        instr = table.get(acc.offset)
-        return instr, instr or "(no instruction at this offset)"
+    def shown(acc: Access) -> str:
+        if acc.func not in funcs:
+            return "(kernel without a cubin here)"
+        return instruction(acc, funcs) or "(no instruction at this offset)"
 
     for i, rep in enumerate(reports, 1):
-        first, shown = look(rep.first)
         lines.append(f"report {i}: {rep.first.kind} at {short_name(rep.first.func)}"
-                     f"+0x{rep.first.offset:x}  {shown}")
+                     f"+0x{rep.first.offset:x}  {shown(rep.first)}")
         for acc in rep.others:
-            instr, shown = look(acc)
-            lines.append(f"    and {acc.kind} at +0x{acc.offset:x}  {shown}  "
+            lines.append(f"    and {acc.kind} at +0x{acc.offset:x}  {shown(acc)}  "
                          f"[{acc.hazards} hazards]")
-            pairs[(rep.first.kind, opcode(first), acc.kind, opcode(instr))] += acc.hazards or 0
+    pairs = instruction_pairs(reports, funcs)
     lines.append("")
     lines.append("by instruction pair (hazards):")
     for (k1, o1, k2, o2), n in pairs.most_common():
         lines.append(f"  {k1} {o1} / {k2} {o2}: {n}")
-    for func in sorted(missing):
+    for func in missing:
         lines.append(f"no cubin for {short_name(func)}")
     return "\n".join(lines)
 

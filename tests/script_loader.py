@@ -5,9 +5,20 @@ Pytest puts this folder on ``sys.path`` (the test files are not a package), so a
 """
 
 import importlib.util
+import os
 from pathlib import Path
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "scripts"
+
+
+def repo_env(**extra) -> dict:
+    """``os.environ`` with this checkout first on ``PYTHONPATH`` (plus ``extra``), for a
+    subprocess that must import this ``fa_sm100`` whatever its working directory and whatever
+    the editable install points at."""
+    env = dict(os.environ, **extra)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    return env
 
 
 def load_script(name: str):

@@ -5,7 +5,6 @@ run as real subprocesses, as a user would.
 """
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +13,7 @@ import pytest
 
 from fa_sm100.compile_tools import NVDISASM_DIRS_ENV
 from fa_sm100.inspection import REPORT_KEYS, SASS_KEYS
-from script_loader import load_script
+from script_loader import load_script, repo_env
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "inspect.py"
@@ -25,10 +24,7 @@ def _cli():
 
 
 def _env(**extra):
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    env.update(extra)
-    return env
+    return repo_env(**extra)
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -1,13 +1,13 @@
 """``--shard K/N`` (tests/conftest.py, scripts/sm90_memcheck.py): the shares of a run are
 disjoint and cover every test, and a malformed value stops the run before any test."""
 
-import os
 import pathlib
 import subprocess
 import sys
 
 import pytest
 from fa_sm100.shards import parse_shard, shard_of
+from script_loader import repo_env
 
 
 def test_shards_are_disjoint_and_cover_every_item():
@@ -33,12 +33,10 @@ def _run_pytest(tmp_path, *args):
         "import pytest\n\n@pytest.mark.parametrize('i', range(5))\ndef test_i(i):\n    pass\n")
     conftest = (pathlib.Path(__file__).parent / "conftest.py").read_text()
     (tmp_path / "conftest.py").write_text(conftest)
-    repo = str(pathlib.Path(__file__).resolve().parents[1])  # the conftest imports fa_sm100
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        p for p in (repo, os.environ.get("PYTHONPATH")) if p))
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                            str(tmp_path / "test_many.py"), *args],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env=repo_env())  # the conftest imports fa_sm100
 
 
 def test_two_shards_run_every_test_once(tmp_path):

@@ -12,18 +12,15 @@ other kernels (cuBLAS, in the script's float32 reference) are not ours and are l
 Skips (lazily, with the reason) without an sm_90 GPU or without compute-sanitizer.
 """
 
-import os
-import pathlib
 import shutil
 import subprocess
 import sys
 
 import pytest
-from script_loader import load_script
+from script_loader import ROOT, load_script, repo_env
 
 pytestmark = pytest.mark.gpu
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 KNOWN = {("Write", "UBLKCP", "Read", "LDS")}  # the stage's statistics, above
 
 
@@ -54,10 +51,8 @@ def test_sm90_bwd_racecheck_reports_only_the_stage_statistics(sm90_device, tmp_p
     cubins = tmp_path / "cubins"
     cubins.mkdir()  # the DSL writes into the folder, it does not make it
     # every kernel compiled afresh (no file cache), so that each one leaves its cubin
-    env = dict(os.environ, CUTE_DSL_KEEP="cubin", CUTE_DSL_DUMP_DIR=str(cubins),
-               CUTE_DSL_DISABLE_FILE_CACHING="1",
-               PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH"))
-                                          if p))
+    env = repo_env(CUTE_DSL_KEEP="cubin", CUTE_DSL_DUMP_DIR=str(cubins),
+                   CUTE_DSL_DISABLE_FILE_CACHING="1")
     out = subprocess.run([tool, "--tool", "racecheck", "--report-api-errors", "no",
                           sys.executable, str(ROOT / "scripts" / "sm90_memcheck.py"),
                           "--mode", "bwd", "--shard", f"{i + 1}/{n}"],
@@ -69,13 +64,7 @@ def test_sm90_bwd_racecheck_reports_only_the_stage_statistics(sm90_device, tmp_p
     assert sites.summary_count(log) == len(reports), log[-3000:]
     funcs = sites.load_functions(cubins)
     ours = [rep for rep in reports if "fa_sm100" in rep.first.func]  # not cuBLAS (the reference)
-    pairs = set()
-    for rep in ours:
-        assert rep.first.func in funcs, (f"no cubin kept for {rep.first.func}: "
-                                         f"{sorted(p.name for p in cubins.rglob('*'))}")
-        first = sites.opcode(funcs[rep.first.func].get(rep.first.offset))
-        for acc in rep.others:
-            assert acc.func in funcs, f"no cubin kept for {acc.func}"
-            pairs.add((rep.first.kind, first, acc.kind,
-                       sites.opcode(funcs[acc.func].get(acc.offset))))
-    assert pairs <= KNOWN, sites.describe(ours, funcs)
+    for acc in (acc for rep in ours for acc in (rep.first, *rep.others)):
+        assert acc.func in funcs, (f"no cubin kept for {acc.func}: "
+                                   f"{sorted(p.name for p in cubins.rglob('*'))}")
+    assert set(sites.instruction_pairs(ours, funcs)) <= KNOWN, sites.describe(ours, funcs)
