@@ -11,7 +11,7 @@ import math
 import shutil
 import subprocess
 import time
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 
 def error_text(e: Exception) -> str:
@@ -210,6 +210,12 @@ def clock_summary(pairs) -> str:
     return "SM clock / board power, median over the timed rounds: " + ", ".join(parts)
 
 
+def cell_seed(head_dim: int, seqlen: int, causal: bool) -> int:
+    """The seed of a benchmark cell's random inputs (forward and backward grids alike), so a
+    cell that fails its check, or times oddly, can be run again on the same data."""
+    return 1000 * head_dim + seqlen + int(causal)
+
+
 def median(values):
     """The middle value (the upper one of two): what a cell reports from its rounds."""
     ordered = sorted(values)
@@ -264,17 +270,91 @@ def paired_speedups(times: dict, base: str) -> dict:
     return out
 
 
-def paired_ratio(times: dict, ours: str, peers) -> Optional[float]:
-    """Ours over the best peer, paired by round: the median over the rounds of ``run_cell``
-    (or ``paired_rounds``) of (the fastest peer's ms in that round) / (ours' ms in that round).
-    A drift shared by a round cancels in it, unlike in the ratio of per-provider medians.
-    Peers without a time in a round are skipped there; None when no round has both."""
+def paired_ratios(times: dict, ours: str, peers) -> list:
+    """Ours over the best peer in each round of ``run_cell`` (or ``paired_rounds``): (the
+    fastest peer's ms in that round) / (ours' ms in that round), for the rounds where some peer
+    has a time (``run_cell`` empties a failed provider's list)."""
     ratios = []
     for r, mine in enumerate(times.get(ours, [])):
         peer_ms = [times[p][r] for p in peers if len(times.get(p, [])) > r]
         if peer_ms:
             ratios.append(min(peer_ms) / mine)
+    return ratios
+
+
+def paired_ratio(times: dict, ours: str, peers) -> Optional[float]:
+    """Ours over the best peer, paired by round: the median of ``paired_ratios``. A drift
+    shared by a round cancels in it, unlike in the ratio of per-provider medians. None when no
+    round has both."""
+    ratios = paired_ratios(times, ours, peers)
     return median(ratios) if ratios else None
+
+
+CONFIDENCE = 0.95  # of the intervals the benchmarks report (median_interval)
+
+
+def median_interval(values, confidence: float = CONFIDENCE) -> Optional[tuple]:
+    """A distribution-free confidence interval for the median of what ``values`` sample:
+    (x_(k), x_(n+1-k)) of the sorted values, with the largest k whose coverage
+    1 - 2 P(B <= k - 1), B ~ Binomial(n, 1/2), is at least ``confidence`` (each value falls
+    below the true median with probability 1/2, whatever the distribution, when the rounds
+    are independent). None when even (min, max) covers less: fewer than 6 values at 95%.
+
+    Why: a cell of the grid is a handful of rounds and its rounds spread by about 1%
+    (docs/hopper_backward.md, round 33), so "ours over the best peer is 1.004x" says nothing
+    about the sign unless the interval says whether 1.00 is inside it."""
+    ordered = sorted(values)
+    n = len(ordered)
+    if not 0.0 < confidence < 1.0:
+        raise ValueError(f"confidence must lie in (0, 1), got {confidence}")
+    best, below = None, 0.0  # below: P(B <= k - 1)
+    for k in range(1, n // 2 + 1):
+        below += math.comb(n, k - 1) / 2.0 ** n
+        if 1.0 - 2.0 * below < confidence:
+            break
+        best = k
+    if best is None:
+        return None
+    return ordered[best - 1], ordered[n - best]
+
+
+def paired_interval(times: dict, ours: str, peers,
+                    confidence: float = CONFIDENCE) -> Optional[tuple]:
+    """``median_interval`` of ``paired_ratios``: where the paired ratio's true median lies."""
+    return median_interval(paired_ratios(times, ours, peers), confidence)
+
+
+def interval_verdict(interval) -> str:
+    """Where a ratio's interval puts ours against the peer: "above" (the whole interval is
+    above 1), "below" (the whole interval is below 1), "parity" (1 is inside it: the rounds
+    cannot tell which is faster) or "too few rounds" (no interval)."""
+    if interval is None:
+        return "too few rounds"
+    lo, hi = interval
+    if lo > 1.0:
+        return "above"
+    if hi < 1.0:
+        return "below"
+    return "parity"
+
+
+def verdict_summary(intervals) -> str:
+    """One line counting ``interval_verdict`` over a grid's paired intervals (None for a cell
+    without one), e.g. "paired 95% intervals: 24 cells above 1.00, 6 at parity"."""
+    counts = {}
+    for interval in intervals:
+        v = interval_verdict(interval)
+        counts[v] = counts.get(v, 0) + 1
+    words = {"above": "above 1.00", "parity": "at parity (1.00 inside)", "below": "below 1.00",
+             "too few rounds": "with too few rounds for an interval"}
+    parts = [f"{counts[v]} cell{'s' if counts[v] != 1 else ''} {words[v]}"
+             for v in words if v in counts]
+    return f"paired {CONFIDENCE:.0%} intervals: " + (", ".join(parts) if parts else "no cells")
+
+
+def format_interval(interval) -> str:
+    """``[lo, hi]`` with three decimals, or ``[n/a]``."""
+    return "[n/a]" if interval is None else f"[{interval[0]:.3f}, {interval[1]:.3f}]"
 
 
 def calls_per_round(ms_per_call: float, round_ms: float, minimum: int = 3) -> int:
@@ -394,3 +474,73 @@ def plot_grid(rows, providers, path: str, title: str):
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
+
+
+class RatioPoint(NamedTuple):
+    """Ours over the best peer in one cell of a grid: the paired ratio and its interval."""
+    hdim: int
+    causal: bool
+    seqlen: int
+    ratio: float
+    interval: Optional[tuple]
+
+
+def ratio_points(rows) -> list:
+    """The ``RatioPoint`` of every cell of a grid's rows that has a paired ratio: the
+    forward's rows (one per provider; ``provider`` "ours", keys ``hdim`` / ``ratio_paired``)
+    or the backward's (one per cell; ``head_dim``). The interval is ``ratio_paired_ci``, None
+    where a row has none (grids before round 33)."""
+    points = []
+    for r in rows:
+        if r.get("provider", "ours") != "ours" or not r.get("ratio_paired"):
+            continue
+        interval = r.get("ratio_paired_ci")
+        points.append(RatioPoint(r.get("hdim", r.get("head_dim")), bool(r["causal"]),
+                                 r["seqlen"], r["ratio_paired"],
+                                 tuple(interval) if interval else None))
+    return sorted(points)
+
+
+def plot_ratio_intervals(runs: dict, path: str, title: str):
+    """Ours over the best peer, paired, with each cell's 95% interval as an error bar, over
+    seqlen (log 2): one panel per head dim, one colour per causality, one marker per run
+    (``runs``: {label: [RatioPoint, ...]}, several runs side by side so that run-to-run shifts
+    show next to the intervals of single runs), and the line at 1.00. Needs matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    hdims = sorted({p.hdim for pts in runs.values() for p in pts})
+    if not hdims:
+        raise ValueError("no cell with a paired ratio to plot")
+    fig, axes = plt.subplots(1, len(hdims), figsize=(5.5 * len(hdims), 4.5), squeeze=False)
+    markers = "osD^vP*X"
+    for ax, d in zip(axes.flat, hdims):
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        slots = 2 * len(runs)
+        for i, (label, pts) in enumerate(runs.items()):
+            for causal, color in ((False, "tab:blue"), (True, "tab:red")):
+                sel = [p for p in pts if p.hdim == d and p.causal == causal]
+                if not sel:
+                    continue
+                # runs and causalities side by side within a cell: a small factor along the
+                # log axis
+                shift = 2 ** (0.05 * (2 * i + causal - (slots - 1) / 2))
+                xs = [p.seqlen * shift for p in sel]
+                ys = [p.ratio for p in sel]
+                lo = [p.ratio - p.interval[0] if p.interval else 0.0 for p in sel]
+                hi = [p.interval[1] - p.ratio if p.interval else 0.0 for p in sel]
+                ax.errorbar(xs, ys, yerr=[lo, hi], fmt=markers[i % len(markers)], color=color,
+                            capsize=3, markersize=5,
+                            label=f"{'causal' if causal else 'non-causal'}, {label}")
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"hdim {d}")
+        ax.set_xlabel("seqlen")
+        ax.set_ylabel("ours / best peer (paired, 95% interval)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

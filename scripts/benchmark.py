@@ -43,9 +43,11 @@ try:  # first import: keeps scripts/inspect.py from shadowing the standard `insp
 except ImportError:  # loaded as a module (tests): this folder is not on sys.path
     pass
 
-from fa_sm100.benchmarking import (MIN_ROUNDS, ClockSampler, clock_summary,  # noqa: E402
-                                   median, paired_ratio, plot_grid, same_kernel_variants,
-                                   summarize_conditions, time_ms, whole_cycles)
+from fa_sm100.benchmarking import (MIN_ROUNDS, ClockSampler, cell_seed,  # noqa: E402
+                                   clock_summary, format_interval, median, paired_interval,
+                                   paired_ratio, plot_grid, same_kernel_variants,
+                                   summarize_conditions, time_ms, verdict_summary,
+                                   whole_cycles)
 
 PROVIDERS = ("ours", "fa4", "cudnn", "flash")
 
@@ -301,7 +303,7 @@ def run_grid(args):
     for d, causal, s in cells:
         b, h = args.total_tokens // s, args.hidden // d
         gen = torch.Generator(device="cuda")
-        gen.manual_seed(1000 * d + s + int(causal))
+        gen.manual_seed(cell_seed(d, s, causal))
         dv = default_head_dim_v(d)
         q, k = (torch.randn(b, s, h, d, device="cuda", dtype=dtype, generator=gen)
                 for _ in range(2))
@@ -322,8 +324,12 @@ def run_grid(args):
             row = {"provider": name, "hdim": d, "hdim_v": dv, "causal": causal, "seqlen": s,
                    "batch": b, "heads": h, "ms": None, "tflops": None, "mhz": None,
                    "watts": None, "error": errors.get(name),
-                   # ours only: over the best peer, round by round (paired_ratio)
-                   "ratio_paired": paired_ratio(times, name, peers) if name == "ours" else None}
+                   # ours only: over the best peer, round by round (paired_ratio), and the
+                   # 95% interval of that median (paired_interval)
+                   "ratio_paired": paired_ratio(times, name, peers) if name == "ours" else None,
+                   "ratio_paired_ci": (paired_interval(times, name, peers) if name == "ours"
+                                       else None),
+                   "rounds_ms": list(times[name])}
             if times[name]:
                 ms = median(times[name])
                 row["ms"] = ms
@@ -342,7 +348,7 @@ def run_grid(args):
 def table(rows, providers):
     """Markdown table: one line per (hdim, causal, seqlen), TFLOP/s per provider, ours over the
     best peer (ratio of the medians) and, when the rows carry it, the paired ratio
-    (``fa_sm100.benchmarking.paired_ratio``)."""
+    (``fa_sm100.benchmarking.paired_ratio``) with its 95% interval (``paired_interval``)."""
     keys = sorted({(r["hdim"], r["causal"], r["seqlen"]) for r in rows})
     by = {(r["hdim"], r["causal"], r["seqlen"], r["provider"]): r for r in rows}
     peers = [p for p in providers if not p.startswith("ours")]
@@ -365,8 +371,9 @@ def table(rows, providers):
                        default=0.0)
             line.append(f"{ours['tflops'] / best:.2f}x" if ours and ours["tflops"] and best else "n/a")
             if paired:
-                line.append(f"{ours['ratio_paired']:.3f}x" if ours and ours.get("ratio_paired")
-                            else "n/a")
+                line.append(f"{ours['ratio_paired']:.3f}x "
+                            f"{format_interval(ours.get('ratio_paired_ci'))}"
+                            if ours and ours.get("ratio_paired") else "n/a")
         lines.append("| " + " | ".join(line) + " |")
     return "\n".join(lines)
 
@@ -394,6 +401,9 @@ def main(argv=None):
     for name, why in unavailable.items():
         print(f"provider {name} unavailable: {why}")
     print(table(rows, providers))
+    if any(r.get("ratio_paired") for r in rows):
+        print(verdict_summary(r.get("ratio_paired_ci") for r in rows
+                              if r["provider"] == "ours" and r.get("ratio_paired")))
     clocks = clock_summary((r["provider"], (r["mhz"], r["watts"]) if r.get("mhz") else None)
                            for r in rows)
     if clocks:

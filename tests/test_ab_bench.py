@@ -121,8 +121,25 @@ def test_format_cell_names_each_provider_with_its_paired_ratio():
     lines = text.splitlines()
     assert lines[0] == "hdim 128: 3 rounds of 60 calls"
     assert lines[2].split()[:3] == ["nofence", "2.1000", "ms"]
-    assert "x0.952 vs default (rounds 0.952-0.952)" in lines[2]
-    assert lines[-1] == "  over fa4: default 0.950x, nofence 0.905x"
+    # three rounds are too few for a 95% interval of the median
+    assert "x0.952 vs default [n/a] (rounds 0.952-0.952)" in lines[2]
+    assert lines[-2] == "  over fa4: default 0.950x, nofence 0.905x"
+    assert lines[-1] == "  over fa4, paired: default 0.950x [n/a], nofence 0.905x [n/a]"
+
+
+def test_format_cell_gives_the_interval_of_each_paired_ratio_from_six_rounds():
+    ab = _script()
+    # nofence over default by round: 0.90, 0.95, 1.00, 1.05, 1.10, 0.98 (six rounds: the
+    # 95% interval of the median is the lowest to the highest)
+    default = [1.0] * 6
+    nofence = [1.0 / r for r in (0.90, 0.95, 1.00, 1.05, 1.10, 0.98)]
+    fa4 = [1.02] * 6
+    lines = ab.format_cell("c", {"default": default, "nofence": nofence, "fa4": fa4},
+                           9).splitlines()
+    assert "x1.000 vs default [0.900, 1.100] (rounds 0.900-1.100)" in lines[2]
+    assert "x1.000 vs default [1.000, 1.000]" in lines[1]
+    assert lines[-1] == ("  over fa4, paired: default 1.020x [1.020, 1.020], "
+                         "nofence 1.020x [0.918, 1.122]")
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -59,7 +59,12 @@ def test_format_row_and_exit_status_report_failures():
     assert "cudnn: RuntimeError: no kernel" in text and "ours:x: ValueError: y" in text
     assert "paired" not in text
     paired = bwd_bench.format_row({**row, "ratio_paired": 0.9321})
-    assert "ratio 0.91x | paired 0.932x TFLOP/s" in paired
+    assert "ratio 0.91x | paired 0.932x [n/a] TFLOP/s" in paired  # no interval: too few rounds
+    paired = bwd_bench.format_row({**row, "ratio_paired": 0.9321,
+                                   "ratio_paired_ci": (0.9012, 0.9555),
+                                   "ours:x_rounds_ms": [1.0] * 6})
+    assert "ratio 0.91x | paired 0.932x [0.901, 0.956] TFLOP/s" in paired
+    assert "ours:x_rounds" not in paired  # a key of every round is not a provider
     assert bwd_bench.exit_status([row]) == 1  # a variant of ours failed
     ok = {k: v for k, v in row.items() if k != "ours:x_error"}
     assert bwd_bench.exit_status([ok]) == 0  # a peer that cannot run does not fail the run
@@ -184,3 +189,35 @@ def test_fallback_forward_takes_v_head_dim_and_matches_attention(causal):
     check_against_reference(out, ref, plain, what="O")
     _, lse32 = attention_reference(q, k, v, causal=causal, dtype=torch.float32)
     check_against_reference(lse, ref_lse, lse32, what="LSE")
+
+
+def test_benchmark_bwd_counts_the_cells_whose_interval_clears_one(monkeypatch, capsys):
+    """The grid's last lines say how many cells' paired 95% intervals lie above 1.00, hold it,
+    or lie below (``verdict_summary``). ``bench_cell`` is replaced: no GPU."""
+    cli = load_script("benchmark")
+    intervals = {(1024, False): (1.01, 1.03), (1024, True): (0.99, 1.02),
+                 (4096, False): (0.97, 0.99), (4096, True): None}
+
+    def fake_cell(b, h, hk, s, d, causal, **kw):
+        return {"batch": b, "heads": h, "heads_kv": hk, "seqlen": s, "head_dim": d,
+                "causal": causal, "ours_tflops": 1.0, "fa4_tflops": 1.0, "ratio_paired": 1.0,
+                "ratio_paired_ci": intervals[s, causal]}
+
+    monkeypatch.setattr(bwd_bench, "bench_cell", fake_cell)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake")
+    args = cli.parse_args(["--mode", "bwd", "--hdim", "128", "--seqlen", "1024", "4096"])
+    assert bwd_bench.run_from_benchmark_args(args) == 0
+    assert ("paired 95% intervals: 1 cell above 1.00, 1 cell at parity (1.00 inside), "
+            "1 cell below 1.00, 1 cell with too few rounds for an interval"
+            in capsys.readouterr().out.splitlines())
+
+
+def test_every_cell_of_the_grids_draws_its_own_inputs():
+    """``cell_seed``: the forward and backward grids seed each cell's inputs (so a failed
+    check can be rerun on the same data), and no two cells of the default grid, nor of head
+    dims 32-256 and lengths 128-128k, share a seed."""
+    from fa_sm100.benchmarking import cell_seed
+
+    cells = [(d, 1 << p, c) for d in (32, 64, 96, 128, 192, 256) for p in range(7, 18)
+             for c in (False, True)]
+    assert len({cell_seed(*cell) for cell in cells}) == len(cells)

@@ -61,9 +61,10 @@ def test_table_adds_the_paired_ratio_when_rows_carry_it():
     for r in rs:
         if r["provider"] == "ours":
             r["ratio_paired"] = 1.0344 if r["seqlen"] == 1024 else None
+            r["ratio_paired_ci"] = (0.9981, 1.0512) if r["seqlen"] == 1024 else None
     lines = bench.table(rs, ["ours", "fa4", "cudnn"]).splitlines()
     assert lines[0].endswith("| ours / best peer | paired |")
-    assert lines[2].endswith("| 1.11x | 1.034x |")
+    assert lines[2].endswith("| 1.11x | 1.034x [0.998, 1.051] |")
     assert lines[3].endswith("| n/a |")  # a cell without a paired ratio
     assert "paired" not in bench.table(rows(), ["ours", "fa4"]).splitlines()[0]
 

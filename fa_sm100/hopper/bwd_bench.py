@@ -22,11 +22,13 @@ that fails it is not timed on that cell and its ``<name>_error`` says why.
 import argparse
 import json
 import math
+from typing import Optional
 
 import torch
 
-from fa_sm100.benchmarking import (MIN_ROUNDS, ClockSampler, clock_summary, median,
-                                   paired_ratio, run_cell, summarize_conditions, time_ms,
+from fa_sm100.benchmarking import (MIN_ROUNDS, ClockSampler, cell_seed, clock_summary,
+                                   format_interval, median, paired_interval, paired_ratio,
+                                   run_cell, summarize_conditions, time_ms, verdict_summary,
                                    whole_cycles)
 
 DEFAULT_SEQLENS = (1024, 4096, 16384)
@@ -164,13 +166,16 @@ def bench_cell(b, h, hk, s, d, causal, dtype=torch.bfloat16, deterministic=False
     from fa_sm100.config import default_head_dim_v
 
     dv = default_head_dim_v(d)
-    q = torch.randn(b, s, h, d, device="cuda", dtype=dtype)
-    k = torch.randn(b, s, hk, d, device="cuda", dtype=dtype)
-    v = torch.randn(b, s, hk, dv, device="cuda", dtype=dtype)
-    dout = torch.randn(b, s, h, dv, device="cuda", dtype=dtype)
+    seed = cell_seed(d, s, causal)  # the same data every run: a failed check can be rerun
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(b, s, h, d, device="cuda", dtype=dtype, generator=gen)
+    k = torch.randn(b, s, hk, d, device="cuda", dtype=dtype, generator=gen)
+    v = torch.randn(b, s, hk, dv, device="cuda", dtype=dtype, generator=gen)
+    dout = torch.randn(b, s, h, dv, device="cuda", dtype=dtype, generator=gen)
     flops = bwd_flops(b, h, s, s, d, dv, causal)
     row = {"batch": b, "heads": h, "heads_kv": hk, "seqlen": s, "head_dim": d, "head_dim_v": dv,
-           "causal": causal, "deterministic": deterministic, "dtype": str(dtype).split(".")[-1]}
+           "causal": causal, "deterministic": deterministic, "dtype": str(dtype).split(".")[-1],
+           "seed": seed}
     fa4, why = _fa4_fn()
     # O and LSE for our backward: FA4's forward when present, else the math in float32 chunks.
     if fa4 is not None:
@@ -221,11 +226,15 @@ def bench_cell(b, h, hk, s, d, causal, dtype=torch.bfloat16, deterministic=False
             row[f"{name}_mhz"], row[f"{name}_watts"] = clock
         if name in errors:
             row[f"{name}_error"] = errors[name]
+        if times[name]:  # every round, for pooling runs later
+            row[f"{name}_rounds_ms"] = list(times[name])
     peers = [row[k] for k in ("fa4_tflops", "cudnn_tflops") if k in row]
     if peers and "ours_tflops" in row:
         row["ratio_vs_best_peer"] = row["ours_tflops"] / max(peers)
-        # round by round (a drift shared by a round cancels): fa_sm100.benchmarking.paired_ratio
+        # round by round (a drift shared by a round cancels): fa_sm100.benchmarking.paired_ratio,
+        # and the 95% interval of that median (paired_interval)
         row["ratio_paired"] = paired_ratio(times, "ours", ("fa4", "cudnn"))
+        row["ratio_paired_ci"] = paired_interval(times, "ours", ("fa4", "cudnn"))
     return row
 
 
@@ -275,6 +284,8 @@ def run_from_benchmark_args(args, meta=None):
                     tokens=args.total_tokens, model_dim=args.hidden, repeat=args.repeat,
                     warmup=args.warmup, rep=args.rep, dtype=dtype)
     print_clocks(rows)
+    if any(r.get("ratio_paired") for r in rows):
+        print(verdict_summary(r.get("ratio_paired_ci") for r in rows if r.get("ratio_paired")))
     device = torch.cuda.get_device_name()
     if args.json:
         with open(args.json, "w") as f:
@@ -295,6 +306,19 @@ def run_from_benchmark_args(args, meta=None):
         names = ["ours"] + [f"ours:{name}" for name, _ in variants] + ["fa4", "cudnn"]
         plot_grid(long, names, args.png, f"backward attention, {device}")
     return exit_status(rows)
+
+
+# what bench_cell appends to a provider's name in a row's keys
+ROW_KEY_SUFFIXES = ("_ms", "_tflops", "_mhz", "_watts", "_error", "_skipped", "_rounds_ms")
+
+
+def row_provider(key: str) -> Optional[str]:
+    """The provider a row key belongs to ("ours:x_rounds_ms" -> "ours:x"), by its longest
+    suffix in ``ROW_KEY_SUFFIXES``; None for the cell's own keys."""
+    for suffix in sorted(ROW_KEY_SUFFIXES, key=len, reverse=True):
+        if key.endswith(suffix):
+            return key[:-len(suffix)]
+    return None
 
 
 LONG_ROW_KEYS = ("provider", "hdim", "causal", "seqlen", "ms", "tflops")
@@ -368,13 +392,14 @@ def format_row(r):
     the reason of every provider that failed or could not run."""
     cells = [f"d={r['head_dim']:3d} s={r['seqlen']:5d} b={r['batch']:2d} h={r['heads']}/{r['heads_kv']}"
              f" {'causal' if r['causal'] else 'full  '}"]
-    names = ["ours"] + sorted({k.rsplit("_", 1)[0] for k in r if k.startswith("ours:")})
+    names = ["ours"] + sorted({row_provider(k) for k in r
+                               if k.startswith("ours:") and row_provider(k)})
     for peer in names + ["fa4", "cudnn"]:
         cells.append(f"{peer} {r[peer + '_tflops']:6.1f}" if peer + "_tflops" in r else f"{peer} n/a")
     if "ratio_vs_best_peer" in r:
         cells.append(f"ratio {r['ratio_vs_best_peer']:.2f}x")
     if r.get("ratio_paired"):
-        cells.append(f"paired {r['ratio_paired']:.3f}x")
+        cells.append(f"paired {r['ratio_paired']:.3f}x {format_interval(r.get('ratio_paired_ci'))}")
     line = " | ".join(cells) + " TFLOP/s"
     for peer in names + ["fa4", "cudnn"]:
         for kind in ("_error", "_skipped"):
