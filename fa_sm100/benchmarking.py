@@ -259,13 +259,18 @@ def paired_rounds(runs: dict, rounds: int, measure: Callable, on_round: Optional
     return times
 
 
+def paired_speedup_rounds(times: dict, base: str) -> dict:
+    """{name: [base ms / name ms in each round]} over the rounds of ``paired_rounds`` (> 1:
+    faster than ``base``)."""
+    return {name: [b / m for b, m in zip(times[base], ms)] for name, ms in times.items()}
+
+
 def paired_speedups(times: dict, base: str) -> dict:
-    """{name: (median, lowest, highest)} of the per-round speed-ups ``base ms / name ms`` over
-    the rounds of ``paired_rounds`` (> 1: faster than ``base``). The median of paired ratios
-    is what an A/B reports; the spread says how far one round can be trusted."""
+    """{name: (median, lowest, highest)} of ``paired_speedup_rounds``. The median of paired
+    ratios is what an A/B reports; the spread says how far one round can be trusted."""
     out = {}
-    for name, ms in times.items():
-        ratios = sorted(b / m for b, m in zip(times[base], ms))
+    for name, ratios in paired_speedup_rounds(times, base).items():
+        ratios = sorted(ratios)
         out[name] = (median(ratios), ratios[0], ratios[-1])
     return out
 
@@ -297,8 +302,11 @@ def median_interval(values, confidence: float = CONFIDENCE) -> Optional[tuple]:
     """A distribution-free confidence interval for the median of what ``values`` sample:
     (x_(k), x_(n+1-k)) of the sorted values, with the largest k whose coverage
     1 - 2 P(B <= k - 1), B ~ Binomial(n, 1/2), is at least ``confidence`` (each value falls
-    below the true median with probability 1/2, whatever the distribution, when the rounds
-    are independent). None when even (min, max) covers less: fewer than 6 values at 95%.
+    below the true median with probability 1/2, whatever the continuous distribution, when
+    the rounds are independent; with ties the coverage is only higher). None when even
+    (min, max) covers less: fewer than 6 values at 95%. The rounds of one run share that run's
+    conditions, so the interval says how far the run's rounds agree, not where another run
+    will land.
 
     Why: a cell of the grid is a handful of rounds and its rounds spread by about 1%
     (docs/hopper_backward.md, round 33), so "ours over the best peer is 1.004x" says nothing
@@ -498,7 +506,7 @@ def ratio_points(rows) -> list:
         points.append(RatioPoint(r.get("hdim", r.get("head_dim")), bool(r["causal"]),
                                  r["seqlen"], r["ratio_paired"],
                                  tuple(interval) if interval else None))
-    return sorted(points)
+    return sorted(points, key=lambda p: (p.hdim, p.causal, p.seqlen))
 
 
 def plot_ratio_intervals(runs: dict, path: str, title: str):

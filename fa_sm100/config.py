@@ -431,8 +431,13 @@ def parse_variant(spec: str, cls=FmhaConfig) -> tuple:
     typed fields of ``cls`` as ``parse_overrides`` reads them). A field that names the problem
     (``PROBLEM_FIELDS``) raises ValueError: the kernels take the problem from the
     call, so such a variant would run under its name what it does not say (a deterministic
-    variant, for one, ran non-deterministic kernels)."""
+    variant, for one, ran non-deterministic kernels). So does a name ending in "_rounds": the
+    backward grid's row keys ``ours:NAME_rounds_ms`` could not tell it from another variant's
+    round times."""
     name, _, fields = spec.partition(":")
+    if name.endswith("_rounds"):
+        raise ValueError(f"variant name {name!r}: a name may not end in '_rounds' (the grid's "
+                         f"row keys could not tell it from another variant's round times)")
     out = parse_overrides([f for f in fields.split(",") if f], cls)
     named = sorted(set(out) & set(PROBLEM_FIELDS))
     if named:

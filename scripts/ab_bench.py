@@ -86,8 +86,8 @@ except ImportError:  # loaded as a module (tests): this folder is not on sys.pat
 from fa_sm100.benchmarking import (GRID_HIDDEN, GRID_TOKENS,  # noqa: E402
                                    calls_per_round, cell_config, error_text, events_ms,
                                    format_interval, host_and_gpu_ms, launch_bound, median,
-                                   median_interval, paired_rounds, paired_speedups,
-                                   same_kernel_variants)
+                                   median_interval, paired_rounds, paired_speedup_rounds,
+                                   paired_speedups, same_kernel_variants)
 from fa_sm100.config import parse_bool  # noqa: E402
 from fa_sm100.hopper import probes  # noqa: E402
 
@@ -339,10 +339,11 @@ def format_cell(label, times, calls, same=()):
     marked as building the default's kernels. With FA4, the ratios of the medians over it,
     then each run's paired speed-up over it with its interval."""
     speed = paired_speedups(times, "default")
+    rounds = paired_speedup_rounds(times, "default")
     lines = [f"{label}: {len(times['default'])} rounds of {calls} calls"]
     for name, ms in times.items():
         mid, lo, hi = speed[name]
-        ci = median_interval([d / m for d, m in zip(times["default"], ms)])
+        ci = median_interval(rounds[name])
         lines.append(f"  {name:12s} {median(ms):9.4f} ms   x{mid:.3f} vs default "
                      f"{format_interval(ci)} (rounds {lo:.3f}-{hi:.3f})"
                      + ("   [same kernel as default: A/A]" if name in same else "")
@@ -352,11 +353,10 @@ def format_cell(label, times, calls, same=()):
         fa4 = median(times["fa4"])
         lines.append("  over fa4: " + ", ".join(f"{n} {fa4 / median(ms):.3f}x"
                                                 for n, ms in times.items() if n != "fa4"))
-        over = {n: [f / m for f, m in zip(times["fa4"], ms)] for n, ms in times.items()
-                if n != "fa4"}
+        over = paired_speedup_rounds(times, "fa4")
         lines.append("  over fa4, paired: " + ", ".join(
             f"{n} {median(r):.3f}x {format_interval(median_interval(r))}"
-            for n, r in over.items()))
+            for n, r in over.items() if n != "fa4"))
     return "\n".join(lines)
 
 

@@ -378,6 +378,16 @@ def table(rows, providers):
     return "\n".join(lines)
 
 
+def csv_row(row: dict, device: str) -> dict:
+    """A forward row as CSV columns: the interval as ``ratio_paired_lo`` / ``_hi`` (empty
+    without one), the rounds' times left to the JSON, the device added."""
+    out = {k: v for k, v in row.items() if k not in ("ratio_paired_ci", "rounds_ms")}
+    interval = row.get("ratio_paired_ci") or (None, None)
+    out["ratio_paired_lo"], out["ratio_paired_hi"] = interval
+    out["device"] = device
+    return out
+
+
 def plot(rows, providers, path, device):
     """The forward grid's PNG (``fa_sm100.benchmarking.plot_grid``)."""
     plot_grid(rows, providers, path, f"forward attention, {device}")
@@ -417,11 +427,11 @@ def main(argv=None):
     if args.csv:
         import csv
 
+        flat = [csv_row(r, device) for r in rows]
         with open(args.csv, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0].keys()) + ["device"])
+            w = csv.DictWriter(f, fieldnames=list(flat[0].keys()))
             w.writeheader()
-            for r in rows:
-                w.writerow({**r, "device": device})
+            w.writerows(flat)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({**meta, "rows": rows}, f, indent=1)

@@ -145,6 +145,7 @@ def test_format_cell_gives_the_interval_of_each_paired_ratio_from_six_rounds():
 @pytest.mark.parametrize("argv,message", [
     (["--variant", "x:nonsense=1"], "BwdConfig has no field 'nonsense'"),
     (["--variant", "x:tile_m=100"], "tile_m=100"),
+    (["--variant", "x_rounds:early_dv=true"], "may not end in '_rounds'"),
     (["--mode", "fwd", "--variant", "x:n_block=100"], "n_block=100"),
     (["--mode", "fwd", "--hdim", "256", "--seqlen", "1024",
       "--variant", "p:persistent=true,o_in_q_buffer=false"], "SMEM"),  # O's own 64 KiB

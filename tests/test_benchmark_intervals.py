@@ -25,7 +25,11 @@ def test_the_interval_is_the_widest_order_statistics_that_reach_95_percent(n, k)
 @pytest.mark.parametrize("n", [0, 1, 3, 5])
 def test_fewer_than_six_rounds_give_no_95_percent_interval(n):
     assert median_interval([1.0] * n) is None
-    assert median_interval([1.0] * 5, confidence=0.9) == (1.0, 1.0)  # min..max covers 93.75%
+
+
+def test_a_lower_confidence_needs_fewer_rounds():
+    assert median_interval([3.0, 1.0, 2.0, 5.0, 4.0], confidence=0.9) == (1.0, 5.0)  # 93.75%
+    assert median_interval([3.0, 1.0, 2.0, 5.0], confidence=0.9) is None  # 87.5%
 
 
 def test_the_interval_covers_the_median_of_a_skewed_distribution_95_percent_of_the_time():

@@ -26,6 +26,10 @@ def test_ratio_points_read_forward_and_backward_rows():
                                       RatioPoint(64, True, 1024, 0.99, None)]
     # a cell whose check failed has no paired ratio: left out, not plotted as 0
     assert ratio_points(BWD_ROWS) == [RatioPoint(128, True, 16384, 0.994, (0.981, 0.999))]
+    # the same cell twice, with and without an interval: sorted by cell, nothing compared
+    # against None
+    twice = BWD_ROWS[:1] + [{**BWD_ROWS[0], "ratio_paired_ci": None}]
+    assert [p.interval for p in ratio_points(twice)] == [(0.981, 0.999), None]
 
 
 def test_the_script_prints_each_cell_with_its_verdict_and_draws_the_runs(tmp_path, capsys):

@@ -221,3 +221,14 @@ def test_every_cell_of_the_grids_draws_its_own_inputs():
     cells = [(d, 1 << p, c) for d in (32, 64, 96, 128, 192, 256) for p in range(7, 18)
              for c in (False, True)]
     assert len({cell_seed(*cell) for cell in cells}) == len(cells)
+
+
+def test_a_variant_name_the_rows_could_not_tell_apart_stops_before_any_gpu_work(capsys):
+    """``ours:x_rounds_ms`` would read as variant x's round times (``row_provider``)."""
+    cli = load_script("benchmark")
+    assert cli.main(["--mode", "bwd", "--hdim", "128", "--seqlen", "1024",
+                     "--ours-variant", "x_rounds:dq_accum=red"]) == 2
+    assert "may not end in '_rounds'" in capsys.readouterr().err
+    assert bwd_bench.row_provider("ours:x_y_rounds_ms") == "ours:x_y"
+    assert bwd_bench.row_provider("ours:a_b_tflops") == "ours:a_b"
+    assert bwd_bench.row_provider("seqlen") is None

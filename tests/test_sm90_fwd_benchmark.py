@@ -230,3 +230,35 @@ def test_the_same_kernel_notes_come_before_the_run_and_go_into_the_json(capsys, 
     import json
 
     assert json.loads(out.read_text())["same_kernel_as_default"] == {"pr": [[64, True, 8192]]}
+
+
+def test_the_forward_grid_counts_verdicts_and_writes_the_interval_as_two_csv_columns(
+        monkeypatch, tmp_path, capsys):
+    """``main``: the verdict count after the table, and a CSV whose interval is two numeric
+    columns (the JSON keeps the rounds' times and the interval). ``run_grid`` is replaced:
+    no GPU."""
+    import csv
+    import json
+
+    bench = load()
+    fake = rows()
+    for r in fake:
+        if r["provider"] == "ours":
+            r["ratio_paired"] = 1.02
+            r["ratio_paired_ci"] = (1.01, 1.03) if r["seqlen"] == 1024 else (0.99, 1.04)
+            r["rounds_ms"] = [1.0] * 6
+    monkeypatch.setattr(bench, "run_grid", lambda args: (fake, "fake device", {}))
+    out_csv, out_json = tmp_path / "f.csv", tmp_path / "f.json"
+    bench.main(["--hdim", "64", "128", "--seqlen", "1024", "4096", "--providers", "ours", "fa4",
+                "cudnn", "--csv", str(out_csv), "--json", str(out_json)])
+    assert ("paired 95% intervals: 4 cells above 1.00, 4 cells at parity (1.00 inside)"
+            in capsys.readouterr().out.splitlines())
+    with open(out_csv) as f:
+        got = list(csv.DictReader(f))
+    assert "ratio_paired_ci" not in got[0] and "rounds_ms" not in got[0]
+    ours = [r for r in got if r["provider"] == "ours" and r["seqlen"] == "1024"][0]
+    assert (ours["ratio_paired_lo"], ours["ratio_paired_hi"], ours["device"]) == (
+        "1.01", "1.03", "fake device")
+    assert [r["ratio_paired_lo"] for r in got if r["provider"] == "fa4"][0] == ""
+    saved = json.loads(out_json.read_text())["rows"]
+    assert [r.get("rounds_ms") for r in saved if r["provider"] == "ours"][0] == [1.0] * 6
