@@ -45,9 +45,9 @@ except ImportError:  # loaded as a module (tests): this folder is not on sys.pat
 
 from fa_sm100.benchmarking import (MIN_ROUNDS, ClockSampler, cell_seed,  # noqa: E402
                                    clock_summary, format_interval, median, paired_interval,
-                                   paired_ratio, plot_grid, same_kernel_variants,
-                                   summarize_conditions, time_ms, verdict_summary,
-                                   whole_cycles)
+                                   paired_ratio, plot_grid, ratio_points,
+                                   same_kernel_variants, summarize_conditions, time_ms,
+                                   verdict_summary, whole_cycles)
 
 PROVIDERS = ("ours", "fa4", "cudnn", "flash")
 
@@ -411,9 +411,9 @@ def main(argv=None):
     for name, why in unavailable.items():
         print(f"provider {name} unavailable: {why}")
     print(table(rows, providers))
-    if any(r.get("ratio_paired") for r in rows):
-        print(verdict_summary(r.get("ratio_paired_ci") for r in rows
-                              if r["provider"] == "ours" and r.get("ratio_paired")))
+    points = ratio_points(rows)
+    if points:
+        print(verdict_summary(p.interval for p in points))
     clocks = clock_summary((r["provider"], (r["mhz"], r["watts"]) if r.get("mhz") else None)
                            for r in rows)
     if clocks:

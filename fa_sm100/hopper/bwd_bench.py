@@ -28,8 +28,8 @@ import torch
 
 from fa_sm100.benchmarking import (MIN_ROUNDS, ClockSampler, cell_seed, clock_summary,
                                    format_interval, median, paired_interval, paired_ratio,
-                                   run_cell, summarize_conditions, time_ms, verdict_summary,
-                                   whole_cycles)
+                                   ratio_points, run_cell, summarize_conditions, time_ms,
+                                   verdict_summary, whole_cycles)
 
 DEFAULT_SEQLENS = (1024, 4096, 16384)
 DEFAULT_HEAD_DIMS = (64, 128)
@@ -284,8 +284,9 @@ def run_from_benchmark_args(args, meta=None):
                     tokens=args.total_tokens, model_dim=args.hidden, repeat=args.repeat,
                     warmup=args.warmup, rep=args.rep, dtype=dtype)
     print_clocks(rows)
-    if any(r.get("ratio_paired") for r in rows):
-        print(verdict_summary(r.get("ratio_paired_ci") for r in rows if r.get("ratio_paired")))
+    points = ratio_points(rows)
+    if points:
+        print(verdict_summary(p.interval for p in points))
     device = torch.cuda.get_device_name()
     if args.json:
         with open(args.json, "w") as f:
@@ -392,8 +393,7 @@ def format_row(r):
     the reason of every provider that failed or could not run."""
     cells = [f"d={r['head_dim']:3d} s={r['seqlen']:5d} b={r['batch']:2d} h={r['heads']}/{r['heads_kv']}"
              f" {'causal' if r['causal'] else 'full  '}"]
-    names = ["ours"] + sorted({row_provider(k) for k in r
-                               if k.startswith("ours:") and row_provider(k)})
+    names = ["ours"] + sorted({p for p in map(row_provider, r) if p and p.startswith("ours:")})
     for peer in names + ["fa4", "cudnn"]:
         cells.append(f"{peer} {r[peer + '_tflops']:6.1f}" if peer + "_tflops" in r else f"{peer} n/a")
     if "ratio_vs_best_peer" in r:

@@ -13,15 +13,13 @@ call) and the SM clock (NVML, sampled after each sequence).
 python docs/data/round33/energy_per_call.py ROUNDS CALLS [switches|shuffle]
 """
 import ctypes
+import importlib.util
 import statistics
 import sys
 
 import torch
 
 from fa_sm100.benchmarking import round_order
-
-sys.path.insert(0, "scripts")
-import importlib.util  # noqa: E402
 
 spec = importlib.util.spec_from_file_location("ab_bench", "scripts/ab_bench.py")
 ab = importlib.util.module_from_spec(spec)
