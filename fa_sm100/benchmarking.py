@@ -394,6 +394,114 @@ def host_and_gpu_ms(fn, calls: int, torch):
     return host, start.elapsed_time(end) / calls
 
 
+# Note [top-clock timing]: back to back, the backward's long cells hold the lent H200 near its
+# 700 W limit, where the power manager sets the SM clock (1905-1965 MHz in the grids) from the
+# energy a kernel spends, and one run's rounds drift with it: an interval from one run did not
+# cover the next (docs/hopper_backward.md, round 33). ``duty_cycled_ms`` follows every call
+# with a GPU sleep at least as long as the call, so the board stays far below its limit and
+# the clock at its top (1980 MHz throughout round 34's runs): the time is then the work's
+# own. An A/A pair measured 1.000x [0.999, 1.001] that way at hdim 128 16k, where back-to-back
+# A/A runs have read 0.983x-1.007x. What it leaves out is the energy: a kernel that is faster
+# at the top clock but spends more joules may lose that lead at the power limit, so a switch
+# is kept on back-to-back timing (or the grid), with the top-clock ratio beside it.
+SLEEP_CYCLES_PER_MS = 2.0e6  # GPU sleep cycles per ms of call: >= the top SM clock (1980 MHz)
+
+
+def duty_cycled_calls(fn, calls: int, sleep_ms: float, torch) -> list:
+    """Milliseconds of each of ``calls`` calls of ``fn``, each between its own two CUDA events
+    and followed by a GPU sleep (``torch.cuda._sleep``) of at least ``sleep_ms`` (Note
+    [top-clock timing]); ``fn`` None: the sleeps alone, and an empty list."""
+    cycles = int(sleep_ms * SLEEP_CYCLES_PER_MS)
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(calls)]
+    torch.cuda.synchronize()
+    for start, end in events:
+        if fn is not None:
+            start.record()
+            fn()
+            end.record()
+        torch.cuda._sleep(cycles)
+    torch.cuda.synchronize()
+    return [start.elapsed_time(end) for start, end in events] if fn is not None else []
+
+
+def duty_cycled_ms(fn, calls: int, sleep_ms: float, torch) -> float:
+    """The median of ``duty_cycled_calls``: what ``scripts/ab_bench.py --top-clock`` times."""
+    return median(duty_cycled_calls(fn, calls, sleep_ms, torch))
+
+
+class NvmlDevice:
+    """One GPU's energy counter and SM clock through NVML (``libnvidia-ml.so.1`` by ctypes:
+    no Python package needed), for the measurement scripts of docs/data. Raises OSError where
+    the library is missing."""
+
+    SM_CLOCK = 1  # NVML_CLOCK_SM
+
+    def __init__(self, index: int = 0):
+        import ctypes
+
+        self._ctypes = ctypes
+        self._lib = ctypes.CDLL("libnvidia-ml.so.1")
+        self._check(self._lib.nvmlInit_v2(), "nvmlInit_v2")
+        self._handle = ctypes.c_void_p()
+        self._check(self._lib.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(self._handle)),
+                    "nvmlDeviceGetHandleByIndex_v2")
+
+    @staticmethod
+    def _check(status: int, what: str) -> None:
+        if status != 0:
+            raise OSError(f"NVML {what} returned {status}")
+
+    def energy_mj(self) -> int:
+        """Millijoules the board has used since the driver loaded."""
+        value = self._ctypes.c_ulonglong()
+        self._check(self._lib.nvmlDeviceGetTotalEnergyConsumption(
+            self._handle, self._ctypes.byref(value)), "nvmlDeviceGetTotalEnergyConsumption")
+        return value.value
+
+    def sm_mhz(self) -> int:
+        """The SM clock now."""
+        value = self._ctypes.c_uint()
+        self._check(self._lib.nvmlDeviceGetClockInfo(self._handle, self.SM_CLOCK,
+                                                     self._ctypes.byref(value)),
+                    "nvmlDeviceGetClockInfo")
+        return value.value
+
+
+def duty_cycled_rounds(runs: dict, rounds: int, calls: int, torch, nvml: NvmlDevice,
+                       on_round: Optional[Callable] = None) -> dict:
+    """``paired_rounds`` of ``duty_cycled_energy``, the sleeps as long as one call of
+    ``runs["default"]``: {name: [(joules per call, median ms, MHz) per round]}, the joules less
+    those of the same sleeps alone, measured once per round (``on_round(rnd, joules per
+    sleep)`` after each)."""
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    runs["default"]()
+    end.record()
+    end.synchronize()
+    sleep_ms = start.elapsed_time(end)
+    res = {name: [] for name in runs}
+    for rnd in range(rounds):
+        sleeps = duty_cycled_energy(None, calls, sleep_ms, torch, nvml)[0]
+        for name in round_order(list(runs), rnd):
+            joules, ms, mhz = duty_cycled_energy(runs[name], calls, sleep_ms, torch, nvml)
+            res[name].append(((joules - sleeps) / calls, ms, mhz))
+        if on_round is not None:
+            on_round(rnd, sleeps / calls)
+    return res
+
+
+def duty_cycled_energy(fn, calls: int, sleep_ms: float, torch, nvml: NvmlDevice):
+    """(joules, median ms per call, SM MHz after) of ``duty_cycled_calls``: the board's energy
+    over the whole sequence, sleeps included (``fn`` None: the sleeps alone, 0.0 ms)."""
+    torch.cuda.synchronize()
+    start_mj = nvml.energy_mj()
+    ms = duty_cycled_calls(fn, calls, sleep_ms, torch)
+    joules = (nvml.energy_mj() - start_mj) / 1000.0
+    return joules, (median(ms) if ms else 0.0), nvml.sm_mhz()
+
+
 def launch_bound(host_ms: float, gpu_ms: float, margin: float = 0.9) -> bool:
     """Whether back-to-back timing of a call is limited by the host: issuing a call takes at
     least ``margin`` of its GPU time, so the GPU waits for work between calls."""

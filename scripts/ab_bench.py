@@ -33,7 +33,7 @@ default: A/A]" in its cell; its ratio is a measure of the noise. On an H200 (rou
 variant measured 0.997x-1.007x over 16 rounds in ten cells, +0.6% / +1.0% over 12 rounds at
 16k: read smaller effects with that in mind.
 
-Three probes beside the config variants:
+Beside the config variants:
 
 - ``--fa4-variant NAME:field=value,...`` (forward) also times FlashAttention-4's forward with
   its own tile choices (``flash_attn.cute.interface._flash_attn_fwd``'s ``tile_mn``,
@@ -46,12 +46,23 @@ Three probes beside the config variants:
 - ``--probe NAME=VALUE`` (backward) also times the default kernel with a cost probe
   (``fa_sm100.hopper.probes``, Note [cost probes]): a piece of its work taken out or made
   cheaper, e.g. ``dq_reduce=none`` (no dQ reduce into L2) or ``ds_barrier=none`` (the MMA
-  warpgroups do not meet before the dQ GEMM), to measure what that piece costs.
+  warpgroups do not meet before the dQ GEMM), to measure what that piece costs. Probes
+  joined by ``+`` run together in one kernel (``pointwise=none+dq_reduce=none``: the loop's
+  GEMMs and data movement without the math or the dQ reduce).
   A probe's gradients are wrong by design: its run is compiled and timed, not checked, and its
   line in the cell says so.
 
       python scripts/ab_bench.py --mode bwd --hdim 128 --seqlen 4096 16384 \
           --probe dq_reduce=none --probe dq_reduce=copy
+
+- ``--top-clock`` follows every call with a GPU sleep as long as the default's call, so the
+  board stays below its power limit and the SM clock at its top: each run's time is then its
+  work's own, not what the power manager made of its energy (Note [top-clock timing] in
+  ``fa_sm100.benchmarking``). On an H200 an A/A pair read 1.000x [0.999, 1.001] this way at
+  hdim 128 16k (round 34); back to back such pairs have read 0.983x-1.007x.
+
+      python scripts/ab_bench.py --mode bwd --hdim 128 --seqlen 16384 --top-clock \
+          --variant nofence:dv_before_fence=false
 
 - ``--heads N [N ...]`` replaces the cell's head count (hidden 2048 / head dim) with each N
   (the batch stays 16k tokens / seqlen): the number of CTAs, and so how whole the last wave
@@ -83,11 +94,12 @@ try:  # first import: keeps scripts/inspect.py from shadowing the standard `insp
 except ImportError:  # loaded as a module (tests): this folder is not on sys.path
     pass
 
-from fa_sm100.benchmarking import (GRID_HIDDEN, GRID_TOKENS,  # noqa: E402
-                                   calls_per_round, cell_config, error_text, events_ms,
-                                   format_interval, host_and_gpu_ms, launch_bound, median,
-                                   median_interval, paired_rounds, paired_speedup_rounds,
-                                   paired_speedups, same_kernel_variants)
+from fa_sm100.benchmarking import (GRID_HIDDEN, GRID_TOKENS, ClockSampler,  # noqa: E402
+                                   calls_per_round, cell_config, clock_summary,
+                                   duty_cycled_ms, error_text, events_ms, format_interval,
+                                   host_and_gpu_ms, launch_bound, median, median_interval,
+                                   paired_rounds, paired_speedup_rounds, paired_speedups,
+                                   same_kernel_variants)
 from fa_sm100.config import parse_bool  # noqa: E402
 from fa_sm100.hopper import probes  # noqa: E402
 
@@ -117,14 +129,18 @@ def parse_args(argv=None):
                    metavar="NAME:FIELD=VALUE[,...]",
                    help="forward: FlashAttention-4 with these options of its own (fields "
                         f"{', '.join(FA4_FWD_FIELDS)}; tile_mn as MxN), repeatable")
-    p.add_argument("--probe", action="append", default=[], metavar="NAME=VALUE",
-                   help="backward: also time the default with this cost probe (results not "
-                        "checked; fa_sm100.hopper.probes), repeatable")
+    p.add_argument("--probe", action="append", default=[], metavar="NAME=VALUE[+NAME=VALUE]",
+                   help="backward: also time the default with this cost probe, or these "
+                        "together (results not checked; fa_sm100.hopper.probes), repeatable")
     p.add_argument("--heads", type=int, nargs="+", default=None,
                    help="heads per cell (default: hidden 2048 / head dim); each value is a cell")
     p.add_argument("--rounds", type=int, default=12)
     p.add_argument("--round-ms", type=float, default=150.0,
                    help="length of one measurement of the default (sets the calls per round)")
+    p.add_argument("--top-clock", action="store_true",
+                   help="follow every call with a GPU sleep as long as the default's call, so "
+                        "the clock stays at its top below the power limit: the work's own time "
+                        "(Note [top-clock timing] in fa_sm100/benchmarking.py)")
     p.add_argument("--window", nargs=2, default=None, metavar=("LEFT", "RIGHT"),
                    help="backward: a sliding window, each side an int >= 0 or 'none'")
     p.add_argument("--deterministic", action="store_true",
@@ -149,7 +165,7 @@ def parse_args(argv=None):
         p.error("--probe probes the backward kernel: use it with --mode bwd")
     for spec in a.probe:
         try:
-            probes.parse_probe(spec)
+            probes.parse_probe_set(spec)
         except ValueError as e:
             p.error(f"--probe: {e}")
     if len(set(a.probe)) != len(a.probe):
@@ -305,8 +321,8 @@ def bwd_cell(d, s, causal, h, variants, with_fa4, torch, probe_list=(), problem=
         runs[name] = (lambda cfg=cfg: sm90_bwd(dout, q, k, v, out, lse, causal=causal,
                                                 window_size=window, deterministic=det,
                                                 config=cfg))
-    for name, value in probe_list:
-        runs[f"{PROBE_PREFIX}{name}={value}"] = probed_call(runs["default"], name, value)
+    for pairs in probe_list:
+        runs[PROBE_PREFIX + probe_set_name(pairs)] = probed_call(runs["default"], pairs)
     if fa4 is not None:
         runs["fa4"] = bwd_bench._fa4_backward(fa4, q, k, v, dout, causal, det, window)
     ref = bwd_bench.reference_grads(q, k, v, dout, causal, torch.float32, window)
@@ -314,11 +330,17 @@ def bwd_cell(d, s, causal, h, variants, with_fa4, torch, probe_list=(), problem=
     return runs, lambda grads: bwd_bench.check_grads(grads, ref, plain)
 
 
-def probed_call(run, name, value):
-    """``run`` made inside ``probes.probe(name, value)``: every call, so that each finds the
-    probed kernel in the compile cache (Note [cost probes])."""
+def probe_set_name(pairs):
+    """``name=value[+name=value...]``: a set of probes as ``--probe`` spells it."""
+    return "+".join(f"{name}={value}" for name, value in pairs)
+
+
+def probed_call(run, pairs):
+    """``run`` made inside the probes ``pairs`` (``((name, value), ...)``, active together):
+    every call, so that each finds the probed kernel in the compile cache (Note [cost
+    probes])."""
     def call():
-        with probes.probe(name, value):
+        with probes.probes_active(pairs):
             return run()
     return call
 
@@ -367,7 +389,7 @@ def main(argv=None):
     try:  # every config of the run, before any GPU work
         variants = parse_variants(a.variant, a.mode)
         fa4_variants = parse_fa4_variants(a.fa4_variant)
-        probe_list = [probes.parse_probe(spec) for spec in a.probe]
+        probe_list = [probes.parse_probe_set(spec) for spec in a.probe]
         same = {}  # per cell: the variants that build the default's kernels
         for d, s, causal, h in cells:  # builds (so validates) every variant's config
             same[d, s, causal, h] = same_kernel_variants(a.mode, d, s, causal, variants, h,
@@ -377,7 +399,7 @@ def main(argv=None):
                       f"kernels as the default at {a.mode} hdim {d} seqlen {s} "
                       f"{'causal' if causal else 'non-causal'}: the switch has no effect "
                       "there, so its ratio measures noise (an A/A check)", flush=True)
-            for name, value in probe_list:  # a probe with nothing to probe stops the run
+            for name, value in sum(probe_list, ()):  # nothing to probe stops the run
                 probes.check_probe_config(name, value, cell_config("bwd", d, s, causal, {},
                                                                    problem=a.problem))
     except ValueError as e:
@@ -426,9 +448,17 @@ def main(argv=None):
         # the host wait for the GPU and look launch-bound)
         host = {name: host_and_gpu_ms(run, min(calls, LAUNCH_CHECK_CALLS), torch)
                 for name, run in runs.items()}
-        times = paired_rounds(runs, a.rounds, lambda run: events_ms(run, calls, torch))
+        measure = (lambda run: events_ms(run, calls, torch))
+        if a.top_clock:  # Note [top-clock timing]: a sleep as long as the default's call
+            sleep_ms = events_ms(runs["default"], calls, torch)
+            measure = (lambda run: duty_cycled_ms(run, calls, sleep_ms, torch))
+        with ClockSampler() as clocks:
+            times = paired_rounds(runs, a.rounds, measure)
         print(format_cell(label, times, calls, same[d, s, causal, h])
               + f"   ({time.time() - t0:.0f} s)", flush=True)
+        conditions = clocks.result()
+        if conditions is not None:
+            print("  " + clock_summary([("all runs", conditions)]), flush=True)
         for name, (host_ms, gpu_ms) in host.items():
             if launch_bound(host_ms, gpu_ms):
                 print(f"  WARNING {name}: launch-bound (the host takes {host_ms:.3f} ms to issue "
@@ -437,7 +467,8 @@ def main(argv=None):
         rows.append({"mode": a.mode, "head_dim": d, "seqlen": s, "causal": causal, "heads": h,
                      "window": [a.problem.get("window_left"), a.problem.get("window_right")],
                      "deterministic": a.problem.get("deterministic", False),
-                     "calls": calls, "ms": times, "host_ms": {n: ms for n, (ms, _) in host.items()},
+                     "calls": calls, "ms": times, "top_clock": a.top_clock,
+                     "clock_mhz_w": conditions, "host_ms": {n: ms for n, (ms, _) in host.items()},
                      "speedup_vs_default": paired_speedups(times, "default"),
                      "same_kernel_as_default": sorted(same[d, s, causal, h])})
         if a.json:

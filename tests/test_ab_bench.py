@@ -114,6 +114,92 @@ def test_calls_per_round_fill_the_round():
     assert calls_per_round(0.0, 150.0) == 3
 
 
+class _FakeCuda:
+    """What ``duty_cycled_ms`` asks of ``torch.cuda``, on a fake timeline: each call of the
+    timed function takes the next of ``durations`` ms; a sleep of c cycles takes
+    c / SLEEP_CYCLES_PER_MS ms. ``log`` records calls and sleeps in stream order."""
+
+    def __init__(self, durations):
+        self.durations, self.now, self.log = list(durations), 0.0, []
+        cuda = self
+
+        class Event:
+            def __init__(self, enable_timing=False):
+                assert enable_timing
+                self.at = None
+
+            def record(self):
+                self.at = cuda.now
+
+            def elapsed_time(self, end):
+                return end.at - self.at
+
+            def synchronize(self):
+                pass
+
+        self.Event = Event
+
+    def call(self, ms=None):
+        ms = self.durations.pop(0) if ms is None else ms
+        self.now += ms
+        self.log.append(("call", ms))
+
+    def _sleep(self, cycles):
+        from fa_sm100.benchmarking import SLEEP_CYCLES_PER_MS
+
+        self.now += cycles / SLEEP_CYCLES_PER_MS
+        self.log.append(("sleep", cycles / SLEEP_CYCLES_PER_MS))
+
+    def synchronize(self):
+        pass
+
+
+def test_top_clock_timing_sleeps_after_every_call_and_takes_the_median():
+    """Note [top-clock timing]: every call between its own events, each followed by a sleep
+    at least as long as the given call time; the median call, not the mean."""
+    from types import SimpleNamespace
+
+    from fa_sm100.benchmarking import duty_cycled_ms
+
+    cuda = _FakeCuda([2.0, 2.1, 9.0, 2.0, 1.9])
+    ms = duty_cycled_ms(cuda.call, 5, 2.5, SimpleNamespace(cuda=cuda))
+    assert ms == 2.0  # 9.0 (a preempted call, say) moves the median not at all
+    assert [kind for kind, _ in cuda.log] == ["call", "sleep"] * 5
+    assert all(t == pytest.approx(2.5) for kind, t in cuda.log if kind == "sleep")
+
+
+def test_duty_cycled_rounds_give_each_run_its_energy_less_the_sleeps():
+    """The sleeps last as long as one call of the default; a round times the sleeps alone, then
+    every run (in ``round_order``); a run's joules per call are the sequence's less the sleeps'
+    over the calls, here 0.3 J per ms at a constant 300 W (NVML's counter faked on the fake
+    timeline)."""
+    from types import SimpleNamespace
+
+    from fa_sm100.benchmarking import duty_cycled_calls, duty_cycled_rounds
+
+    cuda = _FakeCuda([])
+    nvml = SimpleNamespace(energy_mj=lambda: cuda.now * 300.0, sm_mhz=lambda: 1980)
+    runs = {"default": lambda: cuda.call(2.0), "slow": lambda: cuda.call(3.0)}
+    seen = []
+    res = duty_cycled_rounds(runs, 2, 4, SimpleNamespace(cuda=cuda), nvml,
+                             lambda rnd, sleep_j: seen.append((rnd, sleep_j)))
+    assert seen == [(0, pytest.approx(0.6)), (1, pytest.approx(0.6))]  # 2 ms sleeps at 300 W
+    assert res["default"] == [(pytest.approx(0.6), 2.0, 1980)] * 2
+    assert res["slow"] == [(pytest.approx(0.9), 3.0, 1980)] * 2
+    # a round: the sleeps alone, then the runs in round_order (round 1: slow first)
+    kinds = [kind if kind == "sleep" else ms for kind, ms in cuda.log[1:]]
+    assert kinds[:8] == ["sleep"] * 4 + [2.0, "sleep"] * 2
+    assert kinds[20:28] == ["sleep"] * 4 + [3.0, "sleep"] * 2  # round 0 took 20 entries
+    assert duty_cycled_calls(None, 3, 1.0, SimpleNamespace(cuda=cuda)) == []  # sleeps alone
+    assert [kind for kind, _ in cuda.log[-3:]] == ["sleep"] * 3
+
+
+def test_top_clock_is_a_flag_of_the_timing_only():
+    ab = _script()
+    assert ab.parse_args(["--top-clock"]).top_clock
+    assert not ab.parse_args([]).top_clock
+
+
 def test_format_cell_names_each_provider_with_its_paired_ratio():
     ab = _script()
     times = {"default": [2.0, 2.2, 2.0], "nofence": [2.1, 2.31, 2.1], "fa4": [1.9, 2.09, 1.9]}
@@ -168,6 +254,8 @@ def test_bad_variants_stop_before_any_gpu_work(argv, message, capsys, monkeypatc
                                   ["--mode", "fwd", "--no-fa4", "--fa4-variant", "ss:tile_mn=192x192"],
                                   ["--probe", "dq_reduce"], ["--probe", "dq_reduce=all"],
                                   ["--probe", "nothing=none"],
+                                  ["--probe", "dq_reduce=none+dq_reduce=half"],
+                                  ["--probe", "dq_reduce=none+"],
                                   ["--probe", "dq_reduce=none", "--probe", "dq_reduce=none"],
                                   ["--mode", "fwd", "--probe", "dq_reduce=none"],
                                   ["--window", "a", "0"], ["--window", "-1", "0"],
@@ -365,11 +453,17 @@ def test_probes_are_timed_unchecked_and_marked(monkeypatch):
     ab = _script()
     seen = []
     call = ab.probed_call(lambda: seen.append(probes.compile_tag()) or "grads",
-                          "dq_reduce", "copy")
+                          (("dq_reduce", "copy"),))
     assert seen == []  # nothing runs until it is timed
     assert call() == "grads" and call() == "grads"
     assert seen == [(("dq_reduce", "copy"),)] * 2
     assert probes.compile_tag() == ()  # closed after each call
+    pairs = probes.parse_probe_set("pointwise=none+dq_reduce=none")  # two at once
+    assert ab.probe_set_name(pairs) == "pointwise=none+dq_reduce=none"
+    seen.clear()
+    assert ab.probed_call(lambda: seen.append(probes.compile_tag()), pairs)() is None
+    assert seen == [(("dq_reduce", "none"), ("pointwise", "none"))]
+    assert probes.compile_tag() == ()
     name = ab.PROBE_PREFIX + "dq_reduce=none"
     text = ab.format_cell("hdim 128", {"default": [2.0, 2.0], name: [1.9, 1.9]}, 10)
     line, = [x for x in text.splitlines() if name in x]

@@ -43,6 +43,22 @@ def test_bad_probes_raise(spec, message):
         probes.parse_probe(spec)
 
 
+def test_probe_sets_apply_together_and_refuse_a_name_twice():
+    pairs = probes.parse_probe_set("pointwise=none+ds_barrier=none")
+    assert pairs == (("pointwise", "none"), ("ds_barrier", "none"))
+    with probes.probes_active(pairs):
+        assert probes.compile_tag() == (("ds_barrier", "none"), ("pointwise", "none"))
+    assert probes.compile_tag() == ()
+    with pytest.raises(ValueError, match="each probe once"):
+        probes.parse_probe_set("dq_reduce=none+dq_reduce=half")
+    with pytest.raises(ValueError, match="expected name=value"):
+        probes.parse_probe_set("dq_reduce=none+")
+    with pytest.raises(ValueError, match="already active"):  # a set beside an open probe
+        with probes.probe("pointwise", "none"), probes.probes_active(pairs):
+            pass
+    assert probes.compile_tag() == ()
+
+
 def test_probed_kernels_compile_under_their_own_key():
     cfg = select_bwd_config(head_dim=128, causal=False, seqlen_q=16384, seqlen_k=16384)
     assert main_compile_key(cfg) == cfg
@@ -193,5 +209,31 @@ def test_sweep_probe_keeps_the_loop_body_and_nothing_after(tmp_path):
     assert _bulk_ops(probed) == _bulk_ops(before)
     assert probed["spill_bytes"] == before["spill_bytes"] == 0
     assert read_kept_sass(tmp_path / "probed") != read_kept_sass(tmp_path / "before")
+    inspect_kernel("sm90_bwd", "sm_90a", overrides, keep_dir=tmp_path / "after")
+    assert read_kept_sass(tmp_path / "after") == read_kept_sass(tmp_path / "before")
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("causal", [False, True])
+def test_pointwise_probe_leaves_the_gemms_and_takes_the_math(tmp_path, causal):
+    """``pointwise=none`` takes every exp2 and the stats' shuffles out of the MMA loop and
+    keeps what moves data: the same GEMMs, TMA copies, bulk operations, barriers and dQ
+    staging stores, no spills; the plain kernel compiled afterwards is the one compiled
+    before."""
+    overrides = ["head_dim=128", f"causal={causal}", "qdo_multicast=true"]
+    before = inspect_kernel("sm90_bwd", "sm_90a", overrides, keep_dir=tmp_path / "before")
+    with probes.probe("pointwise", "none"):
+        probed = inspect_kernel("sm90_bwd", "sm_90a", overrides, keep_dir=tmp_path / "probed")
+    assert before["sass"]["MUFU.EX2"] == 40  # 64 x 80 scores over 128 threads
+    assert probed["sass"].get("MUFU.EX2", 0) == 0
+    # one shuffle per column of S^T for LSE2 and one for Delta (20 columns, Note [tile_m 128])
+    assert before["sass_full"]["SHFL.IDX"] - probed["sass_full"]["SHFL.IDX"] == 40
+    for op in ("HGMMA", "UTMALDG", "UTMASTG", "STS.128", "BAR.SYNC", "STSM"):
+        assert probed["sass"][op] == before["sass"][op] > 0, op
+    # the same WGMMA waits: ptxas serialized nothing (one wait per HGMMA if it had)
+    depbar = "WARPGROUP.DEPBAR.LE"
+    assert probed["sass_full"][depbar] == before["sass_full"][depbar] == 4
+    assert _bulk_ops(probed) == _bulk_ops(before)
+    assert probed["spill_bytes"] == before["spill_bytes"] == 0
     inspect_kernel("sm90_bwd", "sm_90a", overrides, keep_dir=tmp_path / "after")
     assert read_kept_sass(tmp_path / "after") == read_kept_sass(tmp_path / "before")

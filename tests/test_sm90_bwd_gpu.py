@@ -596,6 +596,32 @@ def test_sm90_bwd_ds_barrier_probe_runs_and_leaves_plain_calls_alone(sm90_device
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
+def test_sm90_bwd_pointwise_probe_gives_the_gradients_of_raw_scores(sm90_device, head_dim):
+    """Note [cost probes]: ``pointwise=none`` feeds the GEMMs S and dP as the tensor cores
+    gave them, so the kernel computes dV = S^T dO, dK = scale dP^T Q and dQ = scale dP K with
+    S = Q K^T and dP = dO V^T rounded to bf16 (no exp2, no Delta): checked against that
+    float32 computation; a plain call afterwards gets the plain kernel (float64 rule)."""
+    from fa_sm100.hopper import probes
+    from fa_sm100.hopper.bwd_interface import sm90_bwd
+
+    case = (1, 1000, 1000, 2, 2, head_dim, False)
+    (q, k, v, out, lse, dout), _ = _run_case(*case)
+    with probes.probe("pointwise", "none"):
+        dq, dk, dv = sm90_bwd(dout, q, k, v, out, lse, causal=False)
+    scale = head_dim ** -0.5
+    qf, kf, vf, df = (x.float().transpose(1, 2) for x in (q, k, v, dout))  # (b, h, s, d)
+    s_raw = (qf @ kf.transpose(-1, -2)).bfloat16().float()
+    dp_raw = (df @ vf.transpose(-1, -2)).bfloat16().float()
+    want = (scale * dp_raw @ kf, scale * dp_raw.transpose(-1, -2) @ qf,
+            s_raw.transpose(-1, -2) @ df)
+    for name, got, ref in zip(("dq", "dk", "dv"), (dq, dk, dv), want):
+        got = got.float().transpose(1, 2)
+        err = (got - ref).abs().max().item()
+        assert err <= 2 ** -6 * ref.abs().max().item(), (name, err, ref.abs().max().item())
+    _run_case(*case)  # plain again, checked against float64
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
 def test_sm90_bwd_sweep_probe_adds_every_block_twice(sm90_device, head_dim):
     """Note [cost probes]: ``sweep=twice`` repeats each CTA's sweep over the same query blocks
     (staggered at hdim 128, with first dQ stores and tails), so dQ, dK and dV come out twice

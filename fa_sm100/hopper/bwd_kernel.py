@@ -607,9 +607,11 @@ class Sm90FlashBackward(BwdTileRole, BwdLoadRole, BwdStoreRole, BwdScoresRole):
             if const_expr(self.cfg.overlap_dk):
                 if step > m_block_min:
                     pipe_q.consumer_release(state_q_prev)
-            if self._block_needs_mask(m_block, n_block, seqlen_q, seqlen_k):
-                self._mask(S, tScS, tScS0, m_block, n_block, seqlen_q, seqlen_k)
-            self._exp2_rows(S, lse, scale_log2, tScS0)
+            pointwise = probes.active("pointwise") != "none"  # Note [cost probes]
+            if const_expr(pointwise):
+                if self._block_needs_mask(m_block, n_block, seqlen_q, seqlen_k):
+                    self._mask(S, tScS, tScS0, m_block, n_block, seqlen_q, seqlen_k)
+                self._exp2_rows(S, lse, scale_log2, tScS0)
             if const_expr(wide):  # Delta after P: its registers never live beside LSE2's
                 dpsum = self._block_stats(delta_block, thr_sdp, sdp_shape, tScS)
             rP = cute.make_fragment_like(acc_S, self.dtype)
@@ -632,7 +634,9 @@ class Sm90FlashBackward(BwdTileRole, BwdLoadRole, BwdStoreRole, BwdScoresRole):
                 warpgroup.wait_group(1)  # dP done; dV may still run
             else:
                 warpgroup.wait_group(0)
-            self._ds_rows(dP, rows_cols_view(rP) if const_expr(ds_from_p16) else S, dpsum, tScS0)
+            if const_expr(pointwise):
+                self._ds_rows(dP, rows_cols_view(rP) if const_expr(ds_from_p16) else S, dpsum,
+                              tScS0)
             rdS = cute.make_fragment_like(acc_dP, self.dtype)
             if const_expr(swap):
                 convert_to(rdS, acc_dP)

@@ -29,6 +29,17 @@ gets a probed kernel. Probes:
   apart by about a block. What this measures is the cost of the barrier itself: it bounds
   what decoupling the warpgroups at that point could win, not what removing every coupling
   (each warpgroup's own dQ, its own handoff) would.
+- ``pointwise`` (the MMA loop, bwd_kernel.py): ``none``: the per-element work between the
+  GEMMs is left out: no mask, no P = exp2(S * scale_log2 - LSE2), no dS = P (dP - Delta), and
+  so no LSE2 / Delta reads (the load warp still stages them). S and dP are converted to 16 bits
+  as they came from the tensor cores and go where P and dS go, so every GEMM, store, barrier
+  and handoff stays. What is left is the loop of GEMMs and data movement: T(none) over T(plain)
+  says how much of a block's time the math adds on top of them, the most that hiding it (a
+  faster exp2, the warpgroups out of step) could win. The data differ (values of S instead of
+  P in [0, 1]), and the tensor cores' power, and so the clock, may follow the data (time it at
+  a fixed clock: docs/data/round34/pinned_clock.py). Taking out only one of the two halves
+  (P's or dS's math) was tried and is not offered: without dS's math ptxas serialized the S
+  and dP WGMMAs, a different kernel rather than the same one with less math.
 - ``sweep`` (all three roles' loops, bwd_kernel.py ``_sweep_end`` / ``_m_block_at``):
   ``twice``: every CTA sweeps its query blocks twice, the second sweep the first again (dK,
   dV and dQ get every block's share twice), between one K/V load and one dK/dV epilogue. With
@@ -61,11 +72,15 @@ PROBES = {
     "dq_post": {
         "none": "the dQ postprocess is not launched: dq is not written",
     },
+    "pointwise": {
+        "none": "no mask, exp2, dS math or LSE2 / Delta reads: P is S, dS is dP, converted",
+    },
     "sweep": {
         "twice": "every CTA sweeps its query blocks twice between one K/V load and one epilogue",
     },
 }
-MAIN_KERNEL_PROBES = ("dq_reduce", "ds_barrier", "sweep")  # read while the main kernel traces
+# read while the main kernel traces
+MAIN_KERNEL_PROBES = ("dq_reduce", "ds_barrier", "pointwise", "sweep")
 
 _active: dict = {}  # name -> value while a ``probe`` block is open
 
@@ -102,6 +117,25 @@ def check_probe_config(name: str, value: str, config) -> None:
         raise ValueError(f"probe dq_reduce={value} probes the bulk dQ reduce, but this "
                          f"config adds dQ with dq_accum={config.dq_accum!r} (the default at "
                          f"hdim {config.head_dim}): nothing to probe")
+
+
+def parse_probe_set(spec: str) -> tuple:
+    """``((name, value), ...)`` from ``name=value[+name=value...]``: probes active together
+    (each name once), e.g. ``pointwise=none+dq_reduce=none``; each checked."""
+    pairs = tuple(parse_probe(part) for part in spec.split("+"))
+    names = [name for name, _ in pairs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"probes {spec!r}: each probe once in a set")
+    return pairs
+
+
+@contextlib.contextmanager
+def probes_active(pairs):
+    """Make every ``(name, value)`` of ``pairs`` active in this block (``probe`` each)."""
+    with contextlib.ExitStack() as stack:
+        for name, value in pairs:
+            stack.enter_context(probe(name, value))
+        yield
 
 
 @contextlib.contextmanager

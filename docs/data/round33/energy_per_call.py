@@ -8,18 +8,19 @@ below the cap and the clock at its maximum; NVML's energy counter
 (nvmlDeviceGetTotalEnergyConsumption, mJ) over CALLS such pairs, less the same number of
 sleeps alone (measured in the same round), gives the energy of one call. Providers alternate
 over ROUNDS rounds; printed: median joules per call, ms per call (CUDA events around each
-call) and the SM clock (NVML, sampled after each sequence).
+call) and the SM clock (NVML, sampled after each sequence). (The NVML reads and the
+duty-cycled calls, this script's own when it ran, are ``fa_sm100.benchmarking``'s since round
+34: the same code, with sleeps 1% longer, 2.0e6 cycles per ms of call instead of 1.98e6.)
 
 python docs/data/round33/energy_per_call.py ROUNDS CALLS [switches|shuffle]
 """
-import ctypes
 import importlib.util
 import statistics
 import sys
 
 import torch
 
-from fa_sm100.benchmarking import round_order
+from fa_sm100.benchmarking import NvmlDevice, duty_cycled_rounds
 
 spec = importlib.util.spec_from_file_location("ab_bench", "scripts/ab_bench.py")
 ab = importlib.util.module_from_spec(spec)
@@ -27,47 +28,7 @@ spec.loader.exec_module(ab)
 
 rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 3
 calls = int(sys.argv[2]) if len(sys.argv) > 2 else 100
-nvml = ctypes.CDLL("libnvidia-ml.so.1")
-assert nvml.nvmlInit_v2() == 0
-handle = ctypes.c_void_p()
-assert nvml.nvmlDeviceGetHandleByIndex_v2(0, ctypes.byref(handle)) == 0
-
-
-def energy_mj() -> int:
-    e = ctypes.c_ulonglong()
-    assert nvml.nvmlDeviceGetTotalEnergyConsumption(handle, ctypes.byref(e)) == 0
-    return e.value
-
-
-def sm_mhz() -> int:
-    c = ctypes.c_uint()
-    assert nvml.nvmlDeviceGetClockInfo(handle, 1, ctypes.byref(c)) == 0  # NVML_CLOCK_SM
-    return c.value
-
-
-def sleep_cycles(ms: float) -> int:
-    return int(ms * 1.98e6)  # at the H200's top SM clock
-
-
-def sequence(fn, sleep: int):
-    """(joules, ms per call, MHz) of ``calls`` calls of fn (None: sleeps alone), each call
-    followed by a GPU sleep of ``sleep`` cycles."""
-    torch.cuda.synchronize()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-              for _ in range(calls)]
-    e0 = energy_mj()
-    for start, end in events:
-        if fn is not None:
-            start.record()
-            fn()
-            end.record()
-        torch.cuda._sleep(sleep)
-    torch.cuda.synchronize()
-    joules = (energy_mj() - e0) / 1000.0
-    mhz = sm_mhz()
-    ms = statistics.median(s.elapsed_time(e) for s, e in events) if fn is not None else 0.0
-    return joules, ms, mhz
-
+nvml = NvmlDevice()
 
 VARIANT_SETS = {
     "switches": [("nopre", {"pre_ctas": 0}), ("noearly", {"early_dq_post": False}),
@@ -80,21 +41,9 @@ for causal in (False, True):
     runs, check = ab.bwd_cell(128, 16384, causal, 16, VARIANTS, True, torch)
     for name, run in runs.items():
         run()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    runs["default"]()
-    end.record()
-    end.synchronize()
-    sleep = sleep_cycles(start.elapsed_time(end))
-    res = {n: [] for n in runs}
-    for rnd in range(rounds):
-        base = sequence(None, sleep)[0]
-        for n in round_order(list(runs), rnd):
-            j, ms, mhz = sequence(runs[n], sleep)
-            res[n].append(((j - base) / calls, ms, mhz))
-        print(f"causal={causal} round {rnd + 1}/{rounds}: sleeps alone {base / calls:.3f} J "
-              f"per sleep", flush=True)
+    res = duty_cycled_rounds(runs, rounds, calls, torch, nvml, lambda rnd, sleep_j: print(
+        f"causal={causal} round {rnd + 1}/{rounds}: sleeps alone {sleep_j:.3f} J per sleep",
+        flush=True))
     fa4_j = statistics.median(r[0] for r in res["fa4"])
     for n, r in res.items():
         j = statistics.median(x[0] for x in r)
