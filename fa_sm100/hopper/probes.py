@@ -37,7 +37,7 @@ gets a probed kernel. Probes:
   says how much of a block's time the math adds on top of them, the most that hiding it (a
   faster exp2, the warpgroups out of step) could win. The data differ (values of S instead of
   P in [0, 1]), and the tensor cores' power, and so the clock, may follow the data (time it at
-  a fixed clock: docs/data/round34/pinned_clock.py). Taking out only one of the two halves
+  the top clock: ``scripts/ab_bench.py --top-clock``). Taking out only one of the two halves
   (P's or dS's math) was tried and is not offered: without dS's math ptxas serialized the S
   and dP WGMMAs, a different kernel rather than the same one with less math.
 - ``sweep`` (all three roles' loops, bwd_kernel.py ``_sweep_end`` / ``_m_block_at``):
