@@ -474,13 +474,7 @@ def duty_cycled_rounds(runs: dict, rounds: int, calls: int, torch, nvml: NvmlDev
     ``runs["default"]``: {name: [(joules per call, median ms, MHz) per round]}, the joules less
     those of the same sleeps alone, measured once per round (``on_round(rnd, joules per
     sleep)`` after each)."""
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    runs["default"]()
-    end.record()
-    end.synchronize()
-    sleep_ms = start.elapsed_time(end)
+    sleep_ms = events_ms(runs["default"], 1, torch)
     res = {name: [] for name in runs}
     for rnd in range(rounds):
         sleeps = duty_cycled_energy(None, calls, sleep_ms, torch, nvml)[0]

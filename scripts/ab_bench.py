@@ -442,16 +442,15 @@ def main(argv=None):
             print(f"{label}: {error_text(e)}", file=sys.stderr)
             return 1
         calls = calls_per_round(events_ms(runs["default"], 3, torch), a.round_ms)
-        for run in runs.values():  # warm every provider once at full length
-            events_ms(run, calls, torch)
+        # warm every provider once at full length
+        warm_ms = {name: events_ms(run, calls, torch) for name, run in runs.items()}
         # the providers the host cannot keep busy (few calls: a full launch queue would make
         # the host wait for the GPU and look launch-bound)
         host = {name: host_and_gpu_ms(run, min(calls, LAUNCH_CHECK_CALLS), torch)
                 for name, run in runs.items()}
         measure = (lambda run: events_ms(run, calls, torch))
         if a.top_clock:  # Note [top-clock timing]: a sleep as long as the default's call
-            sleep_ms = events_ms(runs["default"], calls, torch)
-            measure = (lambda run: duty_cycled_ms(run, calls, sleep_ms, torch))
+            measure = (lambda run: duty_cycled_ms(run, calls, warm_ms["default"], torch))
         with ClockSampler() as clocks:
             times = paired_rounds(runs, a.rounds, measure)
         print(format_cell(label, times, calls, same[d, s, causal, h])
