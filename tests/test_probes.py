@@ -237,3 +237,33 @@ def test_pointwise_probe_leaves_the_gemms_and_takes_the_math(tmp_path, causal):
     assert probed["spill_bytes"] == before["spill_bytes"] == 0
     inspect_kernel("sm90_bwd", "sm_90a", overrides, keep_dir=tmp_path / "after")
     assert read_kept_sass(tmp_path / "after") == read_kept_sass(tmp_path / "before")
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("causal", [False, True])
+def test_stats_probe_takes_the_shuffles_and_keeps_the_math(tmp_path, causal):
+    """``stats=unshuffled`` takes the 40 SHFL of LSE2 / Delta out of the MMA loop (one per
+    column of S^T for each, 20 columns) and keeps the rest of it: the same exp2s, GEMMs, WGMMA
+    waits, TMA copies, bulk operations, barriers and stores, no spills; the plain kernel
+    compiled afterwards is the one compiled before."""
+    overrides = ["head_dim=128", f"causal={causal}", "qdo_multicast=true"]
+    before = inspect_kernel("sm90_bwd", "sm_90a", overrides, keep_dir=tmp_path / "before")
+    with probes.probe("stats", "unshuffled"):
+        probed = inspect_kernel("sm90_bwd", "sm_90a", overrides, keep_dir=tmp_path / "probed")
+    assert before["sass_full"]["SHFL.IDX"] - probed["sass_full"].get("SHFL.IDX", 0) == 40
+    for op in ("MUFU.EX2", "HGMMA", "UTMALDG", "UTMASTG", "STS.128", "BAR.SYNC", "STSM"):
+        assert probed["sass"][op] == before["sass"][op] > 0, op
+    depbar = "WARPGROUP.DEPBAR.LE"
+    assert probed["sass_full"][depbar] == before["sass_full"][depbar] == 4
+    assert _bulk_ops(probed) == _bulk_ops(before)
+    assert probed["spill_bytes"] == before["spill_bytes"] == 0
+    inspect_kernel("sm90_bwd", "sm_90a", overrides, keep_dir=tmp_path / "after")
+    assert read_kept_sass(tmp_path / "after") == read_kept_sass(tmp_path / "before")
+
+
+def test_stats_probe_needs_shuffled_stats():
+    probes.check_probe_config("stats", "unshuffled", select_bwd_config(head_dim=128))
+    for cfg in (select_bwd_config(head_dim=128, tile_m=64), select_bwd_config(head_dim=256),
+                select_bwd_config(head_dim=128, stats_shuffle=False)):
+        with pytest.raises(ValueError, match="nothing to probe"):
+            probes.check_probe_config("stats", "unshuffled", cfg)

@@ -13,6 +13,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, const_expr
 
+from fa_sm100.hopper import probes
 from fa_sm100.hopper.bwd_config import effective_window_right
 from fa_sm100.hopper.common import assume_aligned, rows_cols_view
 
@@ -45,6 +46,8 @@ class BwdScoresRole:
             return stat[c]
         # Note [tile_m 128]: this thread's query column is q0 + 2 (lane % 4), q0 = thread 0's column
         lane_base, slot = query_stat_source(tScS0[0, c][1])
+        if const_expr(probes.active("stats") == "unshuffled"):  # Note [cost probes]
+            return stat[slot]
         return cute.arch.shuffle_sync(stat[slot], lane_base + cute.arch.lane_idx() % 4)
 
     @cute.jit

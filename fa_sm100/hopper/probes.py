@@ -52,6 +52,14 @@ gets a probed kernel. Probes:
   first waits through its cluster's blocks before its own, which the second sweep would not
   repeat; in deterministic mode the second sweep would wait for dQ turns the first has
   already taken, forever.
+- ``stats`` (bwd_scores.py ``_query_stat``): ``unshuffled``: with shuffled statistics (wide
+  query blocks, Note [tile_m 128]) each lane takes the LSE2 / Delta value from its own
+  register instead of shuffling the query's value from the lane that holds it: the loop
+  without its 40 SHFL per thread per block (hdim 128), all its math kept, the values wrong.
+  T(plain) over T(unshuffled) bounds what fetching the statistics more cheaply (fewer, wider
+  SMEM loads) could win. Round 35's Nsight Compute profile is why: the MMA warps of ours
+  stall 60% more often than FA4's waiting for the rest of their warpgroup at a WGMMA, and
+  the SHFL unit is one per SM, shared by the eight MMA warps.
 - ``dq_post`` (``bwd_interface.launch_plan``): ``none``: the dQ postprocess (float32
   accumulator -> dq) is not launched, so dq is left as it was: what the postprocess adds to
   the call beyond what overlaps the main kernel (Note [dQ postprocess in the tail]). The
@@ -78,9 +86,12 @@ PROBES = {
     "sweep": {
         "twice": "every CTA sweeps its query blocks twice between one K/V load and one epilogue",
     },
+    "stats": {
+        "unshuffled": "no SHFL of LSE2 / Delta: each lane uses a value it holds (wrong values)",
+    },
 }
 # read while the main kernel traces
-MAIN_KERNEL_PROBES = ("dq_reduce", "ds_barrier", "pointwise", "sweep")
+MAIN_KERNEL_PROBES = ("dq_reduce", "ds_barrier", "pointwise", "sweep", "stats")
 
 _active: dict = {}  # name -> value while a ``probe`` block is open
 
@@ -113,6 +124,11 @@ def check_probe_config(name: str, value: str, config) -> None:
     if name == "sweep" and config.deterministic:
         raise ValueError(f"probe sweep={value} cannot run deterministic: the second sweep "
                          f"would wait for dQ turns the first has taken (Note [cost probes])")
+    if name == "stats" and not config.shuffled_stats:
+        raise ValueError(f"probe stats={value} probes the shuffled LSE2 / Delta of wide query "
+                         f"blocks (tile_m > 64 with stats_shuffle), but this config reads "
+                         f"them from SMEM per element (tile_m={config.tile_m}): nothing to "
+                         f"probe")
     if name == "dq_reduce" and config.dq_accum != "bulk":
         raise ValueError(f"probe dq_reduce={value} probes the bulk dQ reduce, but this "
                          f"config adds dQ with dq_accum={config.dq_accum!r} (the default at "
