@@ -56,10 +56,10 @@ gets a probed kernel. Probes:
   query blocks, Note [tile_m 128]) each lane takes the LSE2 / Delta value from its own
   register instead of shuffling the query's value from the lane that holds it: the loop
   without its 40 SHFL per thread per block (hdim 128), all its math kept, the values wrong.
-  T(plain) over T(unshuffled) bounds what fetching the statistics more cheaply (fewer, wider
-  SMEM loads) could win. Round 35's Nsight Compute profile is why: the MMA warps of ours
-  stall 60% more often than FA4's waiting for the rest of their warpgroup at a WGMMA, and
-  the SHFL unit is one per SM, shared by the eight MMA warps.
+  T(plain) over T(unshuffled) bounds what fetching the statistics another way could win.
+  Round 35's Nsight Compute profile is why it exists: at hdim 128 16k the MMA warps of ours
+  were sampled waiting on the short scoreboard (a shuffle's result, at the FFMA of P) 102k
+  times against FA4's 78k, in a loop that is otherwise FA4's instruction for instruction.
 - ``dq_post`` (``bwd_interface.launch_plan``): ``none``: the dQ postprocess (float32
   accumulator -> dq) is not launched, so dq is left as it was: what the postprocess adds to
   the call beyond what overlaps the main kernel (Note [dQ postprocess in the tail]). The
