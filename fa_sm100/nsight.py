@@ -8,8 +8,8 @@ by hand into tables that put two kernels side by side:
   ``kernel_times`` takes each kernel's duration, elapsed cycles and SM clock;
 - ``raw`` (``--page raw --csv``): one row per kernel, one column per metric, a units row
   under the header: ``raw_metrics``; ``stall_samples`` picks the sampled warp states
-  (``smsp__pcsamp_warps_issue_stalled_*``, ``warpgroup_arrive`` among them, a reason the
-  ``source`` page has no column for);
+  (``smsp__pcsamp_warps_issue_stalled_*``; ``warpgroup_arrive`` among them: the samples the
+  ``source`` page leaves without a reason);
 - ``source`` (``--page source --csv --print-source sass``): per kernel a ``"Kernel Name",``
   line, a header and one row per SASS instruction with its executed count and sampled stalls:
   ``source_rows``; ``main_loop`` keeps the instructions executed exactly as often as the
@@ -67,6 +67,8 @@ def kernel_times(details_csv: str) -> Dict[str, dict]:
             entry = out.setdefault(name, {})
             metric, unit = row["Metric Name"], row["Metric Unit"].strip()
             if metric == "Duration":
+                if unit not in scale:
+                    raise ValueError(f"{details_csv}: duration in unknown unit {unit!r}")
                 entry["duration_us"] = _number(row["Metric Value"]) * scale[unit]
             elif metric == "Elapsed Cycles":
                 entry["cycles"] = _number(row["Metric Value"])
@@ -164,3 +166,41 @@ def side_by_side(columns: Mapping[str, Mapping[str, float]], keys=None, fmt="{:>
             cells.append(" " + (fmt.format(v) if v is not None and v == v else f"{'-':>14}"))
         lines.append(f"{k:<{width}}" + "".join(cells))
     return lines
+
+
+def plot_stalls(cells: Mapping[str, Mapping[str, Mapping[str, float]]], path: str, title: str,
+                top: int = 10):
+    """Grouped horizontal bars, one panel per cell: per report (``cells[cell][label]``, the
+    ``stall_samples`` of its main kernel plus an optional ``"tensor pipe active %"``), each
+    stall reason's share of the report's samples, for the ``top`` reasons largest in any
+    report; the tensor-pipe activity goes in the legend. Needs matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(cells)
+    fig, axes = plt.subplots(1, len(names), figsize=(7 * len(names), 5), squeeze=False)
+    for ax, cell in zip(axes.flat, names):
+        reports = cells[cell]
+        share = {label: {k: v / r["sample_count"] for k, v in r.items()
+                         if k not in ("sample_count", "tensor pipe active %")}
+                 for label, r in reports.items()}
+        reasons = sorted({k for v in share.values() for k in v},
+                         key=lambda k: -max(v.get(k, 0.0) for v in share.values()))[:top]
+        height = 0.8 / len(reports)
+        for i, (label, values) in enumerate(share.items()):
+            active = reports[label].get("tensor pipe active %")
+            ax.barh([y + i * height for y in range(len(reasons))],
+                    [100 * values.get(k, 0.0) for k in reasons], height=height,
+                    label=label + (f" (tensor pipe {active:.1f}% active)" if active else ""))
+        ax.set_yticks([y + 0.4 - height / 2 for y in range(len(reasons))], reasons)
+        ax.invert_yaxis()
+        ax.set_xlabel("% of the main kernel's warp samples")
+        ax.set_title(cell)
+        ax.grid(axis="x", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

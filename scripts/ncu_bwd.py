@@ -22,12 +22,13 @@ cycle counts are ncu's, one launch per pass at the clock the board sets
 
 Summary (any machine; ``fa_sm100.nsight`` reads the CSVs):
 
-    python scripts/ncu_bwd.py --summary DIR [--cell h128_16384_full]
+    python scripts/ncu_bwd.py --summary DIR [--cell h128_16384_full] [--png stalls.png]
 
 prints, per cell found in DIR: every kernel's duration and cycles, then ours' main kernel
 beside FA4's (and beside any variant or probe profiled in the same cell): elapsed cycles,
 tensor-pipe activity, issued instructions, the sampled warp states by reason, the MMA loop's
-instructions per warp and turn, and its samples by opcode.
+instructions per warp and turn, and its samples by opcode; ``--png`` draws the sampled warp
+states of each cell's main kernels as bars (share of each report's samples).
 """
 
 import argparse
@@ -129,8 +130,12 @@ def _page(stem, page):
     return None
 
 
-def summarize(folder, only_cell=None):
+def summarize(folder, only_cell=None, png=None):
+    """Print the tables of the module docstring for each cell of ``folder``; with ``png``,
+    also draw each cell's stall reasons (``nsight.plot_stalls``) there."""
     from fa_sm100 import nsight
+
+    panels = {}
 
     cells = sorted({m.group(1) for p in pathlib.Path(folder).iterdir()
                     for m in [CELL_FILE.search(p.name)] if m})
@@ -164,6 +169,9 @@ def summarize(folder, only_cell=None):
                 loops[label] = nsight.loop_opcodes(kernel_rows)
                 samples[label] = nsight.loop_samples(kernel_rows)
         if raw:
+            panels[cell] = {label: {k: v for k, v in r.items()
+                                    if k not in RAW_KEYS or k == "tensor pipe active %"}
+                            for label, r in raw.items()}
             print("  main kernel (raw page; stalls: sampled warp states by reason)")
             keys = list(RAW_KEYS) + [k for k in next(iter(raw.values())) if k not in RAW_KEYS]
             for line in nsight.side_by_side(raw, keys, fmt="{:>14,.1f}"):
@@ -179,6 +187,11 @@ def summarize(folder, only_cell=None):
                           key=lambda k: -max(v.get(k, 0) for v in samples.values()))
             for line in nsight.side_by_side(samples, keys[:25]):
                 print("    " + line)
+    if png:
+        if not panels:
+            raise SystemExit(f"--png: no raw page in {folder} to plot")
+        nsight.plot_stalls(panels, png, f"sampled warp states of the main kernel ({folder})")
+        print(f"wrote {png}")
 
 
 def main(argv=None):
@@ -186,6 +199,7 @@ def main(argv=None):
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--summary", metavar="DIR", help="summarize the CSVs in DIR and exit")
     ap.add_argument("--cell", help="with --summary: only this cell, e.g. h128_16384_full")
+    ap.add_argument("--png", help="with --summary: also plot each cell's stall reasons here")
     ap.add_argument("--out", default="ncu_out", help="where the reports and CSVs go")
     ap.add_argument("--hdim", type=int, default=128)
     ap.add_argument("--seqlen", type=int, default=16384)
@@ -199,7 +213,7 @@ def main(argv=None):
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.summary:
-        summarize(args.summary, args.cell)
+        summarize(args.summary, args.cell, args.png)
     elif args.child:
         child(args)
     else:

@@ -73,6 +73,9 @@ def test_kernel_times_convert_units_and_read_thousands_separators(tmp_path):
     assert got["0: fill"] == pytest.approx({"duration_us": 1.89, "cycles": 3655, "sm_ghz": 1.93})
     assert got[f"1: {OURS}"] == pytest.approx({"duration_us": 7780.0, "cycles": 13769267,
                                                "sm_ghz": 1.75})
+    path.write_text(_details([(0, "fill", "Duration", "fortnight", "1")]))
+    with pytest.raises(ValueError, match="unknown unit 'fortnight'"):
+        nsight.kernel_times(str(path))
 
 
 def test_raw_metrics_skip_the_units_row_and_text_values_and_stalls_sort(tmp_path):
@@ -145,8 +148,10 @@ def test_summary_puts_the_main_kernels_side_by_side(tmp_path, capsys):
             "smsp__pcsamp_sample_count": "100",
             "smsp__pcsamp_warps_issue_stalled_warpgroup_arrive": "60"})]))
         (tmp_path / f"{label}_{cell}_source.csv").write_text(_source([(name, LOOP)]))
-    _script().summarize(str(tmp_path))
+    png = tmp_path / "stalls.png"
+    _script().summarize(str(tmp_path), png=str(png))
     out = capsys.readouterr().out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"wrote {png}" in out
     assert f"== {cell}" in out
     row = next(line for line in out.splitlines() if "tensor pipe active %" in line)
     assert row.split()[-2:] == ["74.7", "76.8"]
@@ -161,3 +166,11 @@ def test_profile_refuses_a_bad_probe_before_running_ncu():
     with pytest.raises(ValueError, match="unknown probe"):
         _script().main(["--who", "default", "probe:nothing=none"])
     assert math.isnan(nsight._number(""))
+
+
+def test_summary_without_raw_pages_has_nothing_to_plot(tmp_path):
+    (tmp_path / "default_h64_1024_causal_details.csv").write_text(_details([
+        (1, OURS, "Duration", "us", "90.5")]))
+    _script().summarize(str(tmp_path))  # times only: no raw page needed
+    with pytest.raises(SystemExit, match="no raw page"):
+        _script().summarize(str(tmp_path), png=str(tmp_path / "x.png"))

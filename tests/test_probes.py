@@ -228,9 +228,17 @@ def test_pointwise_probe_leaves_the_gemms_and_takes_the_math(tmp_path, causal):
     assert probed["sass"].get("MUFU.EX2", 0) == 0
     # one shuffle per column of S^T for LSE2 and one for Delta (20 columns, Note [tile_m 128])
     assert before["sass_full"]["SHFL.IDX"] - probed["sass_full"]["SHFL.IDX"] == 40
-    for op in ("HGMMA", "UTMALDG", "UTMASTG", "STS.128", "BAR.SYNC", "STSM"):
+    _assert_kept_under_probe(before, probed, ("HGMMA", "UTMALDG", "UTMASTG", "STS.128",
+                                              "BAR.SYNC", "STSM"), overrides, tmp_path)
+
+
+def _assert_kept_under_probe(before, probed, ops, overrides, tmp_path):
+    """What a pointwise-side probe must keep of the hdim 128 MMA loop: the same count of each
+    of ``ops``, the same four WGMMA waits (ptxas serialized nothing: one wait per HGMMA if it
+    had), the same bulk operations, no spill; and the plain kernel compiled afterwards is the
+    one compiled before (kept in ``tmp_path / "before"``)."""
+    for op in ops:
         assert probed["sass"][op] == before["sass"][op] > 0, op
-    # the same WGMMA waits: ptxas serialized nothing (one wait per HGMMA if it had)
     depbar = "WARPGROUP.DEPBAR.LE"
     assert probed["sass_full"][depbar] == before["sass_full"][depbar] == 4
     assert _bulk_ops(probed) == _bulk_ops(before)
@@ -251,14 +259,8 @@ def test_stats_probe_takes_the_shuffles_and_keeps_the_math(tmp_path, causal):
     with probes.probe("stats", "unshuffled"):
         probed = inspect_kernel("sm90_bwd", "sm_90a", overrides, keep_dir=tmp_path / "probed")
     assert before["sass_full"]["SHFL.IDX"] - probed["sass_full"].get("SHFL.IDX", 0) == 40
-    for op in ("MUFU.EX2", "HGMMA", "UTMALDG", "UTMASTG", "STS.128", "BAR.SYNC", "STSM"):
-        assert probed["sass"][op] == before["sass"][op] > 0, op
-    depbar = "WARPGROUP.DEPBAR.LE"
-    assert probed["sass_full"][depbar] == before["sass_full"][depbar] == 4
-    assert _bulk_ops(probed) == _bulk_ops(before)
-    assert probed["spill_bytes"] == before["spill_bytes"] == 0
-    inspect_kernel("sm90_bwd", "sm_90a", overrides, keep_dir=tmp_path / "after")
-    assert read_kept_sass(tmp_path / "after") == read_kept_sass(tmp_path / "before")
+    _assert_kept_under_probe(before, probed, ("MUFU.EX2", "HGMMA", "UTMALDG", "UTMASTG",
+                                              "STS.128", "BAR.SYNC", "STSM"), overrides, tmp_path)
 
 
 def test_stats_probe_needs_shuffled_stats():
