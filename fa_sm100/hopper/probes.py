@@ -126,9 +126,9 @@ def check_probe_config(name: str, value: str, config) -> None:
                          f"would wait for dQ turns the first has taken (Note [cost probes])")
     if name == "stats" and not config.shuffled_stats:
         raise ValueError(f"probe stats={value} probes the shuffled LSE2 / Delta of wide query "
-                         f"blocks (tile_m > 64 with stats_shuffle), but this config reads "
-                         f"them from SMEM per element (tile_m={config.tile_m}): nothing to "
-                         f"probe")
+                         f"blocks (tile_m > 64 with stats_shuffle), but this config "
+                         f"(tile_m={config.tile_m}, stats_shuffle={config.stats_shuffle}) "
+                         f"reads them from SMEM: nothing to probe")
     if name == "dq_reduce" and config.dq_accum != "bulk":
         raise ValueError(f"probe dq_reduce={value} probes the bulk dQ reduce, but this "
                          f"config adds dQ with dq_accum={config.dq_accum!r} (the default at "

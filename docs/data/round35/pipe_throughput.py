@@ -25,6 +25,8 @@ import shutil
 import subprocess
 import tempfile
 
+from fa_sm100.compile_tools import find_nvdisasm
+
 CHAINS = 8
 REPEAT = 4
 THREADS = 1024
@@ -122,23 +124,23 @@ def variants() -> dict[str, tuple[list[str], list[int]]]:
     return out
 
 
-def find_tool(name: str, given: str | None) -> str:
+def find_ptxas(given: str | None) -> str:
+    """``--ptxas``, else ptxas on PATH, in /usr/local/cuda/bin or in an nvidia wheel's bin."""
     if given:
         return given
-    path = shutil.which(name)
+    path = shutil.which("ptxas")
     if path:
         return path
-    for base in ("/usr/local/cuda/bin",):
-        if pathlib.Path(base, name).exists():
-            return str(pathlib.Path(base, name))
+    if pathlib.Path("/usr/local/cuda/bin/ptxas").exists():
+        return "/usr/local/cuda/bin/ptxas"
     try:
         import nvidia
         for root in nvidia.__path__:
-            for cand in pathlib.Path(root).glob(f"*/bin/{name}"):
+            for cand in pathlib.Path(root).glob("*/bin/ptxas"):
                 return str(cand)
     except ImportError:
         pass
-    raise SystemExit(f"{name} not found: pass --{name}")
+    raise SystemExit("ptxas not found: pass --ptxas")
 
 
 def build(out_dir: pathlib.Path, ptxas: str, nvdisasm: str) -> tuple[pathlib.Path, dict]:
@@ -214,7 +216,7 @@ def main() -> None:
     args = ap.parse_args()
     out_dir = pathlib.Path(args.out or tempfile.mkdtemp(prefix="pipes_"))
     out_dir.mkdir(parents=True, exist_ok=True)
-    cubin, vs = build(out_dir, find_tool("ptxas", args.ptxas), find_tool("nvdisasm", args.nvdisasm))
+    cubin, vs = build(out_dir, find_ptxas(args.ptxas), args.nvdisasm or find_nvdisasm())
     ops = loop_opcodes((out_dir / "pipe_throughput.sass").read_text())
     for fname, hist in ops.items():
         print(f"SASS {fname}: " + ", ".join(f"{o} x{n}" for o, n in list(hist.items())[:6]))
