@@ -253,8 +253,9 @@ def test_stats_probe_takes_the_shuffles_and_keeps_the_math(tmp_path, causal):
     """``stats=unshuffled`` takes the 40 SHFL of LSE2 / Delta out of the MMA loop (one per
     column of S^T for each, 20 columns) and keeps the rest of it: the same exp2s, GEMMs, WGMMA
     waits, TMA copies, bulk operations, barriers and stores, no spills; the plain kernel
-    compiled afterwards is the one compiled before."""
-    overrides = ["head_dim=128", f"causal={causal}", "qdo_multicast=true"]
+    compiled afterwards is the one compiled before. (Shuffled statistics at hdim 128: its
+    default loads them since round 36, Note [dP wait placement].)"""
+    overrides = ["head_dim=128", f"causal={causal}", "qdo_multicast=true", "stats_shuffle=true"]
     before = inspect_kernel("sm90_bwd", "sm_90a", overrides, keep_dir=tmp_path / "before")
     with probes.probe("stats", "unshuffled"):
         probed = inspect_kernel("sm90_bwd", "sm_90a", overrides, keep_dir=tmp_path / "probed")
@@ -264,8 +265,11 @@ def test_stats_probe_takes_the_shuffles_and_keeps_the_math(tmp_path, causal):
 
 
 def test_stats_probe_needs_shuffled_stats():
-    probes.check_probe_config("stats", "unshuffled", select_bwd_config(head_dim=128))
+    probes.check_probe_config("stats", "unshuffled", select_bwd_config(head_dim=64))
+    probes.check_probe_config("stats", "unshuffled",
+                              select_bwd_config(head_dim=128, stats_shuffle=True))
+    # hdim 128's default loads its own statistics since round 36 (Note [dP wait placement])
     for cfg in (select_bwd_config(head_dim=128, tile_m=64), select_bwd_config(head_dim=256),
-                select_bwd_config(head_dim=128, stats_shuffle=False)):
+                select_bwd_config(head_dim=128)):
         with pytest.raises(ValueError, match="nothing to probe"):
             probes.check_probe_config("stats", "unshuffled", cfg)

@@ -31,7 +31,7 @@ import torch
 
 from fa_sm100.config import launch_registers
 from fa_sm100.hopper.bwd_config import SM90_SMEM_BYTES, BwdConfig
-from fa_sm100.hopper.bwd_defaults import select_bwd_config
+from fa_sm100.hopper.bwd_defaults import DP_WAIT_AFTER_80, select_bwd_config
 from fa_sm100.hopper.bwd_interface import sm90_bwd
 from fa_sm100.hopper.bwd_tiles import (first_n_block, longest_first_cluster_cta,
                                        longest_first_cta, longest_first_tail_pairs,
@@ -95,6 +95,12 @@ from script_loader import load_script
     (dict(stagger_m=True, causal=True), "stagger_m=True needs a problem without a causal"),
     (dict(stagger_m=True, window_left=64), "stagger_m=True needs a problem without a causal"),
     (dict(stagger_m=True, deterministic=True), "not deterministic"),
+    (dict(lse_early=1), "lse_early=1: must be a bool"),
+    (dict(lse_early=True, tile_m=80, sdp_swap_ab=True), "lse_early=True needs stats_shuffle"),
+    (dict(lse_early=True, tile_m=128, sdp_swap_ab=True, head_dim=64, head_dim_v=64),
+     "lse_early=True needs stats_shuffle=False"),
+    (dict(dp_wait_after=-2), "dp_wait_after=-2: must be an int >= -1"),
+    (dict(dp_wait_after=True), "dp_wait_after=True: must be an int >= -1"),
 ])
 def test_bad_config_raises_value_error_naming_the_rule(changes, rule):
     with pytest.raises(ValueError, match=rule):
@@ -152,11 +158,24 @@ def test_default_configs_fit_smem_and_follow_the_measured_choices():
     assert select_bwd_config(deterministic=True, causal=True).dq_handoff_per_wg
     assert not select_bwd_config(deterministic=True, window_left=10).dq_handoff_per_wg
     assert not select_bwd_config(dq_handoff_per_wg=False).dq_handoff_per_wg
-    # Note [tile_m 128]: wide blocks shuffle their stats unless asked not to; 64-row blocks
+    # Note [tile_m 128]: 128-row blocks shuffle their stats unless asked not to; 64-row blocks
     # have nothing to shuffle
-    assert select_bwd_config().shuffled_stats and select_bwd_config(head_dim=64).shuffled_stats
-    assert not select_bwd_config(stats_shuffle=False).shuffled_stats
+    assert select_bwd_config(head_dim=64).shuffled_stats
+    assert not select_bwd_config(head_dim=64, stats_shuffle=False).shuffled_stats
     assert not select_bwd_config(head_dim=96).shuffled_stats
+    # Note [dP wait placement]: 80-row blocks load their own stats, LSE2 early, and place the
+    # dP wait, causal or not; asked to shuffle, the loop before it (no boundary)
+    for kw in (dict(), dict(causal=True, seqlen_q=16384, seqlen_k=16384)):
+        cfg = select_bwd_config(**kw)
+        assert cfg.tile_m == 80 and not cfg.shuffled_stats, kw
+        assert cfg.lse_early and cfg.dp_wait_after == DP_WAIT_AFTER_80 == 26, kw
+    shuffled = select_bwd_config(stats_shuffle=True)
+    assert shuffled.shuffled_stats and not shuffled.lse_early and shuffled.dp_wait_after == -1
+    assert select_bwd_config(dp_wait_after=20).dp_wait_after == 20
+    for kw in (dict(head_dim=64), dict(causal=True, seqlen_q=2048, seqlen_k=2048),
+               dict(head_dim=256)):
+        cfg = select_bwd_config(**kw)
+        assert not cfg.lse_early and cfg.dp_wait_after == -1, kw
 
 
 def test_short_bands_at_hdim128_take_64_row_blocks():
@@ -1610,8 +1629,9 @@ def test_sm90_bwd_wide_blocks_shuffle_or_load_their_stats(head_dim, shuffle, tmp
 def test_sm90_bwd_tile_m_80_computes_dq_transposed(tmp_path):
     """Note [dQ transposed]: with 80 query rows, S^T/dP^T are N = 80 (8 k16 slices each over
     hdim 128), dV/dK RS with K = 80 (5 slices each), and dQ^T = K^T dS^T is M = 64 head-dim
-    rows per warpgroup, N = 80, over K = 128 keys (8 SS slices); LSE2/Delta are shuffled
-    (Note [tile_m 128]); five WGMMA groups, no spills."""
+    rows per warpgroup, N = 80, over K = 128 keys (8 SS slices); each thread loads its 20
+    columns' LSE2/Delta, two per LDS.64 (Note [dP wait placement]); five WGMMA groups, no
+    spills."""
     from fa_sm100.inspection import inspect_kernel
 
     r = inspect_kernel("sm90_bwd", "sm_90a", ["tile_m=80", "sdp_swap_ab=true"], keep_dir=tmp_path)
@@ -1623,7 +1643,37 @@ def test_sm90_bwd_tile_m_80_computes_dq_transposed(tmp_path):
     assert shapes.count("64x80x16") == 8 + 8 + 8  # S^T, dP^T, dQ^T
     assert shapes.count("64x128x16") == 5 + 5  # dV, dK
     assert _hgmma_operands(sass) == {"RS": 10, "SS": 24}
-    assert sum(op.startswith("SHFL") for op in loop) >= 2 * 20  # one per LSE2 / Delta column
+    assert "SHFL.IDX" not in loop and loop.count("LDS.64") == 20  # 10 LSE2 + 10 Delta
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("causal", [False, True])
+def test_sm90_bwd_dp_wait_comes_after_the_boundary(causal, tmp_path):
+    """Note [dP wait placement], hdim 128's default (80-row blocks): LSE2's 10 LDS.64 are
+    issued while S^T's GEMM runs (between its first HGMMA and dP^T's), the loop holds one more
+    WGMMA wait than its GEMMs need (the never-taken branch's), and at least dp_wait_after
+    exp2s are issued before the dP^T wait can come (both 0x0 waits after the S^T one), with no
+    spills and five WGMMA groups. Under a causal mask too: a branch on ``m_block == -1`` there
+    was folded away, since the sweep starts at a block >= 0."""
+    from fa_sm100.inspection import inspect_kernel
+
+    cfg = select_bwd_config(causal=causal, seqlen_q=16384, seqlen_k=16384)
+    assert cfg.tile_m == 80 and cfg.dp_wait_after == 26
+    r = inspect_kernel("sm90_bwd", "sm_90a", ["head_dim=128", f"causal={causal}".lower(),
+                                              "qdo_multicast=true"], keep_dir=tmp_path)
+    sass = read_kept_sass(tmp_path)
+    assert r["spill_bytes"] == 0 and _hgmma_commits(sass) == 5
+    from fa_sm100.compile_tools import sass_main_loop
+
+    texts = [t for _, t in sass_main_loop(sass)]
+    loop = main_loop_ops(sass)
+    # the first HGMMA of S^T, then of dP^T: the first two that start from a zero accumulator
+    s_first, dp_first = [i for i, t in enumerate(texts) if "RZ, !UPT" in t][:2]
+    assert loop[s_first:dp_first].count("LDS.64") == 10
+    waits = [i for i, t in enumerate(loop) if t.startswith("WARPGROUP.DEPBAR")]
+    assert len(waits) == 5  # S^T; the branch's and the real dP^T wait; dV/dQ; dK
+    for at in waits[1:3]:
+        assert loop[:at].count("MUFU.EX2") >= cfg.dp_wait_after
 
 
 SMEM_CASES = [dict(head_dim=128), dict(head_dim=128, tile_m=64, sdp_swap_ab=False),

@@ -125,8 +125,16 @@ class BwdConfig:
     # Blocks of 80 / 128 query rows: hold LSE2 / Delta 4 per lane and shuffle each query's
     # value to the lanes that need it (Note [tile_m 128] in bwd_kernel.py); off: every thread
     # loads its own queries' values from SMEM (20 at tile_m 80, two per 64-bit load), as FA4
-    # does. Ignored with 64-row blocks.
+    # does. Ignored with 64-row blocks. select_bwd_config: off at tile_m 80 (with lse_early
+    # and dp_wait_after, Note [dP wait placement]), on at tile_m 128.
     stats_shuffle: bool = True
+    # Blocks of 80 / 128 rows, unshuffled statistics: load the block's LSE2 right after S^T's
+    # GEMM is issued, while it runs, instead of after dP^T's (Note [dP wait placement]).
+    lse_early: bool = False
+    # Blocks of 80 / 128 rows: issue this many of S^T's exp2s (in the loop's order) before
+    # the wait for dP^T may come, by a block boundary that ptxas does not schedule across
+    # (Note [dP wait placement]); -1: no boundary, ptxas places the wait.
+    dp_wait_after: int = -1
     # Poll a Q / dO stage's mbarrier once before the blocking wait (Note [try first] in
     # bwd_kernel.py); off where the extra live register makes ptxas spill.
     try_wait: bool = True
@@ -270,7 +278,8 @@ class BwdConfig:
     def effective(self) -> "BwdConfig":
         """This config with the switches that its kernels do not read set to their defaults:
         ``stats_first`` with blocks of more than 64 query rows (they read LSE2/Delta after the
-        GEMMs, Note [tile_m 128]), ``stats_shuffle`` with 64-row blocks, ``qdo_cluster``
+        GEMMs, Note [tile_m 128]), ``stats_shuffle``, ``lse_early`` and ``dp_wait_after``
+        with 64-row blocks (Note [dP wait placement]), ``qdo_cluster``
         without ``qdo_multicast``, ``tail_ctas`` without ``longest_first`` (the kernel gets
         the tail as an argument that it then never reads). Two configs with equal
         ``effective()`` build the same kernels (a compile test holds their SASS equal), so
@@ -278,7 +287,8 @@ class BwdConfig:
         if self.wide_query_block:
             changes = {"stats_first": BwdConfig.stats_first}
         else:
-            changes = {"stats_shuffle": BwdConfig.stats_shuffle}
+            changes = {name: getattr(BwdConfig, name)
+                       for name in ("stats_shuffle", "lse_early", "dp_wait_after")}
         if not self.qdo_multicast:
             changes["qdo_cluster"] = BwdConfig.qdo_cluster
         if not self.longest_first:
@@ -469,7 +479,8 @@ class BwdConfig:
         for name in ("sdp_swap_ab", "overlap_dk", "stats_smem", "try_wait", "stats_first",
                      "dv_before_barrier", "dkv_tma_store", "dq_handoff_per_wg", "pdl",
                      "stats_shuffle", "dv_before_fence", "longest_first", "qdo_multicast",
-                     "dq_first_store", "stagger_m", "early_dq_post", "dynamic_tiles"):
+                     "dq_first_store", "stagger_m", "early_dq_post", "dynamic_tiles",
+                     "lse_early"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be a bool")
         if self.tile_m == 2 * TILE_M_ATOM:
@@ -486,6 +497,11 @@ class BwdConfig:
                     f"spills and serializes every WGMMA (with 2-stage Q/dO the SMEM does not "
                     f"fit either)"
                 )
+        if self.lse_early and self.shuffled_stats:
+            raise ValueError(
+                "lse_early=True needs stats_shuffle=False with blocks of 80 / 128 rows: the "
+                "shuffled values (20 at tile_m 80) would stay live across the S^T GEMM, and "
+                "ptxas then serializes every WGMMA (round 35; Note [dP wait placement])")
         if self.dv_before_barrier and self.early_dv:
             raise ValueError(
                 "dv_before_barrier=True needs early_dv=False: with early_dv, dV is issued "
@@ -523,7 +539,8 @@ class BwdConfig:
                 "its CTA done once its bulk reduces have completed, and the postprocess starts "
                 "as a programmatic dependent of the main kernel (Note [dQ postprocess in the "
                 "tail])")
-        for name, least in (("pre_ctas", 0), ("tail_ctas", 1), ("persistent_ctas", 0)):
+        for name, least in (("pre_ctas", 0), ("tail_ctas", 1), ("persistent_ctas", 0),
+                            ("dp_wait_after", -1)):
             n = getattr(self, name)
             if isinstance(n, bool) or not isinstance(n, int) or n < least:
                 raise ValueError(f"{name}={n!r}: must be an int >= {least}")

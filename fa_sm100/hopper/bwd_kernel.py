@@ -72,8 +72,9 @@ B = dS from the same dS image the other paths read (keys contiguous: K-major). T
 accumulator is (hdim, tile_m); the fragment order (Note [dQ in fragment order]) and the
 postprocess follow the tiled MMA, so the dQ stores and the bulk reduce do not change.
 S^T/dP^T have N = 80 and dV/dK are RS WGMMAs with K = 80 (five k16 slices); LSE2/Delta are
-held and shuffled as in Note [tile_m 128] (20 per thread otherwise: ptxas spilled ~300
-bytes), the lanes 0-7 holding queries 64-79. FA4 runs hdim 128 non-causal this way.
+held and shuffled as in Note [tile_m 128], the lanes 0-7 holding queries 64-79, or, the
+default since round 36, each thread loads its 20 (Note [dP wait placement]; an earlier
+layout of those loads spilled ~300 bytes). FA4 runs hdim 128 non-causal this way.
 
 Note [dV before the dS barrier] (``dv_before_barrier``, without ``early_dv``): dV += P^T dO
 is issued once this warpgroup has stored its dS (and, unswapped, its P: one 128-thread
@@ -132,6 +133,34 @@ stall samples against FA4's 5%); placed first, their latency hides behind the GE
 ``select_bwd_config`` turns it on for short causal hdim 128 (swapped 64-row blocks), where
 paired timing measured +5.2% at 2k and +1.6% at 1k, and with them for narrow windows at hdim
 128 (``NARROW_WINDOW_BAND``); unswapped hdim 256 it measured -0.8% to 0.
+
+Note [dP wait placement] (``stats_shuffle=False``, ``lse_early``, ``dp_wait_after``; blocks
+of 80 / 128 rows): after S^T's GEMM is done the warpgroup computes P = exp2(S^T * scale -
+LSE2) and then waits for dP^T (``wait_group(0)``); how many of the exp2s run before that
+wait, under the dP^T GEMM, decides how much of the pointwise math the tensor cores hide.
+ptxas places the wait where it likes: with shuffled statistics after 10 of hdim 128's 40
+``MUFU.EX2``; with FA4's unshuffled loads (every thread its 20 columns, two per ``LDS.64``)
+issued as FA4 issues them, after 1, because it lifts Delta's loads and the wait above the
+exp2s (FA4's own kernel: after 11). Two switches take that choice back:
+- ``lse_early``: the 10 LSE2 loads are issued right after S^T's GEMM, while it runs (FA4's
+  order), not after dP^T's; they are done when the exp2s need them. (Shuffled, the 20 values
+  would live across the S^T GEMM: ptxas serializes every WGMMA, hence the config rule.)
+- ``dp_wait_after = n``: after the n-th exp2, a branch on warp-uniform values that never
+  holds (``m_block == seqlen_q``) around a ``wait_group(0)`` that would be right if it ran
+  (``_schedule_boundary`` in bwd_scores.py). ptxas does not schedule across a branch, so the
+  first n exp2s are issued before it and the real wait comes after it; the exp2s are only
+  issued there, not waited for (round 34's branch on the smallest P had to wait for all 40
+  results, and lost 3.4%).
+hdim 128 (H200, round 36, ``scripts/ab_bench.py --top-clock``, paired over the shuffled
+default, 10 rounds; ``docs/data/round36/``): unshuffled with both, n = 26 (the real wait
+then after 30 exp2s, both masks): non-causal +0.8% (1k), +1.7% (2k), +1.4% (4k), +1.6% / +1.7% (8k), +1.6% /
++1.7% (16k); causal +1.6% (8k), +1.9% (16k). n = 20: within 0.4% of 26 except causal (-0.4%
+/ -0.5%); 14, 32, 40: slower. Either switch alone: ``lse_early`` 0.985-0.990; n = 10 with
+it (FA4's 11 exp2s before the wait) 1.001-1.002 non-causal; shuffled with n = 20: 0.991-0.992
+non-causal, 0.996-0.997 causal, n = 40: 0.975 non-causal. The exp2s go columns outer: rows
+outer, with both switches, ptxas serialized every WGMMA (34 commit groups per block). hdim 64
+(128-row blocks, 64 exp2s): unshuffled with n = 32, 42, 52 measured 0.967-0.981,
+0.951-0.960, 0.929-0.943, so its statistics stay shuffled.
 
 Note [try first] (``try_wait``): the MMA warpgroups' waits for a ``q`` / ``do`` stage first
 poll the mbarrier once (``consumer_try_wait``) and pass the result as the token of the
@@ -522,6 +551,7 @@ class Sm90FlashBackward(BwdTileRole, BwdLoadRole, BwdStoreRole, BwdScoresRole):
         late_p = wide and not self.cfg.early_dv  # P^T converted after dS
         ds_from_p16 = wide and self.cfg.early_dv  # dS = P^T (16 bits) (dP^T - Delta)
         stats_first = self.cfg.stats_first and not wide  # wide blocks read the stats later
+        lse_early = wide and self.cfg.lse_early
         dv_mid = self.cfg.dv_before_barrier  # validate(): only without early_dv
         p_staged = self.cfg.p_stage > 1  # Note [dK/dV by columns]: P double-buffered like dS
         wg = cute.arch.make_warp_uniform(tidx // WARPGROUP_THREADS)
@@ -591,6 +621,8 @@ class Sm90FlashBackward(BwdTileRole, BwdLoadRole, BwdStoreRole, BwdScoresRole):
                 lse = self._query_stats(lse_block, thr_sdp, sdp_shape, tScS)
             acc_S = cute.make_rmem_tensor(mma_sdp.partition_shape_C(sdp_shape), Float32)
             self._sdp_gemm(mma_sdp, acc_S, tSrQ[None, None, None, state_q.index], tSrK)
+            if const_expr(lse_early):  # Note [dP wait placement]: LSE2 loads while S^T runs
+                lse = self._query_stats(lse_block, thr_sdp, sdp_shape, tScS)
             self._consumer_wait(pipe_do, state_do)
             delta_block = self._stat_block(mDelta_cur, sDelta, m_block, state_do.index)
             if const_expr(stats_first):
@@ -599,7 +631,7 @@ class Sm90FlashBackward(BwdTileRole, BwdLoadRole, BwdStoreRole, BwdScoresRole):
             self._sdp_gemm(mma_sdp, acc_dP, tdPrdO[None, None, None, state_do.index], tdPrV)
             S = rows_cols_view(acc_S)
             dP = rows_cols_view(acc_dP)
-            if const_expr(not stats_first):
+            if const_expr(not stats_first and not lse_early):
                 lse = self._block_stats(lse_block, thr_sdp, sdp_shape, tScS)
                 if const_expr(not wide):  # wide blocks read Delta after P (below)
                     dpsum = self._query_stats(delta_block, thr_sdp, sdp_shape, tScS)
@@ -611,7 +643,7 @@ class Sm90FlashBackward(BwdTileRole, BwdLoadRole, BwdStoreRole, BwdScoresRole):
             if const_expr(pointwise):
                 if self._block_needs_mask(m_block, n_block, seqlen_q, seqlen_k):
                     self._mask(S, tScS, tScS0, m_block, n_block, seqlen_q, seqlen_k)
-                self._exp2_rows(S, lse, scale_log2, tScS0)
+                self._exp2_rows(S, lse, scale_log2, tScS0, m_block, seqlen_q)
             if const_expr(wide):  # Delta after P: its registers never live beside LSE2's
                 dpsum = self._block_stats(delta_block, thr_sdp, sdp_shape, tScS)
             rP = cute.make_fragment_like(acc_S, self.dtype)

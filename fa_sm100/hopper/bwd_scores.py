@@ -11,6 +11,7 @@ read.
 
 import cutlass
 import cutlass.cute as cute
+from cutlass.cute.nvgpu import warpgroup
 from cutlass import Float32, const_expr
 
 from fa_sm100.hopper import probes
@@ -51,19 +52,38 @@ class BwdScoresRole:
         return cute.arch.shuffle_sync(stat[slot], lane_base + cute.arch.lane_idx() % 4)
 
     @cute.jit
-    def _exp2_rows(self, S, lse, scale_log2, tScS0):
-        """P = exp2(S * scale_log2 - LSE2) in place (tile_m 80 / 128: columns outer, one
-        shuffle per column)."""
-        if const_expr(self.cfg.shuffled_stats):
-            for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
+    def _exp2_rows(self, S, lse, scale_log2, tScS0, m_block, seqlen_q):
+        """P = exp2(S * scale_log2 - LSE2) in place. Blocks of 80 / 128 rows: columns outer (one
+        shuffle per column with ``stats_shuffle``), and with ``dp_wait_after`` >= 0 a block
+        boundary after that many exp2s (Note [dP wait placement]; ``m_block``, ``seqlen_q``:
+        the warp-uniform values its branch compares). Rows outer, their order measured with
+        unshuffled 80-row blocks, made ptxas serialize every WGMMA (34 groups, round 36)."""
+        rows, cols = cute.size(S, mode=[0]), cute.size(S, mode=[1])
+        if const_expr(self.cfg.wide_query_block):
+            split = self.cfg.dp_wait_after
+            for c in cutlass.range_constexpr(cols):
                 lse_q = self._query_stat(lse, 0, c, tScS0)
-                for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
+                for r in cutlass.range_constexpr(rows):
+                    if const_expr(c * rows + r == split):
+                        self._schedule_boundary(m_block, seqlen_q)
                     S[r, c] = cute.math.exp2(S[r, c] * scale_log2 - lse_q, fastmath=True)
+            if const_expr(split >= rows * cols):
+                self._schedule_boundary(m_block, seqlen_q)
         else:
-            for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
-                for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
+            for r in cutlass.range_constexpr(rows):
+                for c in cutlass.range_constexpr(cols):
                     S[r, c] = cute.math.exp2(S[r, c] * scale_log2
                                              - self._query_stat(lse, r, c, tScS0), fastmath=True)
+
+    @cute.jit
+    def _schedule_boundary(self, m_block, seqlen_q):
+        """Note [dP wait placement]: a branch on warp-uniform values whose condition never
+        holds (a query block's index is below the query count) around the wait for dP^T,
+        which would be right if it ran: ptxas keeps what was issued before it before it, and
+        the wait after it. Not ``m_block == -1``: where the sweep starts at a block >= 0
+        (causal), LLVM proves that false and drops the branch."""
+        if m_block == seqlen_q:
+            warpgroup.wait_group(0)
 
     @cute.jit
     def _ds_rows(self, dP, P, dpsum, tScS0):
