@@ -20,6 +20,7 @@ from kept_sass import read_kept_sass
 SAME = [
     ("sm90_bwd", ["head_dim=128", "causal=true", "qdo_multicast=true"], ["stats_first=true"]),
     ("sm90_bwd", ["head_dim=96"], ["stats_shuffle=false"]),
+    ("sm90_bwd", ["head_dim=96"], ["dp_wait_after=10"]),  # 64-row blocks: no boundary
     ("sm90_bwd", ["head_dim=128", "qdo_multicast=false"], ["qdo_cluster=4"]),
     ("sm90_fwd", ["head_dim=128", "kv_multicast=false"],
      ["peer_release=false", "kv_cluster=4", "multicast_odd_m=false"]),

@@ -219,8 +219,9 @@ def test_pointwise_probe_leaves_the_gemms_and_takes_the_math(tmp_path, causal):
     """``pointwise=none`` takes every exp2 and the stats' shuffles out of the MMA loop and
     keeps what moves data: the same GEMMs, TMA copies, bulk operations, barriers and dQ
     staging stores, no spills; the plain kernel compiled afterwards is the one compiled
-    before."""
-    overrides = ["head_dim=128", f"causal={causal}", "qdo_multicast=true"]
+    before. (Shuffled statistics, as the probe was measured in round 34: hdim 128's default
+    loads them since round 36, Note [dP wait placement].)"""
+    overrides = ["head_dim=128", f"causal={causal}", "qdo_multicast=true", "stats_shuffle=true"]
     before = inspect_kernel("sm90_bwd", "sm_90a", overrides, keep_dir=tmp_path / "before")
     with probes.probe("pointwise", "none"):
         probed = inspect_kernel("sm90_bwd", "sm_90a", overrides, keep_dir=tmp_path / "probed")

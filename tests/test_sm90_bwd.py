@@ -176,6 +176,17 @@ def test_default_configs_fit_smem_and_follow_the_measured_choices():
                dict(head_dim=256)):
         cfg = select_bwd_config(**kw)
         assert not cfg.lse_early and cfg.dp_wait_after == -1, kw
+    # ... only where they compile without spills (_own_stats_fit): not with persistent CTAs,
+    # nor causal without multicast or with GQA; asked for, they are taken anyway
+    for kw in (dict(seqlen_q=1024, seqlen_k=1024), dict(causal=True),
+               dict(causal=True, deterministic=True),
+               dict(causal=True, seqlen_q=16384, seqlen_k=16384, qhead_per_kvhead=4)):
+        cfg = select_bwd_config(**kw)
+        assert cfg.tile_m == 80 and cfg.shuffled_stats and cfg.dp_wait_after == -1, kw
+    for kw in (dict(deterministic=True), dict(qhead_per_kvhead=4), dict(window_left=3000)):
+        assert select_bwd_config(**kw).dp_wait_after == 26, kw
+    asked = select_bwd_config(causal=True, stats_shuffle=False)
+    assert asked.lse_early and asked.dp_wait_after == 26
 
 
 def test_short_bands_at_hdim128_take_64_row_blocks():
@@ -889,14 +900,17 @@ def test_sm90_bwd_qdo_multicast_multicasts_q_and_do_only(head_dim, causal, tmp_p
     multicast TMA loads and K's and V's are not (one load site each; 64-element-wide boxes:
     head_dim / 64 per tile); the main loop keeps its GEMMs, exp2s, barriers and dQ path, with
     the Q / dO releases as remote arrives; nothing spills. Causal too (the skipped query
-    blocks' waits and releases sit before the main loop)."""
+    blocks' waits and releases sit before the main loop). Causal hdim 128 loads its own
+    statistics with multicast only (``_own_stats_fit``), so both sides are pinned to the
+    shuffled ones there."""
     from fa_sm100.inspection import inspect_kernel
 
+    pinned = ["stats_shuffle=true"] if (head_dim, causal) == (128, True) else []
     loops = {}
     for on in (True, False):
         keep = tmp_path / str(on)
         r = inspect_kernel("sm90_bwd", "sm_90a", [f"head_dim={head_dim}", f"causal={causal}",
-                                                  f"qdo_multicast={on}"], keep_dir=keep)
+                                                  f"qdo_multicast={on}"] + pinned, keep_dir=keep)
         assert r["config"]["qdo_multicast"] is on
         assert r["spill_bytes"] == 0 and r["local_bytes"] == 0
         assert r["cluster"] == ([2, 1, 1] if on else [1, 1, 1])

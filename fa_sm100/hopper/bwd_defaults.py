@@ -76,7 +76,11 @@ DYNAMIC_WINDOW_BAND = 1024
 # statistics (``stats_shuffle=False``), LSE2 while S^T runs (``lse_early``), and issue this
 # many exp2s before the dP^T wait may come (``dp_wait_after``). H200, round 36, paired over
 # the shuffled statistics: +0.8% to +1.9% in every cell with 80-row blocks (non-causal
-# 1k-16k, causal 8k-16k). 128-row blocks (hdim 64) measured 2-7% slower that way: shuffled.
+# 1k-16k, causal 8k-16k). Only where they compile without spills (``_own_stats_fit``: beside
+# the preprocess, non-causal or causal MHA with multicast): elsewhere ptxas spills 8-76 bytes
+# and the shuffled loop stays, among them the persistent CTAs of non-causal 1k / 2k (whose
+# +0.8% / +1.7% were measured with a spilling kernel). 128-row blocks (hdim 64) measured 2-7%
+# slower that way: shuffled.
 DP_WAIT_AFTER_80 = 26
 
 
@@ -112,7 +116,9 @@ def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = Fals
     - hdim 128 with 80-row blocks: each thread loads its own LSE2/Delta, LSE2 while S^T runs,
       and the dP^T wait after 26 exp2s (``stats_shuffle=False``, ``lse_early``,
       ``dp_wait_after``, Note [dP wait placement]); H200, round 36, paired over the shuffled
-      statistics: non-causal +0.8% (1k) to +1.7% (16k), causal +1.6% (8k), +1.9% (16k).
+      statistics: non-causal +1.4% (4k) to +1.7% (16k), causal +1.6% (8k), +1.9% (16k). Only
+      where they compile without spills (``_own_stats_fit``); elsewhere (persistent CTAs,
+      causal without multicast or with GQA) the shuffled loop stays.
     - swapped with dV before the dS barrier: dV issued before the dS fence
       (``dv_before_fence``), paired timing +1.3% to +3.3% at hdim 128, +0.5% to +1.4% at 64.
     - blocks of more than 64 rows (hdim 64: 128, hdim 128: 80): dV issued before the dS
@@ -173,7 +179,9 @@ def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = Fals
         or (band is not None and band <= NARROW_WINDOW_BAND))
     tile_m = overrides.pop("tile_m", _default_tile_m(head_dim, swap, short_band))
     # 80-row blocks: their own statistics, the dP^T wait after DP_WAIT_AFTER_80 exp2s (Note
-    # [dP wait placement]); asked to shuffle them, the round 35 loop
+    # [dP wait placement]); asked to shuffle them, the round 35 loop (and see the end: only
+    # beside the preprocess)
+    stats_asked = {"stats_shuffle", "lse_early", "dp_wait_after"} & set(overrides)
     own_stats = tile_m == TILE_M_DQ_TRANSPOSED and not overrides.get("stats_shuffle", False)
     # blocks of 80 / 128 rows and short bands at hdim 128: dV right before the dS barrier
     # (unless early dV is asked for)
@@ -258,7 +266,19 @@ def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = Fals
             cfg = dynamic._validate_persistent()
         except ValueError:
             pass
+    if own_stats and not stats_asked and not _own_stats_fit(cfg):
+        cfg = cfg.replace(stats_shuffle=True, lse_early=False, dp_wait_after=-1)
     return cfg.validate()
+
+
+def _own_stats_fit(cfg: BwdConfig) -> bool:
+    """Whether an 80-row config compiles without spills with its own statistics and the
+    placed dP wait (Note [dP wait placement]; sm_90a, round 36): beside the preprocess
+    (``pre_ctas`` > 0), non-causal, or causal MHA with Q/dO multicast. Elsewhere ptxas spills:
+    persistent CTAs 76 bytes, causal without multicast 8 (deterministic, windowed too), causal
+    GQA 16-24; those keep the shuffled loop."""
+    return cfg.pre_ctas > 0 and (not cfg.causal
+                                 or (cfg.qdo_multicast and cfg.qhead_per_kvhead == 1))
 
 
 def window_band(causal: bool, window_left: Optional[int], window_right: Optional[int]):

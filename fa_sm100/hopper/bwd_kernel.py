@@ -158,7 +158,11 @@ then after 30 exp2s, both masks): non-causal +0.8% (1k), +1.7% (2k), +1.4% (4k),
 / -0.5%); 14, 32, 40: slower. Either switch alone: ``lse_early`` 0.985-0.990; n = 10 with
 it (FA4's 11 exp2s before the wait) 1.001-1.002 non-causal; shuffled with n = 20: 0.991-0.992
 non-causal, 0.996-0.997 causal, n = 40: 0.975 non-causal. The exp2s go columns outer: rows
-outer, with both switches, ptxas serialized every WGMMA (34 commit groups per block). hdim 64
+outer, with both switches, ptxas serialized every WGMMA (34 commit groups per block).
+``select_bwd_config`` takes them where they compile without spills (``_own_stats_fit``:
+beside the preprocess, non-causal or causal MHA with Q/dO multicast); elsewhere (persistent
+CTAs, causal without multicast or with GQA) ptxas spills 8-76 bytes with them, and the
+shuffled loop stays. hdim 64
 (128-row blocks, 64 exp2s): unshuffled with n = 32, 42, 52 measured 0.967-0.981,
 0.951-0.960, 0.929-0.943, so its statistics stay shuffled.
 
