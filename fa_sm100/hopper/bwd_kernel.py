@@ -153,18 +153,19 @@ exp2s (FA4's own kernel: after 11). Two switches take that choice back:
   results, and lost 3.4%).
 hdim 128 (H200, round 36, ``scripts/ab_bench.py --top-clock``, paired over the shuffled
 default, 10 rounds; ``docs/data/round36/``): unshuffled with both, n = 26 (the real wait
-then after 30 exp2s, both masks): non-causal +0.8% (1k), +1.7% (2k), +1.4% (4k), +1.6% / +1.7% (8k), +1.6% /
-+1.7% (16k); causal +1.6% (8k), +1.9% (16k). n = 20: within 0.4% of 26 except causal (-0.4%
-/ -0.5%); 14, 32, 40: slower. Either switch alone: ``lse_early`` 0.985-0.990; n = 10 with
+then after 30 exp2s, both masks): non-causal +1.4% (4k), +1.6% / +1.7% (8k), +1.6% / +1.7%
+(16k), and +0.8% / +1.7% at 1k / 2k, where the persistent CTAs spill with them (see below);
+causal +1.6% (8k), +1.9% (16k). n = 20: within 0.4% of 26 except causal (-0.4% / -0.5%);
+14, 32, 40: slower. Either switch alone: ``lse_early`` 0.985-0.990; n = 10 with
 it (FA4's 11 exp2s before the wait) 1.001-1.002 non-causal; shuffled with n = 20: 0.991-0.992
 non-causal, 0.996-0.997 causal, n = 40: 0.975 non-causal. The exp2s go columns outer: rows
 outer, with both switches, ptxas serialized every WGMMA (34 commit groups per block).
 ``select_bwd_config`` takes them where they compile without spills (``_own_stats_fit``:
 beside the preprocess, non-causal or causal MHA with Q/dO multicast); elsewhere (persistent
 CTAs, causal without multicast or with GQA) ptxas spills 8-76 bytes with them, and the
-shuffled loop stays. hdim 64
-(128-row blocks, 64 exp2s): unshuffled with n = 32, 42, 52 measured 0.967-0.981,
-0.951-0.960, 0.929-0.943, so its statistics stay shuffled.
+shuffled loop stays. hdim 64 (128-row blocks, 64 exp2s): unshuffled with n = 32, 42, 52
+measured 0.967-0.981, 0.951-0.960, 0.929-0.943, and shuffled with n = 16, 32, 48
+0.978-0.992, 0.969-0.979, 0.948-0.952, so its loop stays as ptxas places it.
 
 Note [try first] (``try_wait``): the MMA warpgroups' waits for a ``q`` / ``do`` stage first
 poll the mbarrier once (``consumer_try_wait``) and pass the result as the token of the
