@@ -4,9 +4,10 @@ causal / sliding-window / tail mask, and dS = P (dP - Delta).
 
 The accumulators these act on are S and dP (unswapped: rows are queries) or S^T and dP^T
 (``sdp_swap_ab``: rows are keys, Note [swapped S/dP] in bwd_kernel.py); with ``tile_m`` 80
-or 128 the LSE2/Delta values are shuffled between lanes (Note [tile_m 128]). The kernel's Notes
-[stats with their stage] and [stats before the GEMMs] say where and when the statistics are
-read.
+or 128 the LSE2/Delta values are shuffled between lanes (Note [tile_m 128]) or each thread
+loads its own (hdim 128's default, with the dP wait placed by ``_schedule_boundary``, Note
+[dP wait placement]). The kernel's Notes [stats with their stage] and [stats before the
+GEMMs] say where and when the statistics are read.
 """
 
 import cutlass
