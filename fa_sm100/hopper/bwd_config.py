@@ -125,8 +125,8 @@ class BwdConfig:
     # Blocks of 80 / 128 query rows: hold LSE2 / Delta 4 per lane and shuffle each query's
     # value to the lanes that need it (Note [tile_m 128] in bwd_kernel.py); off: every thread
     # loads its own queries' values from SMEM (20 at tile_m 80, two per 64-bit load), as FA4
-    # does. Ignored with 64-row blocks. select_bwd_config: off at tile_m 80 (with lse_early
-    # and dp_wait_after, Note [dP wait placement]), on at tile_m 128.
+    # does. Ignored with 64-row blocks. select_bwd_config: off at tile_m 80 where that compiles
+    # without spills (with lse_early and dp_wait_after, Note [dP wait placement]), else on.
     stats_shuffle: bool = True
     # Blocks of 80 / 128 rows, unshuffled statistics: load the block's LSE2 right after S^T's
     # GEMM is issued, while it runs, instead of after dP^T's (Note [dP wait placement]).

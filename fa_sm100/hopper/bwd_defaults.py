@@ -75,8 +75,8 @@ DYNAMIC_WINDOW_BAND = 1024
 # Note [dP wait placement] (bwd_kernel.py): blocks of 80 rows (hdim 128) load their own
 # statistics (``stats_shuffle=False``), LSE2 while S^T runs (``lse_early``), and issue this
 # many exp2s before the dP^T wait may come (``dp_wait_after``). H200, round 36, paired over
-# the shuffled statistics: +0.8% to +1.9% in every cell with 80-row blocks (non-causal
-# 1k-16k, causal 8k-16k). Only where they compile without spills (``_own_stats_fit``: beside
+# the shuffled statistics: +1.4% to +1.9% in every cell with 80-row blocks from 4k on
+# (non-causal 4k-16k, causal 8k-16k). Only where they compile without spills (``_own_stats_fit``: beside
 # the preprocess, non-causal or causal MHA with multicast): elsewhere ptxas spills 8-76 bytes
 # and the shuffled loop stays, among them the persistent CTAs of non-causal 1k / 2k (whose
 # +0.8% / +1.7% were measured with a spilling kernel). 128-row blocks (hdim 64) measured 2-7%
@@ -179,8 +179,8 @@ def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = Fals
         or (band is not None and band <= NARROW_WINDOW_BAND))
     tile_m = overrides.pop("tile_m", _default_tile_m(head_dim, swap, short_band))
     # 80-row blocks: their own statistics, the dP^T wait after DP_WAIT_AFTER_80 exp2s (Note
-    # [dP wait placement]); asked to shuffle them, the round 35 loop (and see the end: only
-    # beside the preprocess)
+    # [dP wait placement]) where they compile without spills (_own_stats_fit, at the end);
+    # asked to shuffle them, the round 35 loop
     stats_asked = {"stats_shuffle", "lse_early", "dp_wait_after"} & set(overrides)
     own_stats = tile_m == TILE_M_DQ_TRANSPOSED and not overrides.get("stats_shuffle", False)
     # blocks of 80 / 128 rows and short bands at hdim 128: dV right before the dS barrier
