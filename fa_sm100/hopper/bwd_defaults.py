@@ -76,12 +76,14 @@ DYNAMIC_WINDOW_BAND = 1024
 # statistics (``stats_shuffle=False``), LSE2 while S^T runs (``lse_early``), and issue this
 # many exp2s before the dP^T wait may come (``dp_wait_after``). H200, round 36, paired over
 # the shuffled statistics: +1.4% to +1.9% in every cell with 80-row blocks from 4k on
-# (non-causal 4k-16k, causal 8k-16k). Only where they compile without spills (``_own_stats_fit``: beside
-# the preprocess, non-causal or causal MHA with multicast): elsewhere ptxas spills 8-76 bytes
-# and the shuffled loop stays, among them the persistent CTAs of non-causal 1k / 2k (whose
-# +0.8% / +1.7% were measured with a spilling kernel). 128-row blocks (hdim 64) measured 2-7%
-# slower that way: shuffled.
+# (non-causal 4k-16k, causal 8k-16k). Only where they compile without spills
+# (``_own_stats_fit``: beside the preprocess, non-causal or causal MHA with multicast):
+# elsewhere ptxas spills 8-76 bytes and the shuffled loop stays, among them the persistent
+# CTAs of non-causal 1k / 2k (whose +0.8% / +1.7% were measured with a spilling kernel).
+# 128-row blocks (hdim 64) measured 2-7% slower that way: shuffled. ``OWN_STATS``: the three
+# switches so set.
 DP_WAIT_AFTER_80 = 26
+OWN_STATS = dict(stats_shuffle=False, lse_early=True, dp_wait_after=DP_WAIT_AFTER_80)
 
 
 def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = False,
@@ -178,11 +180,9 @@ def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = Fals
          and max(seqlen_q, seqlen_k) <= SHORT_CAUSAL_SEQLEN)
         or (band is not None and band <= NARROW_WINDOW_BAND))
     tile_m = overrides.pop("tile_m", _default_tile_m(head_dim, swap, short_band))
-    # 80-row blocks: their own statistics, the dP^T wait after DP_WAIT_AFTER_80 exp2s (Note
-    # [dP wait placement]) where they compile without spills (_own_stats_fit, at the end);
-    # asked to shuffle them, the round 35 loop
-    stats_asked = {"stats_shuffle", "lse_early", "dp_wait_after"} & set(overrides)
-    own_stats = tile_m == TILE_M_DQ_TRANSPOSED and not overrides.get("stats_shuffle", False)
+    # which of the statistics' switches (Note [dP wait placement]) were asked for: the rest
+    # are decided at the end, on the finished config
+    stats_asked = {name: overrides[name] for name in OWN_STATS if name in overrides}
     # blocks of 80 / 128 rows and short bands at hdim 128: dV right before the dS barrier
     # (unless early dV is asked for)
     early_dv = overrides.pop("early_dv", None)
@@ -210,9 +210,6 @@ def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = Fals
         overlap_dk=overrides.pop("overlap_dk", False),
         # short bands at hdim 128 (swapped 64-row blocks): the stats before the GEMMs
         stats_first=overrides.pop("stats_first", short_band),
-        stats_shuffle=overrides.pop("stats_shuffle", not own_stats),
-        lse_early=overrides.pop("lse_early", own_stats),
-        dp_wait_after=overrides.pop("dp_wait_after", DP_WAIT_AFTER_80 if own_stats else -1),
         # deterministic with a left window: one dQ handoff for the whole tile. H200, round 30,
         # paired (window (512, 0), 10 rounds, 4k / 16k): +1.4% / +1.8% at hdim 64, +0.3% /
         # +0.3% at hdim 128 over one per warpgroup; without a window one per warpgroup stays
@@ -266,8 +263,16 @@ def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = Fals
             cfg = dynamic._validate_persistent()
         except ValueError:
             pass
-    if own_stats and not stats_asked and not _own_stats_fit(cfg):
-        cfg = cfg.replace(stats_shuffle=True, lse_early=False, dp_wait_after=-1)
+    if cfg.tile_m == TILE_M_DQ_TRANSPOSED:
+        # 80-row blocks: their own statistics and the placed dP^T wait where they compile
+        # without spills, or where any of their switches was asked for, unless it was
+        # stats_shuffle=True (the round 35 loop); the switches asked for stay as asked
+        if "stats_shuffle" in stats_asked:
+            own = not stats_asked["stats_shuffle"]
+        else:
+            own = bool(stats_asked) or _own_stats_fit(cfg)
+        if own:
+            cfg = cfg.replace(**{k: v for k, v in OWN_STATS.items() if k not in stats_asked})
     return cfg.validate()
 
 
