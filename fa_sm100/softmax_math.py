@@ -225,6 +225,27 @@ def rescale_needed(growth_log2, threshold):
     return growth_log2 > threshold
 
 
+def correction_needed(acc_scale):
+    """The correction vote's question for one row: must O's row be multiplied by its factor?
+
+    Note [Correction vote]
+        After each K/V block the softmax hands every row a factor: 1 when the row keeps its max
+        (or has seen no key yet), ``exp2((m_old - m_new) * scale_log2)`` when it moves. A warp
+        multiplies its rows of O only when this predicate holds for at least one of them (the
+        vote); then every row of the warp is multiplied by its own factor, and a factor of 1
+        changes nothing. The predicate is ``factor < 1`` and a factor of exactly 0 counts: it is
+        what exp2 gives when the max jumps by more than about 149 log2 units (float32
+        underflow, and the approximate exp2 flushes below 2^-126), and the row's stale O must
+        then be cleared, or it keeps full weight against the new max. A row that has seen no
+        key yet gets the factor 1 from the softmax, not 0, because its O holds nothing to keep
+        (on SM100 the block's first PV MMA overwrites it; on Hopper it is 0). Both forwards and
+        the numerics emulation apply this one predicate.
+
+    Works on Python floats, DSL ``Float32`` values and torch tensors (elementwise).
+    """
+    return acc_scale < 1.0
+
+
 def rescale_threshold_log2(threshold: float) -> float:
     """``FmhaConfig.rescale_threshold`` as the kernel compares it: already in log2 units.
 

@@ -35,6 +35,54 @@ def attention_reference(q, k, v, softmax_scale=None, causal=False, window=(None,
     return out, lse
 
 
+def attention_mixed(q, k, v, softmax_scale=None, causal=False, window=(None, None)):
+    """Plain attention as tensor cores do it: 16-bit operands, float32 products and sums.
+
+    S = Q K^T and its softmax in float32, P rounded to the input dtype before P V (float32
+    sums), O rounded to the input dtype; LSE in float32. No tiling, no online rescale: the
+    second plain baseline of the adversarial rule (``fa_sm100.adversarial``), which unlike the
+    all-16-bit ``attention_reference(..., upcast=False)`` stays accurate when scores are large.
+    """
+    s = attention_scores(q, k, softmax_scale, causal, window, dtype=torch.float32)
+    m = s.amax(-1, keepdim=True)
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    p = torch.exp(s - m)
+    row_sum = p.sum(-1)
+    vf = v.to(torch.float32).repeat_interleave(q.shape[2] // v.shape[2], dim=2)
+    o = torch.einsum("bhqk,bkhd->bqhd", p.to(q.dtype).to(torch.float32), vf)
+    inv = torch.where(row_sum > 0, 1.0 / row_sum, torch.zeros_like(row_sum))
+    out = (o * inv.permute(0, 2, 1).unsqueeze(-1)).to(q.dtype)
+    lse = torch.where(row_sum > 0, m.squeeze(-1) + torch.log(row_sum),
+                      torch.full_like(row_sum, float("-inf")))
+    return out, lse
+
+
+def attention_mixed_grads(q, k, v, dout, softmax_scale=None, causal=False,
+                          window=(None, None)):
+    """(dq, dk, dv) as a tensor-core backward computes them, plainly: float32 scores and
+    P = exp(S - LSE), dV = P16^T dO, dP = dO V^T, Delta = rowsum(dO * O16) from the 16-bit
+    output, dS = P (dP - Delta) rounded to 16 bits before dQ = dS K and dK = dS^T Q, float32
+    sums, results in the input dtype; GQA's dK / dV summed over a group's query heads. The
+    mixed-precision baseline of the adversarial gradient rule (``attention_mixed``'s partner):
+    autograd of a float32 softmax keeps dS in float32, which no 16-bit GEMM does."""
+    dtype = q.dtype
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[3])
+    out, lse = attention_mixed(q, k, v, softmax_scale, causal, window)
+    s = attention_scores(q, k, softmax_scale, causal, window, dtype=torch.float32)
+    p = torch.nan_to_num(torch.exp(s - lse.unsqueeze(-1)), nan=0.0)
+    g = q.shape[2] // k.shape[2]
+    kf, vf = (t.to(torch.float32).repeat_interleave(g, dim=2) for t in (k, v))
+    do = dout.to(torch.float32)
+    dv = torch.einsum("bhqk,bqhd->bkhd", p.to(dtype).to(torch.float32), do)
+    dp = torch.einsum("bqhd,bkhd->bhqk", do, vf)
+    delta = (do * out.to(torch.float32)).sum(-1).permute(0, 2, 1)
+    ds = (p * (dp - delta.unsqueeze(-1))).to(dtype).to(torch.float32)
+    dq = torch.einsum("bhqk,bkhd->bqhd", ds, kf) * scale
+    dk = torch.einsum("bhqk,bqhd->bkhd", ds, q.to(torch.float32)) * scale
+    dk, dv = (t.unflatten(2, (k.shape[2], g)).sum(3) for t in (dk, dv))
+    return dq.to(dtype), dk.to(dtype), dv.to(dtype)
+
+
 def attention_scores(q, k, softmax_scale=None, causal=False, window=(None, None),
                      dtype=torch.float64, upcast=True):
     """The scaled scores S (batch, heads, seqlen_q, seqlen_k) of ``attention_reference``, -inf

@@ -130,7 +130,7 @@ def parse_args(argv=None):
                    help="forward: FlashAttention-4 with these options of its own (fields "
                         f"{', '.join(FA4_FWD_FIELDS)}; tile_mn as MxN), repeatable")
     p.add_argument("--probe", action="append", default=[], metavar="NAME=VALUE[+NAME=VALUE]",
-                   help="backward: also time the default with this cost probe, or these "
+                   help="also time the default with this probe of the mode's kernel, or these "
                         "together (results not checked; fa_sm100.hopper.probes), repeatable")
     p.add_argument("--heads", type=int, nargs="+", default=None,
                    help="heads per cell (default: hidden 2048 / head dim); each value is a cell")
@@ -161,13 +161,17 @@ def parse_args(argv=None):
             names.add(name)
     if a.fa4_variant and a.mode != "fwd":
         p.error("--fa4-variant times FlashAttention-4's forward: use it with --mode fwd")
-    if a.probe and a.mode != "bwd":
-        p.error("--probe probes the backward kernel: use it with --mode bwd")
+    kernel_probes = probes.FWD_KERNEL_PROBES if a.mode == "fwd" else None
     for spec in a.probe:
         try:
-            probes.parse_probe_set(spec)
+            pairs = probes.parse_probe_set(spec)
         except ValueError as e:
             p.error(f"--probe: {e}")
+        for name, _ in pairs:
+            if (name in probes.FWD_KERNEL_PROBES) != (kernel_probes is not None):
+                p.error(f"--probe {name} probes the "
+                        f"{'forward' if kernel_probes is None else 'backward'} kernel: use it "
+                        f"with --mode {'fwd' if kernel_probes is None else 'bwd'}")
     if len(set(a.probe)) != len(a.probe):
         p.error("--probe: each probe once")
     if a.fa4_variant and a.no_fa4:
@@ -262,9 +266,10 @@ def _benchmark_script():
     return mod
 
 
-def fwd_cell(d, s, causal, h, variants, fa4_variants, with_fa4, torch):
+def fwd_cell(d, s, causal, h, variants, fa4_variants, with_fa4, torch, probe_list=()):
     """Runs of one forward cell ({name: no-argument call}: ours with each variant, FA4 with
-    each of ``fa4_variants``) and the check of their output."""
+    each of ``fa4_variants``, the default under each probe set of ``probe_list``, compiled
+    inside it: Note [cost probes]) and the check of their output."""
     from fa_sm100.hopper.interface import prepare_sm90_fwd
 
     b = TOKENS // s
@@ -272,6 +277,10 @@ def fwd_cell(d, s, causal, h, variants, fa4_variants, with_fa4, torch):
     runs = {name: prepare_sm90_fwd(q, k, v, causal=causal,
                                    config=cell_config("fwd", d, s, causal, fields, h))
             for name, fields in [("default", {})] + variants}
+    for pairs in probe_list:  # the launch holds the probed kernel, compiled in the block
+        with probes.probes_active(pairs):
+            runs[PROBE_PREFIX + probe_set_name(pairs)] = prepare_sm90_fwd(
+                q, k, v, causal=causal, config=cell_config("fwd", d, s, causal, {}, h))
     if with_fa4:
         from flash_attn.cute import flash_attn_func as fa4
 
@@ -400,8 +409,8 @@ def main(argv=None):
                       f"{'causal' if causal else 'non-causal'}: the switch has no effect "
                       "there, so its ratio measures noise (an A/A check)", flush=True)
             for name, value in sum(probe_list, ()):  # nothing to probe stops the run
-                probes.check_probe_config(name, value, cell_config("bwd", d, s, causal, {},
-                                                                   problem=a.problem))
+                probes.check_probe_config(name, value, cell_config(a.mode, d, s, causal, {},
+                                                                   h, problem=a.problem))
     except ValueError as e:
         print(f"ab_bench: {e}", file=sys.stderr)
         return 2
@@ -427,7 +436,7 @@ def main(argv=None):
                                        probe_list, a.problem)
             else:
                 runs, check = fwd_cell(d, s, causal, h, variants, fa4_variants, not a.no_fa4,
-                                       torch)
+                                       torch, probe_list)
             for name, run in runs.items():
                 if name.startswith(PROBE_PREFIX):  # compiled and run once, wrong by design
                     run()

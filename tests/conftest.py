@@ -53,6 +53,11 @@ from fa_sm100.shards import parse_shard, shard_of  # noqa: E402
 def pytest_addoption(parser):
     parser.addoption("--shard", default=None, metavar="K/N",
                      help="run the K-th of N round-robin shares of the collected tests")
+    # tests/test_adversarial_gpu.py: seeded random cases of fa_sm100.adversarial.random_case
+    parser.addoption("--fuzz", type=int, default=0, metavar="N",
+                     help="GPU: also run N seeded random adversarial cases on the Hopper kernels")
+    parser.addoption("--fuzz-seed", type=int, default=0, metavar="S",
+                     help="the first seed of --fuzz (a failure prints its repro with its seed)")
 
 
 def pytest_configure(config):

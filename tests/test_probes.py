@@ -6,6 +6,7 @@ dq-store warp's bulk operations; ``ds_barrier``: the MMA loop's ``DS_READY`` bar
 it is closed."""
 
 import glob
+import os
 import re
 
 import pytest
@@ -93,7 +94,22 @@ def test_the_main_kernel_key_carries_exactly_the_probes_its_code_reads():
     for path in modules:
         read |= set(re.findall(r'probes\.active\("(\w+)"\)', open(path).read()))
     assert read == set(probes.MAIN_KERNEL_PROBES)
-    assert set(probes.PROBES) - read == {"dq_post"}  # read by the launch plan only
+    # read by the launch plan only, or by the forward (below)
+    assert set(probes.PROBES) - read == {"dq_post", *probes.FWD_KERNEL_PROBES}
+
+
+def test_the_forward_key_carries_exactly_the_probes_its_code_reads():
+    """``FWD_KERNEL_PROBES`` (what ``compile_sm90_fwd`` keys on) is the set of probes the
+    forward's modules read while tracing."""
+    import fa_sm100.hopper as hopper
+
+    folder = os.path.dirname(hopper.__file__)
+    read = set()
+    for name in sorted(os.listdir(folder)):
+        if name.startswith("fwd_") and name.endswith(".py"):
+            read |= set(re.findall(r'probes\.active\("(\w+)"\)',
+                                   open(os.path.join(folder, name)).read()))
+    assert read == set(probes.FWD_KERNEL_PROBES)
 
 
 def test_dq_reduce_needs_bulk_dq():

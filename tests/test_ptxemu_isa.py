@@ -337,6 +337,31 @@ def test_parser_scopes_inline_asm_labels_and_registers():
     emulate(launch_from_ptx(text), [])
 
 
+
+def test_inline_asm_register_families_keep_scope_and_index_apart():
+    """A register family declared inside inline asm (``.reg .b64 tmp<12>;``, as FA4's PTX has)
+    runs: ``tmp1`` of scope 2 and ``tmp21`` must not be confused, and two blocks declaring the
+    same family each get their own registers."""
+    text = HEADER + """
+.visible .entry k(.param .u64 pout)
+.reqntid 32, 1, 1
+{
+    .reg .b64 %rd<4>;
+    .reg .b32 %r<4>;
+    ld.param.u64 %rd1, [pout];
+    { .reg .b32 tmp<24>; mov.u32 tmp1, 5; mov.u32 tmp21, 7; add.u32 %r1, tmp1, tmp21; }
+    { .reg .b32 tmp<2>; mov.u32 tmp1, 100; add.u32 %r2, %r1, tmp1; }
+    mov.u32 %r3, %tid.x;
+    mul.wide.u32 %rd2, %r3, 4;
+    add.s64 %rd3, %rd1, %rd2;
+    st.global.b32 [%rd3], %r2;
+    ret;
+}
+"""
+    out = torch.zeros(32, dtype=torch.int32)
+    emulate(launch_from_ptx(text, block=(32, 1, 1), params=[out.data_ptr()]), [out])
+    assert (out == 112).all()
+
 SETMAXNREG = HEADER + """
 .visible .entry k()
 .reqntid 512, 1, 1

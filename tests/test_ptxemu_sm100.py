@@ -98,3 +98,34 @@ def test_missing_mbarrier_arrive_in_the_forward_deadlocks_with_a_report():
     with pytest.raises(EmulationError, match="deadlock") as e:
         run_forward(cfg, q, k, v, ptx_edit=_drop_lines("mbarrier.arrive.shared::cluster.b64"))
     assert "mbarrier.try_wait" in str(e.value)
+
+
+def _tmem_a_with_offset(ptx: str) -> str:
+    """Each TMEM A operand ``[%rA]`` of a tcgen05.mma becomes ``[t+8]`` with ``t = %rA - 8``
+    in an inline scope: the same address, spelled with an immediate column offset (FA4's PTX
+    uses that form)."""
+    import re
+
+    out, n = [], 0
+    for line in ptx.splitlines():
+        m = re.match(r"^(\s*)(tcgen05\.mma\S*\s+\[[^\]]+\],\s*)\[(%r\d+)\](.*)$", line)
+        if m:
+            indent, head, reg, tail = m.groups()
+            line = (f"{indent}{{ .reg .b32 tofs<2>; sub.s32 tofs1, {reg}, 8; "
+                    f"{head}[tofs1+8]{tail} }}")
+            n += 1
+        out.append(line)
+    assert n > 0, "no tcgen05.mma with a TMEM A operand in the PTX"
+    return "\n".join(out)
+
+
+def test_tmem_a_operand_offset_is_honoured():
+    """The PV MMAs read P from TMEM; written as ``[base - 8 + 8]`` they must compute the same
+    bits (an emulator that dropped the immediate offset read A 8 columns early)."""
+    from fa_sm100.emulation import emulate_sm100_fwd
+
+    cfg = config_from_overrides(["head_dim=64", "head_dim_v=64", "use_2cta=false", "q_stage=1"])
+    q, k, v = _inputs(1, 128, 256, 1, 1, 64, "randn")
+    run = run_forward(cfg, q, k, v, ptx_edit=_tmem_a_with_offset)
+    out, lse = emulate_sm100_fwd(q, k, v, 1.0 / math.sqrt(64), config=cfg)
+    assert torch.equal(run.out.view(torch.int16), out.view(torch.int16))

@@ -137,9 +137,11 @@ ALLOCATED:
     tcgen05.wait::st.sync.aligned;
     tcgen05.ld.sync.aligned.32x32b.x1.b32 {%r7}, [%r6];
     WAITLD
+    AFTERLD
     mul.wide.u32 %rd2, %r1, 4;
     add.s64 %rd3, %rd1, %rd2;
     st.global.b32 [%rd3], %r7;
+    LATEWAIT
     bar.sync 0;
     @%p1 bra END;
     DEALLOC
@@ -148,7 +150,7 @@ END:
 }
 """
 
-GOOD = {"STCOL": "0", "WAITLD": "tcgen05.wait::ld.sync.aligned;",
+GOOD = {"STCOL": "0", "WAITLD": "tcgen05.wait::ld.sync.aligned;", "AFTERLD": "", "LATEWAIT": "",
         "DEALLOC": "tcgen05.dealloc.cta_group::1.sync.aligned.b32 %r4, 32;"}
 
 
@@ -167,10 +169,27 @@ def test_tmem_store_load_round_trip_per_warp_quarter():
     assert out.tolist() == [3 * i for i in range(128)]
 
 
-def test_tcgen05_ld_result_used_before_wait_is_reported():
-    cap, out = _tmem_kernel(WAITLD="")
-    with pytest.raises(EmulationError, match="read before tcgen05.wait::ld"):
+# Note [tcgen05.ld and wait::ld] (ops_tcgen05.py): the wait orders the load's read of TMEM;
+# its destination registers are ordinary register results.
+OVERWRITE = ("tcgen05.st.sync.aligned.32x32b.x1.b32 [%r6], {%r1}; "
+             "tcgen05.wait::st.sync.aligned;")
+
+
+def test_tcgen05_ld_result_is_a_register_value_before_the_wait():
+    """The loaded value is used (stored to global) before wait::ld; the wait comes before the
+    barrier that lets warp 0 free the columns (freeing them under a pending read is a race)."""
+    cap, out = _tmem_kernel(WAITLD="", LATEWAIT="tcgen05.wait::ld.sync.aligned;")
+    emulate(cap, [out], seed=1)
+    assert out.tolist() == [3 * i for i in range(128)]
+
+
+def test_tmem_write_racing_an_unwaited_tcgen05_ld_is_reported():
+    cap, out = _tmem_kernel(WAITLD="", AFTERLD=OVERWRITE)
+    with pytest.raises(EmulationError, match="asynchronous read still pending"):
         emulate(cap, [out])
+    cap, out = _tmem_kernel(AFTERLD=OVERWRITE)   # the same write after wait::ld is ordered
+    emulate(cap, [out])
+    assert out.tolist() == [3 * i for i in range(128)]
 
 
 def test_tmem_columns_outside_the_allocation_are_reported():

@@ -12,11 +12,13 @@ and walks the K/V blocks:
   block(s) of their work tile start from a -inf max, exactly as in the kernel.
 - S = Q K^T with the MMA model of ``mma_f32`` (per K = 16 instruction: exact products plus
   the float32 accumulator, rounded once). Keys outside the row's visible range are -inf.
-- Row max and correction: ``m_new = max(m, block max)``; on the first block of a work tile the
-  row takes it; later, ``growth = (m_new - m) * scale_log2`` and ``softmax_math.rescale_needed``
-  decide whether O and the row sum are scaled by ``exp2((m - m_new) * scale_log2)`` (SFU) and
-  the row moves to ``m_new``, or the row keeps its stale max. The correction is applied to O
-  before the block's PV MMAs accumulate into it.
+- Row max and correction: ``m_new = max(m, block max)``, ``growth = (m_new - m) *
+  scale_log2``; ``softmax_math.rescale_needed`` decides whether the row moves to ``m_new`` with
+  the factor ``exp2((m - m_new) * scale_log2)`` (SFU; 1 for a row that has seen no key yet) or
+  keeps its stale max with the factor 1. The row sum takes the factor; O takes it through the
+  correction warps' vote (Note [Correction vote] in softmax_math): each warp of 32 rows
+  multiplies its rows of O only when one of them has ``softmax_math.correction_needed``, before
+  the block's PV MMAs accumulate into it. The first block's PV MMA overwrites O.
 - P: ``x = fma(s, scale_log2, -(m * scale_log2))``; exp2 by the polynomial for the columns of
   ``softmax_math.ex2_emulated_mask`` and by the SFU model for the others (``emulation.ex2``);
   the block's row sum adds the float32 values in the kernel's order (``row_sum_sequential``)
@@ -48,6 +50,7 @@ from fa_sm100.emulation.ex2 import ex2_mixed, ex2_sfu
 
 MMA_K = 16  # columns of P (rows of V) one f16-kind tcgen05 MMA instruction consumes
 ROW_SUM_CHUNK = 32  # columns per tcgen05.ld chunk: the unit of the kernel's row-sum chain
+WARP_ROWS = 32  # rows (TMEM lanes) of one correction warp: the unit of the rescale vote
 
 _TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 # Switches that reach the emulation. kv_stage and persistent only schedule work (how many K/V
@@ -271,22 +274,20 @@ def emulate_sm100_fwd(q, k, v, softmax_scale=None, causal=False, window_size=(No
         m_a, sum_a, o_a = m[:, :, :, act], row_sum[:, :, :, act], o[:, :, :, act]
 
         tile_max = s.amax(dim=-1)
-        if j == 0:
-            m_next = tile_max
-            acc_scale = torch.zeros_like(tile_max)
-        else:
-            m_new = torch.maximum(m_a, tile_max)
-            # float32 subtract, float32 multiply; -inf - -inf is NaN, which never rescales
-            growth = (m_new - m_a) * scale_log2
-            rescale = sm.rescale_needed(growth, threshold)
-            acc_scale = torch.where(rescale, ex2_sfu((m_a - m_new) * scale_log2),
-                                    torch.ones_like(growth))
-            m_next = torch.where(rescale, m_new, m_a)
-            decided = valid & torch.isfinite(m_a)
-            stats.row_tiles += int(decided.sum())
-            stats.max_grew += int((decided & (tile_max > m_a)).sum())
-            stats.rescaled += int((decided & rescale).sum())
-            per_row[:, :, :, act] += (decided & rescale).to(torch.int64)
+        m_new = torch.maximum(m_a, tile_max)
+        # float32 subtract, float32 multiply; -inf - -inf is NaN, which never rescales
+        growth = (m_new - m_a) * scale_log2
+        rescale = sm.rescale_needed(growth, threshold)
+        # a row with no key seen yet (max -inf) moves with the factor 1 (Note [Correction vote])
+        seen = torch.isfinite(m_a)
+        acc_scale = torch.where(rescale & seen, ex2_sfu((m_a - m_new) * scale_log2),
+                                torch.ones_like(growth))
+        m_next = torch.where(rescale, m_new, m_a)
+        decided = valid & seen
+        stats.row_tiles += int(decided.sum())
+        stats.max_grew += int((decided & (tile_max > m_a)).sum())
+        stats.rescaled += int((decided & rescale).sum())
+        per_row[:, :, :, act] += (decided & rescale).to(torch.int64)
         m_safe = torch.where(torch.isinf(m_next), torch.zeros_like(m_next), m_next)
 
         # x = fma(s, scale_log2, -(m * scale_log2)): exact product in float64, one rounding.
@@ -301,8 +302,15 @@ def emulate_sm100_fwd(q, k, v, softmax_scale=None, causal=False, window_size=(No
         stats.max_p = max(stats.max_p, float(torch.where(valid.unsqueeze(-1), p,
                                                          torch.zeros_like(p)).max()))
 
-        # the correction rescales O before this block's PV MMAs accumulate into it
-        o_scaled = o_a * acc_scale.unsqueeze(-1) if j > 0 else None
+        # The correction rescales O before this block's PV MMAs accumulate into it, warp by
+        # warp: a warp's 32 rows are multiplied (each by its factor) when the vote finds one
+        # that needs it. The first block's PV MMA overwrites O.
+        o_scaled = None
+        if j > 0:
+            warp_votes = sm.correction_needed(acc_scale).unflatten(-1, (-1, WARP_ROWS))
+            warp_rescales = warp_votes.any(-1, keepdim=True).expand_as(warp_votes).flatten(-2)
+            o_scaled = torch.where(warp_rescales.unsqueeze(-1), o_a * acc_scale.unsqueeze(-1),
+                                   o_a)
         o[:, :, :, act] = mma_f32(p_lo, vt[:, :, tile].unsqueeze(2), o_scaled, splits)
         m[:, :, :, act] = m_next
 

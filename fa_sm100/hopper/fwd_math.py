@@ -15,6 +15,7 @@ from cutlass._mlir.dialects import arith, llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from fa_sm100 import softmax_math
+from fa_sm100.hopper import probes
 from fa_sm100.softmax_math import LN_2
 
 
@@ -229,12 +230,16 @@ def rescale_rows(acc_rc: cute.Tensor, row_scale: cute.Tensor):
 @cute.jit
 def rescale_o(acc_rc: cute.Tensor, row_scale: cute.Tensor, skip_ones: cutlass.Constexpr[bool]):
     """O's rescale by the last softmax step's factors. With ``skip_ones`` the warp votes and
-    multiplies only if one of its rows has a factor in (0, 1): a factor of 1 changes nothing,
-    and one of 0 only meets a row whose keys were all masked so far, which is still 0."""
+    multiplies only if one of its rows needs it (``softmax_math.correction_needed``: a factor
+    below 1, 0 included: Note [Correction vote]); a factor of 1 changes nothing. A row whose
+    keys were all masked so far has the factor 0 here and an O row of 0, which stays 0."""
     if const_expr(skip_ones):
         needs = cutlass.Boolean(False)
         for r in cutlass.range_constexpr(cute.size(row_scale)):
-            needs = needs | ((row_scale[r] < Float32(1.0)) & (row_scale[r] > Float32(0.0)))
+            if const_expr(probes.active("correction_vote") == "skip_zero"):
+                needs = needs | ((row_scale[r] < Float32(1.0)) & (row_scale[r] > Float32(0.0)))
+            else:
+                needs = needs | softmax_math.correction_needed(row_scale[r])
         if cute.arch.vote_any_sync(needs):
             rescale_rows(acc_rc, row_scale)
     else:

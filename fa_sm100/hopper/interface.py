@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 
 from fa_sm100.config import normalize_dtype
+from fa_sm100.hopper import probes
 from fa_sm100.hopper.config import (SM90_ARCH, SM90_HEAD_DIMS, Sm90FwdConfig,
                                     select_sm90_fwd_config)
 from fa_sm100.validation import require_sm90, tma_ready, validate_attention_inputs
@@ -107,8 +108,9 @@ def fake_arguments(cfg: Sm90FwdConfig):
 
 
 def compile_sm90_fwd(cfg: Sm90FwdConfig, arch: str = SM90_ARCH):
-    """Compile (once per config) for launching from torch through TVM FFI."""
-    key = (cfg, arch)
+    """Compile (once per config, and per active forward probe: Note [cost probes]) for
+    launching from torch through TVM FFI."""
+    key = (cfg, arch, probes.compile_tag(probes.FWD_KERNEL_PROBES))
     with _compile_lock:
         if key not in _compile_cache:
             import cutlass.cute as cute

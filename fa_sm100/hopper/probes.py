@@ -1,4 +1,4 @@
-"""Cost probes of the SM90 backward: what does one piece of the kernel's work cost?
+"""Cost probes of the SM90 kernels: what does one piece of the kernel's work cost?
 
 A config switch (``BwdConfig``) changes how the kernel does its work and keeps the results
 right; ``scripts/ab_bench.py`` checks every variant's gradients before it times them. A probe
@@ -65,6 +65,15 @@ gets a probed kernel. Probes:
   accumulator -> dq) is not launched, so dq is left as it was: what the postprocess adds to
   the call beyond what overlaps the main kernel (Note [dQ postprocess in the tail]). The
   main kernel does not read it, so it is not in the main kernel's compile key.
+
+The forward has one probe, of another kind: the kernel as it was before a correctness fix, to
+time the fix in the same run (``scripts/ab_bench.py --mode fwd --probe ...``):
+
+- ``correction_vote`` (fwd_math.py ``rescale_o``): ``skip_zero``: the warp's rescale vote
+  does not count rows whose factor is exactly 0, as before the max-jump fix (Note [Correction
+  vote] in softmax_math). Wrong when a row max jumps by more than about 149 log2 units between
+  two KV tiles; the same results otherwise. Only where the vote exists (a rescale threshold
+  above 0).
 """
 
 import contextlib
@@ -90,9 +99,14 @@ PROBES = {
     "stats": {
         "unshuffled": "no SHFL of LSE2 / Delta: each lane uses a value it holds (wrong values)",
     },
+    "correction_vote": {
+        "skip_zero": "forward: the vote before the max-jump fix (factors of 0 not counted)",
+    },
 }
 # read while the main kernel traces
 MAIN_KERNEL_PROBES = ("dq_reduce", "ds_barrier", "pointwise", "sweep", "stats")
+# read while the forward kernel traces
+FWD_KERNEL_PROBES = ("correction_vote",)
 
 _active: dict = {}  # name -> value while a ``probe`` block is open
 
@@ -119,6 +133,14 @@ def check_probe_config(name: str, value: str, config) -> None:
     from ``config`` (a ``BwdConfig``), or cannot run it: ``dq_reduce`` needs "bulk" dQ,
     ``sweep`` a problem without a causal mask, not deterministic."""
     check_probe(name, value)
+    if (name in FWD_KERNEL_PROBES) != hasattr(config, "intra_wg_overlap"):
+        kernel = "forward" if name in FWD_KERNEL_PROBES else "backward"
+        raise ValueError(f"probe {name}={value} probes the {kernel} kernel, not the one this "
+                         f"config builds ({type(config).__name__})")
+    if name == "correction_vote" and not config.rescale_threshold > 0:
+        raise ValueError(f"probe correction_vote={value} probes the rescale vote, but this "
+                         f"config rescales O at every KV tile (rescale_threshold=0): nothing "
+                         f"to probe")
     if name == "sweep" and config.causal:
         raise ValueError(f"probe sweep={value} repeats non-causal sweeps only: under a causal "
                          f"mask a CTA's first blocks are its cluster's (Note [cost probes])")

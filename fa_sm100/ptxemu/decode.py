@@ -93,14 +93,10 @@ def unsupported(ins: Instr, why: str = ""):
 # Operand access
 
 
-def reader(opnd, typ: str, kernel: PtxKernel, copy: bool = False,
-           undef_ok: bool = False) -> Callable:
+def reader(opnd, typ: str, kernel: PtxKernel, undef_ok: bool = False) -> Callable:
     """Closure (m, w, idx) -> np.ndarray of ``typ`` values for the lanes ``idx``.
 
-    Reading a register an asynchronous ``tcgen05.ld`` wrote before ``tcgen05.wait::ld`` is
-    an error, except for plain copies (``copy=True``: mov, pack, unpack), which the compiler
-    emits before the wait and which carry the pending state to their destination. Reading a
-    register nothing wrote is an error, except with ``undef_ok`` (byte selects: LLVM passes
+    Reading a register nothing wrote is an error, except with ``undef_ok`` (byte selects: LLVM passes
     undef registers to ``prmt`` for bytes the result's users ignore); such a read gives the
     register's current bits, and since definedness is tracked per register, not per byte, a
     prmt that really uses such a byte goes unnoticed."""
@@ -108,9 +104,6 @@ def reader(opnd, typ: str, kernel: PtxKernel, copy: bool = False,
         name = opnd
 
         def read_reg(m, w, idx):
-            if not copy and w.ld_pending and name.name in w.ld_pending:
-                raise EmulationError(f"register {name.name} is read before tcgen05.wait::ld "
-                                     "(it was written by an asynchronous tcgen05.ld)")
             r = w.reg(name)
             init = w.reg_init[name.name][idx]
             if not undef_ok and not init.all():
@@ -133,7 +126,7 @@ def reader(opnd, typ: str, kernel: PtxKernel, copy: bool = False,
         inner = reader(opnd.operand, "pred", kernel)
         return lambda m, w, idx: ~inner(m, w, idx)
     if isinstance(opnd, Vec):
-        subs = [reader(o, typ, kernel, copy) for o in opnd.items]
+        subs = [reader(o, typ, kernel) for o in opnd.items]
         return lambda m, w, idx: np.stack([f(m, w, idx) for f in subs], axis=1)
     raise EmulationError(f"operand {opnd} cannot be read as .{typ}")
 
@@ -147,16 +140,6 @@ def reg_names(opnd) -> list:
     return []
 
 
-def carry_pending(w, srcs: list, dsts: list):
-    """After a copy: destinations are pending iff any source was (tcgen05.ld results)."""
-    if not w.ld_pending:
-        return
-    if any(s in w.ld_pending for s in srcs):
-        w.ld_pending.update(dsts)
-    else:
-        w.ld_pending.difference_update(dsts)
-
-
 def writer(opnd, typ: str) -> Callable:
     """Closure (m, w, idx, values) storing ``typ`` values into a register (or a sink)."""
     if isinstance(opnd, Sink):
@@ -168,8 +151,6 @@ def writer(opnd, typ: str) -> Callable:
             r = w.reg(name)
             r[idx] = to_bits(typ, v, r.dtype)
             w.reg_init[name.name][idx] = True
-            if w.ld_pending:
-                w.ld_pending.discard(name.name)
         return write
     if isinstance(opnd, Vec):
         subs = [writer(o, typ) for o in opnd.items]

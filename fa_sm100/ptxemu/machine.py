@@ -132,7 +132,6 @@ class Warp:
         self.kernel = kernel
         self.steps = 0
         self.maxnreg: Optional[int] = None          # from setmaxnreg
-        self.ld_pending: set = set()                # registers of a tcgen05.ld not yet waited
         self.cluster_gen = np.full(WARP, -1, dtype=np.int64)   # barrier.cluster arrivals
 
     def reg(self, r: Reg) -> np.ndarray:
@@ -146,10 +145,10 @@ class Warp:
     def kernel_type(self, name: str) -> str:
         types = self.kernel.reg_types
         t = types.get(name)
-        if t is None:
-            base = name.split("@")[0].rstrip("0123456789")
-            scope = "@" + name.split("@")[1] if "@" in name else ""
-            t = types.get(base + scope + "<>") or types.get(base + "<>")
+        if t is None and "." in name:          # "tmp@7.3": register 3 of an inner family
+            t = types.get(name[:name.rindex(".") + 1] + "<>")
+        if t is None and "@" not in name:      # "%r12": register 12 of a top-level family
+            t = types.get(name.rstrip("0123456789") + "<>")
         if t is None:
             raise EmulationError(f"register {name} is not declared")
         return t

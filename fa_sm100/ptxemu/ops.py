@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .decode import (carry_pending, handler, last_type, mods, reader, reg_names, types_of,
+from .decode import (handler, last_type, mods, reader, reg_names, types_of,
                      unsupported, writer)
 from .memory import EmulationError
 from .parser import Pair, Vec
@@ -100,37 +100,31 @@ def _mov(ins, k):
     if isinstance(src, Vec):                       # pack {a, b} -> wide register
         n = len(src.items)
         part = f"b{type_width(typ) // n}"
-        rd = [reader(o, part, k, copy=True) for o in src.items]
+        rd = [reader(o, part, k) for o in src.items]
         wr = writer(dst, typ)
-        srcs, dsts = reg_names(src), reg_names(dst)
 
         def pack(m, w, idx):
             acc = np.zeros(len(idx), dtype=np.uint64)
             for i, f in enumerate(rd):
                 acc |= f(m, w, idx).astype(np.uint64) << np.uint64(i * type_width(part))
             wr(m, w, idx, acc.astype(UINT[type_width(typ)]))
-            carry_pending(w, srcs, dsts)
         return pack
     if isinstance(dst, Vec):                       # unpack wide register -> {a, b}
         n = len(dst.items)
         part = f"b{type_width(typ) // n}"
-        rs = reader(src, typ, k, copy=True)
+        rs = reader(src, typ, k)
         wrs = [writer(o, part) for o in dst.items]
-        srcs, dsts = reg_names(src), reg_names(dst)
 
         def unpack(m, w, idx):
             v = rs(m, w, idx).view(UINT[type_width(typ)]).astype(np.uint64)
             for i, f in enumerate(wrs):
                 f(m, w, idx, ((v >> np.uint64(i * type_width(part))) &
                               np.uint64((1 << type_width(part)) - 1)).astype(UINT[type_width(part)]))
-            carry_pending(w, srcs, dsts)
         return unpack
-    rs, wr = reader(src, typ, k, copy=True), writer(dst, typ)
-    srcs, dsts = reg_names(src), reg_names(dst)
+    rs, wr = reader(src, typ, k), writer(dst, typ)
 
     def move(m, w, idx):
         wr(m, w, idx, rs(m, w, idx))
-        carry_pending(w, srcs, dsts)
     return move
 
 

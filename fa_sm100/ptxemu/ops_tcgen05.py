@@ -5,8 +5,18 @@ mma (kind::f16, A from SMEM or TMEM, cta_group::1 and ::2) and commit.
 Semantics (PTX ISA, tcgen05 sections):
 - TMEM addresses are ``lane << 16 | column``; a warp may access only the 32 lanes of its
   quarter (warp id % 4); columns must be allocated. Reading a cell never written is an error.
-- ``tcgen05.ld`` results may be used only after ``tcgen05.wait::ld`` (reading such a register
-  earlier is reported); ``tcgen05.st`` data is visible to MMAs only after ``wait::st``.
+- Note [tcgen05.ld and wait::ld]. The ISA (tcgen05.wait) says that ``tcgen05.wait::ld``
+  "causes the executing thread to block until all prior tcgen05.ld operations issued by the
+  executing thread have completed", and its example puts the wait between a ``tcgen05.ld`` and
+  a ``tcgen05.mma`` that writes the same columns to keep the MMA from "racing ahead of" the
+  load; the cross-thread pattern is ld, wait::ld, fence::before_thread_sync, arrive. What the
+  wait orders is the load's read of Tensor Memory, not its destination registers: the ISA
+  leaves them ordinary register results (ptxas orders their uses as it does for any load, and
+  FlashAttention-4's production forward uses them before its wait). So here a load's values
+  are in its registers at once, and its TMEM cells stay pending-read for the warp until it
+  executes ``wait::ld``: a write to them meanwhile (``tcgen05.st``, or an MMA issued by any
+  thread) is reported as a race. ``tcgen05.st`` data is visible to MMAs only after
+  ``wait::st``.
 - ``tcgen05.mma`` is asynchronous: at issue the D region is marked pending (a ``tcgen05.ld``
   of it before completion is reported) and the A/B shared-memory bytes pending-read; MMAs and
   commits of one thread complete in issue order; ``tcgen05.commit`` arrives once on the
@@ -60,12 +70,15 @@ class Tmem:
                                  f"{self.rank} are not allocated (allocated: "
                                  f"{sorted(self.allocs.items())})")
         for (l0, l1, c0, c1, kind, owner, desc) in self.pending:
-            if owner is not None and owner == ignore_owner:
+            if kind == "ld" and reading:       # a pending read conflicts with writes only
+                continue
+            if kind != "ld" and owner is not None and owner == ignore_owner:
                 continue
             if l0 < lane0 + nlanes and lane0 < l1 and c0 < col0 + ncols and col0 < c1:
+                pending = "read" if kind == "ld" else "write"
                 raise EmulationError(f"{what}: TMEM lanes [{lane0}, {lane0 + nlanes}) columns "
-                                     f"[{col0}, {col0 + ncols}) overlap an asynchronous write "
-                                     f"still pending ({desc})")
+                                     f"[{col0}, {col0 + ncols}) overlap an asynchronous "
+                                     f"{pending} still pending ({desc})")
         if reading and not self.init[lane0:lane0 + nlanes, col0:col0 + ncols].all():
             bad = np.argwhere(~self.init[lane0:lane0 + nlanes, col0:col0 + ncols])[0]
             raise EmulationError(f"{what}: read of uninitialized TMEM lane {lane0 + bad[0]} "
@@ -153,9 +166,10 @@ def _dealloc(ins, k):
         if t.allocs.get(col) != n:
             raise EmulationError(f"{where}: tcgen05.dealloc of {n} columns at {col} does not "
                                  f"match an allocation {sorted(t.allocs.items())}")
-        if any(c0 < col + n and col < c1 for (_, _, c0, c1, *_r) in t.pending):
-            raise EmulationError(f"{where}: tcgen05.dealloc while an asynchronous TMEM write "
-                                 "to the columns is pending")
+        busy = [p for p in t.pending if p[2] < col + n and col < p[3]]
+        if busy:
+            raise EmulationError(f"{where}: tcgen05.dealloc while an asynchronous TMEM access "
+                                 f"to the columns is pending ({busy[0][6]})")
         del t.allocs[col]
     return Op(ins, run, collective=True)
 
@@ -199,7 +213,6 @@ def _ld(ins, k):
     a_r = reader(ins.operands[1].base if isinstance(ins.operands[1], Addr) else ins.operands[1],
                  "u32", k)
     off = ins.operands[1].offset if isinstance(ins.operands[1], Addr) else 0
-    names = [r.name for r in dst.items]
     where = f"line {ins.line}"
 
     def run(m, w, idx):
@@ -208,7 +221,8 @@ def _ld(ins, k):
         t = tmem_of(w.cta)
         t.check_access(lane0, 32, col, n, where, reading=True, ignore_owner=None)
         wr(m, w, idx, t.data[lane0 + idx, col:col + n])
-        w.ld_pending.update(names)
+        t.pending.append((lane0, lane0 + 32, col, col + n, "ld", w.gid,
+                          f"tcgen05.ld by {w.gid} at line {ins.line} not yet waited"))
     return Op(ins, run, collective=True)
 
 
@@ -239,11 +253,8 @@ def _wait(ins, k):
     kind = ins.parts[1].split("::")[1]
 
     def run(m, w, idx):
-        if kind == "ld":
-            w.ld_pending.clear()
-        else:
-            t = tmem_of(w.cta)
-            t.pending = [p for p in t.pending if not (p[4] == "st" and p[5] == w.gid)]
+        t = tmem_of(w.cta)
+        t.pending = [p for p in t.pending if not (p[4] == kind and p[5] == w.gid)]
     return Op(ins, run, collective=True)
 
 
@@ -332,7 +343,8 @@ def _mma(ins, k):
     def run(m, w, idx):
         for i in idx:
             one = np.array([i])
-            issue(m, w, int(d_r(m, w, one)[0]) + ops[0].offset, int(a_r(m, w, one)[0]),
+            a_val = int(a_r(m, w, one)[0]) + (ops[1].offset if a_tmem else 0)
+            issue(m, w, int(d_r(m, w, one)[0]) + ops[0].offset, a_val,
                   int(b_r(m, w, one)[0]), int(i_r(m, w, one)[0]),
                   mask_r(m, w, one)[0] if mask_r is not None else None,
                   bool(en_r(m, w, one)[0]), int(i))

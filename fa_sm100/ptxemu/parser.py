@@ -256,7 +256,10 @@ class _KernelParser:
         m = _REG_RANGE.match(name)
         if m:                       # "%r<24>": a family sharing a prefix
             prefix = m.group(1)
-            uniq = prefix if self.scope.parent is None or self.scope.sid == 1 else f"{prefix}@{self.scope.sid}"
+            # a family of an inner scope (inline asm): "tmp@7." + index, so that the scope id
+            # and the register's index stay apart ("tmp@2" + "1" would read as scope 21)
+            uniq = (prefix if self.scope.parent is None or self.scope.sid == 1
+                    else f"{prefix}@{self.scope.sid}.")
             self.scope.regs[prefix + "<>"] = uniq
             self.reg_types[uniq + "<>"] = typ
             return

@@ -1,0 +1,95 @@
+"""The adversarial numerics list (``fa_sm100.adversarial``) on the Hopper kernels, through the
+public API. Skip off SM90 with the reason.
+
+Contracts: on every case of the list, ``flash_attn_func`` (the forward the device picks, with
+its default config, and with the rescale threshold forced to 8 and to 0) gives O and LSE that
+meet the adversarial rule (float64 reference, the better plain baseline, outputs within the
+range of the visible rows of v); gradients through autograd from such forwards meet the float64
+rule (``adversarial.gradient_cases``: scores within float32's reach, see there). ``--fuzz N`` adds N seeded random cases (``adversarial.random_case``; ``--fuzz-seed S``
+starts at seed S), forward and, for odd seeds, gradients; a failure prints its one-line repro.
+The SM100 forward's cases are written the same way and skip off SM100 with the reason.
+"""
+
+import pytest
+import torch
+
+from fa_sm100 import adversarial as adv
+
+
+def _forward(case, q, k, v, threshold):
+    from fa_sm100 import flash_attn_func
+    from fa_sm100.hopper.config import select_sm90_fwd_config
+    from fa_sm100.hopper.interface import sm90_fwd
+
+    if threshold is None:
+        return flash_attn_func(q, k, v, causal=case.causal, return_lse=True)
+    cfg = select_sm90_fwd_config(case.head_dim, case.head_dim, dtype=q.dtype, causal=case.causal,
+                                 seqlen_q=case.seqlen_q, seqlen_k=case.seqlen_k,
+                                 rescale_threshold=threshold)
+    return sm90_fwd(q, k, v, causal=case.causal, return_lse=True, config=cfg)
+
+
+def check_case(case, threshold=None, grads=False):
+    from fa_sm100 import flash_attn_func
+
+    q, k, v = case.inputs("cuda")
+    out, lse = _forward(case, q, k, v, threshold)
+    torch.cuda.synchronize()
+    adv.check_adversarial(f"{case.name} threshold={threshold}", out, lse, q, k, v,
+                          causal=case.causal)
+    if grads:
+        qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+        gen = torch.Generator(device="cuda").manual_seed(case.seed + 1)
+        dout = torch.randn(out.shape, device="cuda", dtype=q.dtype, generator=gen)
+        o = flash_attn_func(qg, kg, vg, causal=case.causal)
+        g = torch.autograd.grad(o, (qg, kg, vg), dout)
+        adv.check_adversarial_grads(case.name, g, q, k, v, dout, causal=case.causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("threshold", [None, 8.0, 0.0], ids=["default", "t8", "t0"])
+@pytest.mark.parametrize("name", [c.name for c in adv.CASES])
+def test_sm90_fwd_adversarial(sm90_device, name, threshold):
+    check_case(adv.BY_NAME[name], threshold)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("threshold", [None, 8.0, 0.0], ids=["default", "t8", "t0"])
+@pytest.mark.parametrize("name", [c.name for c in adv.CASES])
+def test_sm100_fwd_adversarial(sm100_device, name, threshold):
+    """The SM100 forward on the same list (written; it has not run: no SM100 GPU was lent)."""
+    from fa_sm100 import FmhaConfig, flash_attn_func
+
+    case = adv.BY_NAME[name]
+    q, k, v = case.inputs("cuda")
+    config = None if threshold is None else FmhaConfig(rescale_threshold=threshold)
+    out, lse = flash_attn_func(q, k, v, causal=case.causal, return_lse=True, config=config)
+    torch.cuda.synchronize()
+    adv.check_adversarial(f"{case.name} threshold={threshold}", out, lse, q, k, v,
+                          causal=case.causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", [c.name for c in adv.gradient_cases()])
+def test_sm90_bwd_adversarial_gradients(sm90_device, name):
+    check_case(adv.BY_NAME[name], grads=True)
+
+
+def pytest_generate_tests(metafunc):
+    if "fuzz_seed" in metafunc.fixturenames:
+        n = metafunc.config.getoption("--fuzz")
+        start = metafunc.config.getoption("--fuzz-seed")
+        metafunc.parametrize("fuzz_seed", list(range(start, start + n)) or [None])
+
+
+@pytest.mark.gpu
+def test_sm90_fuzz(sm90_device, fuzz_seed):
+    if fuzz_seed is None:
+        pytest.skip("fuzzing is off: pass --fuzz N (and --fuzz-seed S) to run N random cases")
+    case = adv.random_case(fuzz_seed)
+    try:
+        check_case(case, grads=fuzz_seed % 2 == 1)
+    except AssertionError as err:
+        raise AssertionError(
+            f"{err}\nrepro: python -m pytest tests/test_adversarial_gpu.py --fuzz 1 "
+            f"--fuzz-seed {fuzz_seed}   # {case.repro()}") from None
