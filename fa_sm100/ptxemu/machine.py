@@ -10,6 +10,19 @@ wait. The scheduler picks a runnable warp at random (seeded) and runs it for a r
 quantum, so different seeds interleave warps differently. When no lane of any warp can run
 and no asynchronous operation is pending, the run stops with a deadlock report that names
 each warp's blocked instruction.
+
+When asynchronous operations (TMA copies, MMAs, commits) complete is the schedule's other
+half, chosen by ``policy`` (Note [Schedule policies]):
+
+- ``"random"``: between warp quanta a ready operation completes with probability 1/4 (and
+  one always does when no warp can move);
+- ``"late"``: an operation completes only when no warp can move, one at a time: every wait
+  is tested against the latest completion the program allows (a barrier whose expected
+  byte count is too small completes before the rest of its data has landed);
+- ``"early"``: every ready operation completes right after the warp quantum that issued it;
+- ``"delay:N"``: ``"early"``, except the N-th operation issued (0-based), which completes
+  only when no warp can move. ``sm100_run.explore_delays`` runs N = 0, 1, ...: a bounded
+  systematic search (every single-operation delay) rather than a sample.
 """
 
 from __future__ import annotations
@@ -88,6 +101,7 @@ class AsyncOp:
     def __init__(self, fn, what: str, after=()):
         self.fn, self.what, self.after = fn, what, tuple(after)
         self.done = False
+        self.serial = None                     # issue order, numbered by the machine
 
     def ready(self) -> bool:
         return all(a.done for a in self.after)
@@ -196,9 +210,12 @@ class Machine:
     """Runs one cluster's worth of CTAs at a time (clusters run one after another)."""
 
     def __init__(self, launch: Launch, gmem: GlobalMemory, seed: int = 0,
-                 max_steps: int = 2_000_000, trace: Optional[list] = None):
+                 max_steps: int = 2_000_000, trace: Optional[list] = None,
+                 policy: str = "random"):
         from . import ops                              # noqa: F401 (handler registration)
         from .decode import decode_kernel
+        self.policy, self.delayed = parse_policy(policy)
+        self.async_issued = 0                          # asynchronous operations numbered so far
         self.launch = launch
         self.gmem = gmem
         self.rng = np.random.default_rng(seed)
@@ -253,20 +270,37 @@ class Machine:
                 if n:
                     progressed = True
                     break
-            if self.async_ops and (not progressed or self.rng.random() < 0.25):
-                ready = [op for op in self.async_ops if op.ready()]
-                if ready:
-                    op = ready[int(self.rng.integers(len(ready)))]
-                    self.async_ops.remove(op)
-                    op.run()
-                    op.done = True
-                    progressed = True
+            if self.async_ops and self._complete_async(stuck=not progressed):
+                progressed = True
             if not progressed:
                 raise EmulationError(self._deadlock_report(live))
             if steps > self.max_steps:
                 raise EmulationError(f"step limit {self.max_steps} reached (livelock?); "
                                      + self._deadlock_report(live))
         self._check_exit(ctas)
+
+    def _complete_async(self, stuck: bool) -> bool:
+        """Complete asynchronous operations as the policy says; True if any completed."""
+        for op in self.async_ops:                      # number them in issue order
+            if op.serial is None:
+                op.serial, self.async_issued = self.async_issued, self.async_issued + 1
+        ready = [op for op in self.async_ops if op.ready()]
+        if self.policy in ("early", "delay"):
+            now = [op for op in ready if op.serial != self.delayed]
+            if not now and stuck:
+                now = ready                            # the delayed one, once nothing else moves
+            for op in now:
+                self._finish(op)
+            return bool(now)
+        if not ready or not (stuck or (self.policy == "random" and self.rng.random() < 0.25)):
+            return False
+        self._finish(ready[int(self.rng.integers(len(ready)))])
+        return True
+
+    def _finish(self, op):
+        self.async_ops.remove(op)
+        op.run()
+        op.done = True
 
     def _run_warp(self, w: Warp, quantum: int) -> int:
         code = self.code
@@ -338,6 +372,20 @@ class Machine:
         if not 0 <= rank < len(self.ctas):
             raise EmulationError(f"CTA rank {rank} is outside the cluster of {len(self.ctas)}")
         return self.ctas[rank]
+
+
+POLICIES = ("random", "late", "early")
+
+
+def parse_policy(policy: str):
+    """``(kind, delayed serial)`` of a schedule policy: "random", "late", "early" or
+    "delay:N"; ValueError for anything else."""
+    if policy in POLICIES:
+        return policy, None
+    kind, _, n = policy.partition(":")
+    if kind == "delay" and n.isdigit():
+        return "delay", int(n)
+    raise ValueError(f"schedule policy {policy!r}: expected one of {POLICIES} or delay:N")
 
 
 def _lanes(lanes) -> str:

@@ -90,6 +90,11 @@ class SharedMemory:
         self.init = np.zeros(size, dtype=bool)
         self.init[:RESERVED_SMEM] = True
         self.cta = cta
+        # Note [Async proxy]: per byte, 1 + the cluster-wide id of the thread whose generic
+        # store to it has not yet been ordered for the async proxy by a fence.proxy.async of
+        # that thread (0: none)
+        self.unfenced = np.zeros(size, dtype=np.int32)
+        self.unfenced_count = 0
 
     def check(self, off: np.ndarray, width: int, what: str):
         if len(off) and (off.min() < RESERVED_SMEM or off.max() + width > self.size):
@@ -108,13 +113,39 @@ class SharedMemory:
                                  f"(CTA {self.cta})")
         return self.data[idx]
 
-    def write(self, off: np.ndarray, data: np.ndarray, what: str):
+    def write(self, off: np.ndarray, data: np.ndarray, what: str, writers=None):
+        """Store bytes; ``writers`` (one cluster-wide thread id per row) marks a generic-proxy
+        store that the async proxy does not see until those threads fence (Note [Async
+        proxy]); asynchronous writes (TMA) pass None."""
         off = off.astype(np.int64)
         width = data.shape[1]
         self.check(off, width, what)
         idx = off[:, None] + np.arange(width)
         self.data[idx] = data
         self.init[idx] = True
+        if writers is not None:
+            self.unfenced[idx] = (np.asarray(writers, dtype=np.int32) + 1)[:, None]
+            self.unfenced_count += idx.size
+
+    def fence_proxy_async(self, threads):
+        """``fence.proxy.async`` by ``threads`` (cluster-wide ids): their generic stores here
+        become visible to the async proxy."""
+        if self.unfenced_count:
+            mine = np.isin(self.unfenced, np.asarray(threads, dtype=np.int32) + 1)
+            self.unfenced[mine] = 0
+            self.unfenced_count = int(np.count_nonzero(self.unfenced))
+
+    def check_async_read(self, lo: int, hi: int, what: str):
+        """The async proxy reads [lo, hi): a generic store there that its thread has not
+        fenced is invisible to it (Note [Async proxy])."""
+        if self.unfenced_count:
+            hit = np.nonzero(self.unfenced[lo:hi])[0]
+            if hit.size:
+                tid = int(self.unfenced[lo + hit[0]]) - 1
+                raise EmulationError(
+                    f"{what}: shared [{lo + int(hit[0]):#x}] was written by a generic-proxy "
+                    f"store of thread {tid % 1024} (CTA {tid // 1024}) that no "
+                    f"fence.proxy.async of that thread has made visible to the async proxy")
 
 
 def to_bytes(values: np.ndarray, dtype) -> np.ndarray:

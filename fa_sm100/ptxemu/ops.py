@@ -555,9 +555,21 @@ def _slct(ins, k):
     return lambda m, w, idx: wr(m, w, idx, np.where(c(m, w, idx) >= 0, a(m, w, idx), b(m, w, idx)))
 
 
-# no-ops for the sequentially consistent memory model of the emulator (see docs)
 @handler("fence", "membar", "griddepcontrol")
 def _fence(ins, k):
+    """Memory is sequentially consistent here, so fences order nothing further, except
+    ``fence.proxy.async`` (Note [Async proxy]): it makes the executing threads' generic stores
+    to shared memory visible to the async proxy (TMA, tcgen05), in every CTA of the cluster
+    (``.shared::cta`` and ``.shared::cluster`` alike: the model does not narrow the scope).
+    ``fence.proxy.async.global`` orders global memory only and leaves shared memory as is."""
+    if ins.opcode.startswith("fence.proxy.async") and ".global" not in ins.opcode:
+        from .ops_mem import thread_ids
+
+        def run(m, w, idx):
+            ids = thread_ids(w, idx)
+            for c in m.ctas:
+                c.smem.fence_proxy_async(ids)
+        return run
     return lambda m, w, idx: None
 
 

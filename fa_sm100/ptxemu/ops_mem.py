@@ -104,12 +104,20 @@ def mem_read(m, w, space: str, addr: np.ndarray, width: int, what: str) -> np.nd
     raise EmulationError(f"{what}: state space .{space} is not modelled")
 
 
-def mem_write(m, w, space: str, addr: np.ndarray, data: np.ndarray, what: str):
+def thread_ids(w, idx) -> np.ndarray:
+    """Cluster-wide ids (CTA rank * 1024 + thread) of lanes ``idx`` of warp ``w``."""
+    return w.cta.rank * 1024 + w.tid_linear[np.asarray(idx)]
+
+
+def mem_write(m, w, space: str, addr: np.ndarray, data: np.ndarray, what: str, writers=None):
+    """A generic-proxy store; ``writers``: the storing threads' ids, one per row of ``data``
+    (``thread_ids``), which Note [Async proxy] tracks until they fence."""
     if space == "generic":
         a64 = addr.astype(np.uint64)
         sh = (a64 >= np.uint64(SHARED_GENERIC_BASE)) & (a64 < np.uint64(SHARED_GENERIC_END))
         if sh.any():
-            mem_write(m, w, "shared", _window(a64[sh]), data[sh], what)
+            mem_write(m, w, "shared", _window(a64[sh]), data[sh], what,
+                      None if writers is None else writers[sh])
         if (~sh).any():
             m.gmem.write(a64[~sh], data[~sh], what)
         return
@@ -121,7 +129,8 @@ def mem_write(m, w, space: str, addr: np.ndarray, data: np.ndarray, what: str):
         for cta, off, sel in resolve_shared(m, w, addr, space):
             _check_pending(m, cta, off, data.shape[1], what)
             check_pending_reads(cta, off, data.shape[1], what)
-            cta.smem.write(off, data if sel is None else data[sel], what)
+            who = writers if writers is None or sel is None else writers[sel]
+            cta.smem.write(off, data if sel is None else data[sel], what, who)
         return
     raise EmulationError(f"{what}: stores to .{space} are not modelled")
 
@@ -182,7 +191,7 @@ def _st(ins, k):
         v = np.ascontiguousarray(v.reshape(len(idx), n))
         data = v.astype(v.dtype, copy=False).view(np.uint8).reshape(len(idx), width * n) \
             if v.dtype.itemsize == width else v.astype(dt).view(np.uint8).reshape(len(idx), width * n)
-        mem_write(m, w, space, addr(m, w, idx), data, f"st.{space}")
+        mem_write(m, w, space, addr(m, w, idx), data, f"st.{space}", thread_ids(w, idx))
     return run
 
 
@@ -221,7 +230,8 @@ def _atom(ins, k):
             else:
                 with np.errstate(all="ignore"):
                     new = np.asarray(_ATOM_OPS[op](old, vals[0][i:i + 1])).astype(dt)
-            mem_write(m, w, space, one, to_bytes(new, dt), f"{ins.parts[0]}.{space}")
+            mem_write(m, w, space, one, to_bytes(new, dt), f"{ins.parts[0]}.{space}",
+                      thread_ids(w, idx[i:i + 1]))
             old_all[i] = old[0]
         if wr is not None:
             wr(m, w, idx, old_all)

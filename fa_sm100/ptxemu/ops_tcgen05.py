@@ -18,7 +18,8 @@ Semantics (PTX ISA, tcgen05 sections):
   thread) is reported as a race. ``tcgen05.st`` data is visible to MMAs only after
   ``wait::st``.
 - ``tcgen05.mma`` is asynchronous: at issue the D region is marked pending (a ``tcgen05.ld``
-  of it before completion is reported) and the A/B shared-memory bytes pending-read; MMAs and
+  of it before completion is reported) and the A/B shared-memory bytes pending-read until
+  completion (a store or a TMA load issued into them meanwhile is reported as a race); MMAs and
   commits of one thread complete in issue order; ``tcgen05.commit`` arrives once on the
   mbarrier(s) when every earlier tcgen05 operation of the thread has completed.
 - Shared-memory matrix descriptors and the instruction descriptor are decoded per the ISA
@@ -36,7 +37,7 @@ from .decode import Op, handler, mods, reader, unsupported, writer
 from .machine import AsyncOp, PredWait
 from .memory import CLUSTER_SHIFT, EmulationError
 from .ops_mem import address_reader, resolve_shared
-from .ops_tma import swizzle
+from .ops_tma import add_pending_read, remove_pending_read, swizzle
 from .parser import Addr, Vec
 from .values import bf16_to_f32
 
@@ -371,7 +372,7 @@ def _mma(ins, k):
             a_idx = operand_bytes(asd, m_cta, kdim, esize, bool(d["a_mn_major"]))
         desc = f"tcgen05.mma by {w.gid} at line {ins.line}"
         issuer = f"{w.gid}:{lane}"            # MMAs of one thread complete in order
-        regions = []
+        regions, reads = [], []
         for c in ctas:
             t = tmem_of(c)
             # accumulating into a D an earlier MMA of this thread still writes is ordered;
@@ -385,6 +386,11 @@ def _mma(ins, k):
                                ignore_owner=issuer)
             for ix in ([b_idx] if a_idx is None else [a_idx, b_idx]):
                 _check_no_tma(c, ix, where)
+                c.smem.check_async_read(int(ix.min()), int(ix.max()) + esize,
+                                        f"{where}: MMA operand")
+                # the operand is read at some time before completion: pending until then
+                reads.append((c, add_pending_read(c, int(ix.min()), int(ix.max()) + esize,
+                                                  f"operand of {desc}")))
             reg = (d_lane, d_lane + m_cta, d_col, d_col + n, "mma", issuer, desc)
             t.pending.append(reg)
             regions.append((t, reg))
@@ -417,6 +423,8 @@ def _mma(ins, k):
                 t.init[d_lane:d_lane + m_cta, d_col:d_col + n][rows] = True
             for t, reg in regions:
                 t.pending.remove(reg)
+            for c, region in reads:
+                remove_pending_read(c, region)
 
         _enqueue(m, w, lane, complete, f"{desc} ({d['m']}x{n}x16)")
 

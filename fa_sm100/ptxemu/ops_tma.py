@@ -168,6 +168,9 @@ def _tma_load(ins, k):
                 b_cluster = (b_rank << CLUSTER_SHIFT) | (b_addr & ((1 << CLUSTER_SHIFT) - 1))
                 mb = get_mbarrier(m, w, b_cluster, "shared::cluster", where)
                 desc = f"TMA load by {w.gid} (line {ins.line})"
+                # the load may land at any time from now on: a read still pending there (an
+                # MMA's operand, a TMA store's source) races with it
+                check_pending_reads(cta, np.asarray([dst_off]), nbytes, f"{where}: {desc}")
                 region = (dst_off, dst_off + nbytes, desc)
                 _pending(cta).append(region)
                 targets.append((cta, mb, region))
@@ -263,6 +266,7 @@ def _tma_store(ins, k):
             (cta, soff, _), = resolve_shared(m, w, np.asarray([s_all[i]]), "shared")
             s0 = int(soff[0])
             nbytes = off.size * tm.elem_bytes
+            cta.smem.check_async_read(s0, s0 + nbytes, f"{where}: TMA store source")
             region = (s0, s0 + nbytes, f"TMA store by {w.gid} (line {ins.line}) reading it",
                       "read")
             _pending_reads(cta).append(region)
@@ -336,8 +340,22 @@ def _wait_group(ins, k, kind="bulk_groups", what="cp.async.bulk"):
     return run
 
 
+def add_pending_read(cta, lo: int, hi: int, desc: str):
+    """Shared bytes [lo, hi) that an asynchronous operation (a TMA store, an MMA's operand)
+    will read before it completes; returns the region for ``remove_pending_read``."""
+    region = (lo, hi, desc, "read")
+    _pending_reads(cta).append(region)
+    return region
+
+
+def remove_pending_read(cta, region):
+    _pending_reads(cta).remove(region)
+
+
 def check_pending_reads(cta, off, width, what):
-    """Threads must not overwrite shared memory a TMA store has not read yet."""
+    """Shared memory an asynchronous operation has not read yet (a TMA store's source, an
+    MMA's operands from issue to completion) must not be overwritten, by threads or by a TMA
+    load issued meanwhile."""
     pend = getattr(cta, "pending_smem_reads", None)
     if not pend:
         return

@@ -67,8 +67,11 @@ def compile_forward(cfg, num_heads: int):
 
 
 def run_forward(cfg, q, k, v, softmax_scale: Optional[float] = None, seed: int = 0,
-                trace: Optional[list] = None, ptx_edit=None) -> ForwardRun:
+                trace: Optional[list] = None, ptx_edit=None,
+                policy: str = "late") -> ForwardRun:
     """Emulate the compiled SM100 forward on BSHD CPU tensors (bf16/fp16).
+
+    ``seed`` and ``policy`` choose the schedule (Note [Schedule policies] in machine.py).
 
     ``ptx_edit(ptx) -> ptx`` may rewrite the kernel's PTX before it runs (tests use it to
     remove a synchronisation and check that the emulator reports the consequence)."""
@@ -100,7 +103,7 @@ def run_forward(cfg, q, k, v, softmax_scale: Optional[float] = None, seed: int =
     rec = cap.launches[0]
     t2 = time.perf_counter()
     buffers = [q, k, v, out] + ([lse] if lse is not None else [])
-    machine = emulate(cap, buffers, seed=seed, trace=trace)
+    machine = emulate(cap, buffers, seed=seed, trace=trace, policy=policy)
     t3 = time.perf_counter()
     steps = sum(w.steps for c in machine.ctas for w in c.warps)
     return ForwardRun(out=out, lse=lse, compile_s=t1 - t0, emulate_s=t3 - t2,
@@ -108,6 +111,24 @@ def run_forward(cfg, q, k, v, softmax_scale: Optional[float] = None, seed: int =
                       launch={"grid": rec.grid, "block": rec.block, "cluster": rec.cluster,
                               "dynamic_smem": rec.dynamic_smem,
                               "regs_at_launch": cap.launch_regs})
+
+
+def explore_delays(cfg, q, k, v, softmax_scale: Optional[float] = None, limit: int = 16,
+                   ptx_edit=None) -> list:
+    """The bounded systematic search of Note [Schedule policies]: run the forward once per
+    schedule ``delay:N``, N = 0 .. limit - 1 (everything completes as early as possible except
+    the N-th asynchronous operation issued, held until nothing else can move). Returns
+    ``[(N, ForwardRun or the EmulationError)]``; the caller judges the runs."""
+    from .memory import EmulationError
+
+    out = []
+    for n in range(limit):
+        try:
+            out.append((n, run_forward(cfg, q, k, v, softmax_scale, ptx_edit=ptx_edit,
+                                       policy=f"delay:{n}")))
+        except EmulationError as err:
+            out.append((n, err))
+    return out
 
 
 def compare(run: ForwardRun, cfg, q, k, v, softmax_scale=None) -> dict:
