@@ -236,10 +236,11 @@ def correction_needed(acc_scale):
         changes nothing. The predicate is ``factor < 1`` and a factor of exactly 0 counts: it is
         what exp2 gives when the max jumps by more than about 149 log2 units (float32
         underflow, and the approximate exp2 flushes below 2^-126), and the row's stale O must
-        then be cleared, or it keeps full weight against the new max. A row that has seen no
-        key yet gets the factor 1 from the softmax, not 0, because its O holds nothing to keep
-        (on SM100 the block's first PV MMA overwrites it; on Hopper it is 0). Both forwards and
-        the numerics emulation apply this one predicate.
+        then be cleared, or it keeps full weight against the new max. A tile's first block is
+        never rescaled: its PV MMA overwrites O (SM100) or O starts at 0 (Hopper). After it, a
+        row that had seen no key (every key so far masked) has the factor 0 too, and an O row
+        of exactly 0 (P = 0), which a factor of 0 or 1 leaves 0. Both forwards and the numerics
+        emulation apply this one predicate.
 
     Works on Python floats, DSL ``Float32`` values and torch tensors (elementwise).
     """

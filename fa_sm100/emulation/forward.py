@@ -14,11 +14,12 @@ and walks the K/V blocks:
   the float32 accumulator, rounded once). Keys outside the row's visible range are -inf.
 - Row max and correction: ``m_new = max(m, block max)``, ``growth = (m_new - m) *
   scale_log2``; ``softmax_math.rescale_needed`` decides whether the row moves to ``m_new`` with
-  the factor ``exp2((m - m_new) * scale_log2)`` (SFU; 1 for a row that has seen no key yet) or
+  the factor ``exp2((m - m_new) * scale_log2)`` (SFU; 0 for a row that had seen no key) or
   keeps its stale max with the factor 1. The row sum takes the factor; O takes it through the
-  correction warps' vote (Note [Correction vote] in softmax_math): each warp of 32 rows
-  multiplies its rows of O only when one of them has ``softmax_math.correction_needed``, before
-  the block's PV MMAs accumulate into it. The first block's PV MMA overwrites O.
+  correction warps' vote (Note [Correction vote] in softmax_math): from a tile's second block
+  on, each warp of 32 rows multiplies its rows of O only when one of them has
+  ``softmax_math.correction_needed``, before the block's PV MMAs accumulate into it. The
+  first block's PV MMA overwrites O.
 - P: ``x = fma(s, scale_log2, -(m * scale_log2))``; exp2 by the polynomial for the columns of
   ``softmax_math.ex2_emulated_mask`` and by the SFU model for the others (``emulation.ex2``);
   the block's row sum adds the float32 values in the kernel's order (``row_sum_sequential``)
@@ -278,9 +279,9 @@ def emulate_sm100_fwd(q, k, v, softmax_scale=None, causal=False, window_size=(No
         # float32 subtract, float32 multiply; -inf - -inf is NaN, which never rescales
         growth = (m_new - m_a) * scale_log2
         rescale = sm.rescale_needed(growth, threshold)
-        # a row with no key seen yet (max -inf) moves with the factor 1 (Note [Correction vote])
+        # a row with no key seen yet (max -inf) moves with the factor exp2(-inf) = 0
         seen = torch.isfinite(m_a)
-        acc_scale = torch.where(rescale & seen, ex2_sfu((m_a - m_new) * scale_log2),
+        acc_scale = torch.where(rescale, ex2_sfu((m_a - m_new) * scale_log2),
                                 torch.ones_like(growth))
         m_next = torch.where(rescale, m_new, m_a)
         decided = valid & seen

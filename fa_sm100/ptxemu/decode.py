@@ -104,6 +104,8 @@ def reader(opnd, typ: str, kernel: PtxKernel, undef_ok: bool = False) -> Callabl
         name = opnd
 
         def read_reg(m, w, idx):
+            if w.ld_regs and name.name in w.ld_regs:
+                ld_data_used(w, name.name)
             r = w.reg(name)
             init = w.reg_init[name.name][idx]
             if not undef_ok and not init.all():
@@ -140,6 +142,16 @@ def reg_names(opnd) -> list:
     return []
 
 
+def ld_data_used(w, name: str):
+    """A register a pending ``tcgen05.ld`` wrote is read: its data has come back, so the load's
+    read of TMEM is complete (Note [tcgen05.ld and wait::ld])."""
+    tmem, entry = w.ld_regs[name]
+    if entry in tmem.pending:
+        tmem.pending.remove(entry)
+    for other in [n for n, (_, e) in w.ld_regs.items() if e is entry]:
+        del w.ld_regs[other]
+
+
 def writer(opnd, typ: str) -> Callable:
     """Closure (m, w, idx, values) storing ``typ`` values into a register (or a sink)."""
     if isinstance(opnd, Sink):
@@ -151,6 +163,8 @@ def writer(opnd, typ: str) -> Callable:
             r = w.reg(name)
             r[idx] = to_bits(typ, v, r.dtype)
             w.reg_init[name.name][idx] = True
+            if w.ld_regs:
+                w.ld_regs.pop(name.name, None)
         return write
     if isinstance(opnd, Vec):
         subs = [writer(o, typ) for o in opnd.items]

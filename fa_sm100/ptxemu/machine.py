@@ -147,6 +147,9 @@ class Warp:
         self.steps = 0
         self.maxnreg: Optional[int] = None          # from setmaxnreg
         self.cluster_gen = np.full(WARP, -1, dtype=np.int64)   # barrier.cluster arrivals
+        # Note [tcgen05.ld and wait::ld]: destination register -> (TMEM, pending-read entry)
+        # of a tcgen05.ld whose read has not been seen to complete
+        self.ld_regs: dict = {}
 
     def reg(self, r: Reg) -> np.ndarray:
         arr = self.regs.get(r.name)

@@ -132,8 +132,6 @@ def _silence_vote(line):
 CATALOGUE: tuple[Mutation, ...] = (
     Mutation("drop_wait_st", "every tcgen05.wait::st removed (P and rescaled O unwaited)",
              _drop("tcgen05.wait::st")),
-    Mutation("drop_wait_ld", "every tcgen05.wait::ld removed (S, O reads unwaited)",
-             _drop("tcgen05.wait::ld")),
     Mutation("flip_parity", "the first mbarrier wait's phase parity flipped",
              _rewrite_nth("mbarrier.try_wait.parity", 0, _flip_parity)),
     Mutation("tmem_column", "the first tcgen05.ld reads 32 columns further right",

@@ -7,16 +7,19 @@ Semantics (PTX ISA, tcgen05 sections):
   quarter (warp id % 4); columns must be allocated. Reading a cell never written is an error.
 - Note [tcgen05.ld and wait::ld]. The ISA (tcgen05.wait) says that ``tcgen05.wait::ld``
   "causes the executing thread to block until all prior tcgen05.ld operations issued by the
-  executing thread have completed", and its example puts the wait between a ``tcgen05.ld`` and
-  a ``tcgen05.mma`` that writes the same columns to keep the MMA from "racing ahead of" the
-  load; the cross-thread pattern is ld, wait::ld, fence::before_thread_sync, arrive. What the
-  wait orders is the load's read of Tensor Memory, not its destination registers: the ISA
-  leaves them ordinary register results (ptxas orders their uses as it does for any load, and
-  FlashAttention-4's production forward uses them before its wait). So here a load's values
-  are in its registers at once, and its TMEM cells stay pending-read for the warp until it
-  executes ``wait::ld``: a write to them meanwhile (``tcgen05.st``, or an MMA issued by any
-  thread) is reported as a race. ``tcgen05.st`` data is visible to MMAs only after
-  ``wait::st``.
+  executing thread have completed"; its example puts the wait between a load and an MMA that
+  writes the same columns, and its cross-thread pattern is ld, wait::ld,
+  fence::before_thread_sync, arrive. It does not make the destination registers undefined
+  before the wait: they are register results, whose uses the SM issues in order behind the
+  data (a warp issues in order, and an instruction that reads a register waits for it). So
+  once the warp has read one of a load's registers, the data is back and the load's read of
+  TMEM is over, for every instruction after that one and every thread synchronized after it.
+  That is the model here: a load's values are in its registers at once; its cells stay
+  pending-read until the warp executes ``wait::ld`` or reads one of the load's registers; a
+  TMEM write to them meanwhile (``tcgen05.st``, an MMA by any thread, a dealloc) is reported.
+  FlashAttention-4's forward relies on exactly this: its softmax writes P over S and arrives
+  for the next S without a ``wait::ld``, after computing from S. A load whose registers are
+  never read, followed by a write to its cells without a wait, is reported.
 - ``tcgen05.mma`` is asynchronous: at issue the D region is marked pending (a ``tcgen05.ld``
   of it before completion is reported) and the A/B shared-memory bytes pending-read until
   completion (a store or a TMA load issued into them meanwhile is reported as a race); MMAs and
@@ -214,6 +217,7 @@ def _ld(ins, k):
     a_r = reader(ins.operands[1].base if isinstance(ins.operands[1], Addr) else ins.operands[1],
                  "u32", k)
     off = ins.operands[1].offset if isinstance(ins.operands[1], Addr) else 0
+    names = [r.name for r in dst.items]
     where = f"line {ins.line}"
 
     def run(m, w, idx):
@@ -222,8 +226,11 @@ def _ld(ins, k):
         t = tmem_of(w.cta)
         t.check_access(lane0, 32, col, n, where, reading=True, ignore_owner=None)
         wr(m, w, idx, t.data[lane0 + idx, col:col + n])
-        t.pending.append((lane0, lane0 + 32, col, col + n, "ld", w.gid,
-                          f"tcgen05.ld by {w.gid} at line {ins.line} not yet waited"))
+        entry = (lane0, lane0 + 32, col, col + n, "ld", w.gid,
+                 f"tcgen05.ld by {w.gid} at line {ins.line} not yet waited")
+        t.pending.append(entry)
+        for name in names:
+            w.ld_regs[name] = (t, entry)
     return Op(ins, run, collective=True)
 
 
@@ -256,6 +263,8 @@ def _wait(ins, k):
     def run(m, w, idx):
         t = tmem_of(w.cta)
         t.pending = [p for p in t.pending if not (p[4] == kind and p[5] == w.gid)]
+        if kind == "ld":
+            w.ld_regs.clear()
     return Op(ins, run, collective=True)
 
 

@@ -11,9 +11,9 @@ Produces  "O_i rescaled" (``s_p_o`` release, which together with the softmax's P
 Per work tile, for each Q stage i in turn:
 
     each block:   wait sm_stats(i); each warp votes on its 32 rows' factors: if any row needs
-                  it (factor < 1: the row max grew past the threshold; Note [Correction vote])
-                  the warp multiplies its rows of O_i in TMEM, otherwise it skips the work;
-                  release s_p_o(i)
+                  it (factor < 1: the row max grew past the threshold; Note [Correction vote];
+                  never at a tile's first block, whose PV MMA overwrites O) the warp multiplies
+                  its rows of O_i in TMEM, otherwise it skips the work; release s_p_o(i)
     final:        wait sm_stats(i) (row sum, row max); wait o_acc(i); O_i / row_sum -> sO[i]
                   (acquire o_epi(i)); release o_acc(i); commit o_epi(i); LSE -> global
 
@@ -135,8 +135,9 @@ def correction(cfg, tmem, smem, gmem, pipes, prob, sched, cta_v: Int32):
                         scale = smem.sStats[tidx, STAT_SCALE, stage]
                         pipes.sm_stats.consumer_release(stage, stage_hint=stage)
                         # Note [Correction vote] (softmax_math): a factor of 0 is a max jump
-                        # past float32's exp2 range and must clear the row.
-                        needs = softmax_math.correction_needed(scale)
+                        # past float32's exp2 range and must clear the row; the first block's
+                        # PV MMA overwrites O, so that block has nothing to rescale.
+                        needs = softmax_math.correction_needed(scale) & (i > 0)
                         with record.branch("rescale"):
                             if cute.arch.vote_ballot_sync(needs) != 0:
                                 record.access(f"O{stage}", "r")

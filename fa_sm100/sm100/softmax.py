@@ -86,11 +86,9 @@ def make_softmax_views(cfg, tidx, tS, p_minus_s) -> SoftmaxViews:
 def _row_stats_update(cfg, tSrS: cute.Tensor, row_max: Float32, scale_log2: Float32):
     """New row max under the rescale rule, and the factor O and the row sum are multiplied by.
 
-    A row that has seen no key yet (max -inf: the first block of a tile, or every key so far
-    masked) moves to the block's max with the factor 1: its O holds nothing to rescale (the
-    first PV MMA of a tile overwrites it) and its sum is 0 (Note [Correction vote] in
-    softmax_math). A block whose scores are all masked leaves a -inf max in place (growth NaN
-    compares false)."""
+    The first block of a tile needs no special case: the row max starts at -inf, so the growth
+    is +inf, the max moves and the factor is exp2(-inf) = 0 (O and the sum start at 0). A block
+    whose scores are all masked leaves a -inf max in place (growth NaN compares false)."""
     blk_max = tSrS.load().reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
     cand = cute.arch.fmax(row_max, blk_max)
     grow = (cand - row_max) * scale_log2
@@ -98,8 +96,7 @@ def _row_stats_update(cfg, tSrS: cute.Tensor, row_max: Float32, scale_log2: Floa
     acc_scale = Float32(1.0)
     if softmax_math.rescale_needed(grow, Float32(cfg.rescale_threshold)):
         new_max = cand
-        if row_max != -Float32.inf:
-            acc_scale = cute.math.exp2((row_max - cand) * scale_log2, fastmath=True)
+        acc_scale = cute.math.exp2((row_max - cand) * scale_log2, fastmath=True)
     return new_max, acc_scale
 
 
