@@ -64,3 +64,19 @@ def test_fa4_forward_is_schedule_independent():
     late = run_fa4_forward(q, k, v, causal=causal)
     rnd = run_fa4_forward(q, k, v, causal=causal, policy="random", seed=3)
     assert torch.equal(late.out.view(torch.int16), rnd.out.view(torch.int16))
+
+
+def test_strict_fences_find_both_forwards_without_tcgen05_thread_sync_fences():
+    """Note [tcgen05 thread-sync fences]: neither FA4's forward nor this project's emits the
+    ISA's tcgen05 thread-sync fences; the strict mode names the first place in each (a
+    finding, docs/ptx_emulator.md; both run correctly without the strict mode)."""
+    from fa_sm100.config import config_from_overrides
+    from fa_sm100.ptxemu.memory import EmulationError
+    from fa_sm100.ptxemu.sm100_run import run_forward
+
+    q, k, v, causal = _inputs("1cta_d64", 1)
+    with pytest.raises(EmulationError, match="strict fences"):
+        run_fa4_forward(q, k, v, causal=causal, strict_fences=True)
+    cfg = config_from_overrides(["head_dim=64", "head_dim_v=64", "use_2cta=false"])
+    with pytest.raises(EmulationError, match="strict fences"):
+        run_forward(cfg, q, k, v, strict_fences=True)

@@ -297,3 +297,35 @@ def test_project_tcgen05_demo_bit_exact(two_cta):
         c.zero_()
         emulate(cap, [a, b, c], seed=seed)
         np.testing.assert_array_equal(c.numpy(), _umma_reference(a, b, cfg.k))
+
+
+FENCED = {"WAITLD": "tcgen05.wait::ld.sync.aligned; tcgen05.fence::before_thread_sync;"}
+
+
+def _after_first_barrier(text: str) -> str:
+    return text.replace("bar.sync 0;\n    ld.shared.b32",
+                        "bar.sync 0;\n    tcgen05.fence::after_thread_sync;\n    ld.shared.b32", 1)
+
+
+def test_strict_fences_report_tcgen05_ops_around_thread_syncs_without_their_fences():
+    """Note [tcgen05 thread-sync fences]: with ``strict_fences`` a tcgen05 operation after a
+    wait needs ``fence::after_thread_sync`` and a thread sync after a tcgen05.ld / st needs
+    ``fence::before_thread_sync``; with both fences the kernel runs, and without the strict
+    mode it runs either way."""
+    cap, out = _tmem_kernel()
+    emulate(cap, [out])
+    cap, out = _tmem_kernel()
+    with pytest.raises(EmulationError, match="without tcgen05.fence::after_thread_sync"):
+        emulate(cap, [out], strict_fences=True)
+    text = _after_first_barrier(TMEM_PTX)
+    for key, val in {**GOOD, "WAITLD": GOOD["WAITLD"]}.items():
+        text = text.replace(key, val)
+    cap = launch_from_ptx(text, block=(128, 1, 1), params=[out.data_ptr()], dynamic_smem=64)
+    with pytest.raises(EmulationError, match="without tcgen05.fence::before_thread_sync"):
+        emulate(cap, [out], strict_fences=True)
+    text = _after_first_barrier(TMEM_PTX)
+    for key, val in {**GOOD, **FENCED}.items():
+        text = text.replace(key, val)
+    cap = launch_from_ptx(text, block=(128, 1, 1), params=[out.data_ptr()], dynamic_smem=64)
+    emulate(cap, [out], strict_fences=True)
+    assert out.tolist() == [3 * i for i in range(128)]

@@ -40,10 +40,12 @@ def build_launch(cap: Capture, index: int = 0) -> Launch:
 
 
 def emulate(cap: Capture, buffers: Sequence, seed: int = 0, index: Optional[int] = None,
-            trace: Optional[list] = None, max_steps: int = 2_000_000, policy: str = "random"):
+            trace: Optional[list] = None, max_steps: int = 2_000_000, policy: str = "random",
+            strict_fences: bool = False):
     """Execute the captured launch(es) on the CPU. ``buffers`` are the contiguous CPU
     tensors whose memory the kernel may touch (its global memory); results land in them.
-    ``policy``: when asynchronous operations complete (``machine.parse_policy``).
+    ``policy``: when asynchronous operations complete (``machine.parse_policy``);
+    ``strict_fences``: check Note [tcgen05 thread-sync fences].
     Returns the last Machine (for inspection of step counts and traces)."""
     gmem = GlobalMemory()
     for i, t in enumerate(buffers):
@@ -53,7 +55,7 @@ def emulate(cap: Capture, buffers: Sequence, seed: int = 0, index: Optional[int]
     machine = None
     for li in ([index] if index is not None else range(len(cap.launches))):
         machine = Machine(build_launch(cap, li), gmem, seed=seed, max_steps=max_steps,
-                          trace=trace, policy=policy)
+                          trace=trace, policy=policy, strict_fences=strict_fences)
         machine.run()
     return machine
 

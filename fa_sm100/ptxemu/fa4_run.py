@@ -88,7 +88,7 @@ def fa4_choices(seqlen_q: int, head_dim: int, head_dim_v: int, causal: bool) -> 
 
 
 def run_fa4_forward(q, k, v, causal: bool = False, softmax_scale: Optional[float] = None,
-                    policy: str = "late", seed: int = 0) -> FA4Run:
+                    policy: str = "late", seed: int = 0, strict_fences: bool = False) -> FA4Run:
     """FA4's SM100 forward on BSHD CPU tensors (bf16/fp16), emulated, with the options FA4's
     interface picks for the problem (``fa4_choices``). Returns O and LSE as the kernel wrote
     them."""
@@ -118,7 +118,7 @@ def run_fa4_forward(q, k, v, causal: bool = False, softmax_scale: Optional[float
     with _fixed_sm_count(FA4_NUM_SMS):
         compiled, ptx = compile_kernel(kernel, args)
         cap = capture_launch(kernel, None, args, compiled=compiled, ptx=ptx)
-    emulate(cap, [q, k, v, out, lse], seed=seed, policy=policy)
+    emulate(cap, [q, k, v, out, lse], seed=seed, policy=policy, strict_fences=strict_fences)
     rec = cap.launches[0]
     return FA4Run(out=out, lse=lse, launch={"grid": rec.grid, "block": rec.block,
                                              "cluster": rec.cluster, **choices})

@@ -214,10 +214,11 @@ class Machine:
 
     def __init__(self, launch: Launch, gmem: GlobalMemory, seed: int = 0,
                  max_steps: int = 2_000_000, trace: Optional[list] = None,
-                 policy: str = "random"):
+                 policy: str = "random", strict_fences: bool = False):
         from . import ops                              # noqa: F401 (handler registration)
         from .decode import decode_kernel
         self.policy, self.delayed = parse_policy(policy)
+        self.strict_fences = strict_fences             # Note [tcgen05 thread-sync fences]
         self.async_issued = 0                          # asynchronous operations numbered so far
         self.launch = launch
         self.gmem = gmem
@@ -335,6 +336,8 @@ class Machine:
             idx = np.nonzero(group)[0]
             if self.trace is not None:
                 self.trace.append((self.cluster_index, w.gid, pc, len(idx)))
+            if self.strict_fences:
+                _tcgen05_fence_check(w, op.instr)
             op.run(self, w, idx)
             w.steps += 1
             done += 1
@@ -375,6 +378,43 @@ class Machine:
         if not 0 <= rank < len(self.ctas):
             raise EmulationError(f"CTA rank {rank} is outside the cluster of {len(self.ctas)}")
         return self.ctas[rank]
+
+
+# Note [tcgen05 thread-sync fences]. The ISA's canonical patterns order tcgen05 operations
+# across threads with a thread sync between two fences: the producer issues
+# ``tcgen05.fence::before_thread_sync`` after its tcgen05.ld / st and before it arrives (a
+# ``tcgen05.commit`` does this implicitly), and the consumer issues
+# ``tcgen05.fence::after_thread_sync`` after its wait and before its tcgen05 operations.
+# ``strict_fences`` checks those two rules per warp. It is off by default: neither this
+# project's SM100 forward nor FlashAttention-4's emits the fences, and both run correctly as
+# far as the other checks see, so the strict mode reports a rule of the ISA that production
+# kernels do not follow, not a wrong result (docs/ptx_emulator.md).
+_SYNC_WAITS = ("mbarrier.try_wait", "mbarrier.test_wait", "bar.sync", "barrier.sync",
+               "barrier.cluster.wait")
+_SYNC_ARRIVES = ("mbarrier.arrive", "bar.arrive", "barrier.arrive", "bar.sync", "barrier.sync",
+                 "barrier.cluster.arrive")
+_TCGEN05_DATA = ("tcgen05.ld", "tcgen05.st", "tcgen05.mma", "tcgen05.cp")
+
+
+def _tcgen05_fence_check(w, ins):
+    op = ins.opcode
+    if op.startswith("tcgen05.fence::after_thread_sync"):
+        w.after_sync_unfenced = False
+    elif op.startswith("tcgen05.fence::before_thread_sync") or op.startswith("tcgen05.commit"):
+        w.before_sync_unfenced = None
+    elif op.startswith(_TCGEN05_DATA):
+        if getattr(w, "after_sync_unfenced", False):
+            raise EmulationError(f"{w.gid} line {ins.line} ({ins.text}): a tcgen05 operation "
+                                 "after a thread sync without tcgen05.fence::after_thread_sync "
+                                 "(strict fences)")
+        if op.startswith(("tcgen05.ld", "tcgen05.st")):
+            w.before_sync_unfenced = ins.line
+    if op.startswith(_SYNC_ARRIVES) and getattr(w, "before_sync_unfenced", None):
+        raise EmulationError(f"{w.gid} line {ins.line} ({ins.text}): a thread sync after the "
+                             f"tcgen05.ld / st at line {w.before_sync_unfenced} without "
+                             "tcgen05.fence::before_thread_sync (strict fences)")
+    if op.startswith(_SYNC_WAITS):
+        w.after_sync_unfenced = True
 
 
 POLICIES = ("random", "late", "early")

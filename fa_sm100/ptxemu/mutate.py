@@ -138,6 +138,9 @@ CATALOGUE: tuple[Mutation, ...] = (
              _rewrite_nth("tcgen05.ld.", 0, _shift_tmem_columns)),
     Mutation("drop_cluster_arrive", "the cluster-scope mbarrier arrives removed",
              _drop("mbarrier.arrive.shared::cluster.b64")),
+    Mutation("cta_scope_arrive", "the cluster-scope mbarrier arrives made CTA-scope",
+             lambda ptx: ptx.replace("mbarrier.arrive.shared::cluster.b64",
+                                     "mbarrier.arrive.shared.b64")),
     Mutation("arrival_count", "the first mbarrier expects one arrival more",
              _rewrite_nth("mbarrier.init", 0, _one_more_arrival)),
     Mutation("expect_tx_half", "the Q tile's expected bytes halved (2-CTA: one CTA's half)",
@@ -198,6 +201,7 @@ _REPORT_KINDS = (
     ("asynchronous read of it is pending", "shared memory overwritten before its read"),
     ("fence.proxy.async", "generic store not fenced for the async proxy"),
     ("uninitialized", "uninitialized read"),
+    ("another CTA's window", "CTA-scope access to the peer CTA's shared memory"),
 )
 
 

@@ -68,7 +68,7 @@ def compile_forward(cfg, num_heads: int):
 
 def run_forward(cfg, q, k, v, softmax_scale: Optional[float] = None, seed: int = 0,
                 trace: Optional[list] = None, ptx_edit=None,
-                policy: str = "late") -> ForwardRun:
+                policy: str = "late", strict_fences: bool = False) -> ForwardRun:
     """Emulate the compiled SM100 forward on BSHD CPU tensors (bf16/fp16).
 
     ``seed`` and ``policy`` choose the schedule (Note [Schedule policies] in machine.py).
@@ -103,7 +103,8 @@ def run_forward(cfg, q, k, v, softmax_scale: Optional[float] = None, seed: int =
     rec = cap.launches[0]
     t2 = time.perf_counter()
     buffers = [q, k, v, out] + ([lse] if lse is not None else [])
-    machine = emulate(cap, buffers, seed=seed, trace=trace, policy=policy)
+    machine = emulate(cap, buffers, seed=seed, trace=trace, policy=policy,
+                      strict_fences=strict_fences)
     t3 = time.perf_counter()
     steps = sum(w.steps for c in machine.ctas for w in c.warps)
     return ForwardRun(out=out, lse=lse, compile_s=t1 - t0, emulate_s=t3 - t2,
