@@ -329,3 +329,29 @@ def test_strict_fences_report_tcgen05_ops_around_thread_syncs_without_their_fenc
     cap = launch_from_ptx(text, block=(128, 1, 1), params=[out.data_ptr()], dynamic_smem=64)
     emulate(cap, [out], strict_fences=True)
     assert out.tolist() == [3 * i for i in range(128)]
+
+
+def test_tma_load_into_an_operand_of_a_pending_mma_is_a_race():
+    """MMA operands are pending-read from issue to completion: the UMMA tile kernel with its
+    A tile's TMA load issued again right after the MMA (a slot refilled before the MMA has
+    read it) is reported at the second load's issue under each schedule policy. The reloaded
+    bytes are the same, so no value would show it."""
+    from fa_sm100.ptxemu.parser import parse_ptx
+
+    n, k = 64, 64
+    a = torch.randn(128, k).to(torch.bfloat16)
+    b = torch.randn(n, k).to(torch.bfloat16)
+    d = torch.zeros(128, n)
+    cap = capture_launch(S.make_umma_tile_host(n, k),
+                         (_fake(a, cutlass.BFloat16), _fake(b, cutlass.BFloat16),
+                          _fake(d, cutlass.Float32), make_fake_stream()),
+                         (_dl(a), _dl(b), _dl(d), _stream()))
+    lines = cap.ptx.splitlines()
+    load = next(line for line in lines if "cp.async.bulk.tensor" in line)
+    mma = next(i for i, line in enumerate(lines) if "tcgen05.mma" in line)
+    cap.ptx = "\n".join(lines[:mma + 1] + [load] + lines[mma + 1:])
+    cap.module = parse_ptx(cap.ptx)
+    for policy in ("late", "early", "random"):
+        d.zero_()
+        with pytest.raises(EmulationError, match="asynchronous read of it is pending"):
+            emulate(cap, [a, b, d], policy=policy)
