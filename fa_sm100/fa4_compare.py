@@ -23,6 +23,7 @@ that our ``kv_stage`` is at least FA4's for the same problem.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -139,15 +140,12 @@ def _jsonable(v):
     return repr(v)
 
 
-def _child(out_dir: str, problem: dict) -> int:
-    import contextlib
-    import io
-    import time
-
+@contextlib.contextmanager
+def fixed_sm_count(num_sms: int):
+    """``cutlass.utils.HardwareInfo`` (a CUDA driver query) answers ``num_sms`` SMs, for FA4's
+    persistent scheduler, which sizes its grid with it, while compiling with no GPU. Patched
+    before FA4's scheduler module is first imported, which binds the name itself."""
     import cutlass.utils
-    import torch
-
-    num_sms = int(problem["num_sms"])
 
     class FixedHardwareInfo:
         """Stands in for the driver query: the SM count of the cross-compile target."""
@@ -161,16 +159,35 @@ def _child(out_dir: str, problem: dict) -> int:
         def get_max_active_clusters(self, cluster_size):
             return num_sms // cluster_size
 
+    saved = cutlass.utils.HardwareInfo
     cutlass.utils.HardwareInfo = FixedHardwareInfo
-    import flash_attn.cute.flash_fwd_sm100 as fwd_mod
     import flash_attn.cute.tile_scheduler as sched_mod
+
+    saved_sched = sched_mod.HardwareInfo
+    sched_mod.HardwareInfo = FixedHardwareInfo
+    try:
+        yield
+    finally:
+        cutlass.utils.HardwareInfo, sched_mod.HardwareInfo = saved, saved_sched
+
+
+def _child(out_dir: str, problem: dict) -> int:
+    with fixed_sm_count(int(problem["num_sms"])):
+        return _compile_in_child(out_dir, problem)
+
+
+def _compile_in_child(out_dir: str, problem: dict) -> int:
+    import io
+    import time
+
+    import flash_attn.cute.flash_fwd_sm100 as fwd_mod
+    import torch
     from flash_attn.cute.interface import flash_attn_func
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from fa_sm100.compile_tools import _record_launches
     from fa_sm100.config import WARP_SIZE
 
-    sched_mod.HardwareInfo = FixedHardwareInfo
     instances = []
     original_init = fwd_mod.FlashAttentionForwardSm100.__init__
 

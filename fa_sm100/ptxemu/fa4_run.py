@@ -20,7 +20,6 @@ results used before wait::ld) is in docs/ptx_emulator.md.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -39,31 +38,6 @@ class FA4Run:
     out: torch.Tensor
     lse: torch.Tensor
     launch: dict
-
-
-@contextlib.contextmanager
-def _fixed_sm_count(num_sms: int):
-    import cutlass.utils
-    import flash_attn.cute.tile_scheduler as sched
-
-    class FixedHardwareInfo:
-        """Stands in for the driver query: the SM count of the cross-compile target."""
-
-        def __init__(self, *args, **kwargs):
-            pass
-
-        def get_device_multiprocessor_count(self):
-            return num_sms
-
-        def get_max_active_clusters(self, cluster_size):
-            return num_sms // cluster_size
-
-    saved = cutlass.utils.HardwareInfo, sched.HardwareInfo
-    cutlass.utils.HardwareInfo = sched.HardwareInfo = FixedHardwareInfo
-    try:
-        yield
-    finally:
-        cutlass.utils.HardwareInfo, sched.HardwareInfo = saved
 
 
 def _cute(t: torch.Tensor, align: int = 16):
@@ -99,6 +73,8 @@ def run_fa4_forward(q, k, v, causal: bool = False, softmax_scale: Optional[float
     except ImportError as err:
         raise FA4Unavailable(f"FA4's SM100 forward cannot be imported ({err}): pip install "
                              f"flash-attn-4==4.0.0b36 triton einops") from None
+    from fa_sm100.fa4_compare import fixed_sm_count
+
     from .capture import capture_launch, compile_kernel
     from .emulator import emulate
 
@@ -115,7 +91,7 @@ def run_fa4_forward(q, k, v, causal: bool = False, softmax_scale: Optional[float
     args = ([_cute(q), _cute(k), _cute(v), _cute(out), _cute(lse, align=4),
              cutlass.Float32(scale)] + [None] * 10 + [AuxData()] + [None] * 8
             + [cuda.CUstream(0)])
-    with _fixed_sm_count(FA4_NUM_SMS):
+    with fixed_sm_count(FA4_NUM_SMS):
         compiled, ptx = compile_kernel(kernel, args)
         cap = capture_launch(kernel, None, args, compiled=compiled, ptx=ptx)
     emulate(cap, [q, k, v, out, lse], seed=seed, policy=policy, strict_fences=strict_fences)
