@@ -87,7 +87,8 @@ def _row_stats_update(cfg, tSrS: cute.Tensor, row_max: Float32, scale_log2: Floa
     """New row max under the rescale rule, and the factor O and the row sum are multiplied by.
 
     The first block of a tile needs no special case: the row max starts at -inf, so the growth
-    is +inf, the max moves and the factor is exp2(-inf) = 0 (O and the sum start at 0). A block
+    is +inf, the max moves and the factor is exp2(-inf) = 0 (the sum starts at 0, and the
+    correction does not rescale at a tile's first block: Note [Correction vote]). A block
     whose scores are all masked leaves a -inf max in place (growth NaN compares false)."""
     blk_max = tSrS.load().reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
     cand = cute.arch.fmax(row_max, blk_max)
