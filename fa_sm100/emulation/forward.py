@@ -279,12 +279,10 @@ def emulate_sm100_fwd(q, k, v, softmax_scale=None, causal=False, window_size=(No
         # float32 subtract, float32 multiply; -inf - -inf is NaN, which never rescales
         growth = (m_new - m_a) * scale_log2
         rescale = sm.rescale_needed(growth, threshold)
-        # a row with no key seen yet (max -inf) moves with the factor exp2(-inf) = 0
-        seen = torch.isfinite(m_a)
         acc_scale = torch.where(rescale, ex2_sfu((m_a - m_new) * scale_log2),
                                 torch.ones_like(growth))
         m_next = torch.where(rescale, m_new, m_a)
-        decided = valid & seen
+        decided = valid & torch.isfinite(m_a)
         stats.row_tiles += int(decided.sum())
         stats.max_grew += int((decided & (tile_max > m_a)).sum())
         stats.rescaled += int((decided & rescale).sum())

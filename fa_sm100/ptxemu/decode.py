@@ -96,8 +96,8 @@ def unsupported(ins: Instr, why: str = ""):
 def reader(opnd, typ: str, kernel: PtxKernel, undef_ok: bool = False) -> Callable:
     """Closure (m, w, idx) -> np.ndarray of ``typ`` values for the lanes ``idx``.
 
-    Reading a register nothing wrote is an error, except with ``undef_ok`` (byte selects: LLVM passes
-    undef registers to ``prmt`` for bytes the result's users ignore); such a read gives the
+    Reading a register nothing wrote is an error, except with ``undef_ok`` (byte selects: LLVM
+    passes undef registers to ``prmt`` for bytes the result's users ignore); such a read gives the
     register's current bits, and since definedness is tracked per register, not per byte, a
     prmt that really uses such a byte goes unnoticed."""
     if isinstance(opnd, Reg):
@@ -131,15 +131,6 @@ def reader(opnd, typ: str, kernel: PtxKernel, undef_ok: bool = False) -> Callabl
         subs = [reader(o, typ, kernel) for o in opnd.items]
         return lambda m, w, idx: np.stack([f(m, w, idx) for f in subs], axis=1)
     raise EmulationError(f"operand {opnd} cannot be read as .{typ}")
-
-
-def reg_names(opnd) -> list:
-    """Register names inside an operand (register or vector)."""
-    if isinstance(opnd, Reg):
-        return [opnd.name]
-    if isinstance(opnd, Vec):
-        return [n for o in opnd.items for n in reg_names(o)]
-    return []
 
 
 def ld_data_used(w, name: str):

@@ -150,6 +150,11 @@ class Warp:
         # Note [tcgen05.ld and wait::ld]: destination register -> (TMEM, pending-read entry)
         # of a tcgen05.ld whose read has not been seen to complete
         self.ld_regs: dict = {}
+        # Note [tcgen05 thread-sync fences] (strict mode): a wait not yet followed by
+        # fence::after_thread_sync; the line of a tcgen05.ld / st not yet followed by
+        # fence::before_thread_sync
+        self.after_sync_unfenced = False
+        self.before_sync_unfenced: Optional[int] = None
 
     def reg(self, r: Reg) -> np.ndarray:
         arr = self.regs.get(r.name)
@@ -403,13 +408,13 @@ def _tcgen05_fence_check(w, ins):
     elif op.startswith("tcgen05.fence::before_thread_sync") or op.startswith("tcgen05.commit"):
         w.before_sync_unfenced = None
     elif op.startswith(_TCGEN05_DATA):
-        if getattr(w, "after_sync_unfenced", False):
+        if w.after_sync_unfenced:
             raise EmulationError(f"{w.gid} line {ins.line} ({ins.text}): a tcgen05 operation "
                                  "after a thread sync without tcgen05.fence::after_thread_sync "
                                  "(strict fences)")
         if op.startswith(("tcgen05.ld", "tcgen05.st")):
             w.before_sync_unfenced = ins.line
-    if op.startswith(_SYNC_ARRIVES) and getattr(w, "before_sync_unfenced", None):
+    if op.startswith(_SYNC_ARRIVES) and w.before_sync_unfenced:
         raise EmulationError(f"{w.gid} line {ins.line} ({ins.text}): a thread sync after the "
                              f"tcgen05.ld / st at line {w.before_sync_unfenced} without "
                              "tcgen05.fence::before_thread_sync (strict fences)")

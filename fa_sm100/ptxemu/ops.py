@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .decode import (handler, last_type, mods, reader, reg_names, types_of,
-                     unsupported, writer)
+from .decode import handler, last_type, mods, reader, types_of, unsupported, writer
 from .memory import EmulationError
 from .parser import Pair, Vec
 from .values import (UINT, add_f32, bf16_to_f32, f32_to_bf16_rn, f32_to_bf16_rz,

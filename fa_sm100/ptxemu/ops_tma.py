@@ -267,12 +267,11 @@ def _tma_store(ins, k):
             s0 = int(soff[0])
             nbytes = off.size * tm.elem_bytes
             cta.smem.check_async_read(s0, s0 + nbytes, f"{where}: TMA store source")
-            region = (s0, s0 + nbytes, f"TMA store by {w.gid} (line {ins.line}) reading it",
-                      "read")
-            _pending_reads(cta).append(region)
+            region = add_pending_read(cta, s0, s0 + nbytes,
+                                      f"TMA store by {w.gid} (line {ins.line}) reading it")
 
             def land(tm=tm, off=off, ok=ok, cta=cta, s0=s0, region=region):
-                _pending_reads(cta).remove(region)
+                remove_pending_read(cta, region)
                 index = _smem_byte_index(tm, s0, off.size)
                 flat = cta.smem.read(index, 1, f"{where} (TMA store source)").reshape(-1, tm.elem_bytes)
                 if ok.any():
