@@ -11,5 +11,6 @@ def __getattr__(name):
     if name == "flash_attn_func":
         from fa_sm100.interface import flash_attn_func
 
+        globals()[name] = flash_attn_func  # later lookups find it without this hook
         return flash_attn_func
     raise AttributeError(f"module 'fa_sm100' has no attribute {name!r}")

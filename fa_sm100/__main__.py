@@ -8,6 +8,9 @@
   the reason (nothing else is compiled in its place).
 
 Exit status 0 when every step passed, 1 when a check or a compile failed.
+
+Commands: ``python -m fa_sm100 warmup ...`` compiles the kernels of given problems into the
+disk cache ahead of time (``fa_sm100.warmup``).
 """
 
 import argparse
@@ -126,7 +129,15 @@ def cross_compile_report(json_path=None) -> bool:
     return True
 
 
+COMMANDS = {"warmup": "fa_sm100.warmup"}
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in COMMANDS:
+        import importlib
+
+        return importlib.import_module(COMMANDS[argv[0]]).main(argv[1:])
     p = argparse.ArgumentParser(prog="python -m fa_sm100", description=__doc__.split("\n\n")[0])
     p.add_argument("--no-gpu", action="store_true",
                    help="skip the GPU even if there is one: cross-compile and report")

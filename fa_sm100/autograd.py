@@ -4,7 +4,10 @@
 ``torch.ops.fa_sm100.attn_bwd(dout, q, k, v, out, lse, ...) -> (dq, dk, dv)`` are registered
 with ``torch.library.custom_op`` (plus fake implementations for shape propagation), so
 ``torch.compile(fullgraph=True)`` sees two opaque graph nodes instead of tracing into CuTe DSL.
-``FlashAttnFunction`` saves q, k, v, out and lse and calls the backward op.
+``FlashAttnFunction`` saves q, k, v, out and lse and calls the backward op. In eager mode it
+calls the ops' implementations (``attn_fwd_impl``, ``attn_bwd_impl``) directly: a custom op's
+Python dispatch costs more host time than the rest of a warm call, and the op node matters only
+to a graph.
 
 Devices: CUDA tensors run the kernels (forward by capability through
 ``fa_sm100.interface``; backward on sm_90 through ``sm90_bwd``; other GPUs raise ValueError).
@@ -81,10 +84,8 @@ def _cpu_backward(dout, q, k, v, out, lse, scale, causal, left, right):
     return tuple(t.to(dtype).contiguous() for t, dtype in ((dq, q.dtype), (dk, k.dtype), (dv, v.dtype)))
 
 
-@torch.library.custom_op("fa_sm100::attn_fwd", mutates_args=())
-def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
-             causal: bool, window_left: Optional[int], window_right: Optional[int],
-             config_token: int) -> tuple[torch.Tensor, torch.Tensor]:
+def attn_fwd_impl(q, k, v, softmax_scale, causal, window_left, window_right, config_token):
+    """(out, lse) of the forward: the CPU model, or the device's kernel."""
     if q.device.type == "cpu":
         return _cpu_forward(q, k, v, softmax_scale, causal, window_left, window_right)
     from fa_sm100.interface import _backend_for
@@ -95,6 +96,14 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: f
     return out, lse
 
 
+@torch.library.custom_op("fa_sm100::attn_fwd", mutates_args=())
+def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
+             causal: bool, window_left: Optional[int], window_right: Optional[int],
+             config_token: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return attn_fwd_impl(q, k, v, softmax_scale, causal, window_left, window_right,
+                         config_token)
+
+
 @attn_fwd.register_fake
 def _attn_fwd_fake(q, k, v, softmax_scale, causal, window_left, window_right, config_token):
     b, sq, h, _ = q.shape
@@ -103,11 +112,9 @@ def _attn_fwd_fake(q, k, v, softmax_scale, causal, window_left, window_right, co
     return out, lse
 
 
-@torch.library.custom_op("fa_sm100::attn_bwd", mutates_args=())
-def attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             out: torch.Tensor, lse: torch.Tensor, softmax_scale: float, causal: bool,
-             window_left: Optional[int], window_right: Optional[int],
-             deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def attn_bwd_impl(dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right,
+                  deterministic):
+    """(dq, dk, dv): the CPU model, or the SM90 backward."""
     if q.device.type == "cpu":
         return _cpu_backward(dout, q, k, v, out, lse, softmax_scale, causal, window_left,
                              window_right)
@@ -115,6 +122,15 @@ def attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 
     return sm90_bwd(dout, q, k, v, out, lse, softmax_scale=softmax_scale, causal=causal,
                     window_size=(window_left, window_right), deterministic=deterministic)
+
+
+@torch.library.custom_op("fa_sm100::attn_bwd", mutates_args=())
+def attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             out: torch.Tensor, lse: torch.Tensor, softmax_scale: float, causal: bool,
+             window_left: Optional[int], window_right: Optional[int],
+             deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return attn_bwd_impl(dout, q, k, v, out, lse, softmax_scale, causal, window_left,
+                         window_right, deterministic)
 
 
 @attn_bwd.register_fake
@@ -129,8 +145,10 @@ class FlashAttnFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, softmax_scale, causal, window_left, window_right, config_token,
                 deterministic):
-        out, lse = torch.ops.fa_sm100.attn_fwd(q, k, v, softmax_scale, causal, window_left,
-                                               window_right, config_token)
+        # Eager calls go straight to the implementation; the op's dispatch is for graphs
+        # (torch.compile traces this function and records the op).
+        op = torch.ops.fa_sm100.attn_fwd if torch.compiler.is_compiling() else attn_fwd_impl
+        out, lse = op(q, k, v, softmax_scale, causal, window_left, window_right, config_token)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.softmax_scale = softmax_scale
         ctx.causal = causal
@@ -142,7 +160,8 @@ class FlashAttnFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = torch.ops.fa_sm100.attn_bwd(
+        op = torch.ops.fa_sm100.attn_bwd if torch.compiler.is_compiling() else attn_bwd_impl
+        dq, dk, dv = op(
             dout.contiguous(), q, k, v, out, lse, ctx.softmax_scale, ctx.causal, ctx.window[0],
             ctx.window[1], ctx.deterministic)
         return dq, dk, dv, None, None, None, None, None, None

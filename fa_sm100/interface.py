@@ -5,18 +5,24 @@
 others  -> ValueError naming the device.
 
 Inputs are validated (``fa_sm100.validation``) before the device is queried, before any
-compile and before any launch.
+compile and before any launch. A call whose metadata and options passed validation before
+skips it (``fa_sm100.call_plans``: nothing validation reads lies outside that key), and the
+backend's own plan skips the config choice and the compile.
 """
 
 from __future__ import annotations
 
 import torch
 
+from fa_sm100.call_plans import PlanTable, metadata_key
+from fa_sm100.devices import capability
 from fa_sm100.validation import validate_attention_inputs
+
+_validated = PlanTable()  # (metadata, options) that passed validation -> backend
 
 
 def _backend_for(device: torch.device):
-    major, minor = torch.cuda.get_device_capability(device)
+    major, minor = capability(device)
     if major == 10:
         from fa_sm100.sm100.interface import sm100_fwd
 
@@ -46,13 +52,27 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False,
         raise ValueError(f"deterministic must be a bool, got {deterministic!r}")
     if not isinstance(return_lse, bool):
         raise ValueError(f"return_lse must be a bool, got {return_lse!r}")
-    validate_attention_inputs(q, k, v, softmax_scale, causal, window_size)
-    if torch.compiler.is_compiling() or (
-            torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))):
-        # Gradients, and torch.compile graphs, go through the custom ops (fa_sm100.autograd).
+    if torch.compiler.is_compiling():
+        # torch.compile graphs go through the custom ops (fa_sm100.autograd); the checks run
+        # on the traced (fake) tensors, once per trace.
+        validate_attention_inputs(q, k, v, softmax_scale, causal, window_size)
         from fa_sm100.autograd import flash_attn_autograd
 
         return flash_attn_autograd(q, k, v, softmax_scale, causal, return_lse, config,
                                    window_size, deterministic)
-    backend = _backend_for(q.device)
+    try:
+        key = (metadata_key(q, k, v), softmax_scale, causal, window_size)
+        backend = _validated.get(key)
+    except (AttributeError, TypeError):  # not tensors, unhashable options: validate
+        key = backend = None
+    if backend is None:
+        validate_attention_inputs(q, k, v, softmax_scale, causal, window_size)
+        backend = _backend_for(q.device)
+        if key is not None:
+            _validated.put(key, backend)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        from fa_sm100.autograd import flash_attn_autograd
+
+        return flash_attn_autograd(q, k, v, softmax_scale, causal, return_lse, config,
+                                   window_size, deterministic)
     return backend(q, k, v, softmax_scale, causal, window_size, return_lse, config)

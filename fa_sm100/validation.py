@@ -125,19 +125,23 @@ def require_sm90(device: torch.device, what: str) -> None:
     """Raise ValueError unless ``device`` is a CUDA device of compute capability 9.0."""
     if device.type != "cuda":
         raise ValueError(f"{what} needs CUDA tensors on an sm_90 GPU, got device {device}")
-    major, minor = torch.cuda.get_device_capability(device)
+    from fa_sm100.devices import capability
+
+    major, minor = capability(device)
     if (major, minor) != (9, 0):
         raise ValueError(f"{what} runs on sm_90 (Hopper) GPUs only; {device} is "
                          f"sm_{major}{minor}")
 
 
-def tma_ready(t: torch.Tensor) -> torch.Tensor:
-    """``t`` itself when TMA can read it (unit last stride, 16-byte aligned strides and base),
-    otherwise a contiguous copy."""
+def tma_strides_ok(t: torch.Tensor) -> bool:
+    """True when TMA can read ``t``'s layout: unit last stride, 16-byte aligned other strides
+    (the base address is a per-call matter: ``tma_ready``)."""
     elem = t.element_size()
-    ok = (
-        t.stride(-1) == 1
-        and all((s * elem) % 16 == 0 for s in t.stride()[:-1])
-        and t.data_ptr() % 16 == 0
-    )
+    return t.stride(-1) == 1 and all((s * elem) % 16 == 0 for s in t.stride()[:-1])
+
+
+def tma_ready(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when TMA can read it (``tma_strides_ok`` and a 16-byte aligned base),
+    otherwise a contiguous copy."""
+    ok = tma_strides_ok(t) and t.data_ptr() % 16 == 0
     return t if ok else t.clone(memory_format=torch.contiguous_format)

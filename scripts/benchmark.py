@@ -14,9 +14,12 @@ TFLOP/s counts 2 * b * h * s_q * s_k * (d + dv) (the two GEMMs), halved for caus
 are against the best
 peer measured in this run.
 
-On sm_90, ours is timed through ``prepare_sm90_fwd``: input validation, config choice, compile
-and the SM-count query happen once per cell, outside the timed region, so the timed call is
-the launch alone (the peers' timed calls are their public functions).
+Every provider is timed through its public API, as a model calls it: ours through
+``flash_attn_func``, FA4 through ``flash_attn.cute.flash_attn_func``, cuDNN and flash through
+``torch.nn.functional.scaled_dot_product_attention``; the ratio of ours over the best peer is
+on that path. ``--timing both`` (the default) adds ``ours:launch``, the launch alone
+(``prepare_sm90_fwd``: validation, config, compile, SM count and the outputs decided once per
+cell), as a labelled second column; ``--timing launch`` times only that as ``ours``.
 
 Correctness: the first call of every provider in a cell is checked against a float32
 reference on 64 query rows of every batch and head (the project's rule: error <= 2 x the
@@ -72,6 +75,9 @@ def parse_args(argv=None):
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     p.add_argument("--providers", nargs="+", choices=PROVIDERS, default=list(PROVIDERS))
+    p.add_argument("--timing", choices=["public", "launch", "both"], default="both",
+                   help="ours through flash_attn_func (public), its prepared launch alone "
+                        "(launch), or both: the launch as the extra column ours:launch")
     p.add_argument("--ours-variant", action="append", default=[], metavar="NAME:FIELD=VALUE[,...]",
                    help="also time ours with these SM90 config overrides, as provider ours:NAME "
                         "(repeatable), e.g. --ours-variant nopp:pingpong=false; the cells where "
@@ -105,20 +111,32 @@ def flops(b, h, sq, sk, d, dv, causal):
 
 
 def prepare_ours(q, k, v, causal, config=None):
-    """ours for one cell: a no-argument callable that computes the forward of q, k, v.
+    """ours for one cell through the public API: a no-argument callable that calls
+    ``flash_attn_func`` (its warm path: the call plan, then allocate and launch)."""
+    from fa_sm100.interface import flash_attn_func
 
-    sm_90: ``prepare_sm90_fwd`` validates and compiles here, and the callable only launches.
-    Other GPUs: the callable is the public ``flash_attn_func`` (validation included).
-    """
+    return lambda: flash_attn_func(q, k, v, causal=causal, config=config)
+
+
+def prepare_ours_launch(q, k, v, causal, config=None):
+    """ours, launch only (the second column): on sm_90 ``prepare_sm90_fwd`` plans and allocates
+    once, and the callable only launches; elsewhere the public function."""
     import torch
 
     if torch.cuda.get_device_capability(q.device) == (9, 0):
         from fa_sm100.hopper.interface import prepare_sm90_fwd
 
         return prepare_sm90_fwd(q, k, v, causal=causal, config=config)
-    from fa_sm100.interface import flash_attn_func
+    return prepare_ours(q, k, v, causal, config)
 
-    return lambda: flash_attn_func(q, k, v, causal=causal, config=config)
+
+def provider_names(args) -> list:
+    """The table's columns: the providers, ``ours:launch`` after them with ``--timing both``,
+    then the variants."""
+    names = list(args.providers)
+    if "ours" in names and args.timing == "both":
+        names.append("ours:launch")
+    return names + [f"ours:{v.partition(':')[0]}" for v in args.ours_variant]
 
 
 def make_variant(spec, torch):
@@ -182,6 +200,8 @@ def make_provider(name, torch):
     reason when the provider is unavailable. Work done by ``prepare`` is not timed."""
     if name == "ours":
         return prepare_ours
+    if name == "ours:launch":
+        return prepare_ours_launch
     if name == "fa4":
         from flash_attn.cute import flash_attn_func as fa4
 
@@ -293,6 +313,10 @@ def run_grid(args):
             providers[name] = make_provider(name, torch)
         except Exception as e:  # noqa: BLE001 - an absent peer is reported, not fatal
             unavailable[name] = f"{type(e).__name__}: {e}"
+    if "ours" in providers and args.timing == "launch":
+        providers["ours"] = prepare_ours_launch
+    elif "ours" in providers and args.timing == "both":
+        providers["ours:launch"] = prepare_ours_launch
     for spec in args.ours_variant:
         label, fn = make_variant(spec, torch)
         providers[label] = fn
@@ -406,7 +430,7 @@ def main(argv=None):
 
         return run_from_benchmark_args(args, {"same_kernel_as_default": same})
     rows, device, unavailable = run_grid(args)
-    providers = list(args.providers) + [f"ours:{v.partition(':')[0]}" for v in args.ours_variant]
+    providers = provider_names(args)
     print(f"device: {device}")
     for name, why in unavailable.items():
         print(f"provider {name} unavailable: {why}")

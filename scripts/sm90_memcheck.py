@@ -5,7 +5,9 @@
         python scripts/sm90_memcheck.py [--mode bwd] [--shard K/N]
 
 (``--report-api-errors no``: the DSL's runtime probes driver entry points with
-``cuGetProcAddress``, and the failed probes would otherwise count as errors.)
+``cuGetProcAddress``, and the failed probes would otherwise count as errors.) ``--mode calls
+--provider ours|fa4`` runs small training steps through a public ``flash_attn_func``, first and
+warm calls marked, to attribute those reports (docs/host_path.md).
 
 Forward: every head-dim pair, causal and not, MHA/GQA/MQA, seqlens that are not tile
 multiples (tail rows and keys), seqlen_q > seqlen_k (rows with no key), the one-tile-per-CTA,
@@ -189,14 +191,48 @@ def select_cases(mode: str, shard=None) -> list:
     return cases if shard is None else shard_of(cases, *parse_shard(shard))[0]
 
 
+# --mode calls: small training steps through a public API, each preceded by a marker line, so
+# that the sanitizer's API-error reports can be told apart by provider and by first / warm call
+# (docs/host_path.md, "compute-sanitizer"). (batch, seqlen, heads, hdim, causal)
+CALL_CASES = [(1, 128, 2, 64, False), (1, 128, 2, 64, True), (1, 256, 2, 128, False),
+              (1, 256, 2, 128, True), (1, 128, 2, 256, False)]
+
+
+def main_calls(gen, provider: str, repeat: int):
+    if provider == "fa4":
+        from flash_attn.cute import flash_attn_func as fn
+    else:
+        from fa_sm100.interface import flash_attn_func as fn
+    for b, s, h, d, causal in CALL_CASES:
+        q, k, v, dout = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16,
+                                     generator=gen) for _ in range(4))
+        leaves = [t.requires_grad_() for t in (q, k, v)]
+        for i in range(repeat):
+            print(f"== {provider} hdim {d} causal {causal}: call {i + 1} "
+                  f"({'first' if i == 0 else 'warm'})", flush=True)
+            out = fn(*leaves, causal=causal)
+            out = out[0] if isinstance(out, tuple) else out
+            torch.autograd.grad(out, leaves, dout)
+            torch.cuda.synchronize()
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mode", choices=("fwd", "bwd"), default="fwd")
+    p.add_argument("--mode", choices=("fwd", "bwd", "calls"), default="fwd")
+    p.add_argument("--provider", choices=("ours", "fa4"), default="ours",
+                   help="--mode calls: whose public flash_attn_func to call")
+    p.add_argument("--repeat", type=int, default=3, help="--mode calls: calls per case")
     p.add_argument("--shard", default=None, metavar="K/N",
                    help="run the K-th of N round-robin shares of the cases (one device call "
                         "each: a lent GPU runs a command for at most 10 minutes)")
     args = p.parse_args(argv)
+    if args.mode == "calls":
+        gen = torch.Generator(device="cuda")
+        gen.manual_seed(0)
+        main_calls(gen, args.provider, args.repeat)
+        print(f"{args.provider}: {len(CALL_CASES)} cases x {args.repeat} calls ok", flush=True)
+        return
     try:
         cases = select_cases(args.mode, args.shard)
     except ValueError as err:

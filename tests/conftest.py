@@ -7,6 +7,13 @@ import pytest
 # The DSL reads the target arch once, at first import: cross-compiles here target sm_100a
 # unless a test or the environment asks for another.
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_100a")
+# Compiled kernels go to a disk cache (fa_sm100.kernel_cache); a test run uses its own, so it
+# neither reads what another run or version left nor fills the user's cache. A run that sets
+# FA_SM100_CACHE_DIR itself (GPU runs split into several calls) keeps it.
+if "FA_SM100_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    os.environ["FA_SM100_CACHE_DIR"] = tempfile.mkdtemp(prefix="fa_sm100_test_cache_")
 
 
 def _device_capability():

@@ -9,7 +9,11 @@ before any timing, a discarded warm-up, then ``repeat`` rounds in a carry-over b
 round. TFLOP/s use the backward's conventional FLOP count 2.5 x the forward's:
 2.5 * 2 * b * h * sq * sk * (d + dv), halved for causal. V (and O, dO) take the forward's
 default V head dim for the head dim d (``fa_sm100.config.default_head_dim_v``: 128 with 192,
-else d). The peers' times include their own preprocess/postprocess kernels, as ours do;
+else d). Every provider's backward is timed through its public path: its forward run once
+on leaf tensors, then ``torch.autograd.grad`` (ours: ``flash_attn_func``); ``ours:launch``
+(``timing="both"``, the default) is the launch alone (``prepare_sm90_bwd``: the plan made
+once), a labelled second column. The peers' times include their own preprocess/postprocess
+kernels, as ours do;
 ``do_bench`` does not synchronize between calls, so host time shorter than a call's GPU time
 does not show for anyone.
 
@@ -59,6 +63,16 @@ def _fa4_backward(fa4, q, k, v, dout, causal, deterministic=False, window=(None,
     o4 = fa4(qg, kg, vg, causal=causal, deterministic=deterministic, **windowed)
     o4 = o4[0] if isinstance(o4, tuple) else o4
     return lambda: torch.autograd.grad(o4, (qg, kg, vg), dout, retain_graph=True)
+
+
+def _ours_backward(q, k, v, dout, causal, deterministic=False):
+    """Ours through the public path: ``flash_attn_func`` run once on leaf copies of q, k, v;
+    returns the call that times its backward (``torch.autograd.grad``), as the peers'."""
+    from fa_sm100.interface import flash_attn_func
+
+    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+    o = flash_attn_func(qg, kg, vg, causal=causal, deterministic=deterministic)
+    return lambda: torch.autograd.grad(o, (qg, kg, vg), dout, retain_graph=True)
 
 
 def parse_variant(spec: str):
@@ -158,10 +172,10 @@ def _cudnn_backward(q, k, v, dout, causal):
 
 
 def bench_cell(b, h, hk, s, d, causal, dtype=torch.bfloat16, deterministic=False, variants=(),
-               repeat=None, warmup=WARMUP_MS, rep=REP_MS):
+               repeat=None, warmup=WARMUP_MS, rep=REP_MS, timing="both"):
     from fa_sm100.hopper.bwd_config import SM90_BWD_HEAD_DIMS
     from fa_sm100.hopper.bwd_defaults import select_bwd_config
-    from fa_sm100.hopper.bwd_interface import sm90_bwd
+    from fa_sm100.hopper.bwd_interface import prepare_sm90_bwd, sm90_bwd
 
     from fa_sm100.config import default_head_dim_v
 
@@ -189,8 +203,14 @@ def bench_cell(b, h, hk, s, d, causal, dtype=torch.bfloat16, deterministic=False
         row["fa4_error"] = why
     prepares = {}
     if (d, dv) in SM90_BWD_HEAD_DIMS:
-        prepares["ours"] = lambda: (lambda: sm90_bwd(dout, q, k, v, out, lse, causal=causal,
-                                                      deterministic=deterministic))
+        launch = lambda: prepare_sm90_bwd(dout, q, k, v, out, lse, causal=causal,  # noqa: E731
+                                          deterministic=deterministic)
+        if timing == "launch":
+            prepares["ours"] = launch
+        else:
+            prepares["ours"] = lambda: _ours_backward(q, k, v, dout, causal, deterministic)
+            if timing == "both":
+                prepares["ours:launch"] = launch
         for name, overrides in variants:
             # the cell's causality and length pick the variant's other defaults (early dV, swap,
             # tile_m)
@@ -258,7 +278,7 @@ def _torch_forward(q, k, v, causal):
 
 def run_grid(seqlens=DEFAULT_SEQLENS, head_dims=DEFAULT_HEAD_DIMS, causals=(False, True),
              gqa_ratio=1, deterministic=False, variants=(), tokens=TOKENS, model_dim=MODEL_DIM,
-             repeat=None, warmup=WARMUP_MS, rep=REP_MS, dtype=torch.bfloat16):
+             repeat=None, warmup=WARMUP_MS, rep=REP_MS, dtype=torch.bfloat16, timing="both"):
     rows = []
     for d in head_dims:
         h = model_dim // d
@@ -267,7 +287,7 @@ def run_grid(seqlens=DEFAULT_SEQLENS, head_dims=DEFAULT_HEAD_DIMS, causals=(Fals
             for causal in causals:
                 rows.append(bench_cell(b, h, h // gqa_ratio, s, d, causal, dtype=dtype,
                                        deterministic=deterministic, variants=variants,
-                                       repeat=repeat, warmup=warmup, rep=rep))
+                                       repeat=repeat, warmup=warmup, rep=rep, timing=timing))
                 print(format_row(rows[-1]), flush=True)
     return rows
 
@@ -282,7 +302,8 @@ def run_from_benchmark_args(args, meta=None):
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     rows = run_grid(args.seqlen, args.hdim, args.causal, variants=variants,
                     tokens=args.total_tokens, model_dim=args.hidden, repeat=args.repeat,
-                    warmup=args.warmup, rep=args.rep, dtype=dtype)
+                    warmup=args.warmup, rep=args.rep, dtype=dtype,
+                    timing=getattr(args, "timing", "both"))
     print_clocks(rows)
     points = ratio_points(rows)
     if points:
@@ -304,7 +325,8 @@ def run_from_benchmark_args(args, meta=None):
     if args.png:
         from fa_sm100.benchmarking import plot_grid
 
-        names = ["ours"] + [f"ours:{name}" for name, _ in variants] + ["fa4", "cudnn"]
+        names = (["ours"] + (["ours:launch"] if getattr(args, "timing", "both") == "both" else [])
+                 + [f"ours:{name}" for name, _ in variants] + ["fa4", "cudnn"])
         plot_grid(long, names, args.png, f"backward attention, {device}")
     return exit_status(rows)
 
@@ -373,7 +395,7 @@ def kernel_breakdown(fn, reps=10):
 
 def breakdown_cell(b, h, s, d, causal, dtype=torch.bfloat16):
     """``kernel_breakdown`` of ours and of FA4 on one cell (``--breakdown``)."""
-    from fa_sm100.hopper.bwd_interface import sm90_bwd
+    from fa_sm100.hopper.bwd_interface import prepare_sm90_bwd, sm90_bwd
 
     from fa_sm100.config import default_head_dim_v
 

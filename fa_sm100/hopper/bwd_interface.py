@@ -16,7 +16,10 @@ from typing import Optional
 
 import torch
 
+from fa_sm100 import kernel_cache
+from fa_sm100.call_plans import PlanTable, metadata_key
 from fa_sm100.config import normalize_dtype
+from fa_sm100.devices import sm_count
 from fa_sm100.hopper import probes
 from fa_sm100.hopper.bwd_config import SM90_BWD_HEAD_DIMS, BwdConfig
 from fa_sm100.hopper.bwd_defaults import select_bwd_config
@@ -24,9 +27,6 @@ from fa_sm100.hopper.config import SM90_ARCH
 from fa_sm100.validation import (SUPPORTED_DTYPES, check_softmax_scale, normalize_window,
                                  require_sm90)
 from layouts.smem import align_up
-
-_compile_cache: dict = {}
-
 
 def validate_bwd_inputs(dout, q, k, v, out, lse, softmax_scale=None, causal=False,
                         window_size=(None, None), deterministic=False):
@@ -84,29 +84,29 @@ def validate_bwd_inputs(dout, q, k, v, out, lse, softmax_scale=None, causal=Fals
 
 
 def _compiled(kind: str, key, build, make_fake_args):
-    """Compile once per (kind, key) for the sm_90 device, for TVM FFI: the result takes torch
-    tensors (checked against the fake arguments: dtypes, static head dims, compact strides,
-    alignment) and launches on the current torch stream, with no per-call conversions.
-    ``build`` and ``make_fake_args`` run only on a cache miss, so a cached call does no
-    trace-time work."""
-    import cutlass.cute as cute
+    """The launchable kernel of (kind, key) for the sm_90 device (``fa_sm100.kernel_cache``:
+    compiled once per machine), for TVM FFI: it takes torch tensors (checked against the fake
+    arguments: dtypes, static head dims, compact strides, alignment) and launches on the
+    current torch stream, with no per-call conversions. ``build`` and ``make_fake_args`` run
+    only when the kernel is compiled, so a cached call does no trace-time work."""
 
-    from fa_sm100.hopper.common import dsl_runtime_arch
+    def compile_it():
+        import cutlass.cute as cute
 
-    cache_key = (kind, key)
-    if cache_key not in _compile_cache:
+        from fa_sm100.hopper.common import dsl_runtime_arch
+
         with dsl_runtime_arch(SM90_ARCH):
-            _compile_cache[cache_key] = cute.compile(
-                build(), *make_fake_args(), options=f"--gpu-arch {SM90_ARCH} --enable-tvm-ffi")
-    return _compile_cache[cache_key]
+            return cute.compile(build(), *make_fake_args(),
+                                options=f"--gpu-arch {SM90_ARCH} --enable-tvm-ffi")
+
+    return kernel_cache.kernel(f"sm90_bwd_{kind}", key, compile_it)
 
 
-def sm90_bwd(dout, q, k, v, out, lse, softmax_scale: Optional[float] = None, causal: bool = False,
-             window_size=(None, None), deterministic: bool = False,
-             config: Optional[BwdConfig] = None):
-    """Gradients (dq, dk, dv) of attention on an SM90 GPU; see the module docstring."""
-    softmax_scale, (left, right) = validate_bwd_inputs(dout, q, k, v, out, lse, softmax_scale,
-                                                       causal, window_size, deterministic)
+def select_sm90_bwd_config(q, k, v, causal, window, deterministic,
+                           config: Optional[BwdConfig] = None) -> BwdConfig:
+    """The backward's config for validated inputs: the default one, or ``config`` with the
+    problem's fields filled in and checked; fitted to the device's SMs."""
+    left, right = window
     d, dv = q.shape[3], v.shape[3]
     group = q.shape[2] // k.shape[2]
     dtype = normalize_dtype(q.dtype)
@@ -126,16 +126,79 @@ def sm90_bwd(dout, q, k, v, out, lse, softmax_scale: Optional[float] = None, cau
                          f"in clusters of {config.qdo_cluster}, but seqlen_k={k.shape[1]} gives "
                          f"{config.num_key_blocks(k.shape[1])} blocks of {config.tile_n} keys: use "
                          f"qdo_multicast=False")
-
     if config.persistent_ctas:
-        config = fit_persistent_ctas(config, torch.cuda.get_device_properties(q.device)
-                                     .multi_processor_count)
-    q, k, v, out, dout = (t.contiguous() for t in (q, k, v, out, dout))
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    for kind, key, build, make_fake_args, args in launch_plan(
-            config, q, k, v, out, dout, lse.contiguous(), dq, dk, dv, softmax_scale):
-        _compiled(kind, key, build, make_fake_args)(*args)
-    return dq, dk, dv
+        config = fit_persistent_ctas(config, sm_count(q.device))
+    return config
+
+
+class Sm90BwdPlan:
+    """What ``sm90_bwd`` decided for one (metadata, options) pair (``fa_sm100.call_plans``):
+    the config and its kernels, in launch order. Calling it makes the inputs contiguous where
+    they are not, allocates dq, dk, dv and the workspace, and launches."""
+
+    __slots__ = ("config", "kernels", "scale", "contiguous", "user_config")
+
+    def __init__(self, config: BwdConfig, scale: float, tensors, user_config=None):
+        self.config = config
+        self.user_config = user_config
+        self.scale = scale
+        # False: every input of this metadata is already contiguous, so no call copies
+        self.contiguous = all(t.is_contiguous() for t in tensors)
+        self.kernels = [_compiled(*spec) for spec in kernel_specs(config)]
+
+    def __call__(self, dout, q, k, v, out, lse):
+        if not self.contiguous:
+            q, k, v, out, dout, lse = (t.contiguous() for t in (q, k, v, out, dout, lse))
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        for fn, args in zip(self.kernels, launch_args(self.config, q, k, v, out, dout, lse,
+                                                      dq, dk, dv, self.scale)):
+            fn(*args)
+        return dq, dk, dv
+
+
+_plans = PlanTable()
+
+
+def build_sm90_bwd_plan(dout, q, k, v, out, lse, softmax_scale=None, causal=False,
+                        window_size=(None, None), deterministic=False,
+                        config: Optional[BwdConfig] = None) -> Sm90BwdPlan:
+    """Validate, pick the config, fetch its kernels: the plan of one backward call."""
+    softmax_scale, window = validate_bwd_inputs(dout, q, k, v, out, lse, softmax_scale,
+                                                causal, window_size, deterministic)
+    cfg = select_sm90_bwd_config(q, k, v, causal, window, deterministic, config)
+    return Sm90BwdPlan(cfg, softmax_scale, (q, k, v, out, dout, lse), config)
+
+
+def prepare_sm90_bwd(dout, q, k, v, out, lse, softmax_scale=None, causal=False,
+                     window_size=(None, None), deterministic=False,
+                     config: Optional[BwdConfig] = None):
+    """The plan of this call and a no-argument callable that launches it on these tensors
+    (the launch-only timing of ``scripts/benchmark.py --mode bwd``)."""
+    plan = build_sm90_bwd_plan(dout, q, k, v, out, lse, softmax_scale, causal, window_size,
+                               deterministic, config)
+    return lambda: plan(dout, q, k, v, out, lse)
+
+
+def sm90_bwd(dout, q, k, v, out, lse, softmax_scale: Optional[float] = None, causal: bool = False,
+             window_size=(None, None), deterministic: bool = False,
+             config: Optional[BwdConfig] = None):
+    """Gradients (dq, dk, dv) of attention on an SM90 GPU; see the module docstring. The
+    second call with the same metadata and options reuses the first one's plan."""
+    key = None
+    if not probes.any_active():
+        try:
+            key = (metadata_key(dout, q, k, v, out, lse), softmax_scale, causal, window_size,
+                   deterministic, id(config))
+            plan = _plans.get(key)
+        except (AttributeError, TypeError):  # not tensors, unhashable options: validate
+            key = plan = None
+        if plan is not None and plan.user_config is config:
+            return plan(dout, q, k, v, out, lse)
+    plan = build_sm90_bwd_plan(dout, q, k, v, out, lse, softmax_scale, causal, window_size,
+                               deterministic, config)
+    if key is not None:
+        _plans.put(key, plan)
+    return plan(dout, q, k, v, out, lse)
 
 
 def fit_persistent_ctas(config: BwdConfig, num_sms: int) -> BwdConfig:
@@ -180,40 +243,59 @@ def launch_plan(config: BwdConfig, q, k, v, out, dout, lse, dq, dk, dv, softmax_
     semaphores, and the dQ accumulator unless the first CTA at each query block stores its
     tile (Note [dQ first store] in bwd_store.py; FA4 zeroes it there), so no separate
     zero-fill kernel sits in the chain."""
+    return [(*spec, args) for spec, args in zip(
+        kernel_specs(config), launch_args(config, q, k, v, out, dout, lse, dq, dk, dv,
+                                          softmax_scale))]
+
+
+def kernel_specs(config: BwdConfig) -> list:
+    """The kernels of ``launch_plan``, in order, as (kind, compile key, build, fake arguments):
+    what depends on the config alone (a plan computes it once)."""
     from fa_sm100.config import cutlass_dtype
     from fa_sm100.hopper.bwd_kernel import Sm90FlashBackward
     from fa_sm100.hopper.bwd_prepost import BwdPostprocess, BwdPreprocess, DqPostprocess
 
     d, d_v, dtype = config.head_dim, config.head_dim_v, config.dtype
     dt = cutlass_dtype(dtype)
-    ws = workspace(config, q, k)
-    dk_arg, dv_arg = (ws["dk_acc"], ws["dv_acc"]) if config.uses_gqa_buffers else (dk, dv)
     pdl = config.pdl
     zero_dq = not config.first_stores_dq  # Note [dQ first store]: no zero fill needed
     ctas = config.pre_ctas  # Note [Preprocess beside the main kernel] in bwd_prepost.py
-    plan = [
+    specs = [
         ("pre", (d_v, d, dtype, pdl, zero_dq, ctas),
          lambda: BwdPreprocess(d_v, d, pdl, zero_dq, ctas),
-         lambda: fake_pre_arguments(dt, d_v),
-         (out, dout, lse, ws["lse2"], ws["delta"], ws["dq_acc"], ws["dq_sem"])),
+         lambda: fake_pre_arguments(dt, d_v)),
         ("main", main_compile_key(config), lambda: Sm90FlashBackward(config),
-         lambda: fake_arguments(config, env_stream=True),
-         (q, k, v, dout, ws["lse2"], ws["delta"], ws["dq_acc"], dk_arg, dv_arg, ws["dq_sem"],
-          softmax_scale)),
+         lambda: fake_arguments(config, env_stream=True)),
     ]
     if probes.active("dq_post") != "none":  # Note [cost probes]: the probe leaves dq unwritten
         # the fragment order depends on tile_m (which warpgroup split) and the head dim; the
         # main kernel's dQ tiles are unscaled; with first stores a block no CTA reached is
         # zero (its semaphore says so)
-        plan.append(("post_dq", DqPostprocess.compile_key(config),
-                     lambda: DqPostprocess(config), lambda: fake_dq_post_arguments(config),
-                     (ws["dq_acc"], ws["dq_sem"], dq, softmax_scale, k.shape[1])))
+        specs.append(("post_dq", DqPostprocess.compile_key(config),
+                      lambda: DqPostprocess(config), lambda: fake_dq_post_arguments(config)))
     if config.uses_gqa_buffers:
         g = config.qhead_per_kvhead if config.gqa_reduce == "buffers" else 1
-        for acc, res, cols in ((dk_arg, dk, d), (dv_arg, dv, d_v)):  # dK arrives scaled
-            plan.append(("post", (cols, g, dtype, cols, pdl), lambda c=cols: BwdPostprocess(c, g, pdl),
-                         lambda c=cols: fake_post_arguments(dt, c, c), (acc, res, 1.0)))
-    return plan
+        for cols in (d, d_v):  # dK arrives scaled
+            specs.append(("post", (cols, g, dtype, cols, pdl),
+                          lambda c=cols: BwdPostprocess(c, g, pdl),
+                          lambda c=cols: fake_post_arguments(dt, c, c)))
+    return specs
+
+
+def launch_args(config: BwdConfig, q, k, v, out, dout, lse, dq, dk, dv, softmax_scale) -> list:
+    """The arguments of each kernel of ``kernel_specs``, in order, with a fresh workspace:
+    what a call computes (a warm call nothing else)."""
+    ws = workspace(config, q, k)
+    gqa = config.uses_gqa_buffers
+    dk_arg, dv_arg = (ws["dk_acc"], ws["dv_acc"]) if gqa else (dk, dv)
+    args = [(out, dout, lse, ws["lse2"], ws["delta"], ws["dq_acc"], ws["dq_sem"]),
+            (q, k, v, dout, ws["lse2"], ws["delta"], ws["dq_acc"], dk_arg, dv_arg, ws["dq_sem"],
+             softmax_scale)]
+    if probes.active("dq_post") != "none":
+        args.append((ws["dq_acc"], ws["dq_sem"], dq, softmax_scale, k.shape[1]))
+    if gqa:
+        args += [(dk_arg, dk, 1.0), (dv_arg, dv, 1.0)]
+    return args
 
 
 def main_compile_key(config: BwdConfig):

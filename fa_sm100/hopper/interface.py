@@ -1,24 +1,27 @@
 """``sm90_fwd``: validate, pick the config, compile once per config, launch on the torch stream.
 
-``prepare_sm90_fwd`` does everything but the launch and returns the launch as a callable (what
-``scripts/benchmark.py`` times).
+The first call with some metadata builds an ``Sm90FwdPlan`` (validation, config, kernel, SM
+count); later calls with the same metadata find it by a cheap key and only allocate and launch
+(``fa_sm100.call_plans``). ``prepare_sm90_fwd`` also allocates the outputs once and returns the
+launch as a callable (the launch-only timing of ``scripts/benchmark.py``).
 """
 
 from __future__ import annotations
 
-import threading
 from typing import Optional
 
 import torch
 
+from fa_sm100 import kernel_cache
+from fa_sm100.call_plans import PlanTable, aligned, current_stream_id, metadata_key
 from fa_sm100.config import normalize_dtype
+from fa_sm100.devices import sm_count
 from fa_sm100.hopper import probes
 from fa_sm100.hopper.config import (SM90_ARCH, SM90_HEAD_DIMS, Sm90FwdConfig,
                                     select_sm90_fwd_config)
-from fa_sm100.validation import require_sm90, tma_ready, validate_attention_inputs
+from fa_sm100.validation import (require_sm90, tma_ready, tma_strides_ok,
+                                 validate_attention_inputs)
 
-_compile_cache: dict = {}
-_compile_lock = threading.Lock()
 _tile_counters: dict = {}
 
 
@@ -29,11 +32,10 @@ def tile_counter(device: torch.device) -> torch.Tensor:
     [Dynamic tile schedule] in ``fwd_kernel.py``), so launches that follow each other in one
     stream share it, and launches on different streams, which may overlap, do not.
     """
-    stream = torch.cuda.current_stream(device)
-    key = (stream.device, stream.cuda_stream)
+    key = (device, current_stream_id(device))
     counter = _tile_counters.get(key)
     if counter is None:
-        counter = _tile_counters[key] = torch.zeros(1, dtype=torch.int32, device=stream.device)
+        counter = _tile_counters[key] = torch.zeros(1, dtype=torch.int32, device=device)
     return counter
 
 
@@ -108,65 +110,117 @@ def fake_arguments(cfg: Sm90FwdConfig):
 
 
 def compile_sm90_fwd(cfg: Sm90FwdConfig, arch: str = SM90_ARCH):
-    """Compile (once per config, and per active forward probe: Note [cost probes]) for
-    launching from torch through TVM FFI."""
+    """The launchable kernel of ``cfg`` (``fa_sm100.kernel_cache``: compiled once per machine,
+    per active forward probe too: Note [cost probes]), called with torch tensors through TVM
+    FFI on the current stream."""
     key = (cfg, arch, probes.compile_tag(probes.FWD_KERNEL_PROBES))
-    with _compile_lock:
-        if key not in _compile_cache:
-            import cutlass.cute as cute
 
-            from fa_sm100.hopper.common import dsl_runtime_arch
-            from fa_sm100.hopper.fwd_kernel import Sm90FwdKernel
+    def build():
+        import cutlass.cute as cute
 
-            with dsl_runtime_arch(arch):
-                _compile_cache[key] = cute.compile(
-                    Sm90FwdKernel(cfg), *fake_arguments(cfg),
-                    options=f"--gpu-arch {arch} --enable-tvm-ffi")
-        return _compile_cache[key]
+        from fa_sm100.hopper.common import dsl_runtime_arch
+        from fa_sm100.hopper.fwd_kernel import Sm90FwdKernel
+
+        with dsl_runtime_arch(arch):
+            return cute.compile(Sm90FwdKernel(cfg), *fake_arguments(cfg),
+                                options=f"--gpu-arch {arch} --enable-tvm-ffi")
+
+    return kernel_cache.kernel("sm90_fwd", key, build)
 
 
-def prepare_sm90_fwd(q, k, v, softmax_scale=None, causal=False, window_size=(None, None),
-                     return_lse=False, config: Optional[Sm90FwdConfig] = None, *, out=None,
-                     lse=None):
-    """Everything ``sm90_fwd`` does before the launch: validate, pick and compile the config,
-    allocate ``out`` / ``lse``, query the SM count. Returns a no-argument callable that
-    launches the kernel on these tensors and returns ``out`` or ``(out, lse)``.
+class Sm90FwdPlan:
+    """What ``sm90_fwd`` decided for one (metadata, options) pair (``fa_sm100.call_plans``):
+    the config, the kernel, the SM count and the output shapes. Calling it allocates the
+    outputs (or checks the given ones) and launches on q, k, v of that metadata."""
 
-    Each call of the callable recomputes attention of the current contents of q, k, v (their
-    shapes, strides and storage must stay as they were). Benchmarks time the callable, so the
-    per-call work is the launch alone.
-    """
+    __slots__ = ("cfg", "kernel", "num_sms", "scale", "return_lse", "out_shape", "lse_shape",
+                 "dtype", "device", "copy_inputs", "config")
+
+    def __init__(self, problem, cfg: Sm90FwdConfig, return_lse: bool, copy_inputs: bool,
+                 device: torch.device, config=None):
+        self.cfg = cfg
+        self.config = config  # the caller's config object (None: the default), for the key
+        self.kernel = compile_sm90_fwd(cfg)
+        self.num_sms = sm_count(device)
+        self.scale = problem.softmax_scale
+        self.return_lse = return_lse
+        b, sq, h = problem.batch, problem.seqlen_q, problem.heads
+        self.out_shape = (b, sq, h, problem.head_dim_v)
+        self.lse_shape = (b, h, sq)
+        self.dtype = problem.dtype
+        self.device = device
+        self.copy_inputs = copy_inputs  # strides TMA cannot read: copy q, k, v every call
+
+    def __call__(self, q, k, v, out=None, lse=None):
+        if self.copy_inputs or not aligned(q, k, v):
+            q, k, v = (tma_ready(t) for t in (q, k, v))
+        if out is None:
+            out = o_buf = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
+        else:
+            self.check_buffer("out", out, self.out_shape, self.dtype)
+            o_buf = tma_ready(out)
+        if lse is not None:
+            self.check_buffer("lse", lse, self.lse_shape, torch.float32)
+        elif self.cfg.write_lse:
+            lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
+        counter = tile_counter(self.device) if self.cfg.dynamic_schedule else None
+        self.kernel(q, k, v, o_buf, lse if self.cfg.write_lse else None, counter, self.scale,
+                    self.num_sms)
+        if o_buf is not out:
+            out.copy_(o_buf)
+        return (out, lse) if self.return_lse else out
+
+    def check_buffer(self, name, t, shape, dtype):
+        if (not isinstance(t, torch.Tensor) or t.shape != shape or t.dtype != dtype
+                or t.stride(-1) != 1 or t.device != self.device):
+            raise ValueError(f"{name} must be a {dtype} tensor of shape {shape} on "
+                             f"{self.device} with unit last stride")
+
+
+_plans = PlanTable()
+
+
+def _plan_key(q, k, v, softmax_scale, causal, window_size, return_lse, config, want_lse):
+    return (metadata_key(q, k, v), softmax_scale, causal, window_size, return_lse, id(config),
+            want_lse)
+
+
+def build_sm90_fwd_plan(q, k, v, softmax_scale=None, causal=False, window_size=(None, None),
+                        return_lse=False, config: Optional[Sm90FwdConfig] = None,
+                        need_lse: bool = False) -> Sm90FwdPlan:
+    """Validate, pick and compile the config, query the SM count: the plan of one call.
+    ``need_lse``: an ``lse`` buffer will be passed (the config must write LSE)."""
     problem = validate_attention_inputs(q, k, v, softmax_scale, causal, window_size,
                                         head_dims=SM90_HEAD_DIMS)
     if problem.window != (None, None):
         raise ValueError(f"window_size={problem.window}: sliding windows are not supported by the "
                          "SM90 forward (use causal=True for a causal mask)")
-    cfg = sm90_config_for(problem, config, need_lse=return_lse or lse is not None)
+    cfg = sm90_config_for(problem, config, need_lse=return_lse or need_lse)
     require_sm90(q.device, "sm90_fwd")
-    b, sq, h, dv = problem.batch, problem.seqlen_q, problem.heads, problem.head_dim_v
+    copy_inputs = not all(tma_strides_ok(t) for t in (q, k, v))
+    return Sm90FwdPlan(problem, cfg, return_lse, copy_inputs, q.device, config)
+
+
+def prepare_sm90_fwd(q, k, v, softmax_scale=None, causal=False, window_size=(None, None),
+                     return_lse=False, config: Optional[Sm90FwdConfig] = None, *, out=None,
+                     lse=None):
+    """Everything ``sm90_fwd`` does before the launch (the plan, and ``out`` / ``lse``
+    allocated once). Returns a no-argument callable that launches the kernel on these tensors
+    and returns ``out`` or ``(out, lse)``: the launch-only timing of ``scripts/benchmark.py``.
+
+    Each call of the callable recomputes attention of the current contents of q, k, v (their
+    shapes, strides and storage must stay as they were).
+    """
+    plan = build_sm90_fwd_plan(q, k, v, softmax_scale, causal, window_size, return_lse, config,
+                               need_lse=lse is not None)
     if out is None:
-        out = torch.empty((b, sq, h, dv), dtype=q.dtype, device=q.device)
-    elif out.shape != (b, sq, h, dv) or out.dtype != q.dtype or out.stride(-1) != 1:
-        raise ValueError(f"out must be a {q.dtype} tensor of shape {(b, sq, h, dv)} with unit last stride")
-    if lse is None:
-        lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
-    elif lse.shape != (b, h, sq) or lse.dtype != torch.float32 or lse.stride(-1) != 1:
-        raise ValueError(f"lse must be a float32 tensor of shape {(b, h, sq)} with unit last stride")
-    q, k, v = (tma_ready(t) for t in (q, k, v))
-    o_buf = tma_ready(out)
-    compiled = compile_sm90_fwd(cfg)
-    num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    lse_arg = lse if cfg.write_lse else None
-    counter = tile_counter(q.device) if cfg.dynamic_schedule else None
-    scale = problem.softmax_scale
-
-    def launch():
-        compiled(q, k, v, o_buf, lse_arg, counter, scale, num_sms)
-        if o_buf is not out:
-            out.copy_(o_buf)
-        return (out, lse) if return_lse else out
-
-    return launch
+        out = torch.empty(plan.out_shape, dtype=plan.dtype, device=plan.device)
+    if lse is None and (return_lse or plan.cfg.write_lse):
+        lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=plan.device)
+    plan.check_buffer("out", out, plan.out_shape, plan.dtype)
+    if lse is not None:
+        plan.check_buffer("lse", lse, plan.lse_shape, torch.float32)
+    return lambda: plan(q, k, v, out, lse)
 
 
 def sm90_fwd(q, k, v, softmax_scale=None, causal=False, window_size=(None, None), return_lse=False,
@@ -175,6 +229,21 @@ def sm90_fwd(q, k, v, softmax_scale=None, causal=False, window_size=(None, None)
 
     ``out`` / ``lse`` may be given (e.g. poisoned buffers in tests): they are written in place.
     LSE is (batch, heads, seqlen_q) float32 in natural-log units, -inf for rows with no key.
+    The second call with the same metadata and options reuses the first one's plan
+    (``fa_sm100.call_plans``).
     """
-    return prepare_sm90_fwd(q, k, v, softmax_scale, causal, window_size, return_lse, config,
-                            out=out, lse=lse)()
+    key = None
+    if not probes.any_active():
+        try:
+            key = _plan_key(q, k, v, softmax_scale, causal, window_size, return_lse, config,
+                            lse is not None)
+            plan = _plans.get(key)
+        except (AttributeError, TypeError):  # not tensors, unhashable options: validate
+            key = plan = None
+        if plan is not None and plan.config is config:
+            return plan(q, k, v, out, lse)
+    plan = build_sm90_fwd_plan(q, k, v, softmax_scale, causal, window_size, return_lse, config,
+                               need_lse=lse is not None)
+    if key is not None:
+        _plans.put(key, plan)
+    return plan(q, k, v, out, lse)

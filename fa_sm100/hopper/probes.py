@@ -196,6 +196,12 @@ def active(name: str):
     return _active.get(name)
 
 
+def any_active() -> bool:
+    """True while some probe is active (calls then skip their cached plans: the probe may
+    change which kernel a call compiles and launches)."""
+    return bool(_active)
+
+
 def compile_tag(names=None) -> tuple:
     """The active probes (of ``names``, default all) as a hashable tag for compile keys; ()
     when none is active."""

@@ -4,9 +4,11 @@ Called by ``fa_sm100.interface.flash_attn_func`` on a (10, x) device after the s
 validation; it may also be called directly (it validates again, cheaply). Every check that can
 fail raises ValueError before any compile or launch.
 
-Compile cache key: the validated ``FmhaConfig`` (head dims, dtype, causal, GQA ratio, every
-switch) and the static parts of the shapes (the number of query heads). Batch and sequence
-lengths are run-time values of the compiled kernel, so they never trigger a recompile.
+Compile cache key (``fa_sm100.kernel_cache``): the validated ``FmhaConfig`` (head dims,
+dtype, causal, GQA ratio, every switch) and the static parts of the shapes (the number of query
+heads). Batch and sequence lengths are run-time values of the compiled kernel, so they never
+trigger a recompile. As on SM90, a call whose metadata and options an earlier call planned
+(``fa_sm100.call_plans``) skips validation, config choice and device queries.
 """
 
 from __future__ import annotations
@@ -15,10 +17,13 @@ from typing import Optional
 
 import torch
 
+from fa_sm100 import kernel_cache
+from fa_sm100.call_plans import PlanTable, metadata_key
 from fa_sm100.config import FmhaConfig, normalize_dtype, select_config
+from fa_sm100.devices import capability, sm_count
 from fa_sm100.validation import validate_attention_inputs
 
-_COMPILED: dict = {}
+_plans = PlanTable()
 
 
 def config_for_problem(prob, device=None, config: Optional[FmhaConfig] = None,
@@ -26,9 +31,9 @@ def config_for_problem(prob, device=None, config: Optional[FmhaConfig] = None,
     """The validated config for a problem: ``config`` checked against it, or the defaults."""
     dtype = normalize_dtype(prob.dtype)
     if config is None:
-        num_sms = 148
+        num_sms = 148  # B200: the count the defaults were chosen for, without a device
         if device is not None and torch.cuda.is_available():
-            num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+            num_sms = sm_count(device)
         config = select_config(
             head_dim=prob.head_dim, head_dim_v=prob.head_dim_v, dtype=dtype,
             seqlen_q=prob.seqlen_q, seqlen_k=prob.seqlen_k, causal=prob.causal,
@@ -64,25 +69,59 @@ def compile_for(cfg: FmhaConfig, num_heads: int, arch: Optional[str] = None):
 
 
 def _compiled(cfg: FmhaConfig, num_heads: int):
-    """The cached compiled kernel; batch and sequence lengths stay run-time values."""
-    key = (cfg, num_heads)
-    if key not in _COMPILED:
-        _COMPILED[key] = compile_for(cfg, num_heads)
-    return _COMPILED[key]
+    """The launchable kernel; batch and sequence lengths stay run-time values."""
+    return kernel_cache.kernel("sm100_fwd", (cfg, num_heads), lambda: compile_for(cfg, num_heads))
+
+
+class Sm100FwdPlan:
+    """What ``sm100_fwd`` decided for one (metadata, options) pair: the config, the kernel,
+    the output shapes."""
+
+    __slots__ = ("kernel", "scale", "return_lse", "out_shape", "lse_shape", "dtype", "device",
+                 "config")
+
+    def __init__(self, prob, cfg: FmhaConfig, return_lse: bool, device, config=None):
+        self.kernel = _compiled(cfg, prob.heads)
+        self.scale = prob.softmax_scale
+        self.return_lse = return_lse
+        self.out_shape = (prob.batch, prob.seqlen_q, prob.heads, prob.head_dim_v)
+        self.lse_shape = (prob.batch, prob.heads, prob.seqlen_q)
+        self.dtype = prob.dtype
+        self.device = device
+        self.config = config
+
+    def __call__(self, q, k, v):
+        q, k, v = (t.contiguous() for t in (q, k, v))
+        out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
+        lse = (torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
+               if self.return_lse else None)
+        self.kernel(q, k, v, out, lse, self.scale)
+        return (out, lse) if self.return_lse else out
+
+
+def build_sm100_fwd_plan(q, k, v, softmax_scale=None, causal=False, window_size=(None, None),
+                         return_lse=False, config: Optional[FmhaConfig] = None) -> Sm100FwdPlan:
+    """Validate, pick and compile the config: the plan of one call."""
+    prob = validate_attention_inputs(q, k, v, softmax_scale, causal, window_size)
+    cfg = config_for_problem(prob, q.device, config, return_lse)
+    major, _ = capability(q.device)
+    if major != 10:
+        raise ValueError(f"sm100_fwd needs an sm_100 GPU, got sm_{major}x for {q.device}")
+    return Sm100FwdPlan(prob, cfg, return_lse, q.device, config)
 
 
 def sm100_fwd(q, k, v, softmax_scale=None, causal=False, window_size=(None, None),
               return_lse=False, config: Optional[FmhaConfig] = None):
     """Attention forward on BSHD tensors with the SM100 kernel; returns out or (out, lse)."""
-    prob = validate_attention_inputs(q, k, v, softmax_scale, causal, window_size)
-    cfg = config_for_problem(prob, q.device, config, return_lse)
-    major, _ = torch.cuda.get_device_capability(q.device)
-    if major != 10:
-        raise ValueError(f"sm100_fwd needs an sm_100 GPU, got sm_{major}x for {q.device}")
-    q, k, v = (t.contiguous() for t in (q, k, v))
-    out = torch.empty(*q.shape[:3], prob.head_dim_v, dtype=q.dtype, device=q.device)
-    lse = (torch.empty(prob.batch, prob.heads, prob.seqlen_q, dtype=torch.float32,
-                       device=q.device) if return_lse else None)
-    kernel = _compiled(cfg, prob.heads)
-    kernel(q, k, v, out, lse, prob.softmax_scale)
-    return (out, lse) if return_lse else out
+    try:
+        key = (metadata_key(q, k, v), softmax_scale, causal, window_size, return_lse,
+               id(config))
+        plan = _plans.get(key)
+    except (AttributeError, TypeError):  # not tensors, unhashable options: validate
+        key = plan = None
+    if plan is None or plan.config is not config:
+        plan = build_sm100_fwd_plan(q, k, v, softmax_scale, causal, window_size, return_lse,
+                                    config)
+        if key is not None:
+            _plans.put(key, plan)
+    return plan(q, k, v)

@@ -1,0 +1,148 @@
+"""The warm call path, counted on the CPU: a second call with the same metadata and options
+does no planning (no validation, config choice, compile lookup or device query), only the
+allocation of its outputs and the launch; and what decides a plan is all in its key.
+
+A GPU is faked: tensors live in a ``FakeTensorMode`` on "cuda", the device queries and the
+kernel cache are replaced, and the fake kernel records its launches. The Python frames of
+``fa_sm100`` that a warm call enters are counted with ``sys.setprofile``, so a regression that
+puts planning work back on the warm path fails here without a GPU.
+"""
+
+import os
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import fa_sm100
+from fa_sm100 import interface as public, kernel_cache
+from fa_sm100.hopper import bwd_interface, interface as fwd_interface
+
+PACKAGE = os.path.dirname(fa_sm100.__file__)
+# Planning work: none of these may run on a warm call.
+PLANNING = {"validate_attention_inputs", "validate_bwd_inputs", "select_sm90_fwd_config",
+            "select_bwd_config", "sm90_config_for", "select_sm90_bwd_config", "replace",
+            "validate", "build_sm90_fwd_plan", "build_sm90_bwd_plan", "kernel", "sm_count",
+            "capability", "fake_arguments", "compile_sm90_fwd", "_compiled"}
+# fa_sm100 frames a warm call may enter (comprehensions included): the forward's two keys
+# (public function, backend) and the plan's call; the backward's key, the plan's call, its
+# launch arguments and workspace (with the config's derived properties).
+WARM_FWD_FRAMES = 9
+WARM_BWD_FRAMES = 16
+
+
+@pytest.fixture
+def fake_sm90(monkeypatch):
+    launches = []
+
+    def kernel(kind, key, build):
+        return lambda *args: launches.append((kind, args))
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device=None: SimpleNamespace(multi_processor_count=132))
+    monkeypatch.setattr(kernel_cache, "kernel", kernel)
+    monkeypatch.setattr(fwd_interface, "aligned", lambda *t: True)  # fake tensors: no pointers
+    monkeypatch.setattr(fwd_interface, "tile_counter", lambda device: None)
+    for module in (fwd_interface, bwd_interface):
+        monkeypatch.setattr(module, "_plans", type(module._plans)())
+    monkeypatch.setattr(public, "_validated", type(public._validated)())
+    with FakeTensorMode():
+        yield launches
+
+
+def package_calls(fn):
+    """Run ``fn``; return the names of the fa_sm100 functions it entered, in order."""
+    names = []
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename.startswith(PACKAGE):
+            names.append(frame.f_code.co_name)
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return names
+
+
+def bshd(b, s, h, d):
+    return torch.empty(b, s, h, d, device="cuda", dtype=torch.bfloat16)
+
+
+def test_a_warm_forward_call_does_no_planning(fake_sm90):
+    q, k, v = bshd(1, 128, 2, 64), bshd(1, 128, 2, 64), bshd(1, 128, 2, 64)
+    cold = package_calls(lambda: fa_sm100.flash_attn_func(q, k, v, causal=True))
+    assert PLANNING & set(cold), "the first call plans"
+    warm = package_calls(lambda: fa_sm100.flash_attn_func(q, k, v, causal=True))
+    assert not PLANNING & set(warm), sorted(PLANNING & set(warm))
+    assert len(warm) <= WARM_FWD_FRAMES, warm
+    (kind0, first), (kind1, second) = fake_sm90
+    # the same kernel, scale and SM count; fresh outputs of the same shapes
+    assert kind0 == kind1 == "sm90_fwd"
+    assert first[6:] == second[6:] and first[3].shape == second[3].shape == (1, 128, 2, 64)
+
+
+def test_a_warm_backward_call_does_no_planning(fake_sm90):
+    q, k, v, out, dout = (bshd(2, 256, 4, 128) for _ in range(5))
+    lse = torch.empty(2, 4, 256, device="cuda", dtype=torch.float32)
+    cold = package_calls(lambda: bwd_interface.sm90_bwd(dout, q, k, v, out, lse, causal=True))
+    assert PLANNING & set(cold)
+    n_cold = len(fake_sm90)
+    warm = package_calls(lambda: bwd_interface.sm90_bwd(dout, q, k, v, out, lse, causal=True))
+    assert not PLANNING & set(warm), sorted(PLANNING & set(warm))
+    assert len(warm) <= WARM_BWD_FRAMES, warm
+    # the same kernels in the same order (preprocess, main, dQ postprocess)
+    assert [kind for kind, _ in fake_sm90[n_cold:]] == [kind for kind, _ in fake_sm90[:n_cold]]
+    assert len(fake_sm90) == 2 * n_cold >= 6
+
+
+@pytest.mark.parametrize("change", [
+    dict(seqlen=256), dict(causal=False), dict(softmax_scale=0.5), dict(return_lse=True),
+    dict(heads_kv=1), dict(transposed=True)])
+def test_anything_a_plan_depends_on_makes_a_new_plan(fake_sm90, change):
+    """The key holds every input of the planning: changing any of them plans again."""
+    def call(seqlen=128, causal=True, softmax_scale=None, return_lse=False, heads_kv=2,
+             transposed=False):
+        q = bshd(1, seqlen, 2, 64)
+        k = v = bshd(1, seqlen, heads_kv, 64)
+        if transposed:  # the same shape with other strides
+            k = v = torch.empty(1, heads_kv, seqlen, 64, device="cuda",
+                                dtype=torch.bfloat16).transpose(1, 2)
+        return package_calls(lambda: fa_sm100.flash_attn_func(
+            q, k, v, softmax_scale=softmax_scale, causal=causal, return_lse=return_lse))
+
+    call()
+    assert not PLANNING & set(call())
+    assert PLANNING & set(call(**change)), change
+
+
+def test_bad_input_still_raises_after_good_calls(fake_sm90):
+    """A warm path never hides a check: the same tensors with a bad option, or a tensor of a
+    bad dtype, raise the same ValueError as on a first call."""
+    q, k, v = bshd(1, 128, 2, 64), bshd(1, 128, 2, 64), bshd(1, 128, 2, 64)
+    fa_sm100.flash_attn_func(q, k, v)
+    fa_sm100.flash_attn_func(q, k, v)
+    with pytest.raises(ValueError, match="softmax_scale"):
+        fa_sm100.flash_attn_func(q, k, v, softmax_scale=-1.0)
+    with pytest.raises(ValueError, match="dtype"):
+        fa_sm100.flash_attn_func(q, k, v.float())
+    with pytest.raises(ValueError, match="window_size"):
+        fa_sm100.flash_attn_func(q, k, v, window_size=[1, 2, 3])
+    with pytest.raises(ValueError, match="must be a torch.Tensor"):
+        fa_sm100.flash_attn_func(q, k, "v")
+
+
+def test_an_active_probe_skips_the_plans(fake_sm90):
+    """A cost probe changes the compiled kernel while it is active: calls then plan again."""
+    from fa_sm100.hopper import probes
+
+    q, k, v = bshd(1, 128, 2, 128), bshd(1, 128, 2, 128), bshd(1, 128, 2, 128)
+    fa_sm100.flash_attn_func(q, k, v)
+    with probes.probe("correction_vote", "skip_zero"):
+        assert PLANNING & set(package_calls(lambda: fwd_interface.sm90_fwd(q, k, v)))
+        assert PLANNING & set(package_calls(lambda: fwd_interface.sm90_fwd(q, k, v)))
+    assert not PLANNING & set(package_calls(lambda: fwd_interface.sm90_fwd(q, k, v)))
