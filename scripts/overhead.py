@@ -10,8 +10,13 @@ host: the time per call is what the Python and launch path cost. Rows:
 - forward: ``flash_attn_func(q, k, v)`` (ours, FA4) and
   ``scaled_dot_product_attention`` with the cuDNN or the flash backend forced;
 - forward + backward: the forward on tensors that require grad, then
-  ``torch.autograd.grad`` of its output (ours, FA4, SDPA cuDNN);
-- ours launch only: the prepared forward launch (``prepare_sm90_fwd``), the floor of ours.
+  ``torch.autograd.grad`` of its output (ours, FA4, SDPA cuDNN); backward: the grad alone, of
+  one forward's output;
+- ours, launch only: the prepared forward and backward launches (``prepare_sm90_fwd``,
+  ``prepare_sm90_bwd``), the floor of ours: the rest of a public call's time is host work.
+
+SDPA's backend is chosen once around each of its measurements (``sdpa_kernel``), as a model
+sets it, not per call.
 
 Each entry: ``calls`` calls back to back, then one synchronize; microseconds per call. Rounds
 interleave the providers (every round times each once, in a rotating order) and the table keeps
@@ -22,6 +27,7 @@ that cannot run says why instead of a number.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -44,48 +50,60 @@ def parse_args(argv=None):
 
 
 def providers(q, k, v, torch):
-    """{row: {provider: no-argument call}}; a provider that cannot be set up maps to its
-    reason (a string)."""
+    """{row: {provider: (no-argument call, context)}}, where the context (or None) is entered
+    around the provider's measurements, as a model sets SDPA's backend once; a provider that
+    cannot be set up maps to its reason (a string)."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from fa_sm100.interface import flash_attn_func
 
-    out = {"forward": {}, "forward + backward": {}, "launch only": {}}
+    out = {"forward": {}, "forward + backward": {}, "backward": {}, "launch only: forward": {},
+           "launch only: backward": {}}
     dout = torch.randn_like(q)
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
 
+    def first(o):
+        return o[0] if isinstance(o, tuple) else o
+
     def train(fwd):
-        def step():
-            o = fwd(*leaves)
-            o = o[0] if isinstance(o, tuple) else o
-            return torch.autograd.grad(o, leaves, dout)
-        return step
+        return lambda: torch.autograd.grad(first(fwd(*leaves)), leaves, dout)
 
-    def sdpa(backend):
-        def fwd(q, k, v):
-            with sdpa_kernel(backend):
-                return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                                      v.transpose(1, 2)).transpose(1, 2)
-        return fwd
+    def backward(fwd, context):
+        with context or contextlib.nullcontext():
+            o = first(fwd(*leaves))
+        return lambda: torch.autograd.grad(o, leaves, dout, retain_graph=True)
 
-    out["forward"]["ours"] = lambda: flash_attn_func(q, k, v)
-    out["forward + backward"]["ours"] = train(flash_attn_func)
+    def sdpa(q, k, v):
+        return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                              v.transpose(1, 2)).transpose(1, 2)
+
+    ours = {"forward": lambda: flash_attn_func(q, k, v), "forward + backward":
+            train(flash_attn_func), "backward": backward(flash_attn_func, None)}
+    for row, fn in ours.items():
+        out[row]["ours"] = (fn, None)
     try:
         from flash_attn.cute import flash_attn_func as fa4
-
-        out["forward"]["fa4"] = lambda: fa4(q, k, v)
-        out["forward + backward"]["fa4"] = train(fa4)
     except Exception as e:  # noqa: BLE001 - an absent peer is reported
-        out["forward"]["fa4"] = out["forward + backward"]["fa4"] = f"{type(e).__name__}: {e}"
-    cudnn, flash = sdpa(SDPBackend.CUDNN_ATTENTION), sdpa(SDPBackend.FLASH_ATTENTION)
-    out["forward"]["sdpa_cudnn"] = lambda: cudnn(q, k, v)
-    out["forward"]["sdpa_flash"] = lambda: flash(q, k, v)
-    out["forward + backward"]["sdpa_cudnn"] = train(cudnn)
+        for row in ours:
+            out[row]["fa4"] = f"{type(e).__name__}: {e}"
+    else:
+        out["forward"]["fa4"] = (lambda: fa4(q, k, v), None)
+        out["forward + backward"]["fa4"] = (train(fa4), None)
+        out["backward"]["fa4"] = (backward(fa4, None), None)
+    cudnn = lambda: sdpa_kernel(SDPBackend.CUDNN_ATTENTION)  # noqa: E731
+    flash = lambda: sdpa_kernel(SDPBackend.FLASH_ATTENTION)  # noqa: E731
+    out["forward"]["sdpa_cudnn"] = (lambda: sdpa(q, k, v), cudnn)
+    out["forward"]["sdpa_flash"] = (lambda: sdpa(q, k, v), flash)
+    out["forward + backward"]["sdpa_cudnn"] = (train(sdpa), cudnn)
+    out["backward"]["sdpa_cudnn"] = (backward(sdpa, cudnn()), cudnn)
     if torch.cuda.get_device_capability(q.device) == (9, 0):
+        from fa_sm100.hopper.bwd_interface import prepare_sm90_bwd
         from fa_sm100.hopper.interface import prepare_sm90_fwd
 
-        out["launch only"]["ours"] = prepare_sm90_fwd(q, k, v)
+        out["launch only: forward"]["ours"] = (prepare_sm90_fwd(q, k, v), None)
+        o, lse = flash_attn_func(q, k, v, return_lse=True)
+        out["launch only: backward"]["ours"] = (prepare_sm90_bwd(dout, q, k, v, o, lse), None)
     return out
 
 
@@ -103,23 +121,26 @@ def measure(table, calls, rounds, torch):
     result = {row: {} for row in table}
     runnable = []
     for row, entries in table.items():
-        for name, fn in entries.items():
-            if isinstance(fn, str):
-                result[row][name] = fn
+        for name, entry in entries.items():
+            if isinstance(entry, str):
+                result[row][name] = entry
                 continue
+            fn, context = entry
             try:
-                for _ in range(3):  # compile, plan, warm the caches
-                    fn()
+                with context() if context else contextlib.nullcontext():
+                    for _ in range(3):  # compile, plan, warm the caches
+                        fn()
                 torch.cuda.synchronize()
             except Exception as e:  # noqa: BLE001 - reported in its cell
                 result[row][name] = f"{type(e).__name__}: {e}"
                 continue
-            runnable.append((row, name, fn))
+            runnable.append((row, name, fn, context))
     best = {}
     for r in range(rounds):
         shift = r % max(1, len(runnable))
-        for row, name, fn in runnable[shift:] + runnable[:shift]:
-            us = per_call_us(fn, calls, torch)
+        for row, name, fn, context in runnable[shift:] + runnable[:shift]:
+            with context() if context else contextlib.nullcontext():
+                us = per_call_us(fn, calls, torch)
             best[(row, name)] = min(us, best.get((row, name), float("inf")))
         print(f"round {r + 1}/{rounds} done", file=sys.stderr, flush=True)
     for (row, name), us in best.items():
