@@ -46,6 +46,9 @@ def parse_args(argv=None):
     p.add_argument("--calls", type=int, default=500, help="calls per measurement")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--json", help="write the table as JSON")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="also print a cProfile of N warm calls of ours' training step (forward "
+                        "+ autograd.grad), the functions by own time: where the host time goes")
     return p.parse_args(argv)
 
 
@@ -177,7 +180,20 @@ def main(argv=None) -> int:
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, generator=gen)
                for _ in range(3))
-    result = measure(providers(q, k, v, torch), args.calls, args.rounds, torch)
+    table = providers(q, k, v, torch)
+    result = measure(table, args.calls, args.rounds, torch)
+    if args.profile:
+        import cProfile
+        import pstats
+
+        step = table["forward + backward"]["ours"][0]
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(args.profile):
+            step()
+        torch.cuda.synchronize()
+        profiler.disable()
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
     device = torch.cuda.get_device_name()
     print(format_table(result, args.shape, device))
     if args.json:
