@@ -12,6 +12,7 @@ or launched. Compiled kernels are cached per (config, kind); shapes other than t
 are run-time values, so one compile serves every batch, sequence length and head count.
 """
 
+import math
 from typing import Optional
 
 import torch
@@ -308,6 +309,9 @@ def main_compile_key(config: BwdConfig):
     return (config, tag) if tag else config
 
 
+WORKSPACE_ALIGN = 32  # float32 elements: each workspace buffer starts on 128 bytes
+
+
 def workspace(config: BwdConfig, q, k) -> dict:
     """The float32 buffers of one backward call, on q's device: LSE2 and Delta (rows padded to
     tile_m), the dQ accumulator (one block of tile_m * d floats per query block: Note [dQ in
@@ -320,15 +324,24 @@ def workspace(config: BwdConfig, q, k) -> dict:
     dev, f32 = q.device, torch.float32
     sq_pad, sk_pad = align_up(sq, config.tile_m), align_up(sk, config.tile_n)
     n_m_blocks = sq_pad // config.tile_m
-    ws = {
-        "lse2": torch.empty(b, hq, sq_pad, device=dev, dtype=f32),
-        "delta": torch.empty(b, hq, sq_pad, device=dev, dtype=f32),
-        "dq_acc": torch.empty(b, hq, n_m_blocks, config.dq_block_elems, device=dev, dtype=f32),
-        # zeroed by the preprocess, or here where it runs beside the main kernel and counts
-        # its rows in the last one (Note [Preprocess beside the main kernel])
-        "dq_sem": (torch.zeros if config.pre_ctas else torch.empty)(
-            b, hq, config.dq_sem_slots(n_m_blocks), device=dev, dtype=torch.int32),
-    }
+    # One allocation holds LSE2, Delta, the dQ accumulator and (unless they must arrive
+    # zeroed) the semaphores, each starting on a 128-byte boundary: a call allocates once
+    # instead of four times.
+    shapes = [(b, hq, sq_pad), (b, hq, sq_pad), (b, hq, n_m_blocks, config.dq_block_elems)]
+    sem_shape = (b, hq, config.dq_sem_slots(n_m_blocks))
+    if not config.pre_ctas:
+        shapes.append(sem_shape)
+    sizes = [align_up(math.prod(shape), WORKSPACE_ALIGN) for shape in shapes]
+    flat = torch.empty(sum(sizes), device=dev, dtype=f32)
+    parts, start = [], 0
+    for shape, size in zip(shapes, sizes):
+        parts.append(flat.narrow(0, start, math.prod(shape)).view(shape))
+        start += size
+    ws = {"lse2": parts[0], "delta": parts[1], "dq_acc": parts[2],
+          # zeroed by the preprocess, or here where it runs beside the main kernel and counts
+          # its rows in the last one (Note [Preprocess beside the main kernel])
+          "dq_sem": (torch.zeros(sem_shape, device=dev, dtype=torch.int32) if config.pre_ctas
+                     else parts[3].view(torch.int32))}
     if config.uses_gqa_buffers:
         h_acc = hq if config.gqa_reduce == "buffers" else hk
         alloc = torch.empty if config.gqa_reduce == "buffers" else torch.zeros
