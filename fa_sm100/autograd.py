@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 
 from fa_sm100.hopper.bwd_config import SM90_BWD_HEAD_DIMS
-from fa_sm100.validation import require_sm90
+from fa_sm100.validation import normalize_window, require_sm90
 
 _CONFIGS: list = []  # token -> config
 _CONFIG_TOKENS: dict = {}  # config -> token
@@ -184,7 +184,7 @@ def flash_attn_autograd(q, k, v, softmax_scale=None, causal=False, return_lse=Fa
     """``flash_attn_func`` with gradients (inputs already validated by the caller)."""
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-    left, right = window_size if window_size is not None else (None, None)
+    left, right = normalize_window(window_size)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     if needs_grad and q.device.type == "cuda":
         check_backward_supported(q, k, v)

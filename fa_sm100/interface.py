@@ -37,21 +37,49 @@ def _backend_for(device: torch.device):
     )
 
 
-def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False, config=None,
-                    window_size=(None, None), deterministic=False):
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
+                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                    return_attn_probs=False, *, return_lse=False, config=None, out=None,
+                    lse=None):
     """Attention forward ``softmax(q k^T * scale) v`` on (batch, seqlen, heads, head_dim) tensors.
 
-    - GQA/MQA: k and v may have fewer heads than q (a divisor of q's heads).
+    The positional order and keyword names are flash-attn 2's ``flash_attn_func``, so a model
+    swaps the import and nothing else (docs/api.md has the table beside flash-attn 2 and FA4):
+
+    - dropout_p: 0.0 only (no dropout kernel; a model in eval mode passes 0.0).
+    - softmax_scale: default ``1 / sqrt(head_dim)``.
     - causal: bottom-right aligned when seqlen_q != seqlen_k (query i sees keys
       j <= i + seqlen_k - seqlen_q); rows that see no key give 0 (and LSE -inf).
-    - return_lse: also return the (batch, heads, seqlen_q) float32 log-sum-exp.
-    - config: a kernel config for the device's backend (default: chosen per problem).
+    - window_size: (left, right) keys around the aligned diagonal; -1 or None is unbounded on
+      that side (flash-attn 2's and FA4's conventions).
+    - softcap: 0.0 only (logit softcapping has no kernel yet).
+    - alibi_slopes: None only.
     - deterministic: the forward is always deterministic; the flag is for the backward.
+    - return_attn_probs: as flash-attn 2, return ``(out, lse, None)``: the log-sum-exp, and no
+      probabilities (flash-attn 2 returns them only for testing with dropout).
+    - GQA/MQA: k and v may have fewer heads than q (a divisor of q's heads).
+
+    Keyword-only, ours: ``return_lse`` returns ``(out, lse)`` as FA4 does, lse (batch, heads,
+    seqlen_q) float32 natural log; ``config`` a kernel config for the device's backend (default:
+    chosen per problem); ``out`` / ``lse`` buffers to write instead of allocating (without
+    gradients).
     """
-    if not isinstance(deterministic, bool):
-        raise ValueError(f"deterministic must be a bool, got {deterministic!r}")
-    if not isinstance(return_lse, bool):
-        raise ValueError(f"return_lse must be a bool, got {return_lse!r}")
+    if not isinstance(dropout_p, (int, float)) or isinstance(dropout_p, bool) or dropout_p != 0:
+        raise ValueError(f"dropout_p={dropout_p!r}: only 0.0 is supported (there is no dropout "
+                         "kernel)")
+    if not isinstance(softcap, (int, float)) or isinstance(softcap, bool) or softcap != 0:
+        raise ValueError(f"softcap={softcap!r}: only 0.0 (off) is supported so far")
+    if alibi_slopes is not None:
+        raise ValueError("alibi_slopes: ALiBi is not supported (pass None)")
+    for name, flag in (("deterministic", deterministic), ("return_lse", return_lse),
+                       ("return_attn_probs", return_attn_probs)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"{name} must be a bool, got {flag!r}")
+    if return_attn_probs:
+        result = flash_attn_func(q, k, v, 0.0, softmax_scale, causal, window_size,
+                                 deterministic=deterministic, return_lse=True, config=config,
+                                 out=out, lse=lse)
+        return (*result, None)
     if torch.compiler.is_compiling():
         # torch.compile graphs go through the custom ops (fa_sm100.autograd); the checks run
         # on the traced (fake) tensors, once per trace.
@@ -71,8 +99,14 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False,
         if key is not None:
             _validated.put(key, backend)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        if out is not None or lse is not None:
+            raise ValueError("out= and lse= buffers are for calls without gradients: with "
+                             "gradients autograd owns the outputs")
         from fa_sm100.autograd import flash_attn_autograd
 
         return flash_attn_autograd(q, k, v, softmax_scale, causal, return_lse, config,
                                    window_size, deterministic)
-    return backend(q, k, v, softmax_scale, causal, window_size, return_lse, config)
+    if out is None and lse is None:
+        return backend(q, k, v, softmax_scale, causal, window_size, return_lse, config)
+    return backend(q, k, v, softmax_scale, causal, window_size, return_lse, config, out=out,
+                   lse=lse)

@@ -51,20 +51,23 @@ def _check_tensor(name: str, t) -> None:
 
 
 def normalize_window(window_size) -> tuple:
-    """Validate ``window_size = (left, right)``: each side None (unbounded) or an int >= 0.
+    """Validate ``window_size = (left, right)``: each side None or -1 (unbounded: FA4's and
+    flash-attn 2's conventions) or an int >= 0.
 
-    Returns the pair as a tuple. ``causal`` is a separate option; the kernels and the
-    reference combine the two (causal is a right edge of 0).
+    Returns the pair as a tuple with None for an unbounded side. ``causal`` is a separate
+    option; the kernels and the reference combine the two (causal is a right edge of 0).
+    Other negative bounds (a band shifted past the diagonal) have no kernel yet: ValueError.
     """
     if window_size is None:
-        window_size = (None, None)
+        return (None, None)
     if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
         raise ValueError(f"window_size must be a pair (left, right), got {window_size!r}")
     left, right = window_size
     for side, w in (("left", left), ("right", right)):
-        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 0):
-            raise ValueError(f"window_size {side}={w!r}: must be None or an int >= 0")
-    return (left, right)
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < -1):
+            raise ValueError(f"window_size {side}={w!r}: must be None or -1 (unbounded) or an "
+                             f"int >= 0")
+    return (None if left == -1 else left, None if right == -1 else right)
 
 
 def validate_attention_inputs(q, k, v, softmax_scale=None, causal=False, window_size=(None, None),

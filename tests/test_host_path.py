@@ -141,8 +141,28 @@ def test_an_active_probe_skips_the_plans(fake_sm90):
     from fa_sm100.hopper import probes
 
     q, k, v = bshd(1, 128, 2, 128), bshd(1, 128, 2, 128), bshd(1, 128, 2, 128)
-    fa_sm100.flash_attn_func(q, k, v)
+    fwd_interface.sm90_fwd(q, k, v)
     with probes.probe("correction_vote", "skip_zero"):
         assert PLANNING & set(package_calls(lambda: fwd_interface.sm90_fwd(q, k, v)))
         assert PLANNING & set(package_calls(lambda: fwd_interface.sm90_fwd(q, k, v)))
     assert not PLANNING & set(package_calls(lambda: fwd_interface.sm90_fwd(q, k, v)))
+
+
+def test_out_and_lse_buffers_are_written_not_allocated(fake_sm90):
+    """``out=`` / ``lse=`` reach the kernel as given and are returned; a wrong buffer raises."""
+    q, k, v = bshd(1, 128, 2, 64), bshd(1, 128, 2, 64), bshd(1, 128, 2, 64)
+    out = bshd(1, 128, 2, 64)
+    lse = torch.empty(1, 2, 128, device="cuda", dtype=torch.float32)
+    for _ in range(2):  # the first call and a warm one
+        got, got_lse = fa_sm100.flash_attn_func(q, k, v, return_lse=True, out=out, lse=lse)
+        assert got is out and got_lse is lse
+        kind, args = fake_sm90[-1]
+        assert args[3] is out and args[4] is lse
+    with pytest.raises(ValueError, match="out must be"):
+        fa_sm100.flash_attn_func(q, k, v, out=bshd(1, 64, 2, 64))
+
+
+def test_return_attn_probs_gives_out_lse_and_no_probabilities(fake_sm90):
+    q, k, v = bshd(1, 128, 2, 64), bshd(1, 128, 2, 64), bshd(1, 128, 2, 64)
+    out, lse, probs = fa_sm100.flash_attn_func(q, k, v, return_attn_probs=True)
+    assert out.shape == (1, 128, 2, 64) and lse.shape == (1, 2, 128) and probs is None

@@ -63,7 +63,12 @@ def test_bad_tensors_raise_value_error(make, match):
         ({"softmax_scale": "0.1"}, "softmax_scale"),
         ({"causal": 1}, "causal must be a bool"),
         ({"window_size": (None,)}, "pair"),
-        ({"window_size": (-1, None)}, "left"),
+        ({"window_size": (-2, None)}, "left"),
+        ({"window_size": (None, -5)}, "right"),
+        ({"dropout_p": 0.1}, "dropout_p"),
+        ({"softcap": 30.0}, "softcap"),
+        ({"alibi_slopes": torch.ones(4)}, "alibi"),
+        ({"return_attn_probs": 1}, "return_attn_probs"),
         ({"window_size": (None, 2.5)}, "right"),
         ({"window_size": (True, None)}, "left"),  # a bool is not a window size
         ({"softmax_scale": True}, "softmax_scale"),
@@ -99,3 +104,54 @@ def test_tma_ready_copies_only_when_tma_cannot_read():
     misaligned = torch.randn(2 * 8 * 4 * 64 + 1, dtype=torch.bfloat16)[1:].view(2, 8, 4, 64)
     fixed = tma_ready(misaligned)
     assert fixed.data_ptr() % 16 == 0 and torch.equal(fixed, misaligned)
+
+
+@pytest.mark.parametrize("window, want", [
+    ((-1, -1), (None, None)), ((None, None), (None, None)), ((256, -1), (256, None)),
+    ((-1, 0), (None, 0)), ([8, 4], (8, 4)), (None, (None, None))])
+def test_window_conventions_of_flash_attn(window, want):
+    """-1 and None both mean unbounded on that side (flash-attn 2 passes -1, FA4 None)."""
+    prob = validate_attention_inputs(*qkv(), window_size=window, require_cuda=False)
+    assert prob.window == want
+
+
+# flash-attn 2's flash_attn_func, its positional parameters in order: a pinned external API
+FLASH_ATTN_2 = ("q", "k", "v", "dropout_p", "softmax_scale", "causal", "window_size", "softcap",
+                "alibi_slopes", "deterministic", "return_attn_probs")
+
+
+def test_signature_is_flash_attn_2s_so_models_swap_the_import():
+    import inspect
+
+    params = list(inspect.signature(flash_attn_func).parameters.values())
+    positional = [p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD]
+    assert tuple(positional) == FLASH_ATTN_2
+    defaults = {p.name: p.default for p in params}
+    # an unbounded window, no softcap, no dropout: what a model passing nothing means
+    assert validate_attention_inputs(*qkv(), window_size=defaults["window_size"],
+                                     require_cuda=False).window == (None, None)
+    assert defaults["dropout_p"] == 0 and defaults["softcap"] == 0
+
+
+def test_fa4_keywords_with_the_same_meaning_are_accepted():
+    """Every keyword FA4's flash_attn_func shares with ours by name keeps its meaning; a call
+    written for FA4 with those keywords passes validation (and stops at the device check)."""
+    import inspect
+
+    fa4 = pytest.importorskip("flash_attn.cute")
+    ours = set(inspect.signature(flash_attn_func).parameters)
+    shared = {"softmax_scale", "causal", "window_size", "softcap", "deterministic", "return_lse"}
+    assert shared <= set(inspect.signature(fa4.flash_attn_func).parameters)
+    assert shared <= ours
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="CUDA tensors"):
+        flash_attn_func(q, k, v, softmax_scale=0.1, causal=True, window_size=(None, None),
+                        softcap=0.0, deterministic=False, return_lse=True)
+
+
+def test_flash_attn_2_positional_call_passes_validation():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="CUDA tensors"):  # accepted up to the device
+        flash_attn_func(q, k, v, 0.0, 0.1, True, (-1, -1))
+    with pytest.raises(ValueError, match="dropout_p"):  # 4th positional is dropout, as there
+        flash_attn_func(q, k, v, 0.1)

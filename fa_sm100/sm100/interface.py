@@ -90,11 +90,22 @@ class Sm100FwdPlan:
         self.device = device
         self.config = config
 
-    def __call__(self, q, k, v):
+    def __call__(self, q, k, v, out=None, lse=None):
         q, k, v = (t.contiguous() for t in (q, k, v))
-        out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
-        lse = (torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
-               if self.return_lse else None)
+        for name, t, shape, dtype in (("out", out, self.out_shape, self.dtype),
+                                      ("lse", lse, self.lse_shape, torch.float32)):
+            if t is not None and (not isinstance(t, torch.Tensor) or t.shape != shape
+                                  or t.dtype != dtype or not t.is_contiguous()
+                                  or t.device != self.device):
+                raise ValueError(f"{name} must be a contiguous {dtype} tensor of shape {shape} "
+                                 f"on {self.device}")
+        if out is None:
+            out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
+        if lse is None and self.return_lse:
+            lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
+        if lse is not None and not self.return_lse:
+            raise ValueError("an lse buffer needs return_lse=True on SM100 (the kernel writes "
+                             "LSE only then)")
         self.kernel(q, k, v, out, lse, self.scale)
         return (out, lse) if self.return_lse else out
 
@@ -111,8 +122,9 @@ def build_sm100_fwd_plan(q, k, v, softmax_scale=None, causal=False, window_size=
 
 
 def sm100_fwd(q, k, v, softmax_scale=None, causal=False, window_size=(None, None),
-              return_lse=False, config: Optional[FmhaConfig] = None):
-    """Attention forward on BSHD tensors with the SM100 kernel; returns out or (out, lse)."""
+              return_lse=False, config: Optional[FmhaConfig] = None, *, out=None, lse=None):
+    """Attention forward on BSHD tensors with the SM100 kernel; returns out or (out, lse).
+    ``out`` / ``lse`` buffers are written instead of allocating new ones."""
     try:
         key = (metadata_key(q, k, v), softmax_scale, causal, window_size, return_lse,
                id(config))
@@ -124,4 +136,4 @@ def sm100_fwd(q, k, v, softmax_scale=None, causal=False, window_size=(None, None
                                     config)
         if key is not None:
             _plans.put(key, plan)
-    return plan(q, k, v)
+    return plan(q, k, v, out, lse)
