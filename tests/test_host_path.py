@@ -166,3 +166,34 @@ def test_return_attn_probs_gives_out_lse_and_no_probabilities(fake_sm90):
     q, k, v = bshd(1, 128, 2, 64), bshd(1, 128, 2, 64), bshd(1, 128, 2, 64)
     out, lse, probs = fa_sm100.flash_attn_func(q, k, v, return_attn_probs=True)
     assert out.shape == (1, 128, 2, 64) and lse.shape == (1, 2, 128) and probs is None
+
+
+def test_sm100_warm_calls_plan_nothing_and_take_buffers(monkeypatch):
+    """The SM100 forward's plan, on a faked sm_100 device (no SM100 code runs here): a warm
+    call does no planning, and ``out`` / ``lse`` buffers reach the kernel and come back."""
+    from fa_sm100.sm100 import interface as sm100
+
+    launches = []
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device=None: SimpleNamespace(multi_processor_count=148))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(kernel_cache, "kernel",
+                        lambda kind, key, build: (lambda *args: launches.append((kind, args))))
+    monkeypatch.setattr(sm100, "_plans", type(sm100._plans)())
+    monkeypatch.setattr(public, "_validated", type(public._validated)())
+    with FakeTensorMode():
+        q, k, v = bshd(1, 256, 4, 128), bshd(1, 256, 2, 128), bshd(1, 256, 2, 128)
+        cold = package_calls(lambda: fa_sm100.flash_attn_func(q, k, v, causal=True))
+        assert PLANNING & set(cold)
+        warm = package_calls(lambda: fa_sm100.flash_attn_func(q, k, v, causal=True))
+        assert not (PLANNING | {"config_for_problem", "select_config"}) & set(warm), warm
+        out = bshd(1, 256, 4, 128)
+        lse = torch.empty(1, 4, 256, device="cuda", dtype=torch.float32)
+        got, got_lse = fa_sm100.flash_attn_func(q, k, v, causal=True, return_lse=True,
+                                                out=out, lse=lse)
+        assert got is out and got_lse is lse
+        assert launches[-1][0] == "sm100_fwd" and launches[-1][1][3] is out
+        assert launches[-1][1][4] is lse
+        with pytest.raises(ValueError, match="lse buffer needs return_lse"):
+            fa_sm100.flash_attn_func(q, k, v, causal=True, lse=lse)
