@@ -4,7 +4,7 @@ A public call (``sm90_fwd``, ``sm90_bwd``, ``sm100_fwd``) validates its inputs, 
 fetches the compiled kernel and queries the device. All of that depends only on the inputs'
 metadata (shapes, strides, dtypes, devices) and the options, never on the data; so the first
 call with some metadata builds a *plan* (the config, the kernel, the SM count, the buffer
-shapes), and every later call with the same metadata finds the plan by ``metadata_key`` and only
+shapes), and every later call with the same metadata finds it (``PlanTable.plan``) and only
 allocates its outputs and launches.
 
 Why a hit is safe: the plan was built by a call that passed every check with the same key, and
@@ -13,6 +13,9 @@ no check reads anything outside the key except data pointers, which a hit still 
 that raises while its key is built takes the full path, which validates and raises the same
 ValueError as before. Cost probes (``hopper.probes``) change the compiled kernels while they
 are active, so calls skip plans then.
+
+A config object enters a key by its ``id``: every plan keeps a reference to the config it was
+built for, so that id cannot be reused by another object while the plan exists.
 """
 
 from __future__ import annotations
@@ -20,11 +23,6 @@ from __future__ import annotations
 import torch
 
 MAX_PLANS = 4096  # distinct (metadata, options) pairs kept; the table is cleared when full
-
-
-def metadata_key(*tensors) -> tuple:
-    """(shape, strides, dtype, device) of each tensor: everything a plan may depend on."""
-    return tuple([(t.shape, t.stride(), t.dtype, t.device) for t in tensors])
 
 
 def aligned(*tensors) -> bool:
@@ -36,14 +34,25 @@ def aligned(*tensors) -> bool:
 
 
 class PlanTable(dict):
-    """key -> plan, bounded by ``MAX_PLANS`` (a process that sees endless new shapes does not
-    grow without bound; it rebuilds plans instead)."""
+    """(metadata, options) -> plan, bounded by ``MAX_PLANS`` (a process that sees endless new
+    shapes does not grow without bound; it rebuilds plans instead)."""
 
-    def put(self, key, plan):
-        if len(self) >= MAX_PLANS:
-            self.clear()
-        self[key] = plan
-        return plan
+    def plan(self, tensors, options: tuple, build):
+        """The plan of these tensors' metadata (shape, strides, dtype, device of each) and
+        ``options``: the one kept, or ``build()``'s, kept for the next call. Metadata or
+        options that cannot be a key (not tensors, unhashable) are not kept: ``build()``
+        validates them and raises."""
+        try:
+            key = (tuple([(t.shape, t.stride(), t.dtype, t.device) for t in tensors]), options)
+            found = self.get(key)
+        except (AttributeError, TypeError):
+            return build()
+        if found is None:
+            found = build()
+            if len(self) >= MAX_PLANS:
+                self.clear()
+            self[key] = found
+        return found
 
 
 _stream_of = getattr(torch._C, "_cuda_getCurrentRawStream", None)

@@ -14,11 +14,16 @@ from __future__ import annotations
 
 import torch
 
-from fa_sm100.call_plans import PlanTable, metadata_key
+from fa_sm100.call_plans import PlanTable
 from fa_sm100.devices import capability
 from fa_sm100.validation import validate_attention_inputs
 
 _validated = PlanTable()  # (metadata, options) that passed validation -> backend
+
+
+def _validated_backend(q, k, v, softmax_scale, causal, window_size):
+    validate_attention_inputs(q, k, v, softmax_scale, causal, window_size)
+    return _backend_for(q.device)
 
 
 def _backend_for(device: torch.device):
@@ -88,16 +93,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
 
         return flash_attn_autograd(q, k, v, softmax_scale, causal, return_lse, config,
                                    window_size, deterministic)
-    try:
-        key = (metadata_key(q, k, v), softmax_scale, causal, window_size)
-        backend = _validated.get(key)
-    except (AttributeError, TypeError):  # not tensors, unhashable options: validate
-        key = backend = None
-    if backend is None:
-        validate_attention_inputs(q, k, v, softmax_scale, causal, window_size)
-        backend = _backend_for(q.device)
-        if key is not None:
-            _validated.put(key, backend)
+    backend = _validated.plan((q, k, v), (softmax_scale, causal, window_size),
+                              lambda: _validated_backend(q, k, v, softmax_scale, causal,
+                                                         window_size))
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         if out is not None or lse is not None:
             raise ValueError("out= and lse= buffers are for calls without gradients: with "
@@ -106,7 +104,5 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
 
         return flash_attn_autograd(q, k, v, softmax_scale, causal, return_lse, config,
                                    window_size, deterministic)
-    if out is None and lse is None:
-        return backend(q, k, v, softmax_scale, causal, window_size, return_lse, config)
     return backend(q, k, v, softmax_scale, causal, window_size, return_lse, config, out=out,
                    lse=lse)

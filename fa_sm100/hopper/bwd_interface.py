@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 
 from fa_sm100 import kernel_cache
-from fa_sm100.call_plans import PlanTable, metadata_key
+from fa_sm100.call_plans import PlanTable
 from fa_sm100.config import normalize_dtype
 from fa_sm100.devices import sm_count
 from fa_sm100.hopper import probes
@@ -138,6 +138,7 @@ class Sm90BwdPlan:
     they are not, allocates dq, dk, dv and the workspace, and launches."""
 
     __slots__ = ("config", "kernels", "scale", "contiguous", "user_config")
+    # user_config: the caller's config, whose id is in the key (call_plans)
 
     def __init__(self, config: BwdConfig, scale: float, tensors, user_config=None):
         self.config = config
@@ -185,20 +186,14 @@ def sm90_bwd(dout, q, k, v, out, lse, softmax_scale: Optional[float] = None, cau
              config: Optional[BwdConfig] = None):
     """Gradients (dq, dk, dv) of attention on an SM90 GPU; see the module docstring. The
     second call with the same metadata and options reuses the first one's plan."""
-    key = None
-    if not probes.any_active():
-        try:
-            key = (metadata_key(dout, q, k, v, out, lse), softmax_scale, causal, window_size,
-                   deterministic, id(config))
-            plan = _plans.get(key)
-        except (AttributeError, TypeError):  # not tensors, unhashable options: validate
-            key = plan = None
-        if plan is not None and plan.user_config is config:
-            return plan(dout, q, k, v, out, lse)
-    plan = build_sm90_bwd_plan(dout, q, k, v, out, lse, softmax_scale, causal, window_size,
-                               deterministic, config)
-    if key is not None:
-        _plans.put(key, plan)
+    def build():
+        return build_sm90_bwd_plan(dout, q, k, v, out, lse, softmax_scale, causal, window_size,
+                                   deterministic, config)
+
+    if probes.any_active():
+        return build()(dout, q, k, v, out, lse)
+    plan = _plans.plan((dout, q, k, v, out, lse),
+                       (softmax_scale, causal, window_size, deterministic, id(config)), build)
     return plan(dout, q, k, v, out, lse)
 
 

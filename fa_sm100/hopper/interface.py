@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from fa_sm100 import kernel_cache
-from fa_sm100.call_plans import PlanTable, aligned, current_stream_id, metadata_key
+from fa_sm100.call_plans import PlanTable, aligned, current_stream_id
 from fa_sm100.config import normalize_dtype
 from fa_sm100.devices import sm_count
 from fa_sm100.hopper import probes
@@ -139,7 +139,7 @@ class Sm90FwdPlan:
     def __init__(self, problem, cfg: Sm90FwdConfig, return_lse: bool, copy_inputs: bool,
                  device: torch.device, config=None):
         self.cfg = cfg
-        self.config = config  # the caller's config object (None: the default), for the key
+        self.config = config  # the caller's config, whose id is in the key (call_plans)
         self.kernel = compile_sm90_fwd(cfg)
         self.num_sms = sm_count(device)
         self.scale = problem.softmax_scale
@@ -178,11 +178,6 @@ class Sm90FwdPlan:
 
 
 _plans = PlanTable()
-
-
-def _plan_key(q, k, v, softmax_scale, causal, window_size, return_lse, config, want_lse):
-    return (metadata_key(q, k, v), softmax_scale, causal, window_size, return_lse, id(config),
-            want_lse)
 
 
 def build_sm90_fwd_plan(q, k, v, softmax_scale=None, causal=False, window_size=(None, None),
@@ -232,18 +227,12 @@ def sm90_fwd(q, k, v, softmax_scale=None, causal=False, window_size=(None, None)
     The second call with the same metadata and options reuses the first one's plan
     (``fa_sm100.call_plans``).
     """
-    key = None
-    if not probes.any_active():
-        try:
-            key = _plan_key(q, k, v, softmax_scale, causal, window_size, return_lse, config,
-                            lse is not None)
-            plan = _plans.get(key)
-        except (AttributeError, TypeError):  # not tensors, unhashable options: validate
-            key = plan = None
-        if plan is not None and plan.config is config:
-            return plan(q, k, v, out, lse)
-    plan = build_sm90_fwd_plan(q, k, v, softmax_scale, causal, window_size, return_lse, config,
-                               need_lse=lse is not None)
-    if key is not None:
-        _plans.put(key, plan)
+    def build():
+        return build_sm90_fwd_plan(q, k, v, softmax_scale, causal, window_size, return_lse,
+                                   config, need_lse=lse is not None)
+
+    if probes.any_active():
+        return build()(q, k, v, out, lse)
+    plan = _plans.plan((q, k, v), (softmax_scale, causal, window_size, return_lse, id(config),
+                                   lse is not None), build)
     return plan(q, k, v, out, lse)

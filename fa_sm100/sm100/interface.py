@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 
 from fa_sm100 import kernel_cache
-from fa_sm100.call_plans import PlanTable, metadata_key
+from fa_sm100.call_plans import PlanTable
 from fa_sm100.config import FmhaConfig, normalize_dtype, select_config
 from fa_sm100.devices import capability, sm_count
 from fa_sm100.validation import validate_attention_inputs
@@ -125,15 +125,7 @@ def sm100_fwd(q, k, v, softmax_scale=None, causal=False, window_size=(None, None
               return_lse=False, config: Optional[FmhaConfig] = None, *, out=None, lse=None):
     """Attention forward on BSHD tensors with the SM100 kernel; returns out or (out, lse).
     ``out`` / ``lse`` buffers are written instead of allocating new ones."""
-    try:
-        key = (metadata_key(q, k, v), softmax_scale, causal, window_size, return_lse,
-               id(config))
-        plan = _plans.get(key)
-    except (AttributeError, TypeError):  # not tensors, unhashable options: validate
-        key = plan = None
-    if plan is None or plan.config is not config:
-        plan = build_sm100_fwd_plan(q, k, v, softmax_scale, causal, window_size, return_lse,
-                                    config)
-        if key is not None:
-            _plans.put(key, plan)
+    plan = _plans.plan((q, k, v), (softmax_scale, causal, window_size, return_lse, id(config)),
+                       lambda: build_sm100_fwd_plan(q, k, v, softmax_scale, causal, window_size,
+                                                    return_lse, config))
     return plan(q, k, v, out, lse)
