@@ -198,7 +198,9 @@ class FmhaConfig:
     head_dim_v: int = 128
     dtype: str = "bfloat16"
     causal: bool = False
-    window_left: Optional[int] = None  # sliding window: keys within [q - left, q + right]
+    # sliding window: keys within [q - left, q + right] (fa_sm100.bands); the kernel reads only
+    # whether a side is bounded and takes the bounds at launch (kernel_config)
+    window_left: Optional[int] = None
     window_right: Optional[int] = None
     qhead_per_kvhead: int = 1  # GQA ratio; 1 = MHA, num_heads = MQA
     write_lse: bool = True
@@ -244,6 +246,13 @@ class FmhaConfig:
     @property
     def is_local(self) -> bool:
         return self.window_left is not None or self.window_right is not None
+
+    def kernel_config(self) -> "FmhaConfig":
+        """The config the kernel is compiled from: a bounded window side's value becomes 0
+        (the bounds are launch arguments, ``fa_sm100.bands.kernel_window``), so windows of
+        any size share one kernel."""
+        return self.replace(**{name: 0 for name in ("window_left", "window_right")
+                               if getattr(self, name) is not None})
 
     @property
     def ex2_emulation(self) -> bool:
@@ -297,8 +306,9 @@ class FmhaConfig:
             raise ValueError(f"qhead_per_kvhead={self.qhead_per_kvhead}: must be >= 1")
         for name in ("window_left", "window_right"):
             w = getattr(self, name)
-            if w is not None and w < 0:
-                raise ValueError(f"{name}={w}: a window size must be >= 0 (None = unbounded)")
+            if w is not None and (isinstance(w, bool) or not isinstance(w, int)):
+                raise ValueError(f"{name}={w!r}: a window bound is an int (None = unbounded; "
+                                 "fa_sm100.bands)")
         if self.num_sms < 1:
             raise ValueError(f"num_sms={self.num_sms}: must be >= 1")
         # Plans that derive from the fields above; imported here to keep layouts/ independent.

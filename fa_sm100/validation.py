@@ -52,11 +52,10 @@ def _check_tensor(name: str, t) -> None:
 
 def normalize_window(window_size) -> tuple:
     """Validate ``window_size = (left, right)``: each side None or -1 (unbounded: FA4's and
-    flash-attn 2's conventions) or an int >= 0.
-
-    Returns the pair as a tuple with None for an unbounded side. ``causal`` is a separate
+    flash-attn 2's conventions) or any other int, the band's bound on that side
+    (``fa_sm100.bands``; a negative bound shifts the band past the diagonal, as FA4 defines
+    it). Returns the pair as a tuple with None for an unbounded side. ``causal`` is a separate
     option; the kernels and the reference combine the two (causal is a right edge of 0).
-    Other negative bounds (a band shifted past the diagonal) have no kernel yet: ValueError.
     """
     if window_size is None:
         return (None, None)
@@ -64,9 +63,9 @@ def normalize_window(window_size) -> tuple:
         raise ValueError(f"window_size must be a pair (left, right), got {window_size!r}")
     left, right = window_size
     for side, w in (("left", left), ("right", right)):
-        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < -1):
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int)):
             raise ValueError(f"window_size {side}={w!r}: must be None or -1 (unbounded) or an "
-                             f"int >= 0")
+                             f"int (the band's bound on that side)")
     return (None if left == -1 else left, None if right == -1 else right)
 
 

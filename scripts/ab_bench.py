@@ -68,11 +68,10 @@ Beside the config variants:
   (the batch stays 16k tokens / seqlen): the number of CTAs, and so how whole the last wave
   of CTAs on the GPU's SMs is, changes while the work per CTA does not.
 
-Backward cells beside the grid's: ``--window LEFT RIGHT`` (each side an int >= 0 or
-``none``) adds a sliding window, ``--deterministic`` asks for deterministic gradients. The
-defaults (and every variant's other fields) are then chosen for that problem, as
-``sm90_bwd`` chooses them; with a window the forward's O and LSE come from a float32
-reference (the SM90 forward has no window). A variant may not set a field that names the
+Backward cells beside the grid's: ``--window LEFT RIGHT`` (each side an int or ``none``)
+adds a sliding window, ``--deterministic`` asks for deterministic gradients. The defaults
+(and every variant's other fields) are then chosen for that problem, as ``sm90_bwd`` chooses
+them; the forward's O and LSE come from ``sm90_fwd``. A variant may not set a field that names the
 problem (``causal``, ``window_left``, ``deterministic``, ...): every run of a cell computes
 the same gradients.
 
@@ -320,10 +319,7 @@ def bwd_cell(d, s, causal, h, variants, with_fa4, torch, probe_list=(), problem=
     problem = problem or {}
     window = (problem.get("window_left"), problem.get("window_right"))
     det = problem.get("deterministic", False)
-    if window == (None, None):  # natural-log LSE (b, h, s)
-        out, lse = sm90_fwd(q, k, v, causal=causal, return_lse=True)
-    else:
-        out, lse = bwd_bench.reference_forward(q, k, v, causal, window)
+    out, lse = sm90_fwd(q, k, v, causal=causal, window_size=window, return_lse=True)
     runs = {}
     for name, fields in [("default", {})] + variants:
         cfg = cell_config("bwd", d, s, causal, fields, problem=problem)

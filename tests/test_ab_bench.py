@@ -331,26 +331,6 @@ def test_every_benchmark_refuses_variants_that_name_the_problem():
     assert parse_variant("y:q_stage=1", BwdConfig) == ("y", {"q_stage": 1})
 
 
-def test_reference_forward_is_the_reference_one_head_at_a_time():
-    """The forward of windowed backward cells: O and LSE of ``attention_reference`` (float32),
-    per (batch, head), GQA and a window included."""
-    import torch
-
-    from fa_sm100.hopper.bwd_bench import reference_forward
-    from fa_sm100.testing import attention_reference
-
-    gen = torch.Generator().manual_seed(0)
-    q = torch.randn(2, 40, 4, 16, generator=gen).to(torch.bfloat16)
-    k, v = (torch.randn(2, 40, 2, 16, generator=gen).to(torch.bfloat16) for _ in range(2))
-    for causal, window in ((False, (8, 0)), (True, (None, None)), (False, (3, 5))):
-        out, lse = reference_forward(q, k, v, causal, window)
-        want_out, want_lse = attention_reference(q, k, v, causal=causal, window=window,
-                                                 dtype=torch.float32)
-        assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
-        assert torch.equal(out, want_out.to(torch.bfloat16))
-        torch.testing.assert_close(lse, want_lse, rtol=0, atol=1e-6)
-
-
 def test_launch_bound_flags_calls_the_host_cannot_keep_ahead_of():
     from fa_sm100.benchmarking import launch_bound
 

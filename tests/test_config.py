@@ -62,8 +62,8 @@ BAD = [
     # P may reach 2^threshold: float16 holds at most 2^15
     (dict(rescale_threshold=16.0, dtype="float16"), "float16 holds at most 2\\^15"),
     (dict(qhead_per_kvhead=0), "qhead_per_kvhead"),
-    (dict(window_left=-1), "window_left"),
-    (dict(window_right=-2), "window_right"),
+    (dict(window_left=1.5), "window_left"),
+    (dict(window_right=True), "window_right"),
     (dict(num_sms=0), "num_sms"),
     (dict(kv_stage=7), "SMEM budget"),
 ]

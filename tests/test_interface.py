@@ -63,8 +63,8 @@ def test_bad_tensors_raise_value_error(make, match):
         ({"softmax_scale": "0.1"}, "softmax_scale"),
         ({"causal": 1}, "causal must be a bool"),
         ({"window_size": (None,)}, "pair"),
-        ({"window_size": (-2, None)}, "left"),
-        ({"window_size": (None, -5)}, "right"),
+        ({"window_size": ("64", None)}, "left"),
+        ({"window_size": (None, 3.0)}, "right"),
         ({"dropout_p": 0.1}, "dropout_p"),
         ({"softcap": 30.0}, "softcap"),
         ({"alibi_slopes": torch.ones(4)}, "alibi"),
@@ -108,9 +108,11 @@ def test_tma_ready_copies_only_when_tma_cannot_read():
 
 @pytest.mark.parametrize("window, want", [
     ((-1, -1), (None, None)), ((None, None), (None, None)), ((256, -1), (256, None)),
-    ((-1, 0), (None, 0)), ([8, 4], (8, 4)), (None, (None, None))])
+    ((-1, 0), (None, 0)), ([8, 4], (8, 4)), (None, (None, None)), ((-2, 10), (-2, 10)),
+    ((40, -5), (40, -5))])
 def test_window_conventions_of_flash_attn(window, want):
-    """-1 and None both mean unbounded on that side (flash-attn 2 passes -1, FA4 None)."""
+    """-1 and None both mean unbounded on that side (flash-attn 2 passes -1, FA4 None); other
+    negative bounds are FA4's bands shifted past the diagonal."""
     prob = validate_attention_inputs(*qkv(), window_size=window, require_cuda=False)
     assert prob.window == want
 

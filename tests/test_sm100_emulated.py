@@ -4,6 +4,8 @@ not run on Blackwell hardware.
 Contract: for features the emulator suite (tests/test_ptxemu_sm100.py) does not cover -- a
 sliding window with causal (2-CTA, two Q stages), head dims (192, 128) with one K/V stage
 (1-CTA), causal with seqlen_q > seqlen_k (rows that see no key) with rescale threshold 0,
+two-sided and shifted windows (whose bounds are launch arguments: a second window runs the
+same compiled PTX),
 and one persistent CTA working through six tiles -- O meets the project's error rule against
 the float64 reference (at most twice the error of the same attention in the input
 precision) and LSE matches the reference (-inf exactly where the reference has it).
@@ -24,6 +26,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.compile]
 CASES = {
     # name: (batch, seqlen_q, seqlen_k, heads, kv heads, head_dim, head_dim_v, --set)
     "window_causal_2cta": (1, 200, 300, 1, 1, 64, 64, ["causal=true", "window_left=70"]),
+    # both sides bounded, GQA, a key tail; then a band that ends left of the diagonal, so the
+    # first rows see no key (O = 0, LSE = -inf) and the rest a band of 16 keys
+    "window_two_sided_gqa": (1, 200, 333, 2, 1, 64, 64, ["window_left=40", "window_right=25"]),
+    "window_shifted_left_1cta": (1, 150, 150, 1, 1, 64, 64,
+                                 ["window_left=20", "window_right=-5", "use_2cta=false"]),
     "hdim192_1cta_one_kv_stage": (1, 128, 300, 1, 1, 192, 128, ["use_2cta=false"]),
     "causal_sq_gt_sk_threshold0": (1, 300, 130, 2, 1, 64, 64,
                                    ["causal=true", "rescale_threshold=0"]),
@@ -60,3 +67,24 @@ def test_emulated_kernel_matches_float64_reference(name):
         assert not finite.all()  # the case does have rows that see no key
         assert (run.out[:, : sq - sk].float() == 0).all()
     assert torch.allclose(run.lse[finite].double(), ref_lse[finite], atol=1e-4, rtol=1e-4)
+
+
+def test_a_new_window_runs_the_same_compiled_kernel():
+    """The window's bounds are launch arguments: a second window size reuses the compiled
+    PTX (the emulator's compile cache gains nothing) and still meets the reference."""
+    from fa_sm100.ptxemu import sm100_run
+
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 160, 1, 64, generator=g).to(torch.bfloat16) for _ in range(3))
+    sets = ["head_dim=64", "head_dim_v=64", "use_2cta=false"]
+    sm100_run.run_forward(config_from_overrides(sets + ["window_left=30", "window_right=0"]),
+                          q, k, v)
+    compiled = len(sm100_run._COMPILED)
+    for left, right in ((90, 3), (-2, 40)):
+        cfg = config_from_overrides(sets + [f"window_left={left}", f"window_right={right}"])
+        run = sm100_run.run_forward(cfg, q, k, v)
+        ref, _ = attention_reference(q, k, v, causal=False, window=(left, right))
+        plain, _ = attention_reference(q, k, v, causal=False, window=(left, right),
+                                       dtype=q.dtype, upcast=False)
+        check_against_reference(run.out, ref, plain, what=f"O window {(left, right)}")
+    assert len(sm100_run._COMPILED) == compiled

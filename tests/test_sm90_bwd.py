@@ -33,6 +33,7 @@ from fa_sm100.config import launch_registers
 from fa_sm100.hopper.bwd_config import SM90_SMEM_BYTES, BwdConfig
 from fa_sm100.hopper.bwd_defaults import DP_WAIT_AFTER_80, select_bwd_config
 from fa_sm100.hopper.bwd_interface import sm90_bwd
+from fa_sm100.hopper.inspect_bwd import make_config as make_sm90_bwd_config
 from fa_sm100.hopper.bwd_tiles import (first_n_block, longest_first_cluster_cta,
                                        longest_first_cta, longest_first_tail_pairs,
                                        m_block_range, stagger_offset, staggered_m_block)
@@ -71,7 +72,7 @@ from script_loader import load_script
     (dict(regs_mma=250), "setmaxnreg"),
     (dict(regs_producer=64, regs_mma=248), "register budget"),
     (dict(regs_producer=32), "exceeds the 64512 registers a CTA of 384 threads .*hang"),
-    (dict(window_left=-1), "window_left"),
+    (dict(window_left=2.5), "window_left"),
     (dict(window_right=True), "window_right"),
     (dict(dtype="float32"), "dtype"),
     (dict(sdp_swap_ab=1), "sdp_swap_ab"),
@@ -379,7 +380,7 @@ def test_unsupported_head_dim_and_window_raise():
         with pytest.raises(ValueError, match="CUDA"):
             sm90_bwd(*_cpu_inputs(d=d, dv=dv))
     with pytest.raises(ValueError, match="window_size"):
-        sm90_bwd(*_cpu_inputs(), window_size=(-3, None))
+        sm90_bwd(*_cpu_inputs(), window_size=(1.5, None))
     # A bool is an int to Python, but not a window size.
     with pytest.raises(ValueError, match="window_size"):
         sm90_bwd(*_cpu_inputs(), window_size=(True, None))
@@ -863,18 +864,21 @@ CONTRACT_CASES = [
 def test_sm90_bwd_compile_contract(overrides, dq_mnemonic, tmp_path):
     from fa_sm100.inspection import inspect_kernel
 
+    cfg = make_sm90_bwd_config(overrides)
+    producer, mma = cfg.regs_producer, cfg.regs_mma
     r = inspect_kernel("sm90_bwd", "sm_90a", overrides, keep_dir=tmp_path)
     assert _hgmma_commits(read_kept_sass(tmp_path)) == 5, "WGMMAs serialized (one commit each)"
     sass = r["sass_full"]
     assert r["threads_per_cta"] == 384
     assert r["cluster"] in ([1, 1, 1], (1, 1, 1))
     assert sum(v for k, v in sass.items() if k.startswith("HGMMA")) >= 5, "no WGMMA in the SASS"
-    assert [list(x) for x in r["setmaxnreg_ptx"]] == [["dec", 24], ["inc", 240]]
+    assert [list(x) for x in r["setmaxnreg_ptx"]] == [["dec", producer], ["inc", mma]]
     # the launch declares min_blocks_per_mp=1, so ptxas keeps both setmaxnreg in the SASS
-    assert r["setmaxnreg"] == {"producer": 24, "mma": 240}, r["warnings"]
-    # 384 threads launch with 168 registers each; after setmaxnreg they hold all 64512
+    assert r["setmaxnreg"] == {"producer": producer, "mma": mma}, r["warnings"]
+    # 384 threads launch with 168 registers each; after setmaxnreg the warps hold at most
+    # those 64512 (more would hang in setmaxnreg.inc)
     assert r["regs_at_launch"] == launch_registers(384) == 168
-    assert r["registers_after_setmaxnreg"] == 128 * (24 + 2 * 240) == 384 * 168
+    assert r["registers_after_setmaxnreg"] == 128 * (producer + 2 * mma) <= 384 * 168
     assert r["spill_bytes"] == 0 and r["local_bytes"] == 0
     assert 0 < r["smem_bytes"] <= SM90_SMEM_BYTES
     assert any(k.startswith(dq_mnemonic) for k in sass), f"{dq_mnemonic} missing: {sorted(sass)}"

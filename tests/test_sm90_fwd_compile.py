@@ -21,12 +21,11 @@ from kept_sass import read_kept_sass
 def expected_hgmma(cfg) -> int:
     """HGMMA instructions the mainloop code should contain (one per k-step per GEMM site)."""
     qk, pv = cfg.head_dim // 16, cfg.n_block // 16
+    # one step per loop over KV tiles: causal masked + unmasked; a window adds the left run
+    loops = 3 if cfg.local else 2 if cfg.causal else 1
     if cfg.intra_wg_overlap:
-        # first S; one overlapped step per loop (causal: masked + unmasked); last PV
-        loops = 2 if cfg.causal else 1
-        return qk + loops * (qk + pv) + pv
-    # first serial step, then one per loop
-    return (1 + (2 if cfg.causal else 1)) * (qk + pv)
+        return qk + loops * (qk + pv) + pv  # first S; the loops' overlapped steps; last PV
+    return (1 + loops) * (qk + pv)  # first serial step, then one per loop
 
 
 CASES = [
@@ -39,6 +38,9 @@ CASES = [
     # Note [Warpgroup epilogues] and Note [Two Q stages]: the defaults up to 8k keys
     ["causal=true", "head_dim=64", "num_consumer_wg=2", "wg_epilogue=true", "q_stage=2"],
     ["causal=true", "wg_epilogue=true", "q_stage=2"],  # 225 KiB of SMEM
+    # sliding windows (run-time bounds): the left-edge run is a third loop
+    ["local=true"],
+    ["local=true", "causal=true", "head_dim=64", "intra_wg_overlap=false", "pingpong=false"],
 ]
 
 

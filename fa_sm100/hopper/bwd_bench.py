@@ -89,27 +89,6 @@ def checked_heads(h, hk):
     return [(kh, list(range(kh * g, (kh + 1) * g))) for kh in sorted({0, hk - 1})]
 
 
-def reference_forward(q, k, v, causal, window=(None, None)):
-    """O (input dtype) and LSE (float32, natural log, (batch, heads, seqlen_q)) of plain
-    attention, computed in float32 one (batch, head) at a time (``attention_reference``): the
-    forward of a timed backward cell that the SM90 forward cannot run (it has no window)."""
-    from fa_sm100.testing import attention_reference
-
-    b, s, h = q.shape[:3]
-    group = h // k.shape[2]
-    out = torch.empty(b, s, h, v.shape[3], dtype=q.dtype, device=q.device)
-    lse = torch.empty(b, h, s, dtype=torch.float32, device=q.device)
-    for i in range(b):
-        for j in range(h):
-            kv = slice(j // group, j // group + 1)
-            o, l_ = attention_reference(q[i:i + 1, :, j:j + 1], k[i:i + 1, :, kv],
-                                        v[i:i + 1, :, kv], causal=causal, window=window,
-                                        dtype=torch.float32)
-            out[i, :, j] = o[0, :, 0]
-            lse[i, j] = l_[0, 0]
-    return out, lse
-
-
 def reference_grads(q, k, v, dout, causal, dtype, window=(None, None)):
     """dQ, dK, dV of batch 0 for ``checked_heads``, by autograd of plain attention computed in
     ``dtype`` (float32: the reference; the input dtype: the baseline of the error rule).

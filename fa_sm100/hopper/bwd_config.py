@@ -204,6 +204,14 @@ class BwdConfig:
     def is_local(self) -> bool:
         return self.window_left is not None or self.window_right is not None
 
+    def kernel_config(self) -> "BwdConfig":
+        """The config the main kernel is compiled from: a bounded window side's value becomes
+        0, since the kernel takes the bounds as run-time arguments (``fa_sm100.bands``) and
+        reads only whether each side is bounded. Problems whose windows differ only in size
+        share one kernel."""
+        return self.replace(**{name: 0 for name in ("window_left", "window_right")
+                               if getattr(self, name) is not None})
+
     @property
     def dtype_bytes(self) -> int:
         return 2
@@ -559,8 +567,9 @@ class BwdConfig:
             raise ValueError(f"qdo_cluster={self.qdo_cluster!r}: must be one of {QDO_CLUSTERS}")
         for name in ("window_left", "window_right"):
             w = getattr(self, name)
-            if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 0):
-                raise ValueError(f"{name}={w}: a window size must be >= 0 (None = unbounded)")
+            if w is not None and (isinstance(w, bool) or not isinstance(w, int)):
+                raise ValueError(f"{name}={w!r}: a window bound is an int (None = unbounded; "
+                                 "fa_sm100.bands)")
         for name in ("regs_producer", "regs_mma"):
             check_setmaxnreg(name, getattr(self, name))
         check_register_budget(
@@ -603,6 +612,13 @@ def dq_fragment_index(cfg: BwdConfig, row: int, col: int) -> int:
 def effective_window_right(cfg: BwdConfig) -> Optional[int]:
     """The right window edge the mask uses: causal is a right edge of 0."""
     return causal_window_right(cfg.causal, cfg.window_right)
+
+
+def band_bounds(cfg: BwdConfig) -> tuple:
+    """(left, right) of the band a config's problem has, None for an unbounded side
+    (``fa_sm100.bands``): what the tile functions take on the host and in the tests. The
+    kernel gets the same from its run-time arguments (``Sm90FlashBackward.band``)."""
+    return cfg.window_left, effective_window_right(cfg)
 
 
 def causal_window_right(causal: bool, window_right: Optional[int]) -> Optional[int]:

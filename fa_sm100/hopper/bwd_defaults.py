@@ -263,6 +263,13 @@ def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = Fals
             cfg = dynamic._validate_persistent()
         except ValueError:
             pass
+    if (cfg.persistent_ctas and cfg.dynamic_tiles and cfg.early_dq_post
+            and cfg.window_left is not None
+            and not {"regs_producer", "regs_mma"} & set(overrides)):
+        # the producer warps walk fetched tiles with the window's run-time left bound and wait
+        # for the tail's dQ counts: at 24 registers ptxas spills one value there (hdim 96,
+        # sm_90a compile contract), at 32 none, and the MMA warpgroups fit in 232
+        cfg = cfg.replace(regs_producer=32, regs_mma=232)
     if cfg.tile_m == TILE_M_DQ_TRANSPOSED:
         # 80-row blocks: their own statistics and the placed dP^T wait where they compile
         # without spills, or where any of their switches was asked for, unless it was

@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 
 from fa_sm100 import kernel_cache
+from fa_sm100.bands import kernel_window
 from fa_sm100.call_plans import PlanTable
 from fa_sm100.config import normalize_dtype
 from fa_sm100.devices import sm_count
@@ -137,7 +138,7 @@ class Sm90BwdPlan:
     the config and its kernels, in launch order. Calling it makes the inputs contiguous where
     they are not, allocates dq, dk, dv and the workspace, and launches."""
 
-    __slots__ = ("config", "kernels", "scale", "contiguous", "user_config")
+    __slots__ = ("config", "kernels", "scale", "contiguous", "user_config", "window")
     # user_config: the caller's config, whose id is in the key (call_plans)
 
     def __init__(self, config: BwdConfig, scale: float, tensors, user_config=None):
@@ -147,13 +148,14 @@ class Sm90BwdPlan:
         # False: every input of this metadata is already contiguous, so no call copies
         self.contiguous = all(t.is_contiguous() for t in tensors)
         self.kernels = [_compiled(*spec) for spec in kernel_specs(config)]
+        self.window = main_window(config, tensors[1], tensors[2])
 
     def __call__(self, dout, q, k, v, out, lse):
         if not self.contiguous:
             q, k, v, out, dout, lse = (t.contiguous() for t in (q, k, v, out, dout, lse))
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         for fn, args in zip(self.kernels, launch_args(self.config, q, k, v, out, dout, lse,
-                                                      dq, dk, dv, self.scale)):
+                                                      dq, dk, dv, self.scale, self.window)):
             fn(*args)
         return dq, dk, dv
 
@@ -260,7 +262,7 @@ def kernel_specs(config: BwdConfig) -> list:
         ("pre", (d_v, d, dtype, pdl, zero_dq, ctas),
          lambda: BwdPreprocess(d_v, d, pdl, zero_dq, ctas),
          lambda: fake_pre_arguments(dt, d_v)),
-        ("main", main_compile_key(config), lambda: Sm90FlashBackward(config),
+        ("main", main_compile_key(config), lambda: Sm90FlashBackward(config.kernel_config()),
          lambda: fake_arguments(config, env_stream=True)),
     ]
     if probes.active("dq_post") != "none":  # Note [cost probes]: the probe leaves dq unwritten
@@ -278,15 +280,25 @@ def kernel_specs(config: BwdConfig) -> list:
     return specs
 
 
-def launch_args(config: BwdConfig, q, k, v, out, dout, lse, dq, dk, dv, softmax_scale) -> list:
+def main_window(config: BwdConfig, q, k) -> tuple:
+    """The main kernel's window arguments for q and k (``fa_sm100.bands.kernel_window``)."""
+    return kernel_window(config.causal, (config.window_left, config.window_right), q.shape[1],
+                         k.shape[1])
+
+
+def launch_args(config: BwdConfig, q, k, v, out, dout, lse, dq, dk, dv, softmax_scale,
+                window=None) -> list:
     """The arguments of each kernel of ``kernel_specs``, in order, with a fresh workspace:
-    what a call computes (a warm call nothing else)."""
+    what a call computes (a warm call nothing else). ``window``: ``main_window`` of q and k,
+    computed here when not given."""
     ws = workspace(config, q, k)
     gqa = config.uses_gqa_buffers
     dk_arg, dv_arg = (ws["dk_acc"], ws["dv_acc"]) if gqa else (dk, dv)
+    if window is None:
+        window = main_window(config, q, k)
     args = [(out, dout, lse, ws["lse2"], ws["delta"], ws["dq_acc"], ws["dq_sem"]),
             (q, k, v, dout, ws["lse2"], ws["delta"], ws["dq_acc"], dk_arg, dv_arg, ws["dq_sem"],
-             softmax_scale)]
+             softmax_scale, *window)]
     if probes.active("dq_post") != "none":
         args.append((ws["dq_acc"], ws["dq_sem"], dq, softmax_scale, k.shape[1]))
     if gqa:
@@ -301,6 +313,7 @@ def main_compile_key(config: BwdConfig):
     for name, value in probes.compile_tag():
         probes.check_probe_config(name, value, config)
     tag = probes.compile_tag(probes.MAIN_KERNEL_PROBES)
+    config = config.kernel_config()  # the window's size is a launch argument
     return (config, tag) if tag else config
 
 
@@ -381,7 +394,7 @@ def fake_arguments(config: BwdConfig, env_stream: bool = False):
         dk_out, dv_out = _rowmajor(dt, (b, sk, h, d)), _rowmajor(dt, (b, sk, h, dv))
     sem = _rowmajor(cutlass.Int32, (b, h, n_sem), 4)
     return (q, k, v, do, lse2, delta, dq_acc, dk_out, dv_out, sem, cutlass.Float32(0.125),
-            make_fake_stream(use_tvm_ffi_env_stream=env_stream))
+            cutlass.Int32(0), cutlass.Int32(0), make_fake_stream(use_tvm_ffi_env_stream=env_stream))
 
 
 def fake_pre_arguments(dt, head_dim: int):

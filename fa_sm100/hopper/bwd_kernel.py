@@ -352,6 +352,8 @@ class Sm90FlashBackward(BwdTileRole, BwdLoadRole, BwdStoreRole, BwdScoresRole):
         mdV: cute.Tensor,
         mdQsem: cute.Tensor,  # (batch, heads, BwdConfig.dq_sem_slots) i32, zeroed
         softmax_scale: Float32,
+        window_left: Int32,  # the band's run-time bounds (fa_sm100.bands.kernel_window), read
+        window_right: Int32,  # only for a side the config bounds (Sm90FlashBackward.band)
         stream,
     ):
         self._setup_layouts()
@@ -389,10 +391,13 @@ class Sm90FlashBackward(BwdTileRole, BwdLoadRole, BwdStoreRole, BwdScoresRole):
         num_pairs = mQ.shape[0] * mQ.shape[2]
         tail_pairs = longest_first_tail_pairs(self.cfg, num_n_blocks, num_pairs, cutlass.min,
                                               cutlass.max)  # Note [longest first], bwd_tiles.py
+        window = None  # only a windowed kernel takes the bounds as parameters
+        if const_expr(self.cfg.is_local):
+            window = (window_left, window_right)
         self.kernel(
             tma_mQ, tma_mK, tma_mV, tma_mdO, tma_Q, tma_K, tma_V, tma_dO,
             mLSE2, mDelta, mdQacc, mdK, mdV, mdQsem, tma_dK, tma_mdK, tma_dV, tma_mdV,
-            mQ.shape[1], mK.shape[1], mQ.shape[2] // mK.shape[2], tail_pairs,
+            mQ.shape[1], mK.shape[1], mQ.shape[2] // mK.shape[2], tail_pairs, window,
             softmax_scale, softmax_scale * LOG2_E,
             mma_sdp, mma_dk, mma_dv, mma_dq,
             self.sQ_layout, self.sdO_layout, self.sK_layout, self.sV_layout,
@@ -406,13 +411,26 @@ class Sm90FlashBackward(BwdTileRole, BwdLoadRole, BwdStoreRole, BwdScoresRole):
             **({"cluster": list(self.cfg.cluster)} if self.cfg.qdo_multicast else {}),
         )
 
+    def _band(self, window):
+        """(left, right) of the mask and the tile ranges (``fa_sm100.bands``), as every role
+        reads them: a side the config bounds is the run-time argument, an unbounded one None,
+        and causal without a right bound the constant 0."""
+        left = right = None
+        if const_expr(self.cfg.window_left is not None):
+            left = window[0]
+        if const_expr(self.cfg.window_right is not None):
+            right = window[1]  # min(right, 0) under a causal mask: kernel_window
+        elif const_expr(self.cfg.causal):
+            right = 0
+        return left, right
+
     # ---- kernel: shared storage, registers, role dispatch ------------------------------------
 
     @cute.kernel
     def kernel(
         self, mQ, mK, mV, mdO, tma_Q, tma_K, tma_V, tma_dO,
         mLSE2, mDelta, mdQacc, mdK, mdV, mdQsem, tma_dK, tma_mdK, tma_dV, tma_mdV,
-        seqlen_q: Int32, seqlen_k: Int32, group: Int32, tail_pairs: Int32,
+        seqlen_q: Int32, seqlen_k: Int32, group: Int32, tail_pairs: Int32, window,
         softmax_scale: Float32, scale_log2: Float32,
         mma_sdp: cute.TiledMma, mma_dk: cute.TiledMma, mma_dv: cute.TiledMma,
         mma_dq: cute.TiledMma,
@@ -423,6 +441,7 @@ class Sm90FlashBackward(BwdTileRole, BwdLoadRole, BwdStoreRole, BwdScoresRole):
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
+        self.band = self._band(window)
         if const_expr(self.cfg.early_dq_post):
             # Note [dQ postprocess in the tail] (bwd_prepost.py): once every CTA has started,
             # the dQ postprocess may take the SMs the last wave leaves idle

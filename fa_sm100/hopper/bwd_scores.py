@@ -16,7 +16,6 @@ from cutlass.cute.nvgpu import warpgroup
 from cutlass import Float32, const_expr
 
 from fa_sm100.hopper import probes
-from fa_sm100.hopper.bwd_config import effective_window_right
 from fa_sm100.hopper.common import assume_aligned, rows_cols_view
 
 
@@ -172,8 +171,7 @@ class BwdScoresRole:
     def _block_needs_mask(self, m_block, n_block, seqlen_q, seqlen_k):
         """Whether any element of the (m_block, n_block) tile lies outside the band or past
         seqlen_k (uniform per CTA and iteration; most blocks need no mask)."""
-        right = effective_window_right(self.cfg)
-        left = self.cfg.window_left
+        left, right = self.band
         off = seqlen_k - seqlen_q
         col_min = n_block * self.tile_n
         col_max = col_min + self.tile_n - 1
@@ -195,8 +193,7 @@ class BwdScoresRole:
         edges fold into three limits computed once, so each element compares compile-time
         constants (its key, and key minus query, of thread 0) against them: an ``ISETP`` or
         two and one ``FSEL``."""
-        right = effective_window_right(self.cfg)
-        left = self.cfg.window_left
+        left, right = self.band
         q_mode, k_mode = (1, 0) if self.cfg.sdp_swap_ab else (0, 1)
         d_q = tScS[0, 0][q_mode] - tScS0[0, 0][q_mode]  # this thread's offsets
         d_k = tScS[0, 0][k_mode] - tScS0[0, 0][k_mode]

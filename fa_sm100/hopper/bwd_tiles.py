@@ -124,25 +124,27 @@ import cutlass.cute as cute
 from cutlass import Int32, const_expr
 
 from fa_sm100.hopper import probes
-from fa_sm100.hopper.bwd_config import TILE_SLOTS, BwdConfig, effective_window_right
+from fa_sm100.hopper.bwd_config import TILE_SLOTS, BwdConfig, band_bounds
 
 
-def m_block_range(cfg: BwdConfig, n_block, seqlen_q, seqlen_k, imax=max, imin=min):
+def m_block_range(cfg: BwdConfig, n_block, seqlen_q, seqlen_k, imax=max, imin=min, band=None):
     """Query blocks [m_min, m_max) whose band reaches key block ``n_block``.
 
     Rows are aligned bottom-right: query i sees key j iff i + off - left <= j <= i + off + right
-    with off = seqlen_k - seqlen_q. The kernel calls this while tracing with DSL integers (and
-    ``imax``/``imin`` = cutlass.max/min); the tests call it with Python integers.
+    with off = seqlen_k - seqlen_q (``fa_sm100.bands``). ``band``: (left, right), None for an
+    unbounded side; ``band_bounds(cfg)`` when not given. The kernel calls this while tracing
+    with DSL integers (``imax``/``imin`` = cutlass.max/min, its run-time bounds); the tests
+    call it with Python integers.
     """
+    left, right = band_bounds(cfg) if band is None else band
     tm, tn = cfg.tile_m, cfg.tile_n
     m_max = (seqlen_q + tm - 1) // tm
     m_min = 0 * n_block
     off = seqlen_k - seqlen_q
-    right = effective_window_right(cfg)
     if right is not None:
         m_min = imax(n_block * tn - off - right, 0) // tm
-    if cfg.window_left is not None:
-        m_max = imin(m_max, imax((n_block + 1) * tn - 1 - off + cfg.window_left + tm, 0) // tm)
+    if left is not None:
+        m_max = imin(m_max, imax((n_block + 1) * tn - 1 - off + left + tm, 0) // tm)
     return m_min, m_max
 
 
@@ -169,12 +171,14 @@ def staggered_m_block(i, offset, m_min, m_max, pick=_choose):
     return pick(m >= m_max, m - (m_max - m_min), m)
 
 
-def first_n_block(cfg: BwdConfig, m_block, seqlen_q, seqlen_k, imax=max):
+def first_n_block(cfg: BwdConfig, m_block, seqlen_q, seqlen_k, imax=max, band=None):
     """The lowest key block whose range contains query block ``m_block``: the base of the
-    deterministic dQ semaphore (the key blocks that add into ``m_block`` are consecutive)."""
-    if cfg.window_left is None:
+    deterministic dQ semaphore (the key blocks that add into ``m_block`` are consecutive).
+    ``band`` as ``m_block_range``'s."""
+    left = (band_bounds(cfg) if band is None else band)[0]
+    if left is None:
         return 0 * m_block
-    return imax(m_block * cfg.tile_m + seqlen_k - seqlen_q - cfg.window_left, 0) // cfg.tile_n
+    return imax(m_block * cfg.tile_m + seqlen_k - seqlen_q - left, 0) // cfg.tile_n
 
 
 def longest_first_tail_pairs(cfg: BwdConfig, num_n_blocks, num_pairs, imin=min, imax=max):
@@ -313,7 +317,8 @@ class BwdTileRole:
 
     def _m_block_range(self, n_block: Int32, seqlen_q: Int32, seqlen_k: Int32):
         """Query blocks [min, max) this CTA visits (``m_block_range``)."""
-        return m_block_range(self.cfg, n_block, seqlen_q, seqlen_k, cutlass.max, cutlass.min)
+        return m_block_range(self.cfg, n_block, seqlen_q, seqlen_k, cutlass.max, cutlass.min,
+                             self.band)
 
     def _m_block_at(self, step: Int32, m_offset: Int32, m_block_min: Int32, m_block_max: Int32):
         """The query block of sweep step ``step``: ``step`` itself, or with ``stagger_m`` the
@@ -334,7 +339,7 @@ class BwdTileRole:
 
     def _n_block_first(self, m_block: Int32, seqlen_q: Int32, seqlen_k: Int32):
         """The first key block that adds into query block ``m_block`` (semaphore base)."""
-        return first_n_block(self.cfg, m_block, seqlen_q, seqlen_k, cutlass.max)
+        return first_n_block(self.cfg, m_block, seqlen_q, seqlen_k, cutlass.max, self.band)
 
     @cute.jit
     def _walk(self, work, tile_body, args, states, fetches: cutlass.Constexpr = False):

@@ -57,6 +57,9 @@ class Sm90FwdConfig:
     head_dim_v: int = 128
     dtype: str = "bfloat16"
     causal: bool = False
+    # a sliding window (``fa_sm100.bands``): its bounds are run-time arguments of the launch,
+    # so one kernel serves every window; causal with a window is this kernel too (right <= 0)
+    local: bool = False
     write_lse: bool = True
     # tiles
     m_block: int = 128
@@ -176,6 +179,12 @@ class Sm90FwdConfig:
         without ``o_in_q_buffer`` (Note [O in Q's buffer] in fwd_consumer.py)."""
         return self.persistent and not self.o_in_q_buffer
 
+    @property
+    def causal_schedule(self) -> bool:
+        """Causal without a window: tiles run longest first in L2 sections (``tile_coords``).
+        A windowed tile's length follows its band, not its m block."""
+        return self.causal and not self.local
+
     def replace(self, **changes) -> "Sm90FwdConfig":
         return dataclasses.replace(self, **changes)
 
@@ -194,7 +203,7 @@ class Sm90FwdConfig:
             changes.update(kv_cluster=cls.kv_cluster, peer_release=cls.peer_release)
         if not self.odd_m_pairs:
             changes["multicast_odd_m"] = cls.multicast_odd_m
-        if not self.causal:
+        if not self.causal_schedule:
             changes["l2_section_mib"] = cls.l2_section_mib
         if self.o_in_q_buffer:
             changes["k_before_q"] = cls.k_before_q
@@ -278,10 +287,10 @@ class Sm90FwdConfig:
             raise ValueError("wg_epilogue=True needs persistent=True and o_in_q_buffer=False (O "
                              "in its own SMEM buffer: a warpgroup may store its O while another "
                              "warpgroup's QK GEMMs still read Q)")
-        if self.kv_multicast and self.causal:
-            raise ValueError("kv_multicast=True needs causal=False (the CTAs of a cluster load "
-                             "the same K/V tiles; causal tiles of neighbouring m blocks see "
-                             "different numbers of them)")
+        if self.kv_multicast and (self.causal or self.local):
+            raise ValueError("kv_multicast=True needs causal=False and local=False (the CTAs of "
+                             "a cluster load the same K/V tiles; causal or windowed tiles of "
+                             "neighbouring m blocks see different ones)")
         if self.kv_multicast and self.dynamic_schedule:
             raise ValueError("kv_multicast=True needs dynamic_schedule=False (the CTAs of a "
                              "cluster must take neighbouring m blocks of one head, tile after "
@@ -404,7 +413,7 @@ RESCALE_THRESHOLD_MIN_HEAD_DIM_V = 128
 
 def select_sm90_fwd_config(head_dim: int = 128, head_dim_v=None, dtype="bfloat16", causal=False,
                            write_lse=True, seqlen_k=None, seqlen_q=None, batch_heads=None,
-                           **overrides) -> Sm90FwdConfig:
+                           local=False, **overrides) -> Sm90FwdConfig:
     """The default SM90 config for a problem, with ``overrides`` applied, validated.
 
     ``head_dim_v`` defaults to ``fa_sm100.config.default_head_dim_v(head_dim)`` (128 for 192).
@@ -423,7 +432,9 @@ def select_sm90_fwd_config(head_dim: int = 128, head_dim_v=None, dtype="bfloat16
     not given), unless given. ``wg_epilogue`` and ``q_stage=2`` for persistent CTAs with
     O's own buffer up to ``TILE_BOUNDARY_MAX_SEQLEN_K`` keys (optional: without it, no) where
     two Q stages fit, each unless given. ``rescale_threshold`` 8 from head_dim_v 128 on
-    (``RESCALE_THRESHOLD_MIN_HEAD_DIM_V``), else 0.
+    (``RESCALE_THRESHOLD_MIN_HEAD_DIM_V``), else 0. ``local`` (a sliding window) is scheduled as
+    causal is: no multicast, persistent CTAs with the dynamic schedule (band tiles differ in
+    length at the sequence's start and end).
     """
     head_dim_v = default_head_dim_v(head_dim) if head_dim_v is None else head_dim_v
     num_wg, n_block = default_tile(head_dim)
@@ -441,6 +452,7 @@ def select_sm90_fwd_config(head_dim: int = 128, head_dim_v=None, dtype="bfloat16
         head_dim_v=head_dim_v,
         dtype=normalize_dtype(dtype),
         causal=causal,
+        local=local,
         write_lse=write_lse,
         m_block=WGMMA_M * num_wg,
         n_block=n_block,
@@ -462,7 +474,7 @@ def select_sm90_fwd_config(head_dim: int = 128, head_dim_v=None, dtype="bfloat16
     multicast = schedule.get("kv_multicast")
     if multicast is None:
         shortest = MULTICAST_MIN_SEQLEN_K.get(head_dim)
-        multicast = (not causal and shortest is not None and seqlen_k is not None
+        multicast = (not (causal or local) and shortest is not None and seqlen_k is not None
                      and seqlen_k >= shortest and seqlen_q is not None
                      and cfg.multicast_fits(seqlen_q, batch_heads)
                      and not schedule.get("persistent"))
@@ -473,7 +485,7 @@ def select_sm90_fwd_config(head_dim: int = 128, head_dim_v=None, dtype="bfloat16
         persistent = fits and cfg.kv_cluster == KV_CLUSTER
     elif persistent is None:
         longest = PERSISTENT_MAX_SEQLEN_K.get(head_dim, 0)  # unknown head dims: validate() says
-        wanted = causal or longest is None or (seqlen_k is not None and seqlen_k <= longest)
+        wanted = causal or local or longest is None or (seqlen_k is not None and seqlen_k <= longest)
         persistent = wanted and fits
     cfg = cfg.replace(
         kv_multicast=multicast,
@@ -496,6 +508,6 @@ def select_sm90_fwd_config(head_dim: int = 128, head_dim_v=None, dtype="bfloat16
 def sm90_fwd_config_from_overrides(items: Iterable[str]) -> Sm90FwdConfig:
     """The default config (hdim 128, bf16) with CLI ``--set field=value`` overrides, validated."""
     changes = parse_overrides(items, cls=Sm90FwdConfig)
-    problem = {k: changes.pop(k) for k in ("head_dim", "head_dim_v", "dtype", "causal", "write_lse")
-               if k in changes}
+    problem = {k: changes.pop(k) for k in ("head_dim", "head_dim_v", "dtype", "causal", "local",
+                                           "write_lse") if k in changes}
     return select_sm90_fwd_config(**problem, **changes)  # head_dim_v: default_head_dim_v

@@ -74,6 +74,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
+from fa_sm100 import bands
 from fa_sm100.hopper.common import NO_WAIT, rows_cols_view, stmatrix_to_smem, transpose_view, wgmma
 from fa_sm100.hopper.config import WARPGROUP_THREADS, WGMMA_M
 from fa_sm100.hopper.fwd_math import (
@@ -137,13 +138,16 @@ class ConsumerRole:
 
     @cute.jit
     def softmax(self, f: ConsumerFrags, acc_S: cute.Tensor, row_base: Int32, n: Int32,
-                mask_seqlen: cutlass.Constexpr[bool], mask_causal: cutlass.Constexpr[bool],
+                mask_seqlen: cutlass.Constexpr[bool], mask_band: cutlass.Constexpr[bool],
                 is_first: cutlass.Constexpr[bool]):
-        """Mask S of KV tile n, then one online-softmax step (row_scale = O's rescale factor)."""
+        """Mask S of KV tile n (``mask_band``: the causal diagonal, or with ``local`` both
+        edges of the window), then one online-softmax step (row_scale = O's rescale factor)."""
         s_rc = rows_cols_view(acc_S)
-        if const_expr(mask_seqlen or mask_causal):
+        mask_right = mask_band and (self.cfg.causal or self.cfg.local)
+        if const_expr(mask_seqlen or mask_right):
             apply_mask(s_rc, f.coord_rc, f.coord0_rc, row_base, n * self.cfg.n_block,
-                       f.seqlen_k, f.causal_offset, mask_seqlen, mask_causal)
+                       f.seqlen_k, f.right_edge, f.left_edge, mask_seqlen, mask_right,
+                       mask_right and self.cfg.local)
         online_softmax_step(s_rc, f.row_max, f.row_sum, f.row_scale, f.scale_log2, is_first,
                             self.cfg.ex2_emu_fraction, self.cfg.rescale_threshold)
 
@@ -154,14 +158,15 @@ class ConsumerRole:
     @cute.jit
     def consumer(self, mO, mLSE, mK, sQ, sK, sV, sO, tma_o, tiled_mma_qk, tiled_mma_pv,
                  pipe_q, pipe_k, pipe_v, scale_log2: Float32, total_tiles: Int32, l2_heads: Int32,
-                 pipe_tile, sTile):
+                 pipe_tile, sTile, window):
         """Consumer warpgroups: 64 rows each; per work tile all its KV tiles, then the epilogue.
 
         Consumes: q (released after the tile's last QK GEMM, or after the O store with
         ``o_in_q_buffer``, Note [O in Q's buffer]), k and v stages (each released right after
         the GEMM that read it); with ``dynamic_schedule``, the next tile's index from the tile
         pipeline (Note [Dynamic tile schedule] in fwd_kernel.py).
-        Produces: O (staged in SMEM, TMA store) and LSE (direct stores).
+        Produces: O (staged in SMEM, TMA store) and LSE (direct stores). ``window``: the
+        run-time (left, right) bounds of a ``local`` kernel, else None.
         """
         cfg = self.cfg
         tidx = cute.arch.thread_idx()[0] - WARPGROUP_THREADS
@@ -190,9 +195,15 @@ class ConsumerRole:
             row_sum=cute.make_rmem_tensor((rows,), Float32),
             row_scale=cute.make_rmem_tensor((rows,), Float32),
             seqlen_k=seqlen_k,
-            causal_offset=seqlen_k - seqlen_q,
+            # key k of row r is masked where k > r + right_edge or k < r + left_edge
+            right_edge=seqlen_k - seqlen_q,
+            left_edge=None,
             scale_log2=scale_log2,
+            window=window,
         )
+        if const_expr(cfg.local):
+            f.right_edge = seqlen_k - seqlen_q + window[1]
+            f.left_edge = seqlen_k - seqlen_q - window[0]
         lse = cute.make_rmem_tensor((rows,), Float32)
 
         if const_expr(cfg.pingpong):
@@ -245,13 +256,17 @@ class ConsumerRole:
         """One work tile: every KV tile of it (see the Notes above), then the epilogue.
         Returns the advanced (kv, q) pipeline states."""
         cfg = self.cfg
-        m_block, head, batch, n_blocks, n_masked_from, _, _ = self.tile_coords(
-            t, mO, mK, l2_heads)  # mO: same (s, ., h, b) modes as Q
+        m_block, head, batch, n_lo, n_blocks, masked_from, left_to = self.tile_coords(
+            t, mO, mK, l2_heads, f.window)  # mO: same (s, ., h, b) modes as Q
         row_base = m_block * cfg.m_block
         self.reset_tile(f)
-        n_masked = 0  # KV tiles after the first that cross the causal diagonal
-        if const_expr(cfg.causal):
-            n_masked = cutlass.max(n_blocks - 1 - n_masked_from, 0)
+        n_masked = 0  # KV tiles after the first that cross the band's right edge
+        n_left = 0  # the last KV tiles, which cross its left edge (a window only)
+        if const_expr(cfg.local):
+            n_masked, n_left = bands.kv_mask_phases(n_lo, n_blocks, masked_from, left_to,
+                                                    cutlass.max, cutlass.min)
+        elif const_expr(cfg.causal):
+            n_masked = cutlass.max(n_blocks - 1 - masked_from, 0)
         pipe_q.consumer_wait(q_state)
         empty = cutlass.Boolean(False)  # Note [Empty warpgroups]
         if const_expr(cfg.skip_empty_wg):
@@ -260,8 +275,8 @@ class ConsumerRole:
             if empty:
                 state = self.empty_wg_steps(state, n_blocks, wg, pipe_q, q_state, pipe_k, pipe_v)
             else:
-                state = self.mainloop(f, state, row_base, n_blocks, n_masked, wg, pipe_q,
-                                      q_state, pipe_k, pipe_v)
+                state = self.mainloop(f, state, row_base, n_lo, n_blocks, n_masked, n_left, wg,
+                                      pipe_q, q_state, pipe_k, pipe_v)
         else:
             self.release_q_after_gemms(pipe_q, q_state)
 
@@ -279,26 +294,33 @@ class ConsumerRole:
         return state, q_state
 
     @cute.jit
-    def mainloop(self, f: ConsumerFrags, state, row_base: Int32, n_blocks: Int32,
-                 n_masked: Int32, wg: Int32, pipe_q, q_state, pipe_k, pipe_v):
-        """Every KV tile of a work tile (``n_blocks`` > 0, last first; the first ``n_masked``
-        after the first cross the causal diagonal); Q's stage is released after the last QK
-        GEMM. Returns the advanced KV pipeline state."""
+    def mainloop(self, f: ConsumerFrags, state, row_base: Int32, n_lo: Int32, n_blocks: Int32,
+                 n_masked: Int32, n_left: Int32, wg: Int32, pipe_q, q_state, pipe_k, pipe_v):
+        """Every KV tile n_lo + n_blocks - 1 .. n_lo of a work tile (``n_blocks`` > 0, last
+        first): the first always masked, then ``n_masked`` that cross the band's right edge,
+        the unmasked middle, and last ``n_left`` that cross its left edge (a window only).
+        Q's stage is released after the last QK GEMM. Returns the advanced KV pipeline state."""
         cfg = self.cfg
         q = f.tSrQ[None, None, None, self.q_index(q_state)]  # Q's stage
+        n_hi = n_lo + n_blocks
+        n_plain = n_blocks - 1 - n_masked - n_left
         if const_expr(cfg.intra_wg_overlap):
             # First tile: S and P only; its PV GEMM runs in the next step.
             pipe_k.consumer_wait(state, pipe_k.consumer_try_wait(state))
             acc_S = self.qk_gemm(f, q, state.index, 0)
             pipe_k.consumer_release(state)
-            self.softmax(f, acc_S, row_base, n_blocks - 1, True, cfg.causal, True)
+            self.softmax(f, acc_S, row_base, n_hi - 1, True, True, True)
             convert_to(f.tOrP, operand_a_view(acc_S))
             for i in cutlass.range(n_masked, unroll=1):
-                state = self.overlapped_step(f, q, state, row_base, n_blocks - 2 - i, True, wg,
+                state = self.overlapped_step(f, q, state, row_base, n_hi - 2 - i, True, wg,
                                              pipe_k, pipe_v)
-            for i in cutlass.range(n_blocks - 1 - n_masked, unroll=1):
-                state = self.overlapped_step(f, q, state, row_base, n_blocks - 2 - n_masked - i,
+            for i in cutlass.range(n_plain, unroll=1):
+                state = self.overlapped_step(f, q, state, row_base, n_hi - 2 - n_masked - i,
                                              False, wg, pipe_k, pipe_v)
+            if const_expr(cfg.local):
+                for i in cutlass.range(n_left, unroll=1):
+                    state = self.overlapped_step(f, q, state, row_base, n_lo + n_left - 1 - i,
+                                                 True, wg, pipe_k, pipe_v)
             self.release_q_after_gemms(pipe_q, q_state)
             if const_expr(cfg.rescale_o_before_pv):
                 self.rescale_acc_o(f)
@@ -307,14 +329,18 @@ class ConsumerRole:
             pipe_v.consumer_release(state)
             state.advance()
         else:
-            state = self.serial_step(f, q, state, row_base, n_blocks - 1, True, True, wg,
+            state = self.serial_step(f, q, state, row_base, n_hi - 1, True, True, wg,
                                      pipe_k, pipe_v)
             for i in cutlass.range(n_masked, unroll=1):
-                state = self.serial_step(f, q, state, row_base, n_blocks - 2 - i, False, True,
+                state = self.serial_step(f, q, state, row_base, n_hi - 2 - i, False, True,
                                          wg, pipe_k, pipe_v)
-            for i in cutlass.range(n_blocks - 1 - n_masked, unroll=1):
-                state = self.serial_step(f, q, state, row_base, n_blocks - 2 - n_masked - i,
+            for i in cutlass.range(n_plain, unroll=1):
+                state = self.serial_step(f, q, state, row_base, n_hi - 2 - n_masked - i,
                                          False, False, wg, pipe_k, pipe_v)
+            if const_expr(cfg.local):
+                for i in cutlass.range(n_left, unroll=1):
+                    state = self.serial_step(f, q, state, row_base, n_lo + n_left - 1 - i,
+                                             False, True, wg, pipe_k, pipe_v)
             self.release_q_after_gemms(pipe_q, q_state)
         return state
 
@@ -381,7 +407,7 @@ class ConsumerRole:
         self.pingpong_pass(wg)
         warpgroup.wait_group(1)  # S(n) is ready; the PV GEMM may still run
         pipe_k.consumer_release(state)
-        self.softmax(f, acc_S, row_base, n, False, masked and self.cfg.causal, False)
+        self.softmax(f, acc_S, row_base, n, False, masked, False)
         warpgroup.wait_group(0)  # the PV GEMM has read P(n+1) and written O
         pipe_v.consumer_release(state_v)
         convert_to(f.tOrP, operand_a_view(acc_S))
@@ -400,7 +426,7 @@ class ConsumerRole:
         self.pingpong_pass(wg)
         warpgroup.wait_group(0)
         pipe_k.consumer_release(state)
-        self.softmax(f, acc_S, row_base, n, is_first, masked and self.cfg.causal, is_first)
+        self.softmax(f, acc_S, row_base, n, is_first, masked, is_first)
         convert_to(f.tOrP, operand_a_view(acc_S))
         self.rescale_acc_o(f)
         pipe_v.consumer_wait(state, pipe_v.consumer_try_wait(state))

@@ -91,6 +91,7 @@ from cutlass import Float32, Int32, const_expr, pipeline
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
+from fa_sm100 import bands
 from fa_sm100.config import WARP_SIZE, cutlass_dtype
 from fa_sm100.hopper.common import PeerReleasePipeline
 from fa_sm100.hopper.config import WARPGROUP_THREADS, WGMMA_M, Sm90FwdConfig
@@ -111,13 +112,14 @@ def _select(t: cute.Tensor, modes) -> cute.Tensor:
 
 
 class Sm90FwdKernel(ConsumerRole):
-    """Callable with ``(mQ, mK, mV, mO, mLSE, mTileCounter, softmax_scale, num_ctas, stream)``
-    on BSHD tensors.
+    """Callable with ``(mQ, mK, mV, mO, mLSE, mTileCounter, softmax_scale, num_ctas,
+    window_left, window_right, stream)`` on BSHD tensors.
 
     mQ (b, s_q, h, d), mK/mV (b, s_k, h_kv, d / dv), mO (b, s_q, h, dv), mLSE (b, h, s_q)
     float32 or None. GQA/MQA: query head h reads K/V head h // (h / h_kv). mTileCounter: (1,)
     int32, zero before the first launch (``dynamic_schedule``; else None). num_ctas: the SM count
-    (the persistent grid).
+    (the persistent grid). window_left / window_right: the band's run-time bounds
+    (``fa_sm100.bands.kernel_window``), read only with ``local`` (else pass 0).
     """
 
     def __init__(self, cfg: Sm90FwdConfig):
@@ -203,6 +205,8 @@ class Sm90FwdKernel(ConsumerRole):
         mTileCounter,
         softmax_scale: Float32,
         num_ctas: Int32,
+        window_left: Int32,
+        window_right: Int32,
         stream: cuda.CUstream,
     ):
         cfg = self.cfg
@@ -249,8 +253,11 @@ class Sm90FwdKernel(ConsumerRole):
             if const_expr(cfg.kv_multicast):  # Note [Persistent multicast]: whole clusters
                 grid_x = grid_x // cfg.kv_cluster * cfg.kv_cluster
         scale_log2 = softmax_scale * LOG2_E
+        window = None  # only a windowed kernel takes the bounds as parameters
+        if const_expr(cfg.local):
+            window = (window_left, window_right)
         self.kernel(
-            tma_mQ, tma_mK, tma_mV, tma_mO, mLSE, mTileCounter, total_tiles,
+            tma_mQ, tma_mK, tma_mV, tma_mO, mLSE, mTileCounter, window, total_tiles,
             tma_q, tma_k, tma_v, tma_o,
             sQ_layout, sK_layout, sV_layout, sO_layout,
             tiled_mma_qk, tiled_mma_pv,
@@ -268,6 +275,7 @@ class Sm90FwdKernel(ConsumerRole):
         mO: cute.Tensor,
         mLSE,
         mTileCounter,
+        window,
         total_tiles: Int32,
         tma_q: cute.CopyAtom,
         tma_k: cute.CopyAtom,
@@ -341,7 +349,7 @@ class Sm90FwdKernel(ConsumerRole):
             cute.arch.setmaxregister_decrease(cfg.regs_producer)
             if warp_idx == PRODUCER_WARP:
                 self.producer(mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v,
-                              total_tiles, l2_heads, mTileCounter, pipe_tile, sTile)
+                              total_tiles, l2_heads, mTileCounter, pipe_tile, sTile, window)
         else:
             cute.arch.setmaxregister_increase(cfg.regs_consumer)
             kv_release = (pipe_k, pipe_v)
@@ -350,17 +358,20 @@ class Sm90FwdKernel(ConsumerRole):
                               PeerReleasePipeline.create(pipe_v))
             self.consumer(mO, mLSE, mK, sQ, sK, sV, sO, tma_o, tiled_mma_qk, tiled_mma_pv,
                           pipe_q, *kv_release, scale_log2, total_tiles, l2_heads, pipe_tile,
-                          sTile)
+                          sTile, window)
 
     @cute.jit
-    def tile_coords(self, t: Int32, mQ: cute.Tensor, mK: cute.Tensor, l2_heads: Int32):
-        """(m_block, head, batch, n_blocks, n_masked_from, seqlen_q, seqlen_k) of flat tile t.
+    def tile_coords(self, t: Int32, mQ: cute.Tensor, mK: cute.Tensor, l2_heads: Int32, window):
+        """(m_block, head, batch, n_lo, n_blocks, masked_from, left_to) of flat tile t.
 
-        Keys [0, n_blocks * n_block) are visited, last tile first. Non-causal: t runs over the
-        m blocks of one (batch, head) pair, then the next pair. Causal: tiles at index >=
-        n_masked_from cross the diagonal, and t runs longest first: (batch, head) pairs are cut
-        into sections of ``l2_heads`` (their K/V fit in L2); within a section the last m block
-        of every pair comes first, then the one before, and so on.
+        Keys of blocks [n_lo, n_lo + n_blocks) are visited, last block first. Blocks from
+        ``masked_from`` on cross the right edge of the band (the causal diagonal), blocks
+        before ``left_to`` its left edge (``fa_sm100.bands.kv_masked_blocks``). Non-causal
+        and windowed (``local``, ``window`` = (left, right)): t runs over the m blocks of one
+        (batch, head) pair, then the next pair. Causal without a window: t runs longest first:
+        (batch, head) pairs are cut into sections of ``l2_heads`` (their K/V fit in L2);
+        within a section the last m block of every pair comes first, then the one before, and
+        so on.
         """
         cfg = self.cfg
         seqlen_q = mQ.shape[0]
@@ -377,9 +388,20 @@ class Sm90FwdKernel(ConsumerRole):
         else:
             pair = t // num_m_blocks
             m_block = t - pair * num_m_blocks
+        n_lo = 0
         n_blocks = cute.ceil_div(seqlen_k, cfg.n_block)
-        n_masked_from = n_blocks
-        if const_expr(cfg.causal):
+        masked_from = n_blocks
+        left_to = 0
+        if const_expr(cfg.local):
+            left, right = window
+            n_lo, n_hi = bands.kv_block_range(m_block * cfg.m_block, cfg.m_block, cfg.n_block,
+                                              seqlen_q, seqlen_k, left, right, cutlass.max,
+                                              cutlass.min)
+            n_blocks = cutlass.max(n_hi - n_lo, 0)
+            masked_from, left_to = bands.kv_masked_blocks(
+                m_block * cfg.m_block, cfg.m_block, cfg.n_block, seqlen_q, seqlen_k, left, right,
+                cutlass.max)
+        elif const_expr(cfg.causal):
             pairs = num_heads * mQ.shape[3]
             section = t // (l2_heads * num_m_blocks)
             in_section = t - section * l2_heads * num_m_blocks
@@ -391,10 +413,10 @@ class Sm90FwdKernel(ConsumerRole):
             last_row_keys = (m_block + 1) * cfg.m_block + offset  # keys the tile's last row sees
             n_blocks = cutlass.min(n_blocks, cute.ceil_div(cutlass.max(last_row_keys, 0), cfg.n_block))
             first_row_keys = m_block * cfg.m_block + offset + 1
-            n_masked_from = cutlass.max(first_row_keys, 0) // cfg.n_block
+            masked_from = cutlass.max(first_row_keys, 0) // cfg.n_block
         batch = pair // num_heads
         head = pair - batch * num_heads
-        return m_block, head, batch, n_blocks, n_masked_from, seqlen_q, seqlen_k
+        return m_block, head, batch, n_lo, n_blocks, masked_from, left_to
 
     @cute.jit
     def paired_tiles(self, mQ: cute.Tensor):
@@ -406,7 +428,7 @@ class Sm90FwdKernel(ConsumerRole):
 
     @cute.jit
     def producer(self, mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v,
-                 total_tiles: Int32, l2_heads: Int32, mTileCounter, pipe_tile, sTile):
+                 total_tiles: Int32, l2_heads: Int32, mTileCounter, pipe_tile, sTile, window):
         """Warp 0: per work tile, Q once, then K/V tiles last-to-first into the ``kv_stage`` ring.
 
         Consumes: free stages (empty barriers released by the consumers; Q is released after
@@ -425,7 +447,7 @@ class Sm90FwdKernel(ConsumerRole):
             while t < total_tiles:
                 state, q_state = self.producer_tile(
                     mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v, t,
-                    l2_heads, state, q_state)
+                    l2_heads, state, q_state, window)
                 t, tile_state = self.publish_next_tile(mTileCounter, pipe_tile, sTile, tile_state,
                                                        total_tiles)
         elif const_expr(cfg.persistent):  # work tiles: blockIdx.x, then every gridDim.x-th
@@ -433,11 +455,11 @@ class Sm90FwdKernel(ConsumerRole):
                                    unroll=1):
                 state, q_state = self.producer_tile(
                     mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v, t,
-                    l2_heads, state, q_state)
+                    l2_heads, state, q_state, window)
         else:
             state, q_state = self.producer_tile(
                 mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v,
-                cute.arch.block_idx()[0], l2_heads, state, q_state)
+                cute.arch.block_idx()[0], l2_heads, state, q_state, window)
         if const_expr(cfg.kv_multicast):  # Note [K/V multicast]: the peer's last releases
             pipe_k.producer_tail(state.clone())
             pipe_v.producer_tail(state)
@@ -473,10 +495,10 @@ class Sm90FwdKernel(ConsumerRole):
 
     @cute.jit
     def producer_tile(self, mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v,
-                      t: Int32, l2_heads: Int32, state, q_state):
+                      t: Int32, l2_heads: Int32, state, q_state, window):
         """The loads of one work tile; returns the advanced (kv, q) pipeline states."""
         cfg = self.cfg
-        m_block, head, batch, n_blocks, _, _, _ = self.tile_coords(t, mQ, mK, l2_heads)
+        m_block, head, batch, n_lo, n_blocks, _, _ = self.tile_coords(t, mQ, mK, l2_heads, window)
         head_kv = head // (mQ.shape[2] // mK.shape[2])
         gQ = cute.local_tile(mQ[None, None, head, batch], (cfg.m_block, cfg.head_dim), (m_block, 0))
         gK = cute.local_tile(mK[None, None, head_kv, batch], (cfg.n_block, cfg.head_dim), (None, 0))
@@ -513,23 +535,24 @@ class Sm90FwdKernel(ConsumerRole):
         elif n_blocks == 0:  # no K tile to go first (a causal tile whose rows see no key)
             q_state = self.load_q(tma_q, tQgQ, tQsQ, pipe_q, q_state)
         if n_blocks > 0:
-            load_k(n_blocks - 1, state)
+            n_hi = n_lo + n_blocks  # n_lo: 0 without a window
+            load_k(n_hi - 1, state)
             if const_expr(k_first):
                 q_state = self.load_q(tma_q, tQgQ, tQsQ, pipe_q, q_state)
             if const_expr(cfg.intra_wg_overlap):
                 for i in cutlass.range(n_blocks - 1, unroll=1):
-                    n = n_blocks - 2 - i
+                    n = n_hi - 2 - i
                     state_v = state.clone()
                     state.advance()
                     load_k(n, state)
                     load_v(n + 1, state_v)
-                load_v(0, state)
+                load_v(n_lo, state)
                 state.advance()
             else:
-                load_v(n_blocks - 1, state)
+                load_v(n_hi - 1, state)
                 state.advance()
                 for i in cutlass.range(n_blocks - 1, unroll=1):
-                    n = n_blocks - 2 - i
+                    n = n_hi - 2 - i
                     load_k(n, state)
                     load_v(n, state)
                     state.advance()

@@ -44,31 +44,44 @@ def apply_mask(
     row_base: Int32,  # first query row of the tile
     col_base: Int32,  # first key of the tile
     seqlen_k: Int32,
-    causal_offset: Int32,  # seqlen_k - seqlen_q: bottom-right aligned causal diagonal
+    right_edge: Int32,  # row r sees keys <= r + right_edge (causal: seqlen_k - seqlen_q)
+    left_edge,  # row r sees keys >= r + left_edge (Int32, read only with mask_left)
     mask_seqlen: cutlass.Constexpr[bool],
-    mask_causal: cutlass.Constexpr[bool],
+    mask_right: cutlass.Constexpr[bool],
+    mask_left: cutlass.Constexpr[bool] = False,
 ):
-    """Set S to -inf where the key is past seqlen_k or, if causal, right of the diagonal.
+    """Set S to -inf where the key is past seqlen_k or outside the row's band: right of its
+    right edge (the causal diagonal, or a window's) and, with ``mask_left``, left of its left
+    edge (``fa_sm100.bands``).
 
     A thread's column c is its own first column plus thread 0's column c, which the tracer
-    knows as a constant. The thread's first column is therefore taken off the limit once per
-    row, and each element is one compare of a constant against that limit.
+    knows as a constant. The thread's first column is therefore taken off the limits once per
+    row, and each element is one compare of a constant against a limit per bound.
     """
     # Column-limit technique as in FlashAttention-4 (BSD-3), flash_attn/cute/mask.py.
     thr_col = coord_rc[0, 0][1]
     col_limit_seqlen = seqlen_k - col_base - thr_col
     for r in cutlass.range_constexpr(cute.size(s_rc, mode=[0])):
         limit = col_limit_seqlen
-        if const_expr(mask_causal):
+        if const_expr(mask_right or mask_left):
             row = row_base + coord_rc[r, 0][0]
-            limit_causal = row + causal_offset + 1 - col_base - thr_col
+        if const_expr(mask_right):
+            limit_right = row + right_edge + 1 - col_base - thr_col
             if const_expr(mask_seqlen):
-                limit = cutlass.min(limit, limit_causal)
+                limit = cutlass.min(limit, limit_right)
             else:
-                limit = limit_causal
-        for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
-            # A select, not a branch: one ISETP + FSEL per element.
-            s_rc[r, c] = Float32(cutlass.select_(coord0_rc[0, c][1] >= limit, -Float32.inf, s_rc[r, c]))
+                limit = limit_right
+        if const_expr(mask_left):
+            low = row + left_edge - col_base - thr_col  # columns below it are masked
+            for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
+                col = coord0_rc[0, c][1]
+                s_rc[r, c] = Float32(cutlass.select_((col >= limit) | (col < low), -Float32.inf,
+                                                     s_rc[r, c]))
+        else:
+            for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
+                # A select, not a branch: one ISETP + FSEL per element.
+                s_rc[r, c] = Float32(cutlass.select_(coord0_rc[0, c][1] >= limit, -Float32.inf,
+                                                     s_rc[r, c]))
 
 
 # exp2 on the FMA pipe, technique as in FlashAttention-4 (BSD-3), flash_attn/cute/utils.py;

@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from fa_sm100 import kernel_cache
+from fa_sm100.bands import kernel_window
 from fa_sm100.call_plans import PlanTable, aligned, current_stream_id
 from fa_sm100.config import normalize_dtype
 from fa_sm100.devices import sm_count
@@ -49,16 +50,17 @@ def sm90_config_for(problem, config: Optional[Sm90FwdConfig], need_lse: bool = F
     stores.
     """
     dtype = normalize_dtype(problem.dtype)
+    local = problem.window != (None, None)
     if config is None:
         return select_sm90_fwd_config(problem.head_dim, problem.head_dim_v, dtype, problem.causal,
                                       write_lse=need_lse, seqlen_k=problem.seqlen_k,
                                       seqlen_q=problem.seqlen_q,
-                                      batch_heads=problem.batch * problem.heads)
+                                      batch_heads=problem.batch * problem.heads, local=local)
     if not isinstance(config, Sm90FwdConfig):
         raise ValueError(f"config must be an Sm90FwdConfig on SM90, got {type(config).__name__}")
     config = config.validate()
     want = {"head_dim": problem.head_dim, "head_dim_v": problem.head_dim_v, "dtype": dtype,
-            "causal": problem.causal}
+            "causal": problem.causal, "local": local}
     for field, value in want.items():
         if getattr(config, field) != value:
             raise ValueError(f"config.{field}={getattr(config, field)!r} does not match the inputs "
@@ -81,7 +83,8 @@ def sm90_config_for(problem, config: Optional[Sm90FwdConfig], need_lse: bool = F
 
 def fake_arguments(cfg: Sm90FwdConfig):
     """Fake (b, s, h, d) tensors with dynamic sizes and 16-byte aligned dynamic strides, the
-    softmax scale, the CTA count and a stream: the compile-time signature of the kernel."""
+    softmax scale, the CTA count, the window bounds and a stream: the compile-time signature
+    of the kernel."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
@@ -104,9 +107,9 @@ def fake_arguments(cfg: Sm90FwdConfig):
     counter = None
     if cfg.dynamic_schedule:
         counter = make_fake_tensor(cutlass.Int32, (1,), (1,), assumed_align=4)
-    # softmax scale, CTA count of a persistent grid (the SM count), stream
+    # softmax scale, CTA count of a persistent grid (the SM count), window bounds, stream
     return (q, k, v, o, lse, counter, cutlass.Float32(1.0), cutlass.Int32(132),
-            make_fake_stream(use_tvm_ffi_env_stream=True))
+            cutlass.Int32(0), cutlass.Int32(0), make_fake_stream(use_tvm_ffi_env_stream=True))
 
 
 def compile_sm90_fwd(cfg: Sm90FwdConfig, arch: str = SM90_ARCH):
@@ -134,7 +137,7 @@ class Sm90FwdPlan:
     outputs (or checks the given ones) and launches on q, k, v of that metadata."""
 
     __slots__ = ("cfg", "kernel", "num_sms", "scale", "return_lse", "out_shape", "lse_shape",
-                 "dtype", "device", "copy_inputs", "config")
+                 "dtype", "device", "copy_inputs", "config", "window")
 
     def __init__(self, problem, cfg: Sm90FwdConfig, return_lse: bool, copy_inputs: bool,
                  device: torch.device, config=None):
@@ -143,6 +146,9 @@ class Sm90FwdPlan:
         self.kernel = compile_sm90_fwd(cfg)
         self.num_sms = sm_count(device)
         self.scale = problem.softmax_scale
+        # run-time arguments: a new window reuses the kernel (fa_sm100.bands)
+        self.window = (kernel_window(problem.causal, problem.window, problem.seqlen_q,
+                                     problem.seqlen_k) if cfg.local else (0, 0))
         self.return_lse = return_lse
         b, sq, h = problem.batch, problem.seqlen_q, problem.heads
         self.out_shape = (b, sq, h, problem.head_dim_v)
@@ -165,7 +171,7 @@ class Sm90FwdPlan:
             lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
         counter = tile_counter(self.device) if self.cfg.dynamic_schedule else None
         self.kernel(q, k, v, o_buf, lse if self.cfg.write_lse else None, counter, self.scale,
-                    self.num_sms)
+                    self.num_sms, *self.window)
         if o_buf is not out:
             out.copy_(o_buf)
         return (out, lse) if self.return_lse else out
@@ -187,9 +193,6 @@ def build_sm90_fwd_plan(q, k, v, softmax_scale=None, causal=False, window_size=(
     ``need_lse``: an ``lse`` buffer will be passed (the config must write LSE)."""
     problem = validate_attention_inputs(q, k, v, softmax_scale, causal, window_size,
                                         head_dims=SM90_HEAD_DIMS)
-    if problem.window != (None, None):
-        raise ValueError(f"window_size={problem.window}: sliding windows are not supported by the "
-                         "SM90 forward (use causal=True for a causal mask)")
     cfg = sm90_config_for(problem, config, need_lse=return_lse or need_lse)
     require_sm90(q.device, "sm90_fwd")
     copy_inputs = not all(tma_strides_ok(t) for t in (q, k, v))

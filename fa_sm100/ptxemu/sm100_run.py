@@ -18,6 +18,8 @@ from typing import Optional
 
 import torch
 
+from fa_sm100.bands import kernel_window
+
 _COMPILED: dict = {}
 
 
@@ -57,6 +59,7 @@ def compile_forward(cfg, num_heads: int):
     from fa_sm100.sm100.kernel import Sm100Forward
 
     from .capture import compile_kernel
+    cfg = cfg.kernel_config()  # the window's bounds are launch arguments
     key = (cfg, num_heads)
     if key not in _COMPILED:
         kernel = Sm100Forward(cfg)
@@ -94,7 +97,11 @@ def run_forward(cfg, q, k, v, softmax_scale: Optional[float] = None, seed: int =
     real = (_to_cute(q, (0, 1), fake[0]), _to_cute(k, (0, 1), fake[1]),
             _to_cute(v, (0, 1), fake[2]), _to_cute(out, (0, 1), fake[3]),
             _to_cute(lse, (0, 2), fake[4]) if lse is not None else None,
-            cutlass.Float32(scale), cuda.CUstream(0))
+            cutlass.Float32(scale),
+            *(cutlass.Int32(w) for w in kernel_window(cfg.causal, (cfg.window_left,
+                                                                   cfg.window_right), sq,
+                                                      k.shape[1])),
+            cuda.CUstream(0))
     cap = capture_launch(kernel, fake, real, compiled=compiled, ptx=ptx)
     if ptx_edit is not None:
         from .parser import parse_ptx

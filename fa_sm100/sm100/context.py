@@ -22,6 +22,9 @@ class Problem:
     batch: Int32
     num_m_blocks: Int32
     scale_log2: Float32  # softmax_scale * log2(e)
+    # (left, right) run-time bounds of a windowed config (fa_sm100.bands.kernel_window), else
+    # None; masking.band says which side the kernel reads
+    window: Optional[tuple] = None
 
 
 @dataclass(frozen=True)

@@ -126,7 +126,7 @@ def correction(cfg, tmem, smem, gmem, pipes, prob, sched, cta_v: Int32):
     with record.loop("work_tiles"):
         while tile < num_tiles:
             wt = sched.decode(tile)
-            n_min, n_max = masking.n_block_range(cfg, wt.m_block, prob.seqlen_q, prob.seqlen_k)
+            n_min, n_max = masking.n_block_range(cfg, prob, wt.m_block)
             with record.loop("n_blocks"):
                 for i in cutlass.range(n_max - n_min, unroll=1):
                     for stage in cutlass.range_constexpr(cfg.q_stage):

@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 
 from fa_sm100 import kernel_cache
+from fa_sm100.bands import kernel_window
 from fa_sm100.call_plans import PlanTable
 from fa_sm100.config import FmhaConfig, normalize_dtype, select_config
 from fa_sm100.devices import capability, sm_count
@@ -69,7 +70,9 @@ def compile_for(cfg: FmhaConfig, num_heads: int, arch: Optional[str] = None):
 
 
 def _compiled(cfg: FmhaConfig, num_heads: int):
-    """The launchable kernel; batch and sequence lengths stay run-time values."""
+    """The launchable kernel; batch, sequence lengths and the window's bounds stay run-time
+    values (``FmhaConfig.kernel_config``)."""
+    cfg = cfg.kernel_config()
     return kernel_cache.kernel("sm100_fwd", (cfg, num_heads), lambda: compile_for(cfg, num_heads))
 
 
@@ -78,11 +81,12 @@ class Sm100FwdPlan:
     the output shapes."""
 
     __slots__ = ("kernel", "scale", "return_lse", "out_shape", "lse_shape", "dtype", "device",
-                 "config")
+                 "config", "window")
 
     def __init__(self, prob, cfg: FmhaConfig, return_lse: bool, device, config=None):
         self.kernel = _compiled(cfg, prob.heads)
         self.scale = prob.softmax_scale
+        self.window = kernel_window(prob.causal, prob.window, prob.seqlen_q, prob.seqlen_k)
         self.return_lse = return_lse
         self.out_shape = (prob.batch, prob.seqlen_q, prob.heads, prob.head_dim_v)
         self.lse_shape = (prob.batch, prob.heads, prob.seqlen_q)
@@ -106,7 +110,7 @@ class Sm100FwdPlan:
         if lse is not None and not self.return_lse:
             raise ValueError("an lse buffer needs return_lse=True on SM100 (the kernel writes "
                              "LSE only then)")
-        self.kernel(q, k, v, out, lse, self.scale)
+        self.kernel(q, k, v, out, lse, self.scale, *self.window)
         return (out, lse) if self.return_lse else out
 
 

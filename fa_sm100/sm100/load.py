@@ -84,7 +84,7 @@ def load(cfg, atoms, tx, gmem, smem, thr_mma_qk, thr_mma_pv, pipes, prob, sched)
         while tile < num_tiles:
             wt = sched.decode(tile)
             v = make_load_views(cfg, atoms, gmem, smem, thr_mma_qk, thr_mma_pv, wt.head, wt.batch)
-            n_min, n_max = masking.n_block_range(cfg, wt.m_block, prob.seqlen_q, prob.seqlen_k)
+            n_min, n_max = masking.n_block_range(cfg, prob, wt.m_block)
             kv_index, kv_phase = _load_kv(atoms.k, v.tKgK, v.tKsK, n_max - 1, kv_index, kv_phase,
                                           tx["k"], pipes, "K")
             for stage in cutlass.range_constexpr(cfg.q_stage):

@@ -1,9 +1,10 @@
 """Which keys a work tile visits and which scores of a row are masked.
 
-Alignment is bottom-right, the flash-attn convention: query row ``i`` (0-based, of
-``seqlen_q``) sits at key position ``i' = i + seqlen_k - seqlen_q``. Causal keeps keys
-``j <= i'``; a sliding window ``(left, right)`` (``FmhaConfig.window_left/right``, None =
-unbounded; causal caps right at 0) keeps ``i' - left <= j <= i' + right``. Key tails
+Alignment is bottom-right, the flash-attn convention (``fa_sm100.bands``): query row ``i``
+(0-based, of ``seqlen_q``) sits at key position ``i' = i + seqlen_k - seqlen_q``. Causal keeps
+keys ``j <= i'``; a sliding window ``(left, right)`` (None = unbounded; causal caps right at
+0; a negative bound shifts the band past the diagonal) keeps ``i' - left <= j <= i' + right``.
+Key tails
 (``j >= seqlen_k``) are masked too; query tails need no mask because TMA loads rows past
 ``seqlen_q`` as zeros and the TMA store drops them.
 
@@ -13,8 +14,9 @@ one block, even when every row of it is fully masked (e.g. causal with ``seqlen_
 seqlen_k``): the protocol stays the same for every tile, and such rows end with row sum 0,
 which the correction turns into O = 0 and LSE = -inf.
 
-The window bounds are compile-time constants of the config; only the sequence lengths and
-the row are run-time values.
+Whether a side of the window is bounded is compile-time (``FmhaConfig.window_left/right``
+is None or not); the bounds themselves are run-time launch arguments (``Problem.window``,
+from ``fa_sm100.bands.kernel_window``), so a new window size reuses the compiled kernel.
 """
 
 from __future__ import annotations
@@ -26,19 +28,26 @@ from cutlass import Float32, Int32
 from fa_sm100.sm100.scheduler import rows_per_tile
 
 
-def window_bounds(cfg):
-    """(left, right) key offsets around the aligned diagonal; None = unbounded."""
-    left, right = cfg.window_left, cfg.window_right
-    if cfg.causal:
-        right = 0 if right is None else min(right, 0)
+def band(cfg, prob):
+    """(left, right) key offsets around the aligned diagonal: the run-time bound of a side the
+    config bounds (the host applies causal's cap), None for an unbounded side, and causal
+    without a right bound the constant 0."""
+    left = right = None
+    if cutlass.const_expr(cfg.window_left is not None):
+        left = prob.window[0]
+    if cutlass.const_expr(cfg.window_right is not None):
+        right = prob.window[1]
+    elif cutlass.const_expr(cfg.causal):
+        right = 0
     return left, right
 
 
 @cute.jit
-def n_block_range(cfg, m_block: Int32, seqlen_q: Int32, seqlen_k: Int32):
+def n_block_range(cfg, prob, m_block: Int32):
     """(n_min, n_max): the work tile ``m_block`` visits K/V blocks n_min .. n_max - 1."""
     n = cfg.n_block
-    left, right = window_bounds(cfg)
+    seqlen_q, seqlen_k = prob.seqlen_q, prob.seqlen_k
+    left, right = band(cfg, prob)
     n_total = (seqlen_k + n - 1) // n
     n_max = n_total
     n_min = Int32(0)
@@ -56,9 +65,10 @@ def n_block_range(cfg, m_block: Int32, seqlen_q: Int32, seqlen_k: Int32):
 
 
 @cute.jit
-def col_limits(cfg, row: Int32, n_blk: Int32, seqlen_q: Int32, seqlen_k: Int32):
+def col_limits(cfg, prob, row: Int32, n_blk: Int32):
     """(lo, hi): columns ``c`` of block ``n_blk`` that row ``row`` sees are lo <= c < hi."""
-    left, right = window_bounds(cfg)
+    seqlen_q, seqlen_k = prob.seqlen_q, prob.seqlen_k
+    left, right = band(cfg, prob)
     base = n_blk * cfg.n_block
     diag = row + seqlen_k - seqlen_q - base  # the aligned diagonal, as a column of this block
     hi = seqlen_k - base

@@ -128,8 +128,7 @@ def mma(cfg, tiled_mma_qk, tiled_mma_pv, smem, tmem, pipes, prob, sched, is_lead
             with record.loop("work_tiles"):
                 while tile < num_tiles:
                     wt = sched.decode(tile)
-                    n_min, n_max = masking.n_block_range(cfg, wt.m_block, prob.seqlen_q,
-                                                         prob.seqlen_k)
+                    n_min, n_max = masking.n_block_range(cfg, prob, wt.m_block)
                     n_blocks = n_max - n_min
                     for stage in cutlass.range_constexpr(cfg.q_stage):
                         pipes.q.consumer_wait(stage, q_phase, stage_hint=stage)

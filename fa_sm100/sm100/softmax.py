@@ -124,7 +124,7 @@ def softmax_step(cfg, stage: cutlass.Constexpr, v: SoftmaxViews, tidx: Int32, n_
     cute.copy(v.thr_load, v.tStS, tSrS)
     # tcgen05.wait::ld: S is in registers before it is used, and before P overwrites its columns.
     cute.arch.fence_view_async_tmem_load()
-    lo, hi = masking.col_limits(cfg, row, n_blk, prob.seqlen_q, prob.seqlen_k)
+    lo, hi = masking.col_limits(cfg, prob, row, n_blk)
     masking.apply_mask(cfg, tSrS, v.tScS, lo, hi)
 
     new_max, acc_scale = _row_stats_update(cfg, tSrS, row_max, prob.scale_log2)
@@ -193,7 +193,7 @@ def softmax(cfg, stage: cutlass.Constexpr, tmem, smem, pipes, prob, sched, cta_v
     with record.loop("work_tiles"):
         while tile < num_tiles:
             wt = sched.decode(tile)
-            n_min, n_max = masking.n_block_range(cfg, wt.m_block, prob.seqlen_q, prob.seqlen_k)
+            n_min, n_max = masking.n_block_range(cfg, prob, wt.m_block)
             row = (wt.m_block * rows_per_tile(cfg) + (stage * cfg.cta_group + cta_v) * cfg.m_block
                    + tidx)
             row_max = Float32(-Float32.inf)
