@@ -36,7 +36,10 @@ Kinds of input (``AdversarialCase.kind``, with ``param``):
 
 Causal cases with ``seqlen_q > seqlen_k`` have rows that see no key (O = 0, LSE = -inf); causal
 cases whose work tile spans several key blocks have rows whose first visited blocks are fully
-masked and a later one is not (the masked prefix).
+masked and a later one is not (the masked prefix). Cases with a ``window`` (bounds as
+``flash_attn_func`` takes them, negative ones included) add both band edges to that, and
+bands that leave rows with no key; cases with a ``softcap`` cap the scores first, so their
+max jumps are at most 2 softcap log2(e) whatever the kind's parameter.
 """
 
 from __future__ import annotations
@@ -77,6 +80,8 @@ class AdversarialCase:
     dtype: str = "bf16"
     causal: bool = False
     seed: int = 0
+    window: tuple = (None, None)  # (left, right), None unbounded (fa_sm100.bands)
+    softcap: float = 0.0
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -101,6 +106,10 @@ class AdversarialCase:
     @property
     def softmax_scale(self) -> float:
         return 1.0 / math.sqrt(self.head_dim)
+
+    def problem(self) -> dict:
+        """The masking and capping options, as ``check_adversarial`` takes them."""
+        return {"causal": self.causal, "window": self.window, "softcap": self.softcap}
 
     def inputs(self, device="cpu"):
         """Deterministic (q, k, v), BSHD, in the case's dtype on ``device``."""
@@ -184,6 +193,21 @@ CASES: tuple[AdversarialCase, ...] = (
     # v of large magnitude
     _c("large_v_bf16", "large_v", 1e4),
     _c("large_v_fp16", "large_v", 1e3, dtype="fp16"),
+    # sliding windows: max jumps inside a band, a band left of the diagonal (the first rows
+    # see no key), a band narrower than one key (no row sees one)
+    _c("window_jump_late_1000", "jump_late", 1000.0, seqlen_q=256, seqlen_k=384,
+       window=(200, 30)),
+    _c("window_causal_jump_late_200_d128", "jump_late", 200.0, seqlen_q=1024, seqlen_k=1024,
+       heads=2, head_dim=128, causal=True, window=(300, None)),
+    _c("window_left_of_diagonal", "scale", 4.0, seqlen_q=200, seqlen_k=200, window=(40, -7)),
+    _c("window_empty_band_fp16", "scale", 1.0, seqlen_q=100, seqlen_k=150, window=(-30, 20),
+       dtype="fp16"),
+    # softcapping: large scores bent into (-softcap, softcap)
+    _c("softcap_scale_12", "scale", 12.0, softcap=30.0),
+    _c("softcap_jump_late_1000", "jump_late", 1000.0, softcap=50.0),
+    _c("softcap_scale_4_d128_causal_window", "scale", 4.0, seqlen_q=512, seqlen_k=512,
+       heads=2, head_dim=128, causal=True, window=(100, None), softcap=20.0),
+    _c("softcap_ties_fp16", "ties", 1.0, softcap=5.0, dtype="fp16"),
 )
 
 BY_NAME = {c.name: c for c in CASES}
@@ -200,7 +224,8 @@ def max_score_log2(case: AdversarialCase) -> float:
     from fa_sm100.testing import attention_scores
 
     q, k, _ = case.inputs()
-    s = attention_scores(q, k, case.softmax_scale, case.causal)
+    s = attention_scores(q, k, case.softmax_scale, case.causal, case.window,
+                         softcap=case.softcap)
     finite = s[torch.isfinite(s)]
     return float(finite.abs().max()) * softmax_math.LOG2_E if finite.numel() else 0.0
 
@@ -247,7 +272,7 @@ UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 
 
 def check_adversarial(case_name: str, out, lse, q, k, v, causal=False, window=(None, None),
-                      softmax_scale=None):
+                      softmax_scale=None, softcap=0.0):
     """Apply the rule of the module docstring to a kernel's (out, lse) on these inputs; raises
     AssertionError naming the case and what failed. Returns (err, plain_err) of O.
 
@@ -260,16 +285,18 @@ def check_adversarial(case_name: str, out, lse, q, k, v, causal=False, window=(N
 
     q, k, v = (t.detach().cpu() for t in (q, k, v))
     out = out.detach().cpu()
-    ref, ref_lse = attention_reference(q, k, v, softmax_scale, causal=causal, window=window)
+    ref, ref_lse = attention_reference(q, k, v, softmax_scale, causal=causal, window=window,
+                                       softcap=softcap)
     baselines = (attention_reference(q, k, v, softmax_scale, causal=causal, window=window,
-                                     dtype=q.dtype, upcast=False),
-                 attention_mixed(q, k, v, softmax_scale, causal=causal, window=window))
+                                     dtype=q.dtype, upcast=False, softcap=softcap),
+                 attention_mixed(q, k, v, softmax_scale, causal=causal, window=window,
+                                 softcap=softcap))
     plain = min((b[0] for b in baselines), key=lambda o: max_abs_error(o, ref))
     plain_lse = min((b[1].float() for b in baselines), key=lambda l: max_abs_error(l, ref_lse))
     vmax = max(float(v.abs().max()), 1.0)
     # the output's own final rounding: one unit roundoff at its largest magnitude
     atol = max(ATOL_REL_V * vmax, UNIT_ROUNDOFF[q.dtype] * float(ref.abs().max()))
-    s = attention_scores(q, k, softmax_scale, causal, window)
+    s = attention_scores(q, k, softmax_scale, causal, window, softcap=softcap)
     finite = torch.isfinite(s)
     if finite.any() and float(s[finite].abs().max()) * softmax_math.LOG2_E > P_EXACT_MAX_LOG2:
         atol += UNIT_ROUNDOFF[q.dtype] * vmax
@@ -301,7 +328,7 @@ def check_adversarial(case_name: str, out, lse, q, k, v, causal=False, window=(N
 
 
 def check_adversarial_grads(case_name: str, grads, q, k, v, dout, causal=False,
-                            window=(None, None), softmax_scale=None):
+                            window=(None, None), softmax_scale=None, softcap=0.0):
     """The float64 rule for (dq, dk, dv) of ``flash_attn_func`` on these inputs with output
     gradient ``dout``: each within twice the error of the better plain baseline (autograd of
     the all-16-bit attention, or ``testing.attention_mixed_grads``) plus
@@ -310,10 +337,12 @@ def check_adversarial_grads(case_name: str, grads, q, k, v, dout, causal=False,
                                   check_against_reference, grad_atol, max_abs_error)
 
     q, k, v, dout = (t.detach().cpu() for t in (q, k, v, dout))
-    ref = attention_reference_grads(q, k, v, dout, causal=causal, window=window)[2]
+    ref = attention_reference_grads(q, k, v, dout, causal=causal, window=window,
+                                    softcap=softcap)[2]
     plain16 = attention_reference_grads(q, k, v, dout, causal=causal, window=window,
-                                        dtype=q.dtype, upcast=False)[2]
-    mixed = attention_mixed_grads(q, k, v, dout, softmax_scale, causal=causal, window=window)
+                                        dtype=q.dtype, upcast=False, softcap=softcap)[2]
+    mixed = attention_mixed_grads(q, k, v, dout, softmax_scale, causal=causal, window=window,
+                                  softcap=softcap)
     errs = []
     for name, g, r, a, b in zip(("dq", "dk", "dv"), grads, ref, plain16, mixed):
         plain = min((a, b), key=lambda x: max_abs_error(x, r))

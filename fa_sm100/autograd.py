@@ -47,17 +47,19 @@ def _config_token(config) -> int:
     return token
 
 
-def _cpu_forward(q, k, v, scale, causal, left, right):
+def _cpu_forward(q, k, v, scale, causal, left, right, softcap):
     from fa_sm100.testing import attention_reference
 
     out, lse = attention_reference(q, k, v, softmax_scale=scale, causal=causal,
-                                   window=(left, right), dtype=torch.float32)
+                                   window=(left, right), dtype=torch.float32, softcap=softcap)
     return out.to(q.dtype).contiguous(), lse.float().contiguous()
 
 
-def _cpu_backward(dout, q, k, v, out, lse, scale, causal, left, right):
+def _cpu_backward(dout, q, k, v, out, lse, scale, causal, left, right, softcap):
     """The kernel's arithmetic in PyTorch: Delta, P from LSE, dS in float32; P and dS rounded
-    to the input dtype for the dV, dK, dQ products; float32 sums; GQA heads summed."""
+    to the input dtype for the dV, dK, dQ products; float32 sums; GQA heads summed. With
+    ``softcap`` the capped scores c tanh(s / c) give P, and dS takes tanh's derivative
+    1 - tanh^2."""
     from fa_sm100.testing import attention_mask
 
     b, sq, hq, d = q.shape
@@ -66,6 +68,10 @@ def _cpu_backward(dout, q, k, v, out, lse, scale, causal, left, right):
     qf, kf, vf, of, dof = (t.float() for t in (q, k, v, out, dout))
     kf, vf = kf.repeat_interleave(g, dim=2), vf.repeat_interleave(g, dim=2)
     s = torch.einsum("bqhd,bkhd->bhqk", qf, kf) * scale
+    capped = None
+    if softcap:
+        capped = torch.tanh(s / softcap)
+        s = capped * softcap
     mask = attention_mask(sq, sk, causal, (left, right), device=q.device)
     lse_safe = torch.where(torch.isneginf(lse), torch.full_like(lse, math.inf), lse)
     p = torch.exp(s - lse_safe.unsqueeze(-1))
@@ -74,6 +80,8 @@ def _cpu_backward(dout, q, k, v, out, lse, scale, causal, left, right):
     delta = (of * dof).sum(-1).transpose(1, 2)  # (b, h, sq)
     dp = torch.einsum("bqhd,bkhd->bhqk", dof, vf)
     ds = p * (dp - delta.unsqueeze(-1))
+    if capped is not None:
+        ds = ds * (1.0 - capped * capped)
     # As in the kernel: P and dS enter their GEMMs in the input precision, sums stay float32.
     p, ds = p.to(q.dtype).float(), ds.to(q.dtype).float()
     dq = torch.einsum("bhqk,bkhd->bqhd", ds, kf) * scale
@@ -84,28 +92,31 @@ def _cpu_backward(dout, q, k, v, out, lse, scale, causal, left, right):
     return tuple(t.to(dtype).contiguous() for t, dtype in ((dq, q.dtype), (dk, k.dtype), (dv, v.dtype)))
 
 
-def attn_fwd_impl(q, k, v, softmax_scale, causal, window_left, window_right, config_token):
+def attn_fwd_impl(q, k, v, softmax_scale, causal, window_left, window_right, softcap,
+                  config_token):
     """(out, lse) of the forward: the CPU model, or the device's kernel."""
     if q.device.type == "cpu":
-        return _cpu_forward(q, k, v, softmax_scale, causal, window_left, window_right)
+        return _cpu_forward(q, k, v, softmax_scale, causal, window_left, window_right, softcap)
     from fa_sm100.interface import _backend_for
 
     config = _CONFIGS[config_token] if config_token >= 0 else None
     out, lse = _backend_for(q.device)(q, k, v, softmax_scale, causal,
-                                      (window_left, window_right), True, config)
+                                      (window_left, window_right), True, config,
+                                      softcap=softcap)
     return out, lse
 
 
 @torch.library.custom_op("fa_sm100::attn_fwd", mutates_args=())
 def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
              causal: bool, window_left: Optional[int], window_right: Optional[int],
-             config_token: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return attn_fwd_impl(q, k, v, softmax_scale, causal, window_left, window_right,
+             softcap: float, config_token: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return attn_fwd_impl(q, k, v, softmax_scale, causal, window_left, window_right, softcap,
                          config_token)
 
 
 @attn_fwd.register_fake
-def _attn_fwd_fake(q, k, v, softmax_scale, causal, window_left, window_right, config_token):
+def _attn_fwd_fake(q, k, v, softmax_scale, causal, window_left, window_right, softcap,
+                   config_token):
     b, sq, h, _ = q.shape
     out = q.new_empty((b, sq, h, v.shape[-1]))
     lse = q.new_empty((b, h, sq), dtype=torch.float32)
@@ -113,29 +124,30 @@ def _attn_fwd_fake(q, k, v, softmax_scale, causal, window_left, window_right, co
 
 
 def attn_bwd_impl(dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right,
-                  deterministic):
+                  softcap, deterministic):
     """(dq, dk, dv): the CPU model, or the SM90 backward."""
     if q.device.type == "cpu":
         return _cpu_backward(dout, q, k, v, out, lse, softmax_scale, causal, window_left,
-                             window_right)
+                             window_right, softcap)
     from fa_sm100.hopper.bwd_interface import sm90_bwd  # checks the device: sm_90 only
 
     return sm90_bwd(dout, q, k, v, out, lse, softmax_scale=softmax_scale, causal=causal,
-                    window_size=(window_left, window_right), deterministic=deterministic)
+                    window_size=(window_left, window_right), deterministic=deterministic,
+                    softcap=softcap)
 
 
 @torch.library.custom_op("fa_sm100::attn_bwd", mutates_args=())
 def attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              out: torch.Tensor, lse: torch.Tensor, softmax_scale: float, causal: bool,
-             window_left: Optional[int], window_right: Optional[int],
+             window_left: Optional[int], window_right: Optional[int], softcap: float,
              deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return attn_bwd_impl(dout, q, k, v, out, lse, softmax_scale, causal, window_left,
-                         window_right, deterministic)
+                         window_right, softcap, deterministic)
 
 
 @attn_bwd.register_fake
 def _attn_bwd_fake(dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right,
-                   deterministic):
+                   softcap, deterministic):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -143,16 +155,18 @@ class FlashAttnFunction(torch.autograd.Function):
     """out, lse = attention(q, k, v); backward gives dq, dk, dv (lse is not differentiable)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, softmax_scale, causal, window_left, window_right, config_token,
-                deterministic):
+    def forward(ctx, q, k, v, softmax_scale, causal, window_left, window_right, softcap,
+                config_token, deterministic):
         # Eager calls go straight to the implementation; the op's dispatch is for graphs
         # (torch.compile traces this function and records the op).
         op = torch.ops.fa_sm100.attn_fwd if torch.compiler.is_compiling() else attn_fwd_impl
-        out, lse = op(q, k, v, softmax_scale, causal, window_left, window_right, config_token)
+        out, lse = op(q, k, v, softmax_scale, causal, window_left, window_right, softcap,
+                      config_token)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.softmax_scale = softmax_scale
         ctx.causal = causal
         ctx.window = (window_left, window_right)
+        ctx.softcap = softcap
         ctx.deterministic = deterministic
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -163,8 +177,8 @@ class FlashAttnFunction(torch.autograd.Function):
         op = torch.ops.fa_sm100.attn_bwd if torch.compiler.is_compiling() else attn_bwd_impl
         dq, dk, dv = op(
             dout.contiguous(), q, k, v, out, lse, ctx.softmax_scale, ctx.causal, ctx.window[0],
-            ctx.window[1], ctx.deterministic)
-        return dq, dk, dv, None, None, None, None, None, None
+            ctx.window[1], ctx.softcap, ctx.deterministic)
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
 def check_backward_supported(q, k, v):
@@ -180,7 +194,7 @@ def check_backward_supported(q, k, v):
 
 
 def flash_attn_autograd(q, k, v, softmax_scale=None, causal=False, return_lse=False,
-                        config=None, window_size=(None, None), deterministic=False):
+                        config=None, window_size=(None, None), deterministic=False, softcap=0.0):
     """``flash_attn_func`` with gradients (inputs already validated by the caller)."""
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
@@ -189,5 +203,6 @@ def flash_attn_autograd(q, k, v, softmax_scale=None, causal=False, return_lse=Fa
     if needs_grad and q.device.type == "cuda":
         check_backward_supported(q, k, v)
     out, lse = FlashAttnFunction.apply(q, k, v, float(softmax_scale), bool(causal), left, right,
-                                       _config_token(config), bool(deterministic))
+                                       float(softcap), _config_token(config),
+                                       bool(deterministic))
     return (out, lse) if return_lse else out

@@ -202,6 +202,9 @@ class FmhaConfig:
     # whether a side is bounded and takes the bounds at launch (kernel_config)
     window_left: Optional[int] = None
     window_right: Optional[int] = None
+    # logit softcapping (fa_sm100.softmax_math): the cap is a launch argument; the softmax
+    # warps pass S through softcap_tanh before the mask
+    softcap: bool = False
     qhead_per_kvhead: int = 1  # GQA ratio; 1 = MHA, num_heads = MQA
     write_lse: bool = True
     # tiles
@@ -345,6 +348,7 @@ def select_config(
     window_left: Optional[int] = None,
     window_right: Optional[int] = None,
     num_sms: int = 148,
+    softcap: bool = False,
     **overrides,
 ) -> FmhaConfig:
     """Pick the reference design's defaults for a problem, then apply ``overrides``.
@@ -366,6 +370,7 @@ def select_config(
         causal=causal,
         window_left=window_left,
         window_right=window_right,
+        softcap=softcap,
         qhead_per_kvhead=qhead_per_kvhead,
         m_block=m_block,
         n_block=n_block,
@@ -433,7 +438,7 @@ def parse_overrides(items: Iterable[str], cls=FmhaConfig) -> dict:
 # config fields that name the problem, not a switch: a benchmark's cell or the defaults'
 # arguments set them (``parse_variant``, ``config_from_overrides``)
 PROBLEM_FIELDS = ("head_dim", "head_dim_v", "dtype", "causal", "window_left", "window_right",
-                  "deterministic", "qhead_per_kvhead", "num_sms")
+                  "softcap", "deterministic", "qhead_per_kvhead", "num_sms")
 
 
 def parse_variant(spec: str, cls=FmhaConfig) -> tuple:

@@ -21,8 +21,8 @@ from fa_sm100.validation import validate_attention_inputs
 _validated = PlanTable()  # (metadata, options) that passed validation -> backend
 
 
-def _validated_backend(q, k, v, softmax_scale, causal, window_size):
-    validate_attention_inputs(q, k, v, softmax_scale, causal, window_size)
+def _validated_backend(q, k, v, softmax_scale, causal, window_size, softcap):
+    validate_attention_inputs(q, k, v, softmax_scale, causal, window_size, softcap=softcap)
     return _backend_for(q.device)
 
 
@@ -57,7 +57,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
       j <= i + seqlen_k - seqlen_q); rows that see no key give 0 (and LSE -inf).
     - window_size: (left, right) keys around the aligned diagonal; -1 or None is unbounded on
       that side (flash-attn 2's and FA4's conventions).
-    - softcap: 0.0 only (logit softcapping has no kernel yet).
+    - softcap: 0.0 is off; c > 0 caps the scaled scores s to ``c * tanh(s / c)`` before the
+      softmax (Gemma 2's logit softcapping, as flash-attn defines it; docs/softcap.md).
     - alibi_slopes: None only.
     - deterministic: the forward is always deterministic; the flag is for the backward.
     - return_attn_probs: as flash-attn 2, return ``(out, lse, None)``: the log-sum-exp, and no
@@ -72,8 +73,6 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     if not isinstance(dropout_p, (int, float)) or isinstance(dropout_p, bool) or dropout_p != 0:
         raise ValueError(f"dropout_p={dropout_p!r}: only 0.0 is supported (there is no dropout "
                          "kernel)")
-    if not isinstance(softcap, (int, float)) or isinstance(softcap, bool) or softcap != 0:
-        raise ValueError(f"softcap={softcap!r}: only 0.0 (off) is supported so far")
     if alibi_slopes is not None:
         raise ValueError("alibi_slopes: ALiBi is not supported (pass None)")
     for name, flag in (("deterministic", deterministic), ("return_lse", return_lse),
@@ -81,21 +80,21 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
         if not isinstance(flag, bool):
             raise ValueError(f"{name} must be a bool, got {flag!r}")
     if return_attn_probs:
-        result = flash_attn_func(q, k, v, 0.0, softmax_scale, causal, window_size,
+        result = flash_attn_func(q, k, v, 0.0, softmax_scale, causal, window_size, softcap,
                                  deterministic=deterministic, return_lse=True, config=config,
                                  out=out, lse=lse)
         return (*result, None)
     if torch.compiler.is_compiling():
         # torch.compile graphs go through the custom ops (fa_sm100.autograd); the checks run
         # on the traced (fake) tensors, once per trace.
-        validate_attention_inputs(q, k, v, softmax_scale, causal, window_size)
+        validate_attention_inputs(q, k, v, softmax_scale, causal, window_size, softcap=softcap)
         from fa_sm100.autograd import flash_attn_autograd
 
         return flash_attn_autograd(q, k, v, softmax_scale, causal, return_lse, config,
-                                   window_size, deterministic)
-    backend = _validated.plan((q, k, v), (softmax_scale, causal, window_size),
+                                   window_size, deterministic, softcap)
+    backend = _validated.plan((q, k, v), (softmax_scale, causal, window_size, softcap),
                               lambda: _validated_backend(q, k, v, softmax_scale, causal,
-                                                         window_size))
+                                                         window_size, softcap))
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         if out is not None or lse is not None:
             raise ValueError("out= and lse= buffers are for calls without gradients: with "
@@ -103,6 +102,6 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
         from fa_sm100.autograd import flash_attn_autograd
 
         return flash_attn_autograd(q, k, v, softmax_scale, causal, return_lse, config,
-                                   window_size, deterministic)
+                                   window_size, deterministic, softcap)
     return backend(q, k, v, softmax_scale, causal, window_size, return_lse, config, out=out,
-                   lse=lse)
+                   lse=lse, softcap=softcap)

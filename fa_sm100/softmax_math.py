@@ -192,6 +192,64 @@ def ex2_emulated_mask(n_cols: int, fraction: float) -> tuple[bool, ...]:
 
 
 # ---------------------------------------------------------------------------------------------
+# Logit softcapping
+
+# ``softcap`` c > 0 replaces each scaled score s by c * tanh(s / c) (Gemma 2, flash-attn). The
+# kernels fold it into the raw score r = Q.K^T: t = tanh(r * softcap_k) with softcap_k =
+# softmax_scale / c, and the softmax then runs on t with scale_log2 = c * log2(e) in place of
+# softmax_scale * log2(e), so the row max, the rescale rule and LSE = (m * scale_log2 +
+# log2(sum)) * ln 2 are unchanged. The backward multiplies dS by tanh's derivative 1 - t^2.
+#
+# tanh to float32 accuracy with one exp2 (MUFU.EX2) and no division (MUFU.TANH is off by up to
+# 2^-11 relative, which c = 30 turns into 1.5e-2 of a logit, far outside the float64 rule for
+# LSE; a division would be a second MUFU op):
+#
+#     e  = exp2(|x| * TANH_EX2_SCALE)          # exp(-2|x|), in (0, 1]
+#     y  = 1 + e                               # in (1, 2]
+#     r  = TANH_RECIP_SEED[0] - TANH_RECIP_SEED[1] * y     # |1 - y r| <= 1/17
+#     r += r * (1 - y r), TANH_NEWTON_STEPS times          # 1/17 -> 2^-8.2 -> 2^-16.4 -> 2^-32
+#     t  = copysign(2 r - 1, x)                # (1 - e) / (1 + e) = tanh(|x|)
+#
+# Its error is absolute, a few float32 ulps of 1 (1 - e loses the low bits of a small |x|),
+# which c scales to about 1e-6 of a logit at c = 30.
+# The backward keeps t in S's registers until dS = P (dP - Delta) (1 - t^2), so a masked score
+# cannot be -inf there (1 - inf^2 times P = 0 is NaN): it is this, whose P is exactly 0 and
+# whose 1 - t^2 (about -2^120) stays finite.
+SOFTCAP_MASKED_T = -(2.0**60)
+TANH_EX2_SCALE = -2.0 * LOG2_E
+TANH_RECIP_SEED = (24.0 / 17.0, 8.0 / 17.0)
+TANH_NEWTON_STEPS = 3
+
+
+def softcap_factors(softmax_scale: float, softcap: float) -> tuple[float, float]:
+    """(softcap_k, scale_log2) of a softcapped kernel: the raw score's factor inside tanh and
+    the softmax's log2 factor outside it (c * log2(e))."""
+    return softmax_scale / softcap, softcap * LOG2_E
+
+
+def softcap_tanh_model(x, exp2=None):
+    """The kernels' tanh (above) on a float32 torch tensor, ``exp2`` (default torch's) for
+    MUFU.EX2, with the roundings the compiled code makes: each multiply-add is one FMA (the
+    product exact in float64, one rounding to float32), the scale one FMUL, 1 + e one FADD.
+    What the numerics emulation and the tests compare against."""
+    import torch
+
+    f32, f64 = torch.float32, torch.float64
+
+    def fma(a, b, c):  # a * b + c rounded once (float32 products are exact in float64)
+        return (a.to(f64) * b.to(f64) + c.to(f64)).to(f32)
+
+    x = x.to(f32)
+    exp2 = torch.exp2 if exp2 is None else exp2
+    e = exp2(x.abs() * torch.tensor(TANH_EX2_SCALE, dtype=f32))
+    y = e + 1.0
+    one = torch.ones_like(y)
+    r = fma(torch.full_like(y, -TANH_RECIP_SEED[1]), y, torch.full_like(y, TANH_RECIP_SEED[0]))
+    for _ in range(TANH_NEWTON_STEPS):
+        r = fma(r, fma(-y, r, one), r)
+    return torch.copysign(fma(torch.full_like(r, 2.0), r, -one), x)
+
+
 # Row max, rescale, split P
 
 # The reference design's threshold for 16-bit inputs (log2 units): the stale max may lag the

@@ -15,16 +15,17 @@ from fa_sm100 import softmax_math
 
 
 def attention_reference(q, k, v, softmax_scale=None, causal=False, window=(None, None),
-                        dtype=torch.float64, upcast=True):
+                        dtype=torch.float64, upcast=True, softcap=0.0):
     """Plain attention on BSHD tensors (batch, seqlen, heads, head_dim) in ``dtype``.
 
     GQA/MQA: query head h reads K/V head h // (heads_q // heads_kv). Causal masking is aligned
     bottom-right (query i sees keys j <= i + seqlen_k - seqlen_q), as flash-attn does; a
     sliding window (left, right) keeps keys in [i' - left, i' + right] with i' that aligned
-    index. Fully masked rows give O = 0 and LSE = -inf. Returns (out, lse) with lse shaped
-    (batch, heads, seqlen_q) in natural-log units.
+    index. Fully masked rows give O = 0 and LSE = -inf. ``softcap`` > 0 caps the scaled scores
+    (``attention_scores``). Returns (out, lse) with lse shaped (batch, heads, seqlen_q) in
+    natural-log units.
     """
-    s = attention_scores(q, k, softmax_scale, causal, window, dtype, upcast)
+    s = attention_scores(q, k, softmax_scale, causal, window, dtype, upcast, softcap)
     vf = (v.to(dtype) if upcast else v).repeat_interleave(q.shape[2] // v.shape[2], dim=2)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse.unsqueeze(-1))
@@ -35,7 +36,8 @@ def attention_reference(q, k, v, softmax_scale=None, causal=False, window=(None,
     return out, lse
 
 
-def attention_mixed(q, k, v, softmax_scale=None, causal=False, window=(None, None)):
+def attention_mixed(q, k, v, softmax_scale=None, causal=False, window=(None, None),
+                    softcap=0.0):
     """Plain attention as tensor cores do it: 16-bit operands, float32 products and sums.
 
     S = Q K^T and its softmax in float32, P rounded to the input dtype before P V (float32
@@ -43,7 +45,8 @@ def attention_mixed(q, k, v, softmax_scale=None, causal=False, window=(None, Non
     second plain baseline of the adversarial rule (``fa_sm100.adversarial``), which unlike the
     all-16-bit ``attention_reference(..., upcast=False)`` stays accurate when scores are large.
     """
-    s = attention_scores(q, k, softmax_scale, causal, window, dtype=torch.float32)
+    s = attention_scores(q, k, softmax_scale, causal, window, dtype=torch.float32,
+                         softcap=softcap)
     m = s.amax(-1, keepdim=True)
     m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
     p = torch.exp(s - m)
@@ -58,17 +61,19 @@ def attention_mixed(q, k, v, softmax_scale=None, causal=False, window=(None, Non
 
 
 def attention_mixed_grads(q, k, v, dout, softmax_scale=None, causal=False,
-                          window=(None, None)):
+                          window=(None, None), softcap=0.0):
     """(dq, dk, dv) as a tensor-core backward computes them, plainly: float32 scores and
     P = exp(S - LSE), dV = P16^T dO, dP = dO V^T, Delta = rowsum(dO * O16) from the 16-bit
     output, dS = P (dP - Delta) rounded to 16 bits before dQ = dS K and dK = dS^T Q, float32
     sums, results in the input dtype; GQA's dK / dV summed over a group's query heads. The
     mixed-precision baseline of the adversarial gradient rule (``attention_mixed``'s partner):
-    autograd of a float32 softmax keeps dS in float32, which no 16-bit GEMM does."""
+    autograd of a float32 softmax keeps dS in float32, which no 16-bit GEMM does. With
+    ``softcap`` dS takes tanh's derivative, 1 - (S_capped / softcap)^2."""
     dtype = q.dtype
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[3])
-    out, lse = attention_mixed(q, k, v, softmax_scale, causal, window)
-    s = attention_scores(q, k, softmax_scale, causal, window, dtype=torch.float32)
+    out, lse = attention_mixed(q, k, v, softmax_scale, causal, window, softcap)
+    s = attention_scores(q, k, softmax_scale, causal, window, dtype=torch.float32,
+                         softcap=softcap)
     p = torch.nan_to_num(torch.exp(s - lse.unsqueeze(-1)), nan=0.0)
     g = q.shape[2] // k.shape[2]
     kf, vf = (t.to(torch.float32).repeat_interleave(g, dim=2) for t in (k, v))
@@ -76,7 +81,11 @@ def attention_mixed_grads(q, k, v, dout, softmax_scale=None, causal=False,
     dv = torch.einsum("bhqk,bqhd->bkhd", p.to(dtype).to(torch.float32), do)
     dp = torch.einsum("bqhd,bkhd->bhqk", do, vf)
     delta = (do * out.to(torch.float32)).sum(-1).permute(0, 2, 1)
-    ds = (p * (dp - delta.unsqueeze(-1))).to(dtype).to(torch.float32)
+    ds = p * (dp - delta.unsqueeze(-1))
+    if softcap:
+        t = torch.nan_to_num(s / softcap, neginf=0.0)  # masked: P = 0 there anyway
+        ds = ds * (1.0 - t * t)
+    ds = ds.to(dtype).to(torch.float32)
     dq = torch.einsum("bhqk,bkhd->bqhd", ds, kf) * scale
     dk = torch.einsum("bhqk,bqhd->bkhd", ds, q.to(torch.float32)) * scale
     dk, dv = (t.unflatten(2, (k.shape[2], g)).sum(3) for t in (dk, dv))
@@ -84,9 +93,10 @@ def attention_mixed_grads(q, k, v, dout, softmax_scale=None, causal=False,
 
 
 def attention_scores(q, k, softmax_scale=None, causal=False, window=(None, None),
-                     dtype=torch.float64, upcast=True):
+                     dtype=torch.float64, upcast=True, softcap=0.0):
     """The scaled scores S (batch, heads, seqlen_q, seqlen_k) of ``attention_reference``, -inf
-    where masked; K's heads repeated for GQA/MQA."""
+    where masked; K's heads repeated for GQA/MQA. ``softcap`` > 0 caps them first:
+    S = softcap * tanh(S / softcap)."""
     b, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     if hq % hk:
@@ -94,6 +104,8 @@ def attention_scores(q, k, softmax_scale=None, causal=False, window=(None, None)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     qf, kf = (q.to(dtype), k.to(dtype)) if upcast else (q, k)
     s = torch.einsum("bqhd,bkhd->bhqk", qf, kf.repeat_interleave(hq // hk, dim=2)) * scale
+    if softcap:
+        s = torch.tanh(s / softcap) * softcap
     mask = attention_mask(sq, sk, causal, window, device=q.device)
     if mask is not None:
         s = s.masked_fill(~mask, float("-inf"))
@@ -118,13 +130,13 @@ def attention_mask(sq, sk, causal=False, window=(None, None), device="cpu"):
 
 
 def attention_reference_grads(q, k, v, dout, causal=False, window=(None, None),
-                              dtype=torch.float64, upcast=True):
+                              dtype=torch.float64, upcast=True, softcap=0.0):
     """O, LSE and (dq, dk, dv) of ``attention_reference`` computed in ``dtype``, by autograd
     with output gradient ``dout`` (float64 and upcast: the reference of a gradient check; the
     input dtype without upcast: its "plain" baseline)."""
     qs, ks, vs = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
     out, lse = attention_reference(qs, ks, vs, causal=causal, window=window, dtype=dtype,
-                                   upcast=upcast)
+                                   upcast=upcast, softcap=softcap)
     out.backward(dout.to(dtype))
     return out.detach(), lse.detach(), (qs.grad, ks.grad, vs.grad)
 

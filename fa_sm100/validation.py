@@ -33,6 +33,7 @@ class AttentionProblem:
     softmax_scale: float
     causal: bool
     window: tuple
+    softcap: float = 0.0  # 0: off (check_softcap)
 
     @property
     def qhead_per_kvhead(self) -> int:
@@ -70,7 +71,8 @@ def normalize_window(window_size) -> tuple:
 
 
 def validate_attention_inputs(q, k, v, softmax_scale=None, causal=False, window_size=(None, None),
-                              head_dims=ALL_HEAD_DIMS, require_cuda=True) -> AttentionProblem:
+                              head_dims=ALL_HEAD_DIMS, require_cuda=True,
+                              softcap=0.0) -> AttentionProblem:
     """Check q, k, v (BSHD) and the options; return the problem sizes or raise ValueError."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, t)
@@ -103,13 +105,15 @@ def validate_attention_inputs(q, k, v, softmax_scale=None, causal=False, window_
     if not isinstance(causal, bool):
         raise ValueError(f"causal must be a bool, got {causal!r}")
     window = normalize_window(window_size)
+    softcap = check_softcap(softcap)
     if require_cuda:
         devices = {t.device for t in (q, k, v)}
         if len(devices) != 1:
             raise ValueError(f"q, k, v must be on one device, got {sorted(map(str, devices))}")
         if q.device.type != "cuda":
             raise ValueError(f"q, k, v must be CUDA tensors, got device {q.device}")
-    return AttentionProblem(b, sq, sk, hq, hk, d, dv, q.dtype, softmax_scale, causal, window)
+    return AttentionProblem(b, sq, sk, hq, hk, d, dv, q.dtype, softmax_scale, causal, window,
+                            softcap)
 
 
 def check_softmax_scale(softmax_scale, head_dim: int) -> float:
@@ -121,6 +125,16 @@ def check_softmax_scale(softmax_scale, head_dim: int) -> float:
     if not (math.isfinite(softmax_scale) and softmax_scale > 0):
         raise ValueError(f"softmax_scale={softmax_scale}: must be finite and > 0")
     return float(softmax_scale)
+
+
+def check_softcap(softcap) -> float:
+    """Logit softcapping's cap as a float: 0 is off, else a finite number > 0 (scores s become
+    ``softcap * tanh(s / softcap)``, as Gemma 2 and flash-attn define it)."""
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise ValueError(f"softcap must be a float (0.0: off), got {softcap!r}")
+    if not (math.isfinite(softcap) and softcap >= 0):
+        raise ValueError(f"softcap={softcap}: must be finite and >= 0 (0.0: off)")
+    return float(softcap)
 
 
 def require_sm90(device: torch.device, what: str) -> None:

@@ -40,15 +40,19 @@ CONTROL_CASES = [c.name for c in adv.small_cases()
 
 def case_config(case, switches=()):
     dtype = "float16" if case.dtype == "fp16" else "bfloat16"
+    left, right = case.window
     return config_from_overrides(
         [f"head_dim={case.head_dim}", f"head_dim_v={case.head_dim}", f"dtype={dtype}",
          f"qhead_per_kvhead={case.heads // case.kv_heads}", f"causal={str(case.causal).lower()}",
-         *switches])
+         f"window_left={'none' if left is None else left}",
+         f"window_right={'none' if right is None else right}",
+         f"softcap={str(case.softcap > 0).lower()}", *switches])
 
 
 def emulate(case, cfg):
     q, k, v = case.inputs()
-    out, lse = emulate_sm100_fwd(q, k, v, case.softmax_scale, causal=case.causal, config=cfg)
+    out, lse = emulate_sm100_fwd(q, k, v, case.softmax_scale, causal=case.causal,
+                                 window_size=case.window, config=cfg, softcap=case.softcap)
     return q, k, v, out, lse
 
 
@@ -73,7 +77,7 @@ def test_the_list_covers_what_the_rule_must_hold():
 def test_emulation_meets_the_rule(name):
     case = adv.BY_NAME[name]
     q, k, v, out, lse = emulate(case, case_config(case))
-    adv.check_adversarial(name, out, lse, q, k, v, causal=case.causal)
+    adv.check_adversarial(name, out, lse, q, k, v, **case.problem())
 
 
 @pytest.mark.parametrize("switches", list(SWITCH_SETS))
@@ -81,7 +85,7 @@ def test_emulation_meets_the_rule(name):
 def test_emulation_meets_the_rule_for_every_switch_set(name, switches):
     case = adv.BY_NAME[name]
     q, k, v, out, lse = emulate(case, case_config(case, SWITCH_SETS[switches]))
-    adv.check_adversarial(name, out, lse, q, k, v, causal=case.causal)
+    adv.check_adversarial(name, out, lse, q, k, v, **case.problem())
 
 
 def test_the_rule_catches_a_stale_o():
@@ -113,8 +117,8 @@ def test_ptx_meets_the_rule_and_matches_the_emulation(name, switches):
     case = adv.BY_NAME[name]
     cfg = case_config(case, SWITCH_SETS[switches])
     q, k, v, out, lse = emulate(case, cfg)
-    run = run_forward(cfg, q, k, v, case.softmax_scale)
-    adv.check_adversarial(f"{name} (PTX)", run.out, run.lse, q, k, v, causal=case.causal)
+    run = run_forward(cfg, q, k, v, case.softmax_scale, softcap=case.softcap)
+    adv.check_adversarial(f"{name} (PTX)", run.out, run.lse, q, k, v, **case.problem())
     diff = int((run.out.view(torch.int16) != out.view(torch.int16)).sum())
     assert diff == 0, f"{name}: O differs from the emulation in {diff} elements"
     assert torch.equal(run.lse.view(torch.int32), lse.view(torch.int32))
@@ -180,7 +184,7 @@ def fuzz_cases(draw):
 def test_fuzz_emulation_against_float64(case, switches):
     q, k, v, out, lse = emulate(case, case_config(case, SWITCH_SETS[switches]))
     adv.check_adversarial(f"{case.repro()} with {SWITCH_SETS[switches]}", out, lse, q, k, v,
-                          causal=case.causal)
+                          **case.problem())
 
 
 def test_the_gradient_rule_passes_float64_and_catches_a_wrong_dv():

@@ -22,11 +22,14 @@ def _forward(case, q, k, v, threshold):
     from fa_sm100.hopper.interface import sm90_fwd
 
     if threshold is None:
-        return flash_attn_func(q, k, v, causal=case.causal, return_lse=True)
+        return flash_attn_func(q, k, v, causal=case.causal, window_size=case.window,
+                               softcap=case.softcap, return_lse=True)
     cfg = select_sm90_fwd_config(case.head_dim, case.head_dim, dtype=q.dtype, causal=case.causal,
                                  seqlen_q=case.seqlen_q, seqlen_k=case.seqlen_k,
+                                 local=case.window != (None, None), softcap=case.softcap > 0,
                                  rescale_threshold=threshold)
-    return sm90_fwd(q, k, v, causal=case.causal, return_lse=True, config=cfg)
+    return sm90_fwd(q, k, v, causal=case.causal, window_size=case.window, return_lse=True,
+                    config=cfg, softcap=case.softcap)
 
 
 def check_case(case, threshold=None, grads=False):
@@ -36,14 +39,15 @@ def check_case(case, threshold=None, grads=False):
     out, lse = _forward(case, q, k, v, threshold)
     torch.cuda.synchronize()
     adv.check_adversarial(f"{case.name} threshold={threshold}", out, lse, q, k, v,
-                          causal=case.causal)
+                          **case.problem())
     if grads:
         qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
         gen = torch.Generator(device="cuda").manual_seed(case.seed + 1)
         dout = torch.randn(out.shape, device="cuda", dtype=q.dtype, generator=gen)
-        o = flash_attn_func(qg, kg, vg, causal=case.causal)
+        o = flash_attn_func(qg, kg, vg, causal=case.causal, window_size=case.window,
+                            softcap=case.softcap)
         g = torch.autograd.grad(o, (qg, kg, vg), dout)
-        adv.check_adversarial_grads(case.name, g, q, k, v, dout, causal=case.causal)
+        adv.check_adversarial_grads(case.name, g, q, k, v, dout, **case.problem())
 
 
 @pytest.mark.gpu
@@ -62,11 +66,16 @@ def test_sm100_fwd_adversarial(sm100_device, name, threshold):
 
     case = adv.BY_NAME[name]
     q, k, v = case.inputs("cuda")
-    config = None if threshold is None else FmhaConfig(rescale_threshold=threshold)
-    out, lse = flash_attn_func(q, k, v, causal=case.causal, return_lse=True, config=config)
+    config = None
+    if threshold is not None:
+        config = FmhaConfig(causal=case.causal, window_left=case.window[0],
+                            window_right=case.window[1], softcap=case.softcap > 0,
+                            rescale_threshold=threshold)
+    out, lse = flash_attn_func(q, k, v, causal=case.causal, window_size=case.window,
+                               softcap=case.softcap, return_lse=True, config=config)
     torch.cuda.synchronize()
     adv.check_adversarial(f"{case.name} threshold={threshold}", out, lse, q, k, v,
-                          causal=case.causal)
+                          **case.problem())
 
 
 @pytest.mark.gpu

@@ -28,32 +28,39 @@ def _inputs(b, sq, sk, hq, hk, d, dtype, device="cpu", seed=0, dv=None):
     return mk(b, sq, hq, d), mk(b, sk, hk, d), mk(b, sk, hk, dv), mk(b, sq, hq, dv)
 
 
-def _check_grads(fn, b, sq, sk, hq, hk, d, causal, window, dtype, device, dv=None):
+def _check_grads(fn, b, sq, sk, hq, hk, d, causal, window, dtype, device, dv=None, softcap=0.0):
     q, k, v, dout = _inputs(b, sq, sk, hq, hk, d, dtype, device, dv=dv)
+    if softcap:
+        q = q * 4  # scores of a few softcaps: the cap bends them
     qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
     out = fn(qg, kg, vg)
     out.backward(dout)
-    ref_out, _, ref = attention_reference_grads(q, k, v, dout, causal, window)
-    _, _, plain = attention_reference_grads(q, k, v, dout, causal, window, dtype, upcast=False)
+    ref_out, _, ref = attention_reference_grads(q, k, v, dout, causal, window, softcap=softcap)
+    _, _, plain = attention_reference_grads(q, k, v, dout, causal, window, dtype, upcast=False,
+                                            softcap=softcap)
     for name, x, r, p in zip(("dq", "dk", "dv"), (qg.grad, kg.grad, vg.grad), ref, plain):
         assert x is not None and x.shape == r.shape, f"{name} missing or misshaped"
         check_against_reference(x, r, p, atol=grad_atol(r), what=name)
     return out
 
 
-CPU_CASES = [  # (b, sq, sk, hq, hk, d, causal, window, dv)
-    (1, 40, 40, 2, 2, 64, False, (None, None), 64),
-    (2, 33, 50, 4, 2, 64, True, (None, None), 64),
-    (1, 48, 48, 4, 1, 32, False, (8, 4), 32),
-    (1, 24, 30, 4, 2, 192, True, (None, None), 128),  # head_dim != head_dim_v, GQA
+CPU_CASES = [  # (b, sq, sk, hq, hk, d, causal, window, dv, softcap)
+    (1, 40, 40, 2, 2, 64, False, (None, None), 64, 0.0),
+    (2, 33, 50, 4, 2, 64, True, (None, None), 64, 0.0),
+    (1, 48, 48, 4, 1, 32, False, (8, 4), 32, 0.0),
+    (1, 24, 30, 4, 2, 192, True, (None, None), 128, 0.0),  # head_dim != head_dim_v, GQA
+    (2, 33, 50, 4, 2, 64, True, (None, None), 64, 2.0),  # softcap: tanh's derivative in dS
+    (1, 48, 48, 4, 1, 32, False, (8, 4), 32, 5.0),
 ]
 
 
 @pytest.mark.parametrize("case", CPU_CASES)
 def test_autograd_function_cpu_math_matches_float64(case):
-    b, sq, sk, hq, hk, d, causal, window, dv = case
-    fn = lambda q, k, v: flash_attn_autograd(q, k, v, causal=causal, window_size=window)
-    _check_grads(fn, b, sq, sk, hq, hk, d, causal, window, torch.bfloat16, "cpu", dv=dv)
+    b, sq, sk, hq, hk, d, causal, window, dv, softcap = case
+    fn = lambda q, k, v: flash_attn_autograd(q, k, v, causal=causal, window_size=window,  # noqa: E731
+                                             softcap=softcap)
+    _check_grads(fn, b, sq, sk, hq, hk, d, causal, window, torch.bfloat16, "cpu", dv=dv,
+                 softcap=softcap)
 
 
 def test_lse_is_returned_and_not_differentiable():
@@ -115,11 +122,12 @@ def test_equal_configs_share_one_token():
 
 def test_custom_ops_pass_opcheck():
     q, k, v, dout = _inputs(1, 24, 40, 4, 2, 32, torch.float32)
-    torch.library.opcheck(torch.ops.fa_sm100.attn_fwd.default,
-                          (q, k, v, 0.2, True, None, None, -1))
-    out, lse = torch.ops.fa_sm100.attn_fwd(q, k, v, 0.2, True, None, None, -1)
-    torch.library.opcheck(torch.ops.fa_sm100.attn_bwd.default,
-                          (dout, q, k, v, out, lse, 0.2, True, None, None, False))
+    for softcap in (0.0, 5.0):
+        torch.library.opcheck(torch.ops.fa_sm100.attn_fwd.default,
+                              (q, k, v, 0.2, True, None, None, softcap, -1))
+        out, lse = torch.ops.fa_sm100.attn_fwd(q, k, v, 0.2, True, None, None, softcap, -1)
+        torch.library.opcheck(torch.ops.fa_sm100.attn_bwd.default,
+                              (dout, q, k, v, out, lse, 0.2, True, None, None, softcap, False))
 
 
 def _train_step(fn, q, k, v, dout):

@@ -190,6 +190,15 @@ def test_float_max_nan_and_unordered_compare_select():
     np.testing.assert_array_equal(sel[:4], [2, 2, 1, 2])
 
 
+def test_copysign_takes_the_first_operands_sign():
+    """PTX's operand order (the sign from a, the magnitude from b), the reverse of C's."""
+    a = f32([-1.0, 2.0, -0.0, 0.0, -3.0, 5.0, -np.inf, 1.0] * 4)
+    b = f32([4.0, -4.0, 7.0, -7.0, -0.5, np.inf, 2.0, -0.0] * 4)
+    got = run_binary("copysign.f32 %r4, %r2, %r3;", a, b).view(np.float32)
+    np.testing.assert_array_equal(got, np.copysign(np.abs(b), a))
+    assert np.signbit(got[2]) and not np.signbit(got[7])
+
+
 def test_cvt_float_to_int_saturates_and_rounds_to_even():
     a = f32([2.5, -2.5, 3.5, 1e10, -1e10, np.nan, 0.49999997, -0.5] * 4)
     got = run_binary("cvt.rni.s32.f32 %r4, %r2;", a, a).view(np.int32)

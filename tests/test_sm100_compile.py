@@ -41,7 +41,8 @@ CONFIGS = {
     "hdim64": ["head_dim=64"],
     "hdim96": ["head_dim=96"],
     "hdim192": ["head_dim=192"],
-    "not_persistent_threshold0_kv2": ["persistent=false", "rescale_threshold=0", "kv_stage=2"],
+    "not_persistent_threshold0_kv2_softcap": ["persistent=false", "rescale_threshold=0",
+                                              "kv_stage=2", "softcap=true"],
     "hdim192_1cta_fp16_no_emu": ["head_dim=192", "use_2cta=false", "dtype=fp16",
                                  "ex2_emu_fraction=0"],
 }
@@ -82,6 +83,7 @@ def test_the_configs_cover_every_switch_dtype_and_head_dim():
     assert {(c.head_dim, c.head_dim_v) for c in cfgs} == {(64, 64), (96, 96), (128, 128), (192, 128)}
     assert seen("qhead_per_kvhead") >= {1, 4}
     assert seen("window_left") >= {None, 512}
+    assert seen("softcap") == {True, False}
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

@@ -88,3 +88,38 @@ def test_a_new_window_runs_the_same_compiled_kernel():
                                        dtype=q.dtype, upcast=False)
         check_against_reference(run.out, ref, plain, what=f"O window {(left, right)}")
     assert len(sm100_run._COMPILED) == compiled
+
+
+@pytest.mark.parametrize("sets,softcap", [
+    (["causal=true", "use_2cta=false"], 30.0),
+    (["window_left=40", "window_right=25"], 5.0),
+], ids=["causal_c30", "window_c5"])
+def test_softcapped_kernel_matches_float64_reference(sets, softcap):
+    """Logit softcapping (``softcap_tanh`` before the mask, c log2(e) in the softmax): the
+    kernel's PTX against float64 under the rule, O and LSE, and against the numerics
+    emulation of the same algorithm (which models MUFU.EX2 as the emulator does)."""
+    from fa_sm100.emulation.forward import emulate_sm100_fwd
+    from fa_sm100.ptxemu.sm100_run import run_forward
+
+    cfg = config_from_overrides(["head_dim=64", "head_dim_v=64", "qhead_per_kvhead=2",
+                                 "softcap=true"] + sets)
+    g = torch.Generator().manual_seed(11)
+    q = (torch.randn(1, 200, 2, 64, generator=g) * 3).to(torch.bfloat16)  # capped scores
+    k, v = (torch.randn(1, 250, 1, 64, generator=g).to(torch.bfloat16) for _ in range(2))
+    run = run_forward(cfg, q, k, v, softcap=softcap)
+    window = (cfg.window_left, cfg.window_right)
+    ref, ref_lse = attention_reference(q, k, v, causal=cfg.causal, window=window,
+                                       softcap=softcap)
+    plain, _ = attention_reference(q, k, v, causal=cfg.causal, window=window, softcap=softcap,
+                                   dtype=q.dtype, upcast=False)
+    check_against_reference(run.out, ref, plain, what="O")
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(finite, torch.isfinite(run.lse))
+    _, plain32 = attention_reference(q, k, v, causal=cfg.causal, window=window,
+                                     softcap=softcap, dtype=torch.float32)
+    check_against_reference(run.lse[finite], ref_lse[finite], plain32[finite],
+                            atol=1e-5 * float(ref_lse[finite].abs().max()), what="LSE")
+    emu, emu_lse = emulate_sm100_fwd(q, k, v, causal=cfg.causal, window_size=window,
+                                     config=cfg, softcap=softcap)
+    assert (run.out.float() - emu.float()).abs().max() <= 2 ** -7  # one bf16 ulp of |O| <= 1
+    assert torch.allclose(run.lse[finite], emu_lse[finite], atol=1e-5, rtol=1e-6)

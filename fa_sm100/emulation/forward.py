@@ -11,7 +11,10 @@ and walks the K/V blocks:
   reverse order n_max-1 .. n_min, at least one per tile. Rows that see nothing in the first
   block(s) of their work tile start from a -inf max, exactly as in the kernel.
 - S = Q K^T with the MMA model of ``mma_f32`` (per K = 16 instruction: exact products plus
-  the float32 accumulator, rounded once). Keys outside the row's visible range are -inf.
+  the float32 accumulator, rounded once). With ``softcap`` c the scores become t =
+  tanh(s * softcap_k) by the kernels' tanh (``softmax_math.softcap_tanh_model`` with the SFU
+  model for its exp2), and scale_log2 = c * log2(e) from here on. Keys outside the row's
+  visible range are -inf.
 - Row max and correction: ``m_new = max(m, block max)``, ``growth = (m_new - m) *
   scale_log2``; ``softmax_math.rescale_needed`` decides whether the row moves to ``m_new`` with
   the factor ``exp2((m - m_new) * scale_log2)`` (SFU; 0 for a row that had seen no key) or
@@ -48,6 +51,7 @@ import torch
 from fa_sm100 import softmax_math as sm
 from fa_sm100.config import FmhaConfig, normalize_dtype, select_config
 from fa_sm100.emulation.ex2 import ex2_mixed, ex2_sfu
+from fa_sm100.validation import check_softcap
 
 MMA_K = 16  # columns of P (rows of V) one f16-kind tcgen05 MMA instruction consumes
 ROW_SUM_CHUNK = 32  # columns per tcgen05.ld chunk: the unit of the kernel's row-sum chain
@@ -106,14 +110,15 @@ def _check_inputs(q, k, v):
 
 
 def resolve_config(q, k, v, causal=False, window_size=(None, None),
-                   config: Optional[FmhaConfig] = None) -> FmhaConfig:
+                   config: Optional[FmhaConfig] = None, softcap: float = 0.0) -> FmhaConfig:
     """The config the kernel would run: problem fields from the tensors and arguments, switch
     fields from ``config`` (or the defaults ``select_config`` picks for this problem)."""
     _check_inputs(q, k, v)
     left, right = window_size if window_size is not None else (None, None)
     problem = dict(head_dim=q.shape[3], head_dim_v=v.shape[3], dtype=q.dtype,
                    seqlen_q=q.shape[1], seqlen_k=k.shape[1], causal=bool(causal),
-                   qhead_per_kvhead=q.shape[2] // k.shape[2], window_left=left, window_right=right)
+                   qhead_per_kvhead=q.shape[2] // k.shape[2], window_left=left, window_right=right,
+                   softcap=softcap > 0)
     if config is None:
         return select_config(**problem)
     if not isinstance(config, FmhaConfig):
@@ -207,13 +212,14 @@ def row_sum_sequential(p: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
 
 
 def emulate_sm100_fwd(q, k, v, softmax_scale=None, causal=False, window_size=(None, None),
-                      config: Optional[FmhaConfig] = None, return_stats=False):
+                      config: Optional[FmhaConfig] = None, return_stats=False, softcap=0.0):
     """Run the SM100 forward algorithm on CPU tensors (BSHD, bf16 or fp16).
 
     Returns ``(out, lse)`` (out in the input dtype, lse float32 (batch, heads, seqlen_q) in
     natural-log units), plus an ``EmulationStats`` when ``return_stats``.
     """
-    cfg = resolve_config(q, k, v, causal, window_size, config)
+    softcap = check_softcap(softcap)
+    cfg = resolve_config(q, k, v, causal, window_size, config, softcap)
     dtype = _TORCH_DTYPES[cfg.dtype]
     b, sq, hq, d = q.shape
     sk, hk, dv = k.shape[1], k.shape[2], v.shape[3]
@@ -224,6 +230,11 @@ def emulate_sm100_fwd(q, k, v, softmax_scale=None, causal=False, window_size=(No
     # The kernel multiplies the float32 scale by float32 log2(e) in float32.
     scale_log2 = float(torch.tensor(scale, dtype=torch.float32)
                        * torch.tensor(sm.LOG2_E, dtype=torch.float32))
+    softcap_k = None
+    if softcap:  # the kernel's host code: both in float32
+        c32 = torch.tensor(softcap, dtype=torch.float32)
+        softcap_k = torch.tensor(scale, dtype=torch.float32) / c32
+        scale_log2 = float(c32 * torch.tensor(sm.LOG2_E, dtype=torch.float32))
     threshold = float(cfg.rescale_threshold)
     nb = cfg.n_block
     ranges = kv_tile_ranges(sq, sk, cfg, causal, window_size)
@@ -271,6 +282,8 @@ def emulate_sm100_fwd(q, k, v, softmax_scale=None, causal=False, window_size=(No
         vis = _visible(rows_a, keys, sq, sk, causal, window_size)  # (A, R, nb)
         valid = (rows_a < sq).view(1, 1, 1, -1, rows)
         s = mma_f32(qw[:, :, :, act], kt[:, :, tile].unsqueeze(2).transpose(-1, -2))
+        if softcap_k is not None:
+            s = sm.softcap_tanh_model(s * softcap_k, exp2=ex2_sfu)
         s = s.masked_fill(~vis, float("-inf"))  # (B, Hk, G, A, R, nb)
         m_a, sum_a, o_a = m[:, :, :, act], row_sum[:, :, :, act], o[:, :, :, act]
 

@@ -64,6 +64,9 @@ class BwdConfig:
     window_left: Optional[int] = None
     window_right: Optional[int] = None
     qhead_per_kvhead: int = 1
+    # logit softcapping (the cap is a launch argument): Note [softcap in the backward] in
+    # bwd_kernel.py; query blocks of 64 rows only
+    softcap: bool = False
     # tiles and pipelines
     # query rows per inner iteration: 64 (one WGMMA M atom), or with sdp_swap_ab 128 (S^T and
     # dP^T are 64 keys x 128 queries per warpgroup; dQ is split by query rows, see
@@ -565,6 +568,10 @@ class BwdConfig:
                              "the tiles (Note [dynamic tiles] in bwd_tiles.py)")
         if isinstance(self.qdo_cluster, bool) or self.qdo_cluster not in QDO_CLUSTERS:
             raise ValueError(f"qdo_cluster={self.qdo_cluster!r}: must be one of {QDO_CLUSTERS}")
+        if self.softcap and self.wide_query_block:
+            raise ValueError(f"softcap=True needs tile_m={TILE_M_ATOM} (query blocks of 80 or "
+                             "128 rows form P^T late or from 16 bits in ways the capped "
+                             "scores do not follow: Note [softcap in the backward])")
         for name in ("window_left", "window_right"):
             w = getattr(self, name)
             if w is not None and (isinstance(w, bool) or not isinstance(w, int)):

@@ -90,7 +90,8 @@ def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = Fals
                       window_left: Optional[int] = None, window_right: Optional[int] = None,
                       qhead_per_kvhead: int = 1, deterministic: bool = False,
                       head_dim_v: Optional[int] = None, seqlen_q: Optional[int] = None,
-                      seqlen_k: Optional[int] = None, **overrides) -> BwdConfig:
+                      seqlen_k: Optional[int] = None, softcap: bool = False,
+                      **overrides) -> BwdConfig:
     """Defaults for a problem; ``overrides`` replace any field. ``head_dim_v`` defaults to
     ``fa_sm100.config.default_head_dim_v(head_dim)`` (128 for 192). ``seqlen_q`` /
     ``seqlen_k`` (optional) pick the block height of short causal problems (a window's band
@@ -179,7 +180,9 @@ def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = Fals
         (causal and not windowed and seqlen_q is not None and seqlen_k is not None
          and max(seqlen_q, seqlen_k) <= SHORT_CAUSAL_SEQLEN)
         or (band is not None and band <= NARROW_WINDOW_BAND))
-    tile_m = overrides.pop("tile_m", _default_tile_m(head_dim, swap, short_band))
+    # softcapped: query blocks of 64 rows (BwdConfig.validate)
+    tile_m = overrides.pop("tile_m", TILE_M_ATOM if softcap
+                           else _default_tile_m(head_dim, swap, short_band))
     # which of the statistics' switches (Note [dP wait placement]) were asked for: the rest
     # are decided at the end, on the finished config
     stats_asked = {name: overrides[name] for name in OWN_STATS if name in overrides}
@@ -189,7 +192,9 @@ def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = Fals
     dv_mid = overrides.pop("dv_before_barrier",
                            (tile_m > TILE_M_ATOM or short_band) and not early_dv)
     if early_dv is None:
-        early_dv = not (causal or windowed or dv_mid or wide)
+        # softcapped: t stays live beside P while dS is formed, and early dV's P operand
+        # beside both spills at hdim 128 (140 bytes, sm_90a)
+        early_dv = not (causal or windowed or dv_mid or wide or softcap)
     # Note [staggered query blocks]: measured at hdim 128 only (with first stores)
     stagger = overrides.pop("stagger_m", not (causal or windowed or deterministic)
                             and head_dim in STAGGER_HEAD_DIMS)
@@ -201,6 +206,7 @@ def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = Fals
         window_left=window_left,
         window_right=window_right,
         qhead_per_kvhead=qhead_per_kvhead,
+        softcap=softcap,
         deterministic=deterministic,
         gqa_reduce=gqa_reduce,
         early_dv=early_dv,

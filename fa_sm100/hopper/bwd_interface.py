@@ -26,14 +26,16 @@ from fa_sm100.hopper import probes
 from fa_sm100.hopper.bwd_config import SM90_BWD_HEAD_DIMS, BwdConfig
 from fa_sm100.hopper.bwd_defaults import select_bwd_config
 from fa_sm100.hopper.config import SM90_ARCH
-from fa_sm100.validation import (SUPPORTED_DTYPES, check_softmax_scale, normalize_window,
+from fa_sm100.validation import (SUPPORTED_DTYPES, check_softcap, check_softmax_scale,
+                                 normalize_window,
                                  require_sm90)
 from layouts.smem import align_up
 
 def validate_bwd_inputs(dout, q, k, v, out, lse, softmax_scale=None, causal=False,
-                        window_size=(None, None), deterministic=False):
+                        window_size=(None, None), deterministic=False, softcap=0.0):
     """Raise ValueError naming the first problem with the backward's inputs; otherwise return
-    ``(softmax_scale, (window_left, window_right))`` with the default scale filled in.
+    ``(softmax_scale, (window_left, window_right), softcap)`` with the default scale filled
+    in.
 
     The rules that need no GPU come first (types, shapes, dtypes, head dims, options); the
     device rule comes last: CUDA tensors on an sm_90 GPU. So CPU tensors reach every other
@@ -81,8 +83,9 @@ def validate_bwd_inputs(dout, q, k, v, out, lse, softmax_scale=None, causal=Fals
         if not isinstance(flag, bool):
             raise ValueError(f"{name} must be a bool, got {flag!r}")
     window = normalize_window(window_size)
+    softcap = check_softcap(softcap)
     require_sm90(q.device, "sm90_bwd")
-    return softmax_scale, window
+    return softmax_scale, window, softcap
 
 
 def _compiled(kind: str, key, build, make_fake_args):
@@ -105,7 +108,7 @@ def _compiled(kind: str, key, build, make_fake_args):
 
 
 def select_sm90_bwd_config(q, k, v, causal, window, deterministic,
-                           config: Optional[BwdConfig] = None) -> BwdConfig:
+                           config: Optional[BwdConfig] = None, softcap: float = 0.0) -> BwdConfig:
     """The backward's config for validated inputs: the default one, or ``config`` with the
     problem's fields filled in and checked; fitted to the device's SMs."""
     left, right = window
@@ -116,13 +119,15 @@ def select_sm90_bwd_config(q, k, v, causal, window, deterministic,
         config = select_bwd_config(head_dim=d, head_dim_v=dv, dtype=dtype, causal=causal,
                                    window_left=left, window_right=right,
                                    qhead_per_kvhead=group, deterministic=deterministic,
-                                   seqlen_q=q.shape[1], seqlen_k=k.shape[1])
+                                   seqlen_q=q.shape[1], seqlen_k=k.shape[1],
+                                   softcap=softcap > 0)
     else:
         if not isinstance(config, BwdConfig):
             raise ValueError(f"config must be a BwdConfig, got {type(config).__name__}")
         config = config.replace(head_dim=d, head_dim_v=dv, dtype=dtype,
                                 causal=causal, window_left=left, window_right=right,
-                                qhead_per_kvhead=group, deterministic=deterministic).validate()
+                                qhead_per_kvhead=group, deterministic=deterministic,
+                                softcap=softcap > 0).validate()
     if config.qdo_multicast and not config.pairs_key_blocks(k.shape[1]):
         raise ValueError(f"config.qdo_multicast=True groups the CTAs of neighbouring key blocks "
                          f"in clusters of {config.qdo_cluster}, but seqlen_k={k.shape[1]} gives "
@@ -138,13 +143,15 @@ class Sm90BwdPlan:
     the config and its kernels, in launch order. Calling it makes the inputs contiguous where
     they are not, allocates dq, dk, dv and the workspace, and launches."""
 
-    __slots__ = ("config", "kernels", "scale", "contiguous", "user_config", "window")
+    __slots__ = ("config", "kernels", "scale", "contiguous", "user_config", "window", "softcap")
     # user_config: the caller's config, whose id is in the key (call_plans)
 
-    def __init__(self, config: BwdConfig, scale: float, tensors, user_config=None):
+    def __init__(self, config: BwdConfig, scale: float, tensors, user_config=None,
+                 softcap: float = 0.0):
         self.config = config
         self.user_config = user_config
         self.scale = scale
+        self.softcap = softcap
         # False: every input of this metadata is already contiguous, so no call copies
         self.contiguous = all(t.is_contiguous() for t in tensors)
         self.kernels = [_compiled(*spec) for spec in kernel_specs(config)]
@@ -155,7 +162,8 @@ class Sm90BwdPlan:
             q, k, v, out, dout, lse = (t.contiguous() for t in (q, k, v, out, dout, lse))
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         for fn, args in zip(self.kernels, launch_args(self.config, q, k, v, out, dout, lse,
-                                                      dq, dk, dv, self.scale, self.window)):
+                                                      dq, dk, dv, self.scale, self.window,
+                                                      self.softcap)):
             fn(*args)
         return dq, dk, dv
 
@@ -165,37 +173,40 @@ _plans = PlanTable()
 
 def build_sm90_bwd_plan(dout, q, k, v, out, lse, softmax_scale=None, causal=False,
                         window_size=(None, None), deterministic=False,
-                        config: Optional[BwdConfig] = None) -> Sm90BwdPlan:
+                        config: Optional[BwdConfig] = None, softcap=0.0) -> Sm90BwdPlan:
     """Validate, pick the config, fetch its kernels: the plan of one backward call."""
-    softmax_scale, window = validate_bwd_inputs(dout, q, k, v, out, lse, softmax_scale,
-                                                causal, window_size, deterministic)
-    cfg = select_sm90_bwd_config(q, k, v, causal, window, deterministic, config)
-    return Sm90BwdPlan(cfg, softmax_scale, (q, k, v, out, dout, lse), config)
+    softmax_scale, window, softcap = validate_bwd_inputs(dout, q, k, v, out, lse, softmax_scale,
+                                                         causal, window_size, deterministic,
+                                                         softcap)
+    cfg = select_sm90_bwd_config(q, k, v, causal, window, deterministic, config, softcap)
+    return Sm90BwdPlan(cfg, softmax_scale, (q, k, v, out, dout, lse), config, softcap)
 
 
 def prepare_sm90_bwd(dout, q, k, v, out, lse, softmax_scale=None, causal=False,
                      window_size=(None, None), deterministic=False,
-                     config: Optional[BwdConfig] = None):
+                     config: Optional[BwdConfig] = None, softcap=0.0):
     """The plan of this call and a no-argument callable that launches it on these tensors
     (the launch-only timing of ``scripts/benchmark.py --mode bwd``)."""
     plan = build_sm90_bwd_plan(dout, q, k, v, out, lse, softmax_scale, causal, window_size,
-                               deterministic, config)
+                               deterministic, config, softcap)
     return lambda: plan(dout, q, k, v, out, lse)
 
 
 def sm90_bwd(dout, q, k, v, out, lse, softmax_scale: Optional[float] = None, causal: bool = False,
              window_size=(None, None), deterministic: bool = False,
-             config: Optional[BwdConfig] = None):
+             config: Optional[BwdConfig] = None, softcap: float = 0.0):
     """Gradients (dq, dk, dv) of attention on an SM90 GPU; see the module docstring. The
-    second call with the same metadata and options reuses the first one's plan."""
+    second call with the same metadata and options reuses the first one's plan. ``softcap``
+    > 0: the gradients of softcapped attention (``flash_attn_func``)."""
     def build():
         return build_sm90_bwd_plan(dout, q, k, v, out, lse, softmax_scale, causal, window_size,
-                                   deterministic, config)
+                                   deterministic, config, softcap)
 
     if probes.any_active():
         return build()(dout, q, k, v, out, lse)
     plan = _plans.plan((dout, q, k, v, out, lse),
-                       (softmax_scale, causal, window_size, deterministic, id(config)), build)
+                       (softmax_scale, causal, window_size, deterministic, id(config), softcap),
+                       build)
     return plan(dout, q, k, v, out, lse)
 
 
@@ -287,7 +298,7 @@ def main_window(config: BwdConfig, q, k) -> tuple:
 
 
 def launch_args(config: BwdConfig, q, k, v, out, dout, lse, dq, dk, dv, softmax_scale,
-                window=None) -> list:
+                window=None, softcap=0.0) -> list:
     """The arguments of each kernel of ``kernel_specs``, in order, with a fresh workspace:
     what a call computes (a warm call nothing else). ``window``: ``main_window`` of q and k,
     computed here when not given."""
@@ -298,7 +309,7 @@ def launch_args(config: BwdConfig, q, k, v, out, dout, lse, dq, dk, dv, softmax_
         window = main_window(config, q, k)
     args = [(out, dout, lse, ws["lse2"], ws["delta"], ws["dq_acc"], ws["dq_sem"]),
             (q, k, v, dout, ws["lse2"], ws["delta"], ws["dq_acc"], dk_arg, dv_arg, ws["dq_sem"],
-             softmax_scale, *window)]
+             softmax_scale, softcap, *window)]
     if probes.active("dq_post") != "none":
         args.append((ws["dq_acc"], ws["dq_sem"], dq, softmax_scale, k.shape[1]))
     if gqa:
@@ -394,7 +405,8 @@ def fake_arguments(config: BwdConfig, env_stream: bool = False):
         dk_out, dv_out = _rowmajor(dt, (b, sk, h, d)), _rowmajor(dt, (b, sk, h, dv))
     sem = _rowmajor(cutlass.Int32, (b, h, n_sem), 4)
     return (q, k, v, do, lse2, delta, dq_acc, dk_out, dv_out, sem, cutlass.Float32(0.125),
-            cutlass.Int32(0), cutlass.Int32(0), make_fake_stream(use_tvm_ffi_env_stream=env_stream))
+            cutlass.Float32(0.0), cutlass.Int32(0), cutlass.Int32(0),
+            make_fake_stream(use_tvm_ffi_env_stream=env_stream))
 
 
 def fake_pre_arguments(dt, head_dim: int):

@@ -202,6 +202,17 @@ dQ is accumulated in float32 in global memory by one of two switchable paths (``
 the load warp is in ``bwd_load.py`` (``BwdLoadRole``); the stores of dQ, dK and dV are in
 ``bwd_store.py`` (``BwdStoreRole``, with Note [dQ SMEM handoff]); the per-element math
 (statistics, mask, P, dS) is in ``bwd_scores.py`` (``BwdScoresRole``).
+
+Note [softcap in the backward] (``softcap``): the forward's scores were capped, S' = c tanh(S /
+c), so P = exp2(t c log2(e) - LSE2) with t = tanh(raw S * softmax_scale / c)
+(``fa_sm100.softmax_math``), and the chain rule puts tanh's derivative into dS: dS = P (dP -
+Delta) (1 - t^2), scaled by softmax_scale as before. t is formed in S's registers (before the
+mask, which writes ``SOFTCAP_MASKED_T`` there instead of -inf: its P is 0 and its 1 - t^2
+finite) and stays there until dS; P goes straight from t into the 16-bit fragment the dV GEMM
+reads, two scores per packed convert, and dS takes P from those 16 bits. So the registers are
+those of the uncapped loop (S, 16-bit P, dP); the capped defaults leave early dV off (at hdim
+128 it spilled) and use 64-row query blocks (the 80- and 128-row loops form P late or from a
+shuffled layout that this ordering does not cover: ``validate`` refuses them).
 """
 
 import cutlass
@@ -352,6 +363,7 @@ class Sm90FlashBackward(BwdTileRole, BwdLoadRole, BwdStoreRole, BwdScoresRole):
         mdV: cute.Tensor,
         mdQsem: cute.Tensor,  # (batch, heads, BwdConfig.dq_sem_slots) i32, zeroed
         softmax_scale: Float32,
+        softcap: Float32,  # the cap, read only with cfg.softcap
         window_left: Int32,  # the band's run-time bounds (fa_sm100.bands.kernel_window), read
         window_right: Int32,  # only for a side the config bounds (Sm90FlashBackward.band)
         stream,
@@ -394,11 +406,17 @@ class Sm90FlashBackward(BwdTileRole, BwdLoadRole, BwdStoreRole, BwdScoresRole):
         window = None  # only a windowed kernel takes the bounds as parameters
         if const_expr(self.cfg.is_local):
             window = (window_left, window_right)
+        # Note [softcap in the backward]: P from t = tanh(raw S * softcap_k) with c log2(e)
+        scale_log2 = softmax_scale * LOG2_E
+        softcap_k = None
+        if const_expr(self.cfg.softcap):
+            softcap_k = softmax_scale / softcap
+            scale_log2 = softcap * LOG2_E
         self.kernel(
             tma_mQ, tma_mK, tma_mV, tma_mdO, tma_Q, tma_K, tma_V, tma_dO,
             mLSE2, mDelta, mdQacc, mdK, mdV, mdQsem, tma_dK, tma_mdK, tma_dV, tma_mdV,
             mQ.shape[1], mK.shape[1], mQ.shape[2] // mK.shape[2], tail_pairs, window,
-            softmax_scale, softmax_scale * LOG2_E,
+            softmax_scale, scale_log2, softcap_k,
             mma_sdp, mma_dk, mma_dv, mma_dq,
             self.sQ_layout, self.sdO_layout, self.sK_layout, self.sV_layout,
             self.sP_layout, self.sdS_layout, SharedStorage,
@@ -431,7 +449,7 @@ class Sm90FlashBackward(BwdTileRole, BwdLoadRole, BwdStoreRole, BwdScoresRole):
         self, mQ, mK, mV, mdO, tma_Q, tma_K, tma_V, tma_dO,
         mLSE2, mDelta, mdQacc, mdK, mdV, mdQsem, tma_dK, tma_mdK, tma_dV, tma_mdV,
         seqlen_q: Int32, seqlen_k: Int32, group: Int32, tail_pairs: Int32, window,
-        softmax_scale: Float32, scale_log2: Float32,
+        softmax_scale: Float32, scale_log2: Float32, softcap_k,
         mma_sdp: cute.TiledMma, mma_dk: cute.TiledMma, mma_dv: cute.TiledMma,
         mma_dq: cute.TiledMma,
         sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout,
@@ -442,6 +460,7 @@ class Sm90FlashBackward(BwdTileRole, BwdLoadRole, BwdStoreRole, BwdScoresRole):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         self.band = self._band(window)
+        self.softcap_k = softcap_k  # None without softcap
         if const_expr(self.cfg.early_dq_post):
             # Note [dQ postprocess in the tail] (bwd_prepost.py): once every CTA has started,
             # the dQ postprocess may take the SMs the last wave leaves idle
@@ -664,14 +683,27 @@ class Sm90FlashBackward(BwdTileRole, BwdLoadRole, BwdStoreRole, BwdScoresRole):
                 if step > m_block_min:
                     pipe_q.consumer_release(state_q_prev)
             pointwise = probes.active("pointwise") != "none"  # Note [cost probes]
+            softcap = self.cfg.softcap
             if const_expr(pointwise):
+                if const_expr(softcap):  # t = tanh(S * softcap_k), kept in S until dS
+                    self._softcap_rows(S, self.softcap_k)
                 if self._block_needs_mask(m_block, n_block, seqlen_q, seqlen_k):
                     self._mask(S, tScS, tScS0, m_block, n_block, seqlen_q, seqlen_k)
-                self._exp2_rows(S, lse, scale_log2, tScS0, m_block, seqlen_q)
+                if const_expr(not softcap):
+                    self._exp2_rows(S, lse, scale_log2, tScS0, m_block, seqlen_q)
             if const_expr(wide):  # Delta after P: its registers never live beside LSE2's
                 dpsum = self._block_stats(delta_block, thr_sdp, sdp_shape, tScS)
             rP = cute.make_fragment_like(acc_S, self.dtype)
-            if const_expr(not swap):
+            if const_expr(softcap):  # P straight into 16 bits; S keeps t (tile_m 64 only)
+                if const_expr(pointwise):
+                    self._softcap_p(rP, acc_S, S, lse, scale_log2, tScS0)
+                if const_expr(not swap):
+                    cute.copy(st_copy, st_thr.retile(rP),
+                              tPsP[None, None, None, ds_idx if p_staged else 0])
+                    tdVrPt_cur = tdVrPt[None, None, None, ds_idx if p_staged else 0]
+                else:
+                    tdVrPt_cur = operand_a_view(rP)
+            elif const_expr(not swap):
                 rP.store(acc_S.load().to(self.dtype))
                 p_idx = ds_idx if p_staged else 0
                 cute.copy(st_copy, st_thr.retile(rP), tPsP[None, None, None, p_idx])
@@ -690,7 +722,9 @@ class Sm90FlashBackward(BwdTileRole, BwdLoadRole, BwdStoreRole, BwdScoresRole):
                 warpgroup.wait_group(1)  # dP done; dV may still run
             else:
                 warpgroup.wait_group(0)
-            if const_expr(pointwise):
+            if const_expr(pointwise and softcap):
+                self._ds_rows(dP, rows_cols_view(rP), dpsum, tScS0, capped=S)
+            elif const_expr(pointwise):
                 self._ds_rows(dP, rows_cols_view(rP) if const_expr(ds_from_p16) else S, dpsum,
                               tScS0)
             rdS = cute.make_fragment_like(acc_dP, self.dtype)

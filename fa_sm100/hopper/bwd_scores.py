@@ -13,10 +13,22 @@ GEMMs] say where and when the statistics are read.
 import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import warpgroup
-from cutlass import Float32, const_expr
+from cutlass import Float32, Int32, const_expr
 
+from fa_sm100 import softmax_math
 from fa_sm100.hopper import probes
 from fa_sm100.hopper.common import assume_aligned, rows_cols_view
+from fa_sm100.dsl_math import softcap_tanh
+from fa_sm100.hopper.fwd_math import cvt_pair
+
+
+def fragment_coords(frag, view) -> list:
+    """(r, c) in the rows/cols ``view`` of each element of ``frag`` in its linear order (both
+    static register layouts, read at trace time)."""
+    rows, cols = cute.size(view, mode=[0]), cute.size(view, mode=[1])
+    where = {int(cute.crd2idx((r, c), view.layout)): (r, c)
+             for r in range(rows) for c in range(cols)}
+    return [where[int(cute.crd2idx(i, frag.layout))] for i in range(cute.size(frag))]
 
 
 def query_stat_source(q0: int):
@@ -86,10 +98,17 @@ class BwdScoresRole:
             warpgroup.wait_group(0)
 
     @cute.jit
-    def _ds_rows(self, dP, P, dpsum, tScS0):
+    def _ds_rows(self, dP, P, dpsum, tScS0, capped=None):
         """dS = P (dP - Delta) in place of dP (tile_m 80 / 128: columns outer, one shuffle per
-        column; ``P`` may be the 16-bit P^T, Note [tile_m 128])."""
-        if const_expr(self.cfg.shuffled_stats):
+        column; ``P`` may be the 16-bit P^T, Note [tile_m 128]). ``capped``: t of a softcapped
+        kernel, whose derivative 1 - t^2 multiplies dS (Note [softcap in the backward])."""
+        if const_expr(capped is not None):
+            for r in cutlass.range_constexpr(cute.size(dP, mode=[0])):
+                for c in cutlass.range_constexpr(cute.size(dP, mode=[1])):
+                    t = capped[r, c]
+                    ds = P[r, c].to(Float32) * (dP[r, c] - self._query_stat(dpsum, r, c, tScS0))
+                    dP[r, c] = ds * (Float32(1.0) - t * t)  # P = 0 where masked: 0 * finite
+        elif const_expr(self.cfg.shuffled_stats):
             for c in cutlass.range_constexpr(cute.size(dP, mode=[1])):
                 d_q = self._query_stat(dpsum, 0, c, tScS0)
                 for r in cutlass.range_constexpr(cute.size(dP, mode=[0])):
@@ -212,4 +231,32 @@ class BwdScoresRole:
                     out = out | (k_minus_q > limit_right)  # right of the band
                 if const_expr(left is not None):
                     out = out | (k_minus_q < limit_left)  # left of the band
-                S[r, c] = Float32(cutlass.select_(out, -Float32.inf, S[r, c]))
+                S[r, c] = Float32(cutlass.select_(out, self._masked_score(), S[r, c]))
+
+    def _masked_score(self):
+        """What a masked score becomes: -inf, or with ``softcap`` (S holds t = tanh(...) until
+        dS) ``SOFTCAP_MASKED_T``, whose P is 0 and whose 1 - t^2 is finite."""
+        if const_expr(self.cfg.softcap):
+            return Float32(softmax_math.SOFTCAP_MASKED_T)
+        return -Float32.inf
+
+    @cute.jit
+    def _softcap_rows(self, S, softcap_k):
+        """S = tanh(S * softcap_k) in place (``fa_sm100.softmax_math``, Note [softcap in the
+        backward])."""
+        for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
+            for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
+                S[r, c] = softcap_tanh(S[r, c] * softcap_k)
+
+    @cute.jit
+    def _softcap_p(self, rP, acc_S, S, lse, scale_log2, tScS0):
+        """P = exp2(t * scale_log2 - LSE2) into the 16-bit fragment ``rP`` (``acc_S``'s layout;
+        ``S`` its rows/cols view), t kept for dS (Note [softcap in the backward]). Two
+        elements at a time into one packed register, as ``convert_to`` writes them."""
+        rc = fragment_coords(acc_S, S)
+        pairs = cute.recast_tensor(rP, Int32)
+        to_bf16 = rP.element_type is cutlass.BFloat16
+        for i in cutlass.range_constexpr(cute.size(pairs)):
+            p = [cute.math.exp2(S[r, c] * scale_log2 - self._query_stat(lse, r, c, tScS0),
+                                fastmath=True) for r, c in rc[2 * i:2 * i + 2]]
+            pairs[i] = cvt_pair(p[0], p[1], to_bf16)

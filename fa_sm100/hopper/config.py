@@ -60,6 +60,9 @@ class Sm90FwdConfig:
     # a sliding window (``fa_sm100.bands``): its bounds are run-time arguments of the launch,
     # so one kernel serves every window; causal with a window is this kernel too (right <= 0)
     local: bool = False
+    # logit softcapping (fa_sm100.softmax_math): the cap is a run-time argument; scores pass
+    # through softcap_tanh before the mask and the softmax
+    softcap: bool = False
     write_lse: bool = True
     # tiles
     m_block: int = 128
@@ -413,7 +416,7 @@ RESCALE_THRESHOLD_MIN_HEAD_DIM_V = 128
 
 def select_sm90_fwd_config(head_dim: int = 128, head_dim_v=None, dtype="bfloat16", causal=False,
                            write_lse=True, seqlen_k=None, seqlen_q=None, batch_heads=None,
-                           local=False, **overrides) -> Sm90FwdConfig:
+                           local=False, softcap=False, **overrides) -> Sm90FwdConfig:
     """The default SM90 config for a problem, with ``overrides`` applied, validated.
 
     ``head_dim_v`` defaults to ``fa_sm100.config.default_head_dim_v(head_dim)`` (128 for 192).
@@ -453,6 +456,7 @@ def select_sm90_fwd_config(head_dim: int = 128, head_dim_v=None, dtype="bfloat16
         dtype=normalize_dtype(dtype),
         causal=causal,
         local=local,
+        softcap=softcap,
         write_lse=write_lse,
         m_block=WGMMA_M * num_wg,
         n_block=n_block,
@@ -509,5 +513,5 @@ def sm90_fwd_config_from_overrides(items: Iterable[str]) -> Sm90FwdConfig:
     """The default config (hdim 128, bf16) with CLI ``--set field=value`` overrides, validated."""
     changes = parse_overrides(items, cls=Sm90FwdConfig)
     problem = {k: changes.pop(k) for k in ("head_dim", "head_dim_v", "dtype", "causal", "local",
-                                           "write_lse") if k in changes}
+                                           "softcap", "write_lse") if k in changes}
     return select_sm90_fwd_config(**problem, **changes)  # head_dim_v: default_head_dim_v

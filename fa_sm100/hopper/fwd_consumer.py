@@ -75,6 +75,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from fa_sm100 import bands
+from fa_sm100.dsl_math import softcap_tanh
 from fa_sm100.hopper.common import NO_WAIT, rows_cols_view, stmatrix_to_smem, transpose_view, wgmma
 from fa_sm100.hopper.config import WARPGROUP_THREADS, WGMMA_M
 from fa_sm100.hopper.fwd_math import (
@@ -140,9 +141,14 @@ class ConsumerRole:
     def softmax(self, f: ConsumerFrags, acc_S: cute.Tensor, row_base: Int32, n: Int32,
                 mask_seqlen: cutlass.Constexpr[bool], mask_band: cutlass.Constexpr[bool],
                 is_first: cutlass.Constexpr[bool]):
-        """Mask S of KV tile n (``mask_band``: the causal diagonal, or with ``local`` both
-        edges of the window), then one online-softmax step (row_scale = O's rescale factor)."""
+        """Cap S of KV tile n (``softcap``: tanh(S * softcap_k)), mask it (``mask_band``: the
+        causal diagonal, or with ``local`` both edges of the window), then one online-softmax
+        step (row_scale = O's rescale factor)."""
         s_rc = rows_cols_view(acc_S)
+        if const_expr(self.cfg.softcap):  # before the mask: tanh(-inf) would be -1
+            for r in cutlass.range_constexpr(cute.size(s_rc, mode=[0])):
+                for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
+                    s_rc[r, c] = softcap_tanh(s_rc[r, c] * f.softcap_k)
         mask_right = mask_band and (self.cfg.causal or self.cfg.local)
         if const_expr(mask_seqlen or mask_right):
             apply_mask(s_rc, f.coord_rc, f.coord0_rc, row_base, n * self.cfg.n_block,
@@ -158,7 +164,7 @@ class ConsumerRole:
     @cute.jit
     def consumer(self, mO, mLSE, mK, sQ, sK, sV, sO, tma_o, tiled_mma_qk, tiled_mma_pv,
                  pipe_q, pipe_k, pipe_v, scale_log2: Float32, total_tiles: Int32, l2_heads: Int32,
-                 pipe_tile, sTile, window):
+                 pipe_tile, sTile, window, softcap_k):
         """Consumer warpgroups: 64 rows each; per work tile all its KV tiles, then the epilogue.
 
         Consumes: q (released after the tile's last QK GEMM, or after the O store with
@@ -166,7 +172,8 @@ class ConsumerRole:
         the GEMM that read it); with ``dynamic_schedule``, the next tile's index from the tile
         pipeline (Note [Dynamic tile schedule] in fwd_kernel.py).
         Produces: O (staged in SMEM, TMA store) and LSE (direct stores). ``window``: the
-        run-time (left, right) bounds of a ``local`` kernel, else None.
+        run-time (left, right) bounds of a ``local`` kernel, else None; ``softcap_k``: the
+        raw scores' factor inside tanh of a softcapped kernel, else None.
         """
         cfg = self.cfg
         tidx = cute.arch.thread_idx()[0] - WARPGROUP_THREADS
@@ -200,6 +207,7 @@ class ConsumerRole:
             left_edge=None,
             scale_log2=scale_log2,
             window=window,
+            softcap_k=softcap_k,
         )
         if const_expr(cfg.local):
             f.right_edge = seqlen_k - seqlen_q + window[1]

@@ -112,14 +112,15 @@ def _select(t: cute.Tensor, modes) -> cute.Tensor:
 
 
 class Sm90FwdKernel(ConsumerRole):
-    """Callable with ``(mQ, mK, mV, mO, mLSE, mTileCounter, softmax_scale, num_ctas,
+    """Callable with ``(mQ, mK, mV, mO, mLSE, mTileCounter, softmax_scale, softcap, num_ctas,
     window_left, window_right, stream)`` on BSHD tensors.
 
     mQ (b, s_q, h, d), mK/mV (b, s_k, h_kv, d / dv), mO (b, s_q, h, dv), mLSE (b, h, s_q)
     float32 or None. GQA/MQA: query head h reads K/V head h // (h / h_kv). mTileCounter: (1,)
     int32, zero before the first launch (``dynamic_schedule``; else None). num_ctas: the SM count
-    (the persistent grid). window_left / window_right: the band's run-time bounds
-    (``fa_sm100.bands.kernel_window``), read only with ``local`` (else pass 0).
+    (the persistent grid). softcap: the cap, read only with ``cfg.softcap`` (else pass 0).
+    window_left / window_right: the band's run-time bounds (``fa_sm100.bands.kernel_window``),
+    read only with ``local`` (else pass 0).
     """
 
     def __init__(self, cfg: Sm90FwdConfig):
@@ -204,6 +205,7 @@ class Sm90FwdKernel(ConsumerRole):
         mLSE,
         mTileCounter,
         softmax_scale: Float32,
+        softcap: Float32,
         num_ctas: Int32,
         window_left: Int32,
         window_right: Int32,
@@ -253,11 +255,15 @@ class Sm90FwdKernel(ConsumerRole):
             if const_expr(cfg.kv_multicast):  # Note [Persistent multicast]: whole clusters
                 grid_x = grid_x // cfg.kv_cluster * cfg.kv_cluster
         scale_log2 = softmax_scale * LOG2_E
+        softcap_k = None  # fa_sm100.softmax_math: tanh(raw score * softcap_k), then c log2(e)
+        if const_expr(cfg.softcap):
+            softcap_k = softmax_scale / softcap
+            scale_log2 = softcap * LOG2_E
         window = None  # only a windowed kernel takes the bounds as parameters
         if const_expr(cfg.local):
             window = (window_left, window_right)
         self.kernel(
-            tma_mQ, tma_mK, tma_mV, tma_mO, mLSE, mTileCounter, window, total_tiles,
+            tma_mQ, tma_mK, tma_mV, tma_mO, mLSE, mTileCounter, window, softcap_k, total_tiles,
             tma_q, tma_k, tma_v, tma_o,
             sQ_layout, sK_layout, sV_layout, sO_layout,
             tiled_mma_qk, tiled_mma_pv,
@@ -276,6 +282,7 @@ class Sm90FwdKernel(ConsumerRole):
         mLSE,
         mTileCounter,
         window,
+        softcap_k,
         total_tiles: Int32,
         tma_q: cute.CopyAtom,
         tma_k: cute.CopyAtom,
@@ -358,7 +365,7 @@ class Sm90FwdKernel(ConsumerRole):
                               PeerReleasePipeline.create(pipe_v))
             self.consumer(mO, mLSE, mK, sQ, sK, sV, sO, tma_o, tiled_mma_qk, tiled_mma_pv,
                           pipe_q, *kv_release, scale_log2, total_tiles, l2_heads, pipe_tile,
-                          sTile, window)
+                          sTile, window, softcap_k)
 
     @cute.jit
     def tile_coords(self, t: Int32, mQ: cute.Tensor, mK: cute.Tensor, l2_heads: Int32, window):

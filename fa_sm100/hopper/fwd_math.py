@@ -11,10 +11,11 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
-from cutlass._mlir.dialects import arith, llvm
+from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from fa_sm100 import softmax_math
+from fa_sm100.dsl_math import f32_bits, f32_from_bits
 from fa_sm100.hopper import probes
 from fa_sm100.softmax_math import LN_2
 
@@ -97,16 +98,6 @@ def _add_round_down(a, b, *, loc=None, ip=None) -> Float32:
         asm_dialect=llvm.AsmDialect.AD_ATT))
 
 
-@dsl_user_op
-def _bits(x, *, loc=None, ip=None) -> Int32:
-    return Int32(arith.bitcast(T.i32(), Float32(x).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
-
-
-@dsl_user_op
-def _from_bits(x, *, loc=None, ip=None) -> Float32:
-    return Float32(arith.bitcast(T.f32(), Int32(x).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
-
-
 @cute.jit
 def exp2_on_fma_pipe(x: Float32) -> Float32:
     """2^x without MUFU.EX2, one element at a time (Hopper has no packed f32x2 math).
@@ -125,7 +116,7 @@ def exp2_on_fma_pipe(x: Float32) -> Float32:
     pow2_frac = Float32(coeffs[softmax_math.EX2_POLY_DEGREE])
     for i in cutlass.range_constexpr(softmax_math.EX2_POLY_DEGREE - 1, -1, -1):
         pow2_frac = pow2_frac * frac + Float32(coeffs[i])
-    return _from_bits(_bits(pow2_frac) + (_bits(floor_in_bits) << 23))
+    return f32_from_bits(f32_bits(pow2_frac) + (f32_bits(floor_in_bits) << 23))
 
 
 def _max_tree(vals: list) -> Float32:
@@ -260,7 +251,7 @@ def rescale_o(acc_rc: cute.Tensor, row_scale: cute.Tensor, skip_ones: cutlass.Co
 
 
 @dsl_user_op
-def _cvt_pair(lo, hi, to_bf16: bool, *, loc=None, ip=None) -> Int32:
+def cvt_pair(lo, hi, to_bf16: bool, *, loc=None, ip=None) -> Int32:
     """Two float32 -> one 32-bit register holding two 16-bit values (``lo`` in the low half)."""
     kind = "bf16x2" if to_bf16 else "f16x2"
     return Int32(llvm.inline_asm(
@@ -284,4 +275,4 @@ def convert_to(dst: cute.Tensor, src: cute.Tensor):
     dst_pairs = cute.recast_tensor(dst, Int32)
     to_bf16 = dst.element_type is cutlass.BFloat16
     for i in cutlass.range(cute.size(dst_pairs), unroll_full=True):
-        dst_pairs[i] = _cvt_pair(src[2 * i], src[2 * i + 1], to_bf16)
+        dst_pairs[i] = cvt_pair(src[2 * i], src[2 * i + 1], to_bf16)

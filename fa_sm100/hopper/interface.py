@@ -51,16 +51,18 @@ def sm90_config_for(problem, config: Optional[Sm90FwdConfig], need_lse: bool = F
     """
     dtype = normalize_dtype(problem.dtype)
     local = problem.window != (None, None)
+    softcap = problem.softcap > 0
     if config is None:
         return select_sm90_fwd_config(problem.head_dim, problem.head_dim_v, dtype, problem.causal,
                                       write_lse=need_lse, seqlen_k=problem.seqlen_k,
                                       seqlen_q=problem.seqlen_q,
-                                      batch_heads=problem.batch * problem.heads, local=local)
+                                      batch_heads=problem.batch * problem.heads, local=local,
+                                      softcap=softcap)
     if not isinstance(config, Sm90FwdConfig):
         raise ValueError(f"config must be an Sm90FwdConfig on SM90, got {type(config).__name__}")
     config = config.validate()
     want = {"head_dim": problem.head_dim, "head_dim_v": problem.head_dim_v, "dtype": dtype,
-            "causal": problem.causal, "local": local}
+            "causal": problem.causal, "local": local, "softcap": softcap}
     for field, value in want.items():
         if getattr(config, field) != value:
             raise ValueError(f"config.{field}={getattr(config, field)!r} does not match the inputs "
@@ -107,9 +109,11 @@ def fake_arguments(cfg: Sm90FwdConfig):
     counter = None
     if cfg.dynamic_schedule:
         counter = make_fake_tensor(cutlass.Int32, (1,), (1,), assumed_align=4)
-    # softmax scale, CTA count of a persistent grid (the SM count), window bounds, stream
-    return (q, k, v, o, lse, counter, cutlass.Float32(1.0), cutlass.Int32(132),
-            cutlass.Int32(0), cutlass.Int32(0), make_fake_stream(use_tvm_ffi_env_stream=True))
+    # softmax scale, softcap, CTA count of a persistent grid (the SM count), window bounds,
+    # stream
+    return (q, k, v, o, lse, counter, cutlass.Float32(1.0), cutlass.Float32(0.0),
+            cutlass.Int32(132), cutlass.Int32(0), cutlass.Int32(0),
+            make_fake_stream(use_tvm_ffi_env_stream=True))
 
 
 def compile_sm90_fwd(cfg: Sm90FwdConfig, arch: str = SM90_ARCH):
@@ -137,7 +141,7 @@ class Sm90FwdPlan:
     outputs (or checks the given ones) and launches on q, k, v of that metadata."""
 
     __slots__ = ("cfg", "kernel", "num_sms", "scale", "return_lse", "out_shape", "lse_shape",
-                 "dtype", "device", "copy_inputs", "config", "window")
+                 "dtype", "device", "copy_inputs", "config", "window", "softcap")
 
     def __init__(self, problem, cfg: Sm90FwdConfig, return_lse: bool, copy_inputs: bool,
                  device: torch.device, config=None):
@@ -146,6 +150,7 @@ class Sm90FwdPlan:
         self.kernel = compile_sm90_fwd(cfg)
         self.num_sms = sm_count(device)
         self.scale = problem.softmax_scale
+        self.softcap = problem.softcap
         # run-time arguments: a new window reuses the kernel (fa_sm100.bands)
         self.window = (kernel_window(problem.causal, problem.window, problem.seqlen_q,
                                      problem.seqlen_k) if cfg.local else (0, 0))
@@ -171,7 +176,7 @@ class Sm90FwdPlan:
             lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
         counter = tile_counter(self.device) if self.cfg.dynamic_schedule else None
         self.kernel(q, k, v, o_buf, lse if self.cfg.write_lse else None, counter, self.scale,
-                    self.num_sms, *self.window)
+                    self.softcap, self.num_sms, *self.window)
         if o_buf is not out:
             out.copy_(o_buf)
         return (out, lse) if self.return_lse else out
@@ -188,11 +193,11 @@ _plans = PlanTable()
 
 def build_sm90_fwd_plan(q, k, v, softmax_scale=None, causal=False, window_size=(None, None),
                         return_lse=False, config: Optional[Sm90FwdConfig] = None,
-                        need_lse: bool = False) -> Sm90FwdPlan:
+                        need_lse: bool = False, softcap=0.0) -> Sm90FwdPlan:
     """Validate, pick and compile the config, query the SM count: the plan of one call.
     ``need_lse``: an ``lse`` buffer will be passed (the config must write LSE)."""
     problem = validate_attention_inputs(q, k, v, softmax_scale, causal, window_size,
-                                        head_dims=SM90_HEAD_DIMS)
+                                        head_dims=SM90_HEAD_DIMS, softcap=softcap)
     cfg = sm90_config_for(problem, config, need_lse=return_lse or need_lse)
     require_sm90(q.device, "sm90_fwd")
     copy_inputs = not all(tma_strides_ok(t) for t in (q, k, v))
@@ -201,7 +206,7 @@ def build_sm90_fwd_plan(q, k, v, softmax_scale=None, causal=False, window_size=(
 
 def prepare_sm90_fwd(q, k, v, softmax_scale=None, causal=False, window_size=(None, None),
                      return_lse=False, config: Optional[Sm90FwdConfig] = None, *, out=None,
-                     lse=None):
+                     lse=None, softcap=0.0):
     """Everything ``sm90_fwd`` does before the launch (the plan, and ``out`` / ``lse``
     allocated once). Returns a no-argument callable that launches the kernel on these tensors
     and returns ``out`` or ``(out, lse)``: the launch-only timing of ``scripts/benchmark.py``.
@@ -210,7 +215,7 @@ def prepare_sm90_fwd(q, k, v, softmax_scale=None, causal=False, window_size=(Non
     shapes, strides and storage must stay as they were).
     """
     plan = build_sm90_fwd_plan(q, k, v, softmax_scale, causal, window_size, return_lse, config,
-                               need_lse=lse is not None)
+                               need_lse=lse is not None, softcap=softcap)
     if out is None:
         out = torch.empty(plan.out_shape, dtype=plan.dtype, device=plan.device)
     if lse is None and (return_lse or plan.cfg.write_lse):
@@ -222,20 +227,20 @@ def prepare_sm90_fwd(q, k, v, softmax_scale=None, causal=False, window_size=(Non
 
 
 def sm90_fwd(q, k, v, softmax_scale=None, causal=False, window_size=(None, None), return_lse=False,
-             config: Optional[Sm90FwdConfig] = None, *, out=None, lse=None):
+             config: Optional[Sm90FwdConfig] = None, *, out=None, lse=None, softcap=0.0):
     """Attention forward on an SM90 GPU. BSHD tensors; returns ``out`` or ``(out, lse)``.
 
     ``out`` / ``lse`` may be given (e.g. poisoned buffers in tests): they are written in place.
     LSE is (batch, heads, seqlen_q) float32 in natural-log units, -inf for rows with no key.
     The second call with the same metadata and options reuses the first one's plan
-    (``fa_sm100.call_plans``).
+    (``fa_sm100.call_plans``). ``softcap`` > 0 caps the scores (``flash_attn_func``).
     """
     def build():
         return build_sm90_fwd_plan(q, k, v, softmax_scale, causal, window_size, return_lse,
-                                   config, need_lse=lse is not None)
+                                   config, need_lse=lse is not None, softcap=softcap)
 
     if probes.any_active():
         return build()(q, k, v, out, lse)
     plan = _plans.plan((q, k, v), (softmax_scale, causal, window_size, return_lse, id(config),
-                                   lse is not None), build)
+                                   lse is not None, softcap), build)
     return plan(q, k, v, out, lse)

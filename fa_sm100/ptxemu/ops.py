@@ -329,6 +329,8 @@ handler("sub")(_binary(lambda x, y, md, t: x - y, _f_sub))
 handler("mul")(_binary(_mul_int, _f_mul))
 handler("min")(_binary(_minmax(np.minimum), _minmax(np.fmin), three_inputs=True))
 handler("max")(_binary(_minmax(np.maximum), _minmax(np.fmax), three_inputs=True))
+# PTX: copysign.f32 d, a, b is b's magnitude with a's sign
+handler("copysign")(_binary(None, lambda a, b, md: np.copysign(b, a).astype(b.dtype)))
 handler("and")(_binary(lambda x, y, md, t: x & y))
 handler("or")(_binary(lambda x, y, md, t: x | y))
 handler("xor")(_binary(lambda x, y, md, t: x ^ y))

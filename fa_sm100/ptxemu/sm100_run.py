@@ -71,7 +71,8 @@ def compile_forward(cfg, num_heads: int):
 
 def run_forward(cfg, q, k, v, softmax_scale: Optional[float] = None, seed: int = 0,
                 trace: Optional[list] = None, ptx_edit=None,
-                policy: str = "late", strict_fences: bool = False) -> ForwardRun:
+                policy: str = "late", strict_fences: bool = False,
+                softcap: float = 0.0) -> ForwardRun:
     """Emulate the compiled SM100 forward on BSHD CPU tensors (bf16/fp16).
 
     ``seed`` and ``policy`` choose the schedule (Note [Schedule policies] in machine.py).
@@ -84,6 +85,9 @@ def run_forward(cfg, q, k, v, softmax_scale: Optional[float] = None, seed: int =
     from .capture import capture_launch
     from .emulator import emulate
 
+    if cfg.softcap != (softcap > 0):
+        raise ValueError(f"softcap={softcap} with config.softcap={cfg.softcap}: a softcapped "
+                         "config takes the cap (> 0), any other config 0")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.device.type != "cpu" or not t.is_contiguous():
             raise ValueError(f"{name} must be a contiguous CPU tensor")
@@ -97,7 +101,7 @@ def run_forward(cfg, q, k, v, softmax_scale: Optional[float] = None, seed: int =
     real = (_to_cute(q, (0, 1), fake[0]), _to_cute(k, (0, 1), fake[1]),
             _to_cute(v, (0, 1), fake[2]), _to_cute(out, (0, 1), fake[3]),
             _to_cute(lse, (0, 2), fake[4]) if lse is not None else None,
-            cutlass.Float32(scale),
+            cutlass.Float32(scale), cutlass.Float32(softcap),
             *(cutlass.Int32(w) for w in kernel_window(cfg.causal, (cfg.window_left,
                                                                    cfg.window_right), sq,
                                                       k.shape[1])),

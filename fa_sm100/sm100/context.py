@@ -25,6 +25,8 @@ class Problem:
     # (left, right) run-time bounds of a windowed config (fa_sm100.bands.kernel_window), else
     # None; masking.band says which side the kernel reads
     window: Optional[tuple] = None
+    # a softcapped config's tanh argument factor (softmax_scale / softcap), else None
+    softcap_k: Optional[Float32] = None
 
 
 @dataclass(frozen=True)

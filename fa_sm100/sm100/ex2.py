@@ -9,21 +9,10 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
-from cutlass._mlir.dialects import arith
-from cutlass.cutlass_dsl import T, dsl_user_op
+from cutlass import Float32
 
 from fa_sm100 import softmax_math
-
-
-@dsl_user_op
-def _f32_as_i32(x: Float32, *, loc=None, ip=None) -> Int32:
-    return Int32(arith.bitcast(T.i32(), Float32(x).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
-
-
-@dsl_user_op
-def _i32_as_f32(x: Int32, *, loc=None, ip=None) -> Float32:
-    return Float32(arith.bitcast(T.f32(), Int32(x).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
+from fa_sm100.dsl_math import f32_bits, f32_from_bits
 
 
 @cute.jit
@@ -41,6 +30,6 @@ def exp2_poly_pair(x: Float32, y: Float32):
     acc = (Float32(c[deg]), Float32(c[deg]))
     for i in cutlass.range_constexpr(deg - 1, -1, -1):
         acc = cute.arch.fma_packed_f32x2(acc, frac, (Float32(c[i]), Float32(c[i])))
-    out0 = _i32_as_f32(_f32_as_i32(acc[0]) + (_f32_as_i32(rounded[0]) << 23))
-    out1 = _i32_as_f32(_f32_as_i32(acc[1]) + (_f32_as_i32(rounded[1]) << 23))
+    out0 = f32_from_bits(f32_bits(acc[0]) + (f32_bits(rounded[0]) << 23))
+    out1 = f32_from_bits(f32_bits(acc[1]) + (f32_bits(rounded[1]) << 23))
     return out0, out1

@@ -15,7 +15,7 @@ FAKE_QUERY_HEADS = 8
 
 
 def fake_arguments(cfg: FmhaConfig, num_heads: int = FAKE_QUERY_HEADS, env_stream: bool = False):
-    """(q, k, v, o, lse, softmax_scale, window_left, window_right, stream) fakes for
+    """(q, k, v, o, lse, softmax_scale, softcap, window_left, window_right, stream) fakes for
     ``Sm100Forward(cfg)``.
 
     ``env_stream``: the stream is TVM-FFI's environment stream (the compiled function is then
@@ -45,7 +45,8 @@ def fake_arguments(cfg: FmhaConfig, num_heads: int = FAKE_QUERY_HEADS, env_strea
     lse = (make_fake_compact_tensor(cutlass.Float32, (batch, num_heads, seqlen_q),
                                     stride_order=(2, 1, 0), assumed_align=16)
            if cfg.write_lse else None)
-    return (q, k, v, o, lse, cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0),
+    return (q, k, v, o, lse, cutlass.Float32(1.0), cutlass.Float32(0.0), cutlass.Int32(0),
+            cutlass.Int32(0),
             make_fake_stream(use_tvm_ffi_env_stream=env_stream))
 
 

@@ -39,7 +39,7 @@ def config_for_problem(prob, device=None, config: Optional[FmhaConfig] = None,
             head_dim=prob.head_dim, head_dim_v=prob.head_dim_v, dtype=dtype,
             seqlen_q=prob.seqlen_q, seqlen_k=prob.seqlen_k, causal=prob.causal,
             qhead_per_kvhead=prob.qhead_per_kvhead, window_left=prob.window[0],
-            window_right=prob.window[1], num_sms=num_sms,
+            window_right=prob.window[1], num_sms=num_sms, softcap=prob.softcap > 0,
         )
     if not isinstance(config, FmhaConfig):
         raise ValueError(f"config must be an FmhaConfig, got {type(config).__name__}")
@@ -47,6 +47,7 @@ def config_for_problem(prob, device=None, config: Optional[FmhaConfig] = None,
         "head_dim": prob.head_dim, "head_dim_v": prob.head_dim_v, "dtype": dtype,
         "causal": prob.causal, "qhead_per_kvhead": prob.qhead_per_kvhead,
         "window_left": prob.window[0], "window_right": prob.window[1],
+        "softcap": prob.softcap > 0,
     }
     for field, want in expected.items():
         have = getattr(config, field)
@@ -81,11 +82,12 @@ class Sm100FwdPlan:
     the output shapes."""
 
     __slots__ = ("kernel", "scale", "return_lse", "out_shape", "lse_shape", "dtype", "device",
-                 "config", "window")
+                 "config", "window", "softcap")
 
     def __init__(self, prob, cfg: FmhaConfig, return_lse: bool, device, config=None):
         self.kernel = _compiled(cfg, prob.heads)
         self.scale = prob.softmax_scale
+        self.softcap = prob.softcap
         self.window = kernel_window(prob.causal, prob.window, prob.seqlen_q, prob.seqlen_k)
         self.return_lse = return_lse
         self.out_shape = (prob.batch, prob.seqlen_q, prob.heads, prob.head_dim_v)
@@ -110,14 +112,16 @@ class Sm100FwdPlan:
         if lse is not None and not self.return_lse:
             raise ValueError("an lse buffer needs return_lse=True on SM100 (the kernel writes "
                              "LSE only then)")
-        self.kernel(q, k, v, out, lse, self.scale, *self.window)
+        self.kernel(q, k, v, out, lse, self.scale, self.softcap, *self.window)
         return (out, lse) if self.return_lse else out
 
 
 def build_sm100_fwd_plan(q, k, v, softmax_scale=None, causal=False, window_size=(None, None),
-                         return_lse=False, config: Optional[FmhaConfig] = None) -> Sm100FwdPlan:
+                         return_lse=False, config: Optional[FmhaConfig] = None,
+                         softcap=0.0) -> Sm100FwdPlan:
     """Validate, pick and compile the config: the plan of one call."""
-    prob = validate_attention_inputs(q, k, v, softmax_scale, causal, window_size)
+    prob = validate_attention_inputs(q, k, v, softmax_scale, causal, window_size,
+                                     softcap=softcap)
     cfg = config_for_problem(prob, q.device, config, return_lse)
     major, _ = capability(q.device)
     if major != 10:
@@ -126,10 +130,13 @@ def build_sm100_fwd_plan(q, k, v, softmax_scale=None, causal=False, window_size=
 
 
 def sm100_fwd(q, k, v, softmax_scale=None, causal=False, window_size=(None, None),
-              return_lse=False, config: Optional[FmhaConfig] = None, *, out=None, lse=None):
+              return_lse=False, config: Optional[FmhaConfig] = None, *, out=None, lse=None,
+              softcap=0.0):
     """Attention forward on BSHD tensors with the SM100 kernel; returns out or (out, lse).
-    ``out`` / ``lse`` buffers are written instead of allocating new ones."""
-    plan = _plans.plan((q, k, v), (softmax_scale, causal, window_size, return_lse, id(config)),
+    ``out`` / ``lse`` buffers are written instead of allocating new ones; ``softcap`` > 0
+    caps the scores (``flash_attn_func``)."""
+    plan = _plans.plan((q, k, v), (softmax_scale, causal, window_size, return_lse, id(config),
+                                   softcap),
                        lambda: build_sm100_fwd_plan(q, k, v, softmax_scale, causal, window_size,
-                                                    return_lse, config))
+                                                    return_lse, config, softcap))
     return plan(q, k, v, out, lse)

@@ -68,7 +68,8 @@ class Sm100Forward:
     # ------------------------------------------------------------------------------ host
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
-                 mLSE, softmax_scale: Float32, window_left: Int32, window_right: Int32, stream):
+                 mLSE, softmax_scale: Float32, softcap: Float32, window_left: Int32,
+                 window_right: Int32, stream):
         cfg = self.cfg
         # BSHD -> (s, d, h, b) for Q, K, O; V -> (d, s, h, b) (the PV MMA reads V MN-major).
         sdhb = [1, 3, 2, 0]
@@ -127,11 +128,15 @@ class Sm100Forward:
         if cutlass.const_expr(cfg.persistent):
             clusters = cutlass.min(num_tiles, cfg.num_sms // cfg.cta_group)
         scale_log2 = softmax_scale * Float32(softmax_math.LOG2_E)
+        softcap_k = None  # fa_sm100.softmax_math: tanh(raw S * softcap_k), then c log2(e)
+        if cutlass.const_expr(cfg.softcap):
+            softcap_k = softmax_scale / softcap
+            scale_log2 = softcap * Float32(softmax_math.LOG2_E)
         window = None  # only a windowed kernel takes the bounds as parameters
         if cutlass.const_expr(cfg.is_local):
             window = (window_left, window_right)
         self.kernel(
-            mQ_t, mK_t, mV_t, mO_t, mLSE, window, tma_q, tma_k, tma_v, tma_o, scale_log2,
+            mQ_t, mK_t, mV_t, mO_t, mLSE, window, softcap_k, tma_q, tma_k, tma_v, tma_o, scale_log2,
             lay.sQ, lay.sK, lay.sV, lay.sO, lay.tP, tiled_mma_qk, tiled_mma_pv,
         ).launch(
             grid=[clusters * cfg.cta_group, 1, 1],
@@ -144,7 +149,7 @@ class Sm100Forward:
     # ---------------------------------------------------------------------------- device
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE,
-               window, tma_q: cute.CopyAtom, tma_k: cute.CopyAtom, tma_v: cute.CopyAtom,
+               window, softcap_k, tma_q: cute.CopyAtom, tma_k: cute.CopyAtom, tma_v: cute.CopyAtom,
                tma_o: cute.CopyAtom, scale_log2: Float32, sQ_layout: cute.ComposedLayout,
                sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
                sO_layout: cute.ComposedLayout, tP_layout: cute.ComposedLayout,
@@ -188,18 +193,18 @@ class Sm100Forward:
             cute.arch.setmaxregister_decrease(regs["other"])
         if warp_idx == roles.load:
             cute.arch.setmaxregister_decrease(regs["other"])
-            prob, sched = self._problem(mQ, mK, scale_log2, window)
+            prob, sched = self._problem(mQ, mK, scale_log2, window, softcap_k)
             with record.role("load"):
                 load_role.load(cfg, TmaAtoms(q=tma_q, k=tma_k, v=tma_v), self.tx, gmem, smem,
                                thr_mma_qk, thr_mma_pv, pipes, prob, sched)
         if warp_idx == roles.epilogue:
             cute.arch.setmaxregister_decrease(regs["other"])
-            prob, sched = self._problem(mQ, mK, scale_log2, window)
+            prob, sched = self._problem(mQ, mK, scale_log2, window, softcap_k)
             with record.role("epilogue"):
                 epilogue_role.epilogue(cfg, tma_o, gmem, smem, pipes, sched, cta_v)
         if warp_idx == roles.mma:
             cute.arch.setmaxregister_decrease(regs["other"])
-            prob, sched = self._problem(mQ, mK, scale_log2, window)
+            prob, sched = self._problem(mQ, mK, scale_log2, window, softcap_k)
             with record.role("mma"):
                 tmem_alloc.allocate(plan.alloc_cols)
                 _tmem_sync(tmem_bar)
@@ -211,7 +216,7 @@ class Sm100Forward:
             tmem_alloc.free(tmem.base, plan.alloc_cols)
         if warp_idx >= roles.softmax0[0] and warp_idx <= roles.softmax1[-1]:
             cute.arch.setmaxregister_increase(regs["softmax"])
-            prob, sched = self._problem(mQ, mK, scale_log2, window)
+            prob, sched = self._problem(mQ, mK, scale_log2, window, softcap_k)
             if warp_idx <= roles.softmax0[-1]:
                 with record.role("softmax0"):
                     _tmem_sync(tmem_bar)
@@ -228,7 +233,7 @@ class Sm100Forward:
                                      number_of_threads=tmem_bar.num_threads, aligned=False)
         if warp_idx >= roles.correction[0] and warp_idx <= roles.correction[-1]:
             cute.arch.setmaxregister_decrease(regs["correction"])
-            prob, sched = self._problem(mQ, mK, scale_log2, window)
+            prob, sched = self._problem(mQ, mK, scale_log2, window, softcap_k)
             with record.role("correction"):
                 _tmem_sync(tmem_bar)
                 tmem = self._tmem_views(tmem_alloc, thr_mma_qk, thr_mma_pv, tP_layout)
@@ -236,7 +241,7 @@ class Sm100Forward:
             cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.TMEM_ALLOC),
                                      number_of_threads=tmem_bar.num_threads, aligned=False)
 
-    def _problem(self, mQ, mK, scale_log2, window):
+    def _problem(self, mQ, mK, scale_log2, window, softcap_k):
         """Problem sizes and this cluster's scheduler, derived inside each role (from kernel
         parameters and special registers) rather than once before the dispatch: values
         computed there would stay live through every role, the 48-register ones included."""
@@ -245,7 +250,8 @@ class Sm100Forward:
         num_heads, batch = mQ.shape[2], mQ.shape[3]
         num_m_blocks = (seqlen_q + rows_per_tile(cfg) - 1) // rows_per_tile(cfg)
         prob = Problem(seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads=num_heads, batch=batch,
-                       num_m_blocks=num_m_blocks, scale_log2=scale_log2, window=window)
+                       num_m_blocks=num_m_blocks, scale_log2=scale_log2, window=window,
+                       softcap_k=softcap_k)
         return prob, make_scheduler(cfg, num_m_blocks, num_heads, batch)
 
     def _tmem_views(self, tmem_alloc, thr_mma_qk, thr_mma_pv, tP_layout) -> Tmem:

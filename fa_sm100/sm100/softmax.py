@@ -38,6 +38,7 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import tcgen05
 
 from fa_sm100 import softmax_math
+from fa_sm100.dsl_math import softcap_tanh
 from fa_sm100.sm100 import masking
 from fa_sm100.sm100.context import STAT_MAX, STAT_SCALE, STAT_SUM
 from fa_sm100.sm100.ex2 import exp2_poly_pair
@@ -124,6 +125,9 @@ def softmax_step(cfg, stage: cutlass.Constexpr, v: SoftmaxViews, tidx: Int32, n_
     cute.copy(v.thr_load, v.tStS, tSrS)
     # tcgen05.wait::ld: S is in registers before it is used, and before P overwrites its columns.
     cute.arch.fence_view_async_tmem_load()
+    if cutlass.const_expr(cfg.softcap):  # before the mask: tanh(-inf) would be -1
+        for i in cutlass.range(cute.size(tSrS), unroll_full=True):
+            tSrS[i] = softcap_tanh(tSrS[i] * prob.softcap_k)
     lo, hi = masking.col_limits(cfg, prob, row, n_blk)
     masking.apply_mask(cfg, tSrS, v.tScS, lo, hi)
 
