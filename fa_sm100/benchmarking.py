@@ -309,7 +309,7 @@ def median_interval(values, confidence: float = CONFIDENCE) -> Optional[tuple]:
     will land.
 
     Why: a cell of the grid is a handful of rounds and its rounds spread by about 1%
-    (docs/hopper_backward.md, round 33), so "ours over the best peer is 1.004x" says nothing
+    (CHANGELOG.md), so "ours over the best peer is 1.004x" says nothing
     about the sign unless the interval says whether 1.00 is inside it."""
     ordered = sorted(values)
     n = len(ordered)
@@ -397,7 +397,7 @@ def host_and_gpu_ms(fn, calls: int, torch):
 # Note [top-clock timing]: back to back, the backward's long cells run the lent H200 at
 # 520-620 W and below its top clock (medians of 1830-1965 MHz against 1980 in the grids), as
 # the power manager sets it, and one run's rounds drift with it: an interval from one run did
-# not cover the next (docs/hopper_backward.md, round 33). ``duty_cycled_ms`` follows every call
+# not cover the next (CHANGELOG.md). ``duty_cycled_ms`` follows every call
 # with a GPU sleep at least as long as the call, so the board stays far below its limit and
 # the clock at its top (1980 MHz throughout round 34's runs): the time is then the work's
 # own. An A/A pair measured 1.000x [0.999, 1.001] that way at hdim 128 16k, where back-to-back

@@ -67,7 +67,7 @@ def check_register_budget(used: int, formula: str, threads: int) -> None:
     register file: 384 threads hold 64512 of the 65536. ``setmaxnreg.inc`` waits until the
     registers it asks for are free in that pool, so a budget beyond it never completes and the
     kernel hangs (seen on an H200: 128 x (32 + 2 x 240) = 65536 with 384 threads,
-    docs/hopper.md, round 23)."""
+    CHANGELOG.md)."""
     pool = threads * launch_registers(threads)
     if used > pool:
         raise ValueError(

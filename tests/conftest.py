@@ -49,7 +49,7 @@ def sm90_device():
 
 # ---- --shard K/N: split a long run over several calls ----------------------------------------
 # A lent GPU runs one command for at most 10 minutes, and tests/test_sm90_bwd_gpu.py alone takes
-# about that long on an H100 (docs/hopper_backward.md, round 31). ``--shard K/N`` keeps the
+# about that long on an H100 (CHANGELOG.md). ``--shard K/N`` keeps the
 # collected tests whose position in collection order is K - 1 modulo N (a round-robin deal, so
 # that neighbouring cases, often of the same cost, spread over the shards) and deselects the
 # rest; the N runs together run every test once (fa_sm100/shards.py).

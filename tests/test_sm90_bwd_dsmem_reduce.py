@@ -1,5 +1,5 @@
 """Why the two CTAs of a Q/dO multicast pair do not sum their dQ tiles before adding them
-into L2 (docs/hopper_backward.md, round 22).
+into L2 (CHANGELOG.md).
 
 The experiment ``dq_pair_sum`` (commit 5ca4a84, reverted in the next one) had each CTA of a
 pair send half of every dQ tile to the other through distributed SMEM (``st.async``), add

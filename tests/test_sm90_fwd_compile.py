@@ -73,7 +73,7 @@ def test_four_consumer_warpgroups_would_ask_for_registers_the_cta_never_gets(mon
     it: four make 640 threads, which ptxas launches with 96 registers each (61440 in all).
     The producer's 24 leave 112 per consumer thread; 120 would need 64512, and the report
     flags the hang (on an H200, ``setmaxnreg.inc`` past the pool never returned, round 23).
-    At 112, 64-key tiles are the widest without spills: docs/hopper.md, round 23."""
+    At 112, 64-key tiles are the widest without spills: CHANGELOG.md."""
     monkeypatch.setattr(Sm90FwdConfig, "validate", lambda self: self)
     four = ["head_dim=64", "head_dim_v=64", "num_consumer_wg=4", "m_block=256",
             "regs_producer=24", "kv_multicast=false", "persistent=false",
@@ -367,7 +367,7 @@ def test_rescale_threshold_branches_around_the_o_rescale(overrides, tmp_path):
 
 @pytest.mark.compile
 def test_hdim64_kv_tile_is_the_widest_that_keeps_the_gemms_overlapped(tmp_path):
-    """Why hdim 64 stays at 128-key tiles (docs/hopper.md, round 21): with three consumer
+    """Why hdim 64 stays at 128-key tiles (CHANGELOG.md): with three consumer
     warpgroups at 160 registers, the default tile compiles without spills and its KV loop
     has 4 WARPGROUP instructions (an ARRIVE before each of its two GEMMs, a DEPBAR for S and
     one for O); one more 16-key step (n_block 144) spills, and ptxas then fences its HGMMAs one
@@ -393,7 +393,7 @@ def test_hdim64_kv_tile_is_the_widest_that_keeps_the_gemms_overlapped(tmp_path):
 
 @pytest.mark.compile
 def test_packed_16bit_exp2_is_one_sfu_op_per_element_on_sm90a():
-    """Why the softmax cannot halve its SFU work with packed exp2 (docs/hopper.md, round 21):
+    """Why the softmax cannot halve its SFU work with packed exp2 (CHANGELOG.md):
     sm_90a has ``ex2.approx.ftz.bf16x2`` / ``ex2.approx.f16x2`` in PTX, but ptxas issues one
     MUFU.EX2 per 16-bit half (two per packed operand, no packed SFU instruction), so MUFU.EX2
     per element is the same as in float32."""

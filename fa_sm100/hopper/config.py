@@ -112,7 +112,7 @@ class Sm90FwdConfig:
     # tile per CTA or persistent pairs on the static schedule (Note [Persistent multicast]).
     kv_multicast: bool = False
     # CTAs per cluster under kv_multicast: each loads 1/kv_cluster of every K / V tile (4
-    # measured 6-8% slower than 2 on the H100: docs/hopper.md, round 11)
+    # measured 6-8% slower than 2 on the H100: CHANGELOG.md)
     kv_cluster: int = KV_CLUSTER
     # Under kv_multicast with clusters of 2, an odd number of m blocks per head no longer rules
     # multicast out: the even part pairs as before, and the last m blocks of two (batch, head)
@@ -255,7 +255,7 @@ class Sm90FwdConfig:
                 f"num_consumer_wg={self.num_consumer_wg}: must be 2 or 3 (four consumer "
                 "warpgroups launch 640 threads with 96 registers each, which leaves 112 per "
                 "consumer thread after the producer's 24: room for 64-key tiles only, measured "
-                "0.90x of three warpgroups at hdim 64, docs/hopper.md round 23)")
+                "0.90x of three warpgroups at hdim 64, CHANGELOG.md)")
         if self.m_block != WGMMA_M * self.num_consumer_wg:
             raise ValueError(
                 f"m_block={self.m_block}: must be 64 x num_consumer_wg = "
