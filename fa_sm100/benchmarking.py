@@ -45,7 +45,7 @@ def round_order(names: list, rnd: int) -> list:
 
     Why not a rotation: rotated, every provider always runs right after the same one, and
     what that one leaves behind (a GPU that a slow kernel let cool, the L2's contents) falls
-    on it in every round, so it cancels in no paired ratio. Round 25 timed the backward's
+    on it in every round, so it cancels in no paired ratio. One rotated grid timed the backward's
     zero fill (``dq_first_store=False``) 4.0% faster than the default in four cells where,
     rotated, it ran right after a kernel at 0.6x speed in every round; shuffled, beside the
     same kernel, 1.8-2.2%; with no such kernel in the cell, -2.9% to +0.4%
@@ -399,7 +399,7 @@ def host_and_gpu_ms(fn, calls: int, torch):
 # the power manager sets it, and one run's rounds drift with it: an interval from one run did
 # not cover the next (CHANGELOG.md). ``duty_cycled_ms`` follows every call
 # with a GPU sleep at least as long as the call, so the board stays far below its limit and
-# the clock at its top (1980 MHz throughout round 34's runs): the time is then the work's
+# the clock at its top (1980 MHz throughout the runs): the time is then the work's
 # own. An A/A pair measured 1.000x [0.999, 1.001] that way at hdim 128 16k, where back-to-back
 # A/A runs have read 0.983x-1.007x. What it leaves out is the energy: a kernel that is faster
 # at the top clock but spends more joules may lose that lead at the power limit, so a switch
@@ -599,7 +599,7 @@ def ratio_points(rows) -> list:
     """The ``RatioPoint`` of every cell of a grid's rows that has a paired ratio: the
     forward's rows (one per provider; ``provider`` "ours", keys ``hdim`` / ``ratio_paired``)
     or the backward's (one per cell; ``head_dim``). The interval is ``ratio_paired_ci``, None
-    where a row has none (grids before round 33)."""
+    where a row has none (older grids)."""
     points = []
     for r in rows:
         if r.get("provider", "ours") != "ours" or not r.get("ratio_paired"):

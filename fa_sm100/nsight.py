@@ -1,7 +1,7 @@
 """Reading Nsight Compute's CSV exports of a profiled call, kernel by kernel (no GPU needed).
 
 ``scripts/ncu_bwd.py`` profiles one backward cell (ours and FA4) with ``ncu --set full`` and
-exports three pages of each report; this module reads them and condenses what round 35 read
+exports three pages of each report; this module reads them and condenses what the backward's profile needed
 by hand into tables that put two kernels side by side:
 
 - ``details`` (``ncu -i R --page details --csv``): one row per (kernel, section, metric):

@@ -29,7 +29,7 @@ to 12% between runs) showed up with paired ranges of +-1% (docs/hopper_backward.
 A variant whose config builds the same kernels as the default's in a cell (equal
 ``effective()`` configs: a switch the kernel does not read there, such as the backward's
 ``stats_first`` with 80-row blocks) is named before any GPU work and marked "[same kernel as
-default: A/A]" in its cell; its ratio is a measure of the noise. On an H200 (round 24), such a
+default: A/A]" in its cell; its ratio is a measure of the noise. On an H200, such a
 variant measured 0.997x-1.007x over 16 rounds in ten cells, +0.6% / +1.0% over 12 rounds at
 16k: read smaller effects with that in mind.
 
@@ -59,7 +59,7 @@ Beside the config variants:
   board stays below its power limit and the SM clock at its top: each run's time is then its
   work's own, not what the power manager made of its energy (Note [top-clock timing] in
   ``fa_sm100.benchmarking``). On an H200 an A/A pair read 1.000x [0.999, 1.001] this way at
-  hdim 128 16k (round 34); back to back such pairs have read 0.983x-1.007x.
+  hdim 128 16k; back to back such pairs have read 0.983x-1.007x.
 
       python scripts/ab_bench.py --mode bwd --hdim 128 --seqlen 16384 --top-clock \
           --variant nofence:dv_before_fence=false

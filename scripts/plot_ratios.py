@@ -7,7 +7,7 @@
 Each JSON is what ``scripts/benchmark.py --json`` wrote (forward or backward). Several runs
 of one grid are drawn side by side in each cell: a run's interval says how far its own
 rounds agree, the spread between runs how far a run can be trusted (docs/hopper_backward.md,
-round 33). Cells are also printed, one line each, with the verdict of their interval.
+"Clocks, power and noise"). Cells are also printed, one line each, with the verdict of their interval.
 """
 
 import argparse

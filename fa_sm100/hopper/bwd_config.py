@@ -512,7 +512,7 @@ class BwdConfig:
             raise ValueError(
                 "lse_early=True needs stats_shuffle=False with blocks of 80 / 128 rows: the "
                 "shuffled values (20 at tile_m 80) would stay live across the S^T GEMM, and "
-                "ptxas then serializes every WGMMA (round 35; Note [dP wait placement])")
+                "ptxas then serializes every WGMMA (Note [dP wait placement])")
         if self.dv_before_barrier and self.early_dv:
             raise ValueError(
                 "dv_before_barrier=True needs early_dv=False: with early_dv, dV is issued "

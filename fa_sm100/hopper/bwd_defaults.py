@@ -17,13 +17,13 @@ from fa_sm100.hopper.config import WGMMA_M
 # Causal problems up to this sequence length take 64-row blocks at hdim 128 instead of 80
 # (``select_bwd_config``): 80-row blocks straddle the diagonal of 128-key blocks, which costs
 # 7.6% more MMA work at 1k, 5.7% at 2k and 4.5% at 4k (0.6% at 16k), more than their faster
-# loop gains. 4k since round 11 (H100, paired, with the CTAs longest first: +2.9% to +3.5%;
+# loop gains. 4k (H100, paired, with the CTAs longest first: +2.9% to +3.5%;
 # 8k and 16k within +-1.7%).
 SHORT_CAUSAL_SEQLEN = 4096
 # Windowed problems whose band is at most this wide (``window_band``: the keys one query sees,
 # left + right, with right 0 under a causal mask; both sides bounded) take the same 64-row
 # tile at hdim 128 as short causal ones, for the same reason: each key block sees a short
-# band of query blocks, whose edges 80-row blocks straddle. H200, round 30, paired over the
+# band of query blocks, whose edges 80-row blocks straddle. H200, paired over the
 # 80-row blocks (scripts/ab_bench.py --window, 12 rounds, 4k / 16k): (512, 0) +6.5% / +6.0%,
 # (256, 256) +7.3% / +6.0%, (0, 384) +6.8% / +7.0%, (1024, 0) +4.8% / +4.7%, causal
 # (512, None) 4k +5.8%; at 16k (2048, 0) +2.5%, (4096, 0) +1.0%; wider: (4096, 4096) +1.6%,
@@ -42,7 +42,7 @@ CAUSAL_MULTICAST_MIN_SEQLEN = {64: 4096, 128: 4096}
 # to +1.0% at hdim 64, 128, 256.
 STAGGER_HEAD_DIMS = (128,)
 # Note [dQ postprocess in the tail] (early_dq_post) by default at these head dims. H100,
-# round 14, paired over off (scripts/ab_bench.py, 10-12 rounds): hdim 128 non-causal +0.6%
+# paired over off (scripts/ab_bench.py, 10-12 rounds): hdim 128 non-causal +0.6%
 # (1k), +1.4% (2k), +0.6% (4k), causal +0.7% (4k), +1.0% (16k); the time per call in the
 # CUDA profiler's timeline (8 calls) 3.5% (1k), 2.7% (2k), 1.5% (causal 4k) shorter. hdim 64:
 # +0.5% (1k), +0.4% (4k) non-causal, -2.2% / 0.0% causal (1k / 4k; in the timeline 2.7%
@@ -50,7 +50,7 @@ STAGGER_HEAD_DIMS = (128,)
 # than the postprocess gained). Others unmeasured.
 EARLY_DQ_POST_HEAD_DIMS = (128,)
 # Note [Preprocess beside the main kernel] (pre_ctas) by default at these head dims, with this
-# many CTAs. H100, round 18, paired over off (scripts/ab_bench.py, 6 and 8 rounds): hdim 128
+# many CTAs. H100, paired over off (scripts/ab_bench.py, 6 and 8 rounds): hdim 128
 # with 32 CTAs non-causal +3.2% / +0.3% (1k), +1.9% / +1.3% (2k), +2.4% / +1.9% (4k), +2.3%
 # (8k), -0.6% (16k); causal +1.3% / +2.2% (1k), +1.1% / -0.1% (2k), +1.2% / +0.5% (4k),
 # +0.1% (8k), +5.0% (16k); 24 and 48 CTAs alike (means +1.4%, +1.1%). hdim 64 with 32: -0.6%
@@ -68,13 +68,13 @@ PERSISTENT_HEAD_DIMS = (64, 128)
 DYNAMIC_TILES_HEAD_DIMS = (64,)
 # ... and for windowed problems at those head dims whose band (``window_band``) is at most
 # this wide, at any length: each tile is a sweep of a few query blocks, as a short causal
-# one. H200, round 30, paired over one CTA per tile (scripts/ab_bench.py --window, 10-12
+# one. H200, paired over one CTA per tile (scripts/ab_bench.py --window, 10-12
 # rounds, 4k / 16k): (256, 256) +4.2% / +3.2%, (512, 0) +4.1% / +4.1%, (1024, 0) +2.1% /
 # +2.0%, (2048, 0) -0.3% / -0.5%.
 DYNAMIC_WINDOW_BAND = 1024
 # Note [dP wait placement] (bwd_kernel.py): blocks of 80 rows (hdim 128) load their own
 # statistics (``stats_shuffle=False``), LSE2 while S^T runs (``lse_early``), and issue this
-# many exp2s before the dP^T wait may come (``dp_wait_after``). H200, round 36, paired over
+# many exp2s before the dP^T wait may come (``dp_wait_after``). H200, paired over
 # the shuffled statistics: +1.4% to +1.9% in every cell with 80-row blocks from 4k on
 # (non-causal 4k-16k, causal 8k-16k). Only where they compile without spills
 # (``_own_stats_fit``: beside the preprocess, non-causal or causal MHA with multicast):
@@ -109,7 +109,7 @@ def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = Fals
       non-causal, 538 -> 567 causal). hdim 96 is unmeasured: unswapped.
     - hdim 128 windowed with a band up to ``NARROW_WINDOW_BAND`` keys: the same tile and
       stats as short causal problems (next two items); H200, paired over 80-row blocks:
-      +4.7% to +7.3% for bands of 384-1024 keys, +1.0% to +2.5% for 2048-4096 (round 30).
+      +4.7% to +7.3% for bands of 384-1024 keys, +1.0% to +2.5% for 2048-4096.
     - hdim 128 causal up to ``SHORT_CAUSAL_SEQLEN``: 64-row blocks, dV before the dS barrier
       (FA4's causal tile): +1.5% to +3.4% at 1k in four runs, +0.3% to +4.3% at 2k in three; at
       4k -2% to +0.7% before the CTAs started longest first, +2.9% to +3.5% (three paired runs,
@@ -118,7 +118,7 @@ def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = Fals
       timing +5.2% at 2k, +1.6% at 1k.
     - hdim 128 with 80-row blocks: each thread loads its own LSE2/Delta, LSE2 while S^T runs,
       and the dP^T wait after 26 exp2s (``stats_shuffle=False``, ``lse_early``,
-      ``dp_wait_after``, Note [dP wait placement]); H200, round 36, paired over the shuffled
+      ``dp_wait_after``, Note [dP wait placement]); H200, paired over the shuffled
       statistics: non-causal +1.4% (4k) to +1.7% (16k), causal +1.6% (8k), +1.9% (16k). Only
       where they compile without spills (``_own_stats_fit``); elsewhere (persistent CTAs,
       causal without multicast or with GQA) the shuffled loop stays.
@@ -160,7 +160,7 @@ def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = Fals
       per tile, 10-20 rounds: +2.9% to +4.8% (1k), +2.1% to +2.9% (2k); -1.0% at 4k. (hdim
       128 causal measured -0.5% (1k), -2.5% (2k) with a kernel that spilled: refused now.)
       Also windowed hdim 64 with a band up to ``DYNAMIC_WINDOW_BAND`` keys, at any length:
-      +2.0% to +4.2% (round 30).
+      +2.0% to +4.2%.
     """
     head_dim_v = default_head_dim_v(head_dim) if head_dim_v is None else head_dim_v
     windowed = window_left is not None or window_right is not None
@@ -216,7 +216,7 @@ def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = Fals
         overlap_dk=overrides.pop("overlap_dk", False),
         # short bands at hdim 128 (swapped 64-row blocks): the stats before the GEMMs
         stats_first=overrides.pop("stats_first", short_band),
-        # deterministic with a left window: one dQ handoff for the whole tile. H200, round 30,
+        # deterministic with a left window: one dQ handoff for the whole tile. H200,
         # paired (window (512, 0), 10 rounds, 4k / 16k): +1.4% / +1.8% at hdim 64, +0.3% /
         # +0.3% at hdim 128 over one per warpgroup; without a window one per warpgroup stays
         # (one handoff: causal -1.2% to -3.8%, non-causal 0.997-1.008)
@@ -279,7 +279,7 @@ def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = Fals
     if cfg.tile_m == TILE_M_DQ_TRANSPOSED:
         # 80-row blocks: their own statistics and the placed dP^T wait where they compile
         # without spills, or where any of their switches was asked for, unless it was
-        # stats_shuffle=True (the round 35 loop); the switches asked for stay as asked
+        # stats_shuffle=True (the shuffled loop); the switches asked for stay as asked
         if "stats_shuffle" in stats_asked:
             own = not stats_asked["stats_shuffle"]
         else:
@@ -291,7 +291,7 @@ def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = Fals
 
 def _own_stats_fit(cfg: BwdConfig) -> bool:
     """Whether an 80-row config compiles without spills with its own statistics and the
-    placed dP wait (Note [dP wait placement]; sm_90a, round 36): beside the preprocess
+    placed dP wait (Note [dP wait placement]; sm_90a): beside the preprocess
     (``pre_ctas`` > 0), non-causal, or causal MHA with Q/dO multicast. Elsewhere ptxas spills:
     persistent CTAs 76 bytes, causal without multicast 8 (deterministic, windowed too), causal
     GQA 16-24; those keep the shuffled loop."""

@@ -73,7 +73,7 @@ accumulator is (hdim, tile_m); the fragment order (Note [dQ in fragment order]) 
 postprocess follow the tiled MMA, so the dQ stores and the bulk reduce do not change.
 S^T/dP^T have N = 80 and dV/dK are RS WGMMAs with K = 80 (five k16 slices); LSE2/Delta are
 held and shuffled as in Note [tile_m 128], the lanes 0-7 holding queries 64-79, or, the
-default since round 36, each thread loads its 20 (Note [dP wait placement]; an earlier
+default, each thread loads its 20 (Note [dP wait placement]; an earlier
 layout of those loads spilled ~300 bytes). FA4 runs hdim 128 non-causal this way.
 
 Note [dV before the dS barrier] (``dv_before_barrier``, without ``early_dv``): dV += P^T dO
@@ -149,9 +149,9 @@ exp2s (FA4's own kernel: after 11). Two switches take that choice back:
   holds (``m_block == seqlen_q``) around a ``wait_group(0)`` that would be right if it ran
   (``_schedule_boundary`` in bwd_scores.py). ptxas does not schedule across a branch, so the
   first n exp2s are issued before it and the real wait comes after it; the exp2s are only
-  issued there, not waited for (round 34's branch on the smallest P had to wait for all 40
+  issued there, not waited for (the branch on the smallest P had to wait for all 40
   results, and lost 3.4%).
-hdim 128 (H200, round 36, ``scripts/ab_bench.py --top-clock``, paired over the shuffled
+hdim 128 (H200, ``scripts/ab_bench.py --top-clock``, paired over the shuffled
 default, 10 rounds; ``docs/data/round36/``): unshuffled with both, n = 26 (the real wait
 then after 30 exp2s, both masks): non-causal +1.4% (4k), +1.6% / +1.7% (8k), +1.6% / +1.7%
 (16k), and +0.8% / +1.7% at 1k / 2k, where the persistent CTAs spill with them (see below);
@@ -173,8 +173,8 @@ blocking wait, which runs only if the poll failed. Without the token the wait lo
 try-wait + ``NANOSLEEP.SYNCS`` inside the loop body; with it, to a test and a branch to an
 out-of-line retry loop, as in the forward and in FA4. The token is one more live register:
 with swapped 64-row blocks and a left window (GQA, deterministic) ptxas once spilled; since
-round 7's mask by limits (``_mask``) that kernel fits with the token (the compile test), and
-round 30 timed it there as a tie, so it is on everywhere.
+the mask by limits (``_mask``) that kernel fits with the token (the compile test), and a
+paired timing there was a tie, so it is on everywhere.
 
 Note [Q/dO multicast] (``qdo_multicast``): without a mask every key block of a (batch, head)
 pair visits the same query blocks in the same order, so the CTAs of key blocks c q .. c q +

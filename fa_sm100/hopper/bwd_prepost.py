@@ -82,7 +82,7 @@ last wave. With the switch:
 No deadlock: the main kernel launches only once every preprocess CTA has started, and those
 wait for nothing. How fast one SM moves the rows is what decides: the preprocess CTAs hold
 their SMs while the main kernel runs on the others. Each thread loading its rows into
-registers (round 17) moved 22 GB/s per SM beside the main kernel. Alone on the H100 (hdim
+registers moved 22 GB/s per SM beside the main kernel. Alone on the H100 (hdim
 128, 16k tokens, one to 32 CTAs), per SM: ``cp.async`` into SMEM stages 37 GB/s with 64 KiB
 units and 22 GB/s with 32 KiB ones, whatever the stages (2, 3, 6) and count warps (1, 2, 4),
 i.e. a fixed cost per unit (1.2-1.8 us) that neither hid; TMA tiles 46-48 GB/s, and counted

@@ -69,7 +69,7 @@ class BwdScoresRole:
         shuffle per column with ``stats_shuffle``), and with ``dp_wait_after`` >= 0 a block
         boundary after that many exp2s (Note [dP wait placement]; ``m_block``, ``seqlen_q``:
         the warp-uniform values its branch compares). Rows outer, the unshuffled blocks'
-        order before round 36, the boundary made ptxas serialize every WGMMA (34 groups)."""
+        order of an earlier version, the boundary made ptxas serialize every WGMMA (34 groups)."""
         rows, cols = cute.size(S, mode=[0]), cute.size(S, mode=[1])
         if const_expr(self.cfg.wide_query_block):
             split = self.cfg.dp_wait_after

@@ -108,7 +108,7 @@ Default (``select_bwd_config``) for causal hdim 64 without a window up to
 there). At hdim 128 causal -0.5% (1k) and -2.5% (2k), without the persistent preprocess one
 CTA per tile has beside it (``pre_ctas``, which persistent CTAs refuse); that kernel (64-row
 blocks) spilled, but only at a tile's start and in its epilogue, not in the sweep's loop,
-which kept its 5 commit groups (its SASS, read in round 29): the lever's own result, refused
+which kept its 5 commit groups (read in its SASS): the lever's own result, refused
 since. Non-causal,
 against the fixed stride without multicast, -1.1% (hdim 64 1k): the fetch costs about a
 percent there and multicast is worth two, so the fixed stride keeps non-causal problems. A

@@ -367,16 +367,16 @@ def default_tile(head_dim: int) -> tuple[int, int]:
 # at 4k / 16k.) So: causal always, 128-row non-causal tiles (hdim 96, 128) always, the others
 # up to PERSISTENT_MAX_SEQLEN_K; with O in its own SMEM buffer where it fits (hdim 128 causal,
 # O in Q's buffer instead: 0.938x at 1k, 0.994x at 4k), else in Q's. hdim 64 non-causal 8k
-# (43 m blocks: no multicast pairs) since round 19: persistent + dynamic with both tile-boundary
+# (43 m blocks: no multicast pairs): persistent + dynamic with both tile-boundary
 # switches over one tile per CTA +1.5% / +2.1% / -0.9% (H100, paired, 20 / 12 / 12 rounds;
-# +0.5% in round 15), 1.6% fewer cycles under Nsight Compute: a small gain at best. Multicast
+# +0.5%), 1.6% fewer cycles under Nsight Compute: a small gain at best. Multicast
 # pairs are persistent too (Note [Persistent multicast], MULTICAST_MIN_SEQLEN_K below).
 PERSISTENT_MAX_SEQLEN_K = {64: 8192, 96: None, 128: None, 192: 2048, 256: 1024}  # None: any
 # Causal problems up to this seqlen_k use 128-row tiles even where 192 is the default.
 SHORT_CAUSAL_SEQLEN_K = 1024
 # Ping-pong (Note [Ping-pong] in fwd_consumer.py) by default up to this head dim: hdim 64's
 # three consumer warpgroups keep it (H100, paired, off: 0.997x-1.000x non-causal 8k / 16k,
-# 0.998x causal 1k). At hdim 128 off measured faster in every cell tried (round 13, H100,
+# 0.998x causal 1k). At hdim 128 off measured faster in every cell tried (H100,
 # paired, 12-16 rounds): non-causal +0.7% (1k), +1.4% (2k), +0.7% (4k), +1.3% / +1.7% (8k),
 # +1.8% / +2.2% (16k); causal +2.4% (4k), +2.4% (16k). hdim 96 follows hdim 128 unmeasured;
 # above 128 it was off already (O's registers).
@@ -386,7 +386,7 @@ PINGPONG_MAX_HEAD_DIM = 64
 # H100 (bf16, 16k tokens; paired timing, multicast over the previous default): hdim 128
 # 0.999x (4k), 1.004x (8k), 1.015x (16k) over persistent + dynamic; hdim 256 1.018x (2k, wide
 # rounds), 1.010x (4k), 1.004x (16k) and hdim 64 1.005x (16k) over one tile per CTA (all with
-# one tile per CTA). Since round 19 the pairs are persistent (Note [Persistent multicast]:
+# one tile per CTA). The pairs are persistent (Note [Persistent multicast]:
 # static schedule, clusters of 2), over one multicast tile per CTA (10 rounds, two runs where
 # two numbers): hdim 64 16k +2.6% / +1.0%; hdim 256 2k +2.4%, 4k +3.0%, 8k +0.8%, 16k +1.8%;
 # hdim 128 16k +2.9% / +2.7%; and hdim 128 from 8k again: with the tile-boundary switches

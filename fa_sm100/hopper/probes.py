@@ -53,12 +53,12 @@ gets a probed kernel. Probes:
   repeat; in deterministic mode the second sweep would wait for dQ turns the first has
   already taken, forever.
 - ``stats`` (bwd_scores.py ``_query_stat``): ``unshuffled``: with shuffled statistics (wide
-  query blocks with ``stats_shuffle``, Note [tile_m 128]: hdim 64's default, hdim 128's until
-  round 36 and with ``stats_shuffle=True``) each lane takes the LSE2 / Delta value from its own
+  query blocks with ``stats_shuffle``, Note [tile_m 128]: hdim 64's default, hdim 128's
+  with ``stats_shuffle=True``) each lane takes the LSE2 / Delta value from its own
   register instead of shuffling the query's value from the lane that holds it: the loop
   without its 40 SHFL per thread per block (hdim 128), all its math kept, the values wrong.
   T(plain) over T(unshuffled) bounds what fetching the statistics another way could win.
-  Round 35's Nsight Compute profile is why it exists: at hdim 128 16k the MMA warps of ours
+  The Nsight Compute profile is why it exists: at hdim 128 16k the MMA warps of ours
   were sampled waiting on the short scoreboard (a shuffle's result, at the FFMA of P) 102k
   times against FA4's 78k, in a loop that is otherwise FA4's instruction for instruction.
 - ``dq_post`` (``bwd_interface.launch_plan``): ``none``: the dQ postprocess (float32
