@@ -1,7 +1,8 @@
 """Hardware tests of the SM100 forward (issue 4, item 7): skipped off SM100, with the reason.
 
 Contract, on an sm_100 GPU: for every feature (bf16/fp16, causal and not, MHA/GQA/MQA, head
-dims 64/96/128/(192,128), tails, seqlen_q != seqlen_k, softmax_scale, sliding window) the
+dims 64/96/128/(192,128), tails, seqlen_q != seqlen_k, softmax_scale, sliding windows with
+run-time bounds, softcap) the
 output's max error against a float64 reference is at most twice the error of the same
 attention computed in the input precision (plus a small absolute slack), the LSE matches the
 reference's, and flipping any single switch of FmhaConfig gives the same result within that
@@ -82,6 +83,50 @@ def test_sliding_window_matches_float64_reference(sm100_device, case):
     finite = torch.isfinite(ref_lse)
     assert torch.equal(finite, torch.isfinite(lse))
     assert torch.allclose(lse[finite].double(), ref_lse[finite], atol=2e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("softcap,causal,window", [(30.0, True, (None, None)),
+                                                   (5.0, False, (64, 16)),
+                                                   (10.0, False, (-3, 40))])
+def test_softcap_matches_float64_reference(sm100_device, softcap, causal, window):
+    """Logit softcapping (docs/softcap.md), with windows and a band shifted past the
+    diagonal: O under the rule, LSE against float32 plain attention with a slack of 1e-5 of its
+    largest magnitude."""
+    from fa_sm100.sm100.interface import sm100_fwd
+
+    q, k, v = _inputs(2, 1500, 1700, 4, 2, 128, 128, torch.bfloat16, seed=5)
+    q = q * 3  # scores of a few caps
+    out, lse = sm100_fwd(q, k, v, causal=causal, window_size=window, return_lse=True,
+                         softcap=softcap)
+    torch.cuda.synchronize()
+    kw = dict(causal=causal, window=window, softcap=softcap)
+    ref, ref_lse = attention_reference(q, k, v, **kw)
+    plain, _ = attention_reference(q, k, v, dtype=q.dtype, upcast=False, **kw)
+    check_against_reference(out, ref, plain, atol=1e-3, what="O")
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(finite, torch.isfinite(lse))
+    _, plain32 = attention_reference(q, k, v, dtype=torch.float32, **kw)
+    check_against_reference(lse[finite], ref_lse[finite], plain32[finite],
+                            atol=1e-5 * float(ref_lse[finite].abs().max()), what="LSE")
+
+
+def test_new_windows_and_caps_reuse_the_compiled_kernel(sm100_device):
+    """Window bounds and the cap are launch arguments (fa_sm100.bands, docs/softcap.md)."""
+    from fa_sm100 import kernel_cache
+    from fa_sm100.sm100.interface import sm100_fwd
+
+    q, k, v = _inputs(1, 700, 900, 2, 2, 128, 128, torch.bfloat16, seed=6)
+    sm100_fwd(q, k, v, window_size=(64, 0), softcap=5.0, return_lse=True)
+    before = len(kernel_cache.records())
+    # both sides bounded in every call: "which sides are bounded" is compile-time
+    for window, softcap in (((65, 3), 5.0), ((1, 200), 30.0), ((-2, 300), 0.5)):
+        out, _ = sm100_fwd(q, k, v, window_size=window, softcap=softcap, return_lse=True)
+        torch.cuda.synchronize()
+        ref, _ = attention_reference(q, k, v, window=window, softcap=softcap)
+        plain, _ = attention_reference(q, k, v, window=window, softcap=softcap, dtype=q.dtype,
+                                       upcast=False)
+        check_against_reference(out, ref, plain, atol=1e-3, what=f"O {window} {softcap}")
+    assert len(kernel_cache.records()) == before
 
 
 SWITCHES = [
