@@ -654,3 +654,45 @@ def plot_ratio_intervals(runs: dict, path: str, title: str):
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot_mode_bars(rows, providers, path: str, title: str, label, panel_title,
+                   ylabel="TFLOP/s"):
+    """One panel per mode ("fwd", then "bwd") of ``rows`` (dicts with "mode" and a "tflops"
+    dict per provider), one group of bars per row, one bar per provider of ``providers`` that
+    has a number: the feature benchmarks' figure (``scripts/window_bench.py``,
+    ``scripts/softcap_bench.py``). ``label(row)`` names a group, ``panel_title(mode, rows)`` a
+    panel. Needs matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = sorted({r["mode"] for r in rows}, key=["fwd", "bwd"].index)
+    fig, axes = plt.subplots(1, len(modes), figsize=(7 * len(modes), 4.5), squeeze=False)
+    for ax, mode in zip(axes.flat, modes):
+        cells = [r for r in rows if r["mode"] == mode]
+        names = [n for n in providers if any(n in r["tflops"] for r in cells)]
+        width = 0.8 / max(len(names), 1)
+        for j, name in enumerate(names):
+            ax.bar([i + j * width for i in range(len(cells))],
+                   [r["tflops"].get(name, 0.0) for r in cells], width, label=name)
+        ax.set_xticks([i + width * (len(names) - 1) / 2 for i in range(len(cells))],
+                      [label(r) for r in cells])
+        ax.set_ylabel(ylabel)
+        ax.set_title(panel_title(mode, cells))
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def save_results(path: str, script: str, argv, device: str, rows) -> None:
+    """A feature benchmark's JSON: the command that made it, the device, the rows."""
+    import json
+
+    with open(path, "w") as f:
+        json.dump({"command": f"python {script} " + " ".join(argv), "device": device,
+                   "rows": rows}, f, indent=1)

@@ -20,7 +20,6 @@ backward for finite gradients; a provider that fails is not timed there.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 try:  # first import: keeps scripts/inspect.py from shadowing the standard `inspect`
@@ -29,7 +28,8 @@ except ImportError:  # loaded as a module (tests): this folder is not on sys.pat
     pass
 
 from fa_sm100.benchmarking import (MIN_ROUNDS, error_text, format_interval,  # noqa: E402
-                                   paired_interval, paired_ratio, run_cell, time_ms)
+                                   paired_interval, paired_ratio, plot_mode_bars, run_cell,
+                                   save_results, time_ms)
 
 DEFAULT_CELLS = ["128:4096:1", "128:16384:1", "128:4096:0", "64:8192:1", "256:8192:1"]
 CHECK_ROWS = 64
@@ -174,7 +174,8 @@ def run(args):
         rows.append(row)
         print(format_row(row), file=sys.stderr, flush=True)
         if args.json:  # after every cell: a run cut short keeps what it measured
-            save(args, rows, torch.cuda.get_device_name())
+            save_results(args.json, "scripts/softcap_bench.py", args.argv,
+                         torch.cuda.get_device_name(), rows)
         del q, k, v, dout
         torch.cuda.empty_cache()
     return rows
@@ -188,40 +189,13 @@ def format_row(row) -> str:
             f"{'causal' if row['causal'] else 'non-causal'}: {tf} TFLOP/s  {ratios}{errs}")
 
 
-def save(args, rows, device: str):
-    with open(args.json, "w") as f:
-        json.dump({"command": "python scripts/softcap_bench.py " + " ".join(args.argv),
-                   "device": device, "rows": rows}, f, indent=1)
-
-
 def plot(rows, path: str, device: str):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    modes = sorted({r["mode"] for r in rows}, key=["fwd", "bwd"].index)
-    fig, axes = plt.subplots(1, len(modes), figsize=(7 * len(modes), 4.5), squeeze=False)
-    for ax, mode in zip(axes.flat, modes):
-        cells = [r for r in rows if r["mode"] == mode]
-        labels = [f"d{r['hdim']}\n{r['seqlen'] // 1024}k {'c' if r['causal'] else 'nc'}"
-                  for r in cells]
-        names = [n for n in ("ours", "ours cap", "fa4", "fa4 cap")
-                 if any(n in r["tflops"] for r in cells)]
-        width = 0.8 / max(len(names), 1)
-        for j, name in enumerate(names):
-            ax.bar([i + j * width for i in range(len(cells))],
-                   [r["tflops"].get(name, 0.0) for r in cells], width, label=name)
-        ax.set_xticks([i + width * (len(names) - 1) / 2 for i in range(len(cells))], labels)
-        ax.set_ylabel("TFLOP/s")
-        ax.set_title(f"{'forward' if mode == 'fwd' else 'backward'}, softcap "
-                     f"{cells[0]['softcap']:g} vs none")
-        ax.grid(axis="y", alpha=0.3)
-        ax.legend()
-    fig.suptitle(f"Logit softcapping through the public API on {device}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    mode_name = {"fwd": "forward", "bwd": "backward"}
+    plot_mode_bars(
+        rows, ("ours", "ours cap", "fa4", "fa4 cap"), path,
+        f"Logit softcapping through the public API on {device}",
+        lambda r: f"d{r['hdim']}\n{r['seqlen'] // 1024}k {'c' if r['causal'] else 'nc'}",
+        lambda mode, cells: f"{mode_name[mode]}, softcap {cells[0]['softcap']:g} vs none")
 
 
 def main(argv=None) -> int:

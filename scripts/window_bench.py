@@ -28,7 +28,6 @@ Progress goes to stderr; exit status 1 when ours fails a cell.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 try:  # first import: keeps scripts/inspect.py from shadowing the standard `inspect`
@@ -37,7 +36,8 @@ except ImportError:  # loaded as a module (tests): this folder is not on sys.pat
     pass
 
 from fa_sm100.benchmarking import (MIN_ROUNDS, error_text, format_interval,  # noqa: E402
-                                   paired_interval, paired_ratio, run_cell, time_ms)
+                                   paired_interval, paired_ratio, plot_mode_bars, run_cell,
+                                   save_results, time_ms)
 
 DEFAULT_CELLS = ["4096:128", "4096:1024", "16384:512", "16384:4096", "32768:4096",
                  "8192:256", "32768:1024"]
@@ -197,31 +197,13 @@ def format_row(row) -> str:
 
 
 def plot(rows, path: str, device: str):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    modes = sorted({r["mode"] for r in rows}, key=["fwd", "bwd"].index)
-    fig, axes = plt.subplots(1, len(modes), figsize=(7 * len(modes), 4.5), squeeze=False)
-    for ax, mode in zip(axes.flat, modes):
-        cells = [r for r in rows if r["mode"] == mode]
-        labels = [f"{r['seqlen'] // 1024}k\nw{r['window'][0]}" for r in cells]
-        names = [n for n in ("ours", "ours:launch", "fa4") if any(n in r["tflops"] for r in cells)]
-        width = 0.8 / max(len(names), 1)
-        for j, name in enumerate(names):
-            ax.bar([i + j * width for i in range(len(cells))],
-                   [r["tflops"].get(name, 0.0) for r in cells], width, label=name)
-        ax.set_xticks([i + width * (len(names) - 1) / 2 for i in range(len(cells))], labels)
-        ax.set_ylabel("TFLOP/s on the visible band")
-        ax.set_title(f"{'forward' if mode == 'fwd' else 'backward'}, causal + left window, "
-                     f"hdim {HEAD_DIM}")
-        ax.grid(axis="y", alpha=0.3)
-        ax.legend()
-    fig.suptitle(f"Sliding window through the public API on {device}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    mode_name = {"fwd": "forward", "bwd": "backward"}
+    plot_mode_bars(
+        rows, ("ours", "ours:launch", "fa4"), path,
+        f"Sliding window through the public API on {device}",
+        lambda r: f"{r['seqlen'] // 1024}k\nw{r['window'][0]}",
+        lambda mode, cells: f"{mode_name[mode]}, causal + left window, hdim {HEAD_DIM}",
+        ylabel="TFLOP/s on the visible band")
 
 
 def main(argv=None) -> int:
@@ -234,10 +216,8 @@ def main(argv=None) -> int:
     rows = run(args)
     device = torch.cuda.get_device_name()
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"command": "python scripts/window_bench.py " + " ".join(
-                sys.argv[1:] if argv is None else argv), "device": device, "rows": rows}, f,
-                indent=1)
+        save_results(args.json, "scripts/window_bench.py",
+                     sys.argv[1:] if argv is None else argv, device, rows)
     if args.png:
         plot(rows, args.png, device)
     return 1 if any("ours" in r["errors"] for r in rows) else 0

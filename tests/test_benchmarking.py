@@ -105,3 +105,42 @@ def test_bwd_rows_keep_clocks_out_of_the_provider_names(capsys):
         "ours 1720 MHz 690 W, ours:t80 1690 MHz 689 W")
     bwd_bench.print_clocks([{"ours_tflops": 1.0}])  # nothing sampled: nothing printed
     assert capsys.readouterr().out == ""
+
+
+def test_feature_benchmarks_save_their_command_and_draw_one_panel_per_mode(tmp_path):
+    """``save_results`` / ``plot_mode_bars`` (scripts/window_bench.py, softcap_bench.py): the
+    JSON holds the command that made it, and the figure has one panel per mode present, with
+    a bar for each provider that has a number (a provider with none is left out)."""
+    import json
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    from fa_sm100.benchmarking import plot_mode_bars, save_results
+
+    rows = [{"mode": m, "seqlen": s, "tflops": {"ours": 100.0 + s / 1024, "fa4": 90.0}}
+            for m in ("bwd", "fwd") for s in (4096, 16384)]
+    save_results(tmp_path / "r.json", "scripts/x.py", ["--cells", "4096:128"], "GPU", rows)
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert saved["command"] == "python scripts/x.py --cells 4096:128" and saved["rows"] == rows
+    drawn = []
+    real_subplots = plt.subplots
+
+    def spy(*a, **kw):
+        fig, axes = real_subplots(*a, **kw)
+        drawn.append(axes)
+        return fig, axes
+
+    plt.subplots = spy
+    try:
+        plot_mode_bars(rows, ("ours", "ours:launch", "fa4"), str(tmp_path / "f.png"), "t",
+                       lambda r: str(r["seqlen"]), lambda mode, cells: mode)
+    finally:
+        plt.subplots = real_subplots
+    (axes,) = drawn
+    assert [ax.get_title() for ax in axes.flat] == ["fwd", "bwd"]  # forward first
+    assert [t.get_text() for t in axes.flat[0].get_legend().get_texts()] == ["ours", "fa4"]
+    assert len(axes.flat[0].patches) == 4  # 2 cells x 2 providers with numbers
+    assert (tmp_path / "f.png").stat().st_size > 10_000

@@ -65,7 +65,7 @@ class BwdConfig:
     window_right: Optional[int] = None
     qhead_per_kvhead: int = 1
     # logit softcapping (the cap is a launch argument): Note [softcap in the backward] in
-    # bwd_kernel.py; query blocks of 64 rows only
+    # bwd_scores.py; query blocks of 64 rows only
     softcap: bool = False
     # tiles and pipelines
     # query rows per inner iteration: 64 (one WGMMA M atom), or with sdp_swap_ab 128 (S^T and

@@ -203,16 +203,6 @@ the load warp is in ``bwd_load.py`` (``BwdLoadRole``); the stores of dQ, dK and 
 ``bwd_store.py`` (``BwdStoreRole``, with Note [dQ SMEM handoff]); the per-element math
 (statistics, mask, P, dS) is in ``bwd_scores.py`` (``BwdScoresRole``).
 
-Note [softcap in the backward] (``softcap``): the forward's scores were capped, S' = c tanh(S /
-c), so P = exp2(t c log2(e) - LSE2) with t = tanh(raw S * softmax_scale / c)
-(``fa_sm100.softmax_math``), and the chain rule puts tanh's derivative into dS: dS = P (dP -
-Delta) (1 - t^2), scaled by softmax_scale as before. t is formed in S's registers (before the
-mask, which writes ``SOFTCAP_MASKED_T`` there instead of -inf: its P is 0 and its 1 - t^2
-finite) and stays there until dS; P goes straight from t into the 16-bit fragment the dV GEMM
-reads, two scores per packed convert, and dS takes P from those 16 bits. So the registers are
-those of the uncapped loop (S, 16-bit P, dP); the capped defaults leave early dV off (at hdim
-128 it spilled) and use 64-row query blocks (the 80- and 128-row loops form P late or from a
-shuffled layout that this ordering does not cover: ``validate`` refuses them).
 """
 
 import cutlass
@@ -428,19 +418,6 @@ class Sm90FlashBackward(BwdTileRole, BwdLoadRole, BwdStoreRole, BwdScoresRole):
             use_pdl=self.cfg.pdl,  # Note [chained launches] in bwd_interface.py
             **({"cluster": list(self.cfg.cluster)} if self.cfg.qdo_multicast else {}),
         )
-
-    def _band(self, window):
-        """(left, right) of the mask and the tile ranges (``fa_sm100.bands``), as every role
-        reads them: a side the config bounds is the run-time argument, an unbounded one None,
-        and causal without a right bound the constant 0."""
-        left = right = None
-        if const_expr(self.cfg.window_left is not None):
-            left = window[0]
-        if const_expr(self.cfg.window_right is not None):
-            right = window[1]  # min(right, 0) under a causal mask: kernel_window
-        elif const_expr(self.cfg.causal):
-            right = 0
-        return left, right
 
     # ---- kernel: shared storage, registers, role dispatch ------------------------------------
 

@@ -8,6 +8,17 @@ or 128 the LSE2/Delta values are shuffled between lanes (Note [tile_m 128]) or e
 loads its own (hdim 128's default, with the dP wait placed by ``_schedule_boundary``, Note
 [dP wait placement]). The kernel's Notes [stats with their stage] and [stats before the
 GEMMs] say where and when the statistics are read.
+
+Note [softcap in the backward] (``softcap``): the forward's scores were capped, S' = c tanh(S /
+c), so P = exp2(t c log2(e) - LSE2) with t = tanh(raw S * softmax_scale / c)
+(``fa_sm100.softmax_math``), and the chain rule puts tanh's derivative into dS: dS = P (dP -
+Delta) (1 - t^2), scaled by softmax_scale as before. t is formed in S's registers (before the
+mask, which writes ``SOFTCAP_MASKED_T`` there instead of -inf: its P is 0 and its 1 - t^2
+finite) and stays there until dS; P goes straight from t into the 16-bit fragment the dV GEMM
+reads, two scores per packed convert, and dS takes P from those 16 bits. So the registers are
+those of the uncapped loop (S, 16-bit P, dP); the capped defaults leave early dV off (at hdim
+128 it spilled) and use 64-row query blocks (the 80- and 128-row loops form P late or from a
+shuffled layout that this ordering does not cover: ``validate`` refuses them).
 """
 
 import cutlass
