@@ -31,6 +31,19 @@ def effective_bounds(causal: bool, left: Optional[int], right: Optional[int]):
     return left, right
 
 
+def traced_bounds(cfg, window) -> tuple:
+    """(left, right) a kernel masks and walks with, while it is traced: for a side the config
+    bounds (``cfg.window_left`` / ``window_right`` not None) the run-time argument of
+    ``window`` (``kernel_window``'s, which applied causal's cap), for an unbounded side None,
+    and causal without a right bound the constant 0. The SM90 backward and the SM100 forward
+    read their bounds through it."""
+    left = window[0] if cfg.window_left is not None else None
+    right = window[1] if cfg.window_right is not None else None
+    if right is None and cfg.causal:
+        right = 0
+    return left, right
+
+
 def kernel_window(causal: bool, window: tuple, seqlen_q: int, seqlen_k: int) -> tuple[int, int]:
     """The (left, right) integers a windowed kernel launch takes.
 

@@ -20,6 +20,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
+from fa_sm100.bands import effective_bounds
 from fa_sm100.config import DTYPES, check_register_budget, check_setmaxnreg
 from fa_sm100.hopper.config import SM90_ARCH, WARPGROUP_THREADS, WGMMA_M
 from layouts.smem import SMEM_BUDGET, align_up
@@ -629,7 +630,6 @@ def band_bounds(cfg: BwdConfig) -> tuple:
 
 
 def causal_window_right(causal: bool, window_right: Optional[int]) -> Optional[int]:
-    """``effective_window_right`` of a problem before its config is built."""
-    if causal:
-        return 0 if window_right is None else min(window_right, 0)
-    return window_right
+    """``effective_window_right`` of a problem before its config is built
+    (``bands.effective_bounds``)."""
+    return effective_bounds(causal, None, window_right)[1]

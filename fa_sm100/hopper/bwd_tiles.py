@@ -123,6 +123,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, const_expr
 
+from fa_sm100.bands import traced_bounds
 from fa_sm100.hopper import probes
 from fa_sm100.hopper.bwd_config import TILE_SLOTS, BwdConfig, band_bounds
 
@@ -316,17 +317,9 @@ class BwdTileRole:
         return BwdTile(n_block, head, batch, m_block_min, m_block_min, m_block_max, m_offset)
 
     def _band(self, window):
-        """(left, right) of the mask and the tile ranges (``fa_sm100.bands``), as every role
-        reads them: a side the config bounds is the run-time argument, an unbounded one None,
-        and causal without a right bound the constant 0."""
-        left = right = None
-        if const_expr(self.cfg.window_left is not None):
-            left = window[0]
-        if const_expr(self.cfg.window_right is not None):
-            right = window[1]  # min(right, 0) under a causal mask: kernel_window
-        elif const_expr(self.cfg.causal):
-            right = 0
-        return left, right
+        """(left, right) of the mask and the tile ranges, as every role reads them
+        (``bands.traced_bounds``)."""
+        return traced_bounds(self.cfg, window)
 
     def _m_block_range(self, n_block: Int32, seqlen_q: Int32, seqlen_k: Int32):
         """Query blocks [min, max) this CTA visits (``m_block_range``)."""

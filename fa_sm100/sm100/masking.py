@@ -25,21 +25,13 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
+from fa_sm100.bands import traced_bounds
 from fa_sm100.sm100.scheduler import rows_per_tile
 
 
 def band(cfg, prob):
-    """(left, right) key offsets around the aligned diagonal: the run-time bound of a side the
-    config bounds (the host applies causal's cap), None for an unbounded side, and causal
-    without a right bound the constant 0."""
-    left = right = None
-    if cutlass.const_expr(cfg.window_left is not None):
-        left = prob.window[0]
-    if cutlass.const_expr(cfg.window_right is not None):
-        right = prob.window[1]
-    elif cutlass.const_expr(cfg.causal):
-        right = 0
-    return left, right
+    """(left, right) key offsets around the aligned diagonal (``bands.traced_bounds``)."""
+    return traced_bounds(cfg, prob.window)
 
 
 @cute.jit
