@@ -202,6 +202,10 @@ CASES: tuple[AdversarialCase, ...] = (
     _c("window_left_of_diagonal", "scale", 4.0, seqlen_q=200, seqlen_k=200, window=(40, -7)),
     _c("window_empty_band_fp16", "scale", 1.0, seqlen_q=100, seqlen_k=150, window=(-30, 20),
        dtype="fp16"),
+    # a left bound only, with more than twice as many queries as keys: the unbounded right side
+    # is clamped to seqlen_q (a clamp to seqlen_k hides every key from the first rows)
+    _c("window_left_only_sq_gt_2sk", "jump_late", 100.0, seqlen_q=256, seqlen_k=96,
+       window=(32, None)),
     # softcapping: large scores bent into (-softcap, softcap)
     _c("softcap_scale_12", "scale", 12.0, softcap=30.0),
     _c("softcap_jump_late_1000", "jump_late", 1000.0, softcap=50.0),

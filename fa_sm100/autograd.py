@@ -4,10 +4,13 @@
 ``torch.ops.fa_sm100.attn_bwd(dout, q, k, v, out, lse, ...) -> (dq, dk, dv)`` are registered
 with ``torch.library.custom_op`` (plus fake implementations for shape propagation), so
 ``torch.compile(fullgraph=True)`` sees two opaque graph nodes instead of tracing into CuTe DSL.
-``FlashAttnFunction`` saves q, k, v, out and lse and calls the backward op. In eager mode it
-calls the ops' implementations (``attn_fwd_impl``, ``attn_bwd_impl``) directly: a custom op's
-Python dispatch costs more host time than the rest of a warm call, and the op node matters only
-to a graph.
+``FlashAttnFunction`` saves q, k, v, out and lse and calls the backward op: what a compiled
+graph records. Eager calls take ``EagerAttention`` instead, whose one non-tensor argument is a
+``PlannedCall``: the forward's plan and the backward's options, decided once per (metadata,
+options) pair by ``flash_attn_func`` (``fa_sm100.interface``), with the backward's plan kept
+after the first backward. A warm training step so builds one key in the forward and none in the
+backward; a custom op's Python dispatch would cost more host time than the rest of the call,
+and the op node matters only to a graph.
 
 Devices: CUDA tensors run the kernels (forward by capability through
 ``fa_sm100.interface``; backward on sm_90 through ``sm90_bwd``; other GPUs raise ValueError).
@@ -25,8 +28,9 @@ from typing import Optional
 
 import torch
 
+from fa_sm100.hopper import probes
 from fa_sm100.hopper.bwd_config import SM90_BWD_HEAD_DIMS
-from fa_sm100.validation import normalize_window, require_sm90
+from fa_sm100.validation import check_softmax_scale, normalize_window, require_sm90
 
 _CONFIGS: list = []  # token -> config
 _CONFIG_TOKENS: dict = {}  # config -> token
@@ -100,10 +104,9 @@ def attn_fwd_impl(q, k, v, softmax_scale, causal, window_left, window_right, sof
     from fa_sm100.interface import _backend_for
 
     config = _CONFIGS[config_token] if config_token >= 0 else None
-    out, lse = _backend_for(q.device)(q, k, v, softmax_scale, causal,
-                                      (window_left, window_right), True, config,
-                                      softcap=softcap)
-    return out, lse
+    forward, _ = _backend_for(q.device)
+    return forward(q, k, v, softmax_scale, causal, (window_left, window_right), True, config,
+                   softcap=softcap)
 
 
 @torch.library.custom_op("fa_sm100::attn_fwd", mutates_args=())
@@ -179,6 +182,68 @@ class FlashAttnFunction(torch.autograd.Function):
             dout.contiguous(), q, k, v, out, lse, ctx.softmax_scale, ctx.causal, ctx.window[0],
             ctx.window[1], ctx.softcap, ctx.deterministic)
         return dq, dk, dv, None, None, None, None, None, None, None
+
+
+class PlannedCall:
+    """What a ``flash_attn_func`` call with gradients decided for its (metadata, options):
+    ``plan``, the backend's forward plan (returning out and LSE), and the backward's options;
+    ``bwd_plan``, the SM90 backward's plan, once a backward has run. The backward's inputs
+    have the metadata the plan was made for: q, k, v are the forward's (the key's), out and
+    lse the forward plan's, dout is made contiguous; a dout of other strides (a size-1
+    dimension's stride is free) takes ``sm90_bwd``'s own plan table."""
+
+    __slots__ = ("plan", "scale", "causal", "window", "softcap", "deterministic", "config",
+                 "bwd_plan", "dout_stride")
+
+    def __init__(self, plan, scale, causal, window, softcap, deterministic, config):
+        self.plan = plan
+        self.scale, self.causal, self.window = scale, causal, window
+        self.softcap, self.deterministic = softcap, deterministic
+        self.config = config  # the caller's config, whose id is in the key (call_plans)
+        self.bwd_plan = self.dout_stride = None
+
+    def backward(self, dout, q, k, v, out, lse):
+        from fa_sm100.hopper.bwd_interface import build_sm90_bwd_plan, sm90_bwd
+
+        dout = dout.contiguous()
+        plan = self.bwd_plan
+        if plan is not None and dout.stride() == self.dout_stride and not probes.any_active():
+            return plan(dout, q, k, v, out, lse)
+        options = dict(softmax_scale=self.scale, causal=self.causal, window_size=self.window,
+                       deterministic=self.deterministic, softcap=self.softcap)
+        if plan is not None or probes.any_active():
+            return sm90_bwd(dout, q, k, v, out, lse, **options)
+        plan = build_sm90_bwd_plan(dout, q, k, v, out, lse, **options)
+        self.bwd_plan, self.dout_stride = plan, dout.stride()
+        return plan(dout, q, k, v, out, lse)
+
+
+def planned_call(q, k, v, softmax_scale, causal, window_size, softcap, config, deterministic,
+                 build_plan) -> PlannedCall:
+    """The ``PlannedCall`` of validated inputs: raises ValueError first when the backward could
+    not run (``check_backward_supported``); ``build_plan`` is the backend's plan builder."""
+    check_backward_supported(q, k, v)
+    plan = build_plan(q, k, v, softmax_scale, causal, window_size, True, config,
+                      softcap=softcap)
+    return PlannedCall(plan, check_softmax_scale(softmax_scale, q.shape[-1]), bool(causal),
+                       normalize_window(window_size), float(softcap), bool(deterministic),
+                       config)
+
+
+class EagerAttention(torch.autograd.Function):
+    """``FlashAttnFunction`` for eager calls: ``call`` (a ``PlannedCall``) holds the plans."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, call):
+        out, lse = call.plan(q, k, v)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.call = call
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        return (*ctx.call.backward(dout, *ctx.saved_tensors), None)
 
 
 def check_backward_supported(q, k, v):

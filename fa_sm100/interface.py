@@ -5,9 +5,10 @@
 others  -> ValueError naming the device.
 
 Inputs are validated (``fa_sm100.validation``) before the device is queried, before any
-compile and before any launch. A call whose metadata and options passed validation before
-skips it (``fa_sm100.call_plans``: nothing validation reads lies outside that key), and the
-backend's own plan skips the config choice and the compile.
+compile and before any launch. What a call decides from its inputs' metadata and options (the
+checks, the backend's config and kernel, for gradients the backward's options) is decided once
+per (metadata, options) pair and kept in ``_calls`` (``fa_sm100.call_plans``): a warm call
+builds one key, finds its plan, allocates and launches.
 """
 
 from __future__ import annotations
@@ -16,30 +17,42 @@ import torch
 
 from fa_sm100.call_plans import PlanTable
 from fa_sm100.devices import capability
+from fa_sm100.hopper import probes
 from fa_sm100.validation import validate_attention_inputs
 
-_validated = PlanTable()  # (metadata, options) that passed validation -> backend
-
-
-def _validated_backend(q, k, v, softmax_scale, causal, window_size, softcap):
-    validate_attention_inputs(q, k, v, softmax_scale, causal, window_size, softcap=softcap)
-    return _backend_for(q.device)
+_calls = PlanTable()  # (metadata, options) that passed validation -> the backend's plan
 
 
 def _backend_for(device: torch.device):
+    """(forward function, plan builder) of the device's kernel."""
     major, minor = capability(device)
     if major == 10:
-        from fa_sm100.sm100.interface import sm100_fwd
+        from fa_sm100.sm100.interface import build_sm100_fwd_plan, sm100_fwd
 
-        return sm100_fwd
+        return sm100_fwd, build_sm100_fwd_plan
     if (major, minor) == (9, 0):
-        from fa_sm100.hopper.interface import sm90_fwd
+        from fa_sm100.hopper.interface import build_sm90_fwd_plan, sm90_fwd
 
-        return sm90_fwd
+        return sm90_fwd, build_sm90_fwd_plan
     raise ValueError(
         f"no fa_sm100 kernel for {torch.cuda.get_device_name(device)} (sm_{major}{minor}): "
         "the forward runs on sm_100 (Blackwell) and sm_90 (Hopper) GPUs"
     )
+
+
+def _build_call(q, k, v, softmax_scale, causal, window_size, softcap, return_lse, config,
+                need_lse, grad, deterministic):
+    """The plan of a public call: the backend's forward plan, or for a call with gradients a
+    ``PlannedCall`` (``fa_sm100.autograd``) around the forward plan that writes LSE."""
+    validate_attention_inputs(q, k, v, softmax_scale, causal, window_size, softcap=softcap)
+    _, build_plan = _backend_for(q.device)
+    if grad:
+        from fa_sm100.autograd import planned_call
+
+        return planned_call(q, k, v, softmax_scale, causal, window_size, softcap, config,
+                            deterministic, build_plan)
+    return build_plan(q, k, v, softmax_scale, causal, window_size, return_lse, config,
+                      need_lse=need_lse, softcap=softcap)
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
@@ -92,16 +105,26 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
 
         return flash_attn_autograd(q, k, v, softmax_scale, causal, return_lse, config,
                                    window_size, deterministic, softcap)
-    backend = _validated.plan((q, k, v), (softmax_scale, causal, window_size, softcap),
-                              lambda: _validated_backend(q, k, v, softmax_scale, causal,
-                                                         window_size, softcap))
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+    try:
+        grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    except AttributeError:  # not tensors: the validation names the argument
+        grad = False
+
+    def build():
+        return _build_call(q, k, v, softmax_scale, causal, window_size, softcap, return_lse,
+                           config, lse is not None, grad, deterministic)
+
+    if probes.any_active():  # a cost probe changes the kernels while it is active: no plans
+        call = build()
+    else:
+        call = _calls.plan((q, k, v), (softmax_scale, causal, window_size, softcap, return_lse,
+                                       id(config), lse is not None, grad, deterministic), build)
+    if grad:
         if out is not None or lse is not None:
             raise ValueError("out= and lse= buffers are for calls without gradients: with "
                              "gradients autograd owns the outputs")
-        from fa_sm100.autograd import flash_attn_autograd
+        from fa_sm100.autograd import EagerAttention
 
-        return flash_attn_autograd(q, k, v, softmax_scale, causal, return_lse, config,
-                                   window_size, deterministic, softcap)
-    return backend(q, k, v, softmax_scale, causal, window_size, return_lse, config, out=out,
-                   lse=lse, softcap=softcap)
+        out, lse = EagerAttention.apply(q, k, v, call)
+        return (out, lse) if return_lse else out
+    return call(q, k, v, out, lse)

@@ -18,7 +18,16 @@ host: the time per call is what the Python and launch path cost. Rows:
 SDPA's backend is chosen once around each of its measurements (``sdpa_kernel``), as a model
 sets it, not per call.
 
-Each entry: ``calls`` calls back to back, then one synchronize; microseconds per call. Rounds
+Three figures per entry, microseconds per call:
+
+- per call: ``calls`` calls back to back, then one synchronize: bound by whichever of the host
+  and the GPU is slower (the table's headline, as a model's loop sees it);
+- host: ``HOST_CALLS`` calls after a synchronize, timed until the last one returns (the GPU's
+  queue never fills, so this is the host's own cost, whatever the kernels take);
+- GPU (``--gpu-time``): the kernels' device time per call (torch.profiler), which bounds the
+  per-call figure from below when the host is faster.
+
+Rounds
 interleave the providers (every round times each once, in a rotating order) and the table keeps
 each one's minimum over the rounds: the least disturbed measurement of a fixed cost. A provider
 that cannot run says why instead of a number.
@@ -46,6 +55,8 @@ def parse_args(argv=None):
     p.add_argument("--calls", type=int, default=500, help="calls per measurement")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--json", help="write the table as JSON")
+    p.add_argument("--gpu-time", action="store_true",
+                   help="also measure each entry's kernel time on the GPU (torch.profiler)")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="also print a cProfile of N warm calls of ours' training step (forward "
                         "+ autograd.grad), the functions by own time: where the host time goes")
@@ -119,8 +130,42 @@ def per_call_us(fn, calls, torch) -> float:
     return (time.perf_counter() - start) / calls * 1e6
 
 
-def measure(table, calls, rounds, torch):
-    """{row: {provider: min us per call, or the reason it did not run}}."""
+HOST_CALLS = 32  # few enough launches that the GPU's queue never blocks the host
+
+
+def host_us(fn, torch) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(HOST_CALLS):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / HOST_CALLS * 1e6
+
+
+def gpu_us(fn, calls, torch) -> tuple:
+    """(device time per call in us, {kernel name: us per call}) over ``calls`` calls."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    kernels = {}
+    for event in prof.key_averages():
+        t = getattr(event, "device_time_total", None)
+        if t is None:
+            t = getattr(event, "cuda_time_total", 0)
+        if t and event.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[event.key[:80]] = t / calls
+    return sum(kernels.values()), kernels
+
+
+def measure(table, calls, rounds, torch, gpu_time=False):
+    """{figure: {row: {provider: min us per call, or the reason it did not run}}} for the
+    figures "per call", "host" and (``gpu_time``) "GPU" of the module docstring, with the GPU
+    figure's kernels under "kernels"."""
     result = {row: {} for row in table}
     runnable = []
     for row, entries in table.items():
@@ -138,17 +183,31 @@ def measure(table, calls, rounds, torch):
                 result[row][name] = f"{type(e).__name__}: {e}"
                 continue
             runnable.append((row, name, fn, context))
-    best = {}
+    best, host = {}, {}
     for r in range(rounds):
         shift = r % max(1, len(runnable))
         for row, name, fn, context in runnable[shift:] + runnable[:shift]:
             with context() if context else contextlib.nullcontext():
                 us = per_call_us(fn, calls, torch)
+                h = host_us(fn, torch)
             best[(row, name)] = min(us, best.get((row, name), float("inf")))
+            host[(row, name)] = min(h, host.get((row, name), float("inf")))
         print(f"round {r + 1}/{rounds} done", file=sys.stderr, flush=True)
+    host_result = {row: dict(entries) for row, entries in result.items()}
+    gpu_result = {row: dict(entries) for row, entries in result.items()}
+    kernels = {}
     for (row, name), us in best.items():
         result[row][name] = us
-    return result
+        host_result[row][name] = host[(row, name)]
+    if gpu_time:
+        for row, name, fn, context in runnable:
+            with context() if context else contextlib.nullcontext():
+                gpu_result[row][name], kernels[f"{row} / {name}"] = gpu_us(fn, 50, torch)
+    figures = {"per call": result, "host": host_result}
+    if gpu_time:
+        figures["GPU"] = gpu_result
+        figures["kernels"] = kernels
+    return figures
 
 
 def format_table(result, shape, device) -> str:
@@ -181,7 +240,7 @@ def main(argv=None) -> int:
     q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, generator=gen)
                for _ in range(3))
     table = providers(q, k, v, torch)
-    result = measure(table, args.calls, args.rounds, torch)
+    figures = measure(table, args.calls, args.rounds, torch, args.gpu_time)
     if args.profile:
         import cProfile
         import pstats
@@ -195,12 +254,21 @@ def main(argv=None) -> int:
         profiler.disable()
         pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
     device = torch.cuda.get_device_name()
-    print(format_table(result, args.shape, device))
+    for figure in ("per call", "host", "GPU"):
+        if figure in figures:
+            print(f"\n{figure}: " + format_table(figures[figure], args.shape, device))
+    for entry, kernels in figures.get("kernels", {}).items():
+        print(f"\nkernels of {entry} (us per call):")
+        for name, us in sorted(kernels.items(), key=lambda kv: -kv[1]):
+            print(f"  {us:8.2f}  {name}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"command": "python scripts/overhead.py " + " ".join(argv or sys.argv[1:]),
                        "device": device, "shape": args.shape, "calls": args.calls,
-                       "rounds": args.rounds, "us_per_call": result}, f, indent=1)
+                       "rounds": args.rounds, "us_per_call": figures["per call"],
+                       "host_us_per_call": figures["host"],
+                       **({"gpu_us_per_call": figures["GPU"], "kernels_us_per_call":
+                           figures["kernels"]} if "GPU" in figures else {})}, f, indent=1)
     return 0
 
 

@@ -96,6 +96,7 @@ def test_gradients_on_a_gpu_without_backward_raise_before_the_forward(monkeypatc
         raise AssertionError("the forward ran although its backward cannot")
 
     monkeypatch.setattr(autograd.FlashAttnFunction, "apply", forward_ran)
+    monkeypatch.setattr(autograd.EagerAttention, "apply", forward_ran)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
     with FakeTensorMode():
         q, k, v = (torch.empty(1, 8, 2, 128, dtype=torch.bfloat16, device="cuda",

@@ -26,11 +26,11 @@ PLANNING = {"validate_attention_inputs", "validate_bwd_inputs", "select_sm90_fwd
             "select_bwd_config", "sm90_config_for", "select_sm90_bwd_config", "replace",
             "validate", "build_sm90_fwd_plan", "build_sm90_bwd_plan", "kernel", "sm_count",
             "capability", "fake_arguments", "compile_sm90_fwd", "_compiled"}
-# fa_sm100 frames a warm call may enter (comprehensions included): the forward's two keys
-# (public function, backend) and the plan's call; the backward's key, the plan's call, its
-# launch arguments and workspace (with the config's derived properties).
-WARM_FWD_FRAMES = 9
-WARM_BWD_FRAMES = 16
+# fa_sm100 frames a warm call may enter (comprehensions included): the forward's probe check,
+# key and plan's call; the backward's key, the plan's call, its launch arguments and workspace
+# (with the config's derived properties).
+WARM_FWD_FRAMES = 5
+WARM_BWD_FRAMES = 11
 
 
 @pytest.fixture
@@ -48,7 +48,7 @@ def fake_sm90(monkeypatch):
     monkeypatch.setattr(fwd_interface, "tile_counter", lambda device: None)
     for module in (fwd_interface, bwd_interface):
         monkeypatch.setattr(module, "_plans", type(module._plans)())
-    monkeypatch.setattr(public, "_validated", type(public._validated)())
+    monkeypatch.setattr(public, "_calls", type(public._calls)())
     with FakeTensorMode():
         yield launches
 
@@ -181,7 +181,7 @@ def test_sm100_warm_calls_plan_nothing_and_take_buffers(monkeypatch):
     monkeypatch.setattr(kernel_cache, "kernel",
                         lambda kind, key, build: (lambda *args: launches.append((kind, args))))
     monkeypatch.setattr(sm100, "_plans", type(sm100._plans)())
-    monkeypatch.setattr(public, "_validated", type(public._validated)())
+    monkeypatch.setattr(public, "_calls", type(public._calls)())
     with FakeTensorMode():
         q, k, v = bshd(1, 256, 4, 128), bshd(1, 256, 2, 128), bshd(1, 256, 2, 128)
         cold = package_calls(lambda: fa_sm100.flash_attn_func(q, k, v, causal=True))
@@ -197,3 +197,52 @@ def test_sm100_warm_calls_plan_nothing_and_take_buffers(monkeypatch):
         assert launches[-1][1][4] is lse
         with pytest.raises(ValueError, match="lse buffer needs return_lse"):
             fa_sm100.flash_attn_func(q, k, v, causal=True, lse=lse)
+
+
+def _visible(sq, sk, left, right):
+    """The (row, key) pairs a band shows, by the element-wise rule (None: unbounded)."""
+    return {(i, j) for i in range(sq) for j in range(sk)
+            if (right is None or j <= i + sk - sq + right)
+            and (left is None or j >= i + sk - sq - left)}
+
+
+@pytest.mark.parametrize("seqlens, window", [((256, 96), (32, None)), ((96, 256), (None, 40)),
+                                             ((200, 64), (-20, None))])
+def test_the_backward_plan_launches_the_band_of_its_problem(fake_sm90, seqlens, window):
+    """The window a warm backward launches shows the keys of the problem's band (with more
+    queries than keys, an unbounded side must stay unbounded for every row)."""
+    sq, sk = seqlens
+    q, out, dout = (bshd(1, sq, 2, 64) for _ in range(3))
+    k, v = bshd(1, sk, 2, 64), bshd(1, sk, 2, 64)
+    lse = torch.empty(1, 2, sq, device="cuda", dtype=torch.float32)
+    for _ in range(2):  # the first call and a warm one
+        bwd_interface.sm90_bwd(dout, q, k, v, out, lse, window_size=window)
+        main = [args for kind, args in fake_sm90 if kind == "sm90_bwd_main"][-1]
+        left, right = main[-2:]
+        assert _visible(sq, sk, left, right) == _visible(sq, sk, *window)
+
+
+def test_a_warm_training_step_does_no_planning(fake_sm90):
+    """A call with gradients keeps the forward's plan and, after the first backward, the
+    backward's: the second step's forward and backward plan nothing. (Autograd's engine needs
+    real CUDA tensors, so the step's two halves are called as autograd calls them.)"""
+    from fa_sm100.autograd import EagerAttention
+
+    q, k, v, dout = (bshd(2, 256, 4, 128) for _ in range(4))
+    # what flash_attn_func keeps for a causal call with gradients
+    call = public._build_call(q, k, v, None, True, (-1, -1), 0.0, False, None, False, True,
+                              False)
+    ctx = SimpleNamespace(save_for_backward=lambda *t: None,
+                          mark_non_differentiable=lambda *t: None)
+
+    def step():
+        out, lse = EagerAttention.forward(ctx, q, k, v, call)
+        return call.backward(dout, q, k, v, out, lse)
+
+    cold = package_calls(step)
+    assert PLANNING & set(cold)  # the first backward plans
+    n_cold = len(fake_sm90)
+    warm = package_calls(step)
+    assert not PLANNING & set(warm), sorted(PLANNING & set(warm))
+    kinds = [kind for kind, _ in fake_sm90]
+    assert kinds[n_cold:] == kinds[:n_cold] and kinds[0] == "sm90_fwd"

@@ -143,7 +143,8 @@ class Sm90BwdPlan:
     the config and its kernels, in launch order. Calling it makes the inputs contiguous where
     they are not, allocates dq, dk, dv and the workspace, and launches."""
 
-    __slots__ = ("config", "kernels", "scale", "contiguous", "user_config", "window", "softcap")
+    __slots__ = ("config", "kernels", "scale", "contiguous", "user_config", "window", "softcap",
+                 "layout")
     # user_config: the caller's config, whose id is in the key (call_plans)
 
     def __init__(self, config: BwdConfig, scale: float, tensors, user_config=None,
@@ -155,7 +156,8 @@ class Sm90BwdPlan:
         # False: every input of this metadata is already contiguous, so no call copies
         self.contiguous = all(t.is_contiguous() for t in tensors)
         self.kernels = [_compiled(*spec) for spec in kernel_specs(config)]
-        self.window = main_window(config, tensors[1], tensors[2])
+        self.window = main_window(config, tensors[0], tensors[1])
+        self.layout = WorkspaceLayout(config, tensors[0].shape, tensors[1].shape)
 
     def __call__(self, dout, q, k, v, out, lse):
         if not self.contiguous:
@@ -163,7 +165,7 @@ class Sm90BwdPlan:
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         for fn, args in zip(self.kernels, launch_args(self.config, q, k, v, out, dout, lse,
                                                       dq, dk, dv, self.scale, self.window,
-                                                      self.softcap)):
+                                                      self.softcap, self.layout)):
             fn(*args)
         return dq, dk, dv
 
@@ -298,11 +300,11 @@ def main_window(config: BwdConfig, q, k) -> tuple:
 
 
 def launch_args(config: BwdConfig, q, k, v, out, dout, lse, dq, dk, dv, softmax_scale,
-                window=None, softcap=0.0) -> list:
+                window=None, softcap=0.0, layout: Optional["WorkspaceLayout"] = None) -> list:
     """The arguments of each kernel of ``kernel_specs``, in order, with a fresh workspace:
     what a call computes (a warm call nothing else). ``window``: ``main_window`` of q and k,
-    computed here when not given."""
-    ws = workspace(config, q, k)
+    ``layout``: the workspace's, each computed here when not given."""
+    ws = workspace(config, q, k, layout)
     gqa = config.uses_gqa_buffers
     dk_arg, dv_arg = (ws["dk_acc"], ws["dv_acc"]) if gqa else (dk, dv)
     if window is None:
@@ -331,42 +333,77 @@ def main_compile_key(config: BwdConfig):
 WORKSPACE_ALIGN = 32  # float32 elements: each workspace buffer starts on 128 bytes
 
 
-def workspace(config: BwdConfig, q, k) -> dict:
-    """The float32 buffers of one backward call, on q's device: LSE2 and Delta (rows padded to
-    tile_m), the dQ accumulator (one block of tile_m * d floats per query block: Note [dQ in
-    fragment order] in bwd_store.py) and the dQ semaphores (one per query block when
-    deterministic or with first stores), zeroed by the preprocess (the accumulator only
-    without first stores: Note [dQ first store]), and for GQA/MQA the dK/dV accumulators (one
-    per query head with "buffers", zeroed and one per KV head with "atomic")."""
-    b, sq, hq, d = q.shape
-    sk, hk = k.shape[1], k.shape[2]
-    dev, f32 = q.device, torch.float32
-    sq_pad, sk_pad = align_up(sq, config.tile_m), align_up(sk, config.tile_n)
-    n_m_blocks = sq_pad // config.tile_m
-    # One allocation holds LSE2, Delta, the dQ accumulator and (unless they must arrive
-    # zeroed) the semaphores, each starting on a 128-byte boundary: a call allocates once
-    # instead of four times.
-    shapes = [(b, hq, sq_pad), (b, hq, sq_pad), (b, hq, n_m_blocks, config.dq_block_elems)]
-    sem_shape = (b, hq, config.dq_sem_slots(n_m_blocks))
-    if not config.pre_ctas:
-        shapes.append(sem_shape)
-    sizes = [align_up(math.prod(shape), WORKSPACE_ALIGN) for shape in shapes]
-    flat = torch.empty(sum(sizes), device=dev, dtype=f32)
-    parts, start = [], 0
-    for shape, size in zip(shapes, sizes):
-        parts.append(flat.narrow(0, start, math.prod(shape)).view(shape))
-        start += size
-    ws = {"lse2": parts[0], "delta": parts[1], "dq_acc": parts[2],
-          # zeroed by the preprocess, or here where it runs beside the main kernel and counts
-          # its rows in the last one (Note [Preprocess beside the main kernel])
-          "dq_sem": (torch.zeros(sem_shape, device=dev, dtype=torch.int32) if config.pre_ctas
-                     else parts[3].view(torch.int32))}
-    if config.uses_gqa_buffers:
-        h_acc = hq if config.gqa_reduce == "buffers" else hk
-        alloc = torch.empty if config.gqa_reduce == "buffers" else torch.zeros
-        ws["dk_acc"] = alloc(b, h_acc, sk_pad, d, device=dev, dtype=f32)
-        ws["dv_acc"] = alloc(b, h_acc, sk_pad, config.head_dim_v, device=dev, dtype=f32)
-    return ws
+class WorkspaceLayout:
+    """The float32 buffers of one backward call and where each lies in one allocation: LSE2
+    and Delta (rows padded to tile_m), the dQ accumulator (one block of tile_m * d floats per
+    query block: Note [dQ in fragment order] in bwd_store.py) and the dQ semaphores (one per
+    query block when deterministic or with first stores), zeroed by the preprocess (the
+    accumulator only without first stores: Note [dQ first store]), and for GQA/MQA the dK/dV
+    accumulators (one per query head with "buffers", zeroed and one per KV head with
+    "atomic"). Each buffer starts on a 128-byte boundary. Computed once per plan: a call
+    allocates once and takes a strided view per buffer."""
+
+    __slots__ = ("total", "parts", "sem", "zeroed_sem", "gqa", "gqa_zeroed")
+
+    def __init__(self, config: BwdConfig, q_shape, k_shape):
+        b, sq, hq, d = q_shape
+        sk, hk = k_shape[1], k_shape[2]
+        sq_pad, sk_pad = align_up(sq, config.tile_m), align_up(sk, config.tile_n)
+        n_m_blocks = sq_pad // config.tile_m
+        sem_shape = (b, hq, config.dq_sem_slots(n_m_blocks))
+        shapes = [("lse2", (b, hq, sq_pad)), ("delta", (b, hq, sq_pad)),
+                  ("dq_acc", (b, hq, n_m_blocks, config.dq_block_elems))]
+        # where the preprocess runs beside the main kernel, the semaphores must arrive zeroed
+        # (it counts its rows in the last one: Note [Preprocess beside the main kernel])
+        self.zeroed_sem = config.pre_ctas
+        if not self.zeroed_sem:
+            shapes.append(("dq_sem", sem_shape))
+        self.parts, start = [], 0
+        for name, shape in shapes:
+            self.parts.append((name, shape, _compact_strides(shape), start))
+            start += align_up(math.prod(shape), WORKSPACE_ALIGN)
+        self.total = start
+        if self.zeroed_sem:
+            self.sem = sem_shape
+        else:
+            self.sem = self.parts.pop()[1:]  # (shape, strides, offset) in the int32 view
+        self.gqa = None
+        if config.uses_gqa_buffers:
+            h_acc = hq if config.gqa_reduce == "buffers" else hk
+            self.gqa = ((b, h_acc, sk_pad, d), (b, h_acc, sk_pad, config.head_dim_v))
+            self.gqa_zeroed = config.gqa_reduce != "buffers"
+
+    def allocate(self, device) -> dict:
+        """Fresh buffers: {"lse2", "delta", "dq_acc", "dq_sem"[, "dk_acc", "dv_acc"]}."""
+        f32 = torch.float32
+        flat = torch.empty(self.total, device=device, dtype=f32)
+        ws = {name: flat.as_strided(shape, strides, offset)
+              for name, shape, strides, offset in self.parts}
+        if self.zeroed_sem:
+            ws["dq_sem"] = torch.zeros(self.sem, device=device, dtype=torch.int32)
+        else:
+            ws["dq_sem"] = flat.view(torch.int32).as_strided(*self.sem)
+        if self.gqa is not None:
+            alloc = torch.zeros if self.gqa_zeroed else torch.empty
+            ws["dk_acc"] = alloc(self.gqa[0], device=device, dtype=f32)
+            ws["dv_acc"] = alloc(self.gqa[1], device=device, dtype=f32)
+        return ws
+
+
+def _compact_strides(shape) -> tuple:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))
+
+
+def workspace(config: BwdConfig, q, k, layout: Optional[WorkspaceLayout] = None) -> dict:
+    """The workspace of one backward call on q's device (``WorkspaceLayout``; ``layout``: the
+    plan's, computed here when not given)."""
+    if layout is None:
+        layout = WorkspaceLayout(config, q.shape, k.shape)
+    return layout.allocate(q.device)
 
 
 def _rowmajor(dtype, shape, align=16):

@@ -118,8 +118,10 @@ class Sm100FwdPlan:
 
 def build_sm100_fwd_plan(q, k, v, softmax_scale=None, causal=False, window_size=(None, None),
                          return_lse=False, config: Optional[FmhaConfig] = None,
-                         softcap=0.0) -> Sm100FwdPlan:
-    """Validate, pick and compile the config: the plan of one call."""
+                         softcap=0.0, need_lse: bool = False) -> Sm100FwdPlan:
+    """Validate, pick and compile the config: the plan of one call. ``need_lse`` (an ``lse``
+    buffer will be passed) changes nothing here: the kernel writes LSE only with
+    ``return_lse``, and the plan's call raises for a buffer without it."""
     prob = validate_attention_inputs(q, k, v, softmax_scale, causal, window_size,
                                      softcap=softcap)
     cfg = config_for_problem(prob, q.device, config, return_lse)
