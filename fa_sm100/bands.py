@@ -10,7 +10,8 @@ the band then lies past the diagonal on that side (left = -2: keys from i' + 2 o
 defines it; a row whose band holds no key has O = 0 and LSE = -inf.
 
 The kernels take the bounds as run-time integers (``kernel_window``): only "has a window or
-not" is compile-time, so changing the window does not compile a new kernel. An unbounded
+not" is compile-time (and causal, a mask of its own), so changing the window, a side's size
+or which sides are bounded, does not compile a new kernel. An unbounded
 side becomes a bound that covers every key, and any bound is clamped to the range where it
 still changes something, so the kernels' tile arithmetic stays far from 32-bit overflow.
 
@@ -32,16 +33,14 @@ def effective_bounds(causal: bool, left: Optional[int], right: Optional[int]):
 
 
 def traced_bounds(cfg, window) -> tuple:
-    """(left, right) a kernel masks and walks with, while it is traced: for a side the config
-    bounds (``cfg.window_left`` / ``window_right`` not None) the run-time argument of
-    ``window`` (``kernel_window``'s, which applied causal's cap), for an unbounded side None,
-    and causal without a right bound the constant 0. The SM90 backward and the SM100 forward
-    read their bounds through it."""
-    left = window[0] if cfg.window_left is not None else None
-    right = window[1] if cfg.window_right is not None else None
-    if right is None and cfg.causal:
-        right = 0
-    return left, right
+    """(left, right) a kernel masks and walks with, while it is traced: with a window
+    (``cfg.is_local``) both run-time arguments of ``window`` (``kernel_window``'s: an unbounded
+    side covers every key, causal's cap is applied), else None for both sides, or causal's
+    constant right bound 0. The SM90 backward and the SM100 forward read their bounds through
+    it."""
+    if cfg.is_local:
+        return window[0], window[1]
+    return None, 0 if cfg.causal else None
 
 
 def kernel_window(causal: bool, window: tuple, seqlen_q: int, seqlen_k: int) -> tuple[int, int]:

@@ -199,7 +199,7 @@ class FmhaConfig:
     dtype: str = "bfloat16"
     causal: bool = False
     # sliding window: keys within [q - left, q + right] (fa_sm100.bands); the kernel reads only
-    # whether a side is bounded and takes the bounds at launch (kernel_config)
+    # whether there is a window and takes the bounds at launch (kernel_config)
     window_left: Optional[int] = None
     window_right: Optional[int] = None
     # logit softcapping (fa_sm100.softmax_math): the cap is a launch argument; the softmax
@@ -251,11 +251,12 @@ class FmhaConfig:
         return self.window_left is not None or self.window_right is not None
 
     def kernel_config(self) -> "FmhaConfig":
-        """The config the kernel is compiled from: a bounded window side's value becomes 0
-        (the bounds are launch arguments, ``fa_sm100.bands.kernel_window``), so windows of
-        any size share one kernel."""
-        return self.replace(**{name: 0 for name in ("window_left", "window_right")
-                               if getattr(self, name) is not None})
+        """The config the kernel is compiled from: with a window, both sides' values become 0,
+        since the kernel takes the bounds as run-time arguments (``fa_sm100.bands``; an
+        unbounded side arrives as a bound that covers every key) and reads only whether there
+        is a window. Problems whose windows differ in size or in which sides are bounded share
+        one kernel."""
+        return self.replace(window_left=0, window_right=0) if self.is_local else self
 
     @property
     def ex2_emulation(self) -> bool:

@@ -120,3 +120,30 @@ def test_window_conventions():
     for bad in ((1.5, 0), (True, 0), (0,), "left", (0, 0, 0)):
         with pytest.raises(ValueError):
             normalize_window(bad)
+
+
+WINDOWS = [(w, 0) for w in (0, 1, 128, 1000, 4096, 100000)] + [
+    (w, None) for w in (1, 512, 8192)] + [(None, w) for w in (0, 7, 4096)] + [
+    (256, 256), (4096, 4096), (-3, 40), (40, -3), (0, 384)]
+
+
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
+def test_one_kernel_per_has_a_window(head_dim):
+    """The defaults compile one kernel for every window of a problem: the window's size and
+    which of its sides are bounded are launch arguments (SM90 backward and SM100 forward; the
+    SM90 forward has one ``local`` flag)."""
+    from fa_sm100.config import select_config
+    from fa_sm100.hopper.bwd_defaults import select_bwd_config
+
+    for causal, (sq, sk), group, deterministic in itertools.product(
+            (False, True), ((1024, 1024), (4096, 4096), (16384, 16384), (300, 1000)), (1, 4),
+            (False, True)):
+        problem = dict(head_dim=head_dim, causal=causal, seqlen_q=sq, seqlen_k=sk,
+                       qhead_per_kvhead=group)
+        bwd = {select_bwd_config(**problem, deterministic=deterministic, window_left=left,
+                                 window_right=right).kernel_config() for left, right in WINDOWS}
+        assert len(bwd) == 1, (problem, deterministic)
+        if head_dim in (64, 128) and not deterministic:  # the SM100 head dims
+            fwd = {select_config(**problem, window_left=left, window_right=right).kernel_config()
+                   for left, right in WINDOWS}
+            assert len(fwd) == 1, problem

@@ -135,7 +135,8 @@ def test_default_configs_fit_smem_and_follow_the_measured_choices():
     assert not select_bwd_config(head_dim=96, causal=True).early_dv
     assert not select_bwd_config(head_dim=96, window_left=10).early_dv
     # hdim 128 (Note [dQ transposed]): 80 swapped rows, dV before the dS barrier, every problem
-    for kw in (dict(), dict(causal=True), dict(window_left=100), dict(qhead_per_kvhead=4)):
+    # without a window (windows: test_short_bands_at_hdim128_take_64_row_blocks)
+    for kw in (dict(), dict(causal=True), dict(qhead_per_kvhead=4)):
         cfg = select_bwd_config(head_dim=128, **kw)
         assert (cfg.tile_m, cfg.sdp_swap_ab, cfg.dq_swap_ab) == (80, True, True)
         assert cfg.dv_before_barrier and not cfg.early_dv
@@ -184,19 +185,18 @@ def test_default_configs_fit_smem_and_follow_the_measured_choices():
                dict(causal=True, seqlen_q=16384, seqlen_k=16384, qhead_per_kvhead=4)):
         cfg = select_bwd_config(**kw)
         assert cfg.tile_m == 80 and cfg.shuffled_stats and cfg.dp_wait_after == -1, kw
-    for kw in (dict(deterministic=True), dict(qhead_per_kvhead=4), dict(window_left=3000)):
+    for kw in (dict(deterministic=True), dict(qhead_per_kvhead=4)):
         assert select_bwd_config(**kw).dp_wait_after == 26, kw
     asked = select_bwd_config(causal=True, stats_shuffle=False)
     assert asked.lse_early and asked.dp_wait_after == 26
 
 
 def test_short_bands_at_hdim128_take_64_row_blocks():
-    """Causal hdim 128 up to SHORT_CAUSAL_SEQLEN (both lengths), and windowed hdim 128 whose
-    band is at most NARROW_WINDOW_BAND keys, take FA4's causal tile: 64-row blocks with dV
-    before the dS barrier and the stats before the GEMMs; longer, non-causal, wider or
-    open windows, or without lengths it keeps 80-row blocks; other head dims and explicit
-    fields are untouched."""
-    from fa_sm100.hopper.bwd_defaults import NARROW_WINDOW_BAND, SHORT_CAUSAL_SEQLEN, window_band
+    """Causal hdim 128 up to SHORT_CAUSAL_SEQLEN (both lengths), and every windowed hdim 128
+    problem, take FA4's causal tile: 64-row blocks with dV before the dS barrier and the stats
+    before the GEMMs; longer or non-causal problems without a window, or without lengths,
+    keep 80-row blocks; other head dims and explicit fields are untouched."""
+    from fa_sm100.hopper.bwd_defaults import SHORT_CAUSAL_SEQLEN
 
     def pick(**kw):
         cfg = select_bwd_config(head_dim=kw.pop("head_dim", 128), **kw)
@@ -217,20 +217,13 @@ def test_short_bands_at_hdim128_take_64_row_blocks():
     assert pick(causal=True, seqlen_q=8192, seqlen_k=8192)[0] == 80
     assert pick(causal=True)[0] == 80  # lengths unknown (inspect.py, direct config builds)
     assert pick(causal=False, seqlen_q=1024, seqlen_k=1024)[0] == 80
-    # windows: the band is left + right (right 0 under a causal mask), lengths not needed
-    assert window_band(False, 512, 0) == 512 and window_band(True, 512, None) == 512
-    assert window_band(True, 512, 300) == 512 and window_band(False, 100, 30) == 130
-    assert window_band(False, 512, None) is None and window_band(True, None, 0) is None
-    assert window_band(False, None, None) is None
-    for kw in (dict(window_left=NARROW_WINDOW_BAND, window_right=0),
-               dict(window_left=0, window_right=384), dict(causal=True, window_left=64),
+    # windows, whatever their size or sides; lengths not needed
+    for kw in (dict(window_left=4096, window_right=0), dict(window_left=0, window_right=384),
+               dict(causal=True, window_left=64), dict(window_left=512),
                dict(causal=True, window_left=512, seqlen_q=16384, seqlen_k=16384),
-               dict(window_left=100, window_right=30, qhead_per_kvhead=4)):
+               dict(window_left=100, window_right=30, qhead_per_kvhead=4),
+               dict(window_right=0), dict(window_left=8192, window_right=8192)):
         assert pick(**kw) == (64, True, False) and stats_first(**kw), kw
-    for kw in (dict(window_left=NARROW_WINDOW_BAND, window_right=1),
-               dict(window_left=512), dict(window_right=0), dict(window_left=4096,
-                                                                  window_right=4096)):
-        assert pick(**kw) == (80, True, False) and not stats_first(**kw), kw
     assert pick(head_dim=64, window_left=512, window_right=0)[0] == 128
     assert pick(head_dim=64, causal=True, seqlen_q=1024, seqlen_k=1024)[0] == 128
     assert pick(head_dim=96, causal=True, seqlen_q=1024, seqlen_k=1024) == (64, False, False)
@@ -841,8 +834,8 @@ CONTRACT_CASES = [
     (["causal=true", "tile_m=64", "dv_before_barrier=true", "stats_first=true"], "UBLKRED"),
     (["causal=true", "tile_m=64", "dv_before_barrier=true", "stats_first=true",
       "deterministic=true", "qhead_per_kvhead=4", "dtype=float16"], "UBLKRED"),
-    # narrowly windowed hdim 128 (NARROW_WINDOW_BAND): the same tile; deterministic with a
-    # left window hands dQ off once per block
+    # windowed hdim 128: the same tile; deterministic with a window hands dQ off once per
+    # block
     (["window_left=512", "window_right=0", "tile_m=64", "dv_before_barrier=true",
       "stats_first=true"], "UBLKRED"),
     (["window_left=100", "window_right=30", "tile_m=64", "dv_before_barrier=true",

@@ -10,7 +10,7 @@ import pytest
 from kept_sass import main_loop_ops, read_kept_sass
 
 from fa_sm100.hopper.bwd_defaults import (DEFAULT_PERSISTENT_CTAS, DYNAMIC_TILES_HEAD_DIMS,
-                                          DYNAMIC_WINDOW_BAND, PERSISTENT_MAX_SEQLEN,
+                                          PERSISTENT_MAX_SEQLEN,
                                           select_bwd_config)
 from fa_sm100.hopper.bwd_interface import fit_persistent_ctas
 
@@ -153,16 +153,17 @@ def test_dynamic_tiles_take_masks_windows_and_longest_first():
 
 
 def test_dynamic_tiles_defaults_where_measured():
-    """select_bwd_config: on for causal hdim 64 up to PERSISTENT_MAX_SEQLEN and for windowed
-    hdim 64 with a band of at most DYNAMIC_WINDOW_BAND keys at any length (persistent CTAs,
-    the preprocess ahead); off at longer lengths, at hdim 128, with a wider or open window,
-    for GQA, and wherever persistent CTAs or their preprocess are asked for; asked for, it
-    turns multicast off instead of failing on it."""
+    """select_bwd_config: on for causal hdim 64 up to PERSISTENT_MAX_SEQLEN and for every
+    windowed hdim 64 problem at any length (persistent CTAs, the preprocess ahead); off at
+    longer causal lengths, at hdim 128, for GQA, and wherever persistent CTAs or their
+    preprocess are asked for; asked for, it turns multicast off instead of failing on it."""
     assert DYNAMIC_TILES_HEAD_DIMS == (64,)
     on = [dict(head_dim=64, causal=True, seqlen_q=s, seqlen_k=s)
           for s in (1024, PERSISTENT_MAX_SEQLEN)]
     on += [dict(head_dim=64, causal=True, window_left=64, seqlen_q=16384, seqlen_k=16384),
-           dict(head_dim=64, window_left=DYNAMIC_WINDOW_BAND, window_right=0),
+           dict(head_dim=64, window_left=1024, window_right=0),
+           dict(head_dim=64, window_left=8192, window_right=0),
+           dict(head_dim=64, window_left=64), dict(head_dim=64, window_right=5),
            dict(head_dim=64, window_left=256, window_right=256, seqlen_q=8192, seqlen_k=8192)]
     for kw in on:
         cfg = select_bwd_config(**kw)
@@ -170,8 +171,7 @@ def test_dynamic_tiles_defaults_where_measured():
             True, DEFAULT_PERSISTENT_CTAS, 0), kw
     off = [dict(head_dim=64, causal=True, seqlen_q=4096, seqlen_k=4096),
            dict(head_dim=128, causal=True), dict(head_dim=64, causal=False),
-           dict(head_dim=64, window_left=DYNAMIC_WINDOW_BAND + 1, window_right=0),
-           dict(head_dim=64, window_left=64), dict(head_dim=128, window_left=64, window_right=0),
+           dict(head_dim=128, window_left=64, window_right=0),
            dict(head_dim=64, window_left=64, window_right=0, qhead_per_kvhead=2),
            dict(head_dim=64, window_left=64, window_right=0, deterministic=True),
            dict(head_dim=64, causal=True, persistent_ctas=0),

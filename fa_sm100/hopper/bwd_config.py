@@ -209,12 +209,12 @@ class BwdConfig:
         return self.window_left is not None or self.window_right is not None
 
     def kernel_config(self) -> "BwdConfig":
-        """The config the main kernel is compiled from: a bounded window side's value becomes
-        0, since the kernel takes the bounds as run-time arguments (``fa_sm100.bands``) and
-        reads only whether each side is bounded. Problems whose windows differ only in size
-        share one kernel."""
-        return self.replace(**{name: 0 for name in ("window_left", "window_right")
-                               if getattr(self, name) is not None})
+        """The config the kernel is compiled from: with a window, both sides' values become 0,
+        since the kernel takes the bounds as run-time arguments (``fa_sm100.bands``; an
+        unbounded side arrives as a bound that covers every key) and reads only whether there
+        is a window. Problems whose windows differ in size or in which sides are bounded share
+        one kernel."""
+        return self.replace(window_left=0, window_right=0) if self.is_local else self
 
     @property
     def dtype_bytes(self) -> int:

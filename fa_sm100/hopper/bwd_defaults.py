@@ -10,8 +10,7 @@ from typing import Optional
 from fa_sm100.config import default_head_dim_v, normalize_dtype
 from fa_sm100.hopper.bwd_config import (TILE_M_80_HEAD_DIMS, TILE_M_128_HEAD_DIMS, TILE_M_ATOM,
                                         TILE_M_DQ_TRANSPOSED, TILE_M_SWAPPED_HDIM64,
-                                        TILE_N_128_MAX_HEAD_DIM, BwdConfig,
-                                        causal_window_right)
+                                        TILE_N_128_MAX_HEAD_DIM, BwdConfig)
 from fa_sm100.hopper.config import WGMMA_M
 
 # Causal problems up to this sequence length take 64-row blocks at hdim 128 instead of 80
@@ -20,15 +19,14 @@ from fa_sm100.hopper.config import WGMMA_M
 # loop gains. 4k (H100, paired, with the CTAs longest first: +2.9% to +3.5%;
 # 8k and 16k within +-1.7%).
 SHORT_CAUSAL_SEQLEN = 4096
-# Windowed problems whose band is at most this wide (``window_band``: the keys one query sees,
-# left + right, with right 0 under a causal mask; both sides bounded) take the same 64-row
-# tile at hdim 128 as short causal ones, for the same reason: each key block sees a short
-# band of query blocks, whose edges 80-row blocks straddle. H200, paired over the
-# 80-row blocks (scripts/ab_bench.py --window, 12 rounds, 4k / 16k): (512, 0) +6.5% / +6.0%,
-# (256, 256) +7.3% / +6.0%, (0, 384) +6.8% / +7.0%, (1024, 0) +4.8% / +4.7%, causal
-# (512, None) 4k +5.8%; at 16k (2048, 0) +2.5%, (4096, 0) +1.0%; wider: (4096, 4096) +1.6%,
-# (8192, 0) -0.2%, and a band open on one side, (512, None) non-causal, -0.6%.
-NARROW_WINDOW_BAND = 4096
+# Windowed problems take the same 64-row tile at hdim 128 as short causal ones, whatever
+# their window: each key block sees a band of query blocks, whose edges 80-row blocks
+# straddle, and one choice for every window keeps one kernel per "has a window" (the bounds
+# are launch arguments, fa_sm100.bands). H200, paired over the 80-row blocks
+# (scripts/ab_bench.py --window, 12 rounds, 4k / 16k): (512, 0) +6.5% / +6.0%, (256, 256)
+# +7.3% / +6.0%, (0, 384) +6.8% / +7.0%, (1024, 0) +4.8% / +4.7%, causal (512, None) 4k
+# +5.8%; at 16k (2048, 0) +2.5%, (4096, 0) +1.0%, (4096, 4096) +1.6%; the cost where bands
+# are wide: (8192, 0) -0.2%, a band open on one side, (512, None) non-causal, -0.6%.
 # Causal problems multicast Q/dO by default (Note [Q/dO multicast]) from this many queries and
 # keys on, at these head dims: H100, paired over the CTAs one by one, hdim 64 +2.5% / +1.6%
 # (4k), +3.2% / +3.3% (8k), +4.3% / +4.2% (16k), 2k -0.1%; hdim 128 +0.3% / +1.4% / +1.2%
@@ -64,14 +62,13 @@ DEFAULT_PERSISTENT_CTAS = 132
 PERSISTENT_MAX_SEQLEN = 2048
 PERSISTENT_HEAD_DIMS = (64, 128)
 # Note [dynamic tiles] (bwd_tiles.py): taken by default for causal problems (no window) up to
-# PERSISTENT_MAX_SEQLEN at these head dims (select_bwd_config's docstring)
+# PERSISTENT_MAX_SEQLEN at these head dims (select_bwd_config's docstring), and for every
+# windowed problem at those head dims, at any length (one kernel per "has a window"): each
+# tile is a sweep of a band of query blocks, as a short causal one. H200, paired over one CTA
+# per tile (scripts/ab_bench.py --window, 10-12 rounds, 4k / 16k): (256, 256) +4.2% / +3.2%,
+# (512, 0) +4.1% / +4.1%, (1024, 0) +2.1% / +2.0%; the cost where bands are wide: (2048, 0)
+# -0.3% / -0.5%.
 DYNAMIC_TILES_HEAD_DIMS = (64,)
-# ... and for windowed problems at those head dims whose band (``window_band``) is at most
-# this wide, at any length: each tile is a sweep of a few query blocks, as a short causal
-# one. H200, paired over one CTA per tile (scripts/ab_bench.py --window, 10-12
-# rounds, 4k / 16k): (256, 256) +4.2% / +3.2%, (512, 0) +4.1% / +4.1%, (1024, 0) +2.1% /
-# +2.0%, (2048, 0) -0.3% / -0.5%.
-DYNAMIC_WINDOW_BAND = 1024
 # Note [dP wait placement] (bwd_kernel.py): blocks of 80 rows (hdim 128) load their own
 # statistics (``stats_shuffle=False``), LSE2 while S^T runs (``lse_early``), and issue this
 # many exp2s before the dP^T wait may come (``dp_wait_after``). H200, paired over
@@ -107,9 +104,9 @@ def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = Fals
       against the previous defaults (64 rows; swapped only for causal/windowed problems),
       +1.2% to +5.3% in 9 of the 10 cells of the grid, -0.2% in one (16k: 560 -> 580
       non-causal, 538 -> 567 causal). hdim 96 is unmeasured: unswapped.
-    - hdim 128 windowed with a band up to ``NARROW_WINDOW_BAND`` keys: the same tile and
-      stats as short causal problems (next two items); H200, paired over 80-row blocks:
-      +4.7% to +7.3% for bands of 384-1024 keys, +1.0% to +2.5% for 2048-4096.
+    - hdim 128 windowed, any window: the same tile and stats as short causal problems (next
+      two items); H200, paired over 80-row blocks: +4.7% to +7.3% for bands of 384-1024
+      keys, +1.0% to +2.5% for 2048-4096, -0.2% / -0.6% where bands are wider or open.
     - hdim 128 causal up to ``SHORT_CAUSAL_SEQLEN``: 64-row blocks, dV before the dS barrier
       (FA4's causal tile): +1.5% to +3.4% at 1k in four runs, +0.3% to +4.3% at 2k in three; at
       4k -2% to +0.7% before the CTAs started longest first, +2.9% to +3.5% (three paired runs,
@@ -127,7 +124,7 @@ def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = Fals
     - blocks of more than 64 rows (hdim 64: 128, hdim 128: 80): dV issued before the dS
       barrier instead of before the dS math; hdim 64 non-causal 438 -> 472 (4k) and
       477 -> 514 (16k), causal within noise (399 -> 405, 493 -> 482).
-    - causal without a left window: the last two waves of CTAs start longest first
+    - causal without a window: the last two waves of CTAs start longest first
       (``longest_first``); H100, paired: hdim 128 +2.4% (1k), +3.0% (2k), +5.2% (4k), +3.6%
       (8k), +0.4% (16k); hdim 64 -0.4% (1k), +0.8% to +2.2% (2k-8k), +0.4% (16k).
     - non-causal without a window, not deterministic, with an even number of key blocks
@@ -159,8 +156,8 @@ def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = Fals
       fetch their tiles (``dynamic_tiles``, Note [dynamic tiles]); H200, paired over one CTA
       per tile, 10-20 rounds: +2.9% to +4.8% (1k), +2.1% to +2.9% (2k); -1.0% at 4k. (hdim
       128 causal measured -0.5% (1k), -2.5% (2k) with a kernel that spilled: refused now.)
-      Also windowed hdim 64 with a band up to ``DYNAMIC_WINDOW_BAND`` keys, at any length:
-      +2.0% to +4.2%.
+      Also windowed hdim 64, any window, at any length: +2.0% to +4.2% for bands up to 1024
+      keys, -0.3% / -0.5% at 2048.
     """
     head_dim_v = default_head_dim_v(head_dim) if head_dim_v is None else head_dim_v
     windowed = window_left is not None or window_right is not None
@@ -173,13 +170,12 @@ def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = Fals
     gqa_reduce = overrides.pop("gqa_reduce", "buffers")
     # swapped where its wider query blocks fit (Notes [tile_m 128], [dQ transposed])
     swap = overrides.pop("sdp_swap_ab", head_dim in TILE_M_128_HEAD_DIMS + TILE_M_80_HEAD_DIMS)
-    # short causal or narrowly windowed hdim 128: FA4's causal tile, 64 rows with dV before
-    # the dS barrier
-    band = window_band(causal, window_left, window_right)
+    # short causal or windowed hdim 128: FA4's causal tile, 64 rows with dV before the dS
+    # barrier. No choice reads the window's size or which sides it bounds: the kernel takes
+    # them at launch (one kernel per "has a window").
     short_band = head_dim in TILE_M_80_HEAD_DIMS and (
-        (causal and not windowed and seqlen_q is not None and seqlen_k is not None
-         and max(seqlen_q, seqlen_k) <= SHORT_CAUSAL_SEQLEN)
-        or (band is not None and band <= NARROW_WINDOW_BAND))
+        windowed or (causal and seqlen_q is not None and seqlen_k is not None
+                     and max(seqlen_q, seqlen_k) <= SHORT_CAUSAL_SEQLEN))
     # softcapped: query blocks of 64 rows (BwdConfig.validate)
     tile_m = overrides.pop("tile_m", TILE_M_ATOM if softcap
                            else _default_tile_m(head_dim, swap, short_band))
@@ -216,14 +212,14 @@ def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = Fals
         overlap_dk=overrides.pop("overlap_dk", False),
         # short bands at hdim 128 (swapped 64-row blocks): the stats before the GEMMs
         stats_first=overrides.pop("stats_first", short_band),
-        # deterministic with a left window: one dQ handoff for the whole tile. H200,
+        # deterministic with a window: one dQ handoff for the whole tile. H200,
         # paired (window (512, 0), 10 rounds, 4k / 16k): +1.4% / +1.8% at hdim 64, +0.3% /
         # +0.3% at hdim 128 over one per warpgroup; without a window one per warpgroup stays
         # (one handoff: causal -1.2% to -3.8%, non-causal 0.997-1.008)
         dq_handoff_per_wg=overrides.pop("dq_handoff_per_wg",
-                                        not (deterministic and window_left is not None)),
-        # causal without a left window: key block n's work falls with n (Note [longest first])
-        longest_first=overrides.pop("longest_first", causal and window_left is None),
+                                        not (deterministic and windowed)),
+        # causal without a window: key block n's work falls with n (Note [longest first])
+        longest_first=overrides.pop("longest_first", causal and not windowed),
         # the key blocks of a pair reach a query block at different times: causal, or
         # staggered (Notes [dQ first store], [staggered query blocks])
         dq_first_store=overrides.pop("dq_first_store", causal or stagger),
@@ -258,8 +254,7 @@ def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = Fals
             cfg = persistent._validate_persistent()
         except ValueError:
             pass
-    short_tiles = ((short and cfg.causal and not cfg.is_local)
-                   or (band is not None and band <= DYNAMIC_WINDOW_BAND))
+    short_tiles = (short and cfg.causal) or cfg.is_local
     if ("persistent_ctas" not in overrides and "dynamic_tiles" not in overrides
             and overrides.get("pre_ctas", 0) == 0 and short_tiles
             and head_dim in DYNAMIC_TILES_HEAD_DIMS):  # Note [dynamic tiles]
@@ -270,9 +265,8 @@ def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = Fals
         except ValueError:
             pass
     if (cfg.persistent_ctas and cfg.dynamic_tiles and cfg.early_dq_post
-            and cfg.window_left is not None
-            and not {"regs_producer", "regs_mma"} & set(overrides)):
-        # the producer warps walk fetched tiles with the window's run-time left bound and wait
+            and cfg.is_local and not {"regs_producer", "regs_mma"} & set(overrides)):
+        # the producer warps walk fetched tiles with the window's run-time bounds and wait
         # for the tail's dQ counts: at 24 registers ptxas spills one value there (hdim 96,
         # sm_90a compile contract), at 32 none, and the MMA warpgroups fit in 232
         cfg = cfg.replace(regs_producer=32, regs_mma=232)
@@ -299,19 +293,10 @@ def _own_stats_fit(cfg: BwdConfig) -> bool:
                                  or (cfg.qdo_multicast and cfg.qhead_per_kvhead == 1))
 
 
-def window_band(causal: bool, window_left: Optional[int], window_right: Optional[int]):
-    """The keys one query sees under a window (left + right, right clamped to 0 by a causal
-    mask; ``NARROW_WINDOW_BAND``), or None without a window or with a side unbounded."""
-    right = causal_window_right(causal, window_right)
-    if window_left is None or right is None:
-        return None
-    return window_left + right
-
-
 def _default_tile_m(head_dim: int, swap: bool, short_band: bool = False) -> int:
     """Query rows per block: 128 for swapped hdim 64 (Note [tile_m 128]), 80 for swapped
     hdim 128 (Note [dQ transposed]) unless its band is short (``short_band``: short causal,
-    a narrow window), else 64."""
+    a window), else 64."""
     if swap and head_dim in TILE_M_128_HEAD_DIMS:
         return TILE_M_SWAPPED_HDIM64
     if swap and head_dim in TILE_M_80_HEAD_DIMS and not short_band:

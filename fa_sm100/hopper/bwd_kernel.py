@@ -131,8 +131,8 @@ them, ptxas issues the loads between the HGMMAs, and they and the HGMMAs wait on
 the MIO queue (Nsight Compute, hdim 128 causal 4k: MIO throttle was 23% of the MMA warps'
 stall samples against FA4's 5%); placed first, their latency hides behind the GEMMs.
 ``select_bwd_config`` turns it on for short causal hdim 128 (swapped 64-row blocks), where
-paired timing measured +5.2% at 2k and +1.6% at 1k, and with them for narrow windows at hdim
-128 (``NARROW_WINDOW_BAND``); unswapped hdim 256 it measured -0.8% to 0.
+paired timing measured +5.2% at 2k and +1.6% at 1k, and with them for windows at hdim 128
+(``bwd_defaults.py``); unswapped hdim 256 it measured -0.8% to 0.
 
 Note [dP wait placement] (``stats_shuffle=False``, ``lse_early``, ``dp_wait_after``; blocks
 of 80 / 128 rows): after S^T's GEMM is done the warpgroup computes P = exp2(S^T * scale -
@@ -355,7 +355,7 @@ class Sm90FlashBackward(BwdTileRole, BwdLoadRole, BwdStoreRole, BwdScoresRole):
         softmax_scale: Float32,
         softcap: Float32,  # the cap, read only with cfg.softcap
         window_left: Int32,  # the band's run-time bounds (fa_sm100.bands.kernel_window), read
-        window_right: Int32,  # only for a side the config bounds (Sm90FlashBackward.band)
+        window_right: Int32,  # only with a window (cfg.is_local)
         stream,
     ):
         self._setup_layouts()

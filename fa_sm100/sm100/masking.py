@@ -14,9 +14,9 @@ one block, even when every row of it is fully masked (e.g. causal with ``seqlen_
 seqlen_k``): the protocol stays the same for every tile, and such rows end with row sum 0,
 which the correction turns into O = 0 and LSE = -inf.
 
-Whether a side of the window is bounded is compile-time (``FmhaConfig.window_left/right``
-is None or not); the bounds themselves are run-time launch arguments (``Problem.window``,
-from ``fa_sm100.bands.kernel_window``), so a new window size reuses the compiled kernel.
+Whether there is a window is compile-time (``FmhaConfig.is_local``); the bounds themselves
+are run-time launch arguments (``Problem.window``, from ``fa_sm100.bands.kernel_window``, an
+unbounded side one that covers every key), so a new window reuses the compiled kernel.
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def apply_mask(cfg, tSrS: cute.Tensor, tScS: cute.Tensor, lo: Int32, hi: Int32):
     a constant of the unrolled loop, so a pass is one compare per score against a run-time
     limit of the row (a combined two-sided test costs registers the 192-register softmax
     warpgroup does not have)."""
-    if cutlass.const_expr(cfg.window_left is not None):
+    if cutlass.const_expr(cfg.is_local):
         if lo > 0:
             _mask_below(tSrS, tScS, lo)
     if hi < cfg.n_block:
