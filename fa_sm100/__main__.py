@@ -9,8 +9,9 @@
 
 Exit status 0 when every step passed, 1 when a check or a compile failed.
 
-Commands: ``python -m fa_sm100 warmup ...`` compiles the kernels of given problems into the
-disk cache ahead of time (``fa_sm100.warmup``).
+Commands: ``python -m fa_sm100 <command> ...`` runs one of the project's command lines
+(``fa_sm100.cli.COMMANDS``: inspect, benchmark, emulate, timeline, ablation, warmup, ...; the
+job above is ``check``); ``--help`` lists them.
 """
 
 import argparse
@@ -129,16 +130,18 @@ def cross_compile_report(json_path=None) -> bool:
     return True
 
 
-COMMANDS = {"warmup": "fa_sm100.warmup"}
-
-
 def main(argv=None) -> int:
+    from fa_sm100.cli import COMMANDS, usage
+
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] in COMMANDS:
+    if argv and argv[0] == "check":  # the job below, by its name
+        argv = argv[1:]
+    elif argv and argv[0] in COMMANDS:
         import importlib
 
-        return importlib.import_module(COMMANDS[argv[0]]).main(argv[1:])
-    p = argparse.ArgumentParser(prog="python -m fa_sm100", description=__doc__.split("\n\n")[0])
+        return importlib.import_module(COMMANDS[argv[0]][0]).main(argv[1:])
+    p = argparse.ArgumentParser(prog="python -m fa_sm100", description=__doc__.split("\n\n")[0],
+                                epilog=usage(), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--no-gpu", action="store_true",
                    help="skip the GPU even if there is one: cross-compile and report")
     p.add_argument("--json", dest="json_path", metavar="PATH",

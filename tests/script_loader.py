@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = ROOT / "scripts"
+SCRIPTS = ROOT / "scripts"  # the entry points
 
 
 def repo_env(**extra) -> dict:
@@ -22,8 +22,13 @@ def repo_env(**extra) -> dict:
 
 
 def load_script(name: str):
-    """``scripts/<name>.py`` executed as a fresh module (not entered in ``sys.modules``)."""
-    spec = importlib.util.spec_from_file_location(f"fa_sm100_script_{name}", SCRIPTS / f"{name}.py")
+    """The module of command ``name`` (``fa_sm100.cli.COMMANDS``; ``scripts/<name>.py`` is its
+    entry point) executed as a fresh module (not entered in ``sys.modules``)."""
+    from fa_sm100.cli import COMMANDS
+
+    module_name = COMMANDS[name][0]
+    path = ROOT / (module_name.replace(".", "/") + ".py")
+    spec = importlib.util.spec_from_file_location(f"fa_sm100_script_{name}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

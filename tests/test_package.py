@@ -21,3 +21,33 @@ def test_config_layouts_and_pipeline_table_do_not_import_torch():
             "fa_sm100.select_config(); print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False", out.stderr
+
+
+def test_every_script_is_a_command_of_the_package():
+    """``scripts/<name>.py`` is an entry point of ``python -m fa_sm100 <name>``: every script
+    names a command, and every command's module has a ``main`` that answers --help."""
+    import contextlib
+    import importlib
+    import io
+    from pathlib import Path
+
+    from fa_sm100.cli import COMMANDS
+
+    scripts = {p.stem for p in (Path(__file__).resolve().parents[1] / "scripts").glob("*.py")}
+    assert scripts - {"_paths"} <= set(COMMANDS), scripts - set(COMMANDS)
+    for name, (module_name, what) in COMMANDS.items():
+        main = importlib.import_module(module_name).main
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as exit_:
+            main(["--help"])
+        assert exit_.value.code == 0 and "usage" in out.getvalue(), name
+
+
+def test_a_script_and_its_command_give_the_same_output():
+    from script_loader import ROOT, repo_env
+
+    script = subprocess.run([sys.executable, "scripts/inspect.py", "--list"], cwd=ROOT,
+                            capture_output=True, text=True, env=repo_env(), check=True)
+    command = subprocess.run([sys.executable, "-m", "fa_sm100", "inspect", "--list"], cwd=ROOT,
+                             capture_output=True, text=True, env=repo_env(), check=True)
+    assert script.stdout == command.stdout and "sm90_bwd" in script.stdout
