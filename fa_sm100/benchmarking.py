@@ -669,7 +669,8 @@ def plot_mode_bars(rows, providers, path: str, title: str, label, panel_title,
     import matplotlib.pyplot as plt
 
     modes = sorted({r["mode"] for r in rows}, key=["fwd", "bwd"].index)
-    fig, axes = plt.subplots(1, len(modes), figsize=(7 * len(modes), 4.5), squeeze=False)
+    wide = max(7.0, 1.1 * max(sum(r["mode"] == m for r in rows) for m in modes))
+    fig, axes = plt.subplots(1, len(modes), figsize=(wide * len(modes), 4.5), squeeze=False)
     for ax, mode in zip(axes.flat, modes):
         cells = [r for r in rows if r["mode"] == mode]
         names = [n for n in providers if any(n in r["tflops"] for r in cells)]
@@ -682,7 +683,7 @@ def plot_mode_bars(rows, providers, path: str, title: str, label, panel_title,
         ax.set_ylabel(ylabel)
         ax.set_title(panel_title(mode, cells))
         ax.grid(axis="y", alpha=0.3)
-        ax.legend()
+        ax.legend(loc="lower left", fontsize="small", framealpha=0.9)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -128,3 +128,49 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
         out, lse = EagerAttention.apply(q, k, v, call)
         return (out, lse) if return_lse else out
     return call(q, k, v, out, lse)
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           dropout_p=0.0, softmax_scale=None, causal=False,
+                           window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_attn_probs=False, *, return_lse=False,
+                           seqused_k=None, config=None):
+    """Attention over a batch of sequences packed along the token axis (flash-attn 2's
+    ``flash_attn_varlen_func``; docs/varlen.md).
+
+    q (total_q, heads, head_dim), k / v (total_k, heads_kv, head_dim[_v]); sequence i is rows
+    ``cu_seqlens_q[i] .. cu_seqlens_q[i + 1]`` of q and ``cu_seqlens_k[i] ..
+    cu_seqlens_k[i + 1]`` of k and v (int32, batch + 1 offsets from 0, non-decreasing: zero-
+    length sequences are legal). ``max_seqlen_q`` / ``max_seqlen_k``: at least the longest
+    sequence (as flash-attn requires: the launch grid is cut from them; they are not checked
+    against the offsets, which would wait for the GPU). ``seqused_k`` (batch,) int32: use only
+    the first ``seqused_k[i]`` keys of sequence i (a cache longer than what is filled).
+    causal, window_size, softcap, softmax_scale: as ``flash_attn_func``, per sequence
+    (bottom-right aligned to each sequence's own lengths). Returns out (total_q, heads,
+    head_dim_v), or ``(out, lse)`` with ``return_lse`` (lse (heads, total_q) float32, natural
+    log) or ``(out, lse, None)`` with ``return_attn_probs``.
+
+    The Hopper (sm_90) forward only: SM100 and gradients raise ValueError (no varlen kernel
+    there yet).
+    """
+    if not isinstance(dropout_p, (int, float)) or isinstance(dropout_p, bool) or dropout_p != 0:
+        raise ValueError(f"dropout_p={dropout_p!r}: only 0.0 is supported (there is no dropout "
+                         "kernel)")
+    if alibi_slopes is not None:
+        raise ValueError("alibi_slopes: ALiBi is not supported (pass None)")
+    for name, flag in (("deterministic", deterministic), ("return_lse", return_lse),
+                       ("return_attn_probs", return_attn_probs)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"{name} must be a bool, got {flag!r}")
+    if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k, v)):
+        raise ValueError("flash_attn_varlen_func has no backward yet: call it without gradients "
+                         "(torch.no_grad(), or inputs that do not require grad)")
+    if isinstance(q, torch.Tensor) and q.device.type == "cuda" and capability(q.device)[0] == 10:
+        raise ValueError("flash_attn_varlen_func: the SM100 forward has no varlen kernel yet "
+                         "(it runs on sm_90 GPUs)")
+    from fa_sm100.hopper.interface import sm90_fwd_varlen
+
+    result = sm90_fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                             seqused_k, softmax_scale, causal, window_size, softcap,
+                             return_lse or return_attn_probs, config)
+    return (*result, None) if return_attn_probs else result

@@ -161,3 +161,77 @@ def tma_ready(t: torch.Tensor) -> torch.Tensor:
     otherwise a contiguous copy."""
     ok = tma_strides_ok(t) and t.data_ptr() % 16 == 0
     return t if ok else t.clone(memory_format=torch.contiguous_format)
+
+
+@dataclass(frozen=True)
+class VarlenProblem:
+    """A validated variable-length call: packed (total, heads, head_dim) tensors, ``batch``
+    sequences, the longest lengths as given, and the forward's options."""
+
+    batch: int
+    total_q: int
+    total_k: int
+    heads: int
+    heads_kv: int
+    head_dim: int
+    head_dim_v: int
+    dtype: torch.dtype
+    max_seqlen_q: int
+    max_seqlen_k: int
+    softmax_scale: float
+    causal: bool
+    window: tuple
+    softcap: float = 0.0
+
+
+def validate_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           seqused_k=None, softmax_scale=None, causal=False,
+                           window_size=(None, None), softcap=0.0,
+                           head_dims=ALL_HEAD_DIMS) -> VarlenProblem:
+    """Check packed q (total_q, h, d), k / v (total_k, h_kv, d / dv), the int32 offsets
+    ``cu_seqlens_q`` / ``cu_seqlens_k`` (batch + 1,), ``seqused_k`` (batch,) or None, the
+    longest lengths and the options; raise ValueError naming the first problem. What lies in
+    the offsets' values (non-decreasing from 0, each sequence no longer than its maximum) is
+    not read here: reading it would wait for the GPU."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 3:
+            raise ValueError(f"{name} must be 3-D (total_tokens, heads, head_dim) for varlen, "
+                             f"got shape {tuple(t.shape)}")
+    if k.shape[0] != v.shape[0]:
+        raise ValueError(f"k and v must have the same number of tokens, got {k.shape[0]} and "
+                         f"{v.shape[0]}")
+    for name, n in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {n!r}")
+    batch = None
+    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k),
+                    ("seqused_k", seqused_k)):
+        if t is None and name == "seqused_k":
+            continue
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != 1:
+            raise ValueError(f"{name} must be a 1-D torch.int32 tensor, got "
+                             f"{getattr(t, 'dtype', type(t).__name__)} "
+                             f"{tuple(getattr(t, 'shape', ()))}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+        if t.device != q.device:
+            raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
+        sequences = t.shape[0] - (name != "seqused_k")
+        if batch is None:
+            batch = sequences
+        elif sequences != batch:
+            raise ValueError(f"{name} gives {sequences} sequences, cu_seqlens_q gives {batch} "
+                             f"(cu_seqlens: batch + 1 offsets; seqused_k: batch lengths)")
+    if batch < 1:
+        raise ValueError("cu_seqlens_q must hold at least two offsets (one sequence)")
+    # the packed tensors as a batch of one: every other rule is the padded API's
+    one = [t.unsqueeze(0) for t in (q, k, v)]
+    if q.shape[0] == 0 or k.shape[0] == 0:  # empty packs are legal; check the rest on one row
+        one = [t.new_empty((1, 1, *t.shape[1:])) for t in (q, k, v)]
+    p = validate_attention_inputs(*one, softmax_scale, causal, window_size, head_dims,
+                                  softcap=softcap)
+    return VarlenProblem(batch, q.shape[0], k.shape[0], p.heads, p.heads_kv, p.head_dim,
+                         p.head_dim_v, p.dtype, max_seqlen_q, max_seqlen_k, p.softmax_scale,
+                         p.causal, p.window, p.softcap)

@@ -159,3 +159,36 @@ def test_flash_attn_2_positional_call_passes_validation():
         flash_attn_func(q, k, v, 0.0, 0.1, True, (-1, -1))
     with pytest.raises(ValueError, match="dropout_p"):  # 4th positional is dropout, as there
         flash_attn_func(q, k, v, 0.1)
+
+
+def test_varlen_inputs_are_checked_before_anything_runs():
+    """``flash_attn_varlen_func``'s checks, on CPU tensors (the device rule comes last): each
+    bad input raises ValueError naming it."""
+    import fa_sm100
+
+    q = torch.zeros(10, 2, 64, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    call = fa_sm100.flash_attn_varlen_func
+    cases = [
+        (dict(q=q[None]), "3-D"),
+        (dict(cu_seqlens_q=cu.long()), "int32"),
+        (dict(cu_seqlens_k=cu[:2]), "sequences"),
+        (dict(cu_seqlens_q=torch.tensor([0], dtype=torch.int32),
+              cu_seqlens_k=torch.tensor([0], dtype=torch.int32)), "at least two offsets"),
+        (dict(max_seqlen_q=-1), "max_seqlen_q"),
+        (dict(max_seqlen_k=4.0), "max_seqlen_k"),
+        (dict(seqused_k=torch.tensor([1, 2, 3], dtype=torch.int32)), "sequences"),
+        (dict(cu_seqlens_q=torch.tensor([0, 4, 5, 10], dtype=torch.int32)[::2]), "contiguous"),
+        (dict(v=torch.zeros(9, 2, 64, dtype=torch.bfloat16)), "same number of tokens"),
+        (dict(softcap=-1.0), "softcap"),
+        (dict(dropout_p=0.1), "dropout_p"),
+        ({}, "CUDA"),
+    ]
+    for change, message in cases:
+        args = dict(q=q, k=q, v=q, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=6,
+                    max_seqlen_k=6)
+        args.update(change)
+        with pytest.raises(ValueError, match=message):
+            call(**args)
+    with pytest.raises(ValueError, match="no backward"):
+        call(q.clone().requires_grad_(), q, q, cu, cu, 6, 6)

@@ -41,6 +41,13 @@ CASES = [
     # sliding windows (run-time bounds): the left-edge run is a third loop
     ["local=true"],
     ["local=true", "causal=true", "head_dim=64", "intra_wg_overlap=false", "pingpong=false"],
+    # Note [Varlen]: packed sequences (a local kernel whose lengths come from cu_seqlens; O
+    # stored through the ragged view), with the epilogues and buffers of each head dim
+    ["varlen=true", "causal=true"],
+    ["varlen=true", "causal=true", "wg_epilogue=true", "q_stage=2"],
+    ["varlen=true", "head_dim=64"],
+    ["varlen=true", "head_dim=192", "head_dim_v=128", "softcap=true"],
+    ["varlen=true", "head_dim=256", "causal=true"],  # O in Q's buffer
 ]
 
 

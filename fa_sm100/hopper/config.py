@@ -40,6 +40,10 @@ WARPGROUP_THREADS = WARPGROUP_WARPS * WARP_SIZE  # 128
 WGMMA_M = 64  # rows of one warpgroup MMA
 KV_CLUSTER = 2  # CTAs that share each K/V tile under kv_multicast, by default
 KV_CLUSTERS = (2, 4)  # cluster sizes kv_multicast accepts (kv_cluster)
+# Note [Varlen] in fwd_kernel.py: the row extent of O's ragged view for the TMA store, and the
+# extent of the mode that carries each sequence's end (within the TMA's 32-bit coordinates)
+RAGGED_ROWS = 1 << 30
+RAGGED_OFFSETS = (1 << 31) - 1
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,10 @@ class Sm90FwdConfig:
     # logit softcapping (fa_sm100.softmax_math): the cap is a run-time argument; scores pass
     # through softcap_tanh before the mask and the softmax
     softcap: bool = False
+    # variable-length batches (Note [Varlen] in fwd_kernel.py): packed sequences, each work
+    # tile's offsets and lengths read from cu_seqlens; always a ``local`` kernel (causal and
+    # windows are the run-time band of each sequence)
+    varlen: bool = False
     write_lse: bool = True
     # tiles
     m_block: int = 128
@@ -294,6 +302,12 @@ class Sm90FwdConfig:
             raise ValueError("kv_multicast=True needs causal=False and local=False (the CTAs of "
                              "a cluster load the same K/V tiles; causal or windowed tiles of "
                              "neighbouring m blocks see different ones)")
+        if self.varlen and not self.local:
+            raise ValueError("varlen=True needs local=True (each sequence's causal mask or "
+                             "window is its run-time band: Note [Varlen] in fwd_kernel.py)")
+        if self.varlen and self.kv_multicast:
+            raise ValueError("varlen=True needs kv_multicast=False (neighbouring m blocks may "
+                             "belong to different sequences)")
         if self.kv_multicast and self.dynamic_schedule:
             raise ValueError("kv_multicast=True needs dynamic_schedule=False (the CTAs of a "
                              "cluster must take neighbouring m blocks of one head, tile after "
@@ -416,7 +430,8 @@ RESCALE_THRESHOLD_MIN_HEAD_DIM_V = 128
 
 def select_sm90_fwd_config(head_dim: int = 128, head_dim_v=None, dtype="bfloat16", causal=False,
                            write_lse=True, seqlen_k=None, seqlen_q=None, batch_heads=None,
-                           local=False, softcap=False, **overrides) -> Sm90FwdConfig:
+                           local=False, softcap=False, varlen=False,
+                           **overrides) -> Sm90FwdConfig:
     """The default SM90 config for a problem, with ``overrides`` applied, validated.
 
     ``head_dim_v`` defaults to ``fa_sm100.config.default_head_dim_v(head_dim)`` (128 for 192).
@@ -437,8 +452,10 @@ def select_sm90_fwd_config(head_dim: int = 128, head_dim_v=None, dtype="bfloat16
     two Q stages fit, each unless given. ``rescale_threshold`` 8 from head_dim_v 128 on
     (``RESCALE_THRESHOLD_MIN_HEAD_DIM_V``), else 0. ``local`` (a sliding window) is scheduled as
     causal is: no multicast, persistent CTAs with the dynamic schedule (band tiles differ in
-    length at the sequence's start and end).
+    length at the sequence's start and end). ``varlen`` is ``local`` (packed sequences: pass
+    the longest lengths as ``seqlen_q`` / ``seqlen_k``, or None).
     """
+    local = local or varlen
     head_dim_v = default_head_dim_v(head_dim) if head_dim_v is None else head_dim_v
     num_wg, n_block = default_tile(head_dim)
     if num_wg == 3 and causal and seqlen_k is not None and seqlen_k <= SHORT_CAUSAL_SEQLEN_K:
@@ -457,6 +474,7 @@ def select_sm90_fwd_config(head_dim: int = 128, head_dim_v=None, dtype="bfloat16
         causal=causal,
         local=local,
         softcap=softcap,
+        varlen=varlen,
         write_lse=write_lse,
         m_block=WGMMA_M * num_wg,
         n_block=n_block,
@@ -513,5 +531,5 @@ def sm90_fwd_config_from_overrides(items: Iterable[str]) -> Sm90FwdConfig:
     """The default config (hdim 128, bf16) with CLI ``--set field=value`` overrides, validated."""
     changes = parse_overrides(items, cls=Sm90FwdConfig)
     problem = {k: changes.pop(k) for k in ("head_dim", "head_dim_v", "dtype", "causal", "local",
-                                           "softcap", "write_lse") if k in changes}
+                                           "softcap", "varlen", "write_lse") if k in changes}
     return select_sm90_fwd_config(**problem, **changes)  # head_dim_v: default_head_dim_v

@@ -77,7 +77,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from fa_sm100 import bands
 from fa_sm100.dsl_math import softcap_tanh
 from fa_sm100.hopper.common import NO_WAIT, rows_cols_view, stmatrix_to_smem, transpose_view, wgmma
-from fa_sm100.hopper.config import WARPGROUP_THREADS, WGMMA_M
+from fa_sm100.hopper.config import RAGGED_ROWS, WARPGROUP_THREADS, WGMMA_M
 from fa_sm100.hopper.fwd_math import (
     apply_mask,
     convert_to,
@@ -164,7 +164,7 @@ class ConsumerRole:
     @cute.jit
     def consumer(self, mO, mLSE, mK, sQ, sK, sV, sO, tma_o, tiled_mma_qk, tiled_mma_pv,
                  pipe_q, pipe_k, pipe_v, scale_log2: Float32, total_tiles: Int32, l2_heads: Int32,
-                 pipe_tile, sTile, window, softcap_k):
+                 pipe_tile, sTile, window, softcap_k, varlen):
         """Consumer warpgroups: 64 rows each; per work tile all its KV tiles, then the epilogue.
 
         Consumes: q (released after the tile's last QK GEMM, or after the O store with
@@ -173,7 +173,8 @@ class ConsumerRole:
         pipeline (Note [Dynamic tile schedule] in fwd_kernel.py).
         Produces: O (staged in SMEM, TMA store) and LSE (direct stores). ``window``: the
         run-time (left, right) bounds of a ``local`` kernel, else None; ``softcap_k``: the
-        raw scores' factor inside tanh of a softcapped kernel, else None.
+        raw scores' factor inside tanh of a softcapped kernel, else None; ``varlen``: the packed
+        sequences' tensors (Note [Varlen] in fwd_kernel.py), else None.
         """
         cfg = self.cfg
         tidx = cute.arch.thread_idx()[0] - WARPGROUP_THREADS
@@ -232,7 +233,7 @@ class ConsumerRole:
             while t < total_tiles:
                 state, q_state = self.consumer_tile(
                     f, lse, t, state, q_state, wg, tidx, mO, mLSE, mK, sO, tma_o, tiled_mma_pv,
-                    pipe_q, pipe_k, pipe_v, scale_log2, l2_heads, seqlen_q)
+                    pipe_q, pipe_k, pipe_v, scale_log2, l2_heads, seqlen_q, varlen)
                 pipe_tile.consumer_wait(tile_state)
                 t = sTile[tile_state.index]
                 pipe_tile.consumer_release(tile_state)  # after the read: the slot may be reused
@@ -242,11 +243,11 @@ class ConsumerRole:
                                    unroll=1):
                 state, q_state = self.consumer_tile(
                     f, lse, t, state, q_state, wg, tidx, mO, mLSE, mK, sO, tma_o, tiled_mma_pv,
-                    pipe_q, pipe_k, pipe_v, scale_log2, l2_heads, seqlen_q)
+                    pipe_q, pipe_k, pipe_v, scale_log2, l2_heads, seqlen_q, varlen)
         else:
             self.consumer_tile(
                 f, lse, cute.arch.block_idx()[0], state, q_state, wg, tidx, mO, mLSE, mK, sO, tma_o,
-                tiled_mma_pv, pipe_q, pipe_k, pipe_v, scale_log2, l2_heads, seqlen_q)
+                tiled_mma_pv, pipe_q, pipe_k, pipe_v, scale_log2, l2_heads, seqlen_q, varlen)
         if self.stores_o(tidx):
             cute.arch.cp_async_bulk_wait_group(0, read=True)  # sO is read before the CTA exits
 
@@ -260,12 +261,36 @@ class ConsumerRole:
     @cute.jit
     def consumer_tile(self, f: ConsumerFrags, lse, t: Int32, state, q_state, wg: Int32,
                       tidx: Int32, mO, mLSE, mK, sO, tma_o, tiled_mma_pv, pipe_q, pipe_k, pipe_v,
-                      scale_log2: Float32, l2_heads: Int32, seqlen_q: Int32):
+                      scale_log2: Float32, l2_heads: Int32, seqlen_q: Int32, varlen):
         """One work tile: every KV tile of it (see the Notes above), then the epilogue.
         Returns the advanced (kv, q) pipeline states."""
         cfg = self.cfg
-        m_block, head, batch, n_lo, n_blocks, masked_from, left_to = self.tile_coords(
-            t, mO, mK, l2_heads, f.window)  # mO: same (s, ., h, b) modes as Q
+        m_block, head, batch, n_lo, n_blocks, masked_from, left_to, seq = self.tile_coords(
+            t, mO, mK, l2_heads, f.window, varlen)  # mO: same (s, ., h, b) modes as Q
+        if const_expr(varlen is not None):  # Note [Varlen]: this tile's sequence's lengths
+            f.seqlen_k = seq[3]
+            f.right_edge = seq[3] - seq[2] + f.window[1]
+            f.left_edge = seq[3] - seq[2] - f.window[0]
+            if m_block * cfg.m_block < seq[2]:  # a tile past its sequence: nothing at all
+                state, q_state = self.tile_work(
+                    f, lse, state, q_state, wg, tidx, mO, mLSE, sO, tma_o, tiled_mma_pv, pipe_q,
+                    pipe_k, pipe_v, scale_log2, seq[2], m_block, head, batch, n_lo, n_blocks,
+                    masked_from, left_to, seq)
+        else:
+            state, q_state = self.tile_work(
+                f, lse, state, q_state, wg, tidx, mO, mLSE, sO, tma_o, tiled_mma_pv, pipe_q,
+                pipe_k, pipe_v, scale_log2, seqlen_q, m_block, head, batch, n_lo, n_blocks,
+                masked_from, left_to, seq)
+        return state, q_state
+
+    @cute.jit
+    def tile_work(self, f: ConsumerFrags, lse, state, q_state, wg: Int32, tidx: Int32, mO, mLSE,
+                  sO, tma_o, tiled_mma_pv, pipe_q, pipe_k, pipe_v, scale_log2: Float32,
+                  seqlen_q: Int32, m_block: Int32, head: Int32, batch: Int32, n_lo: Int32,
+                  n_blocks: Int32, masked_from: Int32, left_to: Int32, seq):
+        """``consumer_tile``'s work on the tile ``tile_coords`` gave. Returns the advanced (kv,
+        q) pipeline states."""
+        cfg = self.cfg
         row_base = m_block * cfg.m_block
         self.reset_tile(f)
         n_masked = 0  # KV tiles after the first that cross the band's right edge
@@ -291,7 +316,7 @@ class ConsumerRole:
         finalize_softmax(f.row_max, f.row_sum, f.row_scale, lse, scale_log2)
         rescale_rows(rows_cols_view(f.acc_O), f.row_scale)  # by 1 / row sum
         self.epilogue(f.acc_O, lse, mO, mLSE, sO, tma_o, tiled_mma_pv, tidx, m_block, head,
-                      batch, seqlen_q)
+                      batch, seqlen_q, seq)
         if const_expr(cfg.o_in_q_buffer):  # Note [O in Q's buffer]
             if tidx // cute.arch.WARP_SIZE == 0:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
@@ -448,13 +473,14 @@ class ConsumerRole:
 
     @cute.jit
     def epilogue(self, acc_O, lse, mO, mLSE, sO, tma_o, tiled_mma_pv, tidx: Int32, m_block: Int32,
-                 head: Int32, batch: Int32, seqlen_q: Int32):
+                 head: Int32, batch: Int32, seqlen_q: Int32, seq=None):
         """O (registers) -> SMEM (stmatrix) -> GMEM (TMA store); LSE -> GMEM.
 
         One store of the whole tile after a barrier of every consumer thread, or with
         ``wg_epilogue`` one per warpgroup of its own rows after a barrier of its own threads
         (Note [Warpgroup epilogues]). Rows past seqlen_q are clipped by the TMA unit and
-        skipped for LSE.
+        skipped for LSE. ``seq``: the tile's sequence under ``varlen`` (``tile_coords``), whose
+        rows are stored through O's ragged view (Note [Varlen] in fwd_kernel.py).
         """
         cfg = self.cfg
         rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
@@ -483,10 +509,17 @@ class ConsumerRole:
                 for r in cutlass.range_constexpr(cute.size(lse)):
                     row = m_block * cfg.m_block + coord_rc[r, 0][0]
                     if row < seqlen_q:
-                        mLSE[row, head, batch] = lse[r]
+                        if const_expr(seq is not None):
+                            mLSE[seq[0] + row, head, 0] = lse[r]
+                        else:
+                            mLSE[row, head, batch] = lse[r]
 
         if self.stores_o(tidx):
-            mO_bh = mO[None, None, head, batch]
+            if const_expr(seq is not None):  # ragged rows end at the sequence's last row
+                mO_bh = cute.domain_offset((RAGGED_ROWS - seqlen_q, 0),
+                                           mO[None, None, head, seq[0] + seqlen_q])
+            else:
+                mO_bh = mO[None, None, head, batch]
             if const_expr(cfg.wg_epilogue):
                 block = m_block * cfg.num_consumer_wg + wg  # in units of 64 rows
                 if block * WGMMA_M < seqlen_q:  # an empty warpgroup stores nothing

@@ -80,6 +80,27 @@ and the consumers still release on both CTAs' empty barriers, which only makes a
 for the peer's consumers too. Static persistent CTAs walk the order upwards and the grid is even,
 so a cluster meets its shared tiles first and its own-load tiles at the end. hdim 64 (192-row
 blocks) gives 43 m blocks at 8k, which had no multicast before.
+
+Note [Varlen] (``varlen``): a batch of sequences packed along the token axis, q (total_q, h,
+d) and k, v (total_k, h_kv, d), sequence i at rows [cu_seqlens[i], cu_seqlens[i + 1]) (keys:
+its first ``seqused_k[i]`` rows when given). The work tiles are ceil(max_seqlen_q / m_block)
+m blocks per (sequence, head) pair, pair-major (the CTAs working at one time share few
+pairs' K/V, which stay in L2: taking the m blocks of every pair in turn measured 0.85-0.97x
+of this on an H200), each pair's from its last m block down (under a causal mask its
+heaviest first). ``tile_coords`` reads the tile's sequence offsets and lengths from
+cu_seqlens; a tile past its sequence's end is skipped by the producer and the consumers alike
+(no Q load, no pipeline step, no store). Every length-dependent quantity (the band of key blocks, the masks' edges,
+the empty warpgroups, the stored rows) uses the tile's own lengths. Causal masks and windows
+are the run-time band of each sequence (a varlen kernel is ``local``: ``kernel_window`` with
+the longest lengths, whose clamps cover every sequence). Loads offset the TMA coordinates by
+the sequence's first row: rows past its end read the next sequence's rows (or zeros past the
+tensor), which the seqlen mask hides (keys) or nobody stores (queries). O's TMA store must not
+write them, so it goes through a ragged view of O (``ragged_rows``): the row mode is
+``RAGGED_ROWS`` long and a fifth mode steps by one row too, with the base moved back by
+``RAGGED_ROWS`` rows; a tile of sequence (offset, length) stores at row coordinate
+``RAGGED_ROWS - length + r`` and fifth coordinate ``offset + length``, which addresses row
+``offset + r`` and is out of bounds (clipped by the TMA unit) exactly from r = length on.
+LSE is stored per row below the length.
 """
 
 import cuda.bindings.driver as cuda
@@ -94,7 +115,8 @@ from cutlass.tensor_utils import LayoutEnum
 from fa_sm100 import bands
 from fa_sm100.config import WARP_SIZE, cutlass_dtype
 from fa_sm100.hopper.common import PeerReleasePipeline
-from fa_sm100.hopper.config import WARPGROUP_THREADS, WGMMA_M, Sm90FwdConfig
+from fa_sm100.hopper.config import (RAGGED_OFFSETS, RAGGED_ROWS, WARPGROUP_THREADS, WGMMA_M,
+                                    Sm90FwdConfig)
 from fa_sm100.hopper.fwd_consumer import ConsumerRole
 from fa_sm100.softmax_math import LOG2_E
 
@@ -106,6 +128,15 @@ PRODUCER_WARP = 0
 TILE_SLOTS = 2
 
 
+def ragged_rows(t: cute.Tensor) -> cute.Tensor:
+    """(rows, d, h) -> (RAGGED_ROWS, d, h, RAGGED_OFFSETS), the same memory seen so that a TMA
+    store at (RAGGED_ROWS - length + r, ., ., offset + length) writes row offset + r and clips
+    rows r >= length (Note [Varlen])."""
+    base = cute.domain_offset((-RAGGED_ROWS, 0, 0), t).iterator
+    shape = (RAGGED_ROWS, t.shape[1], t.shape[2], RAGGED_OFFSETS)
+    return cute.make_tensor(base, cute.make_layout(shape, stride=(*t.stride, t.stride[0])))
+
+
 def _select(t: cute.Tensor, modes) -> cute.Tensor:
     """The same memory seen with its modes reordered."""
     return cute.make_tensor(t.iterator, cute.select(t.layout, mode=modes))
@@ -113,14 +144,18 @@ def _select(t: cute.Tensor, modes) -> cute.Tensor:
 
 class Sm90FwdKernel(ConsumerRole):
     """Callable with ``(mQ, mK, mV, mO, mLSE, mTileCounter, softmax_scale, softcap, num_ctas,
-    window_left, window_right, stream)`` on BSHD tensors.
+    window_left, window_right, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, max_seqlen_q, stream)`` on
+    BSHD tensors.
 
     mQ (b, s_q, h, d), mK/mV (b, s_k, h_kv, d / dv), mO (b, s_q, h, dv), mLSE (b, h, s_q)
     float32 or None. GQA/MQA: query head h reads K/V head h // (h / h_kv). mTileCounter: (1,)
     int32, zero before the first launch (``dynamic_schedule``; else None). num_ctas: the SM count
     (the persistent grid). softcap: the cap, read only with ``cfg.softcap`` (else pass 0).
     window_left / window_right: the band's run-time bounds (``fa_sm100.bands.kernel_window``),
-    read only with ``local`` (else pass 0).
+    read only with ``local`` (else pass 0). With ``varlen`` (Note [Varlen]) the tensors are the
+    packed ones with a batch of 1 (mLSE (1, h, total_q)), mCuSeqlensQ / mCuSeqlensK (batch + 1,)
+    int32, mSeqUsedK (batch,) int32 or None, max_seqlen_q the longest query sequence; without
+    it pass None, None, None, 0.
     """
 
     def __init__(self, cfg: Sm90FwdConfig):
@@ -209,6 +244,10 @@ class Sm90FwdKernel(ConsumerRole):
         num_ctas: Int32,
         window_left: Int32,
         window_right: Int32,
+        mCuSeqlensQ,
+        mCuSeqlensK,
+        mSeqUsedK,
+        max_seqlen_q: Int32,
         stream: cuda.CUstream,
     ):
         cfg = self.cfg
@@ -237,14 +276,25 @@ class Sm90FwdKernel(ConsumerRole):
         tma_v, tma_mV = cpasync.make_tiled_tma_atom(
             kv_op, mV, cute.select(sV_layout, mode=[0, 1]), (cfg.n_block, cfg.head_dim_v), kv_ctas)
         o_rows = WGMMA_M if cfg.wg_epilogue else cfg.m_block  # one TMA store per warpgroup?
+        mO_store = mO
+        if const_expr(cfg.varlen):  # Note [Varlen]: rows past a sequence's end are clipped
+            mO_store = ragged_rows(mO[None, None, None, 0])
         tma_o, tma_mO = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(), mO, cute.select(sO_layout, mode=[0, 1]),
+            cpasync.CopyBulkTensorTileS2GOp(), mO_store, cute.select(sO_layout, mode=[0, 1]),
             (o_rows, cfg.head_dim_v))
 
         SharedStorage = self._shared_storage(sQ_layout, sK_layout, sV_layout, sO_layout)
 
         num_m_blocks = cute.ceil_div(cute.size(mQ.shape[0]), cfg.m_block)
         total_tiles = num_m_blocks * cute.size(mQ.shape[2]) * cute.size(mQ.shape[3])
+        varlen = None  # Note [Varlen]: (cu_seqlens_q, cu_seqlens_k, m blocks[, seqused_k])
+        if const_expr(cfg.varlen):
+            num_m_blocks = cute.ceil_div(max_seqlen_q, cfg.m_block)
+            total_tiles = (num_m_blocks * cute.size(mQ.shape[2])
+                           * (cute.size(mCuSeqlensQ.shape[0]) - 1))
+            varlen = (mCuSeqlensQ, mCuSeqlensK, num_m_blocks)
+            if const_expr(mSeqUsedK is not None):
+                varlen = (mCuSeqlensQ, mCuSeqlensK, num_m_blocks, mSeqUsedK)
         # Causal tiles run longest first in sections of (batch, head) pairs whose K and V fit
         # in L2 (see tile_coords).
         kv_bytes_per_head = mK.shape[0] * (cfg.head_dim + cfg.head_dim_v) * self.cfg.dtype_bytes
@@ -263,7 +313,8 @@ class Sm90FwdKernel(ConsumerRole):
         if const_expr(cfg.local):
             window = (window_left, window_right)
         self.kernel(
-            tma_mQ, tma_mK, tma_mV, tma_mO, mLSE, mTileCounter, window, softcap_k, total_tiles,
+            tma_mQ, tma_mK, tma_mV, tma_mO, mLSE, mTileCounter, window, softcap_k, varlen,
+            total_tiles,
             tma_q, tma_k, tma_v, tma_o,
             sQ_layout, sK_layout, sV_layout, sO_layout,
             tiled_mma_qk, tiled_mma_pv,
@@ -283,6 +334,7 @@ class Sm90FwdKernel(ConsumerRole):
         mTileCounter,
         window,
         softcap_k,
+        varlen,
         total_tiles: Int32,
         tma_q: cute.CopyAtom,
         tma_k: cute.CopyAtom,
@@ -356,7 +408,8 @@ class Sm90FwdKernel(ConsumerRole):
             cute.arch.setmaxregister_decrease(cfg.regs_producer)
             if warp_idx == PRODUCER_WARP:
                 self.producer(mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v,
-                              total_tiles, l2_heads, mTileCounter, pipe_tile, sTile, window)
+                              total_tiles, l2_heads, mTileCounter, pipe_tile, sTile, window,
+                              varlen)
         else:
             cute.arch.setmaxregister_increase(cfg.regs_consumer)
             kv_release = (pipe_k, pipe_v)
@@ -365,11 +418,12 @@ class Sm90FwdKernel(ConsumerRole):
                               PeerReleasePipeline.create(pipe_v))
             self.consumer(mO, mLSE, mK, sQ, sK, sV, sO, tma_o, tiled_mma_qk, tiled_mma_pv,
                           pipe_q, *kv_release, scale_log2, total_tiles, l2_heads, pipe_tile,
-                          sTile, window, softcap_k)
+                          sTile, window, softcap_k, varlen)
 
     @cute.jit
-    def tile_coords(self, t: Int32, mQ: cute.Tensor, mK: cute.Tensor, l2_heads: Int32, window):
-        """(m_block, head, batch, n_lo, n_blocks, masked_from, left_to) of flat tile t.
+    def tile_coords(self, t: Int32, mQ: cute.Tensor, mK: cute.Tensor, l2_heads: Int32, window,
+                    varlen=None):
+        """(m_block, head, batch, n_lo, n_blocks, masked_from, left_to, seq) of flat tile t.
 
         Keys of blocks [n_lo, n_lo + n_blocks) are visited, last block first. Blocks from
         ``masked_from`` on cross the right edge of the band (the causal diagonal), blocks
@@ -378,14 +432,28 @@ class Sm90FwdKernel(ConsumerRole):
         (batch, head) pair, then the next pair. Causal without a window: t runs longest first:
         (batch, head) pairs are cut into sections of ``l2_heads`` (their K/V fit in L2);
         within a section the last m block of every pair comes first, then the one before, and
-        so on.
+        so on. ``seq``: with ``varlen`` the tile's sequence as (first query row, first key row,
+        query length, key length) (Note [Varlen]), else None.
         """
         cfg = self.cfg
         seqlen_q = mQ.shape[0]
         seqlen_k = mK.shape[0]
         num_heads = mQ.shape[2]
         num_m_blocks = cute.ceil_div(seqlen_q, cfg.m_block)
-        if const_expr(cfg.odd_m_pairs):  # Note [Odd m blocks]: the even part first
+        seq = None
+        if const_expr(varlen is not None):  # Note [Varlen]
+            cu_q, cu_k = varlen[0], varlen[1]
+            pair = t // varlen[2]  # pair-major (a pair's K/V stays in L2), last m block first
+            m_block = varlen[2] - 1 - (t - pair * varlen[2])
+            sequence = pair // num_heads
+            q_off, k_off = cu_q[sequence], cu_k[sequence]
+            seqlen_q = cu_q[sequence + 1] - q_off
+            if const_expr(len(varlen) == 4):
+                seqlen_k = varlen[3][sequence]
+            else:
+                seqlen_k = cu_k[sequence + 1] - k_off
+            seq = (q_off, k_off, seqlen_q, seqlen_k)
+        elif const_expr(cfg.odd_m_pairs):  # Note [Odd m blocks]: the even part first
             paired_m, paired_tiles = self.paired_tiles(mQ)
             pair = t - paired_tiles
             m_block = num_m_blocks - 1
@@ -408,6 +476,9 @@ class Sm90FwdKernel(ConsumerRole):
             masked_from, left_to = bands.kv_masked_blocks(
                 m_block * cfg.m_block, cfg.m_block, cfg.n_block, seqlen_q, seqlen_k, left, right,
                 cutlass.max)
+            if const_expr(varlen is not None):
+                if m_block * cfg.m_block >= seqlen_q:  # past its sequence: nothing to do
+                    n_blocks = 0
         elif const_expr(cfg.causal):
             pairs = num_heads * mQ.shape[3]
             section = t // (l2_heads * num_m_blocks)
@@ -423,7 +494,7 @@ class Sm90FwdKernel(ConsumerRole):
             masked_from = cutlass.max(first_row_keys, 0) // cfg.n_block
         batch = pair // num_heads
         head = pair - batch * num_heads
-        return m_block, head, batch, n_lo, n_blocks, masked_from, left_to
+        return m_block, head, batch, n_lo, n_blocks, masked_from, left_to, seq
 
     @cute.jit
     def paired_tiles(self, mQ: cute.Tensor):
@@ -435,7 +506,8 @@ class Sm90FwdKernel(ConsumerRole):
 
     @cute.jit
     def producer(self, mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v,
-                 total_tiles: Int32, l2_heads: Int32, mTileCounter, pipe_tile, sTile, window):
+                 total_tiles: Int32, l2_heads: Int32, mTileCounter, pipe_tile, sTile, window,
+                 varlen):
         """Warp 0: per work tile, Q once, then K/V tiles last-to-first into the ``kv_stage`` ring.
 
         Consumes: free stages (empty barriers released by the consumers; Q is released after
@@ -454,7 +526,7 @@ class Sm90FwdKernel(ConsumerRole):
             while t < total_tiles:
                 state, q_state = self.producer_tile(
                     mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v, t,
-                    l2_heads, state, q_state, window)
+                    l2_heads, state, q_state, window, varlen)
                 t, tile_state = self.publish_next_tile(mTileCounter, pipe_tile, sTile, tile_state,
                                                        total_tiles)
         elif const_expr(cfg.persistent):  # work tiles: blockIdx.x, then every gridDim.x-th
@@ -462,11 +534,11 @@ class Sm90FwdKernel(ConsumerRole):
                                    unroll=1):
                 state, q_state = self.producer_tile(
                     mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v, t,
-                    l2_heads, state, q_state, window)
+                    l2_heads, state, q_state, window, varlen)
         else:
             state, q_state = self.producer_tile(
                 mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v,
-                cute.arch.block_idx()[0], l2_heads, state, q_state, window)
+                cute.arch.block_idx()[0], l2_heads, state, q_state, window, varlen)
         if const_expr(cfg.kv_multicast):  # Note [K/V multicast]: the peer's last releases
             pipe_k.producer_tail(state.clone())
             pipe_v.producer_tail(state)
@@ -502,14 +574,22 @@ class Sm90FwdKernel(ConsumerRole):
 
     @cute.jit
     def producer_tile(self, mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v,
-                      t: Int32, l2_heads: Int32, state, q_state, window):
+                      t: Int32, l2_heads: Int32, state, q_state, window, varlen):
         """The loads of one work tile; returns the advanced (kv, q) pipeline states."""
         cfg = self.cfg
-        m_block, head, batch, n_lo, n_blocks, _, _ = self.tile_coords(t, mQ, mK, l2_heads, window)
+        m_block, head, batch, n_lo, n_blocks, _, _, seq = self.tile_coords(
+            t, mQ, mK, l2_heads, window, varlen)
         head_kv = head // (mQ.shape[2] // mK.shape[2])
-        gQ = cute.local_tile(mQ[None, None, head, batch], (cfg.m_block, cfg.head_dim), (m_block, 0))
-        gK = cute.local_tile(mK[None, None, head_kv, batch], (cfg.n_block, cfg.head_dim), (None, 0))
-        gV = cute.local_tile(mV[None, None, head_kv, batch], (cfg.n_block, cfg.head_dim_v), (None, 0))
+        mQ_bh = mQ[None, None, head, batch]
+        mK_bh = mK[None, None, head_kv, batch]
+        mV_bh = mV[None, None, head_kv, batch]
+        if const_expr(varlen is not None):  # Note [Varlen]: from the sequence's first rows
+            mQ_bh = cute.domain_offset((seq[0], 0), mQ[None, None, head, 0])
+            mK_bh = cute.domain_offset((seq[1], 0), mK[None, None, head_kv, 0])
+            mV_bh = cute.domain_offset((seq[1], 0), mV[None, None, head_kv, 0])
+        gQ = cute.local_tile(mQ_bh, (cfg.m_block, cfg.head_dim), (m_block, 0))
+        gK = cute.local_tile(mK_bh, (cfg.n_block, cfg.head_dim), (None, 0))
+        gV = cute.local_tile(mV_bh, (cfg.n_block, cfg.head_dim_v), (None, 0))
         # ((atom_v, rest_v)) / ((atom_v, rest_v), N_TILES) / ((atom_v, rest_v), STAGE)
         tQsQ, tQgQ = cpasync.tma_partition(tma_q, 0, cute.make_layout(1),
                                            cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
@@ -533,19 +613,33 @@ class Sm90FwdKernel(ConsumerRole):
                 mcast_mask = cutlass.Int16(1 << kv_rank)
         load_k = lambda n, st: self.load_kv(tma_k, tKgK, tKsK, n, pipe_k, st, mcast_mask, peer_k)
         load_v = lambda n, st: self.load_kv(tma_v, tVgV, tVsV, n, pipe_v, st, mcast_mask, peer_v)
+        load_q = lambda st: self.load_q(tma_q, tQgQ, tQsQ, pipe_q, st)
+        if const_expr(varlen is not None):
+            if m_block * cfg.m_block < seq[2]:  # Note [Varlen]: a tile past its sequence
+                state, q_state = self.tile_loads(load_q, load_k, load_v, n_lo, n_blocks, state,
+                                                 q_state)
+        else:
+            state, q_state = self.tile_loads(load_q, load_k, load_v, n_lo, n_blocks, state,
+                                             q_state)
+        return state, q_state
 
+    @cute.jit
+    def tile_loads(self, load_q, load_k, load_v, n_lo: Int32, n_blocks: Int32, state, q_state):
+        """``producer_tile``'s loads of one work tile, in the order the consumers take them:
+        Q, then K/V tiles last to first. Returns the advanced (kv, q) pipeline states."""
+        cfg = self.cfg
         # With O in Q's buffer the Q stage frees only after the previous tile's O store: the
         # first K tile goes first so that it is not held up behind it.
         k_first = cfg.k_before_q or cfg.o_in_q_buffer
         if const_expr(not k_first):
-            q_state = self.load_q(tma_q, tQgQ, tQsQ, pipe_q, q_state)
+            q_state = load_q(q_state)
         elif n_blocks == 0:  # no K tile to go first (a causal tile whose rows see no key)
-            q_state = self.load_q(tma_q, tQgQ, tQsQ, pipe_q, q_state)
+            q_state = load_q(q_state)
         if n_blocks > 0:
             n_hi = n_lo + n_blocks  # n_lo: 0 without a window
             load_k(n_hi - 1, state)
             if const_expr(k_first):
-                q_state = self.load_q(tma_q, tQgQ, tQsQ, pipe_q, q_state)
+                q_state = load_q(q_state)
             if const_expr(cfg.intra_wg_overlap):
                 for i in cutlass.range(n_blocks - 1, unroll=1):
                     n = n_hi - 2 - i

@@ -83,10 +83,10 @@ def sm90_config_for(problem, config: Optional[Sm90FwdConfig], need_lse: bool = F
     return config
 
 
-def fake_arguments(cfg: Sm90FwdConfig):
+def fake_arguments(cfg: Sm90FwdConfig, seqused_k: bool = False):
     """Fake (b, s, h, d) tensors with dynamic sizes and 16-byte aligned dynamic strides, the
-    softmax scale, the CTA count, the window bounds and a stream: the compile-time signature
-    of the kernel."""
+    softmax scale, the CTA count, the window bounds, varlen's tensors (``seqused_k``: with a
+    used length per sequence) and a stream: the compile-time signature of the kernel."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
@@ -109,18 +109,28 @@ def fake_arguments(cfg: Sm90FwdConfig):
     counter = None
     if cfg.dynamic_schedule:
         counter = make_fake_tensor(cutlass.Int32, (1,), (1,), assumed_align=4)
+    # Note [Varlen]: cu_seqlens_q / _k (batch + 1,), seqused_k (batch,), the longest query
+    cu_q = cu_k = used_k = None
+    if cfg.varlen:
+        n = cute.sym_int(symbol="n")
+        cu_q, cu_k = (make_fake_tensor(cutlass.Int32, (n,), (1,), assumed_align=4)
+                      for _ in range(2))
+        if seqused_k:
+            used_k = make_fake_tensor(cutlass.Int32, (cute.sym_int(),), (1,), assumed_align=4)
     # softmax scale, softcap, CTA count of a persistent grid (the SM count), window bounds,
-    # stream
+    # varlen's tensors and longest query sequence, stream
     return (q, k, v, o, lse, counter, cutlass.Float32(1.0), cutlass.Float32(0.0),
-            cutlass.Int32(132), cutlass.Int32(0), cutlass.Int32(0),
-            make_fake_stream(use_tvm_ffi_env_stream=True))
+            cutlass.Int32(132), cutlass.Int32(0), cutlass.Int32(0), cu_q, cu_k, used_k,
+            cutlass.Int32(0), make_fake_stream(use_tvm_ffi_env_stream=True))
 
 
-def compile_sm90_fwd(cfg: Sm90FwdConfig, arch: str = SM90_ARCH):
+def compile_sm90_fwd(cfg: Sm90FwdConfig, arch: str = SM90_ARCH, seqused_k: bool = False):
     """The launchable kernel of ``cfg`` (``fa_sm100.kernel_cache``: compiled once per machine,
     per active forward probe too: Note [cost probes]), called with torch tensors through TVM
-    FFI on the current stream."""
+    FFI on the current stream. ``seqused_k``: a varlen kernel that takes used key lengths."""
     key = (cfg, arch, probes.compile_tag(probes.FWD_KERNEL_PROBES))
+    if seqused_k:
+        key = (*key, "seqused_k")
 
     def build():
         import cutlass.cute as cute
@@ -129,7 +139,7 @@ def compile_sm90_fwd(cfg: Sm90FwdConfig, arch: str = SM90_ARCH):
         from fa_sm100.hopper.fwd_kernel import Sm90FwdKernel
 
         with dsl_runtime_arch(arch):
-            return cute.compile(Sm90FwdKernel(cfg), *fake_arguments(cfg),
+            return cute.compile(Sm90FwdKernel(cfg), *fake_arguments(cfg, seqused_k),
                                 options=f"--gpu-arch {arch} --enable-tvm-ffi")
 
     return kernel_cache.kernel("sm90_fwd", key, build)
@@ -176,7 +186,7 @@ class Sm90FwdPlan:
             lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
         counter = tile_counter(self.device) if self.cfg.dynamic_schedule else None
         self.kernel(q, k, v, o_buf, lse if self.cfg.write_lse else None, counter, self.scale,
-                    self.softcap, self.num_sms, *self.window)
+                    self.softcap, self.num_sms, *self.window, None, None, None, 0)
         if o_buf is not out:
             out.copy_(o_buf)
         return (out, lse) if self.return_lse else out
@@ -244,3 +254,129 @@ def sm90_fwd(q, k, v, softmax_scale=None, causal=False, window_size=(None, None)
     plan = _plans.plan((q, k, v), (softmax_scale, causal, window_size, return_lse, id(config),
                                    lse is not None, softcap), build)
     return plan(q, k, v, out, lse)
+
+
+# Note [Varlen] in fwd_kernel.py: an unbounded window side of a varlen launch covers every key
+# of every sequence (far below 32-bit overflow in the band arithmetic)
+VARLEN_UNBOUNDED = 1 << 29
+
+
+class Sm90VarlenPlan:
+    """What ``sm90_fwd_varlen`` decided for one (metadata, options) pair: the varlen config,
+    its kernel and the output shapes. Calling it allocates out (total_q, h, dv) and LSE (h,
+    total_q) and launches on packed q, k, v."""
+
+    __slots__ = ("cfg", "kernel", "num_sms", "scale", "softcap", "window", "return_lse",
+                 "out_shape", "lse_shape", "dtype", "device", "max_seqlen_q", "config",
+                 "empty")
+
+    def __init__(self, problem, cfg: Sm90FwdConfig, return_lse: bool, seqused_k: bool,
+                 device: torch.device, config=None):
+        self.cfg = cfg
+        self.config = config  # the caller's config, whose id is in the key (call_plans)
+        # no rows, or no keys for any row: nothing to launch (out 0, LSE -inf)
+        self.empty = 0 in (problem.total_q, problem.total_k, problem.max_seqlen_q,
+                           problem.max_seqlen_k)
+        self.kernel = None if self.empty else compile_sm90_fwd(cfg, seqused_k=seqused_k)
+        self.num_sms = sm_count(device)
+        self.scale = problem.softmax_scale
+        self.softcap = problem.softcap
+        self.window = kernel_window(problem.causal, problem.window, VARLEN_UNBOUNDED,
+                                    VARLEN_UNBOUNDED)
+        self.return_lse = return_lse
+        self.out_shape = (problem.total_q, problem.heads, problem.head_dim_v)
+        self.lse_shape = (problem.heads, problem.total_q)
+        self.dtype = problem.dtype
+        self.device = device
+        self.max_seqlen_q = problem.max_seqlen_q
+
+    def __call__(self, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k=None, out=None,
+                 lse=None):
+        for name, t, shape, dtype in (("out", out, self.out_shape, self.dtype),
+                                      ("lse", lse, self.lse_shape, torch.float32)):
+            if t is not None and (not isinstance(t, torch.Tensor) or t.shape != shape
+                                  or t.dtype != dtype or not t.is_contiguous()
+                                  or t.device != self.device):
+                raise ValueError(f"{name} must be a contiguous {dtype} tensor of shape {shape} "
+                                 f"on {self.device}")
+        if lse is not None and not self.return_lse:
+            raise ValueError("an lse buffer needs return_lse=True")
+        if self.empty:
+            out = torch.zeros(self.out_shape, dtype=self.dtype, device=self.device) \
+                if out is None else out.zero_()
+            if self.return_lse:
+                lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device) \
+                    if lse is None else lse
+                lse.fill_(-torch.inf)
+            return (out, lse) if self.return_lse else out
+        if not aligned(q, k, v):
+            q, k, v = (tma_ready(t) for t in (q, k, v))
+        if out is None:
+            out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
+        elif not aligned(out):
+            raise ValueError("out must start on a 16-byte boundary (the TMA store)")
+        if lse is None and self.cfg.write_lse:
+            lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
+        counter = tile_counter(self.device) if self.cfg.dynamic_schedule else None
+        self.kernel(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out.unsqueeze(0),
+                    lse.unsqueeze(0) if lse is not None else None, counter, self.scale,
+                    self.softcap, self.num_sms, *self.window, cu_seqlens_q, cu_seqlens_k,
+                    seqused_k, self.max_seqlen_q)
+        return (out, lse) if self.return_lse else out
+
+
+_varlen_plans = PlanTable()
+
+
+def build_sm90_varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           seqused_k=None, softmax_scale=None, causal=False,
+                           window_size=(None, None), softcap=0.0, return_lse=False,
+                           config: Optional[Sm90FwdConfig] = None) -> Sm90VarlenPlan:
+    """Validate, pick and compile the varlen config: the plan of one call."""
+    from fa_sm100.validation import validate_varlen_inputs
+
+    problem = validate_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                     max_seqlen_k, seqused_k, softmax_scale, causal,
+                                     window_size, softcap, head_dims=SM90_HEAD_DIMS)
+    require_sm90(q.device, "sm90_fwd_varlen")
+    want = dict(head_dim=problem.head_dim, head_dim_v=problem.head_dim_v,
+                dtype=normalize_dtype(problem.dtype), causal=problem.causal,
+                softcap=problem.softcap > 0, varlen=True, local=True)
+    if config is None:
+        cfg = select_sm90_fwd_config(write_lse=return_lse, seqlen_k=max(max_seqlen_k, 1),
+                                     **want)
+    else:
+        if not isinstance(config, Sm90FwdConfig):
+            raise ValueError(f"config must be an Sm90FwdConfig, got {type(config).__name__}")
+        cfg = config.validate()
+        for field, value in want.items():
+            if getattr(cfg, field) != value:
+                raise ValueError(f"config.{field}={getattr(cfg, field)!r} does not match a "
+                                 f"varlen call with these inputs ({field}={value!r})")
+        if return_lse and not cfg.write_lse:
+            raise ValueError("config.write_lse=False, but return_lse=True")
+    return Sm90VarlenPlan(problem, cfg, return_lse, seqused_k is not None, q.device, config)
+
+
+def sm90_fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                    seqused_k=None, softmax_scale=None, causal=False, window_size=(None, None),
+                    softcap=0.0, return_lse=False, config: Optional[Sm90FwdConfig] = None, *,
+                    out=None, lse=None):
+    """Attention over a batch of packed sequences on an SM90 GPU (Note [Varlen] in
+    fwd_kernel.py): q (total_q, h, d), k / v (total_k, h_kv, d / dv), sequence i at rows
+    cu_seqlens[i] .. cu_seqlens[i + 1] (keys: the first ``seqused_k[i]`` of them when given).
+    Returns out (total_q, h, dv) or (out, lse) with lse (h, total_q) float32. ``max_seqlen_q``
+    must be at least the longest query sequence (its m blocks are the grid). ``out`` / ``lse``
+    buffers are written instead of allocating (tests poison them)."""
+    def build():
+        return build_sm90_varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                      max_seqlen_k, seqused_k, softmax_scale, causal,
+                                      window_size, softcap, return_lse, config)
+
+    if probes.any_active():
+        return build()(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, out, lse)
+    tensors = (q, k, v, cu_seqlens_q, cu_seqlens_k) + (() if seqused_k is None else (seqused_k,))
+    plan = _varlen_plans.plan(tensors, (softmax_scale, causal, window_size, softcap, return_lse,
+                                        max_seqlen_q, max_seqlen_k, seqused_k is None,
+                                        id(config)), build)
+    return plan(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, out, lse)

@@ -1,0 +1,170 @@
+"""Variable-length (packed) batches, ours against FA4 in one process on one GPU (forward).
+
+    python scripts/varlen_bench.py                       # the default batches
+    python scripts/varlen_bench.py --json v.json --png v.png
+
+A batch is a list of sequence lengths packed along the token axis, bf16, head dim 128,
+``--heads`` heads, causal (``--causal both``: each batch causal and not). TFLOP/s count the
+visible (query, key) pairs of every sequence: 4 x d per pair, as flash-attn reports varlen
+throughput. Both providers run through their public API: ``fa_sm100.flash_attn_varlen_func``
+and FA4's ``flash_attn.cute.flash_attn_varlen_func``; ``ours:launch`` is our plan's launch
+alone (everything decided once per batch), the second column. SDPA has no packed-varlen entry
+point, so it is not in this benchmark.
+
+Rounds are interleaved (``fa_sm100.benchmarking.run_cell``); the ratio is the median of
+ours / FA4 paired by round, with its 95% interval. Before timing, each provider's output for
+the batch's last sequence is checked against a float64 reference under the project's rule
+(error <= 2 x the error of the same rows done plainly in bf16 + 1e-3); a provider that fails
+is not timed there. Progress goes to stderr; exit status 1 when ours fails a batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import textwrap
+
+from fa_sm100.benchmarking import (MIN_ROUNDS, error_text, format_interval, paired_interval,
+                                   paired_ratio, plot_mode_bars, run_cell, save_results,
+                                   time_ms)
+
+HEAD_DIM = 128
+# the issue's packed causal batch (17.5k tokens), a batch of short prompts, one of long
+# documents with a short tail, and a ragged mix with a zero-length sequence
+DEFAULT_BATCHES = {
+    "7 seqs 128-4096": [128, 4096, 1024, 2048, 3072, 3200, 4032],
+    "64 x ~256": [256 + (i * 37) % 129 - 64 for i in range(64)],
+    "4 x 8k + 100": [8192, 8192, 8192, 8192, 100],
+    "ragged mix": [0, 1, 3000, 77, 1500, 640, 9000, 33],
+}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--causal", choices=["true", "false", "both"], default="both")
+    p.add_argument("--no-fa4", action="store_true")
+    p.add_argument("--repeat", type=int, default=MIN_ROUNDS, help="interleaved rounds per cell")
+    p.add_argument("--warmup", type=int, default=25, help="ms of warmup per measurement")
+    p.add_argument("--rep", type=int, default=100, help="ms of timed calls per measurement")
+    p.add_argument("--json")
+    p.add_argument("--png")
+    return p.parse_args(argv)
+
+
+def visible_pairs(lengths, causal: bool) -> int:
+    return sum(n * (n + 1) // 2 if causal else n * n for n in lengths)
+
+
+def check_last(out, q, k, v, lengths, causal, torch):
+    """The batch's last non-empty sequence against float64 (None, or why not)."""
+    from fa_sm100.testing import attention_reference, max_abs_error
+
+    got = out[0] if isinstance(out, tuple) else out
+    while lengths[-1] == 0:  # the last sequence with rows
+        lengths = lengths[:-1]
+    end = sum(lengths)
+    start = end - lengths[-1]
+    qs, ks, vs = (t[start:end].unsqueeze(0) for t in (q, k, v))
+    ref, _ = attention_reference(qs, ks, vs, causal=causal)
+    plain, _ = attention_reference(qs, ks, vs, causal=causal, dtype=q.dtype, upcast=False)
+    err, plain_err = max_abs_error(got[start:end].unsqueeze(0), ref), max_abs_error(plain, ref)
+    if torch.isnan(got[start:end]).any() or not err <= 2 * plain_err + 1e-3:
+        return f"max error {err:.3e} against plain bf16's {plain_err:.3e}"
+    return None
+
+
+def run(args):
+    import torch
+
+    from fa_sm100.hopper.interface import build_sm90_varlen_plan
+    from fa_sm100.interface import flash_attn_varlen_func
+
+    fa4 = None
+    if not args.no_fa4:
+        try:
+            from flash_attn.cute.interface import flash_attn_varlen_func as fa4
+        except Exception as e:  # noqa: BLE001 - the peer is optional: say why it is missing
+            print(f"varlen_bench: FA4 unavailable ({error_text(e)}); timing ours alone",
+                  file=sys.stderr)
+    causals = {"true": [True], "false": [False], "both": [True, False]}[args.causal]
+    cells = [(name, lengths, c) for name, lengths in DEFAULT_BATCHES.items() for c in causals]
+    rows = []
+    for i, (name, lengths, causal) in enumerate(cells):
+        print(f"[{i + 1}/{len(cells)}] {name} causal={causal}", file=sys.stderr, flush=True)
+        total, longest = sum(lengths), max(lengths)
+        g = torch.Generator(device="cuda").manual_seed(total)
+        q, k, v = (torch.randn(total, args.heads, HEAD_DIM, device="cuda", dtype=torch.bfloat16,
+                               generator=g) for _ in range(3))
+        cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32,
+                          device="cuda")
+        plan = build_sm90_varlen_plan(q, k, v, cu, cu, longest, longest, causal=causal)
+        prepares = {
+            "ours": lambda: lambda: flash_attn_varlen_func(q, k, v, cu, cu, longest, longest,
+                                                           causal=causal),
+            "ours:launch": lambda: lambda: plan(q, k, v, cu, cu),
+        }
+        if fa4 is not None:
+            prepares["fa4"] = lambda: lambda: fa4(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                                  max_seqlen_q=longest, max_seqlen_k=longest,
+                                                  causal=causal)
+        times, errors = run_cell(
+            prepares, lambda out: check_last(out, q, k, v, list(lengths), causal, torch),
+            args.repeat, lambda fn: time_ms(fn, args.warmup, args.rep, torch),
+            sync=torch.cuda.synchronize)
+        flop = 4 * HEAD_DIM * args.heads * visible_pairs(lengths, causal)
+        row = {"mode": "fwd", "batch_name": name, "lengths": list(lengths), "causal": causal,
+               "heads": args.heads, "hdim": HEAD_DIM, "errors": errors, "ms": {}, "tflops": {}}
+        for who, ms in times.items():
+            if ms:
+                med = sorted(ms)[len(ms) // 2]
+                row["ms"][who] = med
+                row["tflops"][who] = flop / (med * 1e-3) / 1e12
+        peers = ["fa4"] if "fa4" in times else []
+        row["ratio"] = paired_ratio(times, "ours", peers) if peers else None
+        row["interval"] = paired_interval(times, "ours", peers) if peers else None
+        row["ratio_launch"] = paired_ratio(times, "ours:launch", peers) if peers else None
+        rows.append(row)
+        print(format_row(row), file=sys.stderr, flush=True)
+        del q, k, v
+        torch.cuda.empty_cache()
+    return rows
+
+
+def format_row(row) -> str:
+    tf = "  ".join(f"{n} {t:6.1f}" for n, t in row["tflops"].items())
+    ratio = "" if row["ratio"] is None else (f"  ours/fa4 {row['ratio']:.3f} "
+                                             f"{format_interval(row['interval'])}")
+    errs = "".join(f"  [{n}: {e}]" for n, e in row["errors"].items())
+    return f"{row['batch_name']:>16} causal={row['causal']!s:5}: {tf} TFLOP/s{ratio}{errs}"
+
+
+def plot(rows, path: str, device: str):
+    plot_mode_bars(
+        rows, ("ours", "ours:launch", "fa4"), path,
+        f"Packed (varlen) batches through the public API on {device}",
+        lambda r: "\n".join(textwrap.wrap(r["batch_name"], 9)
+                             + ["causal" if r["causal"] else "full"]),
+        lambda mode, cells: f"forward, hdim {HEAD_DIM}", ylabel="TFLOP/s")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("varlen_bench: needs a CUDA GPU (SM90)", file=sys.stderr)
+        return 2
+    rows = run(args)
+    device = torch.cuda.get_device_name()
+    if args.json:
+        save_results(args.json, "scripts/varlen_bench.py",
+                     sys.argv[1:] if argv is None else argv, device, rows)
+    if args.png:
+        plot(rows, args.png, device)
+    return 1 if any("ours" in r["errors"] for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
