@@ -205,6 +205,10 @@ class FmhaConfig:
     # logit softcapping (fa_sm100.softmax_math): the cap is a launch argument; the softmax
     # warps pass S through softcap_tanh before the mask
     softcap: bool = False
+    # packed variable-length batches (fa_sm100.varlen): each work tile's sequence offsets and
+    # lengths come from cu_seqlens; a windowed kernel (causal masks and windows are each
+    # sequence's run-time band)
+    varlen: bool = False
     qhead_per_kvhead: int = 1  # GQA ratio; 1 = MHA, num_heads = MQA
     write_lse: bool = True
     # tiles
@@ -282,6 +286,9 @@ class FmhaConfig:
                 f"head dims (qk={self.head_dim}, v={self.head_dim_v}) are not supported: "
                 f"use one of {SM100_HEAD_DIMS}"
             )
+        if self.varlen and not self.is_local:
+            raise ValueError("varlen=True needs a window (window_left / window_right not None): "
+                             "each sequence's causal mask or window is its run-time band")
         if self.m_block != 128:
             raise ValueError(f"m_block={self.m_block}: the TMEM plan needs m_block == 128 (TMEM lanes)")
         if self.n_block != 128:
@@ -350,6 +357,7 @@ def select_config(
     window_right: Optional[int] = None,
     num_sms: int = 148,
     softcap: bool = False,
+    varlen: bool = False,
     **overrides,
 ) -> FmhaConfig:
     """Pick the reference design's defaults for a problem, then apply ``overrides``.
@@ -358,7 +366,12 @@ def select_config(
     - 2-CTA MMA whenever there are two Q stages;
     - kv_stage: as many K/V stages as the SMEM budget holds (capped at 32);
     - split_p_col: 3/4 of n_block rounded down to a multiple of 32.
+
+    ``varlen``: packed sequences (pass the longest as ``seqlen_q``); the config then carries a
+    window, (0, 0) where none is given (the bounds are launch arguments).
     """
+    if varlen and window_left is None and window_right is None:
+        window_left = window_right = 0
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     m_block = overrides.get("m_block", 128)
     n_block = overrides.get("n_block", 128)
@@ -372,6 +385,7 @@ def select_config(
         window_left=window_left,
         window_right=window_right,
         softcap=softcap,
+        varlen=varlen,
         qhead_per_kvhead=qhead_per_kvhead,
         m_block=m_block,
         n_block=n_block,

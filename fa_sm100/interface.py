@@ -130,6 +130,21 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     return call(q, k, v, out, lse)
 
 
+_varlen_forwards: dict = {}  # device -> the varlen forward of its kernel
+
+
+def _varlen_forward_for(q):
+    """The varlen forward of q's device: SM100's on an sm_100 GPU, else SM90's (whose checks
+    reject anything else with the reason); kept per CUDA device."""
+    if isinstance(q, torch.Tensor) and q.device.type == "cuda" and capability(q.device)[0] == 10:
+        from fa_sm100.sm100.interface import sm100_fwd_varlen as forward
+    else:
+        from fa_sm100.hopper.interface import sm90_fwd_varlen as forward
+    if isinstance(q, torch.Tensor) and q.device.type == "cuda":
+        _varlen_forwards[q.device] = forward
+    return forward
+
+
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            dropout_p=0.0, softmax_scale=None, causal=False,
                            window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
@@ -150,8 +165,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     head_dim_v), or ``(out, lse)`` with ``return_lse`` (lse (heads, total_q) float32, natural
     log) or ``(out, lse, None)`` with ``return_attn_probs``.
 
-    The Hopper (sm_90) forward only: SM100 and gradients raise ValueError (no varlen kernel
-    there yet).
+    The forward on sm_90 (Hopper) and sm_100 (the SM100 kernel, held by its CPU layers);
+    gradients raise ValueError (no varlen backward yet).
     """
     if not isinstance(dropout_p, (int, float)) or isinstance(dropout_p, bool) or dropout_p != 0:
         raise ValueError(f"dropout_p={dropout_p!r}: only 0.0 is supported (there is no dropout "
@@ -162,15 +177,18 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                        ("return_attn_probs", return_attn_probs)):
         if not isinstance(flag, bool):
             raise ValueError(f"{name} must be a bool, got {flag!r}")
-    if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k, v)):
+    try:
+        grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+        forward = _varlen_forwards.get(q.device)
+    except AttributeError:  # not tensors: the checks name the argument
+        grad, forward = False, None
+    if grad:
         raise ValueError("flash_attn_varlen_func has no backward yet: call it without gradients "
                          "(torch.no_grad(), or inputs that do not require grad)")
-    if isinstance(q, torch.Tensor) and q.device.type == "cuda" and capability(q.device)[0] == 10:
-        raise ValueError("flash_attn_varlen_func: the SM100 forward has no varlen kernel yet "
-                         "(it runs on sm_90 GPUs)")
-    from fa_sm100.hopper.interface import sm90_fwd_varlen
+    if forward is None:
+        forward = _varlen_forward_for(q)
 
-    result = sm90_fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                             seqused_k, softmax_scale, causal, window_size, softcap,
-                             return_lse or return_attn_probs, config)
+    result = forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                     seqused_k, softmax_scale, causal, window_size, softcap,
+                     return_lse or return_attn_probs, config)
     return (*result, None) if return_attn_probs else result

@@ -246,3 +246,41 @@ def test_a_warm_training_step_does_no_planning(fake_sm90):
     assert not PLANNING & set(warm), sorted(PLANNING & set(warm))
     kinds = [kind for kind, _ in fake_sm90]
     assert kinds[n_cold:] == kinds[:n_cold] and kinds[0] == "sm90_fwd"
+
+
+def test_sm100_varlen_call_launches_the_packed_problem(monkeypatch):
+    """``flash_attn_varlen_func`` on a faked sm_100 device (no SM100 code runs here): the
+    SM100 varlen kernel gets the packed tensors as a batch of one, the offsets, the longest
+    query sequence and window bounds that cover every key; a warm call plans nothing."""
+    from fa_sm100.sm100 import interface as sm100
+    from fa_sm100.varlen import VARLEN_UNBOUNDED
+
+    launches = []
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device=None: SimpleNamespace(multi_processor_count=148))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(kernel_cache, "kernel",
+                        lambda kind, key, build: (lambda *args: launches.append((kind, key,
+                                                                                 args))))
+    monkeypatch.setattr(sm100, "_varlen_plans", type(sm100._varlen_plans)())
+    monkeypatch.setattr(public, "_varlen_forwards", {})
+    with FakeTensorMode():
+        q = torch.empty(300, 4, 128, device="cuda", dtype=torch.bfloat16)
+        k = v = torch.empty(500, 2, 128, device="cuda", dtype=torch.bfloat16)
+        cu_q = torch.empty(4, device="cuda", dtype=torch.int32)
+        cu_k = torch.empty(4, device="cuda", dtype=torch.int32)
+        call = lambda: fa_sm100.flash_attn_varlen_func(  # noqa: E731
+            q, k, v, cu_q, cu_k, 200, 400, causal=True, return_lse=True)
+        cold = package_calls(call)
+        assert PLANNING & set(cold) or "validate_varlen_inputs" in cold
+        warm = package_calls(call)
+        assert not ({"validate_varlen_inputs", "select_config"} | PLANNING) & set(warm), warm
+    kind, key, args = launches[-1]
+    cfg = key[0]
+    assert kind == "sm100_fwd" and cfg.varlen and cfg.causal and cfg.is_local
+    assert args[0].shape == (1, 300, 4, 128) and args[3].shape == (1, 300, 4, 128)
+    assert args[4].shape == (1, 4, 300)  # LSE (h, total_q) as a batch of one
+    left, right = args[7:9]
+    assert left == VARLEN_UNBOUNDED and right == 0  # causal: right bound 0, left unbounded
+    assert args[9] is cu_q and args[10] is cu_k and args[11] is None and args[12] == 200

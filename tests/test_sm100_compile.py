@@ -45,6 +45,8 @@ CONFIGS = {
                                               "kv_stage=2", "softcap=true"],
     "hdim192_1cta_fp16_no_emu": ["head_dim=192", "use_2cta=false", "dtype=fp16",
                                  "ex2_emu_fraction=0"],
+    # packed sequences (fa_sm100.varlen): per-tile lengths from cu_seqlens, O's ragged store
+    "varlen_causal_gqa": ["varlen=true", "causal=true", "qhead_per_kvhead=2"],
 }
 
 _CACHE = {}
@@ -84,6 +86,7 @@ def test_the_configs_cover_every_switch_dtype_and_head_dim():
     assert seen("qhead_per_kvhead") >= {1, 4}
     assert seen("window_left") >= {None, 512}
     assert seen("softcap") == {True, False}
+    assert seen("varlen") == {True, False}
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

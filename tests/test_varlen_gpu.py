@@ -4,7 +4,8 @@ project's rule (docs/testing.md). Batches hold a zero-length sequence, sequences
 than one tile and longer than several, queries and keys of different lengths, and keys used
 only in part (``seqused_k``); outputs are poisoned with NaN first, so an unwritten row fails
 and a row written past its sequence's end (into the next one) shows as a wrong row there.
-Skips off SM90 with the reason (the ``sm90_device`` fixture).
+Skips off SM90 with the reason (the ``sm90_device`` fixture); the SM100 cases (the same checks
+on ``sm100_fwd_varlen``) skip off SM100.
 """
 
 import pytest
@@ -40,9 +41,12 @@ def _pack(lengths, heads, d, dtype, g, extra=0):
 
 
 def run_and_check(lens_q, lens_k, head_dims, dtype, causal, window, softcap, heads=(4, 2),
-                  used=None, seed=0):
-    """One varlen call; every sequence's rows against its own float64 reference."""
+                  used=None, seed=0, forward=None):
+    """One varlen call (``forward``: the SM90 one by default); every sequence's rows against
+    its own float64 reference."""
     from fa_sm100.hopper.interface import sm90_fwd_varlen
+
+    forward = forward or sm90_fwd_varlen
 
     d, dv = head_dims
     hq, hk = heads
@@ -55,8 +59,8 @@ def run_and_check(lens_q, lens_k, head_dims, dtype, causal, window, softcap, hea
     seqused = None
     if used is not None:
         seqused = torch.tensor(used, dtype=torch.int32, device="cuda")
-    sm90_fwd_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(used or lens_k), seqused, None,
-                    causal, window, softcap, True, out=out, lse=lse)
+    forward(q, k, v, cu_q, cu_k, max(lens_q), max(used or lens_k), seqused, None, causal,
+            window, softcap, True, out=out, lse=lse)
     torch.cuda.synchronize()
     win = normalize_window(window)
     for i, (sq, sk) in enumerate(zip(lens_q, used or lens_k)):
@@ -131,3 +135,20 @@ def test_varlen_public_api_and_errors(sm90_device):
     assert o.shape == (0, 2, 64) and l.shape == (2, 0)
     with pytest.raises(ValueError, match="no backward"):
         fa_sm100.flash_attn_varlen_func(q.clone().requires_grad_(), q, q, cu, cu, 100, 100)
+
+
+@pytest.mark.parametrize("head_dims", [(64, 64), (128, 128), (192, 128)],
+                         ids=lambda h: f"d{h[0]}x{h[1]}")
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: f"c{int(m[0])}w{m[1][0]}_{m[1][1]}s{m[2]:g}")
+def test_varlen_forward_sm100(sm100_device, head_dims, mode):
+    """The SM100 kernel's varlen forward (written; it skips off SM100: no SM100 GPU has run
+    it, its CPU layers are tests/test_sm100_varlen_emulated.py and the compile contract)."""
+    from fa_sm100.sm100.interface import sm100_fwd_varlen
+
+    for lengths in LENGTHS.values():
+        lens_q, lens_k = lengths
+        run_and_check(lens_q, lens_k or lens_q, head_dims, torch.bfloat16, *mode,
+                      forward=sm100_fwd_varlen)
+    run_and_check([1, 200, 0, 513], [300, 256, 10, 1024], head_dims, torch.float16, True,
+                  (None, None), 0.0, heads=(6, 2), used=[300, 17, 0, 1000], seed=1,
+                  forward=sm100_fwd_varlen)

@@ -8,6 +8,7 @@
 Constants come from ``fa_sm100.softmax_math``, the module the kernel imports.
 """
 
-from fa_sm100.emulation.forward import EmulationStats, emulate_sm100_fwd, kv_tile_ranges
+from fa_sm100.emulation.forward import (EmulationStats, emulate_sm100_fwd, emulate_sm100_varlen,
+                                        kv_tile_ranges)
 
-__all__ = ["EmulationStats", "emulate_sm100_fwd", "kv_tile_ranges"]
+__all__ = ["EmulationStats", "emulate_sm100_fwd", "emulate_sm100_varlen", "kv_tile_ranges"]

@@ -342,3 +342,27 @@ def emulate_sm100_fwd(q, k, v, softmax_scale=None, causal=False, window_size=(No
     stats.rows_rescaled = int(((per_row > 0) & row_valid).sum())
     stats.per_row_rescales = per_row.reshape(b, hq, sq_pad)[:, :, :sq]
     return out, lse, stats
+
+
+def emulate_sm100_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k=None,
+                         softmax_scale=None, causal=False, window_size=(None, None),
+                         config: Optional[FmhaConfig] = None, softcap=0.0):
+    """The SM100 forward's algorithm on packed CPU tensors (fa_sm100.varlen): q (total_q, h,
+    d), k / v (total_k, h_kv, d / dv), int32 offsets. The varlen kernel runs each sequence's
+    tiles as a batch-1 problem of that sequence's lengths, so this emulates each sequence
+    alone with ``config``'s switches; a sequence without keys gives O = 0 and LSE = -inf.
+    Returns (out (total_q, h, dv), lse (h, total_q) float32)."""
+    total_q, hq, _ = q.shape
+    out = torch.zeros(total_q, hq, v.shape[2], dtype=q.dtype)
+    lse = torch.full((hq, total_q), float("-inf"), dtype=torch.float32)
+    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for i in range(len(cu_q) - 1):
+        q0, q1, k0 = cu_q[i], cu_q[i + 1], cu_k[i]
+        sk = int(seqused_k[i]) if seqused_k is not None else cu_k[i + 1] - k0
+        if q1 == q0 or sk == 0:
+            continue
+        o_i, lse_i = emulate_sm100_fwd(q[q0:q1].unsqueeze(0), k[k0:k0 + sk].unsqueeze(0),
+                                       v[k0:k0 + sk].unsqueeze(0), softmax_scale, causal,
+                                       window_size, config, softcap=softcap)
+        out[q0:q1], lse[:, q0:q1] = o_i[0], lse_i[0]
+    return out, lse

@@ -40,10 +40,6 @@ WARPGROUP_THREADS = WARPGROUP_WARPS * WARP_SIZE  # 128
 WGMMA_M = 64  # rows of one warpgroup MMA
 KV_CLUSTER = 2  # CTAs that share each K/V tile under kv_multicast, by default
 KV_CLUSTERS = (2, 4)  # cluster sizes kv_multicast accepts (kv_cluster)
-# Note [Varlen] in fwd_kernel.py: the row extent of O's ragged view for the TMA store, and the
-# extent of the mode that carries each sequence's end (within the TMA's 32-bit coordinates)
-RAGGED_ROWS = 1 << 30
-RAGGED_OFFSETS = (1 << 31) - 1
 
 
 @dataclass(frozen=True)

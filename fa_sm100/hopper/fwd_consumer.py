@@ -77,7 +77,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from fa_sm100 import bands
 from fa_sm100.dsl_math import softcap_tanh
 from fa_sm100.hopper.common import NO_WAIT, rows_cols_view, stmatrix_to_smem, transpose_view, wgmma
-from fa_sm100.hopper.config import RAGGED_ROWS, WARPGROUP_THREADS, WGMMA_M
+from fa_sm100.hopper.config import WARPGROUP_THREADS, WGMMA_M
 from fa_sm100.hopper.fwd_math import (
     apply_mask,
     convert_to,
@@ -88,6 +88,7 @@ from fa_sm100.hopper.fwd_math import (
     rescale_rows,
 )
 from fa_sm100.hopper.named_barriers import Sm90FwdBarrier
+from fa_sm100.varlen import ragged_tile_rows
 
 
 class ConsumerFrags:
@@ -516,8 +517,7 @@ class ConsumerRole:
 
         if self.stores_o(tidx):
             if const_expr(seq is not None):  # ragged rows end at the sequence's last row
-                mO_bh = cute.domain_offset((RAGGED_ROWS - seqlen_q, 0),
-                                           mO[None, None, head, seq[0] + seqlen_q])
+                mO_bh = ragged_tile_rows(mO[None, None, head, None], seqlen_q, seq[0])
             else:
                 mO_bh = mO[None, None, head, batch]
             if const_expr(cfg.wg_epilogue):

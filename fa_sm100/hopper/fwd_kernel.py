@@ -95,11 +95,11 @@ are the run-time band of each sequence (a varlen kernel is ``local``: ``kernel_w
 the longest lengths, whose clamps cover every sequence). Loads offset the TMA coordinates by
 the sequence's first row: rows past its end read the next sequence's rows (or zeros past the
 tensor), which the seqlen mask hides (keys) or nobody stores (queries). O's TMA store must not
-write them, so it goes through a ragged view of O (``ragged_rows``): the row mode is
-``RAGGED_ROWS`` long and a fifth mode steps by one row too, with the base moved back by
+write them, so it goes through a ragged view of O (``fa_sm100.varlen.ragged_rows``): the row mode is
+``RAGGED_ROWS`` long and another mode steps by one row too, with the base moved back by
 ``RAGGED_ROWS`` rows; a tile of sequence (offset, length) stores at row coordinate
-``RAGGED_ROWS - length + r`` and fifth coordinate ``offset + length``, which addresses row
-``offset + r`` and is out of bounds (clipped by the TMA unit) exactly from r = length on.
+``RAGGED_ROWS - length + r`` and that mode's coordinate ``offset + length``, which addresses
+row ``offset + r`` and is out of bounds (clipped by the TMA unit) exactly from r = length on.
 LSE is stored per row below the length.
 """
 
@@ -115,10 +115,10 @@ from cutlass.tensor_utils import LayoutEnum
 from fa_sm100 import bands
 from fa_sm100.config import WARP_SIZE, cutlass_dtype
 from fa_sm100.hopper.common import PeerReleasePipeline
-from fa_sm100.hopper.config import (RAGGED_OFFSETS, RAGGED_ROWS, WARPGROUP_THREADS, WGMMA_M,
-                                    Sm90FwdConfig)
+from fa_sm100.hopper.config import WARPGROUP_THREADS, WGMMA_M, Sm90FwdConfig
 from fa_sm100.hopper.fwd_consumer import ConsumerRole
 from fa_sm100.softmax_math import LOG2_E
+from fa_sm100.varlen import ragged_rows
 
 # Warpgroup 0 is the producer: warp 0 issues the TMA loads, the others only donate registers.
 PRODUCER_WARPS = WARPGROUP_THREADS // WARP_SIZE
@@ -126,15 +126,6 @@ PRODUCER_WARP = 0
 # Slots of the tile pipeline (Note [Dynamic tile schedule]): the producer publishes the next
 # tile while the consumers may still read the one before.
 TILE_SLOTS = 2
-
-
-def ragged_rows(t: cute.Tensor) -> cute.Tensor:
-    """(rows, d, h) -> (RAGGED_ROWS, d, h, RAGGED_OFFSETS), the same memory seen so that a TMA
-    store at (RAGGED_ROWS - length + r, ., ., offset + length) writes row offset + r and clips
-    rows r >= length (Note [Varlen])."""
-    base = cute.domain_offset((-RAGGED_ROWS, 0, 0), t).iterator
-    shape = (RAGGED_ROWS, t.shape[1], t.shape[2], RAGGED_OFFSETS)
-    return cute.make_tensor(base, cute.make_layout(shape, stride=(*t.stride, t.stride[0])))
 
 
 def _select(t: cute.Tensor, modes) -> cute.Tensor:

@@ -22,6 +22,7 @@ from fa_sm100.hopper.config import (SM90_ARCH, SM90_HEAD_DIMS, Sm90FwdConfig,
                                     select_sm90_fwd_config)
 from fa_sm100.validation import (require_sm90, tma_ready, tma_strides_ok,
                                  validate_attention_inputs)
+from fa_sm100.varlen import VarlenPlan
 
 _tile_counters: dict = {}
 
@@ -256,73 +257,22 @@ def sm90_fwd(q, k, v, softmax_scale=None, causal=False, window_size=(None, None)
     return plan(q, k, v, out, lse)
 
 
-# Note [Varlen] in fwd_kernel.py: an unbounded window side of a varlen launch covers every key
-# of every sequence (far below 32-bit overflow in the band arithmetic)
-VARLEN_UNBOUNDED = 1 << 29
+class Sm90VarlenPlan(VarlenPlan):
+    """What ``sm90_fwd_varlen`` decided for one (metadata, options) pair
+    (``fa_sm100.varlen.VarlenPlan``) with the SM90 kernel's launch."""
 
-
-class Sm90VarlenPlan:
-    """What ``sm90_fwd_varlen`` decided for one (metadata, options) pair: the varlen config,
-    its kernel and the output shapes. Calling it allocates out (total_q, h, dv) and LSE (h,
-    total_q) and launches on packed q, k, v."""
-
-    __slots__ = ("cfg", "kernel", "num_sms", "scale", "softcap", "window", "return_lse",
-                 "out_shape", "lse_shape", "dtype", "device", "max_seqlen_q", "config",
-                 "empty")
+    __slots__ = ("num_sms",)
 
     def __init__(self, problem, cfg: Sm90FwdConfig, return_lse: bool, seqused_k: bool,
                  device: torch.device, config=None):
-        self.cfg = cfg
-        self.config = config  # the caller's config, whose id is in the key (call_plans)
-        # no rows, or no keys for any row: nothing to launch (out 0, LSE -inf)
-        self.empty = 0 in (problem.total_q, problem.total_k, problem.max_seqlen_q,
-                           problem.max_seqlen_k)
-        self.kernel = None if self.empty else compile_sm90_fwd(cfg, seqused_k=seqused_k)
+        super().__init__(problem, cfg, return_lse, device, config,
+                         lambda: compile_sm90_fwd(cfg, seqused_k=seqused_k))
         self.num_sms = sm_count(device)
-        self.scale = problem.softmax_scale
-        self.softcap = problem.softcap
-        self.window = kernel_window(problem.causal, problem.window, VARLEN_UNBOUNDED,
-                                    VARLEN_UNBOUNDED)
-        self.return_lse = return_lse
-        self.out_shape = (problem.total_q, problem.heads, problem.head_dim_v)
-        self.lse_shape = (problem.heads, problem.total_q)
-        self.dtype = problem.dtype
-        self.device = device
-        self.max_seqlen_q = problem.max_seqlen_q
 
-    def __call__(self, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k=None, out=None,
-                 lse=None):
-        for name, t, shape, dtype in (("out", out, self.out_shape, self.dtype),
-                                      ("lse", lse, self.lse_shape, torch.float32)):
-            if t is not None and (not isinstance(t, torch.Tensor) or t.shape != shape
-                                  or t.dtype != dtype or not t.is_contiguous()
-                                  or t.device != self.device):
-                raise ValueError(f"{name} must be a contiguous {dtype} tensor of shape {shape} "
-                                 f"on {self.device}")
-        if lse is not None and not self.return_lse:
-            raise ValueError("an lse buffer needs return_lse=True")
-        if self.empty:
-            out = torch.zeros(self.out_shape, dtype=self.dtype, device=self.device) \
-                if out is None else out.zero_()
-            if self.return_lse:
-                lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device) \
-                    if lse is None else lse
-                lse.fill_(-torch.inf)
-            return (out, lse) if self.return_lse else out
-        if not aligned(q, k, v):
-            q, k, v = (tma_ready(t) for t in (q, k, v))
-        if out is None:
-            out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
-        elif not aligned(out):
-            raise ValueError("out must start on a 16-byte boundary (the TMA store)")
-        if lse is None and self.cfg.write_lse:
-            lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
+    def launch(self, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k):
         counter = tile_counter(self.device) if self.cfg.dynamic_schedule else None
-        self.kernel(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out.unsqueeze(0),
-                    lse.unsqueeze(0) if lse is not None else None, counter, self.scale,
-                    self.softcap, self.num_sms, *self.window, cu_seqlens_q, cu_seqlens_k,
-                    seqused_k, self.max_seqlen_q)
-        return (out, lse) if self.return_lse else out
+        self.kernel(q, k, v, out, lse, counter, self.scale, self.softcap, self.num_sms,
+                    *self.window, cu_seqlens_q, cu_seqlens_k, seqused_k, self.max_seqlen_q)
 
 
 _varlen_plans = PlanTable()

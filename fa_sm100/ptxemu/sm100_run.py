@@ -53,17 +53,18 @@ def _to_cute(t: torch.Tensor, dynamic_modes, like):
     return ct
 
 
-def compile_forward(cfg, num_heads: int):
-    """(kernel object, fake args, compiled, PTX) for ``cfg``; cached per process."""
+def compile_forward(cfg, num_heads: int, seqused_k: bool = False):
+    """(kernel object, fake args, compiled, PTX) for ``cfg``; cached per process.
+    ``seqused_k``: a varlen kernel that takes used key lengths."""
     from fa_sm100.sm100.inspect_entry import fake_arguments
     from fa_sm100.sm100.kernel import Sm100Forward
 
     from .capture import compile_kernel
     cfg = cfg.kernel_config()  # the window's bounds are launch arguments
-    key = (cfg, num_heads)
+    key = (cfg, num_heads, seqused_k)
     if key not in _COMPILED:
         kernel = Sm100Forward(cfg)
-        fake = fake_arguments(cfg, num_heads)
+        fake = fake_arguments(cfg, num_heads, seqused_k=seqused_k)
         compiled, ptx = compile_kernel(kernel, fake, "sm_100a")
         _COMPILED[key] = (kernel, fake, compiled, ptx)
     return _COMPILED[key]
@@ -105,7 +106,7 @@ def run_forward(cfg, q, k, v, softmax_scale: Optional[float] = None, seed: int =
             *(cutlass.Int32(w) for w in kernel_window(cfg.causal, (cfg.window_left,
                                                                    cfg.window_right), sq,
                                                       k.shape[1])),
-            cuda.CUstream(0))
+            None, None, None, cutlass.Int32(0), cuda.CUstream(0))
     cap = capture_launch(kernel, fake, real, compiled=compiled, ptx=ptx)
     if ptx_edit is not None:
         from .parser import parse_ptx
@@ -120,6 +121,58 @@ def run_forward(cfg, q, k, v, softmax_scale: Optional[float] = None, seed: int =
     steps = sum(w.steps for c in machine.ctas for w in c.warps)
     return ForwardRun(out=out, lse=lse, compile_s=t1 - t0, emulate_s=t3 - t2,
                       warp_steps=steps, trace=trace, kernel=cap.kernel,
+                      launch={"grid": rec.grid, "block": rec.block, "cluster": rec.cluster,
+                              "dynamic_smem": rec.dynamic_smem,
+                              "regs_at_launch": cap.launch_regs})
+
+
+def run_forward_varlen(cfg, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
+                       seqused_k=None, window=(None, None), softmax_scale=None, seed: int = 0,
+                       softcap: float = 0.0) -> ForwardRun:
+    """Emulate the compiled SM100 varlen forward (``cfg.varlen``, fa_sm100.varlen) on packed
+    CPU tensors: q (total_q, h, d), k / v (total_k, h_kv, d / dv), int32 offsets. ``window``:
+    the problem's (left, right), None unbounded (with ``cfg.causal``: bands.kernel_window with
+    the varlen bound). O is poisoned with NaN first (rows the kernel does not write stay NaN),
+    LSE likewise; returns them as the kernel wrote them, O (total_q, h, dv), LSE (h, total_q)."""
+    import cuda.bindings.driver as cuda
+    import cutlass
+
+    from fa_sm100.varlen import VARLEN_UNBOUNDED
+
+    from .capture import capture_launch
+    from .emulator import emulate
+
+    if not cfg.varlen:
+        raise ValueError("run_forward_varlen needs a varlen config (cfg.varlen)")
+    d = q.shape[2]
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    t0 = time.perf_counter()
+    kernel, fake, compiled, ptx = compile_forward(cfg, q.shape[1], seqused_k is not None)
+    t1 = time.perf_counter()
+    q4, k4, v4 = (t.unsqueeze(0).contiguous() for t in (q, k, v))
+    out = torch.full((1, q.shape[0], q.shape[1], v.shape[2]), float("nan"), dtype=q.dtype)
+    lse = (torch.full((1, q.shape[1], q.shape[0]), float("nan"), dtype=torch.float32)
+           if cfg.write_lse else None)
+    ints = [t.contiguous() for t in (cu_seqlens_q, cu_seqlens_k)
+            + (() if seqused_k is None else (seqused_k,))]
+    cu = [_to_cute(t, (0,), f) for t, f in zip(ints, fake[9:12])]
+    real = (_to_cute(q4, (0, 1), fake[0]), _to_cute(k4, (0, 1), fake[1]),
+            _to_cute(v4, (0, 1), fake[2]), _to_cute(out, (0, 1), fake[3]),
+            _to_cute(lse, (0, 2), fake[4]) if lse is not None else None,
+            cutlass.Float32(scale), cutlass.Float32(softcap),
+            *(cutlass.Int32(w) for w in kernel_window(cfg.causal, window, VARLEN_UNBOUNDED,
+                                                      VARLEN_UNBOUNDED)),
+            *cu, *([None] if seqused_k is None else []), cutlass.Int32(max_seqlen_q),
+            cuda.CUstream(0))
+    cap = capture_launch(kernel, fake, real, compiled=compiled, ptx=ptx)
+    t2 = time.perf_counter()
+    buffers = [q4, k4, v4, out] + ([lse] if lse is not None else []) + ints
+    machine = emulate(cap, buffers, seed=seed)
+    t3 = time.perf_counter()
+    steps = sum(w.steps for c in machine.ctas for w in c.warps)
+    rec = cap.launches[0]
+    return ForwardRun(out=out[0], lse=lse[0] if lse is not None else None, compile_s=t1 - t0,
+                      emulate_s=t3 - t2, warp_steps=steps, kernel=cap.kernel,
                       launch={"grid": rec.grid, "block": rec.block, "cluster": rec.cluster,
                               "dynamic_smem": rec.dynamic_smem,
                               "regs_at_launch": cap.launch_regs})

@@ -33,7 +33,7 @@ from cutlass.cute.nvgpu import tcgen05
 from fa_sm100 import softmax_math
 from fa_sm100.sm100 import masking
 from fa_sm100.sm100.context import STAT_MAX, STAT_SCALE, STAT_SUM
-from fa_sm100.sm100.scheduler import rows_per_tile
+from fa_sm100.sm100.scheduler import rows_per_tile, tile_problem
 from pipelines import record
 
 O_CHUNK_COLS = 32  # O columns per tcgen05.ld / st of the correction
@@ -126,7 +126,8 @@ def correction(cfg, tmem, smem, gmem, pipes, prob, sched, cta_v: Int32):
     with record.loop("work_tiles"):
         while tile < num_tiles:
             wt = sched.decode(tile)
-            n_min, n_max = masking.n_block_range(cfg, prob, wt.m_block)
+            tile_prob = tile_problem(prob, wt)
+            n_min, n_max = masking.n_block_range(cfg, tile_prob, wt.m_block)
             with record.loop("n_blocks"):
                 for i in cutlass.range(n_max - n_min, unroll=1):
                     for stage in cutlass.range_constexpr(cfg.q_stage):
@@ -170,8 +171,11 @@ def correction(cfg, tmem, smem, gmem, pipes, prob, sched, cta_v: Int32):
                         softmax_math.LN_2)
                     if empty_row:
                         lse = -Float32.inf
-                    if row < prob.seqlen_q:
-                        gmem.mLSE[row, wt.head, wt.batch] = lse
+                    if row < tile_prob.seqlen_q:
+                        if cutlass.const_expr(cfg.varlen):  # its sequence's packed rows
+                            gmem.mLSE[tile_prob.q_off + row, wt.head, 0] = lse
+                        else:
+                            gmem.mLSE[row, wt.head, wt.batch] = lse
             stats_phase ^= 1
             oacc_phase ^= 1
             epi_phase ^= 1

@@ -6,7 +6,8 @@ Produces  O in global memory; frees sO[i] (``o_epi`` release by one elected thre
 
 Per work tile: for each Q stage i, wait o_epi(i) and issue the store of this CTA's 128 rows;
 then, oldest first, wait until each store has read sO[i] and release it. Rows past seqlen_q
-are dropped by the TMA unit (out-of-bounds writes are clipped).
+are dropped by the TMA unit (out-of-bounds writes are clipped); under varlen, rows past the
+tile's sequence (``fa_sm100.varlen.ragged_rows``).
 """
 
 from __future__ import annotations
@@ -16,20 +17,27 @@ import cutlass.cute as cute
 from cutlass import Int32
 from cutlass.cute.nvgpu import cpasync
 
+from fa_sm100.sm100.scheduler import tile_problem
+from fa_sm100.varlen import ragged_tile_rows
 from pipelines import record
 
 
 @cute.jit
-def epilogue(cfg, tma_atom_o, gmem, smem, pipes, sched, cta_v: Int32):
-    """Store O tile by tile (see the module docstring)."""
+def epilogue(cfg, tma_atom_o, gmem, smem, pipes, sched, cta_v: Int32, prob=None):
+    """Store O tile by tile (see the module docstring). ``prob``: read under varlen (each
+    tile's sequence: its rows are stored through O's ragged view, ``fa_sm100.varlen``)."""
     phase = Int32(0)
     tile = sched.initial()
     num_tiles = sched.num_tiles
     with record.loop("work_tiles"):
         while tile < num_tiles:
             wt = sched.decode(tile)
-            gO = cute.local_tile(gmem.mO[None, None, wt.head, wt.batch],
-                                 (cfg.m_block, cfg.head_dim_v), (None, 0))  # (M, DV, m tiles)
+            mO = gmem.mO[None, None, wt.head, wt.batch]
+            if cutlass.const_expr(cfg.varlen):  # ragged rows end at the sequence's last row
+                tile_prob = tile_problem(prob, wt)
+                mO = ragged_tile_rows(gmem.mO[None, None, wt.head, None], tile_prob.seqlen_q,
+                                      tile_prob.q_off)
+            gO = cute.local_tile(mO, (cfg.m_block, cfg.head_dim_v), (None, 0))  # (M, DV, m tiles)
             tOsO, tOgO = cpasync.tma_partition(
                 tma_atom_o, 0, cute.make_layout(1), cute.group_modes(smem.sO, 0, 2),
                 cute.group_modes(gO, 0, 2))

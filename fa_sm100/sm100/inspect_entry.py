@@ -14,9 +14,12 @@ from fa_sm100.registry import KernelBuild, KernelEntry
 FAKE_QUERY_HEADS = 8
 
 
-def fake_arguments(cfg: FmhaConfig, num_heads: int = FAKE_QUERY_HEADS, env_stream: bool = False):
-    """(q, k, v, o, lse, softmax_scale, softcap, window_left, window_right, stream) fakes for
-    ``Sm100Forward(cfg)``.
+def fake_arguments(cfg: FmhaConfig, num_heads: int = FAKE_QUERY_HEADS, env_stream: bool = False,
+                   seqused_k: bool = False):
+    """(q, k, v, o, lse, softmax_scale, softcap, window_left, window_right, cu_seqlens_q,
+    cu_seqlens_k, seqused_k, max_seqlen_q, stream) fakes for ``Sm100Forward(cfg)``; the
+    varlen tensors are None without ``cfg.varlen`` (``seqused_k``: a varlen kernel that takes
+    used key lengths).
 
     ``env_stream``: the stream is TVM-FFI's environment stream (the compiled function is then
     called with torch tensors and no stream argument, as ``sm100_fwd`` does)."""
@@ -45,8 +48,15 @@ def fake_arguments(cfg: FmhaConfig, num_heads: int = FAKE_QUERY_HEADS, env_strea
     lse = (make_fake_compact_tensor(cutlass.Float32, (batch, num_heads, seqlen_q),
                                     stride_order=(2, 1, 0), assumed_align=16)
            if cfg.write_lse else None)
+    cu_q = cu_k = used_k = None
+    if cfg.varlen:  # fa_sm100.varlen: batch + 1 offsets, batch used key lengths
+        n = cute.sym_int()
+        cu_q, cu_k = (make_fake_compact_tensor(cutlass.Int32, (n,), assumed_align=4)
+                      for _ in range(2))
+        if seqused_k:
+            used_k = make_fake_compact_tensor(cutlass.Int32, (cute.sym_int(),), assumed_align=4)
     return (q, k, v, o, lse, cutlass.Float32(1.0), cutlass.Float32(0.0), cutlass.Int32(0),
-            cutlass.Int32(0),
+            cutlass.Int32(0), cu_q, cu_k, used_k, cutlass.Int32(0),
             make_fake_stream(use_tvm_ffi_env_stream=env_stream))
 
 

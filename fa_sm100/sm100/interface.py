@@ -23,6 +23,7 @@ from fa_sm100.call_plans import PlanTable
 from fa_sm100.config import FmhaConfig, normalize_dtype, select_config
 from fa_sm100.devices import capability, sm_count
 from fa_sm100.validation import validate_attention_inputs
+from fa_sm100.varlen import VarlenPlan
 
 _plans = PlanTable()
 
@@ -56,25 +57,30 @@ def config_for_problem(prob, device=None, config: Optional[FmhaConfig] = None,
     return config.replace(write_lse=return_lse).validate()
 
 
-def compile_for(cfg: FmhaConfig, num_heads: int, arch: Optional[str] = None):
+def compile_for(cfg: FmhaConfig, num_heads: int, arch: Optional[str] = None,
+                seqused_k: bool = False):
     """Compile the kernel for (config, query heads) for TVM-FFI: the result is called with
     torch tensors and runs on the current stream. ``arch`` (e.g. "sm_100a") cross-compiles
-    without a GPU; None targets the device."""
+    without a GPU; None targets the device. ``seqused_k``: a varlen kernel that takes used key
+    lengths."""
     import cutlass.cute as cute
 
     from fa_sm100.sm100.inspect_entry import fake_arguments
     from fa_sm100.sm100.kernel import Sm100Forward
 
     options = "--enable-tvm-ffi" + (f" --gpu-arch {arch}" if arch else "")
-    return cute.compile(Sm100Forward(cfg), *fake_arguments(cfg, num_heads, env_stream=True),
+    return cute.compile(Sm100Forward(cfg), *fake_arguments(cfg, num_heads, env_stream=True,
+                                                           seqused_k=seqused_k),
                         options=options)
 
 
-def _compiled(cfg: FmhaConfig, num_heads: int):
+def _compiled(cfg: FmhaConfig, num_heads: int, seqused_k: bool = False):
     """The launchable kernel; batch, sequence lengths and the window's bounds stay run-time
     values (``FmhaConfig.kernel_config``)."""
     cfg = cfg.kernel_config()
-    return kernel_cache.kernel("sm100_fwd", (cfg, num_heads), lambda: compile_for(cfg, num_heads))
+    key = (cfg, num_heads) + (("seqused_k",) if seqused_k else ())
+    return kernel_cache.kernel("sm100_fwd", key,
+                               lambda: compile_for(cfg, num_heads, seqused_k=seqused_k))
 
 
 class Sm100FwdPlan:
@@ -112,7 +118,7 @@ class Sm100FwdPlan:
         if lse is not None and not self.return_lse:
             raise ValueError("an lse buffer needs return_lse=True on SM100 (the kernel writes "
                              "LSE only then)")
-        self.kernel(q, k, v, out, lse, self.scale, self.softcap, *self.window)
+        self.kernel(q, k, v, out, lse, self.scale, self.softcap, *self.window, None, None, None, 0)
         return (out, lse) if self.return_lse else out
 
 
@@ -142,3 +148,65 @@ def sm100_fwd(q, k, v, softmax_scale=None, causal=False, window_size=(None, None
                        lambda: build_sm100_fwd_plan(q, k, v, softmax_scale, causal, window_size,
                                                     return_lse, config, softcap))
     return plan(q, k, v, out, lse)
+
+
+class Sm100VarlenPlan(VarlenPlan):
+    """What ``sm100_fwd_varlen`` decided for one (metadata, options) pair
+    (``fa_sm100.varlen.VarlenPlan``) with the SM100 kernel's launch."""
+
+    __slots__ = ()
+
+    def __init__(self, problem, cfg: FmhaConfig, return_lse: bool, seqused_k: bool, device,
+                 config=None):
+        super().__init__(problem, cfg, return_lse, device, config,
+                         lambda: _compiled(cfg, problem.heads, seqused_k))
+
+    def launch(self, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k):
+        self.kernel(q, k, v, out, lse, self.scale, self.softcap, *self.window, cu_seqlens_q,
+                    cu_seqlens_k, seqused_k, self.max_seqlen_q)
+
+
+_varlen_plans = PlanTable()
+
+
+def build_sm100_varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                            seqused_k=None, softmax_scale=None, causal=False,
+                            window_size=(None, None), softcap=0.0, return_lse=False,
+                            config: Optional[FmhaConfig] = None) -> Sm100VarlenPlan:
+    """Validate, pick and compile the varlen config: the plan of one call."""
+    from fa_sm100.config import SM100_HEAD_DIMS
+    from fa_sm100.validation import validate_varlen_inputs
+
+    prob = validate_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                  max_seqlen_k, seqused_k, softmax_scale, causal, window_size,
+                                  softcap, head_dims=SM100_HEAD_DIMS)
+    major, _ = capability(q.device)
+    if major != 10:
+        raise ValueError(f"sm100_fwd_varlen needs an sm_100 GPU, got sm_{major}x for {q.device}")
+    if config is None:
+        left, right = prob.window
+        config = select_config(
+            head_dim=prob.head_dim, head_dim_v=prob.head_dim_v, dtype=normalize_dtype(prob.dtype),
+            seqlen_q=max(max_seqlen_q, 1), seqlen_k=max(max_seqlen_k, 1), causal=prob.causal,
+            qhead_per_kvhead=prob.heads // prob.heads_kv, window_left=left, window_right=right,
+            num_sms=sm_count(q.device), softcap=prob.softcap > 0, varlen=True)
+    elif not isinstance(config, FmhaConfig) or not config.varlen:
+        raise ValueError("config must be an FmhaConfig with varlen=True for a varlen call")
+    cfg = config.replace(write_lse=return_lse).validate()
+    return Sm100VarlenPlan(prob, cfg, return_lse, seqused_k is not None, q.device, config)
+
+
+def sm100_fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                     seqused_k=None, softmax_scale=None, causal=False, window_size=(None, None),
+                     softcap=0.0, return_lse=False, config: Optional[FmhaConfig] = None, *,
+                     out=None, lse=None):
+    """Attention over a batch of packed sequences with the SM100 kernel (``fa_sm100.varlen``;
+    the arguments and results of ``fa_sm100.hopper.interface.sm90_fwd_varlen``)."""
+    tensors = (q, k, v, cu_seqlens_q, cu_seqlens_k) + (() if seqused_k is None else (seqused_k,))
+    plan = _varlen_plans.plan(
+        tensors, (softmax_scale, causal, window_size, softcap, return_lse, max_seqlen_q,
+                  max_seqlen_k, seqused_k is None, id(config)),
+        lambda: build_sm100_varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                        max_seqlen_k, seqused_k, softmax_scale, causal,
+                                        window_size, softcap, return_lse, config))
+    return plan(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, out, lse)

@@ -34,6 +34,7 @@ from fa_sm100.sm100 import pipes as pipes_mod
 from fa_sm100.sm100 import softmax as softmax_role
 from fa_sm100.sm100.context import NUM_STATS, Gmem, Problem, Smem, Tmem
 from fa_sm100.sm100.scheduler import make_scheduler, rows_per_tile
+from fa_sm100.varlen import ragged_rows
 from layouts import cute_layouts
 from layouts.smem import ALIGN, SmemPlan
 from layouts.tmem import TmemPlan
@@ -69,7 +70,8 @@ class Sm100Forward:
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                  mLSE, softmax_scale: Float32, softcap: Float32, window_left: Int32,
-                 window_right: Int32, stream):
+                 window_right: Int32, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, max_seqlen_q: Int32,
+                 stream):
         cfg = self.cfg
         # BSHD -> (s, d, h, b) for Q, K, O; V -> (d, s, h, b) (the PV MMA reads V MN-major).
         sdhb = [1, 3, 2, 0]
@@ -94,8 +96,11 @@ class Sm100Forward:
         tma_v, mV_t = cute.nvgpu.make_tiled_tma_atom_B(
             load_op, mV, cute.select(lay.sV, mode=[0, 1, 2]), cute_layouts.mma_tiler_pv(cfg),
             tiled_mma_pv, cta_layout_vmnk.shape)
+        mO_store = mO
+        if cutlass.const_expr(cfg.varlen):  # fa_sm100.varlen: rows past a sequence clipped
+            mO_store = ragged_rows(mO[None, None, None, 0])
         tma_o, mO_t = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(), mO, cute.select(lay.sO, mode=[0, 1]),
+            cpasync.CopyBulkTensorTileS2GOp(), mO_store, cute.select(lay.sO, mode=[0, 1]),
             (cfg.m_block, cfg.head_dim_v))
 
         dtype = cute_layouts.cutlass_dtype(cfg.dtype)
@@ -122,6 +127,13 @@ class Sm100Forward:
         seqlen_q = mQ.shape[0]
         num_heads = mQ.shape[2]
         batch = mQ.shape[3]
+        varlen = None  # fa_sm100.varlen: (cu_seqlens_q, cu_seqlens_k[, seqused_k], longest)
+        if cutlass.const_expr(cfg.varlen):
+            seqlen_q = max_seqlen_q
+            batch = mCuSeqlensQ.shape[0] - 1
+            varlen = (mCuSeqlensQ, mCuSeqlensK, max_seqlen_q)
+            if cutlass.const_expr(mSeqUsedK is not None):
+                varlen = (mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, max_seqlen_q)
         num_m_blocks = (seqlen_q + rows_per_tile(cfg) - 1) // rows_per_tile(cfg)
         num_tiles = num_m_blocks * num_heads * batch
         clusters = num_tiles
@@ -136,7 +148,8 @@ class Sm100Forward:
         if cutlass.const_expr(cfg.is_local):
             window = (window_left, window_right)
         self.kernel(
-            mQ_t, mK_t, mV_t, mO_t, mLSE, window, softcap_k, tma_q, tma_k, tma_v, tma_o, scale_log2,
+            mQ_t, mK_t, mV_t, mO_t, mLSE, window, softcap_k, varlen, tma_q, tma_k, tma_v, tma_o,
+            scale_log2,
             lay.sQ, lay.sK, lay.sV, lay.sO, lay.tP, tiled_mma_qk, tiled_mma_pv,
         ).launch(
             grid=[clusters * cfg.cta_group, 1, 1],
@@ -149,7 +162,7 @@ class Sm100Forward:
     # ---------------------------------------------------------------------------- device
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE,
-               window, softcap_k, tma_q: cute.CopyAtom, tma_k: cute.CopyAtom, tma_v: cute.CopyAtom,
+               window, softcap_k, varlen, tma_q: cute.CopyAtom, tma_k: cute.CopyAtom, tma_v: cute.CopyAtom,
                tma_o: cute.CopyAtom, scale_log2: Float32, sQ_layout: cute.ComposedLayout,
                sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
                sO_layout: cute.ComposedLayout, tP_layout: cute.ComposedLayout,
@@ -193,18 +206,18 @@ class Sm100Forward:
             cute.arch.setmaxregister_decrease(regs["other"])
         if warp_idx == roles.load:
             cute.arch.setmaxregister_decrease(regs["other"])
-            prob, sched = self._problem(mQ, mK, scale_log2, window, softcap_k)
+            prob, sched = self._problem(mQ, mK, scale_log2, window, softcap_k, varlen)
             with record.role("load"):
                 load_role.load(cfg, TmaAtoms(q=tma_q, k=tma_k, v=tma_v), self.tx, gmem, smem,
                                thr_mma_qk, thr_mma_pv, pipes, prob, sched)
         if warp_idx == roles.epilogue:
             cute.arch.setmaxregister_decrease(regs["other"])
-            prob, sched = self._problem(mQ, mK, scale_log2, window, softcap_k)
+            prob, sched = self._problem(mQ, mK, scale_log2, window, softcap_k, varlen)
             with record.role("epilogue"):
-                epilogue_role.epilogue(cfg, tma_o, gmem, smem, pipes, sched, cta_v)
+                epilogue_role.epilogue(cfg, tma_o, gmem, smem, pipes, sched, cta_v, prob)
         if warp_idx == roles.mma:
             cute.arch.setmaxregister_decrease(regs["other"])
-            prob, sched = self._problem(mQ, mK, scale_log2, window, softcap_k)
+            prob, sched = self._problem(mQ, mK, scale_log2, window, softcap_k, varlen)
             with record.role("mma"):
                 tmem_alloc.allocate(plan.alloc_cols)
                 _tmem_sync(tmem_bar)
@@ -216,7 +229,7 @@ class Sm100Forward:
             tmem_alloc.free(tmem.base, plan.alloc_cols)
         if warp_idx >= roles.softmax0[0] and warp_idx <= roles.softmax1[-1]:
             cute.arch.setmaxregister_increase(regs["softmax"])
-            prob, sched = self._problem(mQ, mK, scale_log2, window, softcap_k)
+            prob, sched = self._problem(mQ, mK, scale_log2, window, softcap_k, varlen)
             if warp_idx <= roles.softmax0[-1]:
                 with record.role("softmax0"):
                     _tmem_sync(tmem_bar)
@@ -233,7 +246,7 @@ class Sm100Forward:
                                      number_of_threads=tmem_bar.num_threads, aligned=False)
         if warp_idx >= roles.correction[0] and warp_idx <= roles.correction[-1]:
             cute.arch.setmaxregister_decrease(regs["correction"])
-            prob, sched = self._problem(mQ, mK, scale_log2, window, softcap_k)
+            prob, sched = self._problem(mQ, mK, scale_log2, window, softcap_k, varlen)
             with record.role("correction"):
                 _tmem_sync(tmem_bar)
                 tmem = self._tmem_views(tmem_alloc, thr_mma_qk, thr_mma_pv, tP_layout)
@@ -241,17 +254,22 @@ class Sm100Forward:
             cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.TMEM_ALLOC),
                                      number_of_threads=tmem_bar.num_threads, aligned=False)
 
-    def _problem(self, mQ, mK, scale_log2, window, softcap_k):
+    def _problem(self, mQ, mK, scale_log2, window, softcap_k, varlen=None):
         """Problem sizes and this cluster's scheduler, derived inside each role (from kernel
         parameters and special registers) rather than once before the dispatch: values
-        computed there would stay live through every role, the 48-register ones included."""
+        computed there would stay live through every role, the 48-register ones included.
+        ``varlen``: the packed sequences' tensors and the longest query sequence (each tile's
+        own lengths: ``scheduler.tile_problem``)."""
         cfg = self.cfg
         seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
         num_heads, batch = mQ.shape[2], mQ.shape[3]
+        tensors = None
+        if cutlass.const_expr(varlen is not None):
+            seqlen_q, batch, tensors = varlen[-1], varlen[0].shape[0] - 1, varlen[:-1]
         num_m_blocks = (seqlen_q + rows_per_tile(cfg) - 1) // rows_per_tile(cfg)
         prob = Problem(seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads=num_heads, batch=batch,
                        num_m_blocks=num_m_blocks, scale_log2=scale_log2, window=window,
-                       softcap_k=softcap_k)
+                       softcap_k=softcap_k, varlen=tensors)
         return prob, make_scheduler(cfg, num_m_blocks, num_heads, batch)
 
     def _tmem_views(self, tmem_alloc, thr_mma_qk, thr_mma_pv, tP_layout) -> Tmem:

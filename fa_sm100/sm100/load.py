@@ -22,6 +22,7 @@ from cutlass.cute.nvgpu import cpasync
 
 from fa_sm100.sm100 import masking
 from fa_sm100.sm100.pipes import producer_tail
+from fa_sm100.sm100.scheduler import tile_problem
 from pipelines import record
 
 
@@ -37,14 +38,21 @@ class LoadViews:
     tVgV: cute.Tensor
 
 
-def make_load_views(cfg, atoms, gmem, smem, thr_mma_qk, thr_mma_pv, head, batch) -> LoadViews:
+def make_load_views(cfg, atoms, gmem, smem, thr_mma_qk, thr_mma_pv, head, batch,
+                    prob=None) -> LoadViews:
+    """``prob``: the tile's Problem under varlen (its sequence's first rows), else None."""
     head_kv = head // cfg.qhead_per_kvhead
     mma_m = cfg.cta_group * cfg.m_block
-    gQ = cute.local_tile(gmem.mQ[None, None, head, batch], (mma_m, cfg.head_dim), (None, 0))
-    gK = cute.local_tile(gmem.mK[None, None, head_kv, batch], (cfg.n_block, cfg.head_dim),
-                         (None, 0))
-    gV = cute.local_tile(gmem.mV[None, None, head_kv, batch], (cfg.head_dim_v, cfg.n_block),
-                         (0, None))
+    mQ = gmem.mQ[None, None, head, batch]
+    mK = gmem.mK[None, None, head_kv, batch]
+    mV = gmem.mV[None, None, head_kv, batch]  # (d, s)
+    if cutlass.const_expr(cfg.varlen):  # fa_sm100.varlen: one packed "batch"
+        mQ = cute.domain_offset((prob.q_off, 0), gmem.mQ[None, None, head, 0])
+        mK = cute.domain_offset((prob.k_off, 0), gmem.mK[None, None, head_kv, 0])
+        mV = cute.domain_offset((0, prob.k_off), gmem.mV[None, None, head_kv, 0])
+    gQ = cute.local_tile(mQ, (mma_m, cfg.head_dim), (None, 0))
+    gK = cute.local_tile(mK, (cfg.n_block, cfg.head_dim), (None, 0))
+    gV = cute.local_tile(mV, (cfg.head_dim_v, cfg.n_block), (0, None))
     tSgQ = thr_mma_qk.partition_A(gQ)  # (MMA, MMA_M, MMA_K, m tiles)
     tSgK = thr_mma_qk.partition_B(gK)  # (MMA, MMA_N, MMA_K, n blocks)
     tOgV = thr_mma_pv.partition_B(gV)  # (MMA, MMA_N, MMA_K, n blocks)
@@ -83,8 +91,10 @@ def load(cfg, atoms, tx, gmem, smem, thr_mma_qk, thr_mma_pv, pipes, prob, sched)
     with record.loop("work_tiles"):
         while tile < num_tiles:
             wt = sched.decode(tile)
-            v = make_load_views(cfg, atoms, gmem, smem, thr_mma_qk, thr_mma_pv, wt.head, wt.batch)
-            n_min, n_max = masking.n_block_range(cfg, prob, wt.m_block)
+            tile_prob = tile_problem(prob, wt)
+            v = make_load_views(cfg, atoms, gmem, smem, thr_mma_qk, thr_mma_pv, wt.head, wt.batch,
+                                tile_prob)
+            n_min, n_max = masking.n_block_range(cfg, tile_prob, wt.m_block)
             kv_index, kv_phase = _load_kv(atoms.k, v.tKgK, v.tKsK, n_max - 1, kv_index, kv_phase,
                                           tx["k"], pipes, "K")
             for stage in cutlass.range_constexpr(cfg.q_stage):

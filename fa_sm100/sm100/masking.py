@@ -41,6 +41,8 @@ def n_block_range(cfg, prob, m_block: Int32):
     seqlen_q, seqlen_k = prob.seqlen_q, prob.seqlen_k
     left, right = band(cfg, prob)
     n_total = (seqlen_k + n - 1) // n
+    if cutlass.const_expr(cfg.varlen):  # a sequence without keys still visits block 0, masked
+        n_total = cutlass.max(n_total, 1)
     n_max = n_total
     n_min = Int32(0)
     if cutlass.const_expr(right is not None):

@@ -29,6 +29,7 @@ from cutlass import Boolean, Int32
 from cutlass.cute.nvgpu import tcgen05
 
 from fa_sm100.sm100 import masking
+from fa_sm100.sm100.scheduler import tile_problem
 from pipelines import record
 
 MMA_K = 16  # K of one tcgen05 f16/bf16 MMA instruction
@@ -128,7 +129,8 @@ def mma(cfg, tiled_mma_qk, tiled_mma_pv, smem, tmem, pipes, prob, sched, is_lead
             with record.loop("work_tiles"):
                 while tile < num_tiles:
                     wt = sched.decode(tile)
-                    n_min, n_max = masking.n_block_range(cfg, prob, wt.m_block)
+                    n_min, n_max = masking.n_block_range(cfg, tile_problem(prob, wt),
+                                                         wt.m_block)
                     n_blocks = n_max - n_min
                     for stage in cutlass.range_constexpr(cfg.q_stage):
                         pipes.q.consumer_wait(stage, q_phase, stage_hint=stage)

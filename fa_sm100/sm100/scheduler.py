@@ -14,12 +14,18 @@ Persistent (``cfg.persistent``): the grid holds ``num_sms / cta_group`` clusters
 per tile) and cluster c does tiles c, c + num_clusters, c + 2 num_clusters, ...
 Non-persistent: one cluster per tile, each does exactly one.
 
+- varlen (``cfg.varlen``): ``batch`` counts the packed sequences and ``num_m_blocks`` comes
+  from the longest query sequence; tile ids walk one (head, sequence) pair at a time (its K/V
+  stays in L2), each pair's last query block first. A tile past its sequence's end still
+  visits one fully masked block (the protocol is the same for every tile) and stores nothing.
+
 Every role of a CTA runs the same loop over the same tile ids, so the roles agree on the work
-without talking to each other.
+without talking to each other. ``tile_problem`` gives each role the tile's own lengths.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import cutlass
@@ -65,7 +71,10 @@ class StaticScheduler:
         return self.num_tiles  # one tile per cluster
 
     def decode(self, tile: Int32) -> WorkTile:
-        if cutlass.const_expr(self.cfg.causal):
+        if cutlass.const_expr(self.cfg.varlen):  # pair-major, last query block first
+            hb = tile // self.num_m_blocks
+            m = self.num_m_blocks - 1 - (tile - hb * self.num_m_blocks)
+        elif cutlass.const_expr(self.cfg.causal):
             # LPT: every (head, batch) pair of the last query block first.
             hb_count = self.num_tiles // self.num_m_blocks
             hb = tile % hb_count
@@ -88,6 +97,20 @@ def make_scheduler(cfg, num_m_blocks, num_heads, batch) -> StaticScheduler:
         first=Int32(bidx // cfg.cta_group),
         stride=Int32(gdim // cfg.cta_group),
     )
+
+
+def tile_problem(prob, wt: WorkTile):
+    """The Problem of work tile ``wt``: ``prob`` itself, or under varlen the tile's sequence's
+    lengths and first rows (read from cu_seqlens, and seqused_k when given)."""
+    if cutlass.const_expr(prob.varlen is None):
+        return prob
+    cu_q, cu_k = prob.varlen[0], prob.varlen[1]
+    q_off, k_off = cu_q[wt.batch], cu_k[wt.batch]
+    seqlen_k = cu_k[wt.batch + 1] - k_off
+    if cutlass.const_expr(len(prob.varlen) == 3):
+        seqlen_k = prob.varlen[2][wt.batch]
+    return dataclasses.replace(prob, seqlen_q=cu_q[wt.batch + 1] - q_off, seqlen_k=seqlen_k,
+                               q_off=q_off, k_off=k_off)
 
 
 def lpt_order(num_m_blocks: int, num_heads: int, batch: int, causal: bool):

@@ -43,7 +43,7 @@ from fa_sm100.sm100 import masking
 from fa_sm100.sm100.context import STAT_MAX, STAT_SCALE, STAT_SUM
 from fa_sm100.sm100.ex2 import exp2_poly_pair
 from fa_sm100.sm100.mma import p_columns
-from fa_sm100.sm100.scheduler import rows_per_tile
+from fa_sm100.sm100.scheduler import rows_per_tile, tile_problem
 from pipelines import record
 
 P_CHUNK_KEYS = 32  # keys per tcgen05.st of P (16 columns of packed 16-bit pairs)
@@ -197,7 +197,8 @@ def softmax(cfg, stage: cutlass.Constexpr, tmem, smem, pipes, prob, sched, cta_v
     with record.loop("work_tiles"):
         while tile < num_tiles:
             wt = sched.decode(tile)
-            n_min, n_max = masking.n_block_range(cfg, prob, wt.m_block)
+            tile_prob = tile_problem(prob, wt)
+            n_min, n_max = masking.n_block_range(cfg, tile_prob, wt.m_block)
             row = (wt.m_block * rows_per_tile(cfg) + (stage * cfg.cta_group + cta_v) * cfg.m_block
                    + tidx)
             row_max = Float32(-Float32.inf)
@@ -206,7 +207,7 @@ def softmax(cfg, stage: cutlass.Constexpr, tmem, smem, pipes, prob, sched, cta_v
                 for i in cutlass.range(n_max - n_min, unroll=1):
                     row_max, row_sum, s_phase, stats_phase, split_phase = softmax_step(
                         cfg, stage, v, tidx, n_max - 1 - i, row, row_max, row_sum,
-                        s_phase, stats_phase, split_phase, pipes, smem, prob,
+                        s_phase, stats_phase, split_phase, pipes, smem, tile_prob,
                     )
             # Final hand-off of this tile: row sum and row max (log2 units).
             pipes.sm_stats.producer_acquire(stage, stats_phase, stage_hint=stage)

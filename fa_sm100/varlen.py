@@ -1,0 +1,115 @@
+"""Packed variable-length batches: what the SM90 and SM100 forwards share (Note [Varlen] in
+fa_sm100/hopper/fwd_kernel.py, docs/varlen.md).
+
+A batch of sequences lies along the token axis, sequence i at rows cu_seqlens[i] ..
+cu_seqlens[i + 1]. A kernel reads each work tile's offsets and lengths from cu_seqlens and
+runs the tile as a batch-1 problem of those lengths. Loads offset the TMA coordinates to the
+sequence's first row; O's TMA store goes through ``ragged_rows``, so the rows of a tile past
+its sequence's end are out of bounds and never written.
+"""
+
+from __future__ import annotations
+
+# The row extent of O's ragged view, and the extent of the mode that carries each sequence's
+# end (both within the TMA's 32-bit coordinates)
+RAGGED_ROWS = 1 << 30
+RAGGED_OFFSETS = (1 << 31) - 1
+# An unbounded window side of a varlen launch (``bands.kernel_window`` with these lengths):
+# past every sequence's keys, far below 32-bit overflow in the band arithmetic
+VARLEN_UNBOUNDED = 1 << 29
+
+
+def ragged_rows(t):
+    """(rows, d, h) -> (RAGGED_ROWS, d, h, RAGGED_OFFSETS): the same memory, seen so that a
+    TMA store at (RAGGED_ROWS - length + r, ., ., offset + length) writes row offset + r and
+    clips the rows r >= length. The base moves back by RAGGED_ROWS rows and the fourth mode
+    steps by one row: RAGGED_ROWS - length + r + offset + length - RAGGED_ROWS = offset + r.
+    Traced inside a kernel's host function (``t`` a CuTe tensor)."""
+    import cutlass
+    import cutlass.cute as cute
+
+    # run-time 64-bit values: RAGGED_ROWS rows lie past 32-bit element offsets, and a layout
+    # of static extents this large would overflow where its size is computed at compile time
+    row = cutlass.Int64(t.stride[0])
+    base = t.iterator + cutlass.Int64(-RAGGED_ROWS) * row
+    shape = (cutlass.Int32(RAGGED_ROWS), t.shape[1], t.shape[2], cutlass.Int32(RAGGED_OFFSETS))
+    return cute.make_tensor(base, cute.make_layout(shape, stride=(row, *t.stride[1:], row)))
+
+
+def ragged_tile_rows(m_view, seqlen, offset):
+    """``m_view`` (the ragged view with its head chosen: (RAGGED_ROWS, d, offsets)) at the
+    sequence (offset, seqlen): a (rows, d) tensor whose row r is the sequence's row r, out of
+    bounds from r = seqlen on."""
+    import cutlass.cute as cute
+
+    return cute.domain_offset((RAGGED_ROWS - seqlen, 0), m_view[None, None, offset + seqlen])
+
+
+class VarlenPlan:
+    """What a varlen forward decided for one (metadata, options) pair (``fa_sm100.call_plans``):
+    the config, its kernel, the window's launch bounds and the output shapes. Calling it checks
+    or allocates out (total_q, h, dv) and LSE (h, total_q) and launches on packed q, k, v
+    (``launch``, the backend's argument list, on the tensors as a batch of one). A pack with no
+    rows or no keys launches nothing: out 0, LSE -inf."""
+
+    __slots__ = ("cfg", "kernel", "scale", "softcap", "window", "return_lse", "out_shape",
+                 "lse_shape", "dtype", "device", "max_seqlen_q", "config", "empty")
+
+    def __init__(self, problem, cfg, return_lse: bool, device, config, compile_kernel):
+        from fa_sm100.bands import kernel_window
+
+        self.cfg = cfg
+        self.config = config  # the caller's config, whose id is in the key (call_plans)
+        self.empty = 0 in (problem.total_q, problem.total_k, problem.max_seqlen_q,
+                           problem.max_seqlen_k)
+        self.kernel = None if self.empty else compile_kernel()
+        self.scale = problem.softmax_scale
+        self.softcap = problem.softcap
+        self.window = kernel_window(problem.causal, problem.window, VARLEN_UNBOUNDED,
+                                    VARLEN_UNBOUNDED)
+        self.return_lse = return_lse
+        self.out_shape = (problem.total_q, problem.heads, problem.head_dim_v)
+        self.lse_shape = (problem.heads, problem.total_q)
+        self.dtype = problem.dtype
+        self.device = device
+        self.max_seqlen_q = problem.max_seqlen_q
+
+    def launch(self, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k):
+        raise NotImplementedError  # the backend's kernel call
+
+    def __call__(self, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k=None, out=None,
+                 lse=None):
+        import torch
+
+        from fa_sm100.call_plans import aligned
+        from fa_sm100.validation import tma_ready
+
+        for name, t, shape, dtype in (("out", out, self.out_shape, self.dtype),
+                                      ("lse", lse, self.lse_shape, torch.float32)):
+            if t is not None and (not isinstance(t, torch.Tensor) or t.shape != shape
+                                  or t.dtype != dtype or not t.is_contiguous()
+                                  or t.device != self.device):
+                raise ValueError(f"{name} must be a contiguous {dtype} tensor of shape {shape} "
+                                 f"on {self.device}")
+        if lse is not None and not self.return_lse:
+            raise ValueError("an lse buffer needs return_lse=True")
+        if self.empty:
+            out = (torch.zeros(self.out_shape, dtype=self.dtype, device=self.device)
+                   if out is None else out.zero_())
+            if self.return_lse:
+                lse = (torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
+                       if lse is None else lse)
+                lse.fill_(-torch.inf)
+            return (out, lse) if self.return_lse else out
+        if not aligned(q, k, v):
+            q, k, v = (tma_ready(t) for t in (q, k, v))
+        if out is None:
+            out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
+        elif not aligned(out):
+            raise ValueError("out must start on a 16-byte boundary (the TMA store)")
+        if lse is None and self.cfg.write_lse:
+            lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
+        self.launch(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out.unsqueeze(0),
+                    lse.unsqueeze(0) if lse is not None else None, cu_seqlens_q, cu_seqlens_k,
+                    seqused_k)
+        return (out, lse) if self.return_lse else out
