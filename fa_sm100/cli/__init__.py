@@ -30,6 +30,8 @@ COMMANDS = {
     "timeline": ("fa_sm100.research.timeline_cli", "the modelled warp timeline of the SM100 "
                  "forward (MODEL OUTPUT)"),
     "warmup": ("fa_sm100.warmup", "compile the kernels of given problems into the disk cache"),
+    "claims": ("fa_sm100.results", "regenerate the speed claims of README.md and the docs from "
+               "the results files (--check: only say which are stale)"),
     "sanitizer_sites": ("fa_sm100.cli.sanitizer_sites", "the instructions behind compute-sanitizer's "
                         "hazard reports"),
     "sm90_memcheck": ("fa_sm100.cli.sm90_memcheck", "the SM90 kernels on representative problems, for "
