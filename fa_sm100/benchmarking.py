@@ -697,3 +697,39 @@ def save_results(path: str, script: str, argv, device: str, rows) -> None:
     with open(path, "w") as f:
         json.dump({"command": f"python {script} " + " ".join(argv), "device": device,
                    "rows": rows}, f, indent=1)
+
+
+def fill_ratio_row(row: dict, times: dict, tflops_of_ms) -> dict:
+    """A feature benchmark's row from ``run_cell``'s times: each provider's median ms and its
+    TFLOP/s (``tflops_of_ms``), and ours (and ``ours:launch``) over FA4 paired by round, with
+    the interval; None where FA4 has no times."""
+    for name, ms in times.items():
+        if ms:
+            med = sorted(ms)[len(ms) // 2]
+            row["ms"][name] = med
+            row["tflops"][name] = tflops_of_ms(med)
+    peers = ["fa4"] if "fa4" in times else []
+    row["ratio"] = paired_ratio(times, "ours", peers) if peers else None
+    row["interval"] = paired_interval(times, "ours", peers) if peers else None
+    row["ratio_launch"] = paired_ratio(times, "ours:launch", peers) if peers else None
+    return row
+
+
+def feature_bench_main(name: str, args, argv, run, plot) -> int:
+    """A feature benchmark's command: ``run(args)`` its rows on the GPU, the JSON
+    (``--json``) and the figure (``--png``); exit 1 when ours failed a cell, 2 without a GPU."""
+    import sys
+
+    import torch
+
+    if not torch.cuda.is_available():
+        print(f"{name}: needs a CUDA GPU (SM90)", file=sys.stderr)
+        return 2
+    rows = run(args)
+    device = torch.cuda.get_device_name()
+    if args.json:
+        save_results(args.json, f"scripts/{name}.py", sys.argv[1:] if argv is None else argv,
+                     device, rows)
+    if args.png:
+        plot(rows, args.png, device)
+    return 1 if any("ours" in r["errors"] for r in rows) else 0

@@ -33,6 +33,17 @@ def aligned(*tensors) -> bool:
     return True
 
 
+def check_out_lse(out, lse, out_shape, lse_shape, dtype, device) -> None:
+    """ValueError unless each given ``out`` / ``lse`` buffer is a contiguous tensor of the
+    plan's shape and dtype (LSE float32) on its device."""
+    for name, t, shape, want in (("out", out, out_shape, dtype),
+                                 ("lse", lse, lse_shape, torch.float32)):
+        if t is not None and (not isinstance(t, torch.Tensor) or t.shape != shape
+                              or t.dtype != want or not t.is_contiguous() or t.device != device):
+            raise ValueError(f"{name} must be a contiguous {want} tensor of shape {shape} on "
+                             f"{device}")
+
+
 class PlanTable(dict):
     """(metadata, options) -> plan, bounded by ``MAX_PLANS`` (a process that sees endless new
     shapes does not grow without bound; it rebuilds plans instead)."""

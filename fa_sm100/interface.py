@@ -55,6 +55,21 @@ def _build_call(q, k, v, softmax_scale, causal, window_size, softcap, return_lse
                       need_lse=need_lse, softcap=softcap)
 
 
+def _check_flash_attn_options(dropout_p, alibi_slopes, deterministic, return_lse,
+                              return_attn_probs) -> None:
+    """flash-attn 2's options we take but do not implement, and the flags: ValueError naming
+    the first one out of range."""
+    if not isinstance(dropout_p, (int, float)) or isinstance(dropout_p, bool) or dropout_p != 0:
+        raise ValueError(f"dropout_p={dropout_p!r}: only 0.0 is supported (there is no dropout "
+                         "kernel)")
+    if alibi_slopes is not None:
+        raise ValueError("alibi_slopes: ALiBi is not supported (pass None)")
+    for name, flag in (("deterministic", deterministic), ("return_lse", return_lse),
+                       ("return_attn_probs", return_attn_probs)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"{name} must be a bool, got {flag!r}")
+
+
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
                     return_attn_probs=False, *, return_lse=False, config=None, out=None,
@@ -83,15 +98,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     chosen per problem); ``out`` / ``lse`` buffers to write instead of allocating (without
     gradients).
     """
-    if not isinstance(dropout_p, (int, float)) or isinstance(dropout_p, bool) or dropout_p != 0:
-        raise ValueError(f"dropout_p={dropout_p!r}: only 0.0 is supported (there is no dropout "
-                         "kernel)")
-    if alibi_slopes is not None:
-        raise ValueError("alibi_slopes: ALiBi is not supported (pass None)")
-    for name, flag in (("deterministic", deterministic), ("return_lse", return_lse),
-                       ("return_attn_probs", return_attn_probs)):
-        if not isinstance(flag, bool):
-            raise ValueError(f"{name} must be a bool, got {flag!r}")
+    _check_flash_attn_options(dropout_p, alibi_slopes, deterministic, return_lse,
+                              return_attn_probs)
     if return_attn_probs:
         result = flash_attn_func(q, k, v, 0.0, softmax_scale, causal, window_size, softcap,
                                  deterministic=deterministic, return_lse=True, config=config,
@@ -168,15 +176,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     The forward on sm_90 (Hopper) and sm_100 (the SM100 kernel, held by its CPU layers);
     gradients raise ValueError (no varlen backward yet).
     """
-    if not isinstance(dropout_p, (int, float)) or isinstance(dropout_p, bool) or dropout_p != 0:
-        raise ValueError(f"dropout_p={dropout_p!r}: only 0.0 is supported (there is no dropout "
-                         "kernel)")
-    if alibi_slopes is not None:
-        raise ValueError("alibi_slopes: ALiBi is not supported (pass None)")
-    for name, flag in (("deterministic", deterministic), ("return_lse", return_lse),
-                       ("return_attn_probs", return_attn_probs)):
-        if not isinstance(flag, bool):
-            raise ValueError(f"{name} must be a bool, got {flag!r}")
+    _check_flash_attn_options(dropout_p, alibi_slopes, deterministic, return_lse,
+                              return_attn_probs)
     try:
         grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
         forward = _varlen_forwards.get(q.device)

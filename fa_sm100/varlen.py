@@ -81,16 +81,10 @@ class VarlenPlan:
                  lse=None):
         import torch
 
-        from fa_sm100.call_plans import aligned
+        from fa_sm100.call_plans import aligned, check_out_lse
         from fa_sm100.validation import tma_ready
 
-        for name, t, shape, dtype in (("out", out, self.out_shape, self.dtype),
-                                      ("lse", lse, self.lse_shape, torch.float32)):
-            if t is not None and (not isinstance(t, torch.Tensor) or t.shape != shape
-                                  or t.dtype != dtype or not t.is_contiguous()
-                                  or t.device != self.device):
-                raise ValueError(f"{name} must be a contiguous {dtype} tensor of shape {shape} "
-                                 f"on {self.device}")
+        check_out_lse(out, lse, self.out_shape, self.lse_shape, self.dtype, self.device)
         if lse is not None and not self.return_lse:
             raise ValueError("an lse buffer needs return_lse=True")
         if self.empty:

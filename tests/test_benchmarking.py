@@ -144,3 +144,15 @@ def test_feature_benchmarks_save_their_command_and_draw_one_panel_per_mode(tmp_p
     assert [t.get_text() for t in axes.flat[0].get_legend().get_texts()] == ["ours", "fa4"]
     assert len(axes.flat[0].patches) == 4  # 2 cells x 2 providers with numbers
     assert (tmp_path / "f.png").stat().st_size > 10_000
+
+
+def test_fill_ratio_row_takes_medians_and_pairs_ours_with_fa4():
+    from fa_sm100.benchmarking import fill_ratio_row
+
+    times = {"ours": [1.0, 2.0, 1.5], "ours:launch": [0.9, 1.8, 1.4], "fa4": [2.0, 2.0, 3.0]}
+    row = fill_ratio_row({"ms": {}, "tflops": {}}, times, lambda ms: 10.0 / ms)
+    assert row["ms"] == {"ours": 1.5, "ours:launch": 1.4, "fa4": 2.0}
+    assert row["tflops"]["ours"] == 10.0 / 1.5
+    assert row["ratio"] == 2.0  # per round 2.0, 1.0, 2.0: the median
+    alone = fill_ratio_row({"ms": {}, "tflops": {}}, {"ours": [1.0]}, lambda ms: ms)
+    assert alone["ratio"] is None and alone["interval"] is None and alone["ratio_launch"] is None

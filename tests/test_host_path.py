@@ -26,10 +26,10 @@ PLANNING = {"validate_attention_inputs", "validate_bwd_inputs", "select_sm90_fwd
             "select_bwd_config", "sm90_config_for", "select_sm90_bwd_config", "replace",
             "validate", "build_sm90_fwd_plan", "build_sm90_bwd_plan", "kernel", "sm_count",
             "capability", "fake_arguments", "compile_sm90_fwd", "_compiled"}
-# fa_sm100 frames a warm call may enter (comprehensions included): the forward's probe check,
-# key and plan's call; the backward's key, the plan's call, its launch arguments and workspace
-# (with the config's derived properties).
-WARM_FWD_FRAMES = 5
+# fa_sm100 frames a warm call may enter (comprehensions included): the forward's option checks,
+# probe check, key and plan's call; the backward's key, the plan's call, its launch arguments
+# and workspace (with the config's derived properties).
+WARM_FWD_FRAMES = 6
 WARM_BWD_FRAMES = 11
 
 

@@ -24,9 +24,8 @@ import argparse
 import sys
 import textwrap
 
-from fa_sm100.benchmarking import (MIN_ROUNDS, error_text, format_interval, paired_interval,
-                                   paired_ratio, plot_mode_bars, run_cell, save_results,
-                                   time_ms)
+from fa_sm100.benchmarking import (MIN_ROUNDS, error_text, feature_bench_main, fill_ratio_row,
+                                   format_interval, plot_mode_bars, run_cell, time_ms)
 
 HEAD_DIM = 128
 # the packed causal batch (17.5k tokens), a batch of short prompts, one of long
@@ -116,15 +115,7 @@ def run(args):
         flop = 4 * HEAD_DIM * args.heads * visible_pairs(lengths, causal)
         row = {"mode": "fwd", "batch_name": name, "lengths": list(lengths), "causal": causal,
                "heads": args.heads, "hdim": HEAD_DIM, "errors": errors, "ms": {}, "tflops": {}}
-        for who, ms in times.items():
-            if ms:
-                med = sorted(ms)[len(ms) // 2]
-                row["ms"][who] = med
-                row["tflops"][who] = flop / (med * 1e-3) / 1e12
-        peers = ["fa4"] if "fa4" in times else []
-        row["ratio"] = paired_ratio(times, "ours", peers) if peers else None
-        row["interval"] = paired_interval(times, "ours", peers) if peers else None
-        row["ratio_launch"] = paired_ratio(times, "ours:launch", peers) if peers else None
+        fill_ratio_row(row, times, lambda ms: flop / (ms * 1e-3) / 1e12)
         rows.append(row)
         print(format_row(row), file=sys.stderr, flush=True)
         del q, k, v
@@ -150,21 +141,7 @@ def plot(rows, path: str, device: str):
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    import torch
-
-    if not torch.cuda.is_available():
-        print("varlen_bench: needs a CUDA GPU (SM90)", file=sys.stderr)
-        return 2
-    rows = run(args)
-    device = torch.cuda.get_device_name()
-    if args.json:
-        save_results(args.json, "scripts/varlen_bench.py",
-                     sys.argv[1:] if argv is None else argv, device, rows)
-    if args.png:
-        plot(rows, args.png, device)
-    return 1 if any("ours" in r["errors"] for r in rows) else 0
-
+    return feature_bench_main("varlen_bench", parse_args(argv), argv, run, plot)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -30,9 +30,9 @@ import argparse
 import sys
 
 
-from fa_sm100.benchmarking import (MIN_ROUNDS, error_text, format_interval,
-                                   paired_interval, paired_ratio, plot_mode_bars, run_cell,
-                                   save_results, time_ms)
+from fa_sm100.benchmarking import (MIN_ROUNDS, error_text, feature_bench_main,
+                                   fill_ratio_row, format_interval, plot_mode_bars, run_cell,
+                                   time_ms)
 
 DEFAULT_CELLS = ["4096:128", "4096:1024", "16384:512", "16384:4096", "32768:4096",
                  "8192:256", "32768:1024"]
@@ -166,15 +166,8 @@ def run(args):
                                  sync=torch.cuda.synchronize)
         row = {"mode": mode, "seqlen": seqlen, "window": [left, 0], "batch": batch,
                "heads": args.heads, "hdim": HEAD_DIM, "errors": errors, "ms": {}, "tflops": {}}
-        for name, ms in times.items():
-            if ms:
-                med = sorted(ms)[len(ms) // 2]
-                row["ms"][name] = med
-                row["tflops"][name] = tflops(mode, batch, args.heads, seqlen, left, med)
-        peers = ["fa4"] if "fa4" in times else []
-        row["ratio"] = paired_ratio(times, "ours", peers) if peers else None
-        row["interval"] = paired_interval(times, "ours", peers) if peers else None
-        row["ratio_launch"] = paired_ratio(times, "ours:launch", peers) if peers else None
+        fill_ratio_row(row, times,
+                       lambda ms: tflops(mode, batch, args.heads, seqlen, left, ms))
         rows.append(row)
         print(format_row(row), file=sys.stderr, flush=True)
         del q, k, v, dout
@@ -202,21 +195,7 @@ def plot(rows, path: str, device: str):
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    import torch
-
-    if not torch.cuda.is_available():
-        print("window_bench: needs a CUDA GPU (SM90)", file=sys.stderr)
-        return 2
-    rows = run(args)
-    device = torch.cuda.get_device_name()
-    if args.json:
-        save_results(args.json, "scripts/window_bench.py",
-                     sys.argv[1:] if argv is None else argv, device, rows)
-    if args.png:
-        plot(rows, args.png, device)
-    return 1 if any("ours" in r["errors"] for r in rows) else 0
-
+    return feature_bench_main("window_bench", parse_args(argv), argv, run, plot)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -19,7 +19,7 @@ import torch
 
 from fa_sm100 import kernel_cache
 from fa_sm100.bands import kernel_window
-from fa_sm100.call_plans import PlanTable
+from fa_sm100.call_plans import PlanTable, check_out_lse
 from fa_sm100.config import FmhaConfig, normalize_dtype, select_config
 from fa_sm100.devices import capability, sm_count
 from fa_sm100.validation import validate_attention_inputs
@@ -104,13 +104,7 @@ class Sm100FwdPlan:
 
     def __call__(self, q, k, v, out=None, lse=None):
         q, k, v = (t.contiguous() for t in (q, k, v))
-        for name, t, shape, dtype in (("out", out, self.out_shape, self.dtype),
-                                      ("lse", lse, self.lse_shape, torch.float32)):
-            if t is not None and (not isinstance(t, torch.Tensor) or t.shape != shape
-                                  or t.dtype != dtype or not t.is_contiguous()
-                                  or t.device != self.device):
-                raise ValueError(f"{name} must be a contiguous {dtype} tensor of shape {shape} "
-                                 f"on {self.device}")
+        check_out_lse(out, lse, self.out_shape, self.lse_shape, self.dtype, self.device)
         if out is None:
             out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
         if lse is None and self.return_lse:
