@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
 from fa_sm100 import softmax_math
+from fa_sm100.machines import B200_SMS
 
 # Register file of one SM (sm_90 and sm_100): 64K 32-bit registers.
 REGISTER_FILE = 64 * 1024
@@ -224,7 +225,7 @@ class FmhaConfig:
     rescale_threshold: float = 8.0  # log2 units the row max may grow before O is rescaled
     persistent: bool = True
     # machine (cross-compiling cannot ask the driver)
-    num_sms: int = 148
+    num_sms: int = B200_SMS
     debug: bool = False
 
     @property
@@ -355,7 +356,7 @@ def select_config(
     qhead_per_kvhead: int = 1,
     window_left: Optional[int] = None,
     window_right: Optional[int] = None,
-    num_sms: int = 148,
+    num_sms: int = B200_SMS,
     softcap: bool = False,
     varlen: bool = False,
     **overrides,

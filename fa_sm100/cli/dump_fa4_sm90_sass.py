@@ -42,6 +42,7 @@ import sys
 from pathlib import Path
 
 from fa_sm100.compile_tools import sass_main_loop, sass_opcode
+from fa_sm100.machines import HOPPER_SMS
 
 
 def parse_args(argv=None):
@@ -52,7 +53,8 @@ def parse_args(argv=None):
     p.add_argument("--causal", action="store_true")
     p.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     p.add_argument("--seqlen", type=int, default=8192, help="problem size FA4 is asked for")
-    p.add_argument("--num-sms", type=int, default=132, help="SM count FA4 assumes (H100/H200: 132)")
+    p.add_argument("--num-sms", type=int, default=HOPPER_SMS,
+                   help=f"SM count FA4 assumes (H100/H200: {HOPPER_SMS})")
     p.add_argument("--out", default="/tmp/fa4_sm90_sass", help="output folder (default %(default)s)")
     p.add_argument("--pythonpath", default=None,
                    help="prepended to the FA4 child's PYTHONPATH (e.g. where triton/einops are)")

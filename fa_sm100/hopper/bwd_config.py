@@ -23,6 +23,7 @@ from typing import Optional
 from fa_sm100.bands import effective_bounds
 from fa_sm100.config import DTYPES, check_register_budget, check_setmaxnreg
 from fa_sm100.hopper.config import SM90_ARCH, WARPGROUP_THREADS, WGMMA_M
+from fa_sm100.machines import HOPPER_SMS
 from layouts.smem import SMEM_BUDGET, align_up
 
 # (qk, v) head-dim pairs with a backward: those of the SM90 forward
@@ -152,7 +153,7 @@ class BwdConfig:
     # when most of the grid is done; with this on, the last ``tail_ctas`` CTAs (rounded up to
     # whole pairs) start key block 0 of each of their pairs, then key block 1, ....
     longest_first: bool = False
-    tail_ctas: int = 264  # two waves of CTAs on a 132-SM H100 / H200
+    tail_ctas: int = 2 * HOPPER_SMS  # two waves of CTAs on an H100 / H200
     # The CTAs of key blocks q c .. q c + q - 1 (q = qdo_cluster) of a (batch, head) pair run
     # as a cluster; each loads its share of every Q and dO tile and multicasts it to all (Note
     # [Q/dO multicast] in bwd_kernel.py). Without a window (causal is allowed), not

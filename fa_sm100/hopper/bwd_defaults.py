@@ -12,6 +12,7 @@ from fa_sm100.hopper.bwd_config import (TILE_M_80_HEAD_DIMS, TILE_M_128_HEAD_DIM
                                         TILE_M_DQ_TRANSPOSED, TILE_M_SWAPPED_HDIM64,
                                         TILE_N_128_MAX_HEAD_DIM, BwdConfig)
 from fa_sm100.hopper.config import WGMMA_M
+from fa_sm100.machines import HOPPER_SMS
 
 # Causal problems up to this sequence length take 64-row blocks at hdim 128 instead of 80
 # (``select_bwd_config``): 80-row blocks straddle the diagonal of 128-key blocks, which costs
@@ -58,7 +59,7 @@ DEFAULT_PRE_CTAS = 32
 # Note [persistent CTAs] (bwd_tiles.py): one CTA per SM of an H100 SXM / H200 (the interface
 # lowers it on a smaller device), taken by default up to this sequence length at these head
 # dims, where paired timing on an H200 measured it faster (select_bwd_config's docstring)
-DEFAULT_PERSISTENT_CTAS = 132
+DEFAULT_PERSISTENT_CTAS = HOPPER_SMS
 PERSISTENT_MAX_SEQLEN = 2048
 PERSISTENT_HEAD_DIMS = (64, 128)
 # Note [dynamic tiles] (bwd_tiles.py): taken by default for causal problems (no window) up to

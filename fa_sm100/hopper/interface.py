@@ -17,6 +17,7 @@ from fa_sm100.bands import kernel_window
 from fa_sm100.call_plans import PlanTable, aligned, current_stream_id
 from fa_sm100.config import normalize_dtype
 from fa_sm100.devices import sm_count
+from fa_sm100.machines import HOPPER_SMS
 from fa_sm100.hopper import probes
 from fa_sm100.hopper.config import (SM90_ARCH, SM90_HEAD_DIMS, Sm90FwdConfig,
                                     select_sm90_fwd_config)
@@ -121,7 +122,7 @@ def fake_arguments(cfg: Sm90FwdConfig, seqused_k: bool = False):
     # softmax scale, softcap, CTA count of a persistent grid (the SM count), window bounds,
     # varlen's tensors and longest query sequence, stream
     return (q, k, v, o, lse, counter, cutlass.Float32(1.0), cutlass.Float32(0.0),
-            cutlass.Int32(132), cutlass.Int32(0), cutlass.Int32(0), cu_q, cu_k, used_k,
+            cutlass.Int32(HOPPER_SMS), cutlass.Int32(0), cutlass.Int32(0), cu_q, cu_k, used_k,
             cutlass.Int32(0), make_fake_stream(use_tvm_ffi_env_stream=True))
 
 

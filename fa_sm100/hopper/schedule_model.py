@@ -36,6 +36,7 @@ from fa_sm100.hopper.bwd_defaults import select_bwd_config
 from fa_sm100.hopper.bwd_tiles import (longest_first_cluster_cta, longest_first_tail_pairs,
                                        m_block_range)
 from fa_sm100.hopper.config import Sm90FwdConfig, select_sm90_fwd_config
+from fa_sm100.machines import HOPPER_SMS
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -77,7 +78,7 @@ def makespan_dynamic(costs: list[float], num_ctas: int) -> float:
     return max(free_at)
 
 
-def imbalance(cfg: Sm90FwdConfig, batch: int, heads: int, seqlen: int, num_ctas: int = 132,
+def imbalance(cfg: Sm90FwdConfig, batch: int, heads: int, seqlen: int, num_ctas: int = HOPPER_SMS,
               tile_overhead: float = 0.0) -> dict:
     """Makespan over the ideal for both deals, for one (square) problem."""
     costs = [n + tile_overhead for n in work_tile_lengths(cfg, batch, heads, seqlen, seqlen)]
@@ -121,7 +122,7 @@ def makespan_clusters(costs: list[float], num_ctas: int, ctas: int) -> float:
     return max(free_at)
 
 
-def bwd_imbalance(cfg: BwdConfig, batch: int, heads: int, seqlen: int, num_ctas: int = 132,
+def bwd_imbalance(cfg: BwdConfig, batch: int, heads: int, seqlen: int, num_ctas: int = HOPPER_SMS,
                   tile_overhead: float = 0.0) -> float:
     """Makespan over the ideal of the backward's CTAs dealt in launch order (square problem):
     the ideal from the CTAs' own blocks, the makespan from the blocks they hold their SMs for
@@ -133,7 +134,7 @@ def bwd_imbalance(cfg: BwdConfig, batch: int, heads: int, seqlen: int, num_ctas:
 
 
 def bwd_persistent_imbalance(cfg: BwdConfig, batch: int, heads: int, seqlen: int,
-                             num_ctas: int = 132, tile_overhead: float = 0.0) -> float:
+                             num_ctas: int = HOPPER_SMS, tile_overhead: float = 0.0) -> float:
     """Makespan over the ideal of persistent backward CTAs (square problem; Note [persistent
     CTAs]): the tiles in the grid's order, CTA c walking c, c + G, ... (G = min(tiles,
     ``num_ctas``)), each tile holding its CTA for the blocks it holds its SM for (a
@@ -185,7 +186,8 @@ def main(argv=None) -> int:
     p.add_argument("--causal", choices=("yes", "no", "both"), default="yes")
     p.add_argument("--total-tokens", type=int, default=16384)
     p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--num-ctas", type=int, default=132, help="SMs (H100/H200 SXM: 132)")
+    p.add_argument("--num-ctas", type=int, default=HOPPER_SMS,
+                   help=f"SMs (H100/H200 SXM: {HOPPER_SMS})")
     p.add_argument("--tile-overhead", type=float, default=0.0,
                    help="cost of a tile's (CTA's) start and end, in KV steps (query blocks)")
     p.add_argument("--mode", choices=("fwd", "bwd"), default="fwd",

@@ -13,6 +13,8 @@ from typing import Callable
 
 import numpy as np
 
+from fa_sm100.machines import B200_SMS
+
 from .memory import EmulationError
 from .parser import Imm, Instr, Not, PtxKernel, Reg, Sink, Special, Sym, Vec
 from .values import UINT, bits_to, numpy_dtype, to_bits, type_width
@@ -234,7 +236,7 @@ def _special_reader(name: str, typ: str):
         "%total_smem_size": lambda m, w: w.cta.smem.size,
         "%aggr_smem_size": lambda m, w: w.cta.smem.size,
         "%smid": lambda m, w: w.cta.rank,
-        "%nsmid": lambda m, w: 148,
+        "%nsmid": lambda m, w: B200_SMS,
         "%gridid": lambda m, w: 0,
         "%clock": lambda m, w: w.steps,
         "%clock64": lambda m, w: w.steps,

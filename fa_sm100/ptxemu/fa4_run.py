@@ -26,7 +26,9 @@ from typing import Optional
 
 import torch
 
-FA4_NUM_SMS = 148  # B200
+from fa_sm100.machines import B200_SMS
+
+FA4_NUM_SMS = B200_SMS
 
 
 class FA4Unavailable(RuntimeError):

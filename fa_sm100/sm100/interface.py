@@ -22,6 +22,7 @@ from fa_sm100.bands import kernel_window
 from fa_sm100.call_plans import PlanTable, check_out_lse
 from fa_sm100.config import FmhaConfig, normalize_dtype, select_config
 from fa_sm100.devices import capability, sm_count
+from fa_sm100.machines import B200_SMS
 from fa_sm100.validation import validate_attention_inputs
 from fa_sm100.varlen import VarlenPlan
 
@@ -33,7 +34,7 @@ def config_for_problem(prob, device=None, config: Optional[FmhaConfig] = None,
     """The validated config for a problem: ``config`` checked against it, or the defaults."""
     dtype = normalize_dtype(prob.dtype)
     if config is None:
-        num_sms = 148  # B200: the count the defaults were chosen for, without a device
+        num_sms = B200_SMS  # the count the defaults were chosen for, without a device
         if device is not None and torch.cuda.is_available():
             num_sms = sm_count(device)
         config = select_config(
