@@ -30,6 +30,7 @@ import torch
 
 from fa_sm100.hopper import probes
 from fa_sm100.hopper.bwd_config import SM90_BWD_HEAD_DIMS
+from fa_sm100.hopper.bwd_interface import build_sm90_bwd_plan, sm90_bwd
 from fa_sm100.validation import check_softmax_scale, normalize_window, require_sm90
 
 _CONFIGS: list = []  # token -> config
@@ -128,12 +129,11 @@ def _attn_fwd_fake(q, k, v, softmax_scale, causal, window_left, window_right, so
 
 def attn_bwd_impl(dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right,
                   softcap, deterministic):
-    """(dq, dk, dv): the CPU model, or the SM90 backward."""
+    """(dq, dk, dv): the CPU model, or the SM90 backward (which checks the device: sm_90
+    only)."""
     if q.device.type == "cpu":
         return _cpu_backward(dout, q, k, v, out, lse, softmax_scale, causal, window_left,
                              window_right, softcap)
-    from fa_sm100.hopper.bwd_interface import sm90_bwd  # checks the device: sm_90 only
-
     return sm90_bwd(dout, q, k, v, out, lse, softmax_scale=softmax_scale, causal=causal,
                     window_size=(window_left, window_right), deterministic=deterministic,
                     softcap=softcap)
@@ -203,8 +203,6 @@ class PlannedCall:
         self.bwd_plan = self.dout_stride = None
 
     def backward(self, dout, q, k, v, out, lse):
-        from fa_sm100.hopper.bwd_interface import build_sm90_bwd_plan, sm90_bwd
-
         dout = dout.contiguous()
         plan = self.bwd_plan
         if plan is not None and dout.stride() == self.dout_stride and not probes.any_active():

@@ -733,3 +733,16 @@ def feature_bench_main(name: str, args, argv, run, plot) -> int:
     if args.png:
         plot(rows, args.png, device)
     return 1 if any("ours" in r["errors"] for r in rows) else 0
+
+
+def optional_fa4(bench: str, name: str):
+    """FA4's public function ``name`` (``flash_attn.cute.interface``), or None after saying on
+    stderr why it is missing: the peer is optional, the benchmark then times ours alone."""
+    import sys
+
+    try:
+        from flash_attn.cute import interface
+        return getattr(interface, name)
+    except Exception as e:  # noqa: BLE001 - any failure to import the peer is reported
+        print(f"{bench}: FA4 unavailable ({error_text(e)}); timing ours alone", file=sys.stderr)
+        return None

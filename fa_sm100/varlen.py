@@ -107,3 +107,12 @@ class VarlenPlan:
                     lse.unsqueeze(0) if lse is not None else None, cu_seqlens_q, cu_seqlens_k,
                     seqused_k)
         return (out, lse) if self.return_lse else out
+
+
+def planned_varlen_call(table, build, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, options,
+                        out=None, lse=None):
+    """A varlen forward's call: the plan of these tensors' metadata and ``options`` from
+    ``table`` (``build()`` makes it the first time), run on them."""
+    tensors = (q, k, v, cu_seqlens_q, cu_seqlens_k) + (() if seqused_k is None else (seqused_k,))
+    plan = table.plan(tensors, (*options, seqused_k is None), build)
+    return plan(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, out, lse)

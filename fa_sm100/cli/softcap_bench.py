@@ -22,7 +22,7 @@ import argparse
 import sys
 
 
-from fa_sm100.benchmarking import (MIN_ROUNDS, error_text, format_interval,
+from fa_sm100.benchmarking import (MIN_ROUNDS, format_interval, optional_fa4,
                                    paired_interval, paired_ratio, plot_mode_bars, run_cell,
                                    save_results, time_ms)
 
@@ -110,12 +110,7 @@ def providers(mode, q, k, v, dout, causal, softcap, fa4, torch, ex2_fractions=()
 def run(args):
     import torch
 
-    fa4 = None
-    if not args.no_fa4:
-        try:
-            from flash_attn.cute.interface import flash_attn_func as fa4
-        except Exception as e:  # noqa: BLE001 - the peer is optional: say why it is missing
-            print(f"softcap_bench: FA4 unavailable ({error_text(e)})", file=sys.stderr)
+    fa4 = None if args.no_fa4 else optional_fa4("softcap_bench", "flash_attn_func")
     rows = []
     jobs = [(m, c) for c in args.cells for m in args.modes]
     for i, (mode, (hdim, seqlen, causal)) in enumerate(jobs):

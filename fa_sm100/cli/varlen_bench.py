@@ -24,7 +24,7 @@ import argparse
 import sys
 import textwrap
 
-from fa_sm100.benchmarking import (MIN_ROUNDS, error_text, feature_bench_main, fill_ratio_row,
+from fa_sm100.benchmarking import (MIN_ROUNDS, feature_bench_main, fill_ratio_row, optional_fa4,
                                    format_interval, plot_mode_bars, run_cell, time_ms)
 
 HEAD_DIM = 128
@@ -80,13 +80,7 @@ def run(args):
     from fa_sm100.hopper.interface import build_sm90_varlen_plan
     from fa_sm100.interface import flash_attn_varlen_func
 
-    fa4 = None
-    if not args.no_fa4:
-        try:
-            from flash_attn.cute.interface import flash_attn_varlen_func as fa4
-        except Exception as e:  # noqa: BLE001 - the peer is optional: say why it is missing
-            print(f"varlen_bench: FA4 unavailable ({error_text(e)}); timing ours alone",
-                  file=sys.stderr)
+    fa4 = None if args.no_fa4 else optional_fa4("varlen_bench", "flash_attn_varlen_func")
     causals = {"true": [True], "false": [False], "both": [True, False]}[args.causal]
     cells = [(name, lengths, c) for name, lengths in DEFAULT_BATCHES.items() for c in causals]
     rows = []

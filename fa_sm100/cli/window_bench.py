@@ -30,7 +30,7 @@ import argparse
 import sys
 
 
-from fa_sm100.benchmarking import (MIN_ROUNDS, error_text, feature_bench_main,
+from fa_sm100.benchmarking import (MIN_ROUNDS, feature_bench_main, optional_fa4,
                                    fill_ratio_row, format_interval, plot_mode_bars, run_cell,
                                    time_ms)
 
@@ -137,13 +137,7 @@ def backward_runs(q, k, v, dout, left, fa4, torch):
 def run(args):
     import torch
 
-    fa4 = None
-    if not args.no_fa4:
-        try:
-            from flash_attn.cute.interface import flash_attn_func as fa4
-        except Exception as e:  # noqa: BLE001 - the peer is optional: say why it is missing
-            print(f"window_bench: FA4 unavailable ({error_text(e)}); timing ours alone",
-                  file=sys.stderr)
+    fa4 = None if args.no_fa4 else optional_fa4("window_bench", "flash_attn_func")
     rows = []
     total = len(args.cells) * len(args.modes)
     for i, (mode, (seqlen, left)) in enumerate(

@@ -23,7 +23,7 @@ from fa_sm100.hopper.config import (SM90_ARCH, SM90_HEAD_DIMS, Sm90FwdConfig,
                                     select_sm90_fwd_config)
 from fa_sm100.validation import (require_sm90, tma_ready, tma_strides_ok,
                                  validate_attention_inputs)
-from fa_sm100.varlen import VarlenPlan
+from fa_sm100.varlen import VarlenPlan, planned_varlen_call
 
 _tile_counters: dict = {}
 
@@ -326,8 +326,7 @@ def sm90_fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
 
     if probes.any_active():
         return build()(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, out, lse)
-    tensors = (q, k, v, cu_seqlens_q, cu_seqlens_k) + (() if seqused_k is None else (seqused_k,))
-    plan = _varlen_plans.plan(tensors, (softmax_scale, causal, window_size, softcap, return_lse,
-                                        max_seqlen_q, max_seqlen_k, seqused_k is None,
-                                        id(config)), build)
-    return plan(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, out, lse)
+    return planned_varlen_call(
+        _varlen_plans, build, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
+        (softmax_scale, causal, window_size, softcap, return_lse, max_seqlen_q, max_seqlen_k,
+         id(config)), out, lse)

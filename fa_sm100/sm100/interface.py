@@ -24,7 +24,7 @@ from fa_sm100.config import FmhaConfig, normalize_dtype, select_config
 from fa_sm100.devices import capability, sm_count
 from fa_sm100.machines import B200_SMS
 from fa_sm100.validation import validate_attention_inputs
-from fa_sm100.varlen import VarlenPlan
+from fa_sm100.varlen import VarlenPlan, planned_varlen_call
 
 _plans = PlanTable()
 
@@ -197,11 +197,11 @@ def sm100_fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                      out=None, lse=None):
     """Attention over a batch of packed sequences with the SM100 kernel (``fa_sm100.varlen``;
     the arguments and results of ``fa_sm100.hopper.interface.sm90_fwd_varlen``)."""
-    tensors = (q, k, v, cu_seqlens_q, cu_seqlens_k) + (() if seqused_k is None else (seqused_k,))
-    plan = _varlen_plans.plan(
-        tensors, (softmax_scale, causal, window_size, softcap, return_lse, max_seqlen_q,
-                  max_seqlen_k, seqused_k is None, id(config)),
+    return planned_varlen_call(
+        _varlen_plans,
         lambda: build_sm100_varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                         max_seqlen_k, seqused_k, softmax_scale, causal,
-                                        window_size, softcap, return_lse, config))
-    return plan(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, out, lse)
+                                        window_size, softcap, return_lse, config),
+        q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
+        (softmax_scale, causal, window_size, softcap, return_lse, max_seqlen_q, max_seqlen_k,
+         id(config)), out, lse)
