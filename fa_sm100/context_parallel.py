@@ -9,8 +9,9 @@ amount of work. Both functions take and return the local shard (batch, 2 x chunk
   attends its Q to the K/V it holds; the send of the next step's K/V is posted before the
   local step, so the transfer overlaps the computation. Each step's partial output is merged
   into the running one by its LSE in float32 (``merge``). The backward sends K/V round again,
-  each block with its dK/dV accumulators, which come home after the last step; dQ stays
-  local. GQA: K/V travel at their own head count.
+  and each block's float32 dK/dV accumulators follow it one step behind (a rank computes
+  its share into fresh buffers while the running sums arrive, then adds them and sends them
+  on); after the last step they reach the block's home. dQ stays local. GQA: K/V travel at their own head count.
 - ``ulysses_attention`` (head-parallel): an all-to-all turns the sequence shards into head
   shards (all tokens, H / W heads per rank), one local attention runs, an all-to-all turns the
   result back. Needs the query and key/value head counts divisible by W.
@@ -160,34 +161,43 @@ def _ring_backward(dout, q, k, v, out, lse, group, causal, scale, steps: Steps):
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     half = q.shape[1] // 2
     dq = torch.zeros_like(q, dtype=torch.float32)
-    # the travelling block: K, V and their gradient accumulators (float32)
-    block = (k, v, torch.zeros_like(k, dtype=torch.float32),
-             torch.zeros_like(v, dtype=torch.float32))
+    kv = (k, v)
+    acc, acc_reqs = None, None  # the visiting block's dK/dV accumulators, on their way here
     for step in range(world):
         src = (rank - step) % world
-        kb, vb, dkb, dvb = block
+        kv_reqs = None
+        if step + 1 < world:  # the next block's K/V travel while this step computes
+            nxt_kv, kv_reqs = _send_recv(kv, group, rank, world)
+        # this step's share of the block's dK/dV, in fresh buffers: the accumulators it adds
+        # to (from the previous rank) arrive while it computes
+        dkb = torch.zeros_like(k, dtype=torch.float32)
+        dvb = torch.zeros_like(v, dtype=torch.float32)
         for qi, ki, diag in _pairs(rank, src, world, causal):
             qs = slice(qi * half, (qi + 1) * half)
             ks = slice(ki * half, (ki + 1) * half)
             g = steps.backward(dout[:, qs].contiguous(), q[:, qs].contiguous(),
-                               kb[:, ks].contiguous(), vb[:, ks].contiguous(),
+                               kv[0][:, ks].contiguous(), kv[1][:, ks].contiguous(),
                                out[:, qs].contiguous(), lse[:, :, qs].contiguous(), diag, scale)
             dq[:, qs] += g[0].float()
             dkb[:, ks] += g[1].float()
             dvb[:, ks] += g[2].float()
+        if acc_reqs is not None:
+            for req in acc_reqs:
+                req.wait()
+            dkb += acc[0]
+            dvb += acc[1]
         if world == 1:
-            dk, dv = dkb, dvb
-            break
-        # pass the block on; after the last step its accumulators go home (to rank src)
-        last = step + 1 == world
-        sent, reqs = _send_recv((dkb, dvb) if last else (kb, vb, dkb, dvb), group, rank, world)
-        for req in reqs:
-            req.wait()
-        if last:
-            dk, dv = sent
-        else:
-            block = tuple(sent)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+            return dq.to(q.dtype), dkb.to(k.dtype), dvb.to(v.dtype)
+        # the block's accumulators go on to the next rank, which adds its share while they
+        # travel; after the last step that rank is the block's home (src = rank + 1)
+        acc, acc_reqs = _send_recv((dkb, dvb), group, rank, world)
+        if kv_reqs is not None:
+            for req in kv_reqs:
+                req.wait()
+            kv = tuple(nxt_kv)
+    for req in acc_reqs:
+        req.wait()
+    return dq.to(q.dtype), acc[0].to(k.dtype), acc[1].to(v.dtype)
 
 
 class _RingAttention(torch.autograd.Function):

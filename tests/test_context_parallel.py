@@ -142,3 +142,88 @@ def test_the_ring_with_our_kernels_on_one_gpu(sm90_device, world, causal):
     check_against_reference(out[:, rows], ref, plain, atol=1e-3, what="O (ring)")
     check_against_reference(one[:, rows], ref, plain, atol=1e-3, what="O (one call)")
     assert torch.allclose(lse, one_lse, atol=1e-3)
+
+
+# ----------------------------------------------------------------------------- two GPUs
+
+def _gpu_worker(rank, world, port, case, results):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world,
+                            device_id=torch.device("cuda", rank))
+    try:
+        causal, variant, full = case[0], case[1], torch.load(case[2])
+        q, k, v, dout = (cp.shard(t, rank, world).cuda() for t in full)
+        q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+        fn = cp.ring_attention if variant == "ring" else cp.ulysses_attention
+        out = fn(q, k, v, causal=causal)
+        out.backward(dout)
+        results[rank] = [t.detach().cpu() for t in (out, q.grad, k.grad, v.grad)]
+    finally:
+        dist.destroy_process_group()
+
+
+def _two_gpus():
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("multi-GPU test: fewer than two CUDA devices on this machine")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["ring", "ulysses"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_parallel_attention_on_two_gpus_with_our_kernels(sm90_device, tmp_path, variant, causal):
+    """Two NCCL ranks, one per GPU, with our kernels as the local steps (GQA 8 query heads on
+    2 K/V heads, 4k tokens): output and gradients against float64 under the project's rule,
+    and against one GPU's single call of ours."""
+    from fa_sm100 import flash_attn_func
+    from fa_sm100.testing import grad_atol
+
+    _two_gpus()
+    world, b, s, h, hk, d = 2, 1, 4096, 8, 2, 128
+    g = torch.Generator().manual_seed(7)
+    full = [torch.randn(b, s, n, d, generator=g).to(torch.bfloat16) for n in (h, hk, hk, h)]
+    path = tmp_path / "inputs.pt"
+    torch.save(full, path)
+    results = mp.Manager().dict()
+    mp.spawn(_gpu_worker, args=(world, _free_port(), (causal, variant, str(path)), results),
+             nprocs=world, join=True)
+    got = [cp.unshard([results[r][i] for r in range(world)]).cuda() for i in range(4)]
+    q, k, v, dout = (t.cuda() for t in full)
+    ref_out, _, ref_grads = attention_reference_grads(q, k, v, dout, causal=causal)
+    plain_out, _, plain_grads = attention_reference_grads(q, k, v, dout, causal=causal,
+                                                          dtype=torch.bfloat16, upcast=False)
+    check_against_reference(got[0], ref_out, plain_out, atol=1e-3, what="O")
+    for name, gr, ref, plain in zip(("dq", "dk", "dv"), got[1:], ref_grads, plain_grads):
+        check_against_reference(gr, ref, plain, atol=grad_atol(ref), what=name)
+    # one call of ours on one GPU: the same rule, so the parallel path loses nothing
+    qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
+    one = flash_attn_func(qs, ks, vs, causal=causal)
+    one.backward(dout)
+    check_against_reference(one, ref_out, plain_out, atol=1e-3, what="O (one GPU)")
+    for name, gr, ref, plain in zip(("dq", "dk", "dv"), (qs.grad, ks.grad, vs.grad), ref_grads,
+                                    plain_grads):
+        check_against_reference(gr, ref, plain, atol=grad_atol(ref), what=f"{name} (one GPU)")
+
+
+def test_the_scaling_benchmark_reports_throughput_and_hidden_transfers(tmp_path):
+    """cp_bench's summary of one row: tokens per second per GPU divide by the GPUs (not for the
+    one-GPU call), causal FLOPs count half the pairs, exposed communication is the ring's time
+    over its local steps alone; the figure is written."""
+    from fa_sm100.cli import cp_bench
+
+    ms = {"ring fwd": 12.0, "ring fwd+bwd": 40.0, "compute fwd": 10.0, "compute fwd+bwd": 39.0,
+          "comm fwd": 1.0, "comm fwd+bwd": 5.0, "one GPU fwd": 20.0, "one GPU fwd+bwd": 70.0}
+    causal = cp_bench.summarize({"tokens": 65536, "gpus": 2, "ms": dict(ms)}, 8, True)
+    full = cp_bench.summarize({"tokens": 65536, "gpus": 2, "ms": dict(ms)}, 8, False)
+    tps = causal["tokens_per_s_per_gpu"]
+    assert tps["ring fwd"] == pytest.approx(65536 / 0.012 / 2)
+    assert tps["one GPU fwd"] == pytest.approx(65536 / 0.020)
+    assert "comm fwd" not in tps and "compute fwd" not in tps
+    assert full["tflops_per_gpu"]["ring fwd"] == pytest.approx(2 * causal["tflops_per_gpu"]["ring fwd"])
+    # a training step does 3.5x a forward's FLOPs
+    assert causal["tflops_per_gpu"]["compute fwd+bwd"] * 39.0 == pytest.approx(
+        3.5 * causal["tflops_per_gpu"]["compute fwd"] * 10.0)
+    assert causal["exposed_comm_ms"] == {"fwd": pytest.approx(2.0), "fwd+bwd": pytest.approx(1.0)}
+    pytest.importorskip("matplotlib")
+    cp_bench.plot([causal, full], str(tmp_path / "cp.png"), "test")
+    assert (tmp_path / "cp.png").stat().st_size > 0
