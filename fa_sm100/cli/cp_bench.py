@@ -51,6 +51,8 @@ def parse_args(argv=None):
                    help="longest sequence also timed as one call on one GPU")
     p.add_argument("--json")
     p.add_argument("--png")
+    p.add_argument("--replot", metavar="JSON",
+                   help="only draw --png from a results file (no GPU needed)")
     return p.parse_args(argv)
 
 
@@ -227,6 +229,9 @@ def summarize(row: dict, heads: int, causal: bool) -> dict:
 
 
 def plot(rows, path: str, title: str) -> None:
+    """TFLOP/s per GPU of the ring, the all-to-all and one GPU (left axis; flat where the
+    parallel path loses nothing), and the ring's transfers alone over its local steps alone
+    (right axis), forward and forward + backward."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -234,29 +239,43 @@ def plot(rows, path: str, title: str) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for ax, mode in zip(axes, ("fwd", "fwd+bwd")):
         for name, style in (("ring", "o-"), ("ulysses", "s-"), ("one GPU", "k^--")):
-            pts = [(r["tokens"], r["tokens_per_s_per_gpu"][f"{name} {mode}"]) for r in rows
-                   if f"{name} {mode}" in r["tokens_per_s_per_gpu"]]
+            pts = [(r["tokens"], r["tflops_per_gpu"][f"{name} {mode}"]) for r in rows
+                   if f"{name} {mode}" in r["tflops_per_gpu"]]
             if pts:
                 ax.plot(*zip(*pts), style, label=name)
-        ring = [(r["tokens"], r["ms"][f"comm {mode}"] / r["ms"][f"compute {mode}"])
-                for r in rows if f"comm {mode}" in r["ms"]]
+        ratio = [(r["tokens"], r["ms"][f"comm {mode}"] / r["ms"][f"compute {mode}"])
+                 for r in rows if f"comm {mode}" in r["ms"]]
         ax2 = ax.twinx()
-        ax2.plot(*zip(*ring), "r:", label="comm / compute (right)")
-        ax2.set_ylabel("ring transfers alone / local steps alone", color="r")
+        ax2.plot(*zip(*ratio), "r:", label="transfers alone / local steps alone (right)")
+        ax2.set_ylabel("ring transfers / local steps", color="r")
+        ax2.set_ylim(bottom=0)
         ax.set_xscale("log", base=2)
+        ax.set_ylim(bottom=0)
         ax.set_xlabel("tokens (whole sequence)")
-        ax.set_ylabel("tokens / s / GPU")
+        ax.set_ylabel("TFLOP/s per GPU")
         ax.set_title(f"{mode}, {rows[0]['gpus']} GPUs")
         ax.legend(loc="lower left", fontsize=8)
-        ax2.legend(loc="upper right", fontsize=8)
+        ax2.legend(loc="lower right", fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
+def title_of(results: dict) -> str:
+    return (f"context parallelism on {results['device']}, {results['heads']} heads on "
+            f"{results['kv_heads']} K/V, hdim {results['head_dim']}, "
+            f"{'causal' if results['causal'] else 'non-causal'}, bf16")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.replot:
+        with open(args.replot) as f:
+            results = json.load(f)
+        plot(results["rows"], args.png or args.replot.replace(".json", ".png"),
+             title_of(results))
+        return 0
     import torch
     import torch.multiprocessing as mp
 
@@ -282,13 +301,13 @@ def main(argv=None) -> int:
             f"{n} {v / 1e3:.1f}k tok/s/GPU" for n, v in tps.items())
             + "  exposed comm " + ", ".join(f"{m} {v:.2f} ms"
                                             for m, v in r["exposed_comm_ms"].items()))
+    results = {"command": "python scripts/cp_bench.py "
+               + " ".join(sys.argv[1:] if argv is None else argv),
+               "device": device, "heads": args.heads, "kv_heads": args.kv_heads,
+               "head_dim": HEAD_DIM, "causal": causal, "rows": rows}
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"command": "python scripts/cp_bench.py "
-                       + " ".join(sys.argv[1:] if argv is None else argv),
-                       "device": device, "heads": args.heads, "kv_heads": args.kv_heads,
-                       "head_dim": HEAD_DIM, "causal": causal, "rows": rows}, f, indent=1)
+            json.dump(results, f, indent=1)
     if args.png:
-        plot(rows, args.png, f"context parallelism on {device}, {args.heads} heads, hdim "
-                             f"{HEAD_DIM}, {'causal' if causal else 'non-causal'}, bf16")
+        plot(rows, args.png, title_of(results))
     return 0
