@@ -269,3 +269,147 @@ def flash_attn_autograd(q, k, v, softmax_scale=None, causal=False, return_lse=Fa
                                        float(softcap), _config_token(config),
                                        bool(deterministic))
     return (out, lse) if return_lse else out
+
+
+# ----------------------------------------------------------------------------- varlen
+
+def _cpu_varlen(step, cu_seqlens_q, cu_seqlens_k, seqused_k, *packed):
+    """Run ``step(i, rows, keys)`` for each sequence i of a packed batch on the CPU model
+    (rows / keys: its slices of the query and key axes; keys: the used ones)."""
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    used = None if seqused_k is None else seqused_k.tolist()
+    for i in range(len(cq) - 1):
+        keys = ck[i + 1] - ck[i] if used is None else used[i]
+        step(i, slice(cq[i], cq[i + 1]), slice(ck[i], ck[i] + keys))
+
+
+def varlen_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
+                    softmax_scale, causal, window_left, window_right, softcap, config_token):
+    """(out (total_q, h, dv), lse (h, total_q)) of a packed batch: the CPU model per sequence,
+    or the device's varlen kernel."""
+    if q.device.type == "cpu":
+        out = q.new_zeros((q.shape[0], q.shape[1], v.shape[-1]))
+        lse = torch.full((q.shape[1], q.shape[0]), -math.inf, dtype=torch.float32)
+
+        def step(i, rows, keys):
+            if rows.stop > rows.start and keys.stop > keys.start:
+                o, l = _cpu_forward(q[None, rows], k[None, keys], v[None, keys], softmax_scale,
+                                    causal, window_left, window_right, softcap)
+                out[rows], lse[:, rows] = o[0], l[0]
+
+        _cpu_varlen(step, cu_seqlens_q, cu_seqlens_k, seqused_k)
+        return out, lse
+    from fa_sm100.interface import _varlen_forward_for
+
+    config = _CONFIGS[config_token] if config_token >= 0 else None
+    return _varlen_forward_for(q)(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                  max_seqlen_k, seqused_k, softmax_scale, causal,
+                                  (window_left, window_right), softcap, True, config)
+
+
+@torch.library.custom_op("fa_sm100::varlen_fwd", mutates_args=())
+def varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+               cu_seqlens_k: torch.Tensor, seqused_k: Optional[torch.Tensor], max_seqlen_q: int,
+               max_seqlen_k: int, softmax_scale: float, causal: bool,
+               window_left: Optional[int], window_right: Optional[int], softcap: float,
+               config_token: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return varlen_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
+                           max_seqlen_k, softmax_scale, causal, window_left, window_right,
+                           softcap, config_token)
+
+
+@varlen_fwd.register_fake
+def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
+                     max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
+                     config_token):
+    return (q.new_empty((q.shape[0], q.shape[1], v.shape[-1])),
+            q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32))
+
+
+def varlen_bwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                    max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right,
+                    softcap):
+    """(dq, dk, dv) of a packed batch: the CPU model per sequence, or ``sm90_bwd_varlen``
+    (which checks the device: sm_90 only)."""
+    if q.device.type == "cpu":
+        dq, dk, dv = (torch.zeros_like(t) for t in (q, k, v))
+
+        def step(i, rows, keys):
+            if rows.stop > rows.start and keys.stop > keys.start:
+                g = _cpu_backward(dout[None, rows], q[None, rows], k[None, keys],
+                                  v[None, keys], out[None, rows], lse[None, :, rows],
+                                  softmax_scale, causal, window_left, window_right, softcap)
+                dq[rows], dk[keys], dv[keys] = g[0][0], g[1][0], g[2][0]
+
+        _cpu_varlen(step, cu_seqlens_q, cu_seqlens_k, seqused_k)
+        return dq, dk, dv
+    from fa_sm100.hopper.bwd_interface import sm90_bwd_varlen
+
+    return sm90_bwd_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                           max_seqlen_k, seqused_k, softmax_scale, causal,
+                           (window_left, window_right), softcap)
+
+
+@torch.library.custom_op("fa_sm100::varlen_bwd", mutates_args=())
+def varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               out: torch.Tensor, lse: torch.Tensor, cu_seqlens_q: torch.Tensor,
+               cu_seqlens_k: torch.Tensor, seqused_k: Optional[torch.Tensor], max_seqlen_q: int,
+               max_seqlen_k: int, softmax_scale: float, causal: bool,
+               window_left: Optional[int], window_right: Optional[int],
+               softcap: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return varlen_bwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                           max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
+                           window_right, softcap)
+
+
+@varlen_bwd.register_fake
+def _varlen_bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                     max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
+                     window_right, softcap):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+class VarlenAttnFunction(torch.autograd.Function):
+    """``flash_attn_varlen_func`` with gradients: out, lse of the packed batch; the backward
+    gives dq, dk, dv (lse is not differentiable). Eager calls run the implementations, graphs
+    record the two ops (as ``FlashAttnFunction``)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
+                softmax_scale, causal, window_left, window_right, softcap, config_token):
+        op = torch.ops.fa_sm100.varlen_fwd if torch.compiler.is_compiling() else varlen_fwd_impl
+        out, lse = op(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
+                      max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
+                      config_token)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k)
+        ctx.options = (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
+                       window_right, softcap)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        op = torch.ops.fa_sm100.varlen_bwd if torch.compiler.is_compiling() else varlen_bwd_impl
+        q, k, v, out, lse, cu_q, cu_k, seqused_k = ctx.saved_tensors
+        dq, dk, dv = op(dout.contiguous(), q, k, v, out, lse, cu_q, cu_k, seqused_k,
+                        *ctx.options)
+        return (dq, dk, dv) + (None,) * 11
+
+
+def flash_attn_varlen_autograd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                               seqused_k=None, softmax_scale=None, causal=False,
+                               window_size=(None, None), softcap=0.0, config=None):
+    """``flash_attn_varlen_func`` with gradients: (out, lse). The inputs are validated here
+    (the forward's varlen checks with the backward's head dims), before anything runs."""
+    from fa_sm100.validation import validate_varlen_inputs
+
+    on_cpu = all(isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in (q, k, v))
+    problem = validate_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                     max_seqlen_k, seqused_k, softmax_scale, causal, window_size,
+                                     softcap, require_cuda=not on_cpu)
+    check_backward_supported(q, k, v)
+    left, right = problem.window
+    return VarlenAttnFunction.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                                    max_seqlen_q, max_seqlen_k, problem.softmax_scale,
+                                    problem.causal, left, right, float(problem.softcap),
+                                    _config_token(config))

@@ -587,19 +587,22 @@ def plot_grid(rows, providers, path: str, title: str):
 
 
 class RatioPoint(NamedTuple):
-    """Ours over the best peer in one cell of a grid: the paired ratio and its interval."""
+    """Ours over the best peer in one cell of a grid: the paired ratio and its interval;
+    ``cell``, the cell's label where the grid names its cells (``--grid models``)."""
     hdim: int
     causal: bool
     seqlen: int
     ratio: float
     interval: Optional[tuple]
+    cell: Optional[str] = None
 
 
 def ratio_points(rows) -> list:
     """The ``RatioPoint`` of every cell of a grid's rows that has a paired ratio: the
     forward's rows (one per provider; ``provider`` "ours", keys ``hdim`` / ``ratio_paired``)
     or the backward's (one per cell; ``head_dim``). The interval is ``ratio_paired_ci``, None
-    where a row has none (older grids)."""
+    where a row has none (older grids); ``cell`` the row's ``cell``, where it has one. Sorted
+    by head dim, causality and seqlen; a grid of named cells keeps its own order."""
     points = []
     for r in rows:
         if r.get("provider", "ours") != "ours" or not r.get("ratio_paired"):
@@ -607,7 +610,9 @@ def ratio_points(rows) -> list:
         interval = r.get("ratio_paired_ci")
         points.append(RatioPoint(r.get("hdim", r.get("head_dim")), bool(r["causal"]),
                                  r["seqlen"], r["ratio_paired"],
-                                 tuple(interval) if interval else None))
+                                 tuple(interval) if interval else None, r.get("cell")))
+    if any(p.cell for p in points):
+        return points
     return sorted(points, key=lambda p: (p.hdim, p.causal, p.seqlen))
 
 
@@ -615,21 +620,30 @@ def plot_ratio_intervals(runs: dict, path: str, title: str):
     """Ours over the best peer, paired, with each cell's 95% interval as an error bar, over
     seqlen (log 2): one panel per head dim, one colour per causality, one marker per run
     (``runs``: {label: [RatioPoint, ...]}, several runs side by side so that run-to-run shifts
-    show next to the intervals of single runs), and the line at 1.00. Needs matplotlib."""
+    show next to the intervals of single runs), and the line at 1.00. Grids that name their
+    cells (``RatioPoint.cell``, ``--grid models``) get one panel, one slot per cell in the
+    order first seen. Needs matplotlib."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    hdims = sorted({p.hdim for pts in runs.values() for p in pts})
+    cells = list(dict.fromkeys(p.cell for pts in runs.values() for p in pts if p.cell))
+    hdims = [None] if cells else sorted({p.hdim for pts in runs.values() for p in pts})
     if not hdims:
         raise ValueError("no cell with a paired ratio to plot")
-    fig, axes = plt.subplots(1, len(hdims), figsize=(5.5 * len(hdims), 4.5), squeeze=False)
+    width = max(7.0, 1.2 * len(cells)) if cells else 5.5 * len(hdims)
+    fig, axes = plt.subplots(1, len(hdims), figsize=(width, 4.5), squeeze=False)
     markers = "osD^vP*X"
     for ax, d in zip(axes.flat, hdims):
         ax.axhline(1.0, color="black", linewidth=0.8)
         slots = 2 * len(runs)
         for i, (label, pts) in enumerate(runs.items()):
+            if cells:  # the runs side by side within a cell's slot
+                shift = 0.6 * ((i + 0.5) / len(runs) - 0.5)
+                _ratio_bars(ax, [cells.index(p.cell) + shift for p in pts], pts,
+                            fmt=markers[i % len(markers)], label=label)
+                continue
             for causal, color in ((False, "tab:blue"), (True, "tab:red")):
                 sel = [p for p in pts if p.hdim == d and p.causal == causal]
                 if not sel:
@@ -637,16 +651,15 @@ def plot_ratio_intervals(runs: dict, path: str, title: str):
                 # runs and causalities side by side within a cell: a small factor along the
                 # log axis
                 shift = 2 ** (0.05 * (2 * i + causal - (slots - 1) / 2))
-                xs = [p.seqlen * shift for p in sel]
-                ys = [p.ratio for p in sel]
-                lo = [p.ratio - p.interval[0] if p.interval else 0.0 for p in sel]
-                hi = [p.interval[1] - p.ratio if p.interval else 0.0 for p in sel]
-                ax.errorbar(xs, ys, yerr=[lo, hi], fmt=markers[i % len(markers)], color=color,
-                            capsize=3, markersize=5,
+                _ratio_bars(ax, [p.seqlen * shift for p in sel], sel,
+                            fmt=markers[i % len(markers)], color=color,
                             label=f"{'causal' if causal else 'non-causal'}, {label}")
-        ax.set_xscale("log", base=2)
-        ax.set_title(f"hdim {d}")
-        ax.set_xlabel("seqlen")
+        if cells:
+            ax.set_xticks(range(len(cells)), cells, rotation=30, ha="right", fontsize=8)
+        else:
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"hdim {d}")
+            ax.set_xlabel("seqlen")
         ax.set_ylabel("ours / best peer (paired, 95% interval)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
@@ -654,6 +667,14 @@ def plot_ratio_intervals(runs: dict, path: str, title: str):
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _ratio_bars(ax, xs, points, **style):
+    """``points`` (``RatioPoint``s) at ``xs``: each ratio with its interval as an error bar
+    (none where it has no interval)."""
+    lo = [p.ratio - p.interval[0] if p.interval else 0.0 for p in points]
+    hi = [p.interval[1] - p.ratio if p.interval else 0.0 for p in points]
+    ax.errorbar(xs, [p.ratio for p in points], yerr=[lo, hi], capsize=3, markersize=5, **style)
 
 
 def plot_mode_bars(rows, providers, path: str, title: str, label, panel_title,

@@ -173,8 +173,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     head_dim_v), or ``(out, lse)`` with ``return_lse`` (lse (heads, total_q) float32, natural
     log) or ``(out, lse, None)`` with ``return_attn_probs``.
 
-    The forward on sm_90 (Hopper) and sm_100 (the SM100 kernel, held by its CPU layers);
-    gradients raise ValueError (no varlen backward yet).
+    The forward on sm_90 (Hopper) and sm_100 (the SM100 kernel, held by its CPU layers).
+    Gradients (autograd, ``torch.compile``) on sm_90: the varlen backward
+    (``sm90_bwd_varlen``); CPU tensors with gradients run the PyTorch model of the same
+    arithmetic.
     """
     _check_flash_attn_options(dropout_p, alibi_slopes, deterministic, return_lse,
                               return_attn_probs)
@@ -184,8 +186,14 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     except AttributeError:  # not tensors: the checks name the argument
         grad, forward = False, None
     if grad:
-        raise ValueError("flash_attn_varlen_func has no backward yet: call it without gradients "
-                         "(torch.no_grad(), or inputs that do not require grad)")
+        from fa_sm100.autograd import flash_attn_varlen_autograd
+
+        out, lse = flash_attn_varlen_autograd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                              max_seqlen_k, seqused_k, softmax_scale, causal,
+                                              window_size, softcap, config)
+        if return_attn_probs:
+            return out, lse, None
+        return (out, lse) if return_lse else out
     if forward is None:
         forward = _varlen_forward_for(q)
 

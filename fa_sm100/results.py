@@ -86,7 +86,8 @@ CLAIMS = {
     "window": lambda: feature_grid("docs/data/window/window_h200.json",
                                    "causal + left window, hdim 128, over FA4"),
     "varlen": lambda: feature_grid("docs/data/varlen/varlen_h200.json",
-                                   "packed batches, hdim 128, over FA4's varlen forward"),
+                                   "packed batches, hdim 128, over FA4's varlen forward and "
+                                   "backward"),
     "softcap": softcap,
     "overhead": overhead,
 }

@@ -141,6 +141,26 @@ def attention_reference_grads(q, k, v, dout, causal=False, window=(None, None),
     return out.detach(), lse.detach(), (qs.grad, ks.grad, vs.grad)
 
 
+def check_training_step(attention, q, k, v, dout, causal=False, window=(None, None),
+                        softcap=0.0, what=""):
+    """One training step's numerics: ``attention(q, k, v)`` on leaf copies, then
+    ``backward(dout)``; O and (dq, dk, dv) against float64 autograd of ``attention_reference``
+    (``causal``, ``window`` as (left, right) with None unbounded, ``softcap``) under the rule
+    (``check_against_reference``; gradients with ``grad_atol``), the plain baseline being the
+    same step in the input precision. Returns O."""
+    qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out = attention(qg, kg, vg)
+    out.backward(dout)
+    ref_out, _, ref = attention_reference_grads(q, k, v, dout, causal, window, softcap=softcap)
+    plain_out, _, plain = attention_reference_grads(q, k, v, dout, causal, window, q.dtype,
+                                                    upcast=False, softcap=softcap)
+    check_against_reference(out.detach(), ref_out, plain_out, atol=1e-3, what=f"O {what}")
+    for name, x, r, p in zip(("dq", "dk", "dv"), (qg.grad, kg.grad, vg.grad), ref, plain):
+        assert x is not None and x.shape == r.shape, f"{name} {what}: missing or misshaped"
+        check_against_reference(x, r, p, atol=grad_atol(r), what=f"{name} {what}")
+    return out
+
+
 def relative_error(x, ref) -> float:
     """max |x - ref| / max(|ref|, tiny) over the tensor, in float64."""
     x, ref = x.to(torch.float64), ref.to(torch.float64)

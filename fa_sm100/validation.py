@@ -187,7 +187,7 @@ class VarlenProblem:
 def validate_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            seqused_k=None, softmax_scale=None, causal=False,
                            window_size=(None, None), softcap=0.0,
-                           head_dims=ALL_HEAD_DIMS) -> VarlenProblem:
+                           head_dims=ALL_HEAD_DIMS, require_cuda=True) -> VarlenProblem:
     """Check packed q (total_q, h, d), k / v (total_k, h_kv, d / dv), the int32 offsets
     ``cu_seqlens_q`` / ``cu_seqlens_k`` (batch + 1,), ``seqused_k`` (batch,) or None, the
     longest lengths and the options; raise ValueError naming the first problem. What lies in
@@ -231,7 +231,7 @@ def validate_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if q.shape[0] == 0 or k.shape[0] == 0:  # empty packs are legal; check the rest on one row
         one = [t.new_empty((1, 1, *t.shape[1:])) for t in (q, k, v)]
     p = validate_attention_inputs(*one, softmax_scale, causal, window_size, head_dims,
-                                  softcap=softcap)
+                                  require_cuda=require_cuda, softcap=softcap)
     return VarlenProblem(batch, q.shape[0], k.shape[0], p.heads, p.heads_kv, p.head_dim,
                          p.head_dim_v, p.dtype, max_seqlen_q, max_seqlen_k, p.softmax_scale,
                          p.causal, p.window, p.softcap)

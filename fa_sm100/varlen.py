@@ -45,6 +45,27 @@ def ragged_tile_rows(m_view, seqlen, offset):
     return cute.domain_offset((RAGGED_ROWS - seqlen, 0), m_view[None, None, offset + seqlen])
 
 
+def sequence_rows(cu_seqlens, seq_used, seq, *tensors):
+    """Sequence ``seq`` of a packed batch, inside a kernel that indexes its tensors by
+    (batch, row) as a padded batch would (Note [Varlen backward] in
+    fa_sm100/hopper/bwd_kernel.py). ``tensors``: (tensor, row mode, batch mode), the packed
+    tensor's batch mode of extent 1; each comes back seen so that batch index ``seq`` and row r
+    address the sequence's row r. Then the sequence's length (``seq_used[seq]`` where given).
+    Traced inline."""
+    import cutlass.cute as cute
+
+    first = cu_seqlens[seq]
+    length = cu_seqlens[seq + 1] - first
+    if seq_used is not None:
+        length = seq_used[seq]
+    views = []
+    for t, row_mode, batch_mode in tensors:
+        offset = [0] * len(t.shape)
+        offset[batch_mode], offset[row_mode] = -seq, first
+        views.append(cute.domain_offset(tuple(offset), t))
+    return (*views, length)
+
+
 class VarlenPlan:
     """What a varlen forward decided for one (metadata, options) pair (``fa_sm100.call_plans``):
     the config, its kernel, the window's launch bounds and the output shapes. Calling it checks

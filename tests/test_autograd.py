@@ -2,13 +2,13 @@
 
 CPU (everywhere): the custom ops pass ``torch.library.opcheck`` (schema, fake tensors,
 autograd registration); ``FlashAttnFunction`` on CPU tensors (a PyTorch model of the
-kernel's arithmetic: float32 sums, P and dS rounded to the input dtype) gives gradients within
-the STYLE.md rule of float64 autograd for MHA/GQA, causal and windowed problems; an
+kernel's arithmetic: float32 sums, P and dS rounded to the input dtype) gives O and gradients
+within the STYLE.md rule of float64 autograd for MHA/GQA, causal and windowed problems; an
 unsupported backward head dim, or a GPU without a backward kernel (an SM100 one, faked),
 raises ValueError before the forward; equal configs share one op token;
 ``torch.compile(fullgraph=True)`` of forward + backward (aot_eager backend) runs without a
 graph break and matches eager bitwise.
-GPU (sm_90): ``flash_attn_func(...).backward()`` against float64 autograd, and the same
+GPU (sm_90): ``flash_attn_func(...).backward()`` (O and gradients) against float64 autograd, and the same
 training step under ``torch.compile(fullgraph=True)`` (inductor): its gradients are within the
 STYLE.md rule of float64 autograd, and close to eager's.
 """
@@ -18,7 +18,7 @@ import torch
 
 from fa_sm100.autograd import flash_attn_autograd
 from fa_sm100.testing import (attention_reference, attention_reference_grads,
-                              check_against_reference, grad_atol)
+                              check_against_reference, check_training_step, grad_atol)
 
 
 def _inputs(b, sq, sk, hq, hk, d, dtype, device="cpu", seed=0, dv=None):
@@ -32,16 +32,7 @@ def _check_grads(fn, b, sq, sk, hq, hk, d, causal, window, dtype, device, dv=Non
     q, k, v, dout = _inputs(b, sq, sk, hq, hk, d, dtype, device, dv=dv)
     if softcap:
         q = q * 4  # scores of a few softcaps: the cap bends them
-    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
-    out = fn(qg, kg, vg)
-    out.backward(dout)
-    ref_out, _, ref = attention_reference_grads(q, k, v, dout, causal, window, softcap=softcap)
-    _, _, plain = attention_reference_grads(q, k, v, dout, causal, window, dtype, upcast=False,
-                                            softcap=softcap)
-    for name, x, r, p in zip(("dq", "dk", "dv"), (qg.grad, kg.grad, vg.grad), ref, plain):
-        assert x is not None and x.shape == r.shape, f"{name} missing or misshaped"
-        check_against_reference(x, r, p, atol=grad_atol(r), what=name)
-    return out
+    return check_training_step(fn, q, k, v, dout, causal, window, softcap)
 
 
 CPU_CASES = [  # (b, sq, sk, hq, hk, d, causal, window, dv, softcap)
@@ -147,6 +138,92 @@ def test_torch_compile_fullgraph_cpu_matches_eager():
     want = _train_step(attn, q, k, v, dout)
     for g, w in zip(got, want):
         assert torch.equal(g, w)
+
+
+# ---- varlen: the CPU model per sequence, the ops, the compiled graph ------------------------
+
+def _packed_batch(lens_q, lens_k, hq, hk, d, dtype=torch.bfloat16, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    cu = lambda lens: torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(),  # noqa: E731
+                                   dtype=torch.int32)
+    q = torch.randn(sum(lens_q), hq, d, generator=g).to(dtype)
+    k, v = (torch.randn(sum(lens_k), hk, d, generator=g).to(dtype) for _ in range(2))
+    dout = torch.randn(sum(lens_q), hq, d, generator=g).to(dtype)
+    return q, k, v, dout, cu(lens_q), cu(lens_k)
+
+
+@pytest.mark.parametrize("causal,window,softcap", [(False, (None, None), 0.0),
+                                                   (True, (None, None), 0.0),
+                                                   (False, (6, 2), 0.0), (True, (None, None), 3.0)])
+def test_varlen_gradients_are_each_sequences_own(causal, window, softcap):
+    """``flash_attn_varlen_func`` with gradients on CPU tensors (the model of the kernels'
+    arithmetic, per sequence): each sequence's dq, dk, dv meet the float64 rule against that
+    sequence alone, a sequence without queries or keys gets zero gradients, and keys past
+    ``seqused_k`` get none."""
+    from fa_sm100 import flash_attn_varlen_func
+
+    lens_q, lens_k, used = [5, 0, 17, 33, 4], [9, 3, 17, 20, 0], [9, 3, 11, 20, 0]
+    q, k, v, dout, cu_q, cu_k = _packed_batch(lens_q, lens_k, 4, 2, 64)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = flash_attn_varlen_func(*leaves, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
+                                 window_size=window, softcap=softcap,
+                                 seqused_k=torch.tensor(used, dtype=torch.int32))
+    dq, dk, dv = torch.autograd.grad(out, leaves, dout)
+    for i, (sq, sk) in enumerate(zip(lens_q, used)):
+        rows = slice(int(cu_q[i]), int(cu_q[i]) + sq)
+        keys = slice(int(cu_k[i]), int(cu_k[i]) + sk)
+        unused = slice(int(cu_k[i]) + sk, int(cu_k[i + 1]))
+        assert not dk[unused].any() and not dv[unused].any()
+        if sq == 0 or sk == 0:
+            assert not dq[rows].any() and not dk[keys].any() and not dv[keys].any()
+            continue
+        args = [t[s].unsqueeze(0) for t, s in ((q, rows), (k, keys), (v, keys), (dout, rows))]
+        _, _, ref = attention_reference_grads(*args, causal=causal, window=window,
+                                              softcap=softcap)
+        _, _, plain = attention_reference_grads(*args, causal=causal, window=window,
+                                                softcap=softcap, dtype=torch.bfloat16,
+                                                upcast=False)
+        for got, r, p in zip((dq[rows], dk[keys], dv[keys]), ref, plain):
+            check_against_reference(got.unsqueeze(0), r, p, atol=grad_atol(r))
+
+
+def test_varlen_ops_pass_opcheck_and_compile_to_the_eager_graph():
+    from fa_sm100 import flash_attn_varlen_func
+
+    q, k, v, dout, cu_q, cu_k = _packed_batch([7, 0, 12], [7, 5, 9], 4, 2, 64)
+    for used in (None, torch.tensor([7, 2, 9], dtype=torch.int32)):
+        fwd_args = (q, k, v, cu_q, cu_k, used, 12, 9, 0.2, True, None, None, 0.0, -1)
+        torch.library.opcheck(torch.ops.fa_sm100.varlen_fwd.default, fwd_args)
+        out, lse = torch.ops.fa_sm100.varlen_fwd(*fwd_args)
+        torch.library.opcheck(torch.ops.fa_sm100.varlen_bwd.default,
+                              (dout, q, k, v, out, lse, cu_q, cu_k, used, 12, 9, 0.2, True,
+                               None, None, 0.0))
+    attn = lambda q, k, v: flash_attn_varlen_func(q, k, v, cu_q, cu_k, 12, 9,  # noqa: E731
+                                                  causal=True) * 2.0
+    compiled = torch.compile(attn, fullgraph=True, backend="aot_eager")
+    for g, w in zip(_train_step(compiled, q, k, v, dout), _train_step(attn, q, k, v, dout)):
+        assert torch.equal(g, w)
+
+
+def test_the_varlen_backward_refuses_what_it_cannot_do_before_running():
+    """Deterministic varlen gradients and a config that reads lengths beyond its tile raise
+    ValueError with the reason; the defaults of a varlen problem never take such a switch."""
+    from fa_sm100.hopper.bwd_config import VARLEN_FIXED
+    from fa_sm100.hopper.bwd_defaults import select_bwd_config
+
+    with pytest.raises(ValueError, match="deterministic"):
+        select_bwd_config(head_dim=128, deterministic=True, varlen=True)
+    with pytest.raises(ValueError, match="persistent_ctas"):
+        select_bwd_config(head_dim=64, varlen=True, persistent_ctas=132)
+    for d in (64, 96, 128, 192, 256):
+        for causal in (False, True):
+            for window in ((None, None), (100, 0)):
+                for group, seqlen in ((1, 1024), (4, 8192)):
+                    cfg = select_bwd_config(head_dim=d, causal=causal, window_left=window[0],
+                                            window_right=window[1], qhead_per_kvhead=group,
+                                            seqlen_q=seqlen, seqlen_k=seqlen, varlen=True)
+                    assert cfg.varlen
+                    assert {k: getattr(cfg, k) for k in VARLEN_FIXED} == VARLEN_FIXED
 
 
 # ---- GPU (sm_90) -------------------------------------------------------------------------

@@ -190,5 +190,10 @@ def test_varlen_inputs_are_checked_before_anything_runs():
         args.update(change)
         with pytest.raises(ValueError, match=message):
             call(**args)
-    with pytest.raises(ValueError, match="no backward"):
-        call(q.clone().requires_grad_(), q, q, cu, cu, 6, 6)
+    # with gradients the same checks run first (before any forward), then CPU tensors take
+    # the PyTorch model, whose gradients flow
+    with pytest.raises(ValueError, match="int32"):
+        call(q.clone().requires_grad_(), q, q, cu.long(), cu, 6, 6)
+    leaf = q.clone().requires_grad_()
+    call(leaf, q, q, cu, cu, 6, 6).sum().backward()
+    assert leaf.grad is not None and leaf.grad.shape == q.shape

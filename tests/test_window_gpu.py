@@ -14,8 +14,7 @@ import zlib
 import pytest
 import torch
 
-from fa_sm100.testing import (attention_reference, attention_reference_grads,
-                              check_against_reference, grad_atol)
+from fa_sm100.testing import attention_reference, check_against_reference, check_training_step
 from fa_sm100.validation import normalize_window
 
 pytestmark = pytest.mark.gpu
@@ -131,13 +130,6 @@ def test_windowed_training_step_matches_float64(sm90_device, head_dims, causal, 
 
     q, k, v = _inputs((2, 1100, 1300, 8, 2), head_dims, torch.bfloat16, 3)
     dout = torch.randn_like(q[..., :head_dims[1]])
-    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
-    out = flash_attn_func(qg, kg, vg, causal=causal, window_size=window)
-    out.backward(dout)
-    window = normalize_window(window)
-    out64, _, ref = attention_reference_grads(q, k, v, dout, causal, window, torch.float64)
-    plain_out, _, plain = attention_reference_grads(q, k, v, dout, causal, window,
-                                                    torch.bfloat16, upcast=False)
-    check_against_reference(out.detach(), out64, plain_out, atol=1e-3, what="O")
-    for name, x, r, p in zip(("dq", "dk", "dv"), (qg.grad, kg.grad, vg.grad), ref, plain):
-        check_against_reference(x, r, p, atol=grad_atol(r), what=f"{name} {window}")
+    check_training_step(lambda q, k, v: flash_attn_func(q, k, v, causal=causal,
+                                                        window_size=window),
+                        q, k, v, dout, causal, normalize_window(window), what=f"{window}")

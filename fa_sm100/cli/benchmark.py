@@ -27,6 +27,17 @@ wrong on a cell is not timed there; its row says "wrong output: ...". A provider
 reports the error instead of a number. Exit status 1 when any provider gave a wrong output or
 ours (or a variant of it) failed on a cell; peers that cannot run a cell do not fail the run.
 
+``--grid models`` times the cells models run instead of the hdim x seqlen x causal grid
+(``fa_sm100.bench_cells.MODEL_CELLS``: GQA 4:1 and 8:1 at head dims 128 and 64, MQA prefill,
+the (192, 128) head dims), forward or (``--mode bwd``) backward, with the same providers,
+method and columns; ``--hdim``, ``--seqlen``, ``--causal``, ``--total-tokens`` and
+``--hidden`` shape the default grid only. Its rows also carry ``cell`` (the cell's label) and
+``heads_kv``; its figure is one group of bars per cell. SDPA runs GQA/MQA with
+``enable_gqa=True``. Where SDPA's backend does not take a cell's shape (torch's own
+``can_use_cudnn_attention`` / ``can_use_flash_attention`` on the cell's tensors), that peer is
+absent there: its row says ``absent`` (``cudnn_absent`` in the backward's) with torch's
+reason, is not timed, and is no error. TFLOP/s count the query heads, as FA does.
+
 ``--ours-variant`` cells where the variant sets only switches the kernels do not read there
 (equal ``effective()`` configs) are named before any GPU work ("benchmark: note: ... A/A")
 and listed under ``same_kernel_as_default`` in the JSON: the variant's ratio there is noise.
@@ -41,9 +52,10 @@ import os
 import sys
 
 
+from fa_sm100.bench_cells import MODEL_CELLS, SDPA_BACKENDS, default_grid_cell, sdpa_refusal
 from fa_sm100.benchmarking import (MIN_ROUNDS, ClockSampler, cell_seed,
                                    clock_summary, format_interval, median, paired_interval,
-                                   paired_ratio, plot_grid, ratio_points,
+                                   paired_ratio, plot_grid, plot_mode_bars, ratio_points,
                                    same_kernel_variants, summarize_conditions, time_ms,
                                    verdict_summary, whole_cycles)
 
@@ -63,6 +75,9 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", choices=["fwd", "bwd"], default="fwd",
                    help="bwd: time the backward (fa_sm100.hopper.bwd_bench) on the same grid")
+    p.add_argument("--grid", choices=["default", "models"], default="default",
+                   help="models: the cells models run (GQA, MQA, (192,128) prefill: "
+                        "fa_sm100.bench_cells.MODEL_CELLS) instead of hdim x seqlen x causal")
     p.add_argument("--hdim", type=int, nargs="+", default=[64, 128, 256])
     p.add_argument("--seqlen", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
     p.add_argument("--causal", type=_bool, nargs="+", default=[False, True])
@@ -91,6 +106,9 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.repeat is not None and args.repeat < 1:
         p.error(f"--repeat {args.repeat}: must be at least 1")
+    if args.grid == "models" and args.ours_variant:
+        p.error("--ours-variant times the default grid only (its A/A notes are made for its "
+                "cells)")
     for s in args.seqlen:
         if s < 1 or args.total_tokens % s:
             p.error(f"--seqlen {s} must divide --total-tokens {args.total_tokens}")
@@ -208,16 +226,28 @@ def make_provider(name, torch):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     import torch.nn.functional as F
 
-    backend = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[name]
+    backend = getattr(SDPBackend, SDPA_BACKENDS[name][0])
 
     def run(q, k, v, causal):
         # SDPA takes BHSD; transposed views keep the BSHD memory of the other providers.
+        gqa = {"enable_gqa": True} if k.shape[2] != q.shape[2] else {}
         with sdpa_kernel(backend):
             return F.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal, **gqa
             ).transpose(1, 2)
 
     return lambda q, k, v, causal: (lambda: run(q, k, v, causal))
+
+
+def absent_peers(names, cell, dtype, torch) -> dict:
+    """{provider: why} for the SDPA providers among ``names`` that do not take ``cell``
+    (``sdpa_refusal``): absent from that cell, not timed, not an error."""
+    found = {}
+    for name in names:
+        why = sdpa_refusal(name, cell, dtype, torch) if name in SDPA_BACKENDS else None
+        if why is not None:
+            found[name] = why
+    return found
 
 
 CHECK_ROWS = 64  # query rows per (batch, head) in the correctness check
@@ -295,10 +325,38 @@ def progress(i, n, label):
         sys.stderr.write("\n")
 
 
+def grid_cells(args) -> list:
+    """The ``BenchCell``s a run times, in order: ``--grid models``'s, or the default grid's
+    (every hdim, then causality, then seqlen)."""
+    if args.grid == "models":
+        return list(MODEL_CELLS)
+    return [default_grid_cell(d, s, c, args.total_tokens, args.hidden)
+            for d in args.hdim for c in args.causal for s in args.seqlen]
+
+
+def cell_inputs(cell, dtype, torch):
+    """Fresh random q, k, v of ``cell`` on the GPU, seeded by the cell (``cell_seed``)."""
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(cell_seed(cell.head_dim, cell.seqlen, cell.causal))
+    return tuple(torch.randn(shape, device="cuda", dtype=dtype, generator=gen)
+                 for shape in cell.shapes)
+
+
+def cell_keys(cell, named: bool) -> dict:
+    """A row's keys that say which cell it is; ``named`` (``--grid models``) adds the cell's
+    label and its KV heads."""
+    keys = {"hdim": cell.head_dim, "hdim_v": cell.head_dim_v, "causal": cell.causal,
+            "seqlen": cell.seqlen, "batch": cell.batch, "heads": cell.heads}
+    return {"cell": cell.label, **keys, "heads_kv": cell.heads_kv} if named else keys
+
+
+def row_where(row) -> str:
+    """A forward row's cell in words: its label, or hdim, causality and seqlen."""
+    return row.get("cell") or f"hdim {row['hdim']} causal {row['causal']} seqlen {row['seqlen']}"
+
+
 def run_grid(args):
     import torch
-
-    from fa_sm100.config import default_head_dim_v
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     providers = {}
@@ -315,33 +373,35 @@ def run_grid(args):
     for spec in args.ours_variant:
         label, fn = make_variant(spec, torch)
         providers[label] = fn
-    cells = [(d, c, s) for d in args.hdim for c in args.causal for s in args.seqlen]
-    repeat = args.repeat or whole_cycles(MIN_ROUNDS, len(providers))
-    total = len(cells) * len(providers) * repeat
+    named = args.grid == "models"
+    plan = []  # (cell, its providers, its absent peers, its rounds)
+    for cell in grid_cells(args):
+        gone = absent_peers(providers, cell, dtype, torch)
+        names = [name for name in providers if name not in gone]
+        plan.append((cell, names, gone, args.repeat or whole_cycles(MIN_ROUNDS, len(names))))
+    total = sum(len(names) * repeat for _, names, _, repeat in plan)
     rows, step = [], 0
-    for d, causal, s in cells:
-        b, h = args.total_tokens // s, args.hidden // d
-        gen = torch.Generator(device="cuda")
-        gen.manual_seed(cell_seed(d, s, causal))
-        dv = default_head_dim_v(d)
-        q, k = (torch.randn(b, s, h, d, device="cuda", dtype=dtype, generator=gen)
-                for _ in range(2))
-        v = torch.randn(b, s, h, dv, device="cuda", dtype=dtype, generator=gen)
+    for cell, names, gone, repeat in plan:
+        b, h, s, d, dv, causal = (cell.batch, cell.heads, cell.seqlen, cell.head_dim,
+                                  cell.head_dim_v, cell.causal)
+        q, k, v = cell_inputs(cell, dtype, torch)
+        where = (cell.label if named else
+                 f"hdim {d} {'causal' if causal else 'noncausal'} seqlen {s}")
 
         def on_step(name):
             nonlocal step
             step += 1
-            progress(step, total, f"hdim {d} {'causal' if causal else 'noncausal'} seqlen {s} {name}")
+            progress(step, total, f"{where} {name}")
 
         conditions = {}
-        times, errors = run_cell(providers, q, k, v, causal, repeat,
-                                 lambda fn: time_ms(fn, args.warmup, args.rep, torch), torch,
-                                 on_step, monitor=lambda: ClockSampler(q.device.index or 0),
+        times, errors = run_cell({name: providers[name] for name in names}, q, k, v, causal,
+                                 repeat, lambda fn: time_ms(fn, args.warmup, args.rep, torch),
+                                 torch, on_step, monitor=lambda: ClockSampler(q.device.index or 0),
                                  conditions=conditions)
-        peers = [p for p in providers if not p.startswith("ours")]
-        for name in providers:
-            row = {"provider": name, "hdim": d, "hdim_v": dv, "causal": causal, "seqlen": s,
-                   "batch": b, "heads": h, "ms": None, "tflops": None, "mhz": None,
+        peers = [p for p in names if not p.startswith("ours")]
+        keys = cell_keys(cell, named)
+        for name in names:
+            row = {"provider": name, **keys, "ms": None, "tflops": None, "mhz": None,
                    "watts": None, "error": errors.get(name),
                    # ours only: over the best peer, round by round (paired_ratio), and the
                    # 95% interval of that median (paired_interval)
@@ -356,39 +416,48 @@ def run_grid(args):
             row["mhz"], row["watts"] = (summarize_conditions(conditions.get(name, []))
                                         or (None, None))
             rows.append(row)
+        for name, why in gone.items():
+            rows.append({"provider": name, **keys, "ms": None, "tflops": None, "error": None,
+                         "absent": why})
     for name, why in unavailable.items():
-        for d, causal, s in cells:
-            rows.append({"provider": name, "hdim": d, "causal": causal, "seqlen": s,
-                         "batch": args.total_tokens // s, "heads": args.hidden // d, "ms": None,
-                         "tflops": None, "error": f"unavailable: {why}"})
+        for cell, *_ in plan:
+            keys = {k: x for k, x in cell_keys(cell, named).items() if k != "hdim_v"}
+            rows.append({"provider": name, **keys, "ms": None, "tflops": None,
+                         "error": f"unavailable: {why}"})
     return rows, torch.cuda.get_device_name(), unavailable
 
 
 def table(rows, providers):
-    """Markdown table: one line per (hdim, causal, seqlen), TFLOP/s per provider, ours over the
-    best peer (ratio of the medians) and, when the rows carry it, the paired ratio
-    (``fa_sm100.benchmarking.paired_ratio``) with its 95% interval (``paired_interval``)."""
-    keys = sorted({(r["hdim"], r["causal"], r["seqlen"]) for r in rows})
-    by = {(r["hdim"], r["causal"], r["seqlen"], r["provider"]): r for r in rows}
+    """Markdown table: one line per cell ((hdim, causal, seqlen), or ``--grid models``' cell
+    label, in grid order), TFLOP/s per provider, ours over the best peer (ratio of the medians)
+    and, when the rows carry it, the paired ratio (``fa_sm100.benchmarking.paired_ratio``)
+    with its 95% interval (``paired_interval``)."""
+    named = any("cell" in r for r in rows)
+    cell_of = ((lambda r: r["cell"]) if named else
+               (lambda r: (r["hdim"], r["causal"], r["seqlen"])))
+    keys = list(dict.fromkeys(map(cell_of, rows))) if named else sorted(set(map(cell_of, rows)))
+    by = {(cell_of(r), r["provider"]): r for r in rows}
     peers = [p for p in providers if not p.startswith("ours")]
-    head = ["hdim", "causal", "seqlen", *providers]
+    head = ["cell" if named else "hdim", *([] if named else ["causal", "seqlen"]), *providers]
     paired = any(r.get("ratio_paired") for r in rows)
     if "ours" in providers and peers:
         head.append("ours / best peer")
         if paired:
             head.append("paired")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for d, c, s in keys:
+    for cell in keys:
         vals = []
         for p in providers:
-            r = by.get((d, c, s, p))
+            r = by.get((cell, p))
             vals.append(f"{r['tflops']:.0f}" if r and r["tflops"] else "n/a")
-        line = [str(d), "yes" if c else "no", str(s), *vals]
+        line = ([cell] if named else [str(cell[0]), "yes" if cell[1] else "no", str(cell[2])])
+        line += vals
         if "ours" in providers and peers:
-            ours = by.get((d, c, s, "ours"))
-            best = max((by[(d, c, s, p)]["tflops"] or 0.0 for p in peers if (d, c, s, p) in by),
+            ours = by.get((cell, "ours"))
+            best = max((by[(cell, p)]["tflops"] or 0.0 for p in peers if (cell, p) in by),
                        default=0.0)
-            line.append(f"{ours['tflops'] / best:.2f}x" if ours and ours["tflops"] and best else "n/a")
+            line.append(f"{ours['tflops'] / best:.2f}x" if ours and ours["tflops"] and best
+                        else "n/a")
             if paired:
                 line.append(f"{ours['ratio_paired']:.3f}x "
                             f"{format_interval(ours.get('ratio_paired_ci'))}"
@@ -412,15 +481,96 @@ def plot(rows, providers, path, device):
     plot_grid(rows, providers, path, f"forward attention, {device}")
 
 
+def plot_cells(rows, providers, path, device, mode="fwd"):
+    """``--grid models``' PNG: one group of bars per cell, TFLOP/s of each provider
+    (``fa_sm100.benchmarking.plot_mode_bars``), from rows of one provider and cell each (the
+    forward's; the backward's through ``bwd_bench.long_rows``) that carry ``cell``."""
+    bars = {}
+    for r in rows:
+        bar = bars.setdefault(r["cell"], {"mode": mode, "cell": r["cell"], "tflops": {}})
+        if r.get("tflops"):
+            bar["tflops"][r["provider"]] = r["tflops"]
+    name = {"fwd": "forward", "bwd": "backward"}[mode]
+
+    def label(bar):  # "32q/8kv d128 8k causal b2" as "32q/8kv", "d128", "8k", "causal b2"
+        return bar["cell"].replace(" ", "\n", 3)
+
+    plot_mode_bars(list(bars.values()), providers, path,
+                   f"the cells models run, through the public APIs, {device}", label,
+                   lambda m, cells: f"{name}, TFLOP/s counting the query heads")
+
+
+def print_verdicts(rows) -> None:
+    """The count of ``interval_verdict``s over the rows' paired intervals, if any."""
+    points = ratio_points(rows)
+    if points:
+        print(verdict_summary(p.interval for p in points))
+
+
+def write_results(args, meta, rows, csv_rows, draw) -> None:
+    """``--csv`` (``csv_rows``: their keys, in order of first use, are the columns),
+    ``--json`` (``meta`` and ``rows``) and ``--png`` (``draw(path)``)."""
+    if args.csv and csv_rows:
+        import csv
+
+        with open(args.csv, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in csv_rows for k in r)))
+            w.writeheader()
+            w.writerows(csv_rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({**meta, "rows": rows}, f, indent=1)
+    if args.png:
+        draw(args.png)
+
+
+def run_models_bwd(args, meta) -> int:
+    """``--grid models --mode bwd``: ``bwd_bench.bench_cell`` (ours through autograd,
+    ``ours:launch``, FA4, cuDNN; its check and rows) on every cell, cuDNN's column marked
+    ``cudnn_absent`` where SDPA does not take the cell (``sdpa_refusal``); the JSON holds
+    ``meta`` and the rows (each with its ``cell``), the CSV and the PNG the rows of one
+    provider and cell each. Returns ``bwd_bench.exit_status``."""
+    import torch
+
+    from fa_sm100.hopper import bwd_bench
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    rows = []
+    for cell in MODEL_CELLS:
+        row = bwd_bench.bench_cell(cell.batch, cell.heads, cell.heads_kv, cell.seqlen,
+                                   cell.head_dim, cell.causal, dtype=dtype, repeat=args.repeat,
+                                   warmup=args.warmup, rep=args.rep, timing=args.timing)
+        why = sdpa_refusal("cudnn", cell, dtype, torch)
+        if why is not None and "cudnn_tflops" not in row:  # its call raised: the shape, not it
+            row.pop("cudnn_error", None)
+            row["cudnn_absent"] = why
+        rows.append({"cell": cell.label, **row})
+        print(bwd_bench.format_row(rows[-1]) + (f"\n    cudnn: absent ({why})" if why else ""),
+              flush=True)
+    bwd_bench.print_clocks(rows)
+    print_verdicts(rows)
+    device = torch.cuda.get_device_name()
+    long = [{"cell": r["cell"], **x} for r in rows for x in bwd_bench.long_rows([r])]
+    names = ["ours", *(["ours:launch"] if args.timing == "both" else []), "fa4", "cudnn"]
+    write_results(args, {**meta, "mode": "bwd", "device": device}, rows,
+                  [{**x, "device": device} for x in long],
+                  lambda path: plot_cells(long, names, path, device, "bwd"))
+    return bwd_bench.exit_status(rows)
+
+
 def main(argv=None):
     args = parse_args(argv)
+    models = args.grid == "models"
     try:  # before any GPU work
         same = same_kernel_cells(args)
     except ValueError as e:
         print(f"benchmark: {e}", file=sys.stderr)
         return 2
     print_same_kernel_notes(same, len(args.hdim) * len(args.causal) * len(args.seqlen))
+    meta = {"command": " ".join(sys.argv), "dtype": args.dtype}
     if args.mode == "bwd":
+        if models:
+            return run_models_bwd(args, {**meta, "grid": "models"})
         from fa_sm100.hopper.bwd_bench import run_from_benchmark_args
 
         return run_from_benchmark_args(args, {"same_kernel_as_default": same})
@@ -430,32 +580,24 @@ def main(argv=None):
     for name, why in unavailable.items():
         print(f"provider {name} unavailable: {why}")
     print(table(rows, providers))
-    points = ratio_points(rows)
-    if points:
-        print(verdict_summary(p.interval for p in points))
+    print_verdicts(rows)
     clocks = clock_summary((r["provider"], (r["mhz"], r["watts"]) if r.get("mhz") else None)
                            for r in rows)
     if clocks:
         print(clocks)
     for r in rows:
         if r["error"] and not r["error"].startswith("unavailable"):
-            print(f"{r['provider']} hdim {r['hdim']} causal {r['causal']} seqlen {r['seqlen']}: {r['error']}")
-    meta = {"device": device, "command": " ".join(sys.argv), "dtype": args.dtype,
-            "total_tokens": args.total_tokens, "hidden": args.hidden,
-            "same_kernel_as_default": same}
-    if args.csv:
-        import csv
-
-        flat = [csv_row(r, device) for r in rows]
-        with open(args.csv, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(flat[0].keys()))
-            w.writeheader()
-            w.writerows(flat)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({**meta, "rows": rows}, f, indent=1)
-    if args.png:
-        plot(rows, providers, args.png, device)
+            print(f"{r['provider']} {row_where(r)}: {r['error']}")
+        if r.get("absent"):
+            print(f"{r['provider']} {row_where(r)}: absent ({r['absent']})")
+    meta = {"device": device, **meta}
+    if models:
+        meta.update(grid="models", mode="fwd")
+    else:
+        meta.update(total_tokens=args.total_tokens, hidden=args.hidden,
+                    same_kernel_as_default=same)
+    write_results(args, meta, rows, [csv_row(r, device) for r in rows],
+                  lambda path: (plot_cells if models else plot)(rows, providers, path, device))
     status = exit_status(rows)
     if status:
         print("FAILED: a provider gave a wrong output, or ours failed on a cell (see above)",

@@ -3,7 +3,8 @@
     python scripts/plot_ratios.py docs/data/sm90_bwd_h200_round33.json --png ratios.png
     python scripts/plot_ratios.py run1.json run2.json --label seeded --label unseeded --png r.png
 
-Each JSON is what ``scripts/benchmark.py --json`` wrote (forward or backward). Several runs
+Each JSON is what ``scripts/benchmark.py --json`` wrote (forward or backward, either grid; the
+``--grid models`` cells are drawn one slot per cell, in one panel). Several runs
 of one grid are drawn side by side in each cell: a run's interval says how far its own
 rounds agree, the spread between runs how far a run can be trusted (docs/hopper_backward.md,
 "Clocks, power and noise"). Cells are also printed, one line each, with the verdict of their interval.
@@ -55,8 +56,10 @@ def main(argv=None) -> int:
     for label, points in runs.items():
         print(f"== {label}")
         for p in points:
-            print(f"hdim {p.hdim:3d} {'causal    ' if p.causal else 'non-causal'} {p.seqlen:6d}: "
-                  f"{p.ratio:.3f}x {format_interval(p.interval)} {interval_verdict(p.interval)}")
+            where = p.cell or (f"hdim {p.hdim:3d} {'causal    ' if p.causal else 'non-causal'} "
+                               f"{p.seqlen:6d}")
+            print(f"{where}: {p.ratio:.3f}x {format_interval(p.interval)} "
+                  f"{interval_verdict(p.interval)}")
         print(verdict_summary(p.interval for p in points))
     if a.png:
         plot_ratio_intervals(runs, a.png, a.title or "ours over the best peer, paired")

@@ -136,11 +136,13 @@ def _cudnn_backward(q, k, v, dout, causal):
     backward, giving BSHD (dq, dk, dv)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    h, hk = q.shape[2], k.shape[2]
     qt, kt, vt = (t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v))
-    kt_, vt_ = ((x.repeat_interleave(h // hk, dim=1) for x in (kt, vt)) if hk != h else (kt, vt))
+    # GQA/MQA as SDPA users call it: K/V at their own head count (no expanded copies, whose
+    # reduction back would be timed as cuDNN's)
+    gqa = {"enable_gqa": True} if k.shape[2] != q.shape[2] else {}
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-        oc = torch.nn.functional.scaled_dot_product_attention(qt, kt_, vt_, is_causal=causal)
+        oc = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal,
+                                                              **gqa)
     doc = dout.transpose(1, 2)
 
     def run():

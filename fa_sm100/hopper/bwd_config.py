@@ -54,6 +54,16 @@ SMEM_BUFFER_ALIGN = 1024  # every SMEM buffer of the kernel starts on a swizzle-
 SM90_SMEM_BYTES = SMEM_BUDGET[SM90_ARCH]  # 227 KiB of dynamic shared memory per CTA on H100/H200
 
 
+# The switches a varlen backward fixes (Note [Varlen backward] in bwd_kernel.py): each reads
+# the problem's lengths outside the CTA's own tile (persistent walks, fetched tiles, clusters of
+# key blocks, the longest-first order, staggered sweeps, a preprocess that counts rows beside
+# the main kernel, dQ semaphores counting key blocks), or, for dK/dV's TMA store, would write
+# past a sequence's end into the next one. Deterministic dQ orders its adds by those counts.
+VARLEN_FIXED = dict(persistent_ctas=0, dynamic_tiles=False, qdo_multicast=False,
+                    longest_first=False, stagger_m=False, dq_first_store=False, pre_ctas=0,
+                    early_dq_post=False, dkv_tma_store=False, deterministic=False)
+
+
 @dataclass(frozen=True)
 class BwdConfig:
     """Compile-time configuration of ``sm90_bwd`` (validated by ``validate()``)."""
@@ -69,6 +79,9 @@ class BwdConfig:
     # logit softcapping (the cap is a launch argument): Note [softcap in the backward] in
     # bwd_scores.py; query blocks of 64 rows only
     softcap: bool = False
+    # packed variable-length batches (Note [Varlen backward] in bwd_kernel.py): one CTA per
+    # tile, each reading its sequence's offsets and lengths; the VARLEN_FIXED switches
+    varlen: bool = False
     # tiles and pipelines
     # query rows per inner iteration: 64 (one WGMMA M atom), or with sdp_swap_ab 128 (S^T and
     # dP^T are 64 keys x 128 queries per warpgroup; dQ is split by query rows, see
@@ -439,6 +452,12 @@ class BwdConfig:
         return self
 
     def validate(self) -> "BwdConfig":
+        if self.varlen:
+            wrong = {k: getattr(self, k) for k, v in VARLEN_FIXED.items() if getattr(self, k) != v}
+            if wrong:
+                raise ValueError(f"varlen=True runs one CTA per tile with its own sequence's "
+                                 f"lengths (Note [Varlen backward]): {wrong} must be "
+                                 f"{ {k: VARLEN_FIXED[k] for k in wrong} }")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r}: must be one of {DTYPES}")
         if (self.head_dim, self.head_dim_v) not in SM90_BWD_HEAD_DIMS:

@@ -10,7 +10,7 @@ from typing import Optional
 from fa_sm100.config import default_head_dim_v, normalize_dtype
 from fa_sm100.hopper.bwd_config import (TILE_M_80_HEAD_DIMS, TILE_M_128_HEAD_DIMS, TILE_M_ATOM,
                                         TILE_M_DQ_TRANSPOSED, TILE_M_SWAPPED_HDIM64,
-                                        TILE_N_128_MAX_HEAD_DIM, BwdConfig)
+                                        TILE_N_128_MAX_HEAD_DIM, VARLEN_FIXED, BwdConfig)
 from fa_sm100.hopper.config import WGMMA_M
 from fa_sm100.machines import HOPPER_SMS
 
@@ -89,7 +89,7 @@ def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = Fals
                       qhead_per_kvhead: int = 1, deterministic: bool = False,
                       head_dim_v: Optional[int] = None, seqlen_q: Optional[int] = None,
                       seqlen_k: Optional[int] = None, softcap: bool = False,
-                      **overrides) -> BwdConfig:
+                      varlen: bool = False, **overrides) -> BwdConfig:
     """Defaults for a problem; ``overrides`` replace any field. ``head_dim_v`` defaults to
     ``fa_sm100.config.default_head_dim_v(head_dim)`` (128 for 192). ``seqlen_q`` /
     ``seqlen_k`` (optional) pick the block height of short causal problems (a window's band
@@ -162,6 +162,9 @@ def select_bwd_config(head_dim: int = 128, dtype="bfloat16", causal: bool = Fals
     """
     head_dim_v = default_head_dim_v(head_dim) if head_dim_v is None else head_dim_v
     windowed = window_left is not None or window_right is not None
+    if varlen:  # Note [Varlen backward]: one CTA per tile (seqlen_q / _k: the longest)
+        overrides = {**VARLEN_FIXED, "deterministic": deterministic, **overrides,
+                     "varlen": True}  # validate() refuses a deterministic one
     # tile_n 64 (the wide head dims' default, or asked for): Note [dK/dV by columns]
     default_tile_n = 2 * WGMMA_M if head_dim <= TILE_N_128_MAX_HEAD_DIM else WGMMA_M
     wide = overrides.get("tile_n", default_tile_n) == WGMMA_M

@@ -29,6 +29,7 @@ from fa_sm100.hopper.config import SM90_ARCH
 from fa_sm100.validation import (SUPPORTED_DTYPES, check_softcap, check_softmax_scale,
                                  normalize_window,
                                  require_sm90)
+from fa_sm100.varlen import VARLEN_UNBOUNDED
 from layouts.smem import align_up
 
 def validate_bwd_inputs(dout, q, k, v, out, lse, softmax_scale=None, causal=False,
@@ -259,9 +260,10 @@ def launch_plan(config: BwdConfig, q, k, v, out, dout, lse, dq, dk, dv, softmax_
                                           softmax_scale))]
 
 
-def kernel_specs(config: BwdConfig) -> list:
+def kernel_specs(config: BwdConfig, seqused_k: bool = False) -> list:
     """The kernels of ``launch_plan``, in order, as (kind, compile key, build, fake arguments):
-    what depends on the config alone (a plan computes it once)."""
+    what depends on the config alone (a plan computes it once). ``seqused_k``: a varlen
+    backward that takes used key lengths (Note [Varlen backward] in bwd_kernel.py)."""
     from fa_sm100.config import cutlass_dtype
     from fa_sm100.hopper.bwd_kernel import Sm90FlashBackward
     from fa_sm100.hopper.bwd_prepost import BwdPostprocess, BwdPreprocess, DqPostprocess
@@ -271,12 +273,17 @@ def kernel_specs(config: BwdConfig) -> list:
     pdl = config.pdl
     zero_dq = not config.first_stores_dq  # Note [dQ first store]: no zero fill needed
     ctas = config.pre_ctas  # Note [Preprocess beside the main kernel] in bwd_prepost.py
+    varlen = config.varlen
+    used = varlen and seqused_k
+    # a varlen kernel's key says so, and the main one and dK / dV's whether keys are "used"
+    tag = ("varlen", used) if varlen else ()
     specs = [
-        ("pre", (d_v, d, dtype, pdl, zero_dq, ctas),
+        ("pre", (d_v, d, dtype, pdl, zero_dq, ctas) + tag[:1],
          lambda: BwdPreprocess(d_v, d, pdl, zero_dq, ctas),
-         lambda: fake_pre_arguments(dt, d_v)),
-        ("main", main_compile_key(config), lambda: Sm90FlashBackward(config.kernel_config()),
-         lambda: fake_arguments(config, env_stream=True)),
+         lambda: fake_pre_arguments(dt, d_v, varlen)),
+        ("main", main_compile_key(config) if not varlen else (main_compile_key(config), used),
+         lambda: Sm90FlashBackward(config.kernel_config()),
+         lambda: fake_arguments(config, env_stream=True, seqused_k=used)),
     ]
     if probes.active("dq_post") != "none":  # Note [cost probes]: the probe leaves dq unwritten
         # the fragment order depends on tile_m (which warpgroup split) and the head dim; the
@@ -287,9 +294,9 @@ def kernel_specs(config: BwdConfig) -> list:
     if config.uses_gqa_buffers:
         g = config.qhead_per_kvhead if config.gqa_reduce == "buffers" else 1
         for cols in (d, d_v):  # dK arrives scaled
-            specs.append(("post", (cols, g, dtype, cols, pdl),
+            specs.append(("post", (cols, g, dtype, cols, pdl) + tag,
                           lambda c=cols: BwdPostprocess(c, g, pdl),
-                          lambda c=cols: fake_post_arguments(dt, c, c)))
+                          lambda c=cols: fake_post_arguments(dt, c, c, varlen, used)))
     return specs
 
 
@@ -300,22 +307,26 @@ def main_window(config: BwdConfig, q, k) -> tuple:
 
 
 def launch_args(config: BwdConfig, q, k, v, out, dout, lse, dq, dk, dv, softmax_scale,
-                window=None, softcap=0.0, layout: Optional["WorkspaceLayout"] = None) -> list:
+                window=None, softcap=0.0, layout: Optional["WorkspaceLayout"] = None,
+                varlen=None) -> list:
     """The arguments of each kernel of ``kernel_specs``, in order, with a fresh workspace:
     what a call computes (a warm call nothing else). ``window``: ``main_window`` of q and k,
-    ``layout``: the workspace's, each computed here when not given."""
+    ``layout``: the workspace's, each computed here when not given. ``varlen``: (cu_seqlens_q,
+    cu_seqlens_k, seqused_k or None, max_seqlen_k) of a packed batch, whose tensors come as a
+    batch of one (Note [Varlen backward] in bwd_kernel.py); ``layout`` is then required."""
     ws = workspace(config, q, k, layout)
+    cu_q, cu_k, used, max_k = (None, None, None, 0) if varlen is None else varlen
     gqa = config.uses_gqa_buffers
     dk_arg, dv_arg = (ws["dk_acc"], ws["dv_acc"]) if gqa else (dk, dv)
     if window is None:
         window = main_window(config, q, k)
-    args = [(out, dout, lse, ws["lse2"], ws["delta"], ws["dq_acc"], ws["dq_sem"]),
+    args = [(out, dout, lse, ws["lse2"], ws["delta"], ws["dq_acc"], ws["dq_sem"], cu_q),
             (q, k, v, dout, ws["lse2"], ws["delta"], ws["dq_acc"], dk_arg, dv_arg, ws["dq_sem"],
-             softmax_scale, softcap, *window)]
+             softmax_scale, softcap, *window, cu_q, cu_k, used, max_k)]
     if probes.active("dq_post") != "none":
-        args.append((ws["dq_acc"], ws["dq_sem"], dq, softmax_scale, k.shape[1]))
+        args.append((ws["dq_acc"], ws["dq_sem"], dq, softmax_scale, k.shape[1], cu_q))
     if gqa:
-        args += [(dk_arg, dk, 1.0), (dv_arg, dv, 1.0)]
+        args += [(dk_arg, dk, 1.0, cu_k, used), (dv_arg, dv, 1.0, cu_k, used)]
     return args
 
 
@@ -414,11 +425,26 @@ def _rowmajor(dtype, shape, align=16):
                                     assumed_align=align)
 
 
-def fake_arguments(config: BwdConfig, env_stream: bool = False):
+def _fake_cu_seqlens(varlen: bool, seqused: bool = False):
+    """Fake (cu_seqlens, seqused) of a varlen kernel: int32 vectors of run-time length, or
+    None where the kernel takes none."""
+    import cutlass
+    import cutlass.cute as cute
+
+    if not varlen:
+        return None, None
+    n = cute.sym_int()
+    cu = _rowmajor(cutlass.Int32, (n,), 4)
+    return cu, _rowmajor(cutlass.Int32, (cute.sym_int(),), 4) if seqused else None
+
+
+def fake_arguments(config: BwdConfig, env_stream: bool = False, seqused_k: bool = False):
     """Fake arguments of the main kernel with the run-time/static split ``sm90_bwd`` uses:
     batch, sequence lengths, head counts (and so strides) are run-time values, head dims
     static. ``sm90_bwd`` compiles with them for TVM FFI (``env_stream``: the launch takes the
-    current torch stream); ``inspect_bwd`` and the compile contract cross-compile with them."""
+    current torch stream); ``inspect_bwd`` and the compile contract cross-compile with them.
+    A varlen config takes cu_seqlens_q / _k (and with ``seqused_k`` used key lengths) and the
+    longest key sequence; others None and 0."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream
@@ -431,50 +457,57 @@ def fake_arguments(config: BwdConfig, env_stream: bool = False):
     # the dQ blocks and the semaphores: equal only with one semaphore per block (one symbol
     # each)
     sq_pad, sk_pad, h_acc, n_m, n_sem = (cute.sym_int() for _ in range(5))
-    q, do = _rowmajor(dt, (b, sq, h, d)), _rowmajor(dt, (b, sq, h, dv))
-    k, v = _rowmajor(dt, (b, sk, hk, d)), _rowmajor(dt, (b, sk, hk, dv))
+    bd = cute.sym_int() if config.varlen else b  # varlen: the packed tensors are a batch of 1
+    q, do = _rowmajor(dt, (bd, sq, h, d)), _rowmajor(dt, (bd, sq, h, dv))
+    k, v = _rowmajor(dt, (bd, sk, hk, d)), _rowmajor(dt, (bd, sk, hk, dv))
     lse2, delta = _rowmajor(cutlass.Float32, (b, h, sq_pad)), _rowmajor(cutlass.Float32, (b, h, sq_pad))
     dq_acc = _rowmajor(cutlass.Float32, (b, h, n_m, config.dq_block_elems))
     if config.uses_gqa_buffers:
         dk_out = _rowmajor(cutlass.Float32, (b, h_acc, sk_pad, d))
         dv_out = _rowmajor(cutlass.Float32, (b, h_acc, sk_pad, dv))
     else:
-        dk_out, dv_out = _rowmajor(dt, (b, sk, h, d)), _rowmajor(dt, (b, sk, h, dv))
+        dk_out, dv_out = _rowmajor(dt, (bd, sk, h, d)), _rowmajor(dt, (bd, sk, h, dv))
     sem = _rowmajor(cutlass.Int32, (b, h, n_sem), 4)
+    cu_q, _ = _fake_cu_seqlens(config.varlen)
+    cu_k, used = _fake_cu_seqlens(config.varlen, seqused_k)
     return (q, k, v, do, lse2, delta, dq_acc, dk_out, dv_out, sem, cutlass.Float32(0.125),
-            cutlass.Float32(0.0), cutlass.Int32(0), cutlass.Int32(0),
-            make_fake_stream(use_tvm_ffi_env_stream=env_stream))
+            cutlass.Float32(0.0), cutlass.Int32(0), cutlass.Int32(0), cu_q, cu_k, used,
+            cutlass.Int32(0), make_fake_stream(use_tvm_ffi_env_stream=env_stream))
 
 
-def fake_pre_arguments(dt, head_dim: int):
+def fake_pre_arguments(dt, head_dim: int, varlen: bool = False):
     """Fake arguments of the preprocess: O, dO (b, sq, h, d); LSE (b, h, sq); LSE2, Delta
-    (b, h, sq_pad); the dQ accumulator (b, h, m_blocks, block) and semaphores (b, h, n); the
-    current torch stream."""
+    (b, h, sq_pad); the dQ accumulator (b, h, m_blocks, block) and semaphores (b, h, n);
+    cu_seqlens_q with ``varlen`` (else None); the current torch stream."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream
 
     b, sq, h, sq_pad, n_m, block, n_sem = (cute.sym_int() for _ in range(7))
-    o, do = _rowmajor(dt, (b, sq, h, head_dim)), _rowmajor(dt, (b, sq, h, head_dim))
-    lse = _rowmajor(cutlass.Float32, (b, h, sq), 4)
+    bd = cute.sym_int() if varlen else b  # varlen: the packed tensors are a batch of 1
+    o, do = _rowmajor(dt, (bd, sq, h, head_dim)), _rowmajor(dt, (bd, sq, h, head_dim))
+    lse = _rowmajor(cutlass.Float32, (bd, h, sq), 4)
     lse2, delta = _rowmajor(cutlass.Float32, (b, h, sq_pad)), _rowmajor(cutlass.Float32, (b, h, sq_pad))
     dq_acc = _rowmajor(cutlass.Float32, (b, h, n_m, block))
     sem = _rowmajor(cutlass.Int32, (b, h, n_sem), 4)
-    return (o, do, lse, lse2, delta, dq_acc, sem,
+    return (o, do, lse, lse2, delta, dq_acc, sem, _fake_cu_seqlens(varlen)[0],
             make_fake_stream(use_tvm_ffi_env_stream=True))
 
 
-def fake_post_arguments(dt, head_dim: int, pitch: int):
+def fake_post_arguments(dt, head_dim: int, pitch: int, varlen: bool = False,
+                        seqused: bool = False):
     """Fake arguments of the postprocess: the float32 accumulator (b, h_acc, s_pad, pitch),
-    the output (b, s, h, d), the scale; the current torch stream."""
+    the output (b, s, h, d), the scale, cu_seqlens_k and used key lengths (``varlen``,
+    ``seqused``; else None); the current torch stream."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream
 
     b, h_acc, s_pad, s, h = (cute.sym_int() for _ in range(5))
+    bd = cute.sym_int() if varlen else b  # varlen: the packed output is a batch of 1
     return (_rowmajor(cutlass.Float32, (b, h_acc, s_pad, pitch)),
-            _rowmajor(dt, (b, s, h, head_dim)), cutlass.Float32(1.0),
-            make_fake_stream(use_tvm_ffi_env_stream=True))
+            _rowmajor(dt, (bd, s, h, head_dim)), cutlass.Float32(1.0),
+            *_fake_cu_seqlens(varlen, seqused), make_fake_stream(use_tvm_ffi_env_stream=True))
 
 
 def fake_dq_post_arguments(config: BwdConfig):
@@ -488,7 +521,138 @@ def fake_dq_post_arguments(config: BwdConfig):
     from fa_sm100.config import cutlass_dtype
 
     b, h, n_m, s, n_sem = (cute.sym_int() for _ in range(5))
+    bd = cute.sym_int() if config.varlen else b  # varlen: the packed dq is a batch of 1
     return (_rowmajor(cutlass.Float32, (b, h, n_m, config.dq_block_elems)),
             _rowmajor(cutlass.Int32, (b, h, n_sem), 4),
-            _rowmajor(cutlass_dtype(config.dtype), (b, s, h, config.head_dim)),
-            cutlass.Float32(1.0), cutlass.Int32(1), make_fake_stream(use_tvm_ffi_env_stream=True))
+            _rowmajor(cutlass_dtype(config.dtype), (bd, s, h, config.head_dim)),
+            cutlass.Float32(1.0), cutlass.Int32(1), _fake_cu_seqlens(config.varlen)[0],
+            make_fake_stream(use_tvm_ffi_env_stream=True))
+
+
+# ----------------------------------------------------------------------------- varlen
+
+class Sm90BwdVarlenPlan:
+    """What ``sm90_bwd_varlen`` decided for one (metadata, options) pair: the config, its
+    kernels, the window's launch bounds and the workspace, laid out as a padded batch of the
+    longest sequences (Note [Varlen backward] in bwd_kernel.py). Calling it allocates dq, dk,
+    dv (dk / dv zeroed where ``seqused_k`` leaves keys unused: their gradient is 0) and
+    launches on the packed tensors as a batch of one. A pack with no rows or no keys launches
+    nothing: zero gradients."""
+
+    __slots__ = ("config", "kernels", "scale", "softcap", "window", "layout", "max_seqlen_k",
+                 "empty")
+
+    def __init__(self, problem, config: BwdConfig, seqused_k: bool):
+        self.config = config
+        self.scale, self.softcap = problem.softmax_scale, problem.softcap
+        self.empty = 0 in (problem.total_q, problem.total_k, problem.max_seqlen_q,
+                           problem.max_seqlen_k)
+        self.kernels = [] if self.empty else [_compiled(*spec)
+                                              for spec in kernel_specs(config, seqused_k)]
+        self.window = kernel_window(problem.causal, problem.window, VARLEN_UNBOUNDED,
+                                    VARLEN_UNBOUNDED)
+        self.max_seqlen_k = problem.max_seqlen_k
+        d, dv = problem.head_dim, problem.head_dim_v
+        self.layout = WorkspaceLayout(
+            config, (problem.batch, max(problem.max_seqlen_q, 1), problem.heads, d),
+            (problem.batch, max(problem.max_seqlen_k, 1), problem.heads_kv, dv))
+
+    def __call__(self, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k=None):
+        from fa_sm100.call_plans import aligned
+        from fa_sm100.validation import tma_ready
+
+        if not aligned(q, k, v, out, dout):
+            q, k, v, out, dout = (tma_ready(t) for t in (q, k, v, out, dout))
+        lse = lse.contiguous()
+        zero_kv = self.empty or seqused_k is not None
+        dq = torch.zeros_like(q) if self.empty else torch.empty_like(q)
+        dk, dv = (torch.zeros_like(t) if zero_kv else torch.empty_like(t) for t in (k, v))
+        if self.empty:
+            return dq, dk, dv
+        one = lambda t: t.unsqueeze(0)  # noqa: E731  (a batch of one)
+        for fn, args in zip(self.kernels, launch_args(
+                self.config, one(q), one(k), one(v), one(out), one(dout), one(lse), one(dq),
+                one(dk), one(dv), self.scale, self.window, self.softcap, self.layout,
+                varlen=(cu_seqlens_q, cu_seqlens_k, seqused_k, self.max_seqlen_k))):
+            fn(*args)
+        return dq, dk, dv
+
+
+_varlen_plans = PlanTable()
+
+
+def validate_bwd_varlen_inputs(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                               max_seqlen_q, max_seqlen_k, seqused_k=None, softmax_scale=None,
+                               causal=False, window_size=(None, None), softcap=0.0,
+                               deterministic=False):
+    """The forward's varlen checks (``validation.validate_varlen_inputs``) with the backward's
+    head dims, then out / dout (total_q, heads, head_dim_v) of q's dtype and device, lse
+    (heads, total_q) float32, and no deterministic mode; raise ValueError naming the first
+    problem, else return the ``VarlenProblem``."""
+    from fa_sm100.validation import validate_varlen_inputs
+
+    problem = validate_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                     max_seqlen_k, seqused_k, softmax_scale, causal,
+                                     window_size, softcap,
+                                     head_dims=tuple(SM90_BWD_HEAD_DIMS))
+    o_shape = (problem.total_q, problem.heads, problem.head_dim_v)
+    for name, t in (("out", out), ("dout", dout)):
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != o_shape:
+            raise ValueError(f"{name} must be a tensor of shape {o_shape} (q's tokens and heads, "
+                             f"v's head dim), got {tuple(getattr(t, 'shape', ()))}")
+        if t.dtype != q.dtype or t.device != q.device or t.stride(-1) != 1:
+            raise ValueError(f"{name} must have q's dtype and device and a contiguous head dim")
+    lse_shape = (problem.heads, problem.total_q)
+    if (not isinstance(lse, torch.Tensor) or tuple(lse.shape) != lse_shape
+            or lse.dtype != torch.float32 or lse.device != q.device):
+        raise ValueError(f"lse must be float32 of shape {lse_shape} on q's device (the varlen "
+                         f"forward's, return_lse=True)")
+    if deterministic:
+        raise ValueError("the varlen backward has no deterministic mode (its dQ adds are not "
+                         "ordered): call it with deterministic=False")
+    require_sm90(q.device, "sm90_bwd_varlen")
+    return problem
+
+
+def build_sm90_bwd_varlen_plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                               max_seqlen_q, max_seqlen_k, seqused_k=None, softmax_scale=None,
+                               causal=False, window_size=(None, None), softcap=0.0,
+                               deterministic=False, config: Optional[BwdConfig] = None):
+    """Validate, pick the varlen config, fetch its kernels: the plan of one call."""
+    problem = validate_bwd_varlen_inputs(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                         max_seqlen_q, max_seqlen_k, seqused_k, softmax_scale,
+                                         causal, window_size, softcap, deterministic)
+    left, right = problem.window
+    fields = dict(head_dim=problem.head_dim, head_dim_v=problem.head_dim_v,
+                  dtype=normalize_dtype(q.dtype), causal=problem.causal, window_left=left,
+                  window_right=right, qhead_per_kvhead=problem.heads // problem.heads_kv,
+                  softcap=problem.softcap > 0)
+    if config is None:
+        cfg = select_bwd_config(**fields, seqlen_q=problem.max_seqlen_q,
+                                seqlen_k=problem.max_seqlen_k, varlen=True)
+    elif not isinstance(config, BwdConfig):
+        raise ValueError(f"config must be a BwdConfig, got {type(config).__name__}")
+    else:
+        cfg = config.replace(**fields, varlen=True).validate()
+    return Sm90BwdVarlenPlan(problem, cfg, seqused_k is not None)
+
+
+def sm90_bwd_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                    max_seqlen_k, seqused_k=None, softmax_scale: Optional[float] = None,
+                    causal: bool = False, window_size=(None, None), softcap: float = 0.0,
+                    deterministic: bool = False, config: Optional[BwdConfig] = None):
+    """Gradients (dq, dk, dv) of ``flash_attn_varlen_func``'s attention on an SM90 GPU: packed
+    q (total_q, h, d), k / v (total_k, h_kv, d / dv), out / dout (total_q, h, dv) and the
+    forward's lse (h, total_q), sequences as the forward takes them (Note [Varlen backward]
+    in bwd_kernel.py). The second call with the same metadata and options reuses the plan."""
+    def build():
+        return build_sm90_bwd_varlen_plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                          max_seqlen_q, max_seqlen_k, seqused_k, softmax_scale,
+                                          causal, window_size, softcap, deterministic, config)
+
+    tensors = (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k) + (
+        () if seqused_k is None else (seqused_k,))
+    plan = _varlen_plans.plan(tensors, (max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                                        window_size, softcap, deterministic, id(config),
+                                        seqused_k is None), build)
+    return plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k)

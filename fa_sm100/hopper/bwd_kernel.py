@@ -198,6 +198,26 @@ CTAs, are renumbered (``longest_first_cluster_cta``). Same idea as the forward's
 multicast]. Clusters of 4 measured slower than pairs on the H100 (backward 4.5-7%, forward
 6.5-8%).
 
+Note [Varlen backward] (``varlen``; ``sm90_bwd_varlen``, ``flash_attn_varlen_func`` with
+gradients): packed q, k, v, out, dO (total, heads, d), sequences as the forward's Note [Varlen]
+takes them (cu_seqlens, ``seqused_k``). The grid is the padded one of the longest sequences,
+(key blocks of max_seqlen_k, heads, sequences), one CTA per tile: each CTA reads its
+sequence's first rows and lengths from cu_seqlens (``fa_sm100.varlen.sequence_rows``) and runs
+as a batch-1 problem of those lengths; a key block past its sequence's keys visits no query
+block. The packed tensors are seen from the sequence's first row at batch index ``seq``, so
+every role indexes them as it does a padded batch. The workspace (LSE2, Delta, the dQ
+accumulator and semaphores, GQA's dK/dV buffers) is the padded batch itself: (sequences,
+heads, the longest length rounded up to the tile), so nothing that indexes it changes. Rows of
+a query block past its sequence's end hold the next sequence's Q and dO, but their LSE2 is
++inf (the preprocess pads every sequence), so P = 0 there and they add nothing to dK or dV;
+their dQ lands in the padding, which the dQ postprocess does not store. Keys past the
+sequence's end are masked by its own seqlen_k (they would add into dQ otherwise). MHA dK/dV
+are stored by the threads with the row bound (a TMA store would write past the end into the
+next sequence), and dk / dv start zeroed where ``seqused_k`` leaves keys unused. What reads
+lengths beyond the CTA's own tile (persistent walks, fetched tiles, Q/dO clusters, the
+longest-first order, staggered sweeps, the preprocess beside the main kernel, first dQ
+stores, deterministic turns) is off (``VARLEN_FIXED``, bwd_config.py).
+
 dQ is accumulated in float32 in global memory by one of two switchable paths (``dq_accum``);
 the load warp is in ``bwd_load.py`` (``BwdLoadRole``); the stores of dQ, dK and dV are in
 ``bwd_store.py`` (``BwdStoreRole``, with Note [dQ SMEM handoff]); the per-element math
@@ -225,6 +245,7 @@ from fa_sm100.hopper.config import SMEM_ALIGN, WARPGROUP_THREADS, WGMMA_M
 from fa_sm100.hopper.fwd_math import convert_to, operand_a_view
 from fa_sm100.hopper.named_barriers import Sm90BwdBarrier
 from fa_sm100.softmax_math import LOG2_E
+from fa_sm100.varlen import sequence_rows
 
 # Warpgroup 0 (warps 0-3) is the producer warpgroup; warpgroups 1 and 2 run the MMAs.
 PRODUCER_WARPS = WARPGROUP_THREADS // WARP_SIZE
@@ -356,6 +377,10 @@ class Sm90FlashBackward(BwdTileRole, BwdLoadRole, BwdStoreRole, BwdScoresRole):
         softcap: Float32,  # the cap, read only with cfg.softcap
         window_left: Int32,  # the band's run-time bounds (fa_sm100.bands.kernel_window), read
         window_right: Int32,  # only with a window (cfg.is_local)
+        mCuSeqlensQ,  # varlen (Note [Varlen backward]): (sequences + 1,) int32 offsets, else None
+        mCuSeqlensK,
+        mSeqUsedK,  # varlen: (sequences,) int32 used key lengths, or None
+        max_seqlen_k: Int32,  # varlen: the grid's key blocks cover this many keys
         stream,
     ):
         self._setup_layouts()
@@ -390,7 +415,13 @@ class Sm90FlashBackward(BwdTileRole, BwdLoadRole, BwdStoreRole, BwdScoresRole):
         self.bytes_do = self.tile_m * self.hdimv * self.dtype.width // 8
         self.bytes_kv = self.tile_n * (self.hdim + self.hdimv) * self.dtype.width // 8
         num_n_blocks = cute.ceil_div(mK.shape[1], self.tile_n)
-        num_pairs = mQ.shape[0] * mQ.shape[2]
+        num_batch = mQ.shape[0]
+        varlen = None
+        if const_expr(self.cfg.varlen):  # Note [Varlen backward]: a grid over the longest
+            num_n_blocks = cute.ceil_div(max_seqlen_k, self.tile_n)
+            num_batch = mLSE2.shape[0]
+            varlen = (mCuSeqlensQ, mCuSeqlensK, mSeqUsedK)
+        num_pairs = num_batch * mQ.shape[2]
         tail_pairs = longest_first_tail_pairs(self.cfg, num_n_blocks, num_pairs, cutlass.min,
                                               cutlass.max)  # Note [longest first], bwd_tiles.py
         window = None  # only a windowed kernel takes the bounds as parameters
@@ -405,13 +436,13 @@ class Sm90FlashBackward(BwdTileRole, BwdLoadRole, BwdStoreRole, BwdScoresRole):
         self.kernel(
             tma_mQ, tma_mK, tma_mV, tma_mdO, tma_Q, tma_K, tma_V, tma_dO,
             mLSE2, mDelta, mdQacc, mdK, mdV, mdQsem, tma_dK, tma_mdK, tma_dV, tma_mdV,
-            mQ.shape[1], mK.shape[1], mQ.shape[2] // mK.shape[2], tail_pairs, window,
+            mQ.shape[1], mK.shape[1], mQ.shape[2] // mK.shape[2], tail_pairs, window, varlen,
             softmax_scale, scale_log2, softcap_k,
             mma_sdp, mma_dk, mma_dv, mma_dq,
             self.sQ_layout, self.sdO_layout, self.sK_layout, self.sV_layout,
             self.sP_layout, self.sdS_layout, SharedStorage,
         ).launch(
-            grid=self._grid(num_n_blocks, mQ.shape[2], mQ.shape[0]),
+            grid=self._grid(num_n_blocks, mQ.shape[2], num_batch),
             block=[self.num_threads, 1, 1],
             stream=stream,
             min_blocks_per_mp=1,  # register count at entry known: ptxas keeps setmaxnreg
@@ -425,7 +456,7 @@ class Sm90FlashBackward(BwdTileRole, BwdLoadRole, BwdStoreRole, BwdScoresRole):
     def kernel(
         self, mQ, mK, mV, mdO, tma_Q, tma_K, tma_V, tma_dO,
         mLSE2, mDelta, mdQacc, mdK, mdV, mdQsem, tma_dK, tma_mdK, tma_dV, tma_mdV,
-        seqlen_q: Int32, seqlen_k: Int32, group: Int32, tail_pairs: Int32, window,
+        seqlen_q: Int32, seqlen_k: Int32, group: Int32, tail_pairs: Int32, window, varlen,
         softmax_scale: Float32, scale_log2: Float32, softcap_k,
         mma_sdp: cute.TiledMma, mma_dk: cute.TiledMma, mma_dv: cute.TiledMma,
         mma_dq: cute.TiledMma,
@@ -497,6 +528,13 @@ class Sm90FlashBackward(BwdTileRole, BwdLoadRole, BwdStoreRole, BwdScoresRole):
                                 storage.tile_slots.get_tensor(cute.make_layout(TILE_SLOTS)),
                                 storage.mbar_tile.data_ptr())
         else:
+            if const_expr(varlen is not None):  # Note [Varlen backward]: this CTA's sequence
+                seq = cute.arch.block_idx()[2]
+                # the TMA views are (s, d, h, b), the MHA dK / dV (b, s, h, d)
+                mQ, mdO, seqlen_q = sequence_rows(varlen[0], None, seq, (mQ, 0, 3), (mdO, 0, 3))
+                mK, mV, seqlen_k = sequence_rows(varlen[1], varlen[2], seq, (mK, 0, 3), (mV, 0, 3))
+                if const_expr(not self.cfg.uses_gqa_buffers):
+                    mdK, mdV, _ = sequence_rows(varlen[1], None, seq, (mdK, 1, 0), (mdV, 1, 0))
             work = self._cta_tile(qdo_ctas, tail_pairs, seqlen_q, seqlen_k)
         if warp_idx < PRODUCER_WARPS:
             cute.arch.setmaxregister_decrease(self.cfg.regs_producer)

@@ -116,6 +116,7 @@ from fa_sm100.hopper.bwd_store import (dq_fragment_view, dq_registers, dq_tile_s
                                        preprocess_count, wait_for_count)
 from fa_sm100.hopper.common import assume_aligned
 from fa_sm100.hopper.config import WARPGROUP_THREADS
+from fa_sm100.varlen import sequence_rows
 from pipelines.dsl_values import NoLoopCarriedValues
 
 THREADS_PER_ROW = 16
@@ -152,7 +153,9 @@ class BwdPreprocess:
     ``ctas`` = 0: one CTA per ROWS_PER_CTA rows, ahead of the main kernel. ``ctas`` > 0: that
     many persistent CTAs beside the main kernel, counting the rows of each (batch, head) they
     have finished (Note [Preprocess beside the main kernel]); the semaphores then arrive
-    zeroed."""
+    zeroed. With ``mCuSeqlens`` (varlen, one CTA per group only: Note [Varlen backward] in
+    bwd_kernel.py) O, dO are packed (1, total, h, d) and LSE (1, h, total): batch index i of
+    the grid reads sequence i's rows."""
 
     def __init__(self, head_dim_v: int, head_dim: int, pdl: bool, zero_dq: bool = True,
                  ctas: int = 0):
@@ -189,7 +192,7 @@ class BwdPreprocess:
     @cute.jit
     def __call__(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
                  mLSE2: cute.Tensor, mDelta: cute.Tensor, mdQacc: cute.Tensor,
-                 mdQsem: cute.Tensor, stream):
+                 mdQsem: cute.Tensor, mCuSeqlens, stream):
         # mO, mdO: (batch, seqlen_q, heads, hdimv); mLSE: (batch, heads, seqlen_q) f32;
         # mLSE2, mDelta: (batch, heads, seqlen_q_pad) f32; mdQacc: (batch, heads, m_blocks,
         # tile_m * hdim) f32, seqlen_q_pad * hdim floats per (batch, head); mdQsem: (batch,
@@ -210,18 +213,22 @@ class BwdPreprocess:
                 grid=[self.ctas, 1, 1], block=[self.threads, 1, 1],
                 smem=self.smem_bytes(mO.element_type), stream=stream, use_pdl=self.pdl)
         else:
-            self.kernel(mO, mdO, mLSE, mLSE2, mDelta, mdQacc, mdQsem).launch(
-                grid=[cute.ceil_div(mLSE2.shape[2], ROWS_PER_CTA), mO.shape[2], mO.shape[0]],
+            self.kernel(mO, mdO, mLSE, mLSE2, mDelta, mdQacc, mdQsem, mCuSeqlens).launch(
+                grid=[cute.ceil_div(mLSE2.shape[2], ROWS_PER_CTA), mO.shape[2], mLSE2.shape[0]],
                 block=[CTA_THREADS, 1, 1], stream=stream, use_pdl=self.pdl)
 
     @cute.kernel
-    def kernel(self, mO, mdO, mLSE, mLSE2, mDelta, mdQacc, mdQsem):
+    def kernel(self, mO, mdO, mLSE, mLSE2, mDelta, mdQacc, mdQsem, mCuSeqlens):
         tidx, _, _ = cute.arch.thread_idx()
         bx, head, batch = cute.arch.block_idx()
+        seqlen = mO.shape[1]
+        if const_expr(mCuSeqlens is not None):  # varlen: sequence ``batch``'s rows
+            mO, mdO, mLSE, seqlen = sequence_rows(mCuSeqlens, None, batch, (mO, 1, 0), (mdO, 1, 0),
+                                                   (mLSE, 2, 0))
         if const_expr(self.pdl):  # Note [chained launches]: the kernel before has finished
             cute.arch.griddepcontrol_wait()
         # the main kernel may launch once O and dO are read; it waits before reading ours
-        self._rows(mO, mdO, mLSE, mLSE2, mDelta, batch, head, bx, tidx)
+        self._rows(mO, mdO, mLSE, mLSE2, mDelta, batch, head, bx, tidx, seqlen)
         if const_expr(self.zero_dq):
             self._zero_dq_rows(mdQacc, bx, head, batch, tidx)
         # the dQ semaphores (deterministic mode's turns or Note [dQ first store]'s states, one
@@ -231,7 +238,7 @@ class BwdPreprocess:
             mdQsem[batch, head, sem] = Int32(0)
 
     @cute.jit
-    def _rows(self, mO, mdO, mLSE, mLSE2, mDelta, batch, head, bx, tidx):
+    def _rows(self, mO, mdO, mLSE, mLSE2, mDelta, batch, head, bx, tidx, seqlen):
         """Delta and LSE2 of the ROWS_PER_CTA rows of group ``bx``, each row on THREADS_PER_ROW
         adjacent threads: O and dO loaded (then ``griddepcontrol.launch_dependents`` with
         ``pdl``), then summed. Rows past seqlen_q read nothing: zeros (Delta 0, LSE2 +inf)."""
@@ -242,14 +249,14 @@ class BwdPreprocess:
         rO.fill(0.0)
         rdO.fill(0.0)
         lse = -Float32.inf
-        if row < mO.shape[1]:
+        if row < seqlen:
             cute.autovec_copy(_row_part(mO[batch, row, head, None], part, self.cols), rO)
             cute.autovec_copy(_row_part(mdO[batch, row, head, None], part, self.cols), rdO)
             if part == 0:
                 lse = mLSE[batch, head, row]
         if const_expr(self.pdl):
             cute.arch.griddepcontrol_launch_dependents()
-        self._store_row(rO, rdO, lse, row, row < mO.shape[1], mLSE2, mDelta, batch, head, tidx)
+        self._store_row(rO, rdO, lse, row, row < seqlen, mLSE2, mDelta, batch, head, tidx)
 
     @cute.kernel
     def persistent_kernel(self, tma_O: cute.CopyAtom, mO: cute.Tensor, tma_dO: cute.CopyAtom,
@@ -478,7 +485,9 @@ class _PreSchedule(NoLoopCarriedValues):
 
 class BwdPostprocess:
     """out (batch, seqlen, heads_out, hdim) = scale * sum over groups of acc (batch, heads_acc,
-    seqlen_pad, pitch >= hdim)."""
+    seqlen_pad, pitch >= hdim). With ``mCuSeqlens`` (varlen: Note [Varlen backward] in
+    bwd_kernel.py) out is packed (1, total, h, d) and acc's batch index i is sequence i, whose
+    first ``mSeqUsed[i]`` rows (all without it) are written."""
 
     def __init__(self, head_dim: int, group: int, pdl: bool):
         assert head_dim % THREADS_PER_ROW == 0, head_dim
@@ -493,21 +502,27 @@ class BwdPostprocess:
         return _row_part(row_t, part, self.cols)
 
     @cute.jit
-    def __call__(self, mAcc: cute.Tensor, mOut: cute.Tensor, scale: Float32, stream):
+    def __call__(self, mAcc: cute.Tensor, mOut: cute.Tensor, scale: Float32, mCuSeqlens,
+                 mSeqUsed, stream):
         grid_x = cute.ceil_div(mOut.shape[1], ROWS_PER_CTA)
-        self.kernel(mAcc, mOut, scale).launch(
-            grid=[grid_x, mOut.shape[2], mOut.shape[0]], block=[CTA_THREADS, 1, 1], stream=stream,
+        if const_expr(mCuSeqlens is not None):  # varlen: the padded rows of the longest
+            grid_x = cute.ceil_div(mAcc.shape[2], ROWS_PER_CTA)
+        self.kernel(mAcc, mOut, scale, mCuSeqlens, mSeqUsed).launch(
+            grid=[grid_x, mOut.shape[2], mAcc.shape[0]], block=[CTA_THREADS, 1, 1], stream=stream,
             use_pdl=self.pdl)
 
     @cute.kernel
-    def kernel(self, mAcc, mOut, scale: Float32):
+    def kernel(self, mAcc, mOut, scale: Float32, mCuSeqlens, mSeqUsed):
         tidx, _, _ = cute.arch.thread_idx()
         bx, head, batch = cute.arch.block_idx()
+        seqlen = mOut.shape[1]
+        if const_expr(mCuSeqlens is not None):  # varlen: sequence ``batch``'s rows
+            mOut, seqlen = sequence_rows(mCuSeqlens, mSeqUsed, batch, (mOut, 1, 0))
         if const_expr(self.pdl):  # Note [chained launches]: the kernel before has finished
             cute.arch.griddepcontrol_wait()
         row = bx * ROWS_PER_CTA + tidx // THREADS_PER_ROW
         part = tidx % THREADS_PER_ROW
-        if row < mOut.shape[1]:
+        if row < seqlen:
             total = cute.make_rmem_tensor((self.cols,), Float32)
             cute.autovec_copy(self._acc_part(mAcc, batch, head * self.group, row, part), total)
             for g in cutlass.range_constexpr(1, self.group):
@@ -544,20 +559,25 @@ class DqPostprocess:
         it waits for) and where that count is (``slots_after_finished_count``, which
         ``finished_ctas_count`` reads)."""
         early = (cfg.tile_n, cfg.slots_after_finished_count) if cfg.early_dq_post else ()
-        return (cfg.tile_m, cfg.head_dim, cfg.dtype, cfg.pdl, cfg.first_stores_dq) + early
+        return (cfg.tile_m, cfg.head_dim, cfg.dtype, cfg.pdl, cfg.first_stores_dq,
+                cfg.varlen) + early
 
     @cute.jit
     def __call__(self, mAcc: cute.Tensor, mSem: cute.Tensor, mOut: cute.Tensor, scale: Float32,
-                 seqlen_k: Int32, stream):
+                 seqlen_k: Int32, mCuSeqlens, stream):
         mma = dq_tiled_mma(self.cfg, mOut.element_type)
-        self.kernel(mAcc, mSem, mOut, scale, seqlen_k, mma).launch(
-            grid=[mAcc.shape[2], mOut.shape[2], mOut.shape[0]], block=[self.threads, 1, 1],
+        self.kernel(mAcc, mSem, mOut, scale, seqlen_k, mma, mCuSeqlens).launch(
+            grid=[mAcc.shape[2], mOut.shape[2], mAcc.shape[0]], block=[self.threads, 1, 1],
             smem=self.smem_bytes(mOut.element_type), stream=stream, use_pdl=self.cfg.pdl)
 
     @cute.kernel
-    def kernel(self, mAcc, mSem, mOut, scale: Float32, seqlen_k: Int32, mma: cute.TiledMma):
+    def kernel(self, mAcc, mSem, mOut, scale: Float32, seqlen_k: Int32, mma: cute.TiledMma,
+               mCuSeqlens):
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
+        seqlen_q = mOut.shape[1]
+        if const_expr(mCuSeqlens is not None):  # varlen: sequence ``batch``'s rows of dq
+            mOut, seqlen_q = sequence_rows(mCuSeqlens, None, batch, (mOut, 1, 0))
         if const_expr(self.cfg.early_dq_post):
             self._wait_for_head(mSem, seqlen_k, head, batch, tidx)
         elif const_expr(self.cfg.pdl):  # Note [chained launches]: the main kernel has finished
@@ -585,7 +605,7 @@ class DqPostprocess:
         cute.arch.barrier()
         # 2. the tile -> dq, one 16-byte piece of a row per thread and step; rows of the block
         # past seqlen_q are not stored
-        rows_left = mOut.shape[1] - m_block * self.tile_m
+        rows_left = seqlen_q - m_block * self.tile_m
         gOut = cute.local_tile(mOut[batch, None, head, None], (self.tile_m, self.hdim), (m_block, 0))
         for step in cutlass.range_constexpr(self.tile_m * self.pieces_per_row // self.threads):
             piece = step * self.threads + tidx

@@ -286,6 +286,9 @@ class BwdTileRole:
             batch = pair // num_heads
             head = pair - batch * num_heads
         m_block_min, m_block_max = self._m_block_range(n_block, seqlen_q, seqlen_k)
+        if const_expr(self.cfg.varlen):  # Note [Varlen backward]: a key block past its
+            # sequence's keys visits no query block (the grid covers the longest sequence)
+            m_block_max = _select(n_block * self.cfg.tile_n < seqlen_k, m_block_max, m_block_min)
         # The first query block this CTA loads and waits for: its own first, or under a causal
         # qdo_multicast the cluster's (its rank-0 key block's; Note [Q/dO multicast] in
         # bwd_kernel.py)
