@@ -3,7 +3,7 @@
 from fa_sm100.config import FmhaConfig, WarpRoles, select_config
 
 __all__ = ["FmhaConfig", "WarpRoles", "flash_attn_func", "flash_attn_varlen_func",
-           "select_config"]
+           "flash_attn_with_kvcache", "select_config"]
 
 
 def __getattr__(name):
@@ -13,5 +13,10 @@ def __getattr__(name):
         from fa_sm100 import interface
 
         globals()[name] = getattr(interface, name)  # later lookups find it without this hook
+        return globals()[name]
+    if name == "flash_attn_with_kvcache":
+        from fa_sm100 import kvcache
+
+        globals()[name] = kvcache.flash_attn_with_kvcache
         return globals()[name]
     raise AttributeError(f"module 'fa_sm100' has no attribute {name!r}")

@@ -34,6 +34,9 @@ Kinds of input (``AdversarialCase.kind``, with ``param``):
 - ``zero_q``: q = 0, every score exactly 0.
 - ``large_v``: ``v`` scaled by ``param``.
 
+Packed batches and KV caches add one more input: NaN and infinities in the keys past each
+sequence's used ones (``poison_unused_keys``).
+
 Causal cases with ``seqlen_q > seqlen_k`` have rows that see no key (O = 0, LSE = -inf); causal
 cases whose work tile spans several key blocks have rows whose first visited blocks are fully
 masked and a later one is not (the masked prefix). Cases with a ``window`` (bounds as
@@ -217,6 +220,29 @@ CASES: tuple[AdversarialCase, ...] = (
 BY_NAME = {c.name: c for c in CASES}
 if len(BY_NAME) != len(CASES):
     raise RuntimeError("adversarial case names must be unique")
+
+
+# Packed (varlen) batches and KV caches: the rows of k and v past a sequence's used keys (its
+# ``seqused_k``, or a cache's unfilled capacity) may hold anything, NaN and infinities
+# included (a cache allocated with torch.empty). A kernel that loads them and relies on the
+# mask alone still multiplies P = 0 by V = inf or NaN in P V. Every varlen layer (PTX
+# emulator, GPU tests of both forwards, the KV-cache calls) poisons those rows with
+# ``poison_unused_keys`` and checks that nothing changes.
+UNUSED_KEY_POISON = {"k": float("nan"), "v": float("inf")}
+
+
+def poison_unused_keys(k, v, cu_seqlens_k, seqused_k):
+    """Fill the rows of packed ``k`` / ``v`` past each sequence's used keys (rows
+    ``cu_seqlens_k[i] + seqused_k[i]`` to ``cu_seqlens_k[i + 1]``) with ``UNUSED_KEY_POISON``,
+    in place; returns the number of rows poisoned."""
+    cu, used = cu_seqlens_k.tolist(), seqused_k.tolist()
+    rows = 0
+    for i, n in enumerate(used):
+        unused = slice(cu[i] + n, cu[i + 1])
+        k[unused] = UNUSED_KEY_POISON["k"]
+        v[unused] = UNUSED_KEY_POISON["v"]
+        rows += max(0, cu[i + 1] - cu[i] - n)
+    return rows
 
 
 def small_cases() -> tuple[AdversarialCase, ...]:

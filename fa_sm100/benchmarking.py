@@ -736,6 +736,17 @@ def fill_ratio_row(row: dict, times: dict, tflops_of_ms) -> dict:
     return row
 
 
+def add_feature_bench_args(p) -> None:
+    """The flags every feature benchmark takes: --no-fa4, --repeat, --warmup, --rep, --json,
+    --png."""
+    p.add_argument("--no-fa4", action="store_true")
+    p.add_argument("--repeat", type=int, default=MIN_ROUNDS, help="interleaved rounds per cell")
+    p.add_argument("--warmup", type=int, default=25, help="ms of warmup per measurement")
+    p.add_argument("--rep", type=int, default=100, help="ms of timed calls per measurement")
+    p.add_argument("--json")
+    p.add_argument("--png")
+
+
 def feature_bench_main(name: str, args, argv, run, plot) -> int:
     """A feature benchmark's command: ``run(args)`` its rows on the GPU, the JSON
     (``--json``) and the figure (``--png``); exit 1 when ours failed a cell, 2 without a GPU."""

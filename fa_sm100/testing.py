@@ -246,3 +246,19 @@ def rescale_events(q, k, n_block, causal, threshold, softmax_scale=None):
         kept += int(((grow > 0) & ~move).sum())
         m = torch.where(move, m + grow, m)
     return moved, kept
+
+
+def cpu_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                       seqused_k, softmax_scale, causal, window_size, softcap, return_lse,
+                       config=None):
+    """The varlen forward's signature (``flash_attn_varlen_func``'s kernels) on CPU tensors:
+    the PyTorch model of the kernels' arithmetic per sequence (``fa_sm100.autograd``), for
+    testing what is built on the varlen forward (``fa_sm100.kvcache``) without a GPU."""
+    from fa_sm100.autograd import varlen_fwd_impl
+    from fa_sm100.validation import check_softmax_scale, normalize_window
+
+    left, right = normalize_window(window_size)
+    out, lse = varlen_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
+                               max_seqlen_k, check_softmax_scale(softmax_scale, q.shape[-1]),
+                               causal, left, right, softcap, -1)
+    return (out, lse) if return_lse else out

@@ -3,9 +3,10 @@ fa_sm100/hopper/fwd_kernel.py, docs/varlen.md).
 
 A batch of sequences lies along the token axis, sequence i at rows cu_seqlens[i] ..
 cu_seqlens[i + 1]. A kernel reads each work tile's offsets and lengths from cu_seqlens and
-runs the tile as a batch-1 problem of those lengths. Loads offset the TMA coordinates to the
-sequence's first row; O's TMA store goes through ``ragged_rows``, so the rows of a tile past
-its sequence's end are out of bounds and never written.
+runs the tile as a batch-1 problem of those lengths. Q loads offset the TMA coordinates to
+the sequence's first row; K and V load, and O is stored, through ``ragged_rows``, so the rows
+of a tile past its sequence's (used) end are out of bounds: zeros when loaded, never
+written when stored.
 """
 
 from __future__ import annotations
@@ -19,30 +20,38 @@ RAGGED_OFFSETS = (1 << 31) - 1
 VARLEN_UNBOUNDED = 1 << 29
 
 
-def ragged_rows(t):
-    """(rows, d, h) -> (RAGGED_ROWS, d, h, RAGGED_OFFSETS): the same memory, seen so that a
-    TMA store at (RAGGED_ROWS - length + r, ., ., offset + length) writes row offset + r and
-    clips the rows r >= length. The base moves back by RAGGED_ROWS rows and the fourth mode
-    steps by one row: RAGGED_ROWS - length + r + offset + length - RAGGED_ROWS = offset + r.
-    Traced inside a kernel's host function (``t`` a CuTe tensor)."""
+def ragged_rows(t, row_mode: int = 0):
+    """``t`` with the token rows in mode ``row_mode`` ((rows, d, h) or (d, rows, h)) -> the
+    same memory, seen with that mode RAGGED_ROWS long and a last mode of RAGGED_OFFSETS, so
+    that a TMA copy at row coordinate RAGGED_ROWS - length + r and last coordinate offset +
+    length addresses row offset + r, and the rows r >= length are out of bounds: a store clips
+    them, a load fills them with zeros. The base moves back by RAGGED_ROWS rows and the last
+    mode steps by one row: RAGGED_ROWS - length + r + offset + length - RAGGED_ROWS =
+    offset + r. Traced inside a kernel's host function (``t`` a CuTe tensor)."""
     import cutlass
     import cutlass.cute as cute
 
     # run-time 64-bit values: RAGGED_ROWS rows lie past 32-bit element offsets, and a layout
     # of static extents this large would overflow where its size is computed at compile time
-    row = cutlass.Int64(t.stride[0])
+    row = cutlass.Int64(t.stride[row_mode])
     base = t.iterator + cutlass.Int64(-RAGGED_ROWS) * row
-    shape = (cutlass.Int32(RAGGED_ROWS), t.shape[1], t.shape[2], cutlass.Int32(RAGGED_OFFSETS))
-    return cute.make_tensor(base, cute.make_layout(shape, stride=(row, *t.stride[1:], row)))
+    shape, stride = list(t.shape), list(t.stride)
+    shape[row_mode], stride[row_mode] = cutlass.Int32(RAGGED_ROWS), row
+    shape.append(cutlass.Int32(RAGGED_OFFSETS))
+    stride.append(row)
+    return cute.make_tensor(base, cute.make_layout(tuple(shape), stride=tuple(stride)))
 
 
-def ragged_tile_rows(m_view, seqlen, offset):
-    """``m_view`` (the ragged view with its head chosen: (RAGGED_ROWS, d, offsets)) at the
-    sequence (offset, seqlen): a (rows, d) tensor whose row r is the sequence's row r, out of
-    bounds from r = seqlen on."""
+def ragged_tile_rows(m_view, seqlen, offset, row_mode: int = 0):
+    """``m_view`` (a ragged view with its head chosen: (RAGGED_ROWS, d, offsets), or with
+    ``row_mode`` 1 (d, RAGGED_ROWS, offsets)) at the sequence (offset, seqlen): a tensor
+    whose row r is the sequence's row r, out of bounds from r = seqlen on."""
     import cutlass.cute as cute
 
-    return cute.domain_offset((RAGGED_ROWS - seqlen, 0), m_view[None, None, offset + seqlen])
+    rank = len(m_view.shape)
+    start = [0] * (rank - 1)
+    start[row_mode] = RAGGED_ROWS - seqlen
+    return cute.domain_offset(tuple(start), m_view[(None,) * (rank - 1) + (offset + seqlen,)])
 
 
 def sequence_rows(cu_seqlens, seq_used, seq, *tensors):

@@ -6,7 +6,8 @@ keys, keys longer than queries and the reverse) through ``run_forward_varlen`` w
 poisoned with NaN: every row of every sequence meets the project's error rule against the
 float64 reference of that sequence alone, rows without keys are O = 0 and LSE = -inf, and O is
 bit-identical to the numerics emulation (``emulate_sm100_varlen``, each sequence as a batch-1
-problem with the kernel's switches). Causal and not, with ``seqused_k`` in the second.
+problem with the kernel's switches). Causal and not, with ``seqused_k`` in the second, whose
+unused keys hold NaN and inf (``fa_sm100.adversarial.poison_unused_keys``).
 """
 
 import math
@@ -16,6 +17,7 @@ import torch
 
 pytest.importorskip("cutlass")
 
+from fa_sm100.adversarial import poison_unused_keys  # noqa: E402
 from fa_sm100.config import select_config  # noqa: E402
 from fa_sm100.testing import attention_reference, check_against_reference  # noqa: E402
 
@@ -48,6 +50,8 @@ def test_emulated_varlen_kernel(name):
     v = torch.randn(sum(lens_k), hk, d, generator=g).to(torch.bfloat16)
     cu_q, cu_k = _cu(lens_q), _cu(lens_k)
     used_t = None if used is None else torch.tensor(used, dtype=torch.int32)
+    if used_t is not None:  # the unused keys hold NaN and inf: they must not reach O
+        assert poison_unused_keys(k, v, cu_k, used_t) > 0
     run = run_forward_varlen(cfg, q, k, v, cu_q, cu_k, max(lens_q), used_t)
     assert not run.out.isnan().any() and not run.lse.isnan().any(), "a row was not written"
     scale = 1.0 / math.sqrt(d)

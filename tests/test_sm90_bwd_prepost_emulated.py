@@ -28,6 +28,8 @@ def _run(kernel, fakes, tensors, scalars=(), max_steps=2_000_000):
     (``max_steps``: the emulator's limit per CTA)."""
     import cuda.bindings.driver as cuda
 
+    # the varlen arguments after the scalars (cu_seqlens[, seqused]): None for a padded batch
+    scalars = tuple(scalars) + (None,) * (2 if isinstance(kernel, BwdPostprocess) else 1)
     real = tuple(from_dlpack(t) for t in tensors) + tuple(scalars) + (cuda.CUstream(0),)
     cap = capture_launch(kernel, tuple(fakes) + tuple(scalars) + (make_fake_stream(),), real,
                          arch="sm_90a")

@@ -14,6 +14,7 @@ import torch
 
 from test_varlen_gpu import LENGTHS, MODES
 
+from fa_sm100.adversarial import poison_unused_keys
 from fa_sm100.testing import attention_reference_grads, check_against_reference, grad_atol
 from fa_sm100.validation import normalize_window
 
@@ -40,6 +41,8 @@ def run_and_check(lens_q, lens_k, head_dims, dtype, causal, window, softcap, hea
     v = torch.randn(k.shape[0], hk, dv, device="cuda", dtype=dtype, generator=g)
     dout = torch.randn(q.shape[0], hq, dv, device="cuda", dtype=dtype, generator=g)
     seqused = None if used is None else torch.tensor(used, dtype=torch.int32, device="cuda")
+    if seqused is not None:  # NaN and inf in the unused keys must reach no gradient
+        poison_unused_keys(k, v, cu_k, seqused)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
 
     def call(q, k, v):

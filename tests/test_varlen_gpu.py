@@ -2,7 +2,8 @@
 each packed sequence against the float64 reference of that sequence alone, under the
 project's rule (docs/testing.md). Batches hold a zero-length sequence, sequences shorter
 than one tile and longer than several, queries and keys of different lengths, and keys used
-only in part (``seqused_k``); outputs are poisoned with NaN first, so an unwritten row fails
+only in part (``seqused_k``, the unused ones poisoned with NaN and inf:
+``fa_sm100.adversarial.poison_unused_keys``); outputs are poisoned with NaN first, so an unwritten row fails
 and a row written past its sequence's end (into the next one) shows as a wrong row there.
 Skips off SM90 with the reason (the ``sm90_device`` fixture); the SM100 cases (the same checks
 on ``sm100_fwd_varlen``) skip off SM100.
@@ -11,6 +12,7 @@ on ``sm100_fwd_varlen``) skip off SM100.
 import pytest
 import torch
 
+from fa_sm100.adversarial import poison_unused_keys
 from fa_sm100.testing import attention_reference, check_against_reference
 from fa_sm100.validation import normalize_window
 
@@ -57,8 +59,9 @@ def run_and_check(lens_q, lens_k, head_dims, dtype, causal, window, softcap, hea
     out = torch.full((q.shape[0], hq, dv), float("nan"), device="cuda", dtype=dtype)
     lse = torch.full((hq, q.shape[0]), float("nan"), device="cuda", dtype=torch.float32)
     seqused = None
-    if used is not None:
+    if used is not None:  # the unused keys hold NaN and inf: they must not reach O
         seqused = torch.tensor(used, dtype=torch.int32, device="cuda")
+        poison_unused_keys(k, v, cu_k, seqused)
     forward(q, k, v, cu_q, cu_k, max(lens_q), max(used or lens_k), seqused, None, causal,
             window, softcap, True, out=out, lse=lse)
     torch.cuda.synchronize()
@@ -133,8 +136,9 @@ def test_varlen_public_api_and_errors(sm90_device):
     zero_cu = torch.zeros(3, dtype=torch.int32, device="cuda")
     o, l = fa_sm100.flash_attn_varlen_func(empty, q, q, zero_cu, cu, 0, 100, return_lse=True)
     assert o.shape == (0, 2, 64) and l.shape == (2, 0)
-    with pytest.raises(ValueError, match="no backward"):
-        fa_sm100.flash_attn_varlen_func(q.clone().requires_grad_(), q, q, cu, cu, 100, 100)
+    leaf = q.clone().requires_grad_()  # gradients flow (tests/test_varlen_bwd_gpu.py)
+    fa_sm100.flash_attn_varlen_func(leaf, q, q, cu, cu, 100, 100).sum().backward()
+    assert leaf.grad is not None and torch.isfinite(leaf.grad).all()
 
 
 @pytest.mark.parametrize("head_dims", [(64, 64), (128, 128), (192, 128)],

@@ -21,6 +21,8 @@ COMMANDS = {
     "window_bench": ("fa_sm100.cli.window_bench", "sliding windows against FA4"),
     "softcap_bench": ("fa_sm100.cli.softcap_bench", "softcapping against FA4"),
     "varlen_bench": ("fa_sm100.cli.varlen_bench", "packed variable-length batches against FA4"),
+    "decode_bench": ("fa_sm100.cli.decode_bench", "decode against a paged KV cache: K/V read "
+                     "bandwidth, ours against FA4"),
     "cp_bench": ("fa_sm100.cli.cp_bench", "context parallelism on several GPUs: tokens/s/GPU, "
                  "compute against communication"),
     "plot_ratios": ("fa_sm100.cli.plot_ratios", "ours over the best peer, paired, from benchmark JSON"),

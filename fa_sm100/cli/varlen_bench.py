@@ -27,8 +27,9 @@ import argparse
 import sys
 import textwrap
 
-from fa_sm100.benchmarking import (MIN_ROUNDS, feature_bench_main, fill_ratio_row, optional_fa4,
-                                   format_interval, plot_mode_bars, run_cell, time_ms)
+from fa_sm100.benchmarking import (add_feature_bench_args, feature_bench_main, fill_ratio_row,
+                                   format_interval, optional_fa4, plot_mode_bars, run_cell,
+                                   time_ms)
 
 HEAD_DIM = 128
 # the packed causal batch (17.5k tokens), a batch of short prompts, one of long
@@ -47,12 +48,7 @@ def parse_args(argv=None):
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--causal", choices=["true", "false", "both"], default="both")
     p.add_argument("--mode", choices=["fwd", "bwd", "both"], default="both")
-    p.add_argument("--no-fa4", action="store_true")
-    p.add_argument("--repeat", type=int, default=MIN_ROUNDS, help="interleaved rounds per cell")
-    p.add_argument("--warmup", type=int, default=25, help="ms of warmup per measurement")
-    p.add_argument("--rep", type=int, default=100, help="ms of timed calls per measurement")
-    p.add_argument("--json")
-    p.add_argument("--png")
+    add_feature_bench_args(p)
     return p.parse_args(argv)
 
 

@@ -30,7 +30,7 @@ import argparse
 import sys
 
 
-from fa_sm100.benchmarking import (MIN_ROUNDS, feature_bench_main, optional_fa4,
+from fa_sm100.benchmarking import (add_feature_bench_args, feature_bench_main, optional_fa4,
                                    fill_ratio_row, format_interval, plot_mode_bars, run_cell,
                                    time_ms)
 
@@ -58,12 +58,7 @@ def parse_args(argv=None):
     p.add_argument("--tokens", type=int, default=32768, help="batch x seqlen per cell")
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--modes", nargs="+", choices=["fwd", "bwd"], default=["fwd", "bwd"])
-    p.add_argument("--no-fa4", action="store_true")
-    p.add_argument("--repeat", type=int, default=MIN_ROUNDS, help="interleaved rounds per cell")
-    p.add_argument("--warmup", type=int, default=25, help="ms of warmup per measurement")
-    p.add_argument("--rep", type=int, default=100, help="ms of timed calls per measurement")
-    p.add_argument("--json")
-    p.add_argument("--png")
+    add_feature_bench_args(p)
     return p.parse_args(argv)
 
 

@@ -564,6 +564,9 @@ class Sm90BwdVarlenPlan:
         if not aligned(q, k, v, out, dout):
             q, k, v, out, dout = (tma_ready(t) for t in (q, k, v, out, dout))
         lse = lse.contiguous()
+        if seqused_k is not None and not self.empty:  # keys past seqused_k: zeros, not garbage
+            unused = unused_key_rows(cu_seqlens_k, seqused_k, k.shape[0])
+            k, v = (t.masked_fill(unused[:, None, None], 0) for t in (k, v))
         zero_kv = self.empty or seqused_k is not None
         dq = torch.zeros_like(q) if self.empty else torch.empty_like(q)
         dk, dv = (torch.zeros_like(t) if zero_kv else torch.empty_like(t) for t in (k, v))
@@ -579,6 +582,15 @@ class Sm90BwdVarlenPlan:
 
 
 _varlen_plans = PlanTable()
+
+
+def unused_key_rows(cu_seqlens_k, seqused_k, total_k: int):
+    """(total_k,) bool: the rows of packed keys past their sequence's ``seqused_k`` (on the
+    device, no synchronization). Rows outside every sequence count as used."""
+    rows = torch.arange(total_k, device=cu_seqlens_k.device, dtype=torch.int32)
+    seq = torch.searchsorted(cu_seqlens_k, rows, right=True) - 1  # the sequence of each row
+    seq = seq.clamp(0, seqused_k.shape[0] - 1)
+    return (rows >= cu_seqlens_k[seq] + seqused_k[seq]) & (rows < cu_seqlens_k[seq + 1])
 
 
 def validate_bwd_varlen_inputs(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,

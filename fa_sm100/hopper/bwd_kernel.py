@@ -205,13 +205,17 @@ takes them (cu_seqlens, ``seqused_k``). The grid is the padded one of the longes
 sequence's first rows and lengths from cu_seqlens (``fa_sm100.varlen.sequence_rows``) and runs
 as a batch-1 problem of those lengths; a key block past its sequence's keys visits no query
 block. The packed tensors are seen from the sequence's first row at batch index ``seq``, so
-every role indexes them as it does a padded batch. The workspace (LSE2, Delta, the dQ
+every role indexes them as it does a padded batch. Keys past a sequence's end are the next
+sequence's (finite) rows, masked by its own seqlen_k; keys past ``seqused_k`` may hold
+anything (NaN included), which a masked P or dS of 0 would still carry into dQ and dV
+(0 x NaN), so the host zeroes those rows in copies of K and V first
+(``Sm90BwdVarlenPlan``). The workspace (LSE2, Delta, the dQ
 accumulator and semaphores, GQA's dK/dV buffers) is the padded batch itself: (sequences,
 heads, the longest length rounded up to the tile), so nothing that indexes it changes. Rows of
 a query block past its sequence's end hold the next sequence's Q and dO, but their LSE2 is
 +inf (the preprocess pads every sequence), so P = 0 there and they add nothing to dK or dV;
 their dQ lands in the padding, which the dQ postprocess does not store. Keys past the
-sequence's end are masked by its own seqlen_k (they would add into dQ otherwise). MHA dK/dV
+sequence's end are masked by its own seqlen_k. MHA dK/dV
 are stored by the threads with the row bound (a TMA store would write past the end into the
 next sequence), and dk / dv start zeroed where ``seqused_k`` leaves keys unused. What reads
 lengths beyond the CTA's own tile (persistent walks, fetched tiles, Q/dO clusters, the

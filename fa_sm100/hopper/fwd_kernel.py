@@ -93,9 +93,12 @@ cu_seqlens; a tile past its sequence's end is skipped by the producer and the co
 the empty warpgroups, the stored rows) uses the tile's own lengths. Causal masks and windows
 are the run-time band of each sequence (a varlen kernel is ``local``: ``kernel_window`` with
 the longest lengths, whose clamps cover every sequence). Loads offset the TMA coordinates by
-the sequence's first row: rows past its end read the next sequence's rows (or zeros past the
-tensor), which the seqlen mask hides (keys) or nobody stores (queries). O's TMA store must not
-write them, so it goes through a ragged view of O (``fa_sm100.varlen.ragged_rows``): the row mode is
+the sequence's first row: Q rows past its end read the next sequence's rows (or zeros past the
+tensor), which nobody stores. K and V load through ragged views (below) that end at the
+sequence's last used key, so the rows past it arrive as zeros: whatever lies there (the next
+sequence, or a cache's unfilled rows past ``seqused_k``, NaN included) cannot reach P V, where
+a masked P of 0 times a NaN or infinite V would still be NaN. O's TMA store must not
+write past the end either, so it goes through a ragged view of O (``fa_sm100.varlen.ragged_rows``): the row mode is
 ``RAGGED_ROWS`` long and another mode steps by one row too, with the base moved back by
 ``RAGGED_ROWS`` rows; a tile of sequence (offset, length) stores at row coordinate
 ``RAGGED_ROWS - length + r`` and that mode's coordinate ``offset + length``, which addresses
@@ -118,7 +121,7 @@ from fa_sm100.hopper.common import PeerReleasePipeline
 from fa_sm100.hopper.config import WARPGROUP_THREADS, WGMMA_M, Sm90FwdConfig
 from fa_sm100.hopper.fwd_consumer import ConsumerRole
 from fa_sm100.softmax_math import LOG2_E
-from fa_sm100.varlen import ragged_rows
+from fa_sm100.varlen import ragged_rows, ragged_tile_rows
 
 # Warpgroup 0 is the producer: warp 0 issues the TMA loads, the others only donate registers.
 PRODUCER_WARPS = WARPGROUP_THREADS // WARP_SIZE
@@ -262,10 +265,15 @@ class Sm90FwdKernel(ConsumerRole):
         # Note [K/V multicast]: each CTA of the cluster loads 1/kv_cluster of a K/V tile.
         kv_ctas = cfg.cluster[0]
         kv_op = cpasync.CopyBulkTensorTileG2SMulticastOp() if cfg.kv_multicast else load_op
+        mK_load, mV_load = mK, mV
+        if const_expr(cfg.varlen):  # Note [Varlen]: rows past a sequence's keys load as zeros
+            mK_load, mV_load = (ragged_rows(t[None, None, None, 0]) for t in (mK, mV))
         tma_k, tma_mK = cpasync.make_tiled_tma_atom(
-            kv_op, mK, cute.select(sK_layout, mode=[0, 1]), (cfg.n_block, cfg.head_dim), kv_ctas)
+            kv_op, mK_load, cute.select(sK_layout, mode=[0, 1]), (cfg.n_block, cfg.head_dim),
+            kv_ctas)
         tma_v, tma_mV = cpasync.make_tiled_tma_atom(
-            kv_op, mV, cute.select(sV_layout, mode=[0, 1]), (cfg.n_block, cfg.head_dim_v), kv_ctas)
+            kv_op, mV_load, cute.select(sV_layout, mode=[0, 1]), (cfg.n_block, cfg.head_dim_v),
+            kv_ctas)
         o_rows = WGMMA_M if cfg.wg_epilogue else cfg.m_block  # one TMA store per warpgroup?
         mO_store = mO
         if const_expr(cfg.varlen):  # Note [Varlen]: rows past a sequence's end are clipped
@@ -576,8 +584,8 @@ class Sm90FwdKernel(ConsumerRole):
         mV_bh = mV[None, None, head_kv, batch]
         if const_expr(varlen is not None):  # Note [Varlen]: from the sequence's first rows
             mQ_bh = cute.domain_offset((seq[0], 0), mQ[None, None, head, 0])
-            mK_bh = cute.domain_offset((seq[1], 0), mK[None, None, head_kv, 0])
-            mV_bh = cute.domain_offset((seq[1], 0), mV[None, None, head_kv, 0])
+            mK_bh = ragged_tile_rows(mK[None, None, head_kv, None], seq[3], seq[1])
+            mV_bh = ragged_tile_rows(mV[None, None, head_kv, None], seq[3], seq[1])
         gQ = cute.local_tile(mQ_bh, (cfg.m_block, cfg.head_dim), (m_block, 0))
         gK = cute.local_tile(mK_bh, (cfg.n_block, cfg.head_dim), (None, 0))
         gV = cute.local_tile(mV_bh, (cfg.n_block, cfg.head_dim_v), (None, 0))

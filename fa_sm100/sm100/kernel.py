@@ -90,12 +90,16 @@ class Sm100Forward:
         tma_q, mQ_t = cute.nvgpu.make_tiled_tma_atom_A(
             load_op, mQ, cute.select(lay.sQ, mode=[0, 1, 2]), cute_layouts.mma_tiler_qk(cfg),
             tiled_mma_qk, cta_layout_vmnk.shape)
+        mK_load, mV_load = mK, mV
+        if cutlass.const_expr(cfg.varlen):  # fa_sm100.varlen: keys past a sequence load as 0
+            mK_load = ragged_rows(mK[None, None, None, 0])
+            mV_load = ragged_rows(mV[None, None, None, 0], row_mode=1)
         tma_k, mK_t = cute.nvgpu.make_tiled_tma_atom_B(
-            load_op, mK, cute.select(lay.sK, mode=[0, 1, 2]), cute_layouts.mma_tiler_qk(cfg),
-            tiled_mma_qk, cta_layout_vmnk.shape)
+            load_op, mK_load, cute.select(lay.sK, mode=[0, 1, 2]),
+            cute_layouts.mma_tiler_qk(cfg), tiled_mma_qk, cta_layout_vmnk.shape)
         tma_v, mV_t = cute.nvgpu.make_tiled_tma_atom_B(
-            load_op, mV, cute.select(lay.sV, mode=[0, 1, 2]), cute_layouts.mma_tiler_pv(cfg),
-            tiled_mma_pv, cta_layout_vmnk.shape)
+            load_op, mV_load, cute.select(lay.sV, mode=[0, 1, 2]),
+            cute_layouts.mma_tiler_pv(cfg), tiled_mma_pv, cta_layout_vmnk.shape)
         mO_store = mO
         if cutlass.const_expr(cfg.varlen):  # fa_sm100.varlen: rows past a sequence clipped
             mO_store = ragged_rows(mO[None, None, None, 0])

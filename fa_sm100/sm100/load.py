@@ -23,6 +23,7 @@ from cutlass.cute.nvgpu import cpasync
 from fa_sm100.sm100 import masking
 from fa_sm100.sm100.pipes import producer_tail
 from fa_sm100.sm100.scheduler import tile_problem
+from fa_sm100.varlen import ragged_tile_rows
 from pipelines import record
 
 
@@ -48,8 +49,10 @@ def make_load_views(cfg, atoms, gmem, smem, thr_mma_qk, thr_mma_pv, head, batch,
     mV = gmem.mV[None, None, head_kv, batch]  # (d, s)
     if cutlass.const_expr(cfg.varlen):  # fa_sm100.varlen: one packed "batch"
         mQ = cute.domain_offset((prob.q_off, 0), gmem.mQ[None, None, head, 0])
-        mK = cute.domain_offset((prob.k_off, 0), gmem.mK[None, None, head_kv, 0])
-        mV = cute.domain_offset((0, prob.k_off), gmem.mV[None, None, head_kv, 0])
+        # K and V through their ragged views: rows past the used keys load as zeros
+        mK = ragged_tile_rows(gmem.mK[None, None, head_kv, None], prob.seqlen_k, prob.k_off)
+        mV = ragged_tile_rows(gmem.mV[None, None, head_kv, None], prob.seqlen_k, prob.k_off,
+                              row_mode=1)
     gQ = cute.local_tile(mQ, (mma_m, cfg.head_dim), (None, 0))
     gK = cute.local_tile(mK, (cfg.n_block, cfg.head_dim), (None, 0))
     gV = cute.local_tile(mV, (cfg.head_dim_v, cfg.n_block), (0, None))
