@@ -23,17 +23,22 @@ from fa_sm100.testing import check_against_reference  # noqa: E402
 pytestmark = pytest.mark.compile
 
 
-def _run(kernel, fakes, tensors, scalars=(), max_steps=2_000_000):
+def _run(kernel, fakes, tensors, scalars=(), max_steps=2_000_000, varlen=None):
     """Capture the sm_90a launch of ``kernel`` and emulate it on the CPU tensors
-    (``max_steps``: the emulator's limit per CTA)."""
+    (``max_steps``: the emulator's limit per CTA). ``varlen``: the int32 tensors of the
+    varlen arguments after the scalars (cu_seqlens[, seqused]); None for a padded batch."""
     import cuda.bindings.driver as cuda
 
-    # the varlen arguments after the scalars (cu_seqlens[, seqused]): None for a padded batch
-    scalars = tuple(scalars) + (None,) * (2 if isinstance(kernel, BwdPostprocess) else 1)
-    real = tuple(from_dlpack(t) for t in tensors) + tuple(scalars) + (cuda.CUstream(0),)
-    cap = capture_launch(kernel, tuple(fakes) + tuple(scalars) + (make_fake_stream(),), real,
-                         arch="sm_90a")
-    emulate(cap, list(tensors), seed=0, max_steps=max_steps)
+    n = 2 if isinstance(kernel, BwdPostprocess) else 1
+    varlen = list(varlen or []) + [None] * (n - len(varlen or []))
+    fake_tail = tuple(None if t is None else _rowmajor(cutlass.Int32, t.shape, 4) for t in varlen)
+    real_tail = tuple(None if t is None else from_dlpack(t) for t in varlen)
+    real = tuple(from_dlpack(t) for t in tensors) + tuple(scalars) + real_tail + (
+        cuda.CUstream(0),)
+    cap = capture_launch(kernel, tuple(fakes) + tuple(scalars) + fake_tail + (make_fake_stream(),),
+                         real, arch="sm_90a")
+    emulate(cap, list(tensors) + [t for t in varlen if t is not None], seed=0,
+            max_steps=max_steps)
 
 
 @pytest.mark.parametrize("head_dim,head_dim_v,dtype,tile_m,n_sem,zero_dq",
@@ -214,3 +219,52 @@ def test_dq_postprocess_inverts_the_fragment_order(overrides):
         sem[0, 1, done] -= 1  # one CTA of head 1 not done yet
         with pytest.raises(EmulationError, match="step limit"):
             _run(DqPostprocess(cfg), fakes, (acc, sem, out), scalars, max_steps=steps)
+
+
+def test_varlen_preprocess_and_dkdv_postprocess_read_each_sequence():
+    """Note [Varlen backward]: the preprocess reads each sequence's rows of packed O, dO and
+    LSE (1, total, ...) into the padded workspace (sequences, heads, longest padded): rows
+    past a sequence's end are Delta 0, LSE2 +inf, a zero-length sequence is all padding; the
+    GQA dK/dV postprocess writes each sequence's first ``seqused`` rows of packed dK from its
+    padded accumulator and leaves the unused rows alone."""
+    torch.manual_seed(9)
+    lens = [5, 0, 37, 12]
+    cu = torch.tensor([0, 5, 5, 42, 54], dtype=torch.int32)
+    total, h, d, tile_m, n = 54, 3, 64, 64, len(lens)
+    pad = 64
+    dt, f32 = cutlass_dtype("bfloat16"), cutlass.Float32
+    o, do = (torch.randn(1, total, h, d).bfloat16() for _ in range(2))
+    lse = torch.randn(1, h, total) * 4
+    lse2, delta = torch.full((n, h, pad), 7.0), torch.full((n, h, pad), 7.0)
+    dq_acc = torch.full((n, h, pad // tile_m, tile_m * d), math.nan)
+    dq_sem = torch.full((n, h, 1), 7, dtype=torch.int32)
+    fakes = (_rowmajor(dt, o.shape), _rowmajor(dt, do.shape), _rowmajor(f32, lse.shape),
+             _rowmajor(f32, lse2.shape), _rowmajor(f32, delta.shape),
+             _rowmajor(f32, dq_acc.shape), _rowmajor(cutlass.Int32, dq_sem.shape, 4))
+    _run(BwdPreprocess(d, d, pdl=True), fakes, (o, do, lse, lse2, delta, dq_acc, dq_sem),
+         varlen=[cu])
+    assert torch.equal(dq_acc, torch.zeros_like(dq_acc))
+    log2e = torch.tensor(math.log2(math.e), dtype=torch.float32)
+    for i, length in enumerate(lens):
+        rows = slice(int(cu[i]), int(cu[i + 1]))
+        ref64 = (o[0, rows].double() * do[0, rows].double()).sum(-1).T
+        plain = (o[0, rows].float() * do[0, rows].float()).sum(-1).T
+        check_against_reference(delta[i, :, :length], ref64, plain, what=f"Delta {i}")
+        assert torch.equal(lse2[i, :, :length], lse[0, :, rows] * log2e)
+        assert not delta[i, :, length:].any()
+        assert torch.equal(lse2[i, :, length:], torch.full((h, pad - length), math.inf))
+    # GQA dK: 2 query heads per KV head, keys used in part
+    group, hk = 2, 2
+    used = torch.tensor([5, 0, 30, 12], dtype=torch.int32)
+    acc = torch.full((n, hk * group, pad, d), math.nan)
+    for i, length in enumerate(used.tolist()):
+        acc[i, :, :length] = torch.randn(hk * group, length, d)
+    out = torch.full((1, total, hk, d), 7.0).bfloat16()
+    _run(BwdPostprocess(d, group, pdl=True), (_rowmajor(f32, acc.shape), _rowmajor(dt, out.shape)),
+         (acc, out), scalars=(f32(1.0),), varlen=[cu, used])
+    for i, length in enumerate(used.tolist()):
+        first = int(cu[i])
+        parts = acc[i, :, :length].reshape(hk, group, length, d)
+        want = (parts[:, 0] + parts[:, 1]).bfloat16().transpose(0, 1)
+        assert torch.equal(out[0, first:first + length], want), f"sequence {i}"
+        assert (out[0, first + length:int(cu[i + 1])] == 7.0).all(), f"unused rows of {i}"
