@@ -210,6 +210,10 @@ class FmhaConfig:
     # lengths come from cu_seqlens; a windowed kernel (causal masks and windows are each
     # sequence's run-time band)
     varlen: bool = False
+    # a paged K/V cache (varlen only): keys in pages of this many tokens, each sequence's pages
+    # named by a page table (load.py: the load warp reads each key block's page); 0 = not
+    # paged. A multiple of n_block, so that a key block lies in one page (one TMA box)
+    page_size: int = 0
     qhead_per_kvhead: int = 1  # GQA ratio; 1 = MHA, num_heads = MQA
     write_lse: bool = True
     # tiles
@@ -287,6 +291,11 @@ class FmhaConfig:
                 f"head dims (qk={self.head_dim}, v={self.head_dim_v}) are not supported: "
                 f"use one of {SM100_HEAD_DIMS}"
             )
+        if self.page_size and (not self.varlen or self.page_size < 0
+                               or self.page_size % self.n_block):
+            raise ValueError(f"page_size={self.page_size}: a paged cache needs varlen=True and "
+                             f"pages of a multiple of n_block={self.n_block} tokens (a key block "
+                             f"is loaded from one page by one TMA copy)")
         if self.varlen and not self.is_local:
             raise ValueError("varlen=True needs a window (window_left / window_right not None): "
                              "each sequence's causal mask or window is its run-time band")

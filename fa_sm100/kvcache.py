@@ -213,7 +213,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             causal=False, window_size=(-1, -1), softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0,
                             return_softmax_lse=False, *, page_table=None,
-                            varlen_forward: Optional[Callable] = None):
+                            varlen_forward: Optional[Callable] = None,
+                            paged_forward: Optional[Callable] = None):
     """Attention of q (batch, seqlen_q, heads, d) against a KV cache, flash-attn 2's
     ``flash_attn_with_kvcache`` (the module docstring says how).
 
@@ -226,7 +227,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     ``return_softmax_lse`` also lse (batch, heads, seqlen_q) float32. Rotary embeddings,
     ``cache_batch_idx``, ``cache_leftpad`` and ALiBi are not implemented: ValueError.
     ``varlen_forward``: the varlen forward to run (default: ``flash_attn_varlen_func``'s
-    kernel for q's device).
+    kernel for q's device). ``paged_forward``: a forward that reads the pages itself
+    (``sm100_fwd_paged``'s arguments; default: the SM100 kernel's on an sm_100 GPU, with pages
+    of a multiple of 128 tokens and no window), used instead of gathering the pages.
     """
     for name, value in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
                         ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad),
@@ -261,6 +264,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         varlen_forward = _varlen_forward_for(q)
     if k is not None:
         append_kv(k_cache, v_cache, k, v, cache_seqlens, page_table)
+    if page_table is not None and (left, right) == (None, None):
+        paged_forward = paged_forward or _kernel_paged_forward(q, page_size)
+        if paged_forward is not None:  # the kernel reads each key block's page
+            return _paged_call(paged_forward, q, k_cache, v_cache, table, lengths, page_size,
+                               num_splits, scale, causal, softcap, return_softmax_lse)
     if page_table is not None:  # the used pages, contiguous (unused slots read page 0)
         used_pages = max(1, -(-longest // page_size))
         need = (lengths + page_size - 1) // page_size
@@ -306,6 +314,69 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     out = out.transpose(1, 2).reshape(b, 1, hq, dv).to(q.dtype)
     lse = lse.transpose(1, 2).reshape(b, hq, 1)
     return (out, lse) if return_softmax_lse else out
+
+
+def _kernel_paged_forward(q, page_size: int):
+    """The forward that reads a paged cache itself on q's device, or None: the SM100 kernel
+    (``sm100_fwd_paged``) with pages of a multiple of its 128-key blocks."""
+    if q.device.type != "cuda" or page_size % 128:
+        return None
+    from fa_sm100.devices import capability
+
+    if capability(q.device)[0] != 10:
+        return None
+    from fa_sm100.sm100.interface import sm100_fwd_paged
+
+    return sm100_fwd_paged
+
+
+def _paged_call(paged_forward, q, k_pages, v_pages, table, lengths, page_size: int,
+                num_splits: int, scale: float, causal: bool, softcap: float, return_lse: bool):
+    """``flash_attn_with_kvcache`` through a forward that reads the pages itself (no window):
+    several query tokens as one packed call with each sequence's lengths; one query token with
+    pack-GQA and split-KV, each chunk a whole number of pages, so that chunk (i, s) is the
+    sequence whose page table row is sequence i's pages from s x pages per chunk on."""
+    b, sq, hq, d = q.shape
+    hk, dv = k_pages.shape[2], v_pages.shape[3]
+    longest = int(lengths.max()) if len(lengths) else 0
+    if sq != 1:
+        meta = _to_device(np.concatenate([np.arange(b + 1) * sq, lengths]).astype(np.int32),
+                          q.device)
+        out, lse = paged_forward(q.reshape(b * sq, hq, d), k_pages, v_pages, meta[:b + 1], sq,
+                                 _to_device(table.astype(np.int32), q.device).view(b, -1),
+                                 meta[b + 1:], max(longest, 1), scale, causal, (None, None),
+                                 softcap, True)
+        out = out.view(b, sq, hq, dv)
+        lse = lse.view(hq, b, sq).permute(1, 0, 2)
+        return (out, lse) if return_lse else out
+    group = hq // hk
+    splits = num_splits or choose_num_splits(b * hk, _sms(q.device), longest)
+    keys_per_split = -(-longest // splits)
+    pages_per_chunk = max(1, -(-keys_per_split // page_size))
+    chunk = pages_per_chunk * page_size
+    splits = max(1, -(-longest // chunk))  # no chunk past the longest sequence
+    first = np.arange(splits) * chunk
+    used = np.clip(np.minimum(chunk, lengths[:, None] - first), 0, None).ravel()
+    slots = (np.arange(splits)[:, None] * pages_per_chunk + np.arange(pages_per_chunk)).ravel()
+    padded = np.zeros((b, splits * pages_per_chunk), dtype=np.int64)
+    width = min(table.shape[1], padded.shape[1])
+    need = (lengths + page_size - 1) // page_size
+    padded[:, :width] = np.where(np.arange(width) < need[:, None], table[:, :width], 0)
+    rows = padded[:, slots].reshape(b * splits, pages_per_chunk)
+    cu_q = np.arange(b * splits + 1) * group
+    meta = _to_device(np.concatenate([cu_q, used, rows.ravel()]).astype(np.int32), q.device)
+    n = b * splits
+    packed_q = (q.reshape(b, hk, group, d).transpose(1, 2).unsqueeze(1)
+                .expand(b, splits, group, hk, d).reshape(n * group, hk, d))
+    out, lse = paged_forward(packed_q, k_pages, v_pages, meta[:n + 1], group,
+                             meta[2 * n + 1:].view(n, pages_per_chunk), meta[n + 1:2 * n + 1],
+                             chunk, scale, False, (None, None), softcap, True)
+    out = out.view(b, splits, group, hk, dv)
+    lse = lse.view(hk, b, splits, group).permute(1, 2, 3, 0)
+    out, lse = merge_splits(out, lse) if splits > 1 else (out[:, 0], lse[:, 0])
+    out = out.transpose(1, 2).reshape(b, 1, hq, dv).to(q.dtype)
+    lse = lse.transpose(1, 2).reshape(b, hq, 1)
+    return (out, lse) if return_lse else out
 
 
 def _to_device(array, device):

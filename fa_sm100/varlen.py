@@ -104,11 +104,11 @@ class VarlenPlan:
         self.device = device
         self.max_seqlen_q = problem.max_seqlen_q
 
-    def launch(self, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k):
+    def launch(self, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, **extra):
         raise NotImplementedError  # the backend's kernel call
 
     def __call__(self, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k=None, out=None,
-                 lse=None):
+                 lse=None, **extra):
         import torch
 
         from fa_sm100.call_plans import aligned, check_out_lse
@@ -135,7 +135,7 @@ class VarlenPlan:
             lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
         self.launch(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out.unsqueeze(0),
                     lse.unsqueeze(0) if lse is not None else None, cu_seqlens_q, cu_seqlens_k,
-                    seqused_k)
+                    seqused_k, **extra)
         return (out, lse) if self.return_lse else out
 
 

@@ -283,4 +283,39 @@ def test_sm100_varlen_call_launches_the_packed_problem(monkeypatch):
     assert args[4].shape == (1, 4, 300)  # LSE (h, total_q) as a batch of one
     left, right = args[7:9]
     assert left == VARLEN_UNBOUNDED and right == 0  # causal: right bound 0, left unbounded
-    assert args[9] is cu_q and args[10] is cu_k and args[11] is None and args[12] == 200
+    assert args[9] is cu_q and args[10] is cu_k and args[11] is None  # no seqused_k
+    assert args[12] is None and args[13] == 200  # no page table; the longest query sequence
+
+
+def test_sm100_paged_call_launches_its_pages(monkeypatch):
+    """``sm100_fwd_paged`` on a faked sm_100 device (no SM100 code runs here): a paged kernel
+    (``page_size`` from the pages' shape) gets the pages as packed rows, the used keys and the
+    flat page table; pages that one TMA copy per key block cannot read raise ValueError first."""
+    from fa_sm100.sm100 import interface as sm100
+
+    launches = []
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device=None: SimpleNamespace(multi_processor_count=148))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(kernel_cache, "kernel",
+                        lambda kind, key, build: (lambda *args: launches.append((kind, key,
+                                                                                 args))))
+    monkeypatch.setattr(sm100, "_paged_plans", type(sm100._paged_plans)())
+    with FakeTensorMode():
+        q = torch.empty(8, 4, 128, device="cuda", dtype=torch.bfloat16)
+        pages = torch.empty(10, 256, 2, 128, device="cuda", dtype=torch.bfloat16)
+        cu_q = torch.empty(3, device="cuda", dtype=torch.int32)
+        table = torch.empty(2, 5, device="cuda", dtype=torch.int32)
+        used = torch.empty(2, device="cuda", dtype=torch.int32)
+        sm100.sm100_fwd_paged(q, pages, pages, cu_q, 4, table, used, 1280, return_lse=True)
+        small = torch.empty(10, 64, 2, 128, device="cuda", dtype=torch.bfloat16)
+        with pytest.raises(ValueError, match="multiple of 128"):
+            sm100.sm100_fwd_paged(q, small, small, cu_q, 4, table, used, 1280)
+        with pytest.raises(ValueError, match="seqused_k"):
+            sm100.sm100_fwd_paged(q, pages, pages, cu_q, 4, table, None, 1280)
+    kind, key, args = launches[-1]
+    cfg = key[0]
+    assert kind == "sm100_fwd" and cfg.varlen and cfg.page_size == 256
+    assert args[1].shape == (1, 2560, 2, 128)  # the pages as packed rows, a batch of one
+    assert args[11] is used and args[12].shape == (10,)  # used keys, the flat page table

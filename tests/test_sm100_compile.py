@@ -47,6 +47,8 @@ CONFIGS = {
                                  "ex2_emu_fraction=0"],
     # packed sequences (fa_sm100.varlen): per-tile lengths from cu_seqlens, O's ragged store
     "varlen_causal_gqa": ["varlen=true", "causal=true", "qhead_per_kvhead=2"],
+    # a paged cache: each key block's page from the page table, read by the load warp
+    "varlen_paged_2cta": ["varlen=true", "page_size=256", "qhead_per_kvhead=2"],
 }
 
 _CACHE = {}
@@ -87,6 +89,7 @@ def test_the_configs_cover_every_switch_dtype_and_head_dim():
     assert seen("window_left") >= {None, 512}
     assert seen("softcap") == {True, False}
     assert seen("varlen") == {True, False}
+    assert seen("page_size") >= {0, 256}
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

@@ -18,12 +18,15 @@ from fa_sm100.config import config_from_overrides  # noqa: E402
 pytestmark = [pytest.mark.compile, pytest.mark.slow]
 
 # The first three are also compile-contract configs (their recordings are reused when
-# test_sm100_compile.py ran first in the session); the last is the design's one-K/V-stage case.
+# test_sm100_compile.py ran first in the session); then the design's one-K/V-stage case and
+# a paged-cache kernel.
 CONFIGS = {
     "default": [],
     "1cta": ["use_2cta=false"],
     "q_stage1_2cta_no_split_p": ["q_stage=1", "use_2cta=true", "split_p=false"],
     "1cta_q1_nosplit_kv1": ["use_2cta=false", "q_stage=1", "split_p=false", "kv_stage=1"],
+    # a paged cache: the load warp reads each block's page; its protocol must be unchanged
+    "varlen_paged": ["varlen=true", "page_size=128", "qhead_per_kvhead=2"],
 }
 ROLES = {"load", "mma", "softmax0", "softmax1", "correction", "epilogue"}
 

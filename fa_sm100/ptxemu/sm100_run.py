@@ -106,7 +106,7 @@ def run_forward(cfg, q, k, v, softmax_scale: Optional[float] = None, seed: int =
             *(cutlass.Int32(w) for w in kernel_window(cfg.causal, (cfg.window_left,
                                                                    cfg.window_right), sq,
                                                       k.shape[1])),
-            None, None, None, cutlass.Int32(0), cuda.CUstream(0))
+            None, None, None, None, cutlass.Int32(0), cuda.CUstream(0))
     cap = capture_launch(kernel, fake, real, compiled=compiled, ptx=ptx)
     if ptx_edit is not None:
         from .parser import parse_ptx
@@ -128,12 +128,15 @@ def run_forward(cfg, q, k, v, softmax_scale: Optional[float] = None, seed: int =
 
 def run_forward_varlen(cfg, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
                        seqused_k=None, window=(None, None), softmax_scale=None, seed: int = 0,
-                       softcap: float = 0.0) -> ForwardRun:
+                       softcap: float = 0.0, page_table=None) -> ForwardRun:
     """Emulate the compiled SM100 varlen forward (``cfg.varlen``, fa_sm100.varlen) on packed
     CPU tensors: q (total_q, h, d), k / v (total_k, h_kv, d / dv), int32 offsets. ``window``:
     the problem's (left, right), None unbounded (with ``cfg.causal``: bands.kernel_window with
     the varlen bound). O is poisoned with NaN first (rows the kernel does not write stay NaN),
-    LSE likewise; returns them as the kernel wrote them, O (total_q, h, dv), LSE (h, total_q)."""
+    LSE likewise; returns them as the kernel wrote them, O (total_q, h, dv), LSE (h, total_q).
+    A paged config (``cfg.page_size``): k / v are the cache's pages (pages, page_size, h_kv,
+    d / dv), ``page_table`` (batch, pages per sequence) int32 names each sequence's, and
+    ``seqused_k`` its length (cu_seqlens_k is then unread)."""
     import cuda.bindings.driver as cuda
     import cutlass
 
@@ -150,19 +153,29 @@ def run_forward_varlen(cfg, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: i
     kernel, fake, compiled, ptx = compile_forward(cfg, q.shape[1], seqused_k is not None)
     t1 = time.perf_counter()
     q4, k4, v4 = (t.unsqueeze(0).contiguous() for t in (q, k, v))
-    out = torch.full((1, q.shape[0], q.shape[1], v.shape[2]), float("nan"), dtype=q.dtype)
+    out = torch.full((1, q.shape[0], q.shape[1], v.shape[-1]), float("nan"), dtype=q.dtype)
     lse = (torch.full((1, q.shape[1], q.shape[0]), float("nan"), dtype=torch.float32)
            if cfg.write_lse else None)
-    ints = [t.contiguous() for t in (cu_seqlens_q, cu_seqlens_k)
+    if cfg.page_size:  # the pages as packed rows
+        if page_table is None or seqused_k is None:
+            raise ValueError("a paged config needs page_table and seqused_k")
+        k4, v4 = (t.reshape(1, -1, *t.shape[2:]).contiguous() for t in (k, v))
+    # fresh copies: views into a larger buffer may start off the 16-byte alignment
+    ints = [t.clone() for t in (cu_seqlens_q, cu_seqlens_k)
             + (() if seqused_k is None else (seqused_k,))]
     cu = [_to_cute(t, (0,), f) for t, f in zip(ints, fake[9:12])]
+    pages = None
+    if cfg.page_size:
+        table = page_table.flatten().clone()
+        ints.append(table)
+        pages = _to_cute(table, (0,), fake[12])
     real = (_to_cute(q4, (0, 1), fake[0]), _to_cute(k4, (0, 1), fake[1]),
             _to_cute(v4, (0, 1), fake[2]), _to_cute(out, (0, 1), fake[3]),
             _to_cute(lse, (0, 2), fake[4]) if lse is not None else None,
             cutlass.Float32(scale), cutlass.Float32(softcap),
             *(cutlass.Int32(w) for w in kernel_window(cfg.causal, window, VARLEN_UNBOUNDED,
                                                       VARLEN_UNBOUNDED)),
-            *cu, *([None] if seqused_k is None else []), cutlass.Int32(max_seqlen_q),
+            *cu, *([None] if seqused_k is None else []), pages, cutlass.Int32(max_seqlen_q),
             cuda.CUstream(0))
     cap = capture_launch(kernel, fake, real, compiled=compiled, ptx=ptx)
     t2 = time.perf_counter()

@@ -27,8 +27,9 @@ class Problem:
     window: Optional[tuple] = None
     # a softcapped config's tanh argument factor (softmax_scale / softcap), else None
     softcap_k: Optional[Float32] = None
-    # varlen (fa_sm100.varlen): (cu_seqlens_q, cu_seqlens_k[, seqused_k]); a work tile's
-    # Problem (scheduler.tile_problem) has its sequence's lengths and first rows
+    # varlen (fa_sm100.varlen): (cu_seqlens_q, cu_seqlens_k[, seqused_k[, page table]]); a
+    # work tile's Problem (scheduler.tile_problem) has its sequence's lengths and first rows.
+    # The page table of a paged cache (cfg.page_size) is flat, (batch x pages per sequence,)
     varlen: Optional[tuple] = None
     q_off: object = 0
     k_off: object = 0

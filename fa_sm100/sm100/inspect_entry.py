@@ -48,7 +48,10 @@ def fake_arguments(cfg: FmhaConfig, num_heads: int = FAKE_QUERY_HEADS, env_strea
     lse = (make_fake_compact_tensor(cutlass.Float32, (batch, num_heads, seqlen_q),
                                     stride_order=(2, 1, 0), assumed_align=16)
            if cfg.write_lse else None)
-    cu_q = cu_k = used_k = None
+    cu_q = cu_k = used_k = pages = None
+    seqused_k = seqused_k or cfg.page_size > 0  # a paged cache's lengths are its used keys
+    if cfg.page_size:  # a paged cache: the page table, flat (batch x pages per sequence,)
+        pages = make_fake_compact_tensor(cutlass.Int32, (cute.sym_int(),), assumed_align=4)
     if cfg.varlen:  # fa_sm100.varlen: batch + 1 offsets, batch used key lengths
         n = cute.sym_int()
         cu_q, cu_k = (make_fake_compact_tensor(cutlass.Int32, (n,), assumed_align=4)
@@ -56,7 +59,7 @@ def fake_arguments(cfg: FmhaConfig, num_heads: int = FAKE_QUERY_HEADS, env_strea
         if seqused_k:
             used_k = make_fake_compact_tensor(cutlass.Int32, (cute.sym_int(),), assumed_align=4)
     return (q, k, v, o, lse, cutlass.Float32(1.0), cutlass.Float32(0.0), cutlass.Int32(0),
-            cutlass.Int32(0), cu_q, cu_k, used_k, cutlass.Int32(0),
+            cutlass.Int32(0), cu_q, cu_k, used_k, pages, cutlass.Int32(0),
             make_fake_stream(use_tvm_ffi_env_stream=env_stream))
 
 

@@ -113,7 +113,8 @@ class Sm100FwdPlan:
         if lse is not None and not self.return_lse:
             raise ValueError("an lse buffer needs return_lse=True on SM100 (the kernel writes "
                              "LSE only then)")
-        self.kernel(q, k, v, out, lse, self.scale, self.softcap, *self.window, None, None, None, 0)
+        self.kernel(q, k, v, out, lse, self.scale, self.softcap, *self.window, None, None, None,
+                    None, 0)
         return (out, lse) if self.return_lse else out
 
 
@@ -156,9 +157,9 @@ class Sm100VarlenPlan(VarlenPlan):
         super().__init__(problem, cfg, return_lse, device, config,
                          lambda: _compiled(cfg, problem.heads, seqused_k))
 
-    def launch(self, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k):
+    def launch(self, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table=None):
         self.kernel(q, k, v, out, lse, self.scale, self.softcap, *self.window, cu_seqlens_q,
-                    cu_seqlens_k, seqused_k, self.max_seqlen_q)
+                    cu_seqlens_k, seqused_k, page_table, self.max_seqlen_q)
 
 
 _varlen_plans = PlanTable()
@@ -167,8 +168,10 @@ _varlen_plans = PlanTable()
 def build_sm100_varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                             seqused_k=None, softmax_scale=None, causal=False,
                             window_size=(None, None), softcap=0.0, return_lse=False,
-                            config: Optional[FmhaConfig] = None) -> Sm100VarlenPlan:
-    """Validate, pick and compile the varlen config: the plan of one call."""
+                            config: Optional[FmhaConfig] = None,
+                            page_size: int = 0) -> Sm100VarlenPlan:
+    """Validate, pick and compile the varlen config: the plan of one call (``page_size``: a
+    paged cache's, ``sm100_fwd_paged``; k / v then come as its pages, packed)."""
     from fa_sm100.config import SM100_HEAD_DIMS
     from fa_sm100.validation import validate_varlen_inputs
 
@@ -184,10 +187,11 @@ def build_sm100_varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
             head_dim=prob.head_dim, head_dim_v=prob.head_dim_v, dtype=normalize_dtype(prob.dtype),
             seqlen_q=max(max_seqlen_q, 1), seqlen_k=max(max_seqlen_k, 1), causal=prob.causal,
             qhead_per_kvhead=prob.heads // prob.heads_kv, window_left=left, window_right=right,
-            num_sms=sm_count(q.device), softcap=prob.softcap > 0, varlen=True)
+            num_sms=sm_count(q.device), softcap=prob.softcap > 0, varlen=True,
+            page_size=page_size)
     elif not isinstance(config, FmhaConfig) or not config.varlen:
         raise ValueError("config must be an FmhaConfig with varlen=True for a varlen call")
-    cfg = config.replace(write_lse=return_lse).validate()
+    cfg = config.replace(write_lse=return_lse, page_size=page_size).validate()
     return Sm100VarlenPlan(prob, cfg, return_lse, seqused_k is not None, q.device, config)
 
 
@@ -205,3 +209,45 @@ def sm100_fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
         (softmax_scale, causal, window_size, softcap, return_lse, max_seqlen_q, max_seqlen_k,
          id(config)), out, lse)
+
+
+def sm100_fwd_paged(q, k_pages, v_pages, cu_seqlens_q, max_seqlen_q, page_table, seqused_k,
+                    max_seqlen_k, softmax_scale=None, causal=False, window_size=(None, None),
+                    softcap=0.0, return_lse=False, config: Optional[FmhaConfig] = None, *,
+                    out=None, lse=None):
+    """Packed queries against a paged K/V cache with the SM100 kernel (``FmhaConfig.page_size``):
+    k_pages / v_pages (pages, page_size, h_kv, d / dv), ``page_table`` (batch, pages per
+    sequence) int32 naming sequence i's pages in order, ``seqused_k`` (batch,) its keys. The
+    load warp reads each key block from its page; the rows of a page past the sequence's keys
+    load as zeros. ``page_size`` must be a multiple of the kernel's 128-key blocks (one TMA
+    copy per block): others raise ValueError. Otherwise as ``sm100_fwd_varlen``."""
+    for name, t in (("k_pages", k_pages), ("v_pages", v_pages)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name} must be (pages, page_size, heads_kv, head_dim), got "
+                             f"{tuple(getattr(t, 'shape', ()))}")
+    page_size = k_pages.shape[1]
+    if page_size % 128 or v_pages.shape[:3] != k_pages.shape[:3]:
+        raise ValueError(f"pages of {page_size} tokens: the SM100 kernel loads a 128-key block "
+                         f"from one page, so page_size must be a multiple of 128 (and k_pages, "
+                         f"v_pages must agree in pages, page_size and heads)")
+    batch = cu_seqlens_q.shape[0] - 1 if isinstance(cu_seqlens_q, torch.Tensor) else None
+    if (not isinstance(page_table, torch.Tensor) or page_table.dtype != torch.int32
+            or page_table.dim() != 2 or page_table.shape[0] != batch
+            or page_table.device != q.device):
+        raise ValueError(f"page_table must be an int32 (batch={batch}, pages per sequence) tensor "
+                         f"on q's device")
+    if seqused_k is None:
+        raise ValueError("a paged cache needs seqused_k (each sequence's keys)")
+    k, v = (t.reshape(-1, *t.shape[2:]) for t in (k_pages, v_pages))  # the pages as rows
+    table = page_table.contiguous().flatten()
+    plan = _paged_plans.plan(
+        (q, k, v, cu_seqlens_q, table, seqused_k),
+        (softmax_scale, causal, window_size, softcap, return_lse, max_seqlen_q, max_seqlen_k,
+         id(config), page_size),
+        lambda: build_sm100_varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_q, max_seqlen_q,
+                                        max_seqlen_k, seqused_k, softmax_scale, causal,
+                                        window_size, softcap, return_lse, config, page_size))
+    return plan(q, k, v, cu_seqlens_q, cu_seqlens_q, seqused_k, out, lse, page_table=table)
+
+
+_paged_plans = PlanTable()

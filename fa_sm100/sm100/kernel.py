@@ -70,8 +70,8 @@ class Sm100Forward:
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                  mLSE, softmax_scale: Float32, softcap: Float32, window_left: Int32,
-                 window_right: Int32, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, max_seqlen_q: Int32,
-                 stream):
+                 window_right: Int32, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mPageTable,
+                 max_seqlen_q: Int32, stream):
         cfg = self.cfg
         # BSHD -> (s, d, h, b) for Q, K, O; V -> (d, s, h, b) (the PV MMA reads V MN-major).
         sdhb = [1, 3, 2, 0]
@@ -138,6 +138,8 @@ class Sm100Forward:
             varlen = (mCuSeqlensQ, mCuSeqlensK, max_seqlen_q)
             if cutlass.const_expr(mSeqUsedK is not None):
                 varlen = (mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, max_seqlen_q)
+            if cutlass.const_expr(cfg.page_size):  # a paged cache: the page table too
+                varlen = (mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mPageTable, max_seqlen_q)
         num_m_blocks = (seqlen_q + rows_per_tile(cfg) - 1) // rows_per_tile(cfg)
         num_tiles = num_m_blocks * num_heads * batch
         clusters = num_tiles
@@ -166,7 +168,8 @@ class Sm100Forward:
     # ---------------------------------------------------------------------------- device
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE,
-               window, softcap_k, varlen, tma_q: cute.CopyAtom, tma_k: cute.CopyAtom, tma_v: cute.CopyAtom,
+               window, softcap_k, varlen, tma_q: cute.CopyAtom, tma_k: cute.CopyAtom,
+               tma_v: cute.CopyAtom,
                tma_o: cute.CopyAtom, scale_log2: Float32, sQ_layout: cute.ComposedLayout,
                sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
                sO_layout: cute.ComposedLayout, tP_layout: cute.ComposedLayout,

@@ -54,19 +54,59 @@ def make_load_views(cfg, atoms, gmem, smem, thr_mma_qk, thr_mma_pv, head, batch,
         mV = ragged_tile_rows(gmem.mV[None, None, head_kv, None], prob.seqlen_k, prob.k_off,
                               row_mode=1)
     gQ = cute.local_tile(mQ, (mma_m, cfg.head_dim), (None, 0))
-    gK = cute.local_tile(mK, (cfg.n_block, cfg.head_dim), (None, 0))
-    gV = cute.local_tile(mV, (cfg.head_dim_v, cfg.n_block), (0, None))
     tSgQ = thr_mma_qk.partition_A(gQ)  # (MMA, MMA_M, MMA_K, m tiles)
-    tSgK = thr_mma_qk.partition_B(gK)  # (MMA, MMA_N, MMA_K, n blocks)
-    tOgV = thr_mma_pv.partition_B(gV)  # (MMA, MMA_N, MMA_K, n blocks)
     one = cute.make_layout(1)
     tQsQ, tQgQ = cpasync.tma_partition(
         atoms.q, 0, one, cute.group_modes(smem.sQ, 0, 3), cute.group_modes(tSgQ, 0, 3))
+    return LoadViews(tQsQ, tQgQ, *_kv_partitions(cfg, atoms, smem, thr_mma_qk, thr_mma_pv, mK,
+                                                 mV))
+
+
+def _kv_partitions(cfg, atoms, smem, thr_mma_qk, thr_mma_pv, mK, mV):
+    """(tKsK, tKgK, tVsV, tVgV): the TMA partitions of K (s, d) and V (d, s) by key block."""
+    gK = cute.local_tile(mK, (cfg.n_block, cfg.head_dim), (None, 0))
+    gV = cute.local_tile(mV, (cfg.head_dim_v, cfg.n_block), (0, None))
+    tSgK = thr_mma_qk.partition_B(gK)  # (MMA, MMA_N, MMA_K, n blocks)
+    tOgV = thr_mma_pv.partition_B(gV)  # (MMA, MMA_N, MMA_K, n blocks)
+    one = cute.make_layout(1)
     tKsK, tKgK = cpasync.tma_partition(
         atoms.k, 0, one, cute.group_modes(smem.sK, 0, 3), cute.group_modes(tSgK, 0, 3))
     tVsV, tVgV = cpasync.tma_partition(
         atoms.v, 0, one, cute.group_modes(smem.sV, 0, 3), cute.group_modes(tOgV, 0, 3))
-    return LoadViews(tQsQ, tQgQ, tKsK, tKgK, tVsV, tVgV)
+    return tKsK, tKgK, tVsV, tVgV
+
+
+def _paged_block(cfg, atoms, gmem, smem, thr_mma_qk, thr_mma_pv, head_kv, batch, seqlen_k,
+                 n_blk, varlen):
+    """A paged cache's key block ``n_blk`` of sequence ``batch`` (cfg.page_size): its page
+    from the page table, seen through the ragged views from the block's first row, so that
+    the rows past the sequence's keys load as zeros. Returns (tKgK, tVgV) whose block 0 is it.
+    Traced inline."""
+    rows = n_blk * cfg.n_block
+    slot = rows // cfg.page_size
+    table = varlen[3]
+    per_seq = table.shape[0] // (varlen[0].shape[0] - 1)  # the table's row length
+    page = table[batch * per_seq + slot]
+    first = page * cfg.page_size + (rows - slot * cfg.page_size)
+    valid = cutlass.min(seqlen_k - rows, cfg.n_block)
+    mK = ragged_tile_rows(gmem.mK[None, None, head_kv, None], valid, first)
+    mV = ragged_tile_rows(gmem.mV[None, None, head_kv, None], valid, first, row_mode=1)
+    _, tKgK, _, tVgV = _kv_partitions(cfg, atoms, smem, thr_mma_qk, thr_mma_pv, mK, mV)
+    return tKgK, tVgV
+
+
+def _block_source(v: LoadViews, paged, n_blk):
+    """(K source, V source, block index) of key block ``n_blk``: the work tile's partitions
+    and the block, or with a paged cache (cfg.page_size) the block's own page and block 0.
+    ``paged``: (cfg, atoms, gmem, smem, thr_mma_qk, thr_mma_pv, work tile, its Problem).
+    Traced inline."""
+    cfg, atoms, gmem, smem, thr_mma_qk, thr_mma_pv, wt, prob = paged
+    if not cfg.page_size:
+        return v.tKgK, v.tVgV, n_blk
+    tKgK, tVgV = _paged_block(cfg, atoms, gmem, smem, thr_mma_qk, thr_mma_pv,
+                              wt.head // cfg.qhead_per_kvhead, wt.batch, prob.seqlen_k, n_blk,
+                              prob.varlen)
+    return tKgK, tVgV, Int32(0)
 
 
 @cute.jit
@@ -98,7 +138,9 @@ def load(cfg, atoms, tx, gmem, smem, thr_mma_qk, thr_mma_pv, pipes, prob, sched)
             v = make_load_views(cfg, atoms, gmem, smem, thr_mma_qk, thr_mma_pv, wt.head, wt.batch,
                                 tile_prob)
             n_min, n_max = masking.n_block_range(cfg, tile_prob, wt.m_block)
-            kv_index, kv_phase = _load_kv(atoms.k, v.tKgK, v.tKsK, n_max - 1, kv_index, kv_phase,
+            paged = (cfg, atoms, gmem, smem, thr_mma_qk, thr_mma_pv, wt, tile_prob)
+            src_k, src_v, idx = _block_source(v, paged, n_max - 1)
+            kv_index, kv_phase = _load_kv(atoms.k, src_k, v.tKsK, idx, kv_index, kv_phase,
                                           tx["k"], pipes, "K")
             for stage in cutlass.range_constexpr(cfg.q_stage):
                 pipes.q.producer_acquire(stage, q_phase, stage_hint=stage)
@@ -107,14 +149,14 @@ def load(cfg, atoms, tx, gmem, smem, thr_mma_qk, thr_mma_pv, pipes, prob, sched)
                           v.tQsQ[None, stage], tma_bar_ptr=pipes.q.full_barrier(stage))
                 pipes.q.producer_commit(stage, stage_hint=stage)
             q_phase ^= 1
-            kv_index, kv_phase = _load_kv(atoms.v, v.tVgV, v.tVsV, n_max - 1, kv_index, kv_phase,
+            kv_index, kv_phase = _load_kv(atoms.v, src_v, v.tVsV, idx, kv_index, kv_phase,
                                           tx["v"], pipes, "V")
             with record.loop("n_blocks - 1"):
                 for i in cutlass.range(n_max - n_min - 1, unroll=1):
-                    n_blk = n_max - 2 - i
-                    kv_index, kv_phase = _load_kv(atoms.k, v.tKgK, v.tKsK, n_blk, kv_index,
+                    src_k, src_v, idx = _block_source(v, paged, n_max - 2 - i)
+                    kv_index, kv_phase = _load_kv(atoms.k, src_k, v.tKsK, idx, kv_index,
                                                   kv_phase, tx["k"], pipes, "K")
-                    kv_index, kv_phase = _load_kv(atoms.v, v.tVgV, v.tVsV, n_blk, kv_index,
+                    kv_index, kv_phase = _load_kv(atoms.v, src_v, v.tVsV, idx, kv_index,
                                                   kv_phase, tx["v"], pipes, "V")
             tile = sched.next(tile)
     producer_tail(pipes.kv, kv_index, kv_phase)

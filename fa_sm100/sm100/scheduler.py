@@ -105,9 +105,10 @@ def tile_problem(prob, wt: WorkTile):
     if cutlass.const_expr(prob.varlen is None):
         return prob
     cu_q, cu_k = prob.varlen[0], prob.varlen[1]
+    # a paged cache (cfg.page_size) names each key block's page instead: k_off stays unread
     q_off, k_off = cu_q[wt.batch], cu_k[wt.batch]
     seqlen_k = cu_k[wt.batch + 1] - k_off
-    if cutlass.const_expr(len(prob.varlen) == 3):
+    if cutlass.const_expr(len(prob.varlen) >= 3):
         seqlen_k = prob.varlen[2][wt.batch]
     return dataclasses.replace(prob, seqlen_q=cu_q[wt.batch + 1] - q_off, seqlen_k=seqlen_k,
                                q_off=q_off, k_off=k_off)
