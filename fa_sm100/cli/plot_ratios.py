@@ -1,6 +1,6 @@
 """Plot ours over the best peer, paired, with 95% intervals, from benchmark grids' JSON.
 
-    python scripts/plot_ratios.py docs/data/sm90_bwd_h200_round33.json --png ratios.png
+    python scripts/plot_ratios.py docs/data/host_path/sm90_bwd_public_h200.json --png ratios.png
     python scripts/plot_ratios.py run1.json run2.json --label seeded --label unseeded --png r.png
 
 Each JSON is what ``scripts/benchmark.py --json`` wrote (forward or backward, either grid; the

@@ -87,9 +87,8 @@ P^T from registers and dO from its stage, nothing of the dS just stored, so it i
 before the ``fence.proxy.async`` that publishes dS to the tensor cores rather than after it.
 The fence lowers to ``MEMBAR.ALL.CTA`` + ``FENCE.VIEW.ASYNC.S``, which wait for the dS
 ``STSM``s to complete; issued after them, dV waits too, and the tensor cores idle between
-the last dP and this warpgroup's dV. FA4's order. Paired timing on the H200 (interleaved
-rounds, ``scripts/ab_bench.py``): hdim 128 +1.3% to +3.3% (non-causal 2k-16k, causal
-4k-16k), hdim 64 +0.5% to +1.4%.
+the last dP and this warpgroup's dV. FA4's order; faster in paired timing on the H200 at
+hdim 64 and 128 (``scripts/ab_bench.py``; CHANGELOG.md).
 
 Note [dS double buffer]: dQ = dS K reads both warpgroups' halves of dS, so a warpgroup may
 only overwrite dS once the other has finished the dQ GEMM of the previous query block. dS has
@@ -130,9 +129,9 @@ registers (16 LDS.64 per thread swapped, from the stage's SMEM slot) right after
 them, ptxas issues the loads between the HGMMAs, and they and the HGMMAs wait on each other in
 the MIO queue (Nsight Compute, hdim 128 causal 4k: MIO throttle was 23% of the MMA warps'
 stall samples against FA4's 5%); placed first, their latency hides behind the GEMMs.
-``select_bwd_config`` turns it on for short causal hdim 128 (swapped 64-row blocks), where
-paired timing measured +5.2% at 2k and +1.6% at 1k, and with them for windows at hdim 128
-(``bwd_defaults.py``); unswapped hdim 256 it measured -0.8% to 0.
+``select_bwd_config`` turns it on for short causal hdim 128 (swapped 64-row blocks) and
+windows at hdim 128, where paired timing measured it faster (docs/tuning.md, row "short
+band"); at unswapped hdim 256 it measured no gain.
 
 Note [dP wait placement] (``stats_shuffle=False``, ``lse_early``, ``dp_wait_after``; blocks
 of 80 / 128 rows): after S^T's GEMM is done the warpgroup computes P = exp2(S^T * scale -
@@ -151,15 +150,12 @@ exp2s (FA4's own kernel: after 11). Two switches take that choice back:
   first n exp2s are issued before it and the real wait comes after it; the exp2s are only
   issued there, not waited for (the branch on the smallest P had to wait for all 40
   results, and lost 3.4%).
-hdim 128 (H200, ``scripts/ab_bench.py --top-clock``, paired over the shuffled
-default, 10 rounds; ``docs/data/round36/``): unshuffled with both, n = 26 (the real wait
-then after 30 exp2s, both masks): non-causal +1.4% (4k), +1.6% / +1.7% (8k), +1.6% / +1.7%
-(16k), and +0.8% / +1.7% at 1k / 2k, where the persistent CTAs spill with them (see below);
-causal +1.6% (8k), +1.9% (16k). n = 20: within 0.4% of 26 except causal (-0.4% / -0.5%);
-14, 32, 40: slower. Either switch alone: ``lse_early`` 0.985-0.990; n = 10 with
-it (FA4's 11 exp2s before the wait) 1.001-1.002 non-causal; shuffled with n = 20: 0.991-0.992
-non-causal, 0.996-0.997 causal, n = 40: 0.975 non-causal. The exp2s go columns outer: rows
-outer, with both switches, ptxas serialized every WGMMA (34 commit groups per block).
+hdim 128 (H200, ``scripts/ab_bench.py --top-clock``, paired over the shuffled default):
+unshuffled with both switches and n = 26 (the real wait then after 30 exp2s, both masks)
+measured faster from 4k on, causal and not (docs/tuning.md, row "own statistics"; at 1k / 2k
+the persistent CTAs spill with them, see below); n = 14, 20, 32, 40 and either switch alone
+measured no better (CHANGELOG.md lists them). The exp2s go columns outer: rows outer, with both
+switches, ptxas serialized every WGMMA (34 commit groups per block).
 ``select_bwd_config`` takes them where they compile without spills (``_own_stats_fit``:
 beside the preprocess, non-causal or causal MHA with Q/dO multicast); elsewhere (persistent
 CTAs, causal without multicast or with GQA) ptxas spills 8-76 bytes with them, and the

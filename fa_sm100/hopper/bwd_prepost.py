@@ -88,9 +88,9 @@ units and 22 GB/s with 32 KiB ones, whatever the stages (2, 3, 6) and count warp
 i.e. a fixed cost per unit (1.2-1.8 us) that neither hid; TMA tiles 46-48 GB/s, and counted
 in chunks of 4 or 8 units 51-52 GB/s (55 with two stages). Beside the main kernel (CUDA
 profiler, 1k non-causal) 32 CTAs take 111 us (38 GB/s per SM), and the main kernel runs as
-long as without (641 vs 643 us) but starts 50 us earlier. Paired over off: hdim 128 +0.3% to
-+3.2%, -0.6% at non-causal 16k and -0.1% at causal 2k (``PRE_CTAS_HEAD_DIMS`` in
-bwd_config.py); hdim 64 -0.6% to +2.0%, off there.
+long as without (641 vs 643 us) but starts 50 us earlier. On by default at hdim 128, where
+paired timing measured it faster in most cells, off at hdim 64 (``PRE_CTAS_HEAD_DIMS``;
+docs/tuning.md, row "preprocess beside the main kernel").
 
 GQA dK/dV postprocess (``BwdPostprocess``), per output row:
     out[b, i, h, :] = scale * sum_{g < G} acc[b, h * G + g, i, :]   converted to the output dtype

@@ -103,15 +103,14 @@ warpgroups do not have, and ptxas spills 52-64 bytes and, with 80-row blocks, se
 WGMMA (34 commit groups per block instead of 5; the compile contract caught it).
 
 Default (``select_bwd_config``) for causal hdim 64 without a window up to
-``PERSISTENT_MAX_SEQLEN``; paired on an H200 over one CTA per tile (docs/data/round28/):
-+4.5% / +2.9% / +4.8% (1k) and +2.8% / +2.1% / +2.9% (2k), 10-20 rounds; -1.0% at 4k (off
-there). At hdim 128 causal -0.5% (1k) and -2.5% (2k), without the persistent preprocess one
-CTA per tile has beside it (``pre_ctas``, which persistent CTAs refuse); that kernel (64-row
-blocks) spilled, but only at a tile's start and in its epilogue, not in the sweep's loop,
-which kept its 5 commit groups (read in its SASS): the lever's own result, refused
-since. Non-causal,
-against the fixed stride without multicast, -1.1% (hdim 64 1k): the fetch costs about a
-percent there and multicast is worth two, so the fixed stride keeps non-causal problems. A
+``PERSISTENT_MAX_SEQLEN``, where paired timing on an H200 over one CTA per tile measured it
+faster (docs/tuning.md, row "dynamic tiles"); slower at 4k, so off there. At hdim 128 causal
+it measured slower, without the persistent preprocess one CTA per tile has beside it
+(``pre_ctas``, which persistent CTAs refuse); that kernel (64-row blocks) spilled, but only
+at a tile's start and in its epilogue, not in the sweep's loop, which kept its 5 commit
+groups (read in its SASS): refused since. Non-causal, against the fixed stride without
+multicast, the fetch costs about what multicast gains, so the fixed stride keeps non-causal
+problems. A
 fetch one tile ahead (at the tile's start) measured the same as at its end. The schedule
 model's "longest first" column is what the fetched tiles deal (no per-tile cost). GPU tests:
 the float64 rule with the counter poisoned (must be zeroed), many tiles per CTA, causal with

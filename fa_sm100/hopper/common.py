@@ -85,10 +85,9 @@ def arrive_cluster_if(addr, pred, *, loc=None, ip=None) -> None:
 # stage offset and arrives with one predicated ``mbarrier.arrive`` of its own (the DSL's
 # ``mbarrier_arrive`` on the mapped pointer, under ``if_generate``, costs 10 instructions more
 # per KV tile at hdim 64). That is 15 fewer instructions per KV tile at hdim 64 (the lane
-# predicate is still re-derived), 5 at hdim 128, 50 at hdim 256. Measured on the H200 (round
-# 23, docs/hopper.md): hdim 64 non-causal 16k +0.7% / +0.8% (30 / 16 paired rounds), 8k
-# +0.0% / +0.2%, hdim 128 and 256 within +-0.5%. The backward's Q/dO releases would lose 3
-# of 587 instructions, so it keeps the DSL's.
+# predicate is still re-derived), 5 at hdim 128, 50 at hdim 256: a small gain at hdim 64 in
+# paired timing on the H200, none measurable at 128 and 256 (CHANGELOG.md). The backward's
+# Q/dO releases would lose 3 of 587 instructions, so it keeps the DSL's.
 
 
 @dataclasses.dataclass(frozen=True)

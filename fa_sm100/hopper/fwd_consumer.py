@@ -42,7 +42,7 @@ rest of the tile runs on the tensor cores without it. Its epilogue runs as usual
 EPILOGUE barriers count every consumer thread) on an O that is never stored: the TMA store
 clips those rows and their LSE is skipped. ``select_sm90_fwd_config`` turns the skip on where
 the last m block has such a warpgroup (``Sm90FwdConfig.has_empty_wg``): where none is empty,
-the branch around the main loop only costs (0.8-2.7% at hdim 128 non-causal 4k / 16k).
+the branch around the main loop only costs (measured slower there).
 
 Note [Warpgroup epilogues] (``wg_epilogue``): without it, O leaves through one SMEM tile and one
 TMA store per work tile, after two EPILOGUE barriers of every consumer thread, so at the end of
@@ -63,8 +63,8 @@ before issuing its GEMMs and then arrives on the next warpgroup's barrier, so th
 take turns on the tensor cores and one's softmax hides behind the other's GEMMs. Warpgroup 0
 pre-arrives on its own barrier once, so it goes first. On by default at hdim 64 only
 (``PINGPONG_MAX_HEAD_DIM``): with two warpgroups at hdim 128, each overlapping its own softmax
-with its PV GEMM (Note [Intra-warpgroup overlap]), the turns measured 0.7-2.4% slower on an
-H100 than letting both issue as they are ready.
+with its PV GEMM (Note [Intra-warpgroup overlap]), the turns measured slower on an H100 than
+letting both issue as they are ready (CHANGELOG.md).
 """
 
 from __future__ import annotations
