@@ -258,10 +258,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     lengths, table = _read_values(cache_seqlens, page_table)
     lengths = _check_values(lengths, new, capacity, table, page_size, k_cache.shape[0])
     longest = int(lengths.max()) if len(lengths) else 0
-    if varlen_forward is None:
-        from fa_sm100.interface import _varlen_forward_for
+    if varlen_forward is None:  # the device's, found once per device
+        from fa_sm100.interface import _varlen_forward_for, _varlen_forwards
 
-        varlen_forward = _varlen_forward_for(q)
+        varlen_forward = _varlen_forwards.get(q.device) or _varlen_forward_for(q)
     if k is not None:
         append_kv(k_cache, v_cache, k, v, cache_seqlens, page_table)
     if page_table is not None and (left, right) == (None, None):
