@@ -194,29 +194,15 @@ CTAs, are renumbered (``longest_first_cluster_cta``). Same idea as the forward's
 multicast]. Clusters of 4 measured slower than pairs on the H100 (backward 4.5-7%, forward
 6.5-8%).
 
-Note [Varlen backward] (``varlen``; ``sm90_bwd_varlen``, ``flash_attn_varlen_func`` with
-gradients): packed q, k, v, out, dO (total, heads, d), sequences as the forward's Note [Varlen]
-takes them (cu_seqlens, ``seqused_k``). The grid is the padded one of the longest sequences,
-(key blocks of max_seqlen_k, heads, sequences), one CTA per tile: each CTA reads its
-sequence's first rows and lengths from cu_seqlens (``fa_sm100.varlen.sequence_rows``) and runs
-as a batch-1 problem of those lengths; a key block past its sequence's keys visits no query
-block. The packed tensors are seen from the sequence's first row at batch index ``seq``, so
-every role indexes them as it does a padded batch. Keys past a sequence's end are the next
-sequence's (finite) rows, masked by its own seqlen_k; keys past ``seqused_k`` may hold
-anything (NaN included), which a masked P or dS of 0 would still carry into dQ and dV
-(0 x NaN), so the host zeroes those rows in copies of K and V first
-(``Sm90BwdVarlenPlan``). The workspace (LSE2, Delta, the dQ
-accumulator and semaphores, GQA's dK/dV buffers) is the padded batch itself: (sequences,
-heads, the longest length rounded up to the tile), so nothing that indexes it changes. Rows of
-a query block past its sequence's end hold the next sequence's Q and dO, but their LSE2 is
-+inf (the preprocess pads every sequence), so P = 0 there and they add nothing to dK or dV;
-their dQ lands in the padding, which the dQ postprocess does not store. Keys past the
-sequence's end are masked by its own seqlen_k. MHA dK/dV
-are stored by the threads with the row bound (a TMA store would write past the end into the
-next sequence), and dk / dv start zeroed where ``seqused_k`` leaves keys unused. What reads
-lengths beyond the CTA's own tile (persistent walks, fetched tiles, Q/dO clusters, the
-longest-first order, staggered sweeps, the preprocess beside the main kernel, first dQ
-stores, deterministic turns) is off (``VARLEN_FIXED``, bwd_config.py).
+Note [Varlen backward] (``varlen``; ``sm90_bwd_varlen``): packed sequences (Note [Varlen] in
+fwd_kernel.py) on the padded batch's grid (key blocks of max_seqlen_k, heads, sequences), one
+CTA per tile. Each CTA reads its sequence's first rows and lengths from cu_seqlens
+(``fa_sm100.varlen.sequence_rows``) and sees the packed tensors from that row at batch index
+``seq``, so every role indexes them as a padded batch; the workspace is the padded batch
+itself. Query rows past the end carry LSE2 = +inf (P = 0), keys past it are masked by the
+sequence's own seqlen_k, MHA dK/dV are stored row by row below it, a key block past the keys
+visits no query block; keys past ``seqused_k`` are zeroed by the host first. The switches that
+read other tiles' lengths are off (``VARLEN_FIXED``). docs/varlen.md, "The backward".
 
 dQ is accumulated in float32 in global memory by one of two switchable paths (``dq_accum``);
 the load warp is in ``bwd_load.py`` (``BwdLoadRole``); the stores of dQ, dK and dV are in
