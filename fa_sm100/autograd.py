@@ -273,7 +273,7 @@ def flash_attn_autograd(q, k, v, softmax_scale=None, causal=False, return_lse=Fa
 
 # ----------------------------------------------------------------------------- varlen
 
-def _cpu_varlen(step, cu_seqlens_q, cu_seqlens_k, seqused_k, *packed):
+def _cpu_varlen(step, cu_seqlens_q, cu_seqlens_k, seqused_k):
     """Run ``step(i, rows, keys)`` for each sequence i of a packed batch on the CPU model
     (rows / keys: its slices of the query and key axes; keys: the used ones)."""
     cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()

@@ -138,6 +138,12 @@ def _read_values(cache_seqlens, page_table):
     return both[:b], both[b:].reshape(b, -1)
 
 
+def _used_slots(table, lengths, page_size: int):
+    """(batch, slots) bool: the page-table entries each sequence of ``lengths`` keys reads
+    (its first ceil(length / page_size)); the others may hold anything."""
+    return np.arange(table.shape[1]) < ((lengths + page_size - 1) // page_size)[:, None]
+
+
 def _check_values(lengths, new: int, capacity: int, table, page_size, pages: int):
     """What the call depends on, on the host: cache lengths >= 0, with the new tokens within
     the capacity, and the pages they use (each sequence's first ceil(length / page_size)
@@ -150,8 +156,7 @@ def _check_values(lengths, new: int, capacity: int, table, page_size, pages: int
         raise ValueError(f"cache_seqlens + new tokens reach {int(total.max())} > the cache's "
                          f"capacity of {capacity} tokens per sequence")
     if table is not None:
-        used = np.arange(table.shape[1]) < ((total + page_size - 1) // page_size)[:, None]
-        bad = used & ((table < 0) | (table >= pages))
+        bad = _used_slots(table, total, page_size) & ((table < 0) | (table >= pages))
         if bad.any():
             raise ValueError(f"page_table holds page {int(table[bad][0])}, outside the cache's "
                              f"{pages} pages")
@@ -250,7 +255,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if not isinstance(causal, bool):
         raise ValueError(f"causal must be a bool, got {causal!r}")
     sq, hq, d = q.shape[1:]
-    hk, dv = k_cache.shape[2], v_cache.shape[3]
+    hk = k_cache.shape[2]
     scale = check_softmax_scale(softmax_scale, d)
     left, right = normalize_window(window_size)
     softcap = check_softcap(softcap)
@@ -258,10 +263,6 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     lengths, table = _read_values(cache_seqlens, page_table)
     lengths = _check_values(lengths, new, capacity, table, page_size, k_cache.shape[0])
     longest = int(lengths.max()) if len(lengths) else 0
-    if varlen_forward is None:  # the device's, found once per device
-        from fa_sm100.interface import _varlen_forward_for, _varlen_forwards
-
-        varlen_forward = _varlen_forwards.get(q.device) or _varlen_forward_for(q)
     if k is not None:
         append_kv(k_cache, v_cache, k, v, cache_seqlens, page_table)
     if page_table is not None and (left, right) == (None, None):
@@ -269,10 +270,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if paged_forward is not None:  # the kernel reads each key block's page
             return _paged_call(paged_forward, q, k_cache, v_cache, table, lengths, page_size,
                                num_splits, scale, causal, softcap, return_softmax_lse)
+    if varlen_forward is None:  # the device's, found once per device
+        from fa_sm100.interface import _varlen_forward_for, _varlen_forwards
+
+        varlen_forward = _varlen_forwards.get(q.device) or _varlen_forward_for(q)
     if page_table is not None:  # the used pages, contiguous (unused slots read page 0)
         used_pages = max(1, -(-longest // page_size))
-        need = (lengths + page_size - 1) // page_size
-        table = np.where(np.arange(table.shape[1]) < need[:, None], table, 0)[:, :used_pages]
+        table = np.where(_used_slots(table, lengths, page_size), table, 0)[:, :used_pages]
         page_table = _to_device(table.astype(np.int32), q.device).view(b, used_pages)
         k_cache, v_cache = (_gather_pages(c, page_table, used_pages) for c in (k_cache, v_cache))
         capacity = used_pages * page_size
@@ -284,9 +288,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         out, lse = varlen_forward(q.reshape(b * sq, hq, d), keys, values, cu_q, cu_k, sq,
                                   longest, used, scale, causal, (left, right), softcap, True,
                                   None)
-        out = out.view(b, sq, hq, dv)
-        lse = lse.view(hq, b, sq).permute(1, 0, 2)
-        return (out, lse) if return_softmax_lse else out
+        return _prefill_result(out, lse, q, return_softmax_lse)
     # one query token: per-sequence key ranges, pack-GQA, split-KV
     group = hq // hk
     left, right = effective_bounds(causal, left, right)
@@ -297,23 +299,42 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     meta = _to_device(np.concatenate([cu_q, cu_k, used]), q.device)
     n = b * splits + 1
     cu_q, cu_k, used = meta[:n], meta[n:2 * n], meta[2 * n:]
-    # the query heads of a KV head as that head's rows: (b, 1, hk x g, d) -> (b, g, hk, d)
-    rows = q.reshape(b, hk, group, d).transpose(1, 2)
-    packed_q = rows.unsqueeze(1).expand(b, splits, group, hk, d).reshape(b * splits * group,
-                                                                         hk, d)
-    out, lse = varlen_forward(packed_q, keys, values, cu_q, cu_k, group,
+    out, lse = varlen_forward(_pack_gqa(q, hk, splits), keys, values, cu_q, cu_k, group,
                               max(1, -(-longest // splits)), used, scale, False, (None, None),
                               softcap, True, None)
+    return _decode_result(out, lse, q, splits, return_softmax_lse)
+
+
+def _pack_gqa(q, hk: int, splits: int):
+    """One query token's heads as rows (pack-GQA), once per split: (b, 1, hk x g, d) ->
+    (b x splits x g, hk, d), sequence (i, s) of the varlen call holding sequence i's g rows."""
+    b, _, hq, d = q.shape
+    group = hq // hk
+    rows = q.reshape(b, hk, group, d).transpose(1, 2)  # (b, g, hk, d)
+    return rows.unsqueeze(1).expand(b, splits, group, hk, d).reshape(b * splits * group, hk, d)
+
+
+def _decode_result(out, lse, q, splits: int, return_lse: bool):
+    """``_pack_gqa``'s varlen output (b x splits x g, hk, dv) and LSE (hk, b x splits x g)
+    merged over the splits and back to heads: out (b, 1, hq, dv), lse (b, hq, 1)."""
+    b, _, hq, _ = q.shape
+    hk, dv = out.shape[1], out.shape[2]
+    group = hq // hk
     out = out.view(b, splits, group, hk, dv)
     lse = lse.view(hk, b, splits, group).permute(1, 2, 3, 0)
-    if splits > 1:
-        out, lse = merge_splits(out, lse)
-    else:
-        out, lse = out[:, 0], lse[:, 0]
-    # rows (b, g, hk) back to heads (b, 1, hk x g)
-    out = out.transpose(1, 2).reshape(b, 1, hq, dv).to(q.dtype)
+    out, lse = merge_splits(out, lse) if splits > 1 else (out[:, 0], lse[:, 0])
+    out = out.transpose(1, 2).reshape(b, 1, hq, dv).to(q.dtype)  # rows (g, hk) -> heads
     lse = lse.transpose(1, 2).reshape(b, hq, 1)
-    return (out, lse) if return_softmax_lse else out
+    return (out, lse) if return_lse else out
+
+
+def _prefill_result(out, lse, q, return_lse: bool):
+    """A several-token call's varlen output (b x sq, hq, dv) and LSE (hq, b x sq) as out (b,
+    sq, hq, dv) and lse (b, hq, sq)."""
+    b, sq, hq, _ = q.shape
+    out = out.view(b, sq, hq, out.shape[-1])
+    lse = lse.view(hq, b, sq).permute(1, 0, 2)
+    return (out, lse) if return_lse else out
 
 
 def _kernel_paged_forward(q, page_size: int):
@@ -337,7 +358,7 @@ def _paged_call(paged_forward, q, k_pages, v_pages, table, lengths, page_size: i
     pack-GQA and split-KV, each chunk a whole number of pages, so that chunk (i, s) is the
     sequence whose page table row is sequence i's pages from s x pages per chunk on."""
     b, sq, hq, d = q.shape
-    hk, dv = k_pages.shape[2], v_pages.shape[3]
+    hk = k_pages.shape[2]
     longest = int(lengths.max()) if len(lengths) else 0
     if sq != 1:
         meta = _to_device(np.concatenate([np.arange(b + 1) * sq, lengths]).astype(np.int32),
@@ -346,9 +367,7 @@ def _paged_call(paged_forward, q, k_pages, v_pages, table, lengths, page_size: i
                                  _to_device(table.astype(np.int32), q.device).view(b, -1),
                                  meta[b + 1:], max(longest, 1), scale, causal, (None, None),
                                  softcap, True)
-        out = out.view(b, sq, hq, dv)
-        lse = lse.view(hq, b, sq).permute(1, 0, 2)
-        return (out, lse) if return_lse else out
+        return _prefill_result(out, lse, q, return_lse)
     group = hq // hk
     splits = num_splits or choose_num_splits(b * hk, _sms(q.device), longest)
     keys_per_split = -(-longest // splits)
@@ -360,23 +379,15 @@ def _paged_call(paged_forward, q, k_pages, v_pages, table, lengths, page_size: i
     slots = (np.arange(splits)[:, None] * pages_per_chunk + np.arange(pages_per_chunk)).ravel()
     padded = np.zeros((b, splits * pages_per_chunk), dtype=np.int64)
     width = min(table.shape[1], padded.shape[1])
-    need = (lengths + page_size - 1) // page_size
-    padded[:, :width] = np.where(np.arange(width) < need[:, None], table[:, :width], 0)
+    padded[:, :width] = np.where(_used_slots(table, lengths, page_size), table, 0)[:, :width]
     rows = padded[:, slots].reshape(b * splits, pages_per_chunk)
     cu_q = np.arange(b * splits + 1) * group
     meta = _to_device(np.concatenate([cu_q, used, rows.ravel()]).astype(np.int32), q.device)
     n = b * splits
-    packed_q = (q.reshape(b, hk, group, d).transpose(1, 2).unsqueeze(1)
-                .expand(b, splits, group, hk, d).reshape(n * group, hk, d))
-    out, lse = paged_forward(packed_q, k_pages, v_pages, meta[:n + 1], group,
+    out, lse = paged_forward(_pack_gqa(q, hk, splits), k_pages, v_pages, meta[:n + 1], group,
                              meta[2 * n + 1:].view(n, pages_per_chunk), meta[n + 1:2 * n + 1],
                              chunk, scale, False, (None, None), softcap, True)
-    out = out.view(b, splits, group, hk, dv)
-    lse = lse.view(hk, b, splits, group).permute(1, 2, 3, 0)
-    out, lse = merge_splits(out, lse) if splits > 1 else (out[:, 0], lse[:, 0])
-    out = out.transpose(1, 2).reshape(b, 1, hq, dv).to(q.dtype)
-    lse = lse.transpose(1, 2).reshape(b, hq, 1)
-    return (out, lse) if return_lse else out
+    return _decode_result(out, lse, q, splits, return_lse)
 
 
 def _to_device(array, device):

@@ -53,6 +53,21 @@ def fake_sm90(monkeypatch):
         yield launches
 
 
+@pytest.fixture
+def fake_sm100(monkeypatch):
+    """A faked sm_100 device whose compiled kernels only record their launches: the list of
+    (kind, compile key, arguments)."""
+    launches = []
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device=None: SimpleNamespace(multi_processor_count=148))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(kernel_cache, "kernel",
+                        lambda kind, key, build: (lambda *args: launches.append((kind, key,
+                                                                                 args))))
+    return launches
+
+
 def package_calls(fn):
     """Run ``fn``; return the names of the fa_sm100 functions it entered, in order."""
     names = []
@@ -168,18 +183,11 @@ def test_return_attn_probs_gives_out_lse_and_no_probabilities(fake_sm90):
     assert out.shape == (1, 128, 2, 64) and lse.shape == (1, 2, 128) and probs is None
 
 
-def test_sm100_warm_calls_plan_nothing_and_take_buffers(monkeypatch):
+def test_sm100_warm_calls_plan_nothing_and_take_buffers(monkeypatch, fake_sm100):
     """The SM100 forward's plan, on a faked sm_100 device (no SM100 code runs here): a warm
     call does no planning, and ``out`` / ``lse`` buffers reach the kernel and come back."""
     from fa_sm100.sm100 import interface as sm100
 
-    launches = []
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
-    monkeypatch.setattr(torch.cuda, "get_device_properties",
-                        lambda device=None: SimpleNamespace(multi_processor_count=148))
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(kernel_cache, "kernel",
-                        lambda kind, key, build: (lambda *args: launches.append((kind, args))))
     monkeypatch.setattr(sm100, "_plans", type(sm100._plans)())
     monkeypatch.setattr(public, "_calls", type(public._calls)())
     with FakeTensorMode():
@@ -193,8 +201,8 @@ def test_sm100_warm_calls_plan_nothing_and_take_buffers(monkeypatch):
         got, got_lse = fa_sm100.flash_attn_func(q, k, v, causal=True, return_lse=True,
                                                 out=out, lse=lse)
         assert got is out and got_lse is lse
-        assert launches[-1][0] == "sm100_fwd" and launches[-1][1][3] is out
-        assert launches[-1][1][4] is lse
+        kind, _, args = fake_sm100[-1]
+        assert kind == "sm100_fwd" and args[3] is out and args[4] is lse
         with pytest.raises(ValueError, match="lse buffer needs return_lse"):
             fa_sm100.flash_attn_func(q, k, v, causal=True, lse=lse)
 
@@ -248,21 +256,13 @@ def test_a_warm_training_step_does_no_planning(fake_sm90):
     assert kinds[n_cold:] == kinds[:n_cold] and kinds[0] == "sm90_fwd"
 
 
-def test_sm100_varlen_call_launches_the_packed_problem(monkeypatch):
+def test_sm100_varlen_call_launches_the_packed_problem(monkeypatch, fake_sm100):
     """``flash_attn_varlen_func`` on a faked sm_100 device (no SM100 code runs here): the
     SM100 varlen kernel gets the packed tensors as a batch of one, the offsets, the longest
     query sequence and window bounds that cover every key; a warm call plans nothing."""
     from fa_sm100.sm100 import interface as sm100
     from fa_sm100.varlen import VARLEN_UNBOUNDED
 
-    launches = []
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
-    monkeypatch.setattr(torch.cuda, "get_device_properties",
-                        lambda device=None: SimpleNamespace(multi_processor_count=148))
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(kernel_cache, "kernel",
-                        lambda kind, key, build: (lambda *args: launches.append((kind, key,
-                                                                                 args))))
     monkeypatch.setattr(sm100, "_varlen_plans", type(sm100._varlen_plans)())
     monkeypatch.setattr(public, "_varlen_forwards", {})
     with FakeTensorMode():
@@ -276,7 +276,7 @@ def test_sm100_varlen_call_launches_the_packed_problem(monkeypatch):
         assert PLANNING & set(cold) or "validate_varlen_inputs" in cold
         warm = package_calls(call)
         assert not ({"validate_varlen_inputs", "select_config"} | PLANNING) & set(warm), warm
-    kind, key, args = launches[-1]
+    kind, key, args = fake_sm100[-1]
     cfg = key[0]
     assert kind == "sm100_fwd" and cfg.varlen and cfg.causal and cfg.is_local
     assert args[0].shape == (1, 300, 4, 128) and args[3].shape == (1, 300, 4, 128)
@@ -287,20 +287,12 @@ def test_sm100_varlen_call_launches_the_packed_problem(monkeypatch):
     assert args[12] is None and args[13] == 200  # no page table; the longest query sequence
 
 
-def test_sm100_paged_call_launches_its_pages(monkeypatch):
+def test_sm100_paged_call_launches_its_pages(monkeypatch, fake_sm100):
     """``sm100_fwd_paged`` on a faked sm_100 device (no SM100 code runs here): a paged kernel
     (``page_size`` from the pages' shape) gets the pages as packed rows, the used keys and the
     flat page table; pages that one TMA copy per key block cannot read raise ValueError first."""
     from fa_sm100.sm100 import interface as sm100
 
-    launches = []
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
-    monkeypatch.setattr(torch.cuda, "get_device_properties",
-                        lambda device=None: SimpleNamespace(multi_processor_count=148))
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(kernel_cache, "kernel",
-                        lambda kind, key, build: (lambda *args: launches.append((kind, key,
-                                                                                 args))))
     monkeypatch.setattr(sm100, "_paged_plans", type(sm100._paged_plans)())
     with FakeTensorMode():
         q = torch.empty(8, 4, 128, device="cuda", dtype=torch.bfloat16)
@@ -314,7 +306,7 @@ def test_sm100_paged_call_launches_its_pages(monkeypatch):
             sm100.sm100_fwd_paged(q, small, small, cu_q, 4, table, used, 1280)
         with pytest.raises(ValueError, match="seqused_k"):
             sm100.sm100_fwd_paged(q, pages, pages, cu_q, 4, table, None, 1280)
-    kind, key, args = launches[-1]
+    kind, key, args = fake_sm100[-1]
     cfg = key[0]
     assert kind == "sm100_fwd" and cfg.varlen and cfg.page_size == 256
     assert args[1].shape == (1, 2560, 2, 128)  # the pages as packed rows, a batch of one

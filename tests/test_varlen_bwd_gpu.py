@@ -12,7 +12,7 @@ row of its neighbour. Skips off SM90 with the reason.
 import pytest
 import torch
 
-from test_varlen_gpu import LENGTHS, MODES
+from test_varlen_gpu import HEAD_DIMS, LENGTHS, MODES, mode_id
 
 from fa_sm100.adversarial import poison_unused_keys
 from fa_sm100.testing import attention_reference_grads, check_against_reference, grad_atol
@@ -74,10 +74,10 @@ def run_and_check(lens_q, lens_k, head_dims, dtype, causal, window, softcap, hea
                                     what=f"{what} {name}")
 
 
-@pytest.mark.parametrize("head_dims", [(64, 64), (128, 128), (192, 128), (256, 256)],
+@pytest.mark.parametrize("head_dims", HEAD_DIMS,
                          ids=lambda h: f"d{h[0]}_{h[1]}")
 @pytest.mark.parametrize("lengths", list(LENGTHS), ids=str)
-@pytest.mark.parametrize("mode", MODES, ids=lambda m: f"c{int(m[0])}w{m[1][0]}_{m[1][1]}s{m[2]:g}")
+@pytest.mark.parametrize("mode", MODES, ids=mode_id)
 def test_varlen_backward(sm90_device, head_dims, lengths, mode):
     lens_q, lens_k = LENGTHS[lengths]
     run_and_check(lens_q, lens_k, head_dims, torch.bfloat16, *mode)

@@ -25,6 +25,7 @@ LENGTHS = {
     "self": ([300, 0, 1, 77, 128, 1000, 2049], None),
     "cross": ([5, 130, 0, 600, 64, 1], [700, 0, 9, 128, 2000, 333]),
 }
+HEAD_DIMS = [(64, 64), (128, 128), (192, 128), (256, 256)]
 MODES = [  # (causal, window, softcap)
     (False, (None, None), 0.0),
     (True, (None, None), 0.0),
@@ -32,6 +33,11 @@ MODES = [  # (causal, window, softcap)
     (True, (128, None), 0.0),
     (True, (None, None), 30.0),
 ]
+
+
+def mode_id(mode) -> str:
+    causal, (left, right), softcap = mode
+    return f"c{int(causal)}w{left}_{right}s{softcap:g}"
 
 
 def _pack(lengths, heads, d, dtype, g, extra=0):
@@ -93,10 +99,10 @@ def run_and_check(lens_q, lens_k, head_dims, dtype, causal, window, softcap, hea
     assert not out.isnan().any() and not lse.isnan().any(), "a row was not written"
 
 
-@pytest.mark.parametrize("head_dims", [(64, 64), (128, 128), (192, 128), (256, 256)],
+@pytest.mark.parametrize("head_dims", HEAD_DIMS,
                          ids=lambda h: f"d{h[0]}x{h[1]}")
 @pytest.mark.parametrize("lengths", list(LENGTHS), ids=str)
-@pytest.mark.parametrize("mode", MODES, ids=lambda m: f"c{int(m[0])}w{m[1][0]}_{m[1][1]}s{m[2]:g}")
+@pytest.mark.parametrize("mode", MODES, ids=mode_id)
 def test_varlen_forward(sm90_device, head_dims, lengths, mode):
     lens_q, lens_k = LENGTHS[lengths]
     run_and_check(lens_q, lens_k or lens_q, head_dims, torch.bfloat16, *mode)
@@ -143,7 +149,7 @@ def test_varlen_public_api_and_errors(sm90_device):
 
 @pytest.mark.parametrize("head_dims", [(64, 64), (128, 128), (192, 128)],
                          ids=lambda h: f"d{h[0]}x{h[1]}")
-@pytest.mark.parametrize("mode", MODES, ids=lambda m: f"c{int(m[0])}w{m[1][0]}_{m[1][1]}s{m[2]:g}")
+@pytest.mark.parametrize("mode", MODES, ids=mode_id)
 def test_varlen_forward_sm100(sm100_device, head_dims, mode):
     """The SM100 kernel's varlen forward (written; it skips off SM100: no SM100 GPU has run
     it, its CPU layers are tests/test_sm100_varlen_emulated.py and the compile contract)."""
