@@ -31,6 +31,8 @@ import torch
 from fa_sm100.hopper import probes
 from fa_sm100.hopper.bwd_config import SM90_BWD_HEAD_DIMS
 from fa_sm100.hopper.bwd_interface import build_sm90_bwd_plan, sm90_bwd
+from fa_sm100.sm100.bwd_config import SM100_BWD_HEAD_DIMS
+from fa_sm100.sm100.bwd_interface import sm100_bwd, sm100_bwd_supported
 from fa_sm100.validation import check_softmax_scale, normalize_window, require_sm90
 
 _CONFIGS: list = []  # token -> config
@@ -129,11 +131,15 @@ def _attn_fwd_fake(q, k, v, softmax_scale, causal, window_left, window_right, so
 
 def attn_bwd_impl(dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right,
                   softcap, deterministic):
-    """(dq, dk, dv): the CPU model, or the SM90 backward (which checks the device: sm_90
-    only)."""
+    """(dq, dk, dv): the CPU model, the SM100 backward on an sm_100 GPU, or the SM90 backward
+    (which checks the device: sm_90 only)."""
     if q.device.type == "cpu":
         return _cpu_backward(dout, q, k, v, out, lse, softmax_scale, causal, window_left,
                              window_right, softcap)
+    if _on_sm100(q):
+        return sm100_bwd(dout, q, k, v, out, lse, softmax_scale=softmax_scale, causal=causal,
+                         window_size=(window_left, window_right), deterministic=deterministic,
+                         softcap=softcap)
     return sm90_bwd(dout, q, k, v, out, lse, softmax_scale=softmax_scale, causal=causal,
                     window_size=(window_left, window_right), deterministic=deterministic,
                     softcap=softcap)
@@ -193,7 +199,7 @@ class PlannedCall:
     dimension's stride is free) takes ``sm90_bwd``'s own plan table."""
 
     __slots__ = ("plan", "scale", "causal", "window", "softcap", "deterministic", "config",
-                 "bwd_plan", "dout_stride")
+                 "bwd_plan", "dout_stride", "sm100")
 
     def __init__(self, plan, scale, causal, window, softcap, deterministic, config):
         self.plan = plan
@@ -201,9 +207,14 @@ class PlannedCall:
         self.softcap, self.deterministic = softcap, deterministic
         self.config = config  # the caller's config, whose id is in the key (call_plans)
         self.bwd_plan = self.dout_stride = None
+        self.sm100 = False  # the backward is sm100_bwd's (decided once, by planned_call)
 
     def backward(self, dout, q, k, v, out, lse):
         dout = dout.contiguous()
+        if self.sm100:
+            return sm100_bwd(dout, q, k, v, out, lse, softmax_scale=self.scale,
+                             causal=self.causal, window_size=self.window,
+                             deterministic=self.deterministic, softcap=self.softcap)
         plan = self.bwd_plan
         if plan is not None and dout.stride() == self.dout_stride and not probes.any_active():
             return plan(dout, q, k, v, out, lse)
@@ -223,9 +234,11 @@ def planned_call(q, k, v, softmax_scale, causal, window_size, softcap, config, d
     check_backward_supported(q, k, v)
     plan = build_plan(q, k, v, softmax_scale, causal, window_size, True, config,
                       softcap=softcap)
-    return PlannedCall(plan, check_softmax_scale(softmax_scale, q.shape[-1]), bool(causal),
+    call = PlannedCall(plan, check_softmax_scale(softmax_scale, q.shape[-1]), bool(causal),
                        normalize_window(window_size), float(softcap), bool(deterministic),
                        config)
+    call.sm100 = _on_sm100(q)
+    return call
 
 
 class EagerAttention(torch.autograd.Function):
@@ -244,16 +257,30 @@ class EagerAttention(torch.autograd.Function):
         return (*ctx.call.backward(dout, *ctx.saved_tensors), None)
 
 
+def _on_sm100(q) -> bool:
+    """True for a CUDA tensor on an sm_100 (Blackwell) GPU: its gradients come from
+    ``sm100_bwd``."""
+    if q.device.type != "cuda":
+        return False
+    from fa_sm100.devices import capability
+
+    return capability(q.device)[0] == 10
+
+
 def check_backward_supported(q, k, v):
     """Raise ValueError before the forward runs when its backward could not: head dims
-    without a backward kernel, or (CUDA tensors) a GPU other than sm_90, e.g. an SM100 one."""
+    without a backward kernel, or (CUDA tensors) a GPU other than sm_90 and sm_100."""
     d, dv = q.shape[-1], v.shape[-1]
+    if _on_sm100(q):
+        if not sm100_bwd_supported(q, v):
+            raise ValueError(f"head dims (qk={d}, v={dv}) have no SM100 backward: gradients "
+                             f"need (head_dim, head_dim_v) in {SM100_BWD_HEAD_DIMS}")
+        return
     if (d, dv) not in SM90_BWD_HEAD_DIMS:
         raise ValueError(f"head dims (qk={d}, v={dv}) have no backward kernel: gradients need "
                          f"(head_dim, head_dim_v) in {SM90_BWD_HEAD_DIMS}")
     if q.device.type == "cuda":
-        require_sm90(q.device, "the backward (gradients; there is no SM100 backward in this "
-                               "project)")
+        require_sm90(q.device, "the backward (gradients: sm_90 or sm_100)")
 
 
 def flash_attn_autograd(q, k, v, softmax_scale=None, causal=False, return_lse=False,

@@ -14,6 +14,7 @@ from typing import Any, Callable, Optional, Sequence
 # kernel name -> module that defines KERNEL
 KERNEL_MODULES = {
     "sm100_fwd": "fa_sm100.sm100.inspect_entry",
+    "sm100_bwd": "fa_sm100.sm100.bwd_inspect_entry",
     "sm90_fwd": "fa_sm100.hopper.inspect_fwd",
     "sm90_bwd": "fa_sm100.hopper.inspect_bwd",
     "tcgen05_demo": "fa_sm100.demo_tcgen05",

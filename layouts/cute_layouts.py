@@ -118,3 +118,96 @@ def layout_shapes(layouts: SmemLayouts) -> dict[str, str]:
         name: str(getattr(layouts, name).outer.shape).replace(" ", "")
         for name in ("sQ", "sK", "sV", "sO")
     }
+
+
+# ------------------------------------------------------------------------------- backward
+#
+# The SM100 backward's five MMAs (fa_sm100/sm100/bwd_mma.py), 1-CTA, M = the 128 keys of the
+# work tile except for dQ:
+#
+#     S^T  = K Q^T     A sK (K-major)          B sQ  (K-major)    (n_block, m_block, d)
+#     dP^T = V dO^T    A sV (K-major)          B sdO (K-major)    (n_block, m_block, dv)
+#     dV  += P^T dO    A P^T (TMEM)            B sdO (MN-major)   (n_block, dv, m_block)
+#     dK  += dS^T Q    A dS^T (TMEM)           B sQ  (MN-major)   (n_block, d, m_block)
+#     dQ   = dS K      A sdS (MN-major)        B sK  (MN-major)   (m_block, d, n_block)
+#
+# Q, dO and K are each read by two MMAs in two major modes from ONE SMEM buffer: the K-major
+# layout of a (rows, d) tile and the MN-major layout of its (d, rows) transpose that CUTLASS
+# builds for these tilers put every element at the same offset (the same swizzle atom, atoms
+# tiled rows-first). For head dim 128 CuTe prints sQ ((128,16),1,(4,2)):((64,1),0,(16,8192))
+# and sQt (((64,2),16),1,8):(((1,8192),64),0,1024), both S<3,4,3>: (q, d) -> 64 q + d mod 64
+# + 8192 (d div 64) either way; tests/test_sm100_bwd_emulated.py runs dK = dS^T Q and
+# dQ = dS K through these views at head dims 64, 96 and 128.
+
+
+def bwd_tilers(cfg) -> dict[str, tuple[int, int, int]]:
+    """(M, N, K) of each backward MMA."""
+    m, n, d, dv = cfg.m_block, cfg.n_block, cfg.head_dim, cfg.head_dim_v
+    return {"S": (n, m, d), "dP": (n, m, dv), "dV": (n, dv, m), "dK": (n, d, m), "dQ": (m, d, n)}
+
+
+@dataclass(frozen=True)
+class BwdMmas:
+    S: object
+    dP: object
+    dV: object
+    dK: object
+    dQ: object
+
+
+def make_bwd_tiled_mmas(cfg) -> BwdMmas:
+    """The five tcgen05 tiled MMAs of the backward (see the table above)."""
+    dtype = cutlass_dtype(cfg.dtype)
+    k_major = cute.nvgpu.OperandMajorMode.K
+    mn_major = cute.nvgpu.OperandMajorMode.MN
+    one = tcgen05.CtaGroup.ONE
+    t = bwd_tilers(cfg)
+
+    def mma(a_major, b_major, name, a_src=None):
+        extra = () if a_src is None else (a_src,)
+        return bw.make_trivial_tiled_mma(dtype, dtype, a_major, b_major, cutlass.Float32, one,
+                                         t[name][:2], *extra)
+
+    tmem = tcgen05.OperandSource.TMEM
+    return BwdMmas(S=mma(k_major, k_major, "S"), dP=mma(k_major, k_major, "dP"),
+                   dV=mma(k_major, mn_major, "dV", tmem), dK=mma(k_major, mn_major, "dK", tmem),
+                   dQ=mma(mn_major, mn_major, "dQ"))
+
+
+@dataclass(frozen=True)
+class BwdSmemLayouts:
+    """sK, sV (one tile); sQ / sdO as the S^T / dP^T B operand and sQt / sdOt as the dK / dV
+    B operand over the same bytes (q_stage stages); sKt (sK's bytes as dQ's B operand); sdS
+    (dQ's A operand); tP / tdS (the TMEM A operands' layouts)."""
+
+    sK: object
+    sV: object
+    sQ: object
+    sQt: object
+    sdO: object
+    sdOt: object
+    sKt: object
+    sdS: object
+    tP: object
+    tdS: object
+
+
+def make_bwd_smem_layouts(cfg, mmas: BwdMmas) -> BwdSmemLayouts:
+    dtype = cutlass_dtype(cfg.dtype)
+    t = bwd_tilers(cfg)
+
+    def one(layout):
+        return cute.slice_(layout, (None, None, None, 0))
+
+    return BwdSmemLayouts(
+        sK=one(bw.make_smem_layout_a(mmas.S, t["S"], dtype, 1)),
+        sV=one(bw.make_smem_layout_a(mmas.dP, t["dP"], dtype, 1)),
+        sQ=bw.make_smem_layout_b(mmas.S, t["S"], dtype, cfg.q_stage),
+        sQt=bw.make_smem_layout_b(mmas.dK, t["dK"], dtype, cfg.q_stage),
+        sdO=bw.make_smem_layout_b(mmas.dP, t["dP"], dtype, cfg.q_stage),
+        sdOt=bw.make_smem_layout_b(mmas.dV, t["dV"], dtype, cfg.q_stage),
+        sKt=one(bw.make_smem_layout_b(mmas.dQ, t["dQ"], dtype, 1)),
+        sdS=one(bw.make_smem_layout_a(mmas.dQ, t["dQ"], dtype, 1)),
+        tP=one(bw.make_smem_layout_a(mmas.dV, t["dV"], dtype, 1)),
+        tdS=one(bw.make_smem_layout_a(mmas.dK, t["dK"], dtype, 1)),
+    )

@@ -62,6 +62,37 @@ class TmemPlan:
             regions.append(TmemRegion(f"O{i}", 2 * n + i * dv, dv))
         return cls(tuple(regions)).check()
 
+    @classmethod
+    def for_backward(cls, cfg) -> "TmemPlan":
+        """The SM100 backward's columns (``fa_sm100.sm100.bwd_config``), for 128 keys (lanes)
+        and 128-row query blocks:
+
+            S    S^T = K Q^T          m_block columns     P0 / P1 alias inside it
+            dP   dP^T = V dO^T        m_block columns     dS0 / dS1 and dQ alias inside it
+            dV   dV accumulator       head_dim_v columns  (the whole work tile)
+            dK   dK accumulator       head_dim columns
+
+        Compute warpgroup h reads columns [64h, 64h + 64) of S^T and dP^T and writes its 64
+        query columns of 16-bit P^T (dS^T) as 32 columns at the start of that range, over
+        scores it has already read (``Ph`` / ``dSh``). dQ = dS K (128 query lanes x head_dim)
+        lands over dP^T after dK += dS^T Q has read dS^T (one thread issues both MMAs, in
+        order), and the next dP^T waits until the dQ warpgroup has read dQ out."""
+        m, d, dv = cfg.m_block, cfg.head_dim, cfg.head_dim_v
+        if 2 * m + d + dv > TMEM_COLS:
+            raise ValueError(
+                f"TMEM: the backward needs S^T and dP^T ({m} columns each) and the dK and dV "
+                f"accumulators ({d} + {dv}): {2 * m + d + dv} of {TMEM_COLS} columns")
+        if d > m:
+            raise ValueError(f"TMEM: dQ (head_dim={d} columns) must fit inside dP^T ({m})")
+        half, p_cols = m // 2, m // 2 * cfg.dtype_bytes // 4
+        regions = [TmemRegion("S", 0, m), TmemRegion("dP", m, m)]
+        for h in range(2):
+            regions.append(TmemRegion(f"P{h}", h * half, p_cols, host="S"))
+            regions.append(TmemRegion(f"dS{h}", m + h * half, p_cols, host="dP"))
+        regions += [TmemRegion("dQ", m, d, host="dP"), TmemRegion("dV", 2 * m, dv),
+                    TmemRegion("dK", 2 * m + dv, d)]
+        return cls(tuple(regions)).check()
+
     def __getitem__(self, name: str) -> TmemRegion:
         for r in self.regions:
             if r.name == name:

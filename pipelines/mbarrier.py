@@ -356,6 +356,13 @@ class TmaUmmaPipeline(MbarrierPipeline):
     kind = "tma_umma"
 
 
+class TmaThreadsPipeline(MbarrierPipeline):
+    """TMA -> threads (the backward's bwd_lse). Producer: the load warp, expect-tx as for
+    TmaUmmaPipeline (1-CTA only). Consumer: thread arrivals on the local empty barrier."""
+
+    kind = "tma_threads"
+
+
 class UmmaThreadsPipeline(MbarrierPipeline):
     """UMMA -> threads (s_p_o, o_acc). Producer: the MMA warp; ``producer_commit`` is a
     tcgen05.commit multicast to both CTAs of the pair. Consumer: thread arrivals of both CTAs
@@ -378,8 +385,8 @@ class ThreadsThreadsPipeline(MbarrierPipeline):
     kind = "threads_threads"
 
 
-PIPELINE_CLASSES = {c.kind: c for c in (TmaUmmaPipeline, UmmaThreadsPipeline, ThreadsUmmaPipeline,
-                                        ThreadsThreadsPipeline)}
+PIPELINE_CLASSES = {c.kind: c for c in (TmaUmmaPipeline, TmaThreadsPipeline, UmmaThreadsPipeline,
+                                        ThreadsUmmaPipeline, ThreadsThreadsPipeline)}
 
 
 def make_pipeline(spec, cfg, roles, base, pair: PairInfo) -> MbarrierPipeline:

@@ -33,15 +33,24 @@ NAMED_BARRIER_ROLES: dict[NamedBarrier, tuple[str, ...]] = {
 }
 
 
-def participants(barrier: NamedBarrier) -> tuple[str, ...]:
-    return NAMED_BARRIER_ROLES[NamedBarrier(barrier)]
+# The SM100 backward's (fa_sm100/sm100/bwd_kernel.py): the roles that touch TMEM.
+BWD_NAMED_BARRIER_ROLES: dict[NamedBarrier, tuple[str, ...]] = {
+    NamedBarrier.TMEM_ALLOC: ("mma", "compute", "dq"),
+}
+
+
+def participants(barrier: NamedBarrier, roles=None) -> tuple[str, ...]:
+    """The roles that take part in ``barrier`` in the kernel of ``roles`` (the forward's
+    ``WarpRoles`` by default, or the backward's ``BwdWarpRoles``)."""
+    table = BWD_NAMED_BARRIER_ROLES if hasattr(roles, "compute") else NAMED_BARRIER_ROLES
+    return table[NamedBarrier(barrier)]
 
 
 def num_threads(barrier: NamedBarrier, roles: WarpRoles | None = None) -> int:
     """Threads that must reach ``barrier`` (warps of its roles x 32)."""
     roles = roles or WarpRoles()
     warps = roles.role_warps()
-    n = sum(len(warps[r]) for r in participants(barrier)) * WARP_SIZE
+    n = sum(len(warps[r]) for r in participants(barrier, roles)) * WARP_SIZE
     if n % WARP_SIZE or n <= 0:
         raise ValueError(f"named barrier {barrier.name}: thread count {n} must be a positive multiple of 32")
     return n

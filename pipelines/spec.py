@@ -29,7 +29,7 @@ through s_p_o and ``p_lastsplit`` is not built.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 from fa_sm100.config import WARP_SIZE, FmhaConfig, WarpRoles
 from pipelines.dsl_values import NoLoopCarriedValues
@@ -70,6 +70,9 @@ class PipelineSpec:
     doc: str
     producer_starts_empty: bool = True
     enabled_if: Optional[str] = None
+    # bytes of one stage per TMA operand (None = the whole stage): a table row's own rule
+    # (the backward's rows); the forward's q and kv rows use the rule in ``tx_bytes``
+    tx: Optional[Callable] = None
 
     def num_stages(self, cfg: FmhaConfig) -> int:
         return int(getattr(cfg, self.stages))
@@ -100,6 +103,8 @@ class PipelineSpec:
         """Transaction bytes of one stage (both CTAs of the pair), for TMA-fed pipelines."""
         if self.producer.arrive != "expect_tx":
             return 0
+        if self.tx is not None:
+            return self.tx(cfg, operand)
         e = cfg.dtype_bytes
         if self.name == "q":
             return cfg.m_block * cfg.head_dim * e * cfg.cta_group
@@ -128,6 +133,7 @@ class PipelineSpec:
             raise ValueError(f"pipeline {self.name}: a consumer never arrives with expect-tx")
         expected_kind = {
             ("expect_tx", "umma"): "tma_umma",
+            ("expect_tx", "thread"): "tma_threads",
             ("umma", "thread"): "umma_threads",
             ("umma", "warp"): "umma_threads",
             ("thread", "umma"): "threads_umma",
@@ -202,28 +208,100 @@ PIPELINES: tuple[PipelineSpec, ...] = (
 PIPELINE_NAMES = tuple(p.name for p in PIPELINES)
 
 
+def _stage(cfg) -> int:  # the single-stage pipelines of the backward
+    return 1
+
+
+def _bwd_tx(*operands):
+    """Bytes of one backward stage: the named tiles, each ``rows x columns`` of the config."""
+    def tx(cfg, operand=None):
+        tiles = cfg.tma_tiles()
+        names = operands if operand is None else (operand,)
+        return sum(tiles[n] for n in names)
+    return tx
+
+
+# The SM100 backward's pipelines (fa_sm100/sm100/bwd_*.py; Note [Backward MMA order] in
+# fa_sm100/sm100/bwd_mma.py). "compute" is both compute warpgroups (256 threads), "dq" the
+# dQ warpgroup. Stage counts name fields of ``Sm100BwdConfig``; ``one_stage`` is 1.
+BWD_PIPELINES: tuple[PipelineSpec, ...] = (
+    PipelineSpec(
+        "bwd_kv", "tma_umma", Side(("load",), "expect_tx"), Side(("mma",), "umma"), "one_stage",
+        False, "K and V of the work tile (the CTA's key block), TMA -> SMEM; released by a UMMA "
+        "commit after the tile's last MMA",
+        tx=_bwd_tx("K", "V"),
+    ),
+    PipelineSpec(
+        "bwd_q", "tma_umma", Side(("load",), "expect_tx"), Side(("mma",), "umma"), "q_stage",
+        False, "ring of Q_j and dO_j tiles (one query block of one query head), TMA -> SMEM; "
+        "released once dV += P^T dO and dK += dS^T Q, the last MMAs reading them, completed",
+        tx=_bwd_tx("Q", "dO"),
+    ),
+    PipelineSpec(
+        "bwd_lse", "tma_threads", Side(("load",), "expect_tx"), Side(("compute",), "thread"),
+        "q_stage", False, "ring of LSE2_j and Delta_j (the preprocess's float32 rows of query "
+        "block j), TMA -> SMEM -> the compute warpgroups",
+        tx=_bwd_tx("LSE2", "Delta"),
+    ),
+    PipelineSpec(
+        "bwd_s_dp", "umma_threads", Side(("mma",), "umma"), Side(("compute",), "thread"),
+        "one_stage", False,
+        "full: S^T_j = K Q_j^T and dP^T_j = V dO_j^T are in TMEM; empty: the compute warpgroups "
+        "have read both and written P^T_j and dS^T_j over them, so the next S^T may be issued",
+    ),
+    PipelineSpec(
+        "bwd_ds", "threads_umma", Side(("compute",), "thread"), Side(("mma",), "umma"),
+        "one_stage", False,
+        "full: P^T_j and dS^T_j are in TMEM and dS_j in SMEM (the MMA warp issues dV, dK, dQ); "
+        "empty: dQ_j = dS_j K, the MMA reading sdS, completed",
+    ),
+    PipelineSpec(
+        "bwd_dq", "umma_threads", Side(("mma",), "umma"), Side(("dq",), "thread"), "one_stage",
+        False, "full: dQ_j is in TMEM (over dP^T); empty: the dQ warpgroup has read it out, so "
+        "the next dP^T may overwrite the region",
+    ),
+    PipelineSpec(
+        "bwd_dkv", "umma_threads", Side(("mma",), "umma"), Side(("compute",), "thread"),
+        "one_stage", False,
+        "full: dK and dV of the work tile are final in TMEM (compute warpgroups -> global); "
+        "empty: read out",
+    ),
+)
+
+
+def table_of(cfg) -> tuple[PipelineSpec, ...]:
+    """The pipeline table of ``cfg``'s kernel: the forward's, or the one its config names
+    (``pipeline_table = "backward"`` on the SM100 backward's config)."""
+    return BWD_PIPELINES if getattr(cfg, "pipeline_table", "forward") == "backward" else PIPELINES
+
+
+def names_of(cfg) -> tuple[str, ...]:
+    return tuple(p.name for p in table_of(cfg))
+
+
 def get_spec(name: str) -> PipelineSpec:
-    for p in PIPELINES:
+    for p in PIPELINES + BWD_PIPELINES:
         if p.name == name:
             return p
-    raise KeyError(f"no pipeline {name!r}; pipelines: {PIPELINE_NAMES}")
+    raise KeyError(f"no pipeline {name!r}; pipelines: {PIPELINE_NAMES} and "
+                   f"{tuple(p.name for p in BWD_PIPELINES)}")
 
 
 def active_specs(cfg: FmhaConfig, roles: Optional[WarpRoles] = None) -> tuple[PipelineSpec, ...]:
     """The rows ``cfg`` builds, each checked against ``cfg`` and its warp roles."""
     roles = roles or cfg.warp_roles()
-    return tuple(p.check(cfg, roles) for p in PIPELINES if p.enabled(cfg))
+    return tuple(p.check(cfg, roles) for p in table_of(cfg) if p.enabled(cfg))
 
 
 def barrier_count(cfg: FmhaConfig) -> int:
     """mbarriers (8 bytes each) the kernel must reserve in SMEM for ``build_pipelines``."""
-    return sum(2 * p.num_stages(cfg) for p in PIPELINES if p.enabled(cfg))
+    return sum(2 * p.num_stages(cfg) for p in table_of(cfg) if p.enabled(cfg))
 
 
 def barrier_offsets(cfg: FmhaConfig) -> dict[str, int]:
     """Pipeline name -> index of its first mbarrier (full[0..n), then empty[0..n))."""
     out, off = {}, 0
-    for p in PIPELINES:
+    for p in table_of(cfg):
         if p.enabled(cfg):
             out[p.name] = off
             off += 2 * p.num_stages(cfg)
@@ -234,14 +312,15 @@ class PipelineSet(NoLoopCarriedValues):
     """The built pipelines: ``pipes.kv`` or ``pipes["kv"]``; a disabled one (p_lastsplit with
     split_p off) is None."""
 
-    def __init__(self, pipes: dict):
+    def __init__(self, pipes: dict, names: tuple = PIPELINE_NAMES):
         self._pipes = dict(pipes)
-        for name in PIPELINE_NAMES:
+        self._names = names
+        for name in names:
             setattr(self, name, self._pipes.get(name))
 
     def __getitem__(self, name: str):
-        if name not in PIPELINE_NAMES:
-            raise KeyError(f"no pipeline {name!r}; pipelines: {PIPELINE_NAMES}")
+        if name not in self._names:
+            raise KeyError(f"no pipeline {name!r}; pipelines: {self._names}")
         return self._pipes.get(name)
 
     def __iter__(self):
@@ -282,4 +361,4 @@ def build_pipelines(cfg: FmhaConfig, roles: Optional[WarpRoles] = None, barrier_
         out[spec.name] = mbarrier.make_pipeline(spec, cfg, roles, base, pair)
     if init and barrier_storage is not None:
         mbarrier.init_barriers(list(out.values()))
-    return PipelineSet(out)
+    return PipelineSet(out, names_of(cfg))

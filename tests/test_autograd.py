@@ -74,10 +74,12 @@ def test_unsupported_backward_head_dim_raises_before_the_forward():
         check_backward_supported(x(d), x(d), x(dv))  # the forward's head dims: no exception
 
 
-def test_gradients_on_a_gpu_without_backward_raise_before_the_forward(monkeypatch):
-    """On an SM100 GPU (faked: FakeTensorMode CUDA tensors and a patched capability) the
-    forward has a kernel but the backward has none: asking for gradients raises ValueError
-    before the forward runs."""
+@pytest.mark.parametrize("cap,dims,match", [((10, 0), (192, 128), "no SM100 backward")])
+def test_gradients_on_a_gpu_without_backward_raise_before_the_forward(monkeypatch, cap, dims,
+                                                                      match):
+    """A faked GPU (FakeTensorMode CUDA tensors and a patched capability) whose backward has
+    no kernel: an SM100 one at head dims (192, 128) (the SM100 backward's TMEM plan does not
+    fit them): asking for gradients raises ValueError before the forward runs."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from fa_sm100 import autograd
@@ -88,11 +90,13 @@ def test_gradients_on_a_gpu_without_backward_raise_before_the_forward(monkeypatc
 
     monkeypatch.setattr(autograd.FlashAttnFunction, "apply", forward_ran)
     monkeypatch.setattr(autograd.EagerAttention, "apply", forward_ran)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
     with FakeTensorMode():
-        q, k, v = (torch.empty(1, 8, 2, 128, dtype=torch.bfloat16, device="cuda",
-                               requires_grad=True) for _ in range(3))
-        with pytest.raises(ValueError, match="sm_100"):
+        q, k = (torch.empty(1, 8, 2, dims[0], dtype=torch.bfloat16, device="cuda",
+                            requires_grad=True) for _ in range(2))
+        v = torch.empty(1, 8, 2, dims[1], dtype=torch.bfloat16, device="cuda",
+                        requires_grad=True)
+        with pytest.raises(ValueError, match=match):
             flash_attn_func(q, k, v)
 
 

@@ -311,3 +311,35 @@ def test_sm100_paged_call_launches_its_pages(monkeypatch, fake_sm100):
     assert kind == "sm100_fwd" and cfg.varlen and cfg.page_size == 256
     assert args[1].shape == (1, 2560, 2, 128)  # the pages as packed rows, a batch of one
     assert args[11] is used and args[12].shape == (10,)  # used keys, the flat page table
+
+
+def test_sm100_backward_launches_pre_main_post_on_a_faked_sm100(fake_sm100):
+    """Gradients on an sm_100 device go to ``sm100_bwd`` (faked device: no SM100 code runs):
+    preprocess, main kernel, dq postprocess in order, with the main kernel writing dk and dv
+    itself and the postprocess dq; what it has no kernel for raises before any launch."""
+    from fa_sm100.autograd import check_backward_supported
+    from fa_sm100.sm100.bwd_interface import sm100_bwd
+
+    with FakeTensorMode():
+        q, k, v = bshd(2, 300, 4, 128), bshd(2, 200, 1, 128), bshd(2, 200, 1, 128)
+        out, dout = bshd(2, 300, 4, 128), bshd(2, 300, 4, 128)
+        lse = torch.empty(2, 4, 300, device="cuda", dtype=torch.float32)
+        check_backward_supported(q, k, v)  # an SM100 backward exists for head dim 128
+        with pytest.raises(ValueError, match="no SM100 backward"):
+            check_backward_supported(bshd(1, 8, 1, 192), bshd(1, 8, 1, 192), bshd(1, 8, 1, 128))
+        for bad, match in (({"window_size": (64, 0)}, "sliding windows"),
+                           ({"softcap": 5.0}, "softcap"),
+                           ({"deterministic": True}, "deterministic")):
+            with pytest.raises(ValueError, match=match):
+                sm100_bwd(dout, q, k, v, out, lse, **bad)
+        assert fake_sm100 == []
+        dq, dk, dv = sm100_bwd(dout, q, k, v, out, lse, causal=True)
+    assert [kind for kind, _, _ in fake_sm100] == ["sm100_bwd_pre", "sm100_bwd_main",
+                                                    "sm100_bwd_post"]
+    main = fake_sm100[1][2]
+    assert main[7] is dk and main[8] is dv and main[0] is q
+    assert fake_sm100[2][2][1] is dq
+    cfg = fake_sm100[1][1][0]
+    assert cfg.causal and cfg.qhead_per_kvhead == 4 and cfg.head_dim == 128
+    # the accumulator: padded query rows (300 -> 384), head_dim floats each
+    assert tuple(main[6].shape) == (2, 4, 384, 128)

@@ -618,3 +618,38 @@ def test_cp_async_wait_group_waits_for_all_but_the_newest_groups():
             assert "pending" in str(e)
             caught += 1
     assert caught > 0
+
+
+RED_V4 = HEADER + """
+.visible .entry k(.param .u64 pacc, .param .u64 pval)
+.reqntid 64, 1, 1
+{
+    .reg .b32 %r<12>;
+    .reg .b64 %rd<8>;
+    ld.param.u64 %rd1, [pacc];
+    ld.param.u64 %rd2, [pval];
+    mov.u32 %r1, %tid.x;
+    and.b32 %r2, %r1, 31;
+    mul.wide.u32 %rd3, %r1, 16;
+    add.s64 %rd4, %rd2, %rd3;
+    ld.global.v4.f32 {%r4, %r5, %r6, %r7}, [%rd4];
+    mul.wide.u32 %rd5, %r2, 16;
+    add.s64 %rd6, %rd1, %rd5;
+    red.relaxed.gpu.global.add.v4.f32 [%rd6], {%r4, %r5, %r6, %r7};
+    ret;
+}
+"""
+
+
+def test_vector_red_adds_each_element_into_its_own_word():
+    """Two threads (of two warps) add four floats each into the same 16 bytes: every word
+    ends as its initial value plus both addends (the SM100 backward's dQ adds; an emulator
+    that added only the first word's old value passed one adder and failed two)."""
+    rng = np.random.default_rng(0)
+    init = rng.standard_normal((32, 4)).astype(np.float32)
+    vals = rng.standard_normal((64, 4)).astype(np.float32)
+    acc, tv = torch.from_numpy(init.copy()), torch.from_numpy(vals)
+    cap = launch_from_ptx(RED_V4, block=(64, 1, 1), params=[acc.data_ptr(), tv.data_ptr()])
+    emulate(cap, [acc, tv])
+    want = init.astype(np.float64) + vals[:32] + vals[32:]
+    np.testing.assert_allclose(acc.numpy(), want, rtol=1e-6, atol=1e-6)

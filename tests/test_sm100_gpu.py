@@ -159,3 +159,26 @@ def test_each_switch_gives_the_same_result(sm100_device, switch, causal):
     torch.cuda.synchronize()
     _check(out_b, None, q, k, v, 1.0 / math.sqrt(128), causal)
     assert (out_a.float() - out_b.float()).abs().max().item() < 2e-2
+
+
+BWD_CASES = [
+    # (batch, seqlen_q, seqlen_k, heads, kv heads, head_dim, dtype, causal)
+    (2, 1000, 1000, 4, 4, 128, torch.bfloat16, True),
+    (1, 333, 517, 8, 2, 64, torch.float16, False),
+    (2, 700, 300, 6, 1, 96, torch.bfloat16, True),
+    (1, 128, 4096, 4, 4, 128, torch.bfloat16, False),
+]
+
+
+@pytest.mark.parametrize("case", BWD_CASES)
+def test_backward_matches_float64_autograd(sm100_device, case):
+    """``flash_attn_func`` with autograd on SM100 (``sm100_bwd``): O and (dq, dk, dv) under
+    the float64 rule (``check_training_step``); tails, GQA / MQA, seqlen_q != seqlen_k."""
+    import fa_sm100
+    from fa_sm100.testing import check_training_step
+
+    b, sq, sk, h, hk, d, dtype, causal = case
+    q, k, v = _inputs(b, sq, sk, h, hk, d, d, dtype)
+    dout = torch.randn(b, sq, h, d, device="cuda", dtype=dtype)
+    check_training_step(lambda q, k, v: fa_sm100.flash_attn_func(q, k, v, causal=causal),
+                        q, k, v, dout, causal=causal, what=str(case))

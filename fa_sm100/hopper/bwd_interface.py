@@ -33,15 +33,21 @@ from fa_sm100.varlen import VARLEN_UNBOUNDED
 from layouts.smem import align_up
 
 def validate_bwd_inputs(dout, q, k, v, out, lse, softmax_scale=None, causal=False,
-                        window_size=(None, None), deterministic=False, softcap=0.0):
+                        window_size=(None, None), deterministic=False, softcap=0.0,
+                        kernel: str = "sm90_bwd"):
     """Raise ValueError naming the first problem with the backward's inputs; otherwise return
     ``(softmax_scale, (window_left, window_right), softcap)`` with the default scale filled
     in.
 
     The rules that need no GPU come first (types, shapes, dtypes, head dims, options); the
-    device rule comes last: CUDA tensors on an sm_90 GPU. So CPU tensors reach every other
-    rule, and nothing is compiled for a device that cannot run the kernel.
+    device rule comes last: CUDA tensors on an sm_90 GPU (``kernel="sm100_bwd"``: sm_100,
+    with that kernel's head dims). So CPU tensors reach every other rule, and nothing is
+    compiled for a device that cannot run the kernel.
     """
+    from fa_sm100.sm100.bwd_config import SM100_BWD_HEAD_DIMS
+
+    head_dims, arch = ((SM90_BWD_HEAD_DIMS, "SM90") if kernel == "sm90_bwd"
+                       else (SM100_BWD_HEAD_DIMS, "SM100"))
     for name, t in (("q", q), ("k", k), ("v", v), ("out", out), ("dout", dout)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -65,10 +71,10 @@ def validate_bwd_inputs(dout, q, k, v, out, lse, softmax_scale=None, causal=Fals
     if bk != b:
         raise ValueError(f"batch of k ({bk}) differs from batch of q ({b})")
     if dk != d:
-        raise ValueError(f"head dims q={d}, k={dk}: the SM90 backward needs them equal")
-    if (d, dv) not in SM90_BWD_HEAD_DIMS:
-        raise ValueError(f"head dims (qk={d}, v={dv}) are not supported by the SM90 backward: "
-                         f"use (qk, v) in {SM90_BWD_HEAD_DIMS}")
+        raise ValueError(f"head dims q={d}, k={dk}: the {arch} backward needs them equal")
+    if (d, dv) not in head_dims:
+        raise ValueError(f"head dims (qk={d}, v={dv}) are not supported by the {arch} backward: "
+                         f"use (qk, v) in {head_dims}")
     if hq % hk:
         raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({hk})")
     o_shape = (b, sq, hq, dv)
@@ -85,7 +91,8 @@ def validate_bwd_inputs(dout, q, k, v, out, lse, softmax_scale=None, causal=Fals
             raise ValueError(f"{name} must be a bool, got {flag!r}")
     window = normalize_window(window_size)
     softcap = check_softcap(softcap)
-    require_sm90(q.device, "sm90_bwd")
+    if kernel == "sm90_bwd":
+        require_sm90(q.device, "sm90_bwd")
     return softmax_scale, window, softcap
 
 

@@ -204,13 +204,17 @@ _ATOM_OPS = {
 
 @handler("atom", "red")
 def _atom(ins, k):
-    """Atomics run lane by lane in lane order (any order is a valid serialization)."""
+    """Atomics run lane by lane in lane order (any order is a valid serialization). A vector
+    reduction (``red.global.add.v4.f32``) adds each element into its own word."""
     typ = last_type(ins)
     space = space_of(ins)
     is_red = ins.parts[0] == "red"
     op = next((p for p in ins.parts[1:] if p in _ATOM_OPS or p == "cas"), None)
     if op is None:
         unsupported(ins)
+    nvec = next((int(p[1:]) for p in ins.parts[1:] if p in ("v2", "v4", "v8")), 1)
+    if nvec > 1 and (not is_red or op == "cas"):
+        unsupported(ins, "vector atomics are modelled for red only")
     width = type_width(typ) // 8
     a_op = ins.operands[0] if is_red else ins.operands[1]
     addr = address_reader(a_op, space, k)
@@ -220,17 +224,19 @@ def _atom(ins, k):
 
     def run(m, w, idx):
         a = addr(m, w, idx)
-        vals = [f(m, w, idx) for f in srcs]
+        vals = [np.asarray(f(m, w, idx)) for f in srcs]
         old_all = np.empty(len(idx), dtype=dt)
         for i in range(len(idx)):
             one = a[i:i + 1]
-            old = from_bytes(mem_read(m, w, space, one, width, f"{ins.parts[0]}.{space}"), dt)
+            raw = mem_read(m, w, space, one, width * nvec, f"{ins.parts[0]}.{space}")
+            old = np.ascontiguousarray(raw).view(dt).reshape(-1)
             if op == "cas":
                 new = np.where(old == vals[0][i:i + 1], vals[1][i:i + 1], old)
             else:
+                val = vals[0][i].reshape(-1) if nvec > 1 else vals[0][i:i + 1]
                 with np.errstate(all="ignore"):
-                    new = np.asarray(_ATOM_OPS[op](old, vals[0][i:i + 1])).astype(dt)
-            mem_write(m, w, space, one, to_bytes(new, dt), f"{ins.parts[0]}.{space}",
+                    new = np.asarray(_ATOM_OPS[op](old, val)).astype(dt)
+            mem_write(m, w, space, one, to_bytes(new.reshape(1, -1), dt), f"{ins.parts[0]}.{space}",
                       thread_ids(w, idx[i:i + 1]))
             old_all[i] = old[0]
         if wr is not None:

@@ -118,7 +118,10 @@ def _cp(ins, k):
     if "wait_group" in md:
         return _wait_group(ins, k)
     if "tensor" not in md:
-        unsupported(ins, "non-tensor bulk copies are not modelled")
+        if len(parts) > 4 and parts[3].startswith("shared") and parts[4] == "global":
+            return _bulk_load(ins, k)
+        unsupported(ins, "of the non-tensor bulk copies only global -> shared loads are "
+                         "modelled")
     if "tile" not in md:
         unsupported(ins, "only the tile load mode is modelled")
     if len(parts) > 5 and parts[5] == "global":
@@ -178,6 +181,43 @@ def _tma_load(ins, k):
                 lambda tm=tm, off=off, ok=ok, targets=targets, dst_off=dst_off, nbytes=nbytes:
                 _land(m, tm, off, ok, targets, dst_off, nbytes, where),
                 f"TMA load to shared {dst_off:#x} ({nbytes} bytes) issued at line {ins.line}"))
+    return run
+
+
+def _bulk_load(ins, k):
+    """``cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [dst], [src], size,
+    [mbar]``: ``size`` contiguous bytes of global memory land in this CTA's shared memory at
+    some later time and complete ``size`` transaction bytes on the mbarrier (as a TMA load)."""
+    where = f"line {ins.line}"
+    dst = address_reader(ins.operands[0], "shared::cluster", k)
+    src = address_reader(ins.operands[1], "global", k)
+    size = reader(ins.operands[2], "u32", k)
+    mbar = address_reader(ins.operands[3], "shared::cluster", k)
+
+    def run(m, w, idx):
+        from .ops_sync import get_mbarrier
+        d_all, s_all, n_all, b_all = dst(m, w, idx), src(m, w, idx), size(m, w, idx), mbar(m, w, idx)
+        for i in range(len(idx)):
+            d_addr, s_addr, n = int(d_all[i]), int(s_all[i]), int(n_all[i])
+            if n % 16 or d_addr % 16 or s_addr % 16:
+                raise EmulationError(f"{where}: a bulk copy of {n} bytes from {s_addr:#x} to "
+                                     f"{d_addr:#x}: size and both addresses must be multiples "
+                                     "of 16")
+            cta = m.cta_of_rank(d_addr >> CLUSTER_SHIFT)
+            d_off = d_addr & ((1 << CLUSTER_SHIFT) - 1)
+            mb = get_mbarrier(m, w, int(b_all[i]), "shared::cluster", where)
+            desc = f"bulk load by {w.gid} (line {ins.line})"
+            check_pending_reads(cta, np.asarray([d_off]), n, f"{where}: {desc}")
+            region = (d_off, d_off + n, desc)
+            _pending(cta).append(region)
+
+            def land(cta=cta, d_off=d_off, n=n, s_addr=s_addr, mb=mb, region=region):
+                _pending(cta).remove(region)
+                data = m.gmem.read(np.asarray([s_addr], dtype=np.uint64), n, f"{where} (bulk load)")
+                cta.smem.write(np.asarray([d_off]), data.reshape(1, n), f"{where} (bulk load)")
+                mb.complete_tx(n, where)
+            m.async_ops.append(AsyncOp(land, f"bulk load to shared {d_off:#x} ({n} bytes) "
+                                             f"issued at line {ins.line}"))
     return run
 
 

@@ -76,3 +76,59 @@ STAT_SCALE = 0  # per step: O rescale factor (1.0 = no rescale needed)
 STAT_SUM = 0  # final hand-off: row sum
 STAT_MAX = 1  # final hand-off: row max (log2 units, already multiplied by the softmax scale)
 NUM_STATS = 2
+
+
+# ------------------------------------------------------------------------------- backward
+
+@dataclass(frozen=True)
+class BwdProblem:
+    """Run-time sizes of one backward work tile: the CTA's key block ``n_block`` of KV head
+    ``head_kv`` of ``batch``, and the query blocks it visits, ``m_min <= m < m_max`` of each
+    of the group's ``group`` query heads, ``iters`` steps in all (step i: query head
+    ``head_kv * group + i // (m_max - m_min)``, block ``m_min + i % (m_max - m_min)``)."""
+
+    seqlen_q: Int32
+    seqlen_k: Int32
+    n_block: Int32
+    head_kv: Int32
+    batch: Int32
+    m_min: Int32
+    m_max: Int32
+    iters: Int32
+    scale_log2: Float32  # softmax_scale * log2(e)
+    softmax_scale: Float32
+
+
+@dataclass(frozen=True)
+class BwdSmem:
+    """SMEM tensors of the backward: sK, sV (the work tile), sQ / sdO (K-major B operands,
+    q_stage stages) and sQt / sdOt / sKt (the same bytes as MN-major B operands), sdS, and
+    the float32 rows sLSE2 / sDelta (m_block, q_stage)."""
+
+    sK: cute.Tensor
+    sV: cute.Tensor
+    sQ: cute.Tensor
+    sQt: cute.Tensor
+    sdO: cute.Tensor
+    sdOt: cute.Tensor
+    sKt: cute.Tensor
+    sdS: cute.Tensor
+    sLSE2: cute.Tensor
+    sDelta: cute.Tensor
+
+
+@dataclass(frozen=True)
+class BwdTmem:
+    """TMEM views of the backward, each at its TmemPlan.for_backward offset: the S^T, dP^T,
+    dV, dK, dQ accumulators; tP / tdS, one A-operand view per compute warpgroup h whose
+    k-block k (4h <= k < 4h + 4) is the 16 queries of columns [16k, 16k + 16) of P^T / dS^T;
+    ``plan``: the column plan."""
+
+    tS: cute.Tensor
+    tdP: cute.Tensor
+    tdV: cute.Tensor
+    tdK: cute.Tensor
+    tdQ: cute.Tensor
+    tP: tuple
+    tdS: tuple
+    plan: object

@@ -1,0 +1,110 @@
+"""Run the project's SM100 backward main kernel (``fa_sm100.sm100.bwd_kernel``) on the PTX
+emulator.
+
+``run_backward(cfg, q, k, v, dout)`` cross-compiles ``Sm100Backward(cfg)`` for sm_100a, makes
+the preprocess's rows on the CPU (LSE2 = LSE log2(e) of the float64 reference forward, Delta =
+rowsum(O dO) with O rounded to the input dtype, float32, padded as the preprocess pads them:
+LSE2 = +inf and Delta = 0 past seqlen_q), executes the kernel's PTX on the emulator and returns
+dq (= scale x the float32 accumulator, rounded as the postprocess rounds it), dk and dv as the
+kernel wrote them. The preprocess and postprocess kernels are the Hopper ones
+(tests/test_sm90_bwd_prepost_emulated.py runs them on the emulator).
+
+Everything here is emulated: no SM100 code runs on hardware.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from fa_sm100.ptxemu.sm100_run import _to_cute
+
+_COMPILED: dict = {}
+LOG2_E = 1.4426950408889634
+
+
+@dataclass
+class BackwardRun:
+    dq: torch.Tensor
+    dk: torch.Tensor
+    dv: torch.Tensor
+    dq_acc: torch.Tensor
+    launch: dict
+    compile_s: float
+    emulate_s: float
+
+
+def compile_backward(cfg, num_heads: int):
+    from fa_sm100.sm100.bwd_inspect_entry import fake_arguments
+    from fa_sm100.sm100.bwd_kernel import Sm100Backward
+
+    from .capture import compile_kernel
+    key = (cfg, num_heads)
+    if key not in _COMPILED:
+        kernel = Sm100Backward(cfg)
+        fake = fake_arguments(cfg, num_heads)
+        compiled, ptx = compile_kernel(kernel, fake, "sm_100a")
+        _COMPILED[key] = (kernel, fake, compiled, ptx)
+    return _COMPILED[key]
+
+
+def preprocess_rows(q, k, v, dout, softmax_scale: float, causal: bool, m_block: int):
+    """(LSE2, Delta) as (batch, heads, padded seqlen_q) float32, as the preprocess makes them."""
+    from fa_sm100.testing import attention_reference
+
+    b, sq, h, _ = q.shape
+    out, lse = attention_reference(q, k, v, softmax_scale, causal=causal)
+    rows = -(-sq // m_block) * m_block
+    lse2 = torch.full((b, h, rows), math.inf, dtype=torch.float32)
+    lse2[:, :, :sq] = torch.where(torch.isinf(lse), torch.full_like(lse, math.inf),
+                                  lse * LOG2_E).to(torch.float32)
+    delta = torch.zeros(b, h, rows, dtype=torch.float32)
+    o16 = out.to(q.dtype).to(torch.float32)
+    delta[:, :, :sq] = (o16 * dout.to(torch.float32)).sum(-1).permute(0, 2, 1)
+    return lse2, delta
+
+
+def run_backward(cfg, q, k, v, dout, softmax_scale=None, seed: int = 0,
+                 policy: str = "late") -> BackwardRun:
+    """Emulate the compiled SM100 backward on contiguous BSHD CPU tensors (bf16/fp16)."""
+    import cuda.bindings.driver as cuda
+    import cutlass
+
+    from .capture import capture_launch
+    from .emulator import emulate
+
+    for name, t in (("q", q), ("k", k), ("v", v), ("dout", dout)):
+        if t.device.type != "cpu" or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous CPU tensor")
+    want = {"bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.dtype]
+    if any(t.dtype != want for t in (q, k, v, dout)):
+        raise ValueError(f"the config is {cfg.dtype}, the inputs "
+                         f"{sorted({str(t.dtype) for t in (q, k, v, dout)})}")
+    b, sq, h, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    t0 = time.perf_counter()
+    kernel, fake, compiled, ptx = compile_backward(cfg, h)
+    t1 = time.perf_counter()
+    lse2, delta = preprocess_rows(q, k, v, dout, scale, cfg.causal, cfg.m_block)
+    dq_acc = torch.zeros(b, h, lse2.shape[2], d, dtype=torch.float32)
+    # NaN where the kernel must write: a row it leaves shows up
+    dk = torch.full((b, sk, hk, d), float("nan"), dtype=q.dtype)
+    dv = torch.full((b, sk, hk, v.shape[3]), float("nan"), dtype=q.dtype)
+    tensors = [q, k, v, dout, lse2, delta, dq_acc, dk, dv]
+    modes = [(0, 1)] * 4 + [(0, 2)] * 3 + [(0, 1)] * 2
+    real = (*(_to_cute(t, m, f) for t, m, f in zip(tensors, modes, fake)), None,
+            cutlass.Float32(scale), cuda.CUstream(0))
+    cap = capture_launch(kernel, fake, real, compiled=compiled, ptx=ptx)
+    t2 = time.perf_counter()
+    emulate(cap, tensors, seed=seed, policy=policy)
+    t3 = time.perf_counter()
+    dq = (dq_acc[:, :, :sq] * scale).permute(0, 2, 1, 3).to(q.dtype).contiguous()
+    rec = cap.launches[0]
+    return BackwardRun(dq=dq, dk=dk, dv=dv, dq_acc=dq_acc, compile_s=t1 - t0, emulate_s=t3 - t2,
+                       launch={"grid": rec.grid, "block": rec.block,
+                               "dynamic_smem": rec.dynamic_smem,
+                               "regs_at_launch": cap.launch_regs})

@@ -1,0 +1,202 @@
+"""Backward compute role (warps 0-7, two warpgroups): P and dS of every step, then dK and dV.
+
+Thread t of warpgroup h owns TMEM lane t (key ``n_block * 128 + t``) and the query columns
+[64h, 64h + 64) of S^T and dP^T, so it needs no shuffles and the two warpgroups never touch
+the same TMEM column.
+
+Consumes  S^T_j and dP^T_j (``bwd_s_dp`` full), LSE2_j and Delta_j (``bwd_lse``), sdS free
+          (``bwd_ds`` empty: the previous dQ MMA completed), the final dK, dV (``bwd_dkv``).
+Produces  P^T_j and dS^T_j (16-bit) in TMEM over the columns of S^T / dP^T it has read
+          (TmemPlan.for_backward: Ph, dSh), dS_j in SMEM (the dQ MMA's A operand), then dV
+          (warpgroup 0) and dK (warpgroup 1) of the key block in global memory.
+
+Per step, with x = S^T scale_log2 (log2 units):
+
+    P  = exp2(x - LSE2)          0 where the causal mask hides the key (key > q + sk - sq)
+    dS = P (dP - Delta)          (the softmax scale goes into dK here and dq in the postprocess)
+
+A padding query row (past seqlen_q) has LSE2 = +inf, so P = 0 and dS = 0 there; a key past
+seqlen_k has a zero K and V row, so it adds nothing to dQ and its dK / dV row is not stored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import tcgen05
+
+from fa_sm100.sm100.bwd_load import step_head_block
+from pipelines import record
+
+CHUNK = 32  # columns per tcgen05.ld (32-bit) / per tcgen05.st of 16-bit pairs (16 columns)
+
+
+@dataclass(frozen=True)
+class HalfViews:
+    """One warpgroup's TMEM copies: S^T / dP^T half loads, P^T / dS^T half stores."""
+
+    thr_load: object
+    tS: cute.Tensor  # (regs, 1, chunks) of S^T's half
+    tdP: cute.Tensor
+    coords: cute.Tensor  # (key row, query column within the half) of each register
+    thr_store: object
+    tP: cute.Tensor  # (regs, 1, chunks) of the P^T region (16-bit pairs as 32-bit columns)
+    tdS: cute.Tensor
+    store_shape: object  # registers of one stored chunk
+
+
+def _columns(acc, start, cols):
+    """Columns [start, start + cols) of a (128 lanes, n) TMEM accumulator view."""
+    return cute.make_tensor(acc.iterator + start,
+                            cute.composition(acc.layout, cute.make_layout((128, cols))))
+
+
+def make_half_views(cfg, h: int, tidx, tmem) -> HalfViews:
+    half = cfg.m_block // 2
+    p_cols = half * cfg.dtype_bytes // 4
+    plan = tmem.plan
+    s_acc = tmem.tS[(None, None), 0, 0]
+    dp_acc = tmem.tdP[(None, None), 0, 0]
+    s_half, dp_half = _columns(s_acc, h * half, half), _columns(dp_acc, h * half, half)
+    load_atom = cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(CHUNK)),
+                                    Float32)
+    thr_load = tcgen05.make_tmem_copy(load_atom, s_half).get_slice(tidx)
+    p_region = _columns(s_acc, plan.offset(f"P{h}") - plan.offset("S"), p_cols)
+    ds_region = _columns(dp_acc, plan.offset(f"dS{h}") - plan.offset("dP"), p_cols)
+    store_atom = cute.make_copy_atom(
+        tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(CHUNK // 2)), Float32)
+    thr_store = tcgen05.make_tmem_copy(store_atom, p_region).get_slice(tidx)
+    return HalfViews(
+        thr_load=thr_load, tS=thr_load.partition_S(s_half), tdP=thr_load.partition_S(dp_half),
+        coords=thr_load.partition_D(cute.make_identity_tensor((128, half))),
+        thr_store=thr_store, tP=thr_store.partition_D(p_region),
+        tdS=thr_store.partition_D(ds_region),
+        store_shape=thr_store.partition_S(
+            cute.make_identity_tensor((128, p_cols)))[None, None, 0].shape)
+
+
+@cute.jit
+def _store_pairs(cfg, v: HalfViews, vals: cute.Tensor, dst: cute.Tensor, dtype):
+    """The 16-bit values of ``vals`` (the half's columns) into TMEM ``dst``, a chunk at a time."""
+    for c in cutlass.range_constexpr(cute.size(dst.shape[2])):
+        packed = cute.make_rmem_tensor(v.store_shape, Float32)
+        pairs = cute.make_tensor(cute.recast_ptr(packed.iterator, dtype=dtype),
+                                 cute.make_layout(CHUNK))
+        for i in cutlass.range_constexpr(CHUNK):
+            pairs[i] = vals[c * CHUNK + i]
+        cute.copy(v.thr_store, packed, dst[None, None, c])
+
+
+@cute.jit
+def compute_step(cfg, h: cutlass.Constexpr, v: HalfViews, smem, pipes, prob, step: Int32,
+                 index: Int32, phase: Int32, one_phase: Int32, key: Int32, dtype):
+    """P and dS of step ``step`` for this thread's key row and its warpgroup's 64 queries."""
+    half = cfg.m_block // 2
+    _, m = step_head_block(cfg, prob, step)
+    pipes.bwd_lse.consumer_wait(index, phase)
+    pipes.bwd_s_dp.consumer_wait(0, one_phase)
+    record.access("S", "r")
+    rS = cute.make_rmem_tensor(v.coords.shape, Float32)
+    cute.copy(v.thr_load, v.tS, rS)
+    cute.arch.fence_view_async_tmem_load()  # S^T is in registers before P overwrites it
+    # the causal limit: query q sees this key iff key <= q + seqlen_k - seqlen_q
+    first_q = m * cfg.m_block + h * half
+    shift = prob.seqlen_k - prob.seqlen_q
+    rP16 = cute.make_rmem_tensor(cute.size(rS), dtype)
+    for i in cutlass.range_constexpr(cute.size(rS)):
+        col = v.coords[i][1]
+        p = cute.math.exp2(rS[i] * prob.scale_log2 - smem.sLSE2[h * half + col, index],
+                           fastmath=True)
+        if cutlass.const_expr(cfg.causal):
+            p = p if key <= first_q + col + shift else Float32(0.0)
+        rS[i] = p
+        rP16[i] = p.to(dtype)
+    record.access(f"P{h}", "w")
+    _store_pairs(cfg, v, rP16, v.tP, dtype)
+    record.access("dP", "r")
+    rdP = cute.make_rmem_tensor(v.coords.shape, Float32)
+    cute.copy(v.thr_load, v.tdP, rdP)
+    cute.arch.fence_view_async_tmem_load()
+    rdS16 = cute.make_rmem_tensor(cute.size(rS), dtype)
+    for i in cutlass.range_constexpr(cute.size(rS)):
+        col = v.coords[i][1]
+        rdS16[i] = (rS[i] * (rdP[i] - smem.sDelta[h * half + col, index])).to(dtype)
+    pipes.bwd_lse.consumer_release(index)
+    pipes.bwd_ds.producer_acquire(0, one_phase ^ 1)  # the previous dQ MMA has read sdS
+    record.access(f"dS{h}", "w")
+    _store_pairs(cfg, v, rdS16, v.tdS, dtype)
+    record.access("sdS", "w")
+    # dS_j as the dQ MMA's A operand (queries contiguous): this key's 64 queries of the half
+    row = key - prob.n_block * cfg.n_block
+    cute.autovec_copy(rdS16, smem.sdS[((None, h), row % 16), 0, row // 16])
+    cute.arch.fence_view_async_tmem_store()
+    cute.arch.fence_view_async_shared()  # st.shared -> the MMA's async-proxy reads
+    pipes.bwd_s_dp.consumer_release(0, note="S^T, dP^T read")
+    pipes.bwd_ds.producer_commit(0, note="P^T, dS^T, dS")
+
+
+@cute.jit
+def _store_rows(cfg, acc, cols: cutlass.Constexpr, out_row, tidx, scale, store: bool, dtype):
+    """One TMEM accumulator row (this thread's lane) times ``scale`` into ``out_row``."""
+    atom = cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(CHUNK)), Float32)
+    region = _columns(acc, 0, cols)
+    thr = tcgen05.make_tmem_copy(atom, region).get_slice(tidx)
+    src = thr.partition_S(region)
+    regs = thr.partition_D(cute.make_identity_tensor((128, cols)))
+    for c in cutlass.range_constexpr(cols // CHUNK):
+        r = cute.make_rmem_tensor(regs[None, None, c].shape, Float32)
+        cute.copy(thr, src[None, None, c], r)
+        cute.arch.fence_view_async_tmem_load()
+        out = cute.make_rmem_tensor(CHUNK, dtype)
+        out.store((r.load() * scale).to(dtype))
+        if store:
+            cute.autovec_copy(out, cute.make_tensor(out_row.iterator + c * CHUNK,
+                                                    cute.make_layout(CHUNK)))
+
+
+@cute.jit
+def compute(cfg, tmem, smem, mdK, mdV, pipes, prob):
+    """Warpgroup h (0 or 1) of the compute role: every step, then its half of the epilogue."""
+    tidx = cute.arch.thread_idx()[0] % 128
+    wg = cute.arch.make_warp_uniform(cute.arch.warp_idx()) // 4
+    key = prob.n_block * cfg.n_block + tidx
+    dtype = smem.sQ.element_type
+    b, hk = prob.batch, prob.head_kv
+    in_range = key < prob.seqlen_k
+    for h in cutlass.range_constexpr(2):
+        if wg == h:
+            v = make_half_views(cfg, h, tidx, tmem)
+            index = Int32(0)
+            phase = Int32(0)
+            one_phase = Int32(0)
+            with record.loop("steps"):
+                for step in cutlass.range(prob.iters, unroll=1):
+                    compute_step(cfg, h, v, smem, pipes, prob, step, index, phase, one_phase,
+                                 key, dtype)
+                    one_phase = one_phase ^ 1
+                    index = index + 1
+                    if index == cfg.q_stage:
+                        index = Int32(0)
+                        phase = phase ^ 1
+            row_key = cutlass.min(key, prob.seqlen_k - 1)  # a valid address for every lane
+            if prob.iters > 0:
+                pipes.bwd_dkv.consumer_wait(0, Int32(0))
+                if cutlass.const_expr(h == 0):
+                    record.access("dV", "r")
+                    _store_rows(cfg, tmem.tdV[(None, None), 0, 0], cfg.head_dim_v,
+                                mdV[b, row_key, hk, None], tidx, Float32(1.0), in_range, dtype)
+                else:
+                    record.access("dK", "r")
+                    _store_rows(cfg, tmem.tdK[(None, None), 0, 0], cfg.head_dim,
+                                mdK[b, row_key, hk, None], tidx, prob.softmax_scale, in_range,
+                                dtype)
+                pipes.bwd_dkv.consumer_release(0)
+            else:  # no query sees the key block (seqlen_q = 0): zero gradients
+                if in_range:
+                    out = mdV if cutlass.const_expr(h == 0) else mdK
+                    zero = cute.make_rmem_tensor(out.shape[3], dtype)
+                    zero.fill(0.0)
+                    cute.autovec_copy(zero, out[b, row_key, hk, None])

@@ -1,0 +1,178 @@
+"""The frozen configuration of the SM100 backward kernel (``sm100_bwd``) and its warp roles.
+
+One CTA owns one work tile: a block of ``n_block`` keys of one KV head of one batch entry. It
+loads K and V of the block once and walks every query block of every query head of the KV
+head's group (``qhead_per_kvhead``), accumulating dK and dV in TMEM across the whole group
+(no float32 copy per query head) and adding each query block's dQ into a float32 accumulator
+in global memory. Every choice is a field; the kernel reads them at trace time.
+
+Head dims: 64, 96 and 128 (qk = v). (192, 128) does not fit the TMEM plan with 128-row query
+blocks: S^T and dP^T take 128 columns each and the dK and dV accumulators 192 + 128, 576 of the
+512 columns (``layouts.tmem.TmemPlan.for_backward`` raises with the numbers).
+
+2-CTA MMA (cta_group::2) is not used by the backward: each CTA's dK and dV accumulators must
+stay in its own TMEM for the whole group walk, and its four accumulators already fill TMEM at
+head dim 128, so a pair would only share the K / V SMEM loads (Note [Backward without 2-CTA]
+in docs/sm100_backward.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from fa_sm100.config import (DTYPE_BYTES, DTYPES, WARP_SIZE, WARPGROUP_WARPS,
+                             check_register_budget, check_setmaxnreg)
+
+SM100_BWD_HEAD_DIMS = ((64, 64), (96, 96), (128, 128))
+# SMEM per CTA on sm_100 (the opt-in maximum), the same budget as the forward's SmemPlan
+SMEM_BYTES = 232448
+SMEM_ALIGN = 1024  # swizzled (128-byte) SMEM tiles start on 1 KiB boundaries
+
+
+@dataclass(frozen=True)
+class BwdWarpRoles:
+    """Which warps of the 16-warp CTA do what, and the registers each warpgroup keeps.
+
+    compute (warps 0-7, two warpgroups): warpgroup h owns query columns [64h, 64h + 64) of every
+    S^T / dP^T tile; each thread one key row (TMEM lane). dq (8-11): dQ out of TMEM into the
+    float32 accumulator. mma (12), load (14); warps 13 and 15 idle (warp ids match the
+    forward's: the MMA and load warps share warpgroup 3)."""
+
+    compute: tuple[int, ...] = (0, 1, 2, 3, 4, 5, 6, 7)
+    dq: tuple[int, ...] = (8, 9, 10, 11)
+    mma: int = 12
+    load: int = 14
+    empty: tuple[int, ...] = (13, 15)
+    regs_compute: int = 192
+    regs_dq: int = 64
+    regs_other: int = 64
+    num_warps: int = field(default=16, init=False)
+
+    @property
+    def threads_per_cta(self) -> int:
+        return self.num_warps * WARP_SIZE
+
+    def role_warps(self) -> dict[str, tuple[int, ...]]:
+        return {"compute": self.compute, "dq": self.dq, "mma": (self.mma,),
+                "load": (self.load,), "empty": self.empty}
+
+    def setmaxnreg(self) -> dict[str, int]:
+        return {"compute": self.regs_compute, "dq": self.regs_dq, "other": self.regs_other}
+
+    def registers_used(self) -> int:
+        wg = WARPGROUP_WARPS * WARP_SIZE
+        return wg * (2 * self.regs_compute + self.regs_dq + self.regs_other)
+
+    def validate(self) -> "BwdWarpRoles":
+        warps = sorted(w for ws in self.role_warps().values() for w in ws)
+        if warps != list(range(self.num_warps)):
+            raise ValueError(f"backward warp roles must cover warps 0..{self.num_warps - 1} "
+                             f"once each, got {warps}")
+        for name, regs in self.setmaxnreg().items():
+            check_setmaxnreg(f"regs_{name}", regs)
+        check_register_budget(self.registers_used(),
+                              f"128 x (2 x {self.regs_compute} + {self.regs_dq} + "
+                              f"{self.regs_other})", self.threads_per_cta)
+        return self
+
+
+@dataclass(frozen=True)
+class Sm100BwdConfig:
+    """Compile-time configuration of the SM100 backward (one compiled kernel per value)."""
+
+    # problem
+    head_dim: int = 128
+    head_dim_v: int = 128
+    dtype: str = "bfloat16"
+    causal: bool = False  # bottom-right aligned, as the forward
+    qhead_per_kvhead: int = 1  # GQA ratio; 1 = MHA, num_heads = MQA
+    # deterministic dQ adds (ordered by key block): not in this kernel yet; validate() says so
+    deterministic: bool = False
+    # tiles
+    m_block: int = 128  # query rows per step (TMEM lanes of dQ; columns of S^T)
+    n_block: int = 128  # keys per work tile (TMEM lanes of S^T, dP^T, dK, dV)
+    # switches
+    q_stage: int = 2  # stages of the Q / dO and LSE2 / Delta rings
+
+    pipeline_table = "backward"  # pipelines.spec.table_of
+    use_2cta = False  # see the module docstring
+    cta_group = 1
+    cluster_shape = (1, 1, 1)
+    one_stage = 1
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    def replace(self, **changes) -> "Sm100BwdConfig":
+        return dataclasses.replace(self, **changes)
+
+    def warp_roles(self) -> BwdWarpRoles:
+        return BwdWarpRoles()
+
+    def tma_tiles(self) -> dict[str, int]:
+        """Bytes of each TMA tile: K, V (n_block rows), Q, dO (m_block rows), LSE2 and Delta
+        (m_block float32)."""
+        e = self.dtype_bytes
+        return {"K": self.n_block * self.head_dim * e, "V": self.n_block * self.head_dim_v * e,
+                "Q": self.m_block * self.head_dim * e, "dO": self.m_block * self.head_dim_v * e,
+                "LSE2": self.m_block * 4, "Delta": self.m_block * 4}
+
+    def smem_buffers(self) -> dict[str, int]:
+        """Bytes of each SMEM buffer (every stage): the kernel's shared storage holds these,
+        each 16-bit tile on a 1 KiB boundary, plus its mbarriers."""
+        t = self.tma_tiles()
+        return {"sK": t["K"], "sV": t["V"], "sQ": self.q_stage * t["Q"],
+                "sdO": self.q_stage * t["dO"],
+                "sdS": self.m_block * self.n_block * self.dtype_bytes,
+                "sLSE2": self.q_stage * t["LSE2"], "sDelta": self.q_stage * t["Delta"]}
+
+    def smem_bytes(self) -> int:
+        from pipelines.spec import barrier_count
+
+        tiles = sum(-(-b // SMEM_ALIGN) * SMEM_ALIGN for b in self.smem_buffers().values())
+        return tiles + barrier_count(self) * 8 + 16  # + the TMEM base address, aligned
+
+    def validate(self) -> "Sm100BwdConfig":
+        """Raise ValueError naming the first violated rule; return self when all hold."""
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r}: must be one of {DTYPES}")
+        if (self.head_dim, self.head_dim_v) not in SM100_BWD_HEAD_DIMS:
+            # the TMEM plan says why (192, 128) does not fit
+            from layouts.tmem import TmemPlan
+
+            TmemPlan.for_backward(self)
+            raise ValueError(f"head dims (qk={self.head_dim}, v={self.head_dim_v}) have no SM100 "
+                             f"backward: use one of {SM100_BWD_HEAD_DIMS}")
+        if self.m_block != 128 or self.n_block != 128:
+            raise ValueError(f"(m_block, n_block)=({self.m_block}, {self.n_block}): the TMEM "
+                             "plan needs 128 x 128 (TMEM lanes are the 128 keys of S^T, and "
+                             "the 128 query rows of dQ)")
+        if self.q_stage not in (1, 2):
+            raise ValueError(f"q_stage={self.q_stage}: must be 1 or 2")
+        if self.deterministic:
+            raise ValueError("deterministic=True: the SM100 backward adds dQ with unordered "
+                             "float32 atomics; a deterministic mode is not implemented yet")
+        if self.qhead_per_kvhead < 1:
+            raise ValueError(f"qhead_per_kvhead={self.qhead_per_kvhead}: must be >= 1")
+        from layouts.tmem import TmemPlan
+
+        TmemPlan.for_backward(self)
+        if self.smem_bytes() > SMEM_BYTES:
+            raise ValueError(f"SMEM: {self.smem_bytes()} bytes ({self.smem_buffers()}) exceed "
+                             f"the {SMEM_BYTES} of an SM; use q_stage=1")
+        self.warp_roles().validate()
+        return self
+
+
+def select_sm100_bwd_config(head_dim: int, head_dim_v: int, dtype: str, causal: bool,
+                            qhead_per_kvhead: int, deterministic: bool = False,
+                            **overrides) -> Sm100BwdConfig:
+    """The default config of a problem: two Q / dO stages where they fit the SMEM, else one."""
+    base = Sm100BwdConfig(head_dim=head_dim, head_dim_v=head_dim_v, dtype=dtype, causal=causal,
+                          qhead_per_kvhead=qhead_per_kvhead, deterministic=deterministic)
+    if "q_stage" not in overrides:
+        two = base.replace(q_stage=2)
+        overrides["q_stage"] = 2 if two.smem_bytes() <= SMEM_BYTES else 1
+    return base.replace(**overrides).validate()

@@ -1,0 +1,82 @@
+"""Compile contract of the SM100 backward main kernel (``sm100_bwd``), through
+``inspect_kernel``: every config is cross-compiled for sm_100a on the CPU (the registry entry,
+the path of ``scripts/inspect.py --kernel sm100_bwd --set ...``). Together they cover both
+dtypes, head dims 64 / 96 / 128, causal and not, MHA / GQA / MQA and one or two Q stages.
+For each:
+
+- 512 threads per CTA, cluster (1, 1, 1), no cta_group::2 MMA (the backward is 1-CTA);
+- the five MMAs of Note [Backward MMA order] as UTCHMMA (dV and dK issue their A operand's
+  two TMEM halves separately: seven MMA sites), TMA loads (UTMALDG), tcgen05.ld / st;
+- setmaxnreg values in the PTX equal the BwdWarpRoles budgets; one TMEM allocation of 512
+  columns; zero local memory and spill bytes; SMEM within the config's budget and an SM's.
+"""
+
+import os
+
+import pytest
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_100a")
+
+pytestmark = [pytest.mark.compile, pytest.mark.slow]
+
+SMEM_LIMIT = 232448
+
+CONFIGS = {
+    "hdim128": ["head_dim=128"],
+    "hdim128_causal": ["head_dim=128", "causal=true"],
+    "hdim128_q1_causal": ["head_dim=128", "causal=true", "q_stage=1"],
+    "hdim128_fp16_gqa": ["head_dim=128", "dtype=fp16", "qhead_per_kvhead=4"],
+    "hdim96": ["head_dim=96"],
+    "hdim96_causal_mqa": ["head_dim=96", "causal=true", "qhead_per_kvhead=8"],
+    "hdim64": ["head_dim=64"],
+    "hdim64_causal_gqa": ["head_dim=64", "causal=true", "qhead_per_kvhead=4"],
+    "hdim64_q1_fp16": ["head_dim=64", "q_stage=1", "dtype=fp16"],
+    "hdim64_fp16_causal_gqa2": ["head_dim=64", "dtype=fp16", "causal=true",
+                                "qhead_per_kvhead=2"],
+}
+
+_CACHE = {}
+
+
+def report(name):
+    if name not in _CACHE:
+        from fa_sm100.inspection import inspect_kernel
+
+        _CACHE[name] = inspect_kernel("sm100_bwd", "sm_100a", CONFIGS[name])
+    return _CACHE[name]
+
+
+def config(name):
+    from fa_sm100.sm100.bwd_inspect_entry import make_config
+
+    return make_config(CONFIGS[name])
+
+
+def test_the_configs_cover_dtypes_head_dims_masks_groups_and_stages():
+    cfgs = [config(n) for n in CONFIGS]
+    seen = lambda f: {getattr(c, f) for c in cfgs}  # noqa: E731
+    assert len(cfgs) >= 10
+    assert seen("dtype") == {"bfloat16", "float16"}
+    assert seen("head_dim") == {64, 96, 128}
+    assert seen("causal") == {True, False}
+    assert seen("q_stage") == {1, 2}
+    assert seen("qhead_per_kvhead") >= {1, 2, 4, 8}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_compile_contract(name):
+    rep, cfg = report(name), config(name)
+    sass = rep["sass"]
+    assert rep["threads_per_cta"] == 512
+    assert tuple(rep["cluster"]) == (1, 1, 1)
+    assert sass["UTCHMMA"] == 7 and sass["UTCHMMA.2CTA"] == 0
+    assert [a["cols"] for a in rep["tmem_alloc_ptx"]] == [512]
+    roles = cfg.warp_roles().setmaxnreg()
+    assert rep["setmaxnreg"] == roles
+    assert {n for _, n in rep["setmaxnreg_ptx"]} == set(roles.values())
+    assert rep["local_bytes"] == 0
+    assert rep["spill_bytes"] == 0
+    assert 0 < rep["smem_bytes"] <= SMEM_LIMIT
+    assert rep["smem_bytes"] == cfg.smem_bytes()
+    for op in ("UTMALDG", "LDTM", "STTM", "USETMAXREG", "MUFU.EX2"):
+        assert sass[op] > 0, f"no {op} in the SASS"

@@ -1,0 +1,81 @@
+"""The SM100 backward's plans as data (no compile): its TMEM columns, SMEM budget, warp-role
+registers and pipeline table hold their invariants for every supported problem, and a problem
+that cannot fit says why."""
+
+import itertools
+
+import pytest
+
+from fa_sm100.config import REGISTER_FILE
+from fa_sm100.sm100.bwd_config import (SM100_BWD_HEAD_DIMS, SMEM_BYTES, Sm100BwdConfig,
+                                       select_sm100_bwd_config)
+from layouts.tmem import TMEM_COLS, TmemPlan
+from pipelines.spec import active_specs, barrier_count
+
+PROBLEMS = list(itertools.product(SM100_BWD_HEAD_DIMS, ("bfloat16", "float16"), (False, True),
+                                  (1, 4)))
+
+
+def _cfg(dims, dtype, causal, group):
+    return select_sm100_bwd_config(dims[0], dims[1], dtype, causal, group)
+
+
+@pytest.mark.parametrize("dims,dtype,causal,group", PROBLEMS)
+def test_every_default_validates_and_fits(dims, dtype, causal, group):
+    cfg = _cfg(dims, dtype, causal, group)
+    assert cfg.smem_bytes() <= SMEM_BYTES
+    roles = cfg.warp_roles()
+    assert roles.registers_used() <= REGISTER_FILE
+    # two Q stages wherever they fit (every supported head dim today)
+    assert cfg.q_stage == 2
+
+
+@pytest.mark.parametrize("d", [d for d, _ in SM100_BWD_HEAD_DIMS])
+def test_tmem_plan_gives_each_warpgroup_its_own_columns(d):
+    cfg = Sm100BwdConfig(head_dim=d, head_dim_v=d)
+    plan = TmemPlan.for_backward(cfg)
+    assert plan.cols_used <= TMEM_COLS
+    half = cfg.m_block // 2
+    for h in range(2):
+        # P^T / dS^T of warpgroup h lie over the S^T / dP^T columns that warpgroup reads
+        for alias, host in ((f"P{h}", "S"), (f"dS{h}", "dP")):
+            r, base = plan[alias], plan.offset(host) + h * half
+            assert base <= r.start and r.stop <= base + half
+            # 16-bit pairs: the half's 64 queries take 32 columns
+            assert r.cols == half * cfg.dtype_bytes // 4
+    # dQ lands over dP^T, never over the accumulators that live through the tile
+    dq = plan["dQ"]
+    assert dq.host == "dP" and dq.cols == d
+    for acc in ("dK", "dV"):
+        assert not dq.overlaps(plan[acc]) and not plan["S"].overlaps(plan[acc])
+
+
+def test_hdim_192_does_not_fit_and_says_why_in_columns():
+    with pytest.raises(ValueError, match="576 of 512 columns"):
+        Sm100BwdConfig(head_dim=192, head_dim_v=128).validate()
+
+
+def test_switches_that_do_not_exist_yet_are_refused():
+    with pytest.raises(ValueError, match="deterministic"):
+        Sm100BwdConfig(deterministic=True).validate()
+    with pytest.raises(ValueError, match="q_stage"):
+        Sm100BwdConfig(q_stage=3).validate()
+
+
+def test_backward_pipeline_table_arrival_counts_follow_the_roles():
+    cfg = Sm100BwdConfig().validate()
+    specs = {s.name: s for s in active_specs(cfg)}
+    roles = cfg.warp_roles().role_warps()
+    threads = {r: 32 * len(w) for r, w in roles.items()}
+    assert specs["bwd_lse"].arrivals("empty", cfg) == threads["compute"]
+    assert specs["bwd_s_dp"].arrivals("empty", cfg) == threads["compute"]
+    assert specs["bwd_ds"].arrivals("full", cfg) == threads["compute"]
+    assert specs["bwd_dq"].arrivals("empty", cfg) == threads["dq"]
+    for name in ("bwd_kv", "bwd_q", "bwd_dkv"):
+        assert specs[name].arrivals("full", cfg) == 1
+    tiles = cfg.tma_tiles()
+    assert specs["bwd_q"].tx_bytes(cfg) == tiles["Q"] + tiles["dO"]
+    assert specs["bwd_kv"].tx_bytes(cfg) == tiles["K"] + tiles["V"]
+    assert specs["bwd_lse"].tx_bytes(cfg) == 2 * cfg.m_block * 4
+    # one full and one empty barrier per stage
+    assert barrier_count(cfg) == 2 * sum(s.num_stages(cfg) for s in specs.values())
