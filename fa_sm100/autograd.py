@@ -28,11 +28,12 @@ from typing import Optional
 
 import torch
 
+from fa_sm100.devices import is_sm100
 from fa_sm100.hopper import probes
 from fa_sm100.hopper.bwd_config import SM90_BWD_HEAD_DIMS
 from fa_sm100.hopper.bwd_interface import build_sm90_bwd_plan, sm90_bwd
 from fa_sm100.sm100.bwd_config import SM100_BWD_HEAD_DIMS
-from fa_sm100.sm100.bwd_interface import sm100_bwd, sm100_bwd_supported
+from fa_sm100.sm100.bwd_interface import sm100_bwd
 from fa_sm100.validation import check_softmax_scale, normalize_window, require_sm90
 
 _CONFIGS: list = []  # token -> config
@@ -136,7 +137,7 @@ def attn_bwd_impl(dout, q, k, v, out, lse, softmax_scale, causal, window_left, w
     if q.device.type == "cpu":
         return _cpu_backward(dout, q, k, v, out, lse, softmax_scale, causal, window_left,
                              window_right, softcap)
-    if _on_sm100(q):
+    if is_sm100(q.device):
         return sm100_bwd(dout, q, k, v, out, lse, softmax_scale=softmax_scale, causal=causal,
                          window_size=(window_left, window_right), deterministic=deterministic,
                          softcap=softcap)
@@ -237,7 +238,7 @@ def planned_call(q, k, v, softmax_scale, causal, window_size, softcap, config, d
     call = PlannedCall(plan, check_softmax_scale(softmax_scale, q.shape[-1]), bool(causal),
                        normalize_window(window_size), float(softcap), bool(deterministic),
                        config)
-    call.sm100 = _on_sm100(q)
+    call.sm100 = is_sm100(q.device)
     return call
 
 
@@ -257,22 +258,12 @@ class EagerAttention(torch.autograd.Function):
         return (*ctx.call.backward(dout, *ctx.saved_tensors), None)
 
 
-def _on_sm100(q) -> bool:
-    """True for a CUDA tensor on an sm_100 (Blackwell) GPU: its gradients come from
-    ``sm100_bwd``."""
-    if q.device.type != "cuda":
-        return False
-    from fa_sm100.devices import capability
-
-    return capability(q.device)[0] == 10
-
-
 def check_backward_supported(q, k, v):
     """Raise ValueError before the forward runs when its backward could not: head dims
     without a backward kernel, or (CUDA tensors) a GPU other than sm_90 and sm_100."""
     d, dv = q.shape[-1], v.shape[-1]
-    if _on_sm100(q):
-        if not sm100_bwd_supported(q, v):
+    if is_sm100(q.device):
+        if (d, dv) not in SM100_BWD_HEAD_DIMS:
             raise ValueError(f"head dims (qk={d}, v={dv}) have no SM100 backward: gradients "
                              f"need (head_dim, head_dim_v) in {SM100_BWD_HEAD_DIMS}")
         return

@@ -24,6 +24,11 @@ def capability(device: torch.device) -> tuple:
     return found
 
 
+def is_sm100(device: torch.device) -> bool:
+    """True for a CUDA device of an sm_100 (Blackwell) GPU: the SM100 kernels run there."""
+    return device.type == "cuda" and capability(device)[0] == 10
+
+
 def sm_count(device: torch.device) -> int:
     """The number of SMs of a CUDA device (the CTA count of a persistent grid)."""
     query = torch.cuda.get_device_properties

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from fa_sm100.call_plans import PlanTable
-from fa_sm100.devices import capability
+from fa_sm100.devices import capability, is_sm100
 from fa_sm100.hopper import probes
 from fa_sm100.validation import validate_attention_inputs
 
@@ -144,7 +144,7 @@ _varlen_forwards: dict = {}  # device -> the varlen forward of its kernel
 def _varlen_forward_for(q):
     """The varlen forward of q's device: SM100's on an sm_100 GPU, else SM90's (whose checks
     reject anything else with the reason); kept per CUDA device."""
-    if isinstance(q, torch.Tensor) and q.device.type == "cuda" and capability(q.device)[0] == 10:
+    if isinstance(q, torch.Tensor) and is_sm100(q.device):
         from fa_sm100.sm100.interface import sm100_fwd_varlen as forward
     else:
         from fa_sm100.hopper.interface import sm90_fwd_varlen as forward

@@ -342,9 +342,9 @@ def _kernel_paged_forward(q, page_size: int):
     (``sm100_fwd_paged``) with pages of a multiple of its 128-key blocks."""
     if q.device.type != "cuda" or page_size % 128:
         return None
-    from fa_sm100.devices import capability
+    from fa_sm100.devices import is_sm100
 
-    if capability(q.device)[0] != 10:
+    if not is_sm100(q.device):
         return None
     from fa_sm100.sm100.interface import sm100_fwd_paged
 

@@ -149,6 +149,18 @@ def require_sm90(device: torch.device, what: str) -> None:
                          f"sm_{major}{minor}")
 
 
+def require_sm100(device: torch.device, what: str) -> None:
+    """Raise ValueError unless ``device`` is a CUDA device of compute capability 10.x."""
+    if device.type != "cuda":
+        raise ValueError(f"{what} needs CUDA tensors on an sm_100 GPU, got device {device}")
+    from fa_sm100.devices import capability
+
+    major, minor = capability(device)
+    if major != 10:
+        raise ValueError(f"{what} runs on sm_100 (Blackwell) GPUs only; {device} is "
+                         f"sm_{major}{minor}")
+
+
 def tma_strides_ok(t: torch.Tensor) -> bool:
     """True when TMA can read ``t``'s layout: unit last stride, 16-byte aligned other strides
     (the base address is a per-call matter: ``tma_ready``)."""

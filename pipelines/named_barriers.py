@@ -42,7 +42,9 @@ BWD_NAMED_BARRIER_ROLES: dict[NamedBarrier, tuple[str, ...]] = {
 def participants(barrier: NamedBarrier, roles=None) -> tuple[str, ...]:
     """The roles that take part in ``barrier`` in the kernel of ``roles`` (the forward's
     ``WarpRoles`` by default, or the backward's ``BwdWarpRoles``)."""
-    table = BWD_NAMED_BARRIER_ROLES if hasattr(roles, "compute") else NAMED_BARRIER_ROLES
+    from fa_sm100.sm100.bwd_config import BwdWarpRoles
+
+    table = BWD_NAMED_BARRIER_ROLES if isinstance(roles, BwdWarpRoles) else NAMED_BARRIER_ROLES
     return table[NamedBarrier(barrier)]
 
 

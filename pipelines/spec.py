@@ -208,10 +208,6 @@ PIPELINES: tuple[PipelineSpec, ...] = (
 PIPELINE_NAMES = tuple(p.name for p in PIPELINES)
 
 
-def _stage(cfg) -> int:  # the single-stage pipelines of the backward
-    return 1
-
-
 def _bwd_tx(*operands):
     """Bytes of one backward stage: the named tiles, each ``rows x columns`` of the config."""
     def tx(cfg, operand=None):

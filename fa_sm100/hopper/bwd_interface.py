@@ -26,6 +26,7 @@ from fa_sm100.hopper import probes
 from fa_sm100.hopper.bwd_config import SM90_BWD_HEAD_DIMS, BwdConfig
 from fa_sm100.hopper.bwd_defaults import select_bwd_config
 from fa_sm100.hopper.config import SM90_ARCH
+from fa_sm100.sm100.bwd_config import SM100_BWD_HEAD_DIMS
 from fa_sm100.validation import (SUPPORTED_DTYPES, check_softcap, check_softmax_scale,
                                  normalize_window,
                                  require_sm90)
@@ -44,8 +45,6 @@ def validate_bwd_inputs(dout, q, k, v, out, lse, softmax_scale=None, causal=Fals
     with that kernel's head dims). So CPU tensors reach every other rule, and nothing is
     compiled for a device that cannot run the kernel.
     """
-    from fa_sm100.sm100.bwd_config import SM100_BWD_HEAD_DIMS
-
     head_dims, arch = ((SM90_BWD_HEAD_DIMS, "SM90") if kernel == "sm90_bwd"
                        else (SM100_BWD_HEAD_DIMS, "SM100"))
     for name, t in (("q", q), ("k", k), ("v", v), ("out", out), ("dout", dout)):

@@ -21,9 +21,10 @@ from dataclasses import dataclass
 import torch
 
 from fa_sm100.ptxemu.sm100_run import _to_cute
+from fa_sm100.softmax_math import LOG2_E
+from layouts.smem import align_up
 
 _COMPILED: dict = {}
-LOG2_E = 1.4426950408889634
 
 
 @dataclass
@@ -57,7 +58,7 @@ def preprocess_rows(q, k, v, dout, softmax_scale: float, causal: bool, m_block: 
 
     b, sq, h, _ = q.shape
     out, lse = attention_reference(q, k, v, softmax_scale, causal=causal)
-    rows = -(-sq // m_block) * m_block
+    rows = align_up(sq, m_block)
     lse2 = torch.full((b, h, rows), math.inf, dtype=torch.float32)
     lse2[:, :, :sq] = torch.where(torch.isinf(lse), torch.full_like(lse, math.inf),
                                   lse * LOG2_E).to(torch.float32)

@@ -5,5 +5,6 @@ kernel.py (setup + dispatch only), load.py, mma.py, softmax.py, correction.py, e
 ranges and masks), ex2.py (exp2 on the FMA pipe), pipes.py (the pipelines as the roles hold
 them), context.py (what the roles share), interface.py (``sm100_fwd``), inspect_entry.py (the
 ``sm100_fwd`` registry entry), protocol.py (the kernel's recorded protocol for the model).
-Importing this package does not import CuTe DSL.
+bwd_*.py: the backward (``sm100_bwd``), one module per role in the same style
+(docs/sm100_backward.md). Importing this package does not import CuTe DSL.
 """

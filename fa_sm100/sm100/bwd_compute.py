@@ -29,6 +29,7 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import tcgen05
 
 from fa_sm100.sm100.bwd_load import step_head_block
+from fa_sm100.sm100.mma import advance
 from pipelines import record
 
 CHUNK = 32  # columns per tcgen05.ld (32-bit) / per tcgen05.st of 16-bit pairs (16 columns)
@@ -138,14 +139,20 @@ def compute_step(cfg, h: cutlass.Constexpr, v: HalfViews, smem, pipes, prob, ste
     pipes.bwd_ds.producer_commit(0, note="P^T, dS^T, dS")
 
 
+def lane_reader(acc, cols: int, chunk: int, tidx):
+    """(copy slice, TMEM source (regs, 1, chunks), register partition) that read columns
+    [0, cols) of this thread's lane of a (128 lanes, n) accumulator, ``chunk`` columns per
+    tcgen05.ld (the dK / dV epilogue here, dQ in bwd_dq.py)."""
+    atom = cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(chunk)), Float32)
+    region = _columns(acc, 0, cols)
+    thr = tcgen05.make_tmem_copy(atom, region).get_slice(tidx)
+    return thr, thr.partition_S(region), thr.partition_D(cute.make_identity_tensor((128, cols)))
+
+
 @cute.jit
 def _store_rows(cfg, acc, cols: cutlass.Constexpr, out_row, tidx, scale, store: bool, dtype):
     """One TMEM accumulator row (this thread's lane) times ``scale`` into ``out_row``."""
-    atom = cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(CHUNK)), Float32)
-    region = _columns(acc, 0, cols)
-    thr = tcgen05.make_tmem_copy(atom, region).get_slice(tidx)
-    src = thr.partition_S(region)
-    regs = thr.partition_D(cute.make_identity_tensor((128, cols)))
+    thr, src, regs = lane_reader(acc, cols, CHUNK, tidx)
     for c in cutlass.range_constexpr(cols // CHUNK):
         r = cute.make_rmem_tensor(regs[None, None, c].shape, Float32)
         cute.copy(thr, src[None, None, c], r)
@@ -177,10 +184,7 @@ def compute(cfg, tmem, smem, mdK, mdV, pipes, prob):
                     compute_step(cfg, h, v, smem, pipes, prob, step, index, phase, one_phase,
                                  key, dtype)
                     one_phase = one_phase ^ 1
-                    index = index + 1
-                    if index == cfg.q_stage:
-                        index = Int32(0)
-                        phase = phase ^ 1
+                    index, phase = advance(index, phase, cfg.q_stage)
             row_key = cutlass.min(key, prob.seqlen_k - 1)  # a valid address for every lane
             if prob.iters > 0:
                 pipes.bwd_dkv.consumer_wait(0, Int32(0))

@@ -23,11 +23,11 @@ from dataclasses import dataclass, field
 
 from fa_sm100.config import (DTYPE_BYTES, DTYPES, WARP_SIZE, WARPGROUP_WARPS,
                              check_register_budget, check_setmaxnreg)
+from layouts.smem import ALIGN, SMEM_BUDGET, align_up
 
 SM100_BWD_HEAD_DIMS = ((64, 64), (96, 96), (128, 128))
-# SMEM per CTA on sm_100 (the opt-in maximum), the same budget as the forward's SmemPlan
-SMEM_BYTES = 232448
-SMEM_ALIGN = 1024  # swizzled (128-byte) SMEM tiles start on 1 KiB boundaries
+SMEM_BYTES = SMEM_BUDGET["sm_100a"]  # per CTA, the same budget as the forward's SmemPlan
+STATS_ALIGN = 128  # the float32 rows sLSE2 / sDelta
 
 
 @dataclass(frozen=True)
@@ -120,19 +120,24 @@ class Sm100BwdConfig:
                 "LSE2": self.m_block * 4, "Delta": self.m_block * 4}
 
     def smem_buffers(self) -> dict[str, int]:
-        """Bytes of each SMEM buffer (every stage): the kernel's shared storage holds these,
-        each 16-bit tile on a 1 KiB boundary, plus its mbarriers."""
+        """Bytes of each SMEM buffer (every stage), in the order of the kernel's shared
+        storage (after its mbarriers and the TMEM base address)."""
         t = self.tma_tiles()
-        return {"sK": t["K"], "sV": t["V"], "sQ": self.q_stage * t["Q"],
+        return {"sLSE2": self.q_stage * t["LSE2"], "sDelta": self.q_stage * t["Delta"],
+                "sK": t["K"], "sV": t["V"], "sQ": self.q_stage * t["Q"],
                 "sdO": self.q_stage * t["dO"],
-                "sdS": self.m_block * self.n_block * self.dtype_bytes,
-                "sLSE2": self.q_stage * t["LSE2"], "sDelta": self.q_stage * t["Delta"]}
+                "sdS": self.m_block * self.n_block * self.dtype_bytes}
 
     def smem_bytes(self) -> int:
+        """The kernel's shared storage, laid out as ``bwd_kernel.SharedStorage`` lays it out:
+        mbarriers, the TMEM base address (4 bytes), the float32 rows on 128-byte boundaries,
+        then every 16-bit tile on a 1 KiB boundary (the kernel checks that the two agree)."""
         from pipelines.spec import barrier_count
 
-        tiles = sum(-(-b // SMEM_ALIGN) * SMEM_ALIGN for b in self.smem_buffers().values())
-        return tiles + barrier_count(self) * 8 + 16  # + the TMEM base address, aligned
+        end = barrier_count(self) * 8 + 4
+        for name, size in self.smem_buffers().items():
+            end = align_up(end, STATS_ALIGN if name in ("sLSE2", "sDelta") else ALIGN) + size
+        return end
 
     def validate(self) -> "Sm100BwdConfig":
         """Raise ValueError naming the first violated rule; return self when all hold."""

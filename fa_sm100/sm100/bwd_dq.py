@@ -15,25 +15,19 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
-from cutlass.cute.nvgpu import tcgen05
 
+from fa_sm100.sm100.bwd_compute import lane_reader
 from fa_sm100.sm100.bwd_load import step_head_block
 from pipelines import record
 
-CHUNK = 16  # dQ columns per tcgen05.ld (72 registers: a larger chunk spills)
+CHUNK = 16  # dQ columns per tcgen05.ld (the warpgroup's 64 registers: 32 spill)
 VEC = 4  # float32 per red.global.add.v4.f32
 
 
 @cute.jit
 def dq_out(cfg, tmem, mdQacc, mdQsem, pipes, prob):
     tidx = cute.arch.thread_idx()[0] % 128
-    acc = tmem.tdQ[(None, None), 0, 0]
-    region = cute.make_tensor(acc.iterator,
-                              cute.composition(acc.layout, cute.make_layout((128, cfg.head_dim))))
-    atom = cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(CHUNK)), Float32)
-    thr = tcgen05.make_tmem_copy(atom, region).get_slice(tidx)
-    src = thr.partition_S(region)
-    regs = thr.partition_D(cute.make_identity_tensor((128, cfg.head_dim)))
+    thr, src, regs = lane_reader(tmem.tdQ[(None, None), 0, 0], cfg.head_dim, CHUNK, tidx)
     one_phase = Int32(0)
     with record.loop("steps"):
         for step in cutlass.range(prob.iters, unroll=1):

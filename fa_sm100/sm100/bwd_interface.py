@@ -13,12 +13,12 @@ by its compile contract and the PTX emulator (tests/test_sm100_bwd_*.py); the ha
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from fa_sm100 import kernel_cache
 from fa_sm100.sm100.bwd_config import select_sm100_bwd_config
+from fa_sm100.validation import require_sm100
+from layouts.smem import align_up
 
 ARCH = "sm_100a"
 
@@ -31,18 +31,6 @@ def _compiled(kind: str, key, build, make_fake_args):
                             options=f"--gpu-arch {ARCH} --enable-tvm-ffi")
 
     return kernel_cache.kernel(f"sm100_bwd_{kind}", key, compile_it)
-
-
-def check_sm100(device: torch.device) -> None:
-    """ValueError unless ``device`` is a CUDA device of compute capability 10.x."""
-    if device.type != "cuda":
-        raise ValueError(f"sm100_bwd needs CUDA tensors on an sm_100 GPU, got device {device}")
-    from fa_sm100.devices import capability
-
-    major, minor = capability(device)
-    if major != 10:
-        raise ValueError(f"sm100_bwd runs on sm_100 (Blackwell) GPUs only; {device} is "
-                         f"sm_{major}{minor}")
 
 
 def sm100_bwd(dout, q, k, v, out, lse, softmax_scale=None, causal: bool = False,
@@ -66,10 +54,10 @@ def sm100_bwd(dout, q, k, v, out, lse, softmax_scale=None, causal: bool = False,
     dtype = "bfloat16" if q.dtype == torch.bfloat16 else "float16"
     cfg = select_sm100_bwd_config(d, v.shape[3], dtype, causal, hq // k.shape[2],
                                   deterministic)
-    check_sm100(q.device)
+    require_sm100(q.device, "sm100_bwd")
     dt = cutlass_dtype(dtype)
     q, k, v, out, dout = (t.contiguous() for t in (q, k, v, out, dout))
-    rows = -(-sq // cfg.m_block) * cfg.m_block
+    rows = align_up(sq, cfg.m_block)
     f32 = dict(dtype=torch.float32, device=q.device)
     lse2, delta = torch.empty(b, hq, rows, **f32), torch.empty(b, hq, rows, **f32)
     dq_acc = torch.empty(b, hq, rows, d, **f32)
@@ -86,12 +74,3 @@ def sm100_bwd(dout, q, k, v, out, lse, softmax_scale=None, causal: bool = False,
     main(q, k, v, dout, lse2, delta, dq_acc, dk, dv, None, scale)
     post(dq_acc, dq, scale, None, None)
     return dq, dk, dv
-
-
-def sm100_bwd_supported(q, v) -> bool:
-    """Whether ``sm100_bwd`` has a kernel for these head dims (the autograd check's rule)."""
-    from fa_sm100.sm100.bwd_config import SM100_BWD_HEAD_DIMS
-
-    return (q.shape[-1], v.shape[-1]) in SM100_BWD_HEAD_DIMS
-
-

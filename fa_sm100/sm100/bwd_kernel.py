@@ -30,16 +30,15 @@ from cutlass.cute.nvgpu import cpasync, tcgen05
 
 from fa_sm100 import softmax_math
 from fa_sm100.sm100 import bwd_compute, bwd_dq, bwd_load, bwd_mma
+from fa_sm100.sm100.bwd_config import STATS_ALIGN
 from fa_sm100.sm100.context import BwdProblem, BwdSmem, BwdTmem
 from fa_sm100.sm100.kernel import _tmem_sync
 from layouts import cute_layouts
+from layouts.smem import ALIGN
 from layouts.tmem import TmemPlan
 from pipelines import mbarrier, record
 from pipelines.named_barriers import NamedBarrier, num_threads
 from pipelines.spec import barrier_count, build_pipelines
-
-ALIGN = 1024  # swizzled SMEM tiles start on 1 KiB boundaries
-
 
 @dataclass(frozen=True)
 class BwdTmaAtoms:
@@ -89,8 +88,8 @@ class Sm100Backward:
         class SharedStorage:
             mbar: cute.struct.MemRange[Int64, n_bars]  # every pipeline's full/empty barriers
             tmem_base: Int32
-            sLSE2: cute.struct.Align[cute.struct.MemRange[Float32, stats], 128]
-            sDelta: cute.struct.Align[cute.struct.MemRange[Float32, stats], 128]
+            sLSE2: cute.struct.Align[cute.struct.MemRange[Float32, stats], STATS_ALIGN]
+            sDelta: cute.struct.Align[cute.struct.MemRange[Float32, stats], STATS_ALIGN]
             sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(lay.sK)], ALIGN]
             sV: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(lay.sV)], ALIGN]
             sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(lay.sQ)], ALIGN]
@@ -99,9 +98,9 @@ class Sm100Backward:
 
         self.shared_storage = SharedStorage
         self.shared_bytes = SharedStorage.size_in_bytes()
-        if cutlass.const_expr(self.shared_bytes > cfg.smem_bytes() + ALIGN):
+        if cutlass.const_expr(self.shared_bytes != cfg.smem_bytes()):
             raise ValueError(f"SMEM: the backward's shared storage takes {self.shared_bytes} "
-                             f"bytes, more than the {cfg.smem_bytes()} its config budgets")
+                             f"bytes, its config's model {cfg.smem_bytes()}")
         scale_log2 = softmax_scale * Float32(softmax_math.LOG2_E)
         n_blocks = (mK.shape[1] + cfg.n_block - 1) // cfg.n_block
         self.kernel(mQ_t, mK_t, mV_t, mdO_t, mLSE2, mDelta, mdQacc, mdK, mdV, mdQsem,

@@ -18,6 +18,7 @@ from cutlass import Int32
 from cutlass.cute.nvgpu import cpasync
 from cutlass.experimental import primitives as prims
 
+from fa_sm100.sm100.mma import advance
 from fa_sm100.sm100.pipes import producer_tail
 from pipelines import record
 
@@ -77,9 +78,6 @@ def load(cfg, atoms, tx, mQ, mK, mV, mdO, mLSE2, mDelta, smem, mmas, pipes, prob
                         dst[None, index].iterator, src[b, head, None].iterator + m * cfg.m_block,
                         bar, cfg.m_block * 4)
             pipes.bwd_lse.producer_commit(index)
-            index = index + 1
-            if index == cfg.q_stage:
-                index = Int32(0)
-                phase = phase ^ 1
+            index, phase = advance(index, phase, cfg.q_stage)
     producer_tail(pipes.bwd_q, index, phase)
     producer_tail(pipes.bwd_lse, index, phase)

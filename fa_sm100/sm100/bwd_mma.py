@@ -27,6 +27,7 @@ import cutlass.cute as cute
 from cutlass import Boolean, Int32
 from cutlass.cute.nvgpu import tcgen05
 
+from fa_sm100.sm100.mma import advance
 from pipelines import record
 
 
@@ -91,10 +92,7 @@ def mma(cfg, mmas, smem, tmem, pipes, prob):
             pipes.bwd_ds.consumer_release(0)
             pipes.bwd_dq.producer_commit(0, note="dQ")
             one_phase = one_phase ^ 1
-            index = index + 1
-            if index == cfg.q_stage:
-                index = Int32(0)
-                phase = phase ^ 1
+            index, phase = advance(index, phase, cfg.q_stage)
     if prob.iters > 0:
         pipes.bwd_kv.consumer_release(0)
         pipes.bwd_dkv.producer_commit(0, note="dK, dV")

@@ -76,7 +76,8 @@ def p_columns(cfg) -> tuple[int, int]:
 
 
 @cute.jit
-def _advance(kv_index: Int32, kv_phase: Int32, stages: cutlass.Constexpr):
+def advance(kv_index: Int32, kv_phase: Int32, stages: cutlass.Constexpr):
+    """The next (index, phase) of a ring of ``stages`` stages (the phase flips on wrap)."""
     nxt = kv_index + 1
     nxt_phase = kv_phase
     if nxt == stages:
@@ -139,7 +140,7 @@ def mma(cfg, tiled_mma_qk, tiled_mma_pv, smem, tmem, pipes, prob, sched, is_lead
                     for stage in cutlass.range_constexpr(cfg.q_stage):
                         _s_mma(cfg, stage, tiled_mma_qk, tmem, tSrQ, tSrK, kv_index, pipes, 0)
                     pipes.kv.consumer_release(kv_index)
-                    kv_index, kv_phase = _advance(kv_index, kv_phase, kvs)
+                    kv_index, kv_phase = advance(kv_index, kv_phase, kvs)
                     for stage in cutlass.range_constexpr(cfg.q_stage):
                         # The previous tile's O_i has been read out by the correction warps.
                         pipes.o_acc.producer_acquire(stage, oacc_phase, stage_hint=stage)
@@ -147,7 +148,7 @@ def mma(cfg, tiled_mma_qk, tiled_mma_pv, smem, tmem, pipes, prob, sched, is_lead
                         for i in cutlass.range(n_blocks - 1, unroll=1):
                             pipes.kv.consumer_wait(kv_index, kv_phase)  # V[j]
                             vi = kv_index
-                            kv_index, kv_phase = _advance(kv_index, kv_phase, kvs)
+                            kv_index, kv_phase = advance(kv_index, kv_phase, kvs)
                             if cutlass.const_expr(kvs == 1):
                                 # One K/V stage: V[j] must be handed back before K[j-1] can land.
                                 for stage in cutlass.range_constexpr(cfg.q_stage):
@@ -169,7 +170,7 @@ def mma(cfg, tiled_mma_qk, tiled_mma_pv, smem, tmem, pipes, prob, sched, is_lead
                                     _s_mma(cfg, stage, tiled_mma_qk, tmem, tSrQ, tSrK, kv_index,
                                            pipes, 0)
                             pipes.kv.consumer_release(kv_index)
-                            kv_index, kv_phase = _advance(kv_index, kv_phase, kvs)
+                            kv_index, kv_phase = advance(kv_index, kv_phase, kvs)
                             spo_phase ^= 1
                             split_phase ^= 1
                     for stage in cutlass.range_constexpr(cfg.q_stage):
@@ -180,7 +181,7 @@ def mma(cfg, tiled_mma_qk, tiled_mma_pv, smem, tmem, pipes, prob, sched, is_lead
                                 spo_phase, split_phase, 0)
                         pipes.o_acc.producer_commit(stage, stage_hint=stage, note="O final")
                     pipes.kv.consumer_release(kv_index)
-                    kv_index, kv_phase = _advance(kv_index, kv_phase, kvs)
+                    kv_index, kv_phase = advance(kv_index, kv_phase, kvs)
                     spo_phase ^= 1
                     split_phase ^= 1
                     oacc_phase ^= 1
