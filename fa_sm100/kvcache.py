@@ -1,37 +1,42 @@
 """Attention against a KV cache (decode and chunked prefill): ``flash_attn_with_kvcache``,
 flash-attn's entry point, with split-KV, pack-GQA and a paged cache (docs/kvcache.md).
 
-Every call becomes one varlen forward (``flash_attn_varlen_func``'s kernel, Note [Varlen] in
-fa_sm100/hopper/fwd_kernel.py) over the cache seen as packed keys, and, with splits, one LSE
-merge:
+Every call is one varlen forward (``flash_attn_varlen_func``'s kernel, Note [Varlen] in
+fa_sm100/hopper/fwd_kernel.py, or its paged variant, Note [Paged K/V]) between two small
+launches (fa_sm100/kvcache_kernels.py), and nothing in it waits for the GPU:
 
-- **the cache as packed keys**: a contiguous cache (batch, capacity, heads_kv, d) is already a
-  packed key tensor: sequence i starts at row i x capacity and uses its first
-  ``cache_seqlens[i]`` (+ the new tokens) rows (``seqused_k``). A paged cache (pages,
-  page_size, heads_kv, d) with ``page_table`` (batch, pages per sequence) is first gathered
-  into that layout, the used pages only.
+- **plan** (``KvcachePlan``, once per metadata and options): shapes, dtypes and options
+  checked; the path, the chunks and the forward decided.
+- **prepare** (``_prepare``): from the lengths and the page table, on the device, the keys
+  each chunk of each sequence reads (``seqused_k``), a bad flag per sequence (a length below 0
+  or past the capacity, a used page outside the cache: ``bad_sequences``), and for one token
+  the pack-GQA rows of q. A bad sequence reads no key and its output and LSE are NaN; with
+  ``check_values`` the values are read to the host first and raise ValueError instead.
+- **new tokens** (``k``, ``v``): written into the cache in place at ``cache_seqlens`` (through
+  the page table when paged) before the attention, which then sees them.
+- **the cache as keys**: a contiguous cache (batch, capacity, heads_kv, d) is already a
+  packed key tensor: sequence i starts at row i x capacity. A paged cache (pages, page_size,
+  heads_kv, d) with ``page_table`` (batch, pages per sequence) is read page by page by the
+  kernel where its page size allows (``paged_forward_for``), else gathered whole first.
 - **one query token** (decode, ``seqlen_q == 1``): the token sees a contiguous range of keys
   (the band of causal masks and windows, bottom-right aligned, is a range for a single
   row), so the call is non-causal over per-sequence key ranges. Pack-GQA: the query heads of
   one KV head become that KV head's rows (a sequence of ``group`` rows), so each K/V tile is
   read once per KV head instead of once per query head. Split-KV: each sequence's range is
-  cut into ``num_splits`` chunks, each chunk a sequence of the varlen call with its own
-  output and LSE; the chunks merge by LSE in float32 (``merge_splits``), exactly as one
-  softmax over the union. ``num_splits=0`` chooses (``choose_num_splits``): enough chunks to
-  fill the SMs when the (batch, KV head) pairs do not.
+  cut into chunks (whole pages when the kernel reads the pages), each a sequence of the
+  varlen call with its own output and LSE; ``_combine`` merges them by LSE in float32
+  (``merge_splits``: one softmax over the union). ``num_splits=0`` chooses
+  (``choose_num_splits``, from the capacity): enough chunks to fill the SMs when the (batch,
+  KV head) pairs do not.
 - **several query tokens**: a varlen call with the cache's lengths (the new tokens' causal
   diagonal bottom-right aligned to each sequence's keys), no splits, no packing.
-- **new tokens** (``k``, ``v``): written into the cache in place at ``cache_seqlens`` (through
-  the page table when paged) before the attention, which then sees them.
 
-Inputs are checked before anything runs. The lengths and the page table are read to the
-host once per call (one synchronization with the GPU): their values are checked there (cache
-lengths within the capacity, the pages used within the cache), and the varlen call's
-offsets are computed from them there and sent back in one copy.
+On the CPU (the tests' models of the kernels) prepare and combine are tensor operations with
+the same results.
 """
-
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, Optional
 
@@ -39,6 +44,7 @@ import numpy as np
 import torch
 
 from fa_sm100.bands import effective_bounds
+from fa_sm100.call_plans import PlanTable
 from fa_sm100.validation import check_softcap, check_softmax_scale, normalize_window
 
 # split-KV: at most this many chunks per sequence, each at least MIN_SPLIT_KEYS keys
@@ -48,6 +54,7 @@ MIN_SPLIT_KEYS = 256
 FILL_TARGET = 0.8
 
 
+@functools.lru_cache(maxsize=1024)
 def choose_num_splits(tiles: int, sms: int, max_keys: int) -> int:
     """Chunks per sequence for ``tiles`` (batch, KV head) pairs of one query token each on
     ``sms`` SMs: 1 when the pairs already fill FILL_TARGET of the SMs; else the fewest chunks
@@ -129,7 +136,7 @@ def _check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, page_table):
 
 
 def _read_values(cache_seqlens, page_table):
-    """The call's lengths and page table on the host, in one transfer (the call's one
+    """The call's lengths and page table on the host, in one transfer (``check_values``: a
     synchronization with the GPU): (lengths (batch,) int64, page table or None)."""
     if page_table is None:
         return cache_seqlens.cpu().numpy().astype(np.int64), None
@@ -138,17 +145,10 @@ def _read_values(cache_seqlens, page_table):
     return both[:b], both[b:].reshape(b, -1)
 
 
-def _used_slots(table, lengths, page_size: int):
-    """(batch, slots) bool: the page-table entries each sequence of ``lengths`` keys reads
-    (its first ceil(length / page_size)); the others may hold anything."""
-    return np.arange(table.shape[1]) < ((lengths + page_size - 1) // page_size)[:, None]
-
-
 def _check_values(lengths, new: int, capacity: int, table, page_size, pages: int):
-    """What the call depends on, on the host: cache lengths >= 0, with the new tokens within
-    the capacity, and the pages they use (each sequence's first ceil(length / page_size)
-    entries; unused slots may hold anything) pages of the cache. Returns the lengths with
-    the new tokens."""
+    """``check_values``, on the host: cache lengths >= 0, with the new tokens within the
+    capacity, and the pages they use (each sequence's first ceil(length / page_size) entries;
+    unused slots may hold anything) pages of the cache. ValueError naming the first problem."""
     if len(lengths) and lengths.min() < 0:
         raise ValueError(f"cache_seqlens must be >= 0, got {int(lengths.min())}")
     total = lengths + new
@@ -156,60 +156,65 @@ def _check_values(lengths, new: int, capacity: int, table, page_size, pages: int
         raise ValueError(f"cache_seqlens + new tokens reach {int(total.max())} > the cache's "
                          f"capacity of {capacity} tokens per sequence")
     if table is not None:
-        bad = _used_slots(table, total, page_size) & ((table < 0) | (table >= pages))
+        used = np.arange(table.shape[1]) < ((total + page_size - 1) // page_size)[:, None]
+        bad = used & ((table < 0) | (table >= pages))
         if bad.any():
             raise ValueError(f"page_table holds page {int(table[bad][0])}, outside the cache's "
                              f"{pages} pages")
-    return total
 
 
-def append_kv(k_cache, v_cache, k, v, cache_seqlens, page_table=None):
+def bad_sequences(cache_seqlens, new: int, capacity: int, page_table, page_size, pages: int):
+    """(batch,) bool on the GPU, without waiting for it: the sequences whose values are bad
+    (a length below 0, the new tokens past the capacity, a used page-table slot outside the
+    cache): ``_check_values``'s rule as tensor operations."""
+    total = cache_seqlens + new
+    bad = (cache_seqlens < 0) | (total > capacity)
+    if page_table is not None:
+        used_pages = torch.div(total + (page_size - 1), page_size, rounding_mode="floor")
+        slots = _static(page_table.device, "slots", page_table.shape[1],
+                        lambda: np.arange(page_table.shape[1]))
+        outside = (page_table < 0) | (page_table >= pages)
+        bad = bad | ((slots < used_pages.unsqueeze(1)) & outside).any(1)
+    return bad
+
+
+def append_kv(k_cache, v_cache, k, v, cache_seqlens, page_table=None, bad=None):
     """Write the new tokens ``k``, ``v`` (batch, new, heads_kv, d) into the cache in place,
-    sequence i's from position ``cache_seqlens[i]`` on (through ``page_table`` when paged)."""
+    sequence i's from position ``cache_seqlens[i]`` on (through ``page_table`` when paged).
+    ``bad`` (``bad_sequences``): those sequences write nothing (each writes its first cell's
+    own value back, so every index stays inside the cache and no GPU wait is needed)."""
     b, new = k.shape[:2]
     pos = cache_seqlens.long().unsqueeze(1) + torch.arange(new, device=k.device)  # (b, new)
+    if bad is not None:
+        bad = bad != 0
+        pos = torch.where(bad.unsqueeze(1), 0, pos)
     rows = torch.arange(b, device=k.device).unsqueeze(1).expand(b, new)
     if page_table is None:
-        k_cache[rows, pos] = k
-        v_cache[rows, pos] = v
-        return
-    page_size = k_cache.shape[1]
-    pages = page_table.long().gather(1, pos // page_size)
-    k_cache[pages, pos % page_size] = k
-    v_cache[pages, pos % page_size] = v
+        where = (rows, pos)
+    else:
+        page_size = k_cache.shape[1]
+        pages = page_table.long().gather(1, pos // page_size)
+        if bad is not None:
+            pages = pages.clamp(0, k_cache.shape[0] - 1)
+        where = (pages, pos % page_size)
+    for cache, tokens in ((k_cache, k), (v_cache, v)):
+        if bad is not None:
+            tokens = torch.where(bad.view(b, 1, 1, 1), cache[where], tokens)
+        cache[where] = tokens
 
 
-def _gather_pages(cache, page_table, used_pages: int):
-    """The first ``used_pages`` pages of each sequence, contiguous: (batch, used_pages x
-    page_size, heads_kv, d); ``page_table`` with its unused slots zeroed."""
-    b = page_table.shape[0]
-    got = cache[page_table[:, :used_pages].long()]  # (b, used_pages, page, h, d)
-    return got.reshape(b, used_pages * cache.shape[1], *cache.shape[2:])
+def _static(device, kind: str, key, make):
+    """A small int32 tensor on ``device`` that depends only on the call's shapes (offsets,
+    split starts), made on the host once by ``make()`` and kept."""
+    slot = (device, kind, key)
+    got = _STATIC.get(slot)
+    if got is None:
+        got = _STATIC[slot] = torch.from_numpy(
+            np.asarray(make(), dtype=np.int32)).to(device)
+    return got
 
 
-def decode_ranges(lengths, left: Optional[int], right: Optional[int]):
-    """The key range [start, end) one query token sees in each sequence of ``lengths`` keys
-    (numpy; the band rule bottom-right aligned: the token is at position length - 1)."""
-    end = lengths
-    start = np.zeros_like(lengths)
-    if right is not None:
-        end = np.clip(np.minimum(lengths, lengths + right), 0, None)
-    if left is not None:
-        start = np.clip(lengths - 1 - left, 0, None)
-    return start, np.maximum(end, start)
-
-
-def split_sequences(start, end, capacity: int, splits: int):
-    """(cu_seqlens_k, seqused_k) (numpy int32) of ``splits`` chunks per sequence of the
-    ranges [start, end) in a packed cache of ``capacity`` rows per sequence: chunk (i, s)
-    starts at row i x capacity + start_i + s x chunk_i."""
-    length = end - start
-    chunk = (length + splits - 1) // splits
-    first = start[:, None] + np.arange(splits) * chunk[:, None]  # (b, splits)
-    used = np.clip(np.minimum(chunk[:, None], end[:, None] - first), 0, None).ravel()
-    offsets = (np.arange(len(start))[:, None] * capacity + first).ravel()
-    cu = np.append(offsets, offsets[-1] + used[-1])
-    return cu.astype(np.int32), used.astype(np.int32)
+_STATIC: dict = {}
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
@@ -218,6 +223,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             causal=False, window_size=(-1, -1), softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0,
                             return_softmax_lse=False, *, page_table=None,
+                            check_values: bool = False,
                             varlen_forward: Optional[Callable] = None,
                             paged_forward: Optional[Callable] = None):
     """Attention of q (batch, seqlen_q, heads, d) against a KV cache, flash-attn 2's
@@ -231,10 +237,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     with several query tokens). Returns out (batch, seqlen_q, heads, d_v), and with
     ``return_softmax_lse`` also lse (batch, heads, seqlen_q) float32. Rotary embeddings,
     ``cache_batch_idx``, ``cache_leftpad`` and ALiBi are not implemented: ValueError.
+    ``check_values``: read the lengths and the page table to the host first and raise
+    ValueError for bad values (one wait for the GPU per call); by default they are checked on
+    the GPU and a bad sequence's output and LSE are NaN (its new tokens are not written).
     ``varlen_forward``: the varlen forward to run (default: ``flash_attn_varlen_func``'s
     kernel for q's device). ``paged_forward``: a forward that reads the pages itself
-    (``sm100_fwd_paged``'s arguments; default: the SM100 kernel's on an sm_100 GPU, with pages
-    of a multiple of 128 tokens and no window), used instead of gathering the pages.
+    (``sm90_fwd_paged``'s arguments; default: the kernel of q's device where the page size
+    allows, ``paged_forward_for``), used instead of gathering the pages.
     """
     for name, value in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
                         ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad),
@@ -248,61 +257,179 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
         cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32,
                                    device=q.device)
-    b, capacity, page_size = _check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens,
-                                            page_table)
-    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
-        raise ValueError(f"num_splits must be an int >= 0 (0: chosen), got {num_splits!r}")
-    if not isinstance(causal, bool):
-        raise ValueError(f"causal must be a bool, got {causal!r}")
-    sq, hq, d = q.shape[1:]
-    hk = k_cache.shape[2]
-    scale = check_softmax_scale(softmax_scale, d)
-    left, right = normalize_window(window_size)
-    softcap = check_softcap(softcap)
-    new = 0 if k is None else k.shape[1]
-    lengths, table = _read_values(cache_seqlens, page_table)
-    lengths = _check_values(lengths, new, capacity, table, page_size, k_cache.shape[0])
-    longest = int(lengths.max()) if len(lengths) else 0
-    if k is not None:
-        append_kv(k_cache, v_cache, k, v, cache_seqlens, page_table)
-    if page_table is not None and (left, right) == (None, None):
-        paged_forward = paged_forward or _kernel_paged_forward(q, page_size)
-        if paged_forward is not None:  # the kernel reads each key block's page
-            return _paged_call(paged_forward, q, k_cache, v_cache, table, lengths, page_size,
-                               num_splits, scale, causal, softcap, return_softmax_lse)
-    if varlen_forward is None:  # the device's, found once per device
-        from fa_sm100.interface import _varlen_forward_for, _varlen_forwards
+    tensors = [q, k_cache, v_cache, cache_seqlens]
+    if k is not None or v is not None:
+        tensors += [k, v]  # one of them None: no key, the plan's checks raise
+    if page_table is not None:
+        tensors.append(page_table)
+    options = (softmax_scale, causal, window_size, softcap, num_splits, return_softmax_lse,
+               check_values, varlen_forward, paged_forward, k is None, page_table is None)
+    plan = _plans.plan(tensors, options, lambda: KvcachePlan(
+        q, k_cache, v_cache, k, v, cache_seqlens, page_table, softmax_scale, causal,
+        window_size, softcap, num_splits, return_softmax_lse, check_values, varlen_forward,
+        paged_forward))
+    return plan(q, k_cache, v_cache, k, v, cache_seqlens, page_table)
 
-        varlen_forward = _varlen_forwards.get(q.device) or _varlen_forward_for(q)
-    if page_table is not None:  # the used pages, contiguous (unused slots read page 0)
-        used_pages = max(1, -(-longest // page_size))
-        table = np.where(_used_slots(table, lengths, page_size), table, 0)[:, :used_pages]
-        page_table = _to_device(table.astype(np.int32), q.device).view(b, used_pages)
-        k_cache, v_cache = (_gather_pages(c, page_table, used_pages) for c in (k_cache, v_cache))
-        capacity = used_pages * page_size
+
+class KvcachePlan:
+    """What ``flash_attn_with_kvcache`` decided for one (metadata, options) pair
+    (``fa_sm100.call_plans``): the checks of shapes and options passed, the path (one token
+    with pack-GQA and split-KV, or several; pages read by a kernel or gathered), the chunks,
+    the forward. Calling it does a call's work: the values checked on the host
+    (``check_values``) or flagged on the device (``_prepare``), the new tokens appended, the
+    attention and, for one token, the combine."""
+
+    def __init__(self, q, k_cache, v_cache, k, v, cache_seqlens, page_table, softmax_scale,
+                 causal, window_size, softcap, num_splits, return_lse, check_values,
+                 varlen_forward, paged_forward):
+        b, capacity, page_size = _check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens,
+                                                page_table)
+        if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
+            raise ValueError(f"num_splits must be an int >= 0 (0: chosen), got {num_splits!r}")
+        if not isinstance(causal, bool):
+            raise ValueError(f"causal must be a bool, got {causal!r}")
+        sq, hq, d = q.shape[1:]
+        self.scale = check_softmax_scale(softmax_scale, d)
+        self.window = normalize_window(window_size)
+        self.softcap = check_softcap(softcap)
+        self.causal, self.return_lse, self.check_values = causal, return_lse, check_values
+        self.new = 0 if k is None else k.shape[1]
+        self.capacity, self.page_size, self.pages = capacity, page_size, k_cache.shape[0]
+        self.hk, self.num_splits = k_cache.shape[2], num_splits
+        # one query token at the end of its keys sees a range [start, length): start 0, or
+        # set by a left window (a band whose right edge lies before the token goes the
+        # general way)
+        self.left, right = effective_bounds(causal, *self.window)
+        one_token = sq == 1 and (right is None or right >= 0)
+        self.paged_forward = None
+        if page_table is not None:
+            self.paged_forward = paged_forward or paged_forward_for(
+                q, page_size, self.window != (None, None))
+        # a left window's ranges start at each sequence's own key: not a run of whole pages
+        decode = one_token and (self.paged_forward is None or self.left is None)
+        self.kind = ("paged_" if self.paged_forward is not None else "") + (
+            "decode" if decode else "prefill")
+        # split-KV for one token from its first key: chunks of whole pages when a kernel
+        # reads the pages (a chunk is a run of page-table slots), else of any length
+        self.splits, self.chunk = 1, capacity
+        self.pack = one_token and self.left is None  # pack-GQA rows made by _prepare
+        if self.pack:
+            unit = page_size if self.paged_forward is not None else 1
+            self.splits, self.chunk = _chunks(num_splits or choose_num_splits(
+                b * self.hk, _sms(q.device), capacity), capacity, unit)
+        self.varlen_forward = None
+        if self.paged_forward is None:
+            if varlen_forward is None:
+                from fa_sm100.interface import _varlen_forward_for
+
+                varlen_forward = _varlen_forward_for(q)
+            self.varlen_forward = varlen_forward
+
+    def __call__(self, q, k_cache, v_cache, k, v, cache_seqlens, page_table):
+        if self.check_values:
+            lengths, table = _read_values(cache_seqlens, page_table)
+            _check_values(lengths, self.new, self.capacity, table, self.page_size, self.pages)
+        used, bad, packed = _prepare(cache_seqlens, page_table, self.splits, self.new,
+                                     self.capacity, self.chunk, self.page_size, self.pages,
+                                     q if self.pack else None, self.hk)
+        if k is not None:
+            append_kv(k_cache, v_cache, k, v, cache_seqlens, page_table, bad)
+        common = (self.scale, self.softcap, self.return_lse)
+        if self.kind == "paged_decode":
+            return _paged_decode(self.paged_forward, q, packed, k_cache, v_cache, page_table,
+                                 used, bad, self.splits, self.chunk, *common)
+        if self.kind == "paged_prefill":
+            return _paged_prefill(self.paged_forward, q, k_cache, v_cache, page_table, used,
+                                  bad, self.causal, self.window, *common)
+        if page_table is not None:  # no kernel reads these pages: all of them, contiguous
+            page_table = page_table.clamp(0, self.pages - 1)  # unused slots hold anything
+            k_cache, v_cache = (c[page_table.long()].flatten(1, 2) for c in (k_cache, v_cache))
+        if self.kind == "decode":
+            return _decode(self.varlen_forward, q, packed, k_cache, v_cache, used, bad,
+                           self.splits, self.chunk, self.left, self.num_splits, *common)
+        return _prefill(self.varlen_forward, q, k_cache, v_cache, used, bad, self.causal,
+                        self.window, *common)
+
+
+_plans = PlanTable()
+
+
+def _prepare(seqlens, table, splits: int, new: int, capacity: int, chunk: int, page_size,
+             pages: int, q=None, hk: int = 0):
+    """(used (b, splits) int32: the keys chunk s of each sequence reads from key s x chunk on,
+    of its min(max(length + new, 0), capacity); bad (b,): ``bad_sequences``; with q,
+    ``_pack_gqa(q, hk, splits)``, else None). On the GPU one launch
+    (``kvcache_kernels.KvcachePrepare``); on the CPU the same as tensor operations."""
+    if seqlens.device.type == "cuda":
+        from fa_sm100 import kvcache_kernels
+
+        return kvcache_kernels.prepare(seqlens, table, splits, new, capacity, chunk,
+                                       page_size, pages, q, hk)
+    bad = bad_sequences(seqlens, new, capacity, table, page_size, pages)
+    lengths = torch.where(bad, 0, (seqlens + new).clamp(0, capacity))  # bad: read no key
+    firsts = torch.arange(splits, dtype=torch.int32, device=seqlens.device) * chunk
+    used = (lengths.unsqueeze(1) - firsts).clamp(0, chunk).int()
+    return used, bad, None if q is None else _pack_gqa(q, hk, splits)
+
+
+def _nan_where_bad(out, lse, bad, return_lse: bool):
+    """out (b, sq, hq, dv) and lse (b, hq, sq), NaN for the ``bad`` sequences."""
+    out = torch.where(bad.view(-1, 1, 1, 1) != 0, math.nan, out)
+    lse = torch.where(bad.view(-1, 1, 1) != 0, math.nan, lse)
+    return (out, lse) if return_lse else out
+
+
+def _prefill(varlen_forward, q, k_cache, v_cache, used, bad, causal, window, scale, softcap,
+             return_lse):
+    """Several query tokens (or one with a band the decode path does not take): a varlen call
+    with each sequence's keys (``used``, one chunk) and its causal diagonal; no splits, no
+    packing."""
+    b, sq, hq, d = q.shape
+    capacity, hk = k_cache.shape[1:3]
+    cu_q = _static(q.device, "rows", (b, sq), lambda: np.arange(b + 1) * sq)
+    cu_k = _static(q.device, "rows", (b, capacity), lambda: np.arange(b + 1) * capacity)
     keys, values = (c.reshape(b * capacity, hk, c.shape[3]) for c in (k_cache, v_cache))
-    if sq != 1:  # several query tokens: each sequence's keys, its own causal diagonal
-        meta = _to_device(np.concatenate([np.arange(b + 1) * sq, np.arange(b + 1) * capacity,
-                                          lengths]).astype(np.int32), q.device)
-        cu_q, cu_k, used = meta[:b + 1], meta[b + 1:2 * b + 2], meta[2 * b + 2:]
-        out, lse = varlen_forward(q.reshape(b * sq, hq, d), keys, values, cu_q, cu_k, sq,
-                                  longest, used, scale, causal, (left, right), softcap, True,
-                                  None)
-        return _prefill_result(out, lse, q, return_softmax_lse)
-    # one query token: per-sequence key ranges, pack-GQA, split-KV
+    out, lse = varlen_forward(q.reshape(b * sq, hq, d), keys, values, cu_q, cu_k, sq, capacity,
+                              used.view(b), scale, causal, window, softcap, True, None)
+    return _nan_where_bad(*_unpack_prefill(out, lse, q), bad, return_lse)
+
+
+def _decode(varlen_forward, q, packed, k_cache, v_cache, used, bad, splits: int, chunk: int,
+            left, num_splits: int, scale, softcap, return_lse):
+    """One query token of a contiguous cache, pack-GQA and split-KV: chunk (i, s) is a
+    sequence of the varlen call from row i x capacity + start_i + s x chunk, ``used`` keys
+    long. Without a window start_i is 0 (``used`` says it all); under a left window the token
+    sees keys [length - 1 - left, length), cut here into chunks (``used`` holds the lengths)."""
+    b, _, hq, d = q.shape
+    capacity, hk = k_cache.shape[1:3]
     group = hq // hk
-    left, right = effective_bounds(causal, left, right)
-    start, end = decode_ranges(lengths, left, right)
-    splits = num_splits or choose_num_splits(b * hk, _sms(q.device), longest)
-    cu_k, used = split_sequences(start, end, capacity, splits)
-    cu_q = np.arange(b * splits + 1, dtype=np.int32) * group
-    meta = _to_device(np.concatenate([cu_q, cu_k, used]), q.device)
-    n = b * splits + 1
-    cu_q, cu_k, used = meta[:n], meta[n:2 * n], meta[2 * n:]
-    out, lse = varlen_forward(_pack_gqa(q, hk, splits), keys, values, cu_q, cu_k, group,
-                              max(1, -(-longest // splits)), used, scale, False, (None, None),
-                              softcap, True, None)
-    return _decode_result(out, lse, q, splits, return_softmax_lse)
+    if left is None:
+        cu_k = _static(q.device, "chunks", (b, capacity, splits, chunk), lambda: np.append(
+            (np.arange(b)[:, None] * capacity + np.arange(splits) * chunk).ravel(), b * capacity))
+    else:  # each sequence's keys: at most left + 1, from its own start
+        width = min(capacity, left + 1)
+        splits, chunk = _chunks(num_splits or choose_num_splits(b * hk, _sms(q.device), width),
+                                width, 1)
+        lengths = used.view(b, 1)
+        firsts = _static(q.device, "firsts", (splits, chunk), lambda: np.arange(splits) * chunk)
+        starts = (lengths - 1 - left).clamp(min=0) + firsts  # (b, splits)
+        bases = _static(q.device, "rows", (b, capacity), lambda: np.arange(b + 1) * capacity)
+        cu_k = torch.cat([(bases[:-1].unsqueeze(1) + starts).flatten(), bases[-1:]])
+        used = (lengths - starts).clamp(0, chunk).int()
+        packed = _pack_gqa(q, hk, splits)
+    cu_q = _static(q.device, "rows", (b * splits, group),
+                   lambda: np.arange(b * splits + 1) * group)
+    keys, values = (c.reshape(b * capacity, hk, c.shape[3]) for c in (k_cache, v_cache))
+    out, lse = varlen_forward(packed, keys, values, cu_q, cu_k, group, chunk, used.flatten(),
+                              scale, False, (None, None), softcap, True, None)
+    return _combine(out, lse, bad, q, splits, return_lse)
+
+
+def _chunks(splits: int, width: int, unit: int):
+    """(splits, keys per chunk) of ``width`` keys cut into at most ``splits`` chunks of a
+    whole number of ``unit`` keys (pages), none of them past the width."""
+    chunk = -(-max(1, -(-width // splits)) // unit) * unit
+    return max(1, -(-width // chunk)), chunk
 
 
 def _pack_gqa(q, hk: int, splits: int):
@@ -314,85 +441,86 @@ def _pack_gqa(q, hk: int, splits: int):
     return rows.unsqueeze(1).expand(b, splits, group, hk, d).reshape(b * splits * group, hk, d)
 
 
-def _decode_result(out, lse, q, splits: int, return_lse: bool):
+def _combine(out, lse, bad, q, splits: int, return_lse: bool):
     """``_pack_gqa``'s varlen output (b x splits x g, hk, dv) and LSE (hk, b x splits x g)
-    merged over the splits and back to heads: out (b, 1, hq, dv), lse (b, hq, 1)."""
+    merged over the splits, back to heads and NaN for the ``bad`` sequences: out (b, 1, hq,
+    dv), lse (b, hq, 1). On the GPU one launch (``kvcache_kernels.SplitCombine``); on the CPU
+    ``merge_splits``."""
     b, _, hq, _ = q.shape
     hk, dv = out.shape[1], out.shape[2]
     group = hq // hk
+    if out.device.type == "cuda":
+        from fa_sm100 import kvcache_kernels
+
+        out, lse = kvcache_kernels.combine(out, lse, bad, b, hq, splits, group)
+        out, lse = out.view(b, 1, hq, dv), lse.view(b, hq, 1)
+        return (out, lse) if return_lse else out
     out = out.view(b, splits, group, hk, dv)
     lse = lse.view(hk, b, splits, group).permute(1, 2, 3, 0)
     out, lse = merge_splits(out, lse) if splits > 1 else (out[:, 0], lse[:, 0])
     out = out.transpose(1, 2).reshape(b, 1, hq, dv).to(q.dtype)  # rows (g, hk) -> heads
-    lse = lse.transpose(1, 2).reshape(b, hq, 1)
-    return (out, lse) if return_lse else out
+    return _nan_where_bad(out, lse.transpose(1, 2).reshape(b, hq, 1), bad, return_lse)
 
 
-def _prefill_result(out, lse, q, return_lse: bool):
+def _unpack_prefill(out, lse, q):
     """A several-token call's varlen output (b x sq, hq, dv) and LSE (hq, b x sq) as out (b,
     sq, hq, dv) and lse (b, hq, sq)."""
     b, sq, hq, _ = q.shape
-    out = out.view(b, sq, hq, out.shape[-1])
-    lse = lse.view(hq, b, sq).permute(1, 0, 2)
-    return (out, lse) if return_lse else out
+    return out.view(b, sq, hq, out.shape[-1]), lse.view(hq, b, sq).permute(1, 0, 2)
 
 
-def _kernel_paged_forward(q, page_size: int):
-    """The forward that reads a paged cache itself on q's device, or None: the SM100 kernel
-    (``sm100_fwd_paged``) with pages of a multiple of its 128-key blocks."""
-    if q.device.type != "cuda" or page_size % 128:
+def paged_forward_for(q, page_size: int, windowed: bool = False):
+    """The forward that reads a paged cache itself on q's device, or None (then the pages are
+    gathered): the SM100 kernel (``sm100_fwd_paged``) with pages of a multiple of its 128-key
+    blocks and no window (its CPU layers hold no windowed paged run), the SM90 kernel
+    (``sm90_fwd_paged``) with pages of a multiple of 64 keys."""
+    if not isinstance(q, torch.Tensor) or q.device.type != "cuda":
         return None
     from fa_sm100.devices import is_sm100
 
-    if not is_sm100(q.device):
+    if is_sm100(q.device):
+        if page_size % 128 or windowed:
+            return None
+        from fa_sm100.sm100.interface import sm100_fwd_paged
+
+        return sm100_fwd_paged
+    from fa_sm100.hopper.config import SM90_PAGE_BLOCKS
+
+    if page_size % min(SM90_PAGE_BLOCKS):
         return None
-    from fa_sm100.sm100.interface import sm100_fwd_paged
+    from fa_sm100.hopper.interface import sm90_fwd_paged
 
-    return sm100_fwd_paged
+    return sm90_fwd_paged
 
 
-def _paged_call(paged_forward, q, k_pages, v_pages, table, lengths, page_size: int,
-                num_splits: int, scale: float, causal: bool, softcap: float, return_lse: bool):
-    """``flash_attn_with_kvcache`` through a forward that reads the pages itself (no window):
-    several query tokens as one packed call with each sequence's lengths; one query token with
-    pack-GQA and split-KV, each chunk a whole number of pages, so that chunk (i, s) is the
-    sequence whose page table row is sequence i's pages from s x pages per chunk on."""
+def _paged_prefill(paged_forward, q, k_pages, v_pages, table, used, bad, causal, window, scale,
+                   softcap, return_lse):
+    """``_prefill`` through a forward that reads the pages itself."""
     b, sq, hq, d = q.shape
-    hk = k_pages.shape[2]
-    longest = int(lengths.max()) if len(lengths) else 0
-    if sq != 1:
-        meta = _to_device(np.concatenate([np.arange(b + 1) * sq, lengths]).astype(np.int32),
-                          q.device)
-        out, lse = paged_forward(q.reshape(b * sq, hq, d), k_pages, v_pages, meta[:b + 1], sq,
-                                 _to_device(table.astype(np.int32), q.device).view(b, -1),
-                                 meta[b + 1:], max(longest, 1), scale, causal, (None, None),
-                                 softcap, True)
-        return _prefill_result(out, lse, q, return_lse)
+    cu_q = _static(q.device, "rows", (b, sq), lambda: np.arange(b + 1) * sq)
+    out, lse = paged_forward(q.reshape(b * sq, hq, d), k_pages, v_pages, cu_q, sq, table,
+                             used.view(b), table.shape[1] * k_pages.shape[1], scale, causal,
+                             window, softcap, True)
+    return _nan_where_bad(*_unpack_prefill(out, lse, q), bad, return_lse)
+
+
+def _paged_decode(paged_forward, q, packed, k_pages, v_pages, table, used, bad, splits: int,
+                  chunk: int, scale, softcap, return_lse):
+    """One query token through a forward that reads the pages itself: pack-GQA and split-KV
+    with chunks of whole pages, chunk (i, s) the sequence whose page-table row is sequence i's
+    pages from s x pages per chunk on (the table seen as (batch x splits, pages per chunk))."""
+    b, _, hq, d = q.shape
+    hk, page_size = k_pages.shape[2], k_pages.shape[1]
     group = hq // hk
-    splits = num_splits or choose_num_splits(b * hk, _sms(q.device), longest)
-    keys_per_split = -(-longest // splits)
-    pages_per_chunk = max(1, -(-keys_per_split // page_size))
-    chunk = pages_per_chunk * page_size
-    splits = max(1, -(-longest // chunk))  # no chunk past the longest sequence
-    first = np.arange(splits) * chunk
-    used = np.clip(np.minimum(chunk, lengths[:, None] - first), 0, None).ravel()
-    slots = (np.arange(splits)[:, None] * pages_per_chunk + np.arange(pages_per_chunk)).ravel()
-    padded = np.zeros((b, splits * pages_per_chunk), dtype=np.int64)
-    width = min(table.shape[1], padded.shape[1])
-    padded[:, :width] = np.where(_used_slots(table, lengths, page_size), table, 0)[:, :width]
-    rows = padded[:, slots].reshape(b * splits, pages_per_chunk)
-    cu_q = np.arange(b * splits + 1) * group
-    meta = _to_device(np.concatenate([cu_q, used, rows.ravel()]).astype(np.int32), q.device)
-    n = b * splits
-    out, lse = paged_forward(_pack_gqa(q, hk, splits), k_pages, v_pages, meta[:n + 1], group,
-                             meta[2 * n + 1:].view(n, pages_per_chunk), meta[n + 1:2 * n + 1],
-                             chunk, scale, False, (None, None), softcap, True)
-    return _decode_result(out, lse, q, splits, return_lse)
-
-
-def _to_device(array, device):
-    """A host int32 array as a tensor on ``device`` (one copy)."""
-    return torch.from_numpy(array).to(device, non_blocking=True)
+    per_chunk = chunk // page_size
+    if splits * per_chunk > table.shape[1]:  # the last chunk's slots past the table: page 0
+        table = torch.nn.functional.pad(table, (0, splits * per_chunk - table.shape[1]))
+    rows = table.reshape(b * splits, per_chunk)
+    cu_q = _static(q.device, "rows", (b * splits, group),
+                   lambda: np.arange(b * splits + 1) * group)
+    out, lse = paged_forward(packed, k_pages, v_pages, cu_q, group, rows, used.flatten(), chunk,
+                             scale, False, (None, None), softcap, True)
+    return _combine(out, lse, bad, q, splits, return_lse)
 
 
 def _sms(device) -> int:

@@ -262,3 +262,21 @@ def cpu_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
                                max_seqlen_k, check_softmax_scale(softmax_scale, q.shape[-1]),
                                causal, left, right, softcap, -1)
     return (out, lse) if return_lse else out
+
+
+def cpu_paged_forward(q, k_pages, v_pages, cu_seqlens_q, max_seqlen_q, page_table, seqused_k,
+                      max_seqlen_k, softmax_scale, causal, window_size, softcap, return_lse,
+                      config=None):
+    """The paged forward's signature (``sm90_fwd_paged``, ``sm100_fwd_paged``) on CPU tensors:
+    each sequence's pages in its table row's order, then ``cpu_varlen_forward``; for testing
+    what is built on a forward that reads the pages itself (``fa_sm100.kvcache``)."""
+    import torch
+
+    n, per = page_table.shape
+    rows = per * k_pages.shape[1]  # keys of one table row
+    table = page_table.long().clamp(0, k_pages.shape[0] - 1)  # slots past seqused: unread
+    keys, values = (p[table].reshape(n * rows, *p.shape[2:]) for p in (k_pages, v_pages))
+    cu_k = torch.arange(n + 1, dtype=torch.int32) * rows
+    return cpu_varlen_forward(q, keys, values, cu_seqlens_q, cu_k, max_seqlen_q, max_seqlen_k,
+                              seqused_k, softmax_scale, causal, window_size, softcap,
+                              return_lse, config)

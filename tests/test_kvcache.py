@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from fa_sm100.kvcache import choose_num_splits, flash_attn_with_kvcache, merge_splits
-from fa_sm100.testing import attention_reference, check_against_reference, cpu_varlen_forward
+from fa_sm100.testing import (attention_reference, check_against_reference, cpu_paged_forward,
+                              cpu_varlen_forward)
 
 B, CAPACITY, HK, HQ, D, PAGE = 3, 300, 2, 8, 64, 16
 
@@ -33,18 +34,18 @@ def _cache(lengths, new, seed):
     return q, kc, vc, kn, vn, ref_k, ref_v
 
 
-def _paged(kc, vc, seed):
-    """The same cache in shuffled pages of PAGE rows (a few spare pages), its page table, and
-    garbage in the table's unused slots."""
-    pages_per_seq = math.ceil(CAPACITY / PAGE)
+def _paged(kc, vc, seed, page=PAGE):
+    """The same cache in shuffled pages of ``page`` rows (a few spare pages), its page table,
+    and garbage in the table's unused slots."""
+    pages_per_seq = math.ceil(CAPACITY / page)
     total = B * pages_per_seq + 5
     table = torch.randperm(total, generator=torch.Generator().manual_seed(seed))
     table = table[:B * pages_per_seq].view(B, pages_per_seq).to(torch.int32)
-    kp = torch.full((total, PAGE, HK, D), float("nan"), dtype=kc.dtype)
-    vp = torch.full((total, PAGE, HK, D), float("nan"), dtype=vc.dtype)
+    kp = torch.full((total, page, HK, D), float("nan"), dtype=kc.dtype)
+    vp = torch.full((total, page, HK, D), float("nan"), dtype=vc.dtype)
     for i in range(B):
         for j in range(pages_per_seq):
-            rows = slice(j * PAGE, min((j + 1) * PAGE, CAPACITY))
+            rows = slice(j * page, min((j + 1) * page, CAPACITY))
             n = rows.stop - rows.start
             kp[table[i, j], :n], vp[table[i, j], :n] = kc[i, rows], vc[i, rows]
     return kp, vp, table
@@ -64,9 +65,11 @@ CASES = [  # (new tokens, causal, window, softcap, num_splits)
 CASE_IDS = [f"new{c[0]}c{int(c[1])}w{c[2]}s{c[3]:g}n{c[4]}" for c in CASES]
 
 
-def run_case(paged, case, device="cpu", varlen_forward=cpu_varlen_forward):
-    """One call of ``flash_attn_with_kvcache`` (on ``device``, with ``varlen_forward``: the
-    CPU model, or None for the device's kernel) checked sequence by sequence."""
+def run_case(paged, case, device="cpu", varlen_forward=cpu_varlen_forward, paged_forward=None,
+             page=PAGE):
+    """One call of ``flash_attn_with_kvcache`` (on ``device``, with ``varlen_forward`` and
+    ``paged_forward``: the CPU models, or None for the device's kernels; a paged cache with no
+    paged forward is gathered; pages of ``page`` rows) checked sequence by sequence."""
     new, causal, window, softcap, splits = case
     lengths = [0, 17, 250] if new else [1, 17, 250]
     q, kc, vc, kn, vn, ref_k, ref_v = (None if t is None else t.to(device)
@@ -74,13 +77,13 @@ def run_case(paged, case, device="cpu", varlen_forward=cpu_varlen_forward):
     seqlens = torch.tensor(lengths, dtype=torch.int32, device=device)
     cache = dict(k_cache=kc, v_cache=vc)
     if paged:
-        kp, vp, table = (t.to(device) for t in _paged(kc.cpu(), vc.cpu(), seed=new))
-        table[0, 3:] = -7  # sequence 0 uses at most 2 pages: the rest is never read
+        kp, vp, table = (t.to(device) for t in _paged(kc.cpu(), vc.cpu(), seed=new, page=page))
+        table[0, 1 + 32 // page:] = -7  # sequence 0 uses at most 2 pages: the rest is unread
         cache = dict(k_cache=kp, v_cache=vp, page_table=table)
     out, lse = flash_attn_with_kvcache(q, k=kn, v=vn, cache_seqlens=seqlens, causal=causal,
                                        window_size=window, softcap=softcap, num_splits=splits,
                                        return_softmax_lse=True, varlen_forward=varlen_forward,
-                                       **cache)
+                                       paged_forward=paged_forward, **cache)
     if not paged and new:
         assert torch.equal(kc[:, :lengths[2] + new].nan_to_num(), ref_k[:, :lengths[2] + new]
                            .nan_to_num()), "new tokens appended in place"
@@ -97,10 +100,11 @@ def run_case(paged, case, device="cpu", varlen_forward=cpu_varlen_forward):
         assert torch.allclose(lse[i:i + 1][finite].double(), ref_lse[finite], atol=1e-3)
 
 
-@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("paged", [False, True, "kernel"],
+                         ids=["contiguous", "paged-gathered", "paged-read-by-kernel"])
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
 def test_kvcache_attention_is_each_sequences_own(paged, case):
-    run_case(paged, case)
+    run_case(bool(paged), case, paged_forward=cpu_paged_forward if paged == "kernel" else None)
 
 
 def test_splits_merge_to_one_softmax():
@@ -133,6 +137,8 @@ def test_the_split_choice_fills_the_machine_and_keeps_chunks_long():
 
 
 def test_bad_kvcache_inputs_raise_before_anything_runs():
+    """Shapes, dtypes and options raise ValueError before anything runs; so do bad values
+    (lengths, pages) with ``check_values=True``, which reads them to the host first."""
     q, kc, vc, kn, vn, _, _ = _cache([5, 5, 5], 1, seed=0)
     seqlens = torch.tensor([5, 5, 5], dtype=torch.int32)
     call = lambda **kw: flash_attn_with_kvcache(  # noqa: E731
@@ -144,9 +150,10 @@ def test_bad_kvcache_inputs_raise_before_anything_runs():
         (dict(alibi_slopes=torch.zeros(1)), "alibi"),
         (dict(k=kn), "together"),
         (dict(cache_seqlens=seqlens.long()), "int32"),
-        (dict(cache_seqlens=torch.tensor([5, 5, 300], dtype=torch.int32), k=kn, v=vn),
-         "capacity"),
-        (dict(cache_seqlens=torch.tensor([5, -1, 5], dtype=torch.int32)), ">= 0"),
+        (dict(cache_seqlens=torch.tensor([5, 5, 300], dtype=torch.int32), k=kn, v=vn,
+              check_values=True), "capacity"),
+        (dict(cache_seqlens=torch.tensor([5, -1, 5], dtype=torch.int32), check_values=True),
+         ">= 0"),
         (dict(num_splits=-1), "num_splits"),
         (dict(k_cache=kc[:2], v_cache=vc[:2]), "batch"),
         (dict(k_cache=kc[:, :, :, :32], v_cache=vc), "head dim"),
@@ -158,5 +165,119 @@ def test_bad_kvcache_inputs_raise_before_anything_runs():
     kp, vp, table = _paged(kc, vc, seed=0)
     table[1, 0] = kp.shape[0]  # a page past the cache, in a slot sequence 1 uses
     with pytest.raises(ValueError, match="outside the cache"):
-        call(k_cache=kp, v_cache=vp, page_table=table, k=kn, v=vn)
+        call(k_cache=kp, v_cache=vp, page_table=table, k=kn, v=vn, check_values=True)
     assert torch.equal(kc.nan_to_num(), before.nan_to_num()), "nothing was written"
+
+
+@pytest.mark.parametrize("paged", [False, True, "kernel"],
+                         ids=["contiguous", "paged-gathered", "paged-read-by-kernel"])
+def test_bad_values_give_nan_for_their_sequence_only(paged):
+    """Without ``check_values`` nothing waits for the GPU: a sequence with a bad value (a
+    length below 0 or past the capacity with the new tokens, a used page outside the cache)
+    gets NaN output and LSE and its new tokens are not written; the others are unaffected,
+    attended and appended as usual."""
+    lengths = [5, 17, 250]
+    q, kc, vc, kn, vn, ref_k, ref_v = _cache(lengths, 1, seed=3)
+    cache = dict(k_cache=kc, v_cache=vc)
+    if paged:
+        kp, vp, table = _paged(kc, vc, seed=3)
+        table[2, 0] = kp.shape[0] + 3  # sequence 2 reads a page past the cache
+        cache = dict(k_cache=kp, v_cache=vp, page_table=table)
+        seqlens = torch.tensor([5, -2, 250], dtype=torch.int32)
+        bad = [False, True, True]
+    else:
+        seqlens = torch.tensor([5, CAPACITY, -1], dtype=torch.int32)
+        bad = [False, True, True]
+    before = {n: t.clone() for n, t in cache.items() if n != "page_table"}
+    out, lse = flash_attn_with_kvcache(
+        q, k=kn, v=vn, cache_seqlens=seqlens, num_splits=2, return_softmax_lse=True,
+        varlen_forward=cpu_varlen_forward,
+        paged_forward=cpu_paged_forward if paged == "kernel" else None, **cache)
+    for i, is_bad in enumerate(bad):
+        if is_bad:
+            assert out[i].isnan().all() and lse[i].isnan().all(), f"sequence {i}: NaN"
+            continue
+        keys = slice(0, lengths[i] + 1)
+        args = (q[i:i + 1], ref_k[i:i + 1, keys], ref_v[i:i + 1, keys])
+        ref, _ = attention_reference(*args)
+        plain, _ = attention_reference(*args, dtype=torch.bfloat16, upcast=False)
+        check_against_reference(out[i:i + 1], ref, plain, atol=1e-3, what=f"sequence {i}")
+    if not paged:
+        for n, t in before.items():
+            changed = (cache[n] != t) & ~(cache[n].isnan() & t.isnan())
+            rows = changed.any(-1).any(-1).nonzero()[:, :2].tolist()
+            assert rows == [[0, 5]], f"{n}: only sequence 0's new token is written, got {rows}"
+
+
+@pytest.mark.parametrize("paged", [False, "kernel"], ids=["contiguous", "paged-read-by-kernel"])
+@pytest.mark.parametrize("sq,window", [(1, (-1, -1)), (1, (64, -1)), (3, (-1, -1))],
+                         ids=["decode", "decode-window", "prefill"])
+def test_the_default_call_never_waits_for_the_gpu(monkeypatch, paged, sq, window):
+    """Run on meta tensors (shapes, no data): any read of a value on the host (a length, the
+    page table) would raise. The checks, the append, the metadata and the merge all stay on
+    the device, so a serving loop is not stalled and can be captured in a CUDA graph."""
+    from fa_sm100 import kvcache
+
+    monkeypatch.setattr(kvcache, "_STATIC", {})
+    launched = []
+
+    def forward(q, *args):
+        launched.append(q.shape)
+        return (q.new_empty(q.shape[0], q.shape[1], D),
+                q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32))
+
+    meta = lambda *s, dtype=torch.bfloat16: torch.empty(*s, device="meta", dtype=dtype)  # noqa
+    cache = dict(k_cache=meta(B, 256, HK, D), v_cache=meta(B, 256, HK, D))
+    if paged:
+        cache = dict(k_cache=meta(40, 64, HK, D), v_cache=meta(40, 64, HK, D),
+                     page_table=meta(B, 4, dtype=torch.int32))
+    out, lse = flash_attn_with_kvcache(
+        meta(B, sq, HQ, D), k=meta(B, 2, HK, D), v=meta(B, 2, HK, D),
+        cache_seqlens=meta(B, dtype=torch.int32), num_splits=3, window_size=window,
+        return_softmax_lse=True, varlen_forward=forward, paged_forward=forward, **cache)
+    assert out.shape == (B, sq, HQ, D) and lse.shape == (B, HQ, sq) and len(launched) == 1
+    with pytest.raises(NotImplementedError, match="no data"):  # check_values reads them
+        flash_attn_with_kvcache(meta(B, sq, HQ, D), cache_seqlens=meta(B, dtype=torch.int32),
+                                check_values=True, varlen_forward=forward,
+                                paged_forward=forward, **cache)
+
+
+def test_sm90_paged_forward_rejects_pages_it_cannot_read():
+    """Pages the SM90 kernel's key blocks cannot load whole raise before anything runs."""
+    from fa_sm100.hopper.interface import sm90_fwd_paged
+
+    q = torch.zeros(4, 2, 64, dtype=torch.bfloat16)
+    pages = torch.zeros(8, 16, 2, 64, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    table = torch.zeros(1, 8, dtype=torch.int32)
+    used = torch.tensor([100], dtype=torch.int32)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        sm90_fwd_paged(q, pages, pages, cu, 4, table, used, 128)
+    with pytest.raises(ValueError, match="seqused_k"):
+        sm90_fwd_paged(q, pages.new_zeros(2, 64, 2, 64), pages.new_zeros(2, 64, 2, 64), cu, 4,
+                       table, None, 128)
+
+
+def test_a_warm_call_reuses_its_plan(monkeypatch):
+    """The checks and decisions that depend on shapes and options run once per (metadata,
+    options): a second call with the same metadata only does the call's work, and results
+    agree; other options or shapes make their own plan."""
+    from fa_sm100 import kvcache
+    from fa_sm100.call_plans import PlanTable
+
+    monkeypatch.setattr(kvcache, "_plans", PlanTable())
+    built = []
+    init = kvcache.KvcachePlan.__init__
+    monkeypatch.setattr(kvcache.KvcachePlan, "__init__",
+                        lambda self, *a: (built.append(a[11]), init(self, *a))[1])
+    q, kc, vc, _, _, _, _ = _cache([5, 17, 250], 0, seed=1)
+    call = lambda lens, splits: flash_attn_with_kvcache(  # noqa: E731
+        q, kc, vc, cache_seqlens=torch.tensor(lens, dtype=torch.int32), num_splits=splits,
+        varlen_forward=cpu_varlen_forward)
+    first = call([5, 17, 250], 2)
+    again = call([5, 17, 250], 2)
+    assert torch.equal(first.nan_to_num(), again.nan_to_num()) and built == [2]
+    call([1, 2, 3], 2)  # other values, same metadata: the same plan
+    assert built == [2]
+    call([5, 17, 250], 3)
+    assert built == [2, 3]

@@ -513,6 +513,18 @@ def test_three_input_max_min():
     np.testing.assert_array_equal(got, np.minimum(np.minimum(ai, bi), -ai))
 
 
+def test_min_max_relu_s32_clamp_negative_results_to_zero():
+    """``min.relu.s32`` / ``max.relu.s32`` (the compiler fuses max(min(a, b), 0) into one):
+    the result of the min or max, 0 where it is negative."""
+    rng = np.random.default_rng(8)
+    a = rng.integers(-100, 100, 32).astype(np.int32)
+    b = rng.integers(-100, 100, 32).astype(np.int32)
+    got = run_binary("min.relu.s32 %r4, %r2, %r3;", a, b).view(np.int32)
+    np.testing.assert_array_equal(got, np.maximum(np.minimum(a, b), 0))
+    got = run_binary("max.relu.s32 %r4, %r2, %r3;", a, b).view(np.int32)
+    np.testing.assert_array_equal(got, np.maximum(np.maximum(a, b), 0))
+
+
 def test_extra_source_operands_are_refused():
     out = torch.zeros(32)
     cap = launch_from_ptx(BINARY.replace("BODY", "add.f32 %r4, %r2, %r3, %r3;"),

@@ -1319,10 +1319,10 @@ def test_sm90_bwd_dv_before_fence_issues_dv_ahead_of_the_ds_fence(overrides, tmp
     (["causal=true", "window_left=100", "window_right=30"], 40),
 ], ids=["d64-causal", "d128-causal", "d128-window"])
 def test_sm90_bwd_mask_compares_constants_against_limits(overrides, elements, tmp_path):
-    """The band and tail mask (``_mask``): per element one compare of a compile-time constant
-    against a limit computed once per block and one ``FSEL``; with a window's two edges at
-    most two integer instructions (ptxas may fold both edges into one add and an unsigned
-    compare). The first version added per-element address arithmetic: 826 instead of 763
+    """The band and tail mask (``bwd_scores.mask``): per element one compare of a compile-time
+    constant against a limit computed once per block and one ``FSEL``; with a window's two
+    edges at most two integer instructions (ptxas may fold both edges into one add and an
+    unsigned compare). The first version added per-element address arithmetic: 826 instead of 763
     loop instructions at hdim 64 causal, 724 instead of 607 at hdim 128 with a window."""
     from fa_sm100.inspection import inspect_kernel
 

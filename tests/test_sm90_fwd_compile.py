@@ -48,6 +48,9 @@ CASES = [
     ["varlen=true", "head_dim=64"],
     ["varlen=true", "head_dim=192", "head_dim_v=128", "softcap=true"],
     ["varlen=true", "head_dim=256", "causal=true"],  # O in Q's buffer
+    # Note [Paged K/V]: each key block's TMA source from its page-table slot
+    ["varlen=true", "page_size=64", "n_block=64"],
+    ["varlen=true", "page_size=256", "causal=true"],
 ]
 
 

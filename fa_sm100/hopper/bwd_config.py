@@ -40,7 +40,7 @@ QDO_CLUSTERS = (2, 4)  # cluster sizes qdo_multicast accepts (qdo_cluster)
 DQ_VEC = 4  # float32 per dQ-accumulator store: one 16-byte STS.128 / bulk-reduce element run
 TILE_M_ATOM = 64  # query rows of one WGMMA M atom
 TILE_M_128_HEAD_DIMS = (64,)  # head dims that fit tile_m = 128 (registers: docs/hopper_backward.md)
-# 80 query rows (swapped S/dP, dQ computed transposed: Note [dQ transposed] in bwd_kernel.py):
+# 80 query rows (swapped S/dP, dQ computed transposed: Note [dQ transposed] in bwd_mma.py):
 # hdim 128 only (dQ^T's M is the head dim, 64 rows per warpgroup)
 TILE_M_DQ_TRANSPOSED = 80
 TILE_M_80_HEAD_DIMS = (128,)
@@ -89,7 +89,7 @@ class BwdConfig:
     tile_m: int = 64
     # key rows owned by one CTA (dK/dV accumulated in registers): 128, the warpgroups owning
     # 64 key rows each; or 64, the warpgroups owning head-dim halves (Note [dK/dV by columns]
-    # in bwd_kernel.py)
+    # in bwd_mma.py)
     tile_n: int = 128
     q_stage: int = 2  # Q (+LSE) stages in flight (1-3; 3 measured no faster than 2)
     do_stage: int = 2  # dO (+Delta) stages in flight (1-3)
@@ -120,10 +120,10 @@ class BwdConfig:
     # stored directly): see ``stores_dkv_by_tma``.
     dkv_tma_store: bool = True
     # Without early_dv: issue dV once dS is stored, before the barrier that waits for both
-    # warpgroups' dS (Note [dV before the dS barrier] in bwd_kernel.py), not after it.
+    # warpgroups' dS (Note [dV before the dS barrier] in bwd_mma.py), not after it.
     dv_before_barrier: bool = False
     # With dv_before_barrier and sdp_swap_ab: issue dV before the fence that publishes dS to
-    # the tensor cores, not after it (Note [dV before the fence] in bwd_kernel.py).
+    # the tensor cores, not after it (Note [dV before the fence] in bwd_mma.py).
     dv_before_fence: bool = True
     # Compute S^T = K Q^T and dP^T = V dO^T (warpgroups stacked along the keys) so that P^T and
     # dS^T feed dV and dK from registers (RS WGMMA): no P in SMEM, dV/dK read only Q/dO there.
@@ -137,11 +137,11 @@ class BwdConfig:
     stats_smem: bool = True
     # Read a block's LSE2 (Delta) into registers right after its Q (dO) stage is ready and
     # before the S (dP) GEMM is issued, not after both GEMMs (Note [stats before the GEMMs]
-    # in bwd_kernel.py; select_bwd_config: on for short causal hdim 128). Blocks of 80 / 128
+    # in bwd_mma.py; select_bwd_config: on for short causal hdim 128). Blocks of 80 / 128
     # rows keep their own order (Note [tile_m 128]).
     stats_first: bool = False
     # Blocks of 80 / 128 query rows: hold LSE2 / Delta 4 per lane and shuffle each query's
-    # value to the lanes that need it (Note [tile_m 128] in bwd_kernel.py); off: every thread
+    # value to the lanes that need it (Note [tile_m 128] in bwd_mma.py); off: every thread
     # loads its own queries' values from SMEM (20 at tile_m 80, two per 64-bit load), as FA4
     # does. Ignored with 64-row blocks. select_bwd_config: off at tile_m 80 where that compiles
     # without spills (with lse_early and dp_wait_after, Note [dP wait placement]), else on.
@@ -154,7 +154,7 @@ class BwdConfig:
     # (Note [dP wait placement]); -1: no boundary, ptxas places the wait.
     dp_wait_after: int = -1
     # Poll a Q / dO stage's mbarrier once before the blocking wait (Note [try first] in
-    # bwd_kernel.py); off where the extra live register makes ptxas spill.
+    # bwd_mma.py); off where the extra live register makes ptxas spill.
     try_wait: bool = True
     # Launch the main kernel and the postprocess as programmatic dependents of the kernel
     # before them, and have each wait for it only where it reads that kernel's output (Note
@@ -169,14 +169,14 @@ class BwdConfig:
     tail_ctas: int = 2 * HOPPER_SMS  # two waves of CTAs on an H100 / H200
     # The CTAs of key blocks q c .. q c + q - 1 (q = qdo_cluster) of a (batch, head) pair run
     # as a cluster; each loads its share of every Q and dO tile and multicasts it to all (Note
-    # [Q/dO multicast] in bwd_kernel.py). Without a window (causal is allowed), not
+    # [Q/dO multicast] in bwd_load.py). Without a window (causal is allowed), not
     # deterministic, and a whole number of clusters of key blocks.
     qdo_multicast: bool = False
     # CTAs per cluster under qdo_multicast: each loads 1/qdo_cluster of every Q / dO tile
     qdo_cluster: int = QDO_CLUSTER
     # Each cluster of key blocks (each CTA without qdo_multicast) starts its sweep over the
     # query blocks at its own offset, spread evenly over them, and wraps around (Note
-    # [staggered query blocks] in bwd_kernel.py): the CTAs of a (batch, head) pair no longer
+    # [staggered query blocks] in bwd_tiles.py): the CTAs of a (batch, head) pair no longer
     # add into the same dQ block at the same moment. No mask, not deterministic.
     stagger_m: bool = False
     # "bulk" dQ with pdl: every CTA counts itself done on a semaphore of its (batch, head)
@@ -217,6 +217,11 @@ class BwdConfig:
     @property
     def threads_per_cta(self) -> int:
         return WARPGROUP_THREADS * (1 + self.num_mma_warpgroups)
+
+    @property
+    def num_mma_threads(self) -> int:
+        """Threads of the MMA warpgroups (the ``DS_READY`` / ``EPILOGUE`` barriers' count)."""
+        return WARPGROUP_THREADS * self.num_mma_warpgroups
 
     @property
     def is_local(self) -> bool:
@@ -283,7 +288,7 @@ class BwdConfig:
 
     @property
     def cluster(self) -> tuple:
-        """The launch's cluster shape (Note [Q/dO multicast] in bwd_kernel.py)."""
+        """The launch's cluster shape (Note [Q/dO multicast] in bwd_load.py)."""
         return (self.qdo_cluster, 1, 1) if self.qdo_multicast else (1, 1, 1)
 
     def num_key_blocks(self, seqlen_k):
@@ -346,7 +351,7 @@ class BwdConfig:
     def wide_query_block(self) -> bool:
         """Swapped S^T/dP^T of more than 64 query columns (tile_m 80 and 128): P^T converted
         late or dS computed from 16-bit P^T, Delta read after P (Note [tile_m 128] in
-        bwd_kernel.py)."""
+        bwd_mma.py)."""
         return self.tile_m > TILE_M_ATOM
 
     @property
@@ -358,7 +363,7 @@ class BwdConfig:
     @property
     def dq_swap_ab(self) -> bool:
         """dQ computed transposed, dQ^T = K^T dS^T (M = head dim, N = tile_m): tile_m not a
-        multiple of the 64-row WGMMA M atom (Note [dQ transposed] in bwd_kernel.py)."""
+        multiple of the 64-row WGMMA M atom (Note [dQ transposed] in bwd_mma.py)."""
         return self.tile_m % TILE_M_ATOM != 0
 
     @property
@@ -645,7 +650,7 @@ def effective_window_right(cfg: BwdConfig) -> Optional[int]:
 def band_bounds(cfg: BwdConfig) -> tuple:
     """(left, right) of the band a config's problem has, None for an unbounded side
     (``fa_sm100.bands``): what the tile functions take on the host and in the tests. The
-    kernel gets the same from its run-time arguments (``Sm90FlashBackward.band``)."""
+    kernel gets the same from its run-time arguments (``BwdProblem.band``, bwd_context.py)."""
     return cfg.window_left, effective_window_right(cfg)
 
 

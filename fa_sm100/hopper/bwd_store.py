@@ -1,5 +1,7 @@
-"""The stores of the SM90 backward (a mixin of ``Sm90FlashBackward``): dQ into its float32
-accumulator, and dK, dV at the end of a tile (of a CTA, or of a persistent CTA's walk).
+"""The stores of the SM90 backward: dQ into its float32 accumulator, and dK, dV at the end of
+a tile (of a CTA, or of a persistent CTA's walk). The dq-store warp's role (``dq_store``,
+warp 1 with "bulk" dQ) and the functions the MMA warpgroups (bwd_mma.py) call per query block
+(``stage_dq``, ``store_dq``) and per tile (``store_dkdv_tma``, ``store_dkdv``).
 
 dQ is accumulated in float32 in global memory, by one of two switchable paths (``dq_accum``):
 "bulk" stages the dQ tile in SMEM and the dq-store warp adds it with one bulk reduce; "red"
@@ -33,7 +35,7 @@ compute the next block. That is cheap when the CTAs of a (batch, head) reach a b
 different times, as under a causal mask (key block n starts at the diagonal); without one
 they run through the query blocks together and all but one wait at every block (hdim 128,
 H100: 5-9% slower than the zero fill) unless their sweeps are staggered (Note [staggered query
-blocks] in bwd_kernel.py), so ``select_bwd_config`` turns it on for causal problems and
+blocks] in bwd_tiles.py), so ``select_bwd_config`` turns it on for causal problems and
 staggered sweeps. Deterministic mode has its order already: the CTA whose turn is 0 stores
 and the semaphore keeps counting turns. A block no CTA reaches (rows that see no
 keys: seqlen_q > seqlen_k under a causal mask, a window) keeps state 0 and whatever the
@@ -70,9 +72,10 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync
 from cutlass.experimental import primitives as prims
 
-from fa_sm100.config import WARP_SIZE
+from fa_sm100.config import WARP_SIZE, cutlass_dtype
 from fa_sm100.hopper import probes
 from fa_sm100.hopper.bwd_config import DQ_VEC
+from fa_sm100.hopper.bwd_tiles import first_n_block, m_block_at, sweep_end, walk
 from fa_sm100.hopper.common import assume_aligned, stmatrix_to_smem
 from fa_sm100.hopper.config import WARPGROUP_THREADS, WGMMA_M
 from fa_sm100.hopper.named_barriers import Sm90BwdBarrier
@@ -181,278 +184,308 @@ def dq_registers(cfg, acc_dQ):
     return cute.make_tensor(acc_dQ.iterator, cute.make_layout((DQ_VEC, cfg.dq_groups)))
 
 
-class BwdStoreRole:
-    """Mixin of ``Sm90FlashBackward``: the dQ paths (``dq_accum``) and the dK/dV epilogue.
+def _dq_handoffs(cfg):
+    """(handoffs per query block, threads per handoff barrier) of Note [dQ SMEM handoff]:
+    one per MMA warpgroup (128 + 32 threads), or one for the whole tile (256 + 32)."""
+    if cfg.dq_handoff_per_wg:
+        return cfg.num_mma_warpgroups, WARPGROUP_THREADS + WARP_SIZE
+    return 1, cfg.num_mma_threads + WARP_SIZE
 
-    Uses the kernel's ``cfg``, ``dtype``, ``tile_m``, ``tile_n``, ``hdim``, ``hdimv``,
-    ``num_mma_threads`` and ``_n_block_first``.
-    """
 
-    def _dq_handoffs(self):
-        """(handoffs per query block, threads per handoff barrier) of Note [dQ SMEM handoff]:
-        one per MMA warpgroup (128 + 32 threads), or one for the whole tile (256 + 32)."""
-        if self.cfg.dq_handoff_per_wg:
-            return self.cfg.num_mma_warpgroups, WARPGROUP_THREADS + WARP_SIZE
-        return 1, self.num_mma_threads + WARP_SIZE
+@cute.jit
+def _dq_handoff_barrier(cfg, first: cutlass.Constexpr, tidx, wait: cutlass.Constexpr):
+    """MMA side of one Note [dQ SMEM handoff] barrier: wait on it (``wait``) or arrive on
+    it; ``first`` is warpgroup 0's id, warpgroup 1's is the next one when each hands off
+    its own half. The ids stay constants in each branch: with the id in a register, ptxas
+    spilled (deterministic mode, left window, tile_m 80)."""
+    parts, handoff = _dq_handoffs(cfg)
+    bar_id = int(first)
+    if const_expr(parts == 1):
+        _named_barrier(bar_id, handoff, wait)
+    elif tidx < WARPGROUP_THREADS:
+        _named_barrier(bar_id, handoff, wait)
+    else:
+        _named_barrier(bar_id + 1, handoff, wait)
 
-    @cute.jit
-    def _stage_dq(self, acc_dQ, sdQ, tidx):
-        """"bulk" dQ, MMA side of Note [dQ SMEM handoff]: the tile (unscaled) into SMEM in
-        fragment order (dq_groups STS.128 per thread)."""
-        self._dq_handoff_barrier(Sm90BwdBarrier.DQ_EMPTY_WG0, tidx, wait=True)
-        smem = assume_aligned(sdQ.iterator)
-        cute.autovec_copy(dq_registers(self.cfg, acc_dQ), dq_fragment_view(self.cfg, smem, tidx))
-        cute.arch.fence_view_async_shared()
-        self._dq_handoff_barrier(Sm90BwdBarrier.DQ_FULL_WG0, tidx, wait=False)
 
-    @cute.jit
-    def _dq_handoff_barrier(self, first: cutlass.Constexpr, tidx, wait: cutlass.Constexpr):
-        """MMA side of one Note [dQ SMEM handoff] barrier: wait on it (``wait``) or arrive on
-        it; ``first`` is warpgroup 0's id, warpgroup 1's is the next one when each hands off
-        its own half. The ids stay constants in each branch: with the id in a register, ptxas
-        spilled (deterministic mode, left window, tile_m 80)."""
-        parts, handoff = self._dq_handoffs()
-        bar_id = int(first)
-        if const_expr(parts == 1):
-            _named_barrier(bar_id, handoff, wait)
-        elif tidx < WARPGROUP_THREADS:
-            _named_barrier(bar_id, handoff, wait)
-        else:
-            _named_barrier(bar_id + 1, handoff, wait)
+@cute.jit
+def wait_for_preprocess(cfg, gmem, batch, head):
+    """The calling warp waits until what the preprocess writes for (batch, head) is
+    visible: ``griddepcontrol.wait`` (Note [chained launches]), or with ``pre_ctas`` until
+    the preprocess has counted all seqlen_q_pad rows of the pair, then a proxy fence, as
+    the warp's TMA / bulk copies read them (Note [Preprocess beside the main kernel] in
+    bwd_prepost.py). The load and dq-store warps call it."""
+    if const_expr(cfg.pre_ctas):
+        wait_for_count(preprocess_count(gmem.mdQsem, batch, head), gmem.mLSE2.shape[2], cfg.pdl)
+        cute.arch.fence_proxy("async.global")
+    elif const_expr(cfg.pdl):
+        cute.arch.griddepcontrol_wait()
 
-    @cute.jit
-    def dq_store(self, mdQacc, mdQsem, sdQ, mLSE2, work, seqlen_q, seqlen_k):
-        """Warp 1 ("bulk" dQ): ``_dq_store_tile`` for this CTA's tile, or with persistent CTAs
-        for each tile of its walk (Note [persistent CTAs] in bwd_tiles.py); then it waits
-        until its last bulk operation has read SMEM."""
-        self._walk(work, self._dq_store_tile, (mdQacc, mdQsem, sdQ, mLSE2, seqlen_q, seqlen_k),
-                   ())
-        cute.arch.cp_async_bulk_wait_group(0, read=True)
 
-    @cute.jit
-    def _dq_store_tile(self, mdQacc, mdQsem, sdQ, mLSE2, seqlen_q, seqlen_k, tile, k):
-        """One tile (``BwdTile``; ``k`` unused: this role carries no pipeline state) of warp 1,
-        Note [dQ SMEM handoff]. Per query block m and per part of the tile (a warpgroup's half,
-        or the whole tile): wait until the last bulk reduce of that part has read SMEM, arrive
-        on its ``DQ_EMPTY``; then per part wait on its ``DQ_FULL``
-        and add it into dQacc[batch, head, m] with one cp.reduce.async.bulk.add.f32 (both in
-        fragment order, where a warpgroup's half is contiguous: Note [dQ in fragment order]).
-        Deterministic: first wait for this CTA's turn on the query block's semaphore; after
-        the reduces have completed, pass the turn on. With first stores (Note [dQ first
-        store]) the first CTA at the block copies its tile instead of adding it. With
-        ``early_dq_post``, once every reduce has completed the CTA counts itself done on the
-        (batch, head)'s last semaphore (Note [dQ postprocess in the tail] in bwd_prepost.py).
-        The ``dq_reduce`` cost probe (Note [cost probes] in probes.py) drops or shrinks the
-        bulk operations here. With persistent CTAs, after the tile's last block it lends the
-        SMEM dQ tile to the dK / dV epilogue (Note [persistent CTAs]): once its reduces have
-        read it, it arrives on ``DQ_EMPTY`` and waits on ``DQ_FULL`` once more."""
-        n_block, head, batch, m_offset = tile.n_block, tile.head, tile.batch, tile.m_offset
-        m_block_min, m_block_max = tile.m_block_min, tile.m_block_max
-        # Note [chained launches]: the preprocess has zeroed the semaphores (and dQacc, without
-        # first stores); Note [Preprocess beside the main kernel]: with pre_ctas, those of this
-        # (batch, head) are zero already, dQacc not
-        self.wait_for_preprocess(mdQsem, mLSE2, batch, head)
-        parts, handoff = self._dq_handoffs()
-        probe = probes.active("dq_reduce")  # None unless timing a cost probe (probes.py)
-        first_store = self.cfg.first_stores_dq
-        det = self.cfg.deterministic
-        part_elems = self.cfg.dq_block_elems // parts
-        gdQ = mdQacc[batch, head, None, None]
-        lane = cute.arch.lane_idx()
-        for step in cutlass.range(m_block_min, self._sweep_end(m_block_min, m_block_max),
-                                  unroll=1):
-            m_block = self._m_block_at(step, m_offset, m_block_min, m_block_max)
-            for part in cutlass.range_constexpr(parts):
-                # bulk groups complete in commit order: this part's previous reduce is done
-                # once at most the later parts' are in flight
-                cute.arch.cp_async_bulk_wait_group(parts - 1 - part, read=True)
-                cute.arch.barrier_arrive(barrier_id=int(Sm90BwdBarrier.DQ_EMPTY_WG0) + part,
-                                         number_of_threads=handoff)
-            dst = gdQ.iterator + m_block * self.cfg.dq_block_elems
-            sem_ptr = mdQsem[batch, head, None].iterator + m_block
-            first = cutlass.Boolean(False)  # copy the tile instead of adding it
-            if const_expr(det):
-                turn = n_block - self._n_block_first(m_block, seqlen_q, seqlen_k)
-                if lane == 0:
-                    seen = cute.arch.load(sem_ptr, Int32, sem="acquire", scope="gpu")
-                    while seen != turn:
-                        seen = cute.arch.load(sem_ptr, Int32, sem="acquire", scope="gpu")
-                cute.arch.sync_warp()
-                if const_expr(first_store):
-                    first = turn == 0
-            for part in cutlass.range_constexpr(parts):
-                cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.DQ_FULL_WG0) + part,
-                                  number_of_threads=handoff)
-                if const_expr(first_store and not det and part == 0):
-                    first = self._claim_dq_block(sem_ptr, lane)
-                src, out = sdQ.iterator + part * part_elems, dst + part * part_elems
-                nbytes = (part_elems * (Float32.width // 8)) >> int(probe == "half")
-                with cute.arch.elect_one():
-                    if first:
-                        if const_expr(probe != "none"):
-                            prims.cp_async_bulk_global_shared_cta(out, src, nbytes)
-                    else:
-                        if const_expr(probe == "copy"):
-                            prims.cp_async_bulk_global_shared_cta(out, src, nbytes)
-                        elif const_expr(probe != "none"):
-                            prims.cp_reduce_async_bulk_global_shared_cta(
-                                out, src, nbytes, op=prims.CpReduceOp.ADD,
-                                type=prims.CpReduceType.F32)
-                cute.arch.cp_async_bulk_commit_group()
-            if const_expr(det):
-                self._release_dq_block(sem_ptr, lane)  # the next turn
-            elif const_expr(first_store):
-                if first:
-                    self._release_dq_block(sem_ptr, lane)  # state 1 -> 2: stored
-        if const_expr(self.cfg.persistent_ctas):  # lend the tile once the reduces have read it
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
-            for part in cutlass.range_constexpr(parts):
-                cute.arch.barrier_arrive(barrier_id=int(Sm90BwdBarrier.DQ_EMPTY_WG0) + part,
-                                         number_of_threads=handoff)
-        if const_expr(self.cfg.early_dq_post):  # waits until the reduces have written
-            self._release_dq_block(finished_ctas_count(self.cfg, mdQsem, batch, head), lane)
-        if const_expr(self.cfg.persistent_ctas):  # ... and take it back from the epilogue
-            for part in cutlass.range_constexpr(parts):
-                cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.DQ_FULL_WG0) + part,
-                                  number_of_threads=handoff)
-        return ()  # no states to carry (``_walk``)
+# ---- the dq-store warp ("bulk" dQ) -------------------------------------------------------
 
-    @cute.jit
-    def _claim_dq_block(self, sem_ptr, lane):
-        """Note [dQ first store], non-deterministic: whether this CTA is the first at the
-        block (it swapped state 0 for 1); a later one returns once the first store is out
-        (state 2). Lane 0 does the atomics; the answer is the warp's."""
-        state = Int32(0)
-        if lane == 0:
-            state = cute.arch.atomic_cas(sem_ptr, cmp=Int32(0), val=Int32(1), sem="acquire",
-                                         scope="gpu")
-            if state != 0:
-                while state != 2:
-                    state = cute.arch.load(sem_ptr, Int32, sem="acquire", scope="gpu")
-        return cute.arch.shuffle_sync(state, 0) == 0
+@cute.jit
+def dq_store(cfg, prob, gmem, smem, work):
+    """Warp 1 ("bulk" dQ). Consumes the MMA warpgroups' dQ tiles (``smem.sdQ``, Note [dQ SMEM
+    handoff]); produces their sums in ``gmem.mdQacc`` and, deterministic or with first
+    stores, the semaphores' turns and states. ``_dq_store_tile`` for this CTA's tile, or with
+    persistent CTAs for each tile of its walk (Note [persistent CTAs] in bwd_tiles.py); then
+    it waits until its last bulk operation has read SMEM."""
+    walk(cfg, work, _dq_store_tile, (cfg, prob, gmem, smem), ())
+    cute.arch.cp_async_bulk_wait_group(0, read=True)
 
-    @cute.jit
-    def _release_dq_block(self, sem_ptr, lane):
-        """Once this CTA's bulk copies of the block have completed (written, not only read),
-        add 1 to the block's semaphore with release semantics: the next deterministic turn,
-        or Note [dQ first store]'s state 1 -> 2; or, after the last block, to the count of
-        finished CTAs (Note [dQ postprocess in the tail])."""
-        cute.arch.cp_async_bulk_wait_group(0, read=False)
-        cute.arch.fence_acq_rel_gpu()
-        if lane == 0:
-            cute.arch.red(sem_ptr, Int32(1), op="add", dtype="s32", sem="release", scope="gpu")
 
-    @cute.jit
-    def _store_dq(self, acc_dQ, mdQacc, mdQsem, tidx, m_block, n_block, head, batch,
-                  seqlen_q, seqlen_k):
-        """Add this CTA's dQ tile (unscaled) into the float32 accumulator, in fragment order
-        (Note [dQ in fragment order])."""
-        gdQ = dq_fragment_view(self.cfg, mdQacc[batch, head, m_block, None].iterator, tidx)
-        rdQ = dq_registers(self.cfg, acc_dQ)
-        if const_expr(self.cfg.deterministic):
-            sem = mdQsem[batch, head, None]
-            sem_ptr = sem.iterator + m_block
-            turn = n_block - self._n_block_first(m_block, seqlen_q, seqlen_k)
-            if tidx == 0:
+@cute.jit
+def _dq_store_tile(cfg, prob, gmem, smem, tile):
+    """One tile (``BwdTile``) of warp 1, Note [dQ SMEM handoff]. Per query block m and per
+    part of the tile (a warpgroup's half, or the whole tile): wait until the last bulk reduce
+    of that part has read SMEM, arrive on its ``DQ_EMPTY``; then per part wait on its
+    ``DQ_FULL`` and add it into dQacc[batch, head, m] with one cp.reduce.async.bulk.add.f32
+    (both in fragment order, where a warpgroup's half is contiguous: Note [dQ in fragment
+    order]). Deterministic: first wait for this CTA's turn on the query block's semaphore;
+    after the reduces have completed, pass the turn on. With first stores (Note [dQ first
+    store]) the first CTA at the block copies its tile instead of adding it. With
+    ``early_dq_post``, once every reduce has completed the CTA counts itself done on the
+    (batch, head)'s last semaphore (Note [dQ postprocess in the tail] in bwd_prepost.py).
+    The ``dq_reduce`` cost probe (Note [cost probes] in probes.py) drops or shrinks the
+    bulk operations here. With persistent CTAs, after the tile's last block it lends the
+    SMEM dQ tile to the dK / dV epilogue (Note [persistent CTAs]): once its reduces have
+    read it, it arrives on ``DQ_EMPTY`` and waits on ``DQ_FULL`` once more. Carries no
+    pipeline state (returns none)."""
+    n_block, head, batch, m_offset = tile.n_block, tile.head, tile.batch, tile.m_offset
+    m_block_min, m_block_max = tile.m_block_min, tile.m_block_max
+    mdQsem, sdQ = gmem.mdQsem, smem.sdQ
+    # Note [chained launches]: the preprocess has zeroed the semaphores (and dQacc, without
+    # first stores); Note [Preprocess beside the main kernel]: with pre_ctas, those of this
+    # (batch, head) are zero already, dQacc not
+    wait_for_preprocess(cfg, gmem, batch, head)
+    parts, handoff = _dq_handoffs(cfg)
+    probe = probes.active("dq_reduce")  # None unless timing a cost probe (probes.py)
+    first_store = cfg.first_stores_dq
+    det = cfg.deterministic
+    part_elems = cfg.dq_block_elems // parts
+    gdQ = gmem.mdQacc[batch, head, None, None]
+    lane = cute.arch.lane_idx()
+    for step in cutlass.range(m_block_min, sweep_end(m_block_min, m_block_max), unroll=1):
+        m_block = m_block_at(cfg, step, m_offset, m_block_min, m_block_max)
+        for part in cutlass.range_constexpr(parts):
+            # bulk groups complete in commit order: this part's previous reduce is done
+            # once at most the later parts' are in flight
+            cute.arch.cp_async_bulk_wait_group(parts - 1 - part, read=True)
+            cute.arch.barrier_arrive(barrier_id=int(Sm90BwdBarrier.DQ_EMPTY_WG0) + part,
+                                     number_of_threads=handoff)
+        dst = gdQ.iterator + m_block * cfg.dq_block_elems
+        sem_ptr = mdQsem[batch, head, None].iterator + m_block
+        first = cutlass.Boolean(False)  # copy the tile instead of adding it
+        if const_expr(det):
+            turn = n_block - _n_block_first(cfg, prob, m_block)
+            if lane == 0:
                 seen = cute.arch.load(sem_ptr, Int32, sem="acquire", scope="gpu")
                 while seen != turn:
                     seen = cute.arch.load(sem_ptr, Int32, sem="acquire", scope="gpu")
-            cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.DQ_TURN),
-                              number_of_threads=self.num_mma_threads)
-        for i in cutlass.range_constexpr(self.cfg.dq_groups):  # one red.v4.f32 per group
-            cute.arch.red(gdQ[None, i].iterator, rdQ[None, i].load().ir_value(), op="add",
-                          dtype="f32", sem="relaxed", scope="gpu")
-        if const_expr(self.cfg.deterministic):
-            cute.arch.fence_acq_rel_gpu()
-            cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.DQ_DONE),
-                              number_of_threads=self.num_mma_threads)
-            if tidx == 0:
-                cute.arch.red(mdQsem[batch, head, None].iterator + m_block, Int32(1), op="add",
-                              dtype="s32", sem="release", scope="gpu")
-
-    @cute.jit
-    def _store_dkdv_tma(self, mma_dk, mma_dv, acc_dK, acc_dV, staging, tma_dK, tma_mdK, tma_dV,
-                        tma_mdV, tidx, n_block, head, batch, mbar_kv):
-        """MHA dK (scaled by the caller) and dV -> SMEM (``staging``: K's and V's buffers, or
-        with persistent CTAs the dS buffers and the dQ tile) -> GMEM by TMA (Note [dK/dV by
-        TMA]). With persistent CTAs (Note [persistent CTAs] in bwd_tiles.py) the warpgroups
-        tell the load warp that K and V are free (``mbar_kv + 1``) right after the first
-        ``EPILOGUE`` barrier, stage dK, take the dQ tile back from the dq-store warp
-        (``DQ_EMPTY``, then ``EPILOGUE`` so that both halves are free) before they stage dV,
-        and once the stores have read SMEM (a last ``EPILOGUE``) hand the dQ tile back
-        (``DQ_FULL``); the dS buffers need no hand-off."""
-        persistent = self.cfg.persistent_ctas > 0
-        sK_out, sV_out = staging
-        rdK, rdV = self._in_dtype(acc_dK), self._in_dtype(acc_dV)
-        # every dQ GEMM (reads K) and S/dP GEMM (K, V) of both warpgroups has retired
-        cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.EPILOGUE),
-                          number_of_threads=self.num_mma_threads)
-        if const_expr(persistent):
-            if tidx == 0:  # K/V empty: the next tile's K and V may load
-                cute.arch.mbarrier_arrive(mbar_kv + 1)
-        stmatrix_to_smem(mma_dk, self.dtype, tidx, rdK, sK_out)
-        if const_expr(persistent):  # the dq-store warp's last reduce of the tile has read sdQ
-            self._dq_handoff_barrier(Sm90BwdBarrier.DQ_EMPTY_WG0, tidx, wait=True)
-            cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.EPILOGUE),
-                              number_of_threads=self.num_mma_threads)
-        stmatrix_to_smem(mma_dv, self.dtype, tidx, rdV, sV_out)
-        cute.arch.fence_view_async_shared()
-        cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.EPILOGUE),
-                          number_of_threads=self.num_mma_threads)
-        if tidx // WARP_SIZE == 0:
-            one = cute.make_layout(1)
-            for tma, m_out, s_tile, cols in ((tma_dK, tma_mdK, sK_out, self.hdim),
-                                             (tma_dV, tma_mdV, sV_out, self.hdimv)):
-                g_tile = cute.local_tile(m_out[None, None, head, batch], (self.tile_n, cols),
-                                         (n_block, 0))
-                t_s, t_g = cpasync.tma_partition(tma, 0, one, cute.group_modes(s_tile, 0, 2),
-                                                 cute.group_modes(g_tile, 0, 2))
-                cute.copy(tma, t_s, t_g)
+            cute.arch.sync_warp()
+            if const_expr(first_store):
+                first = turn == 0
+        for part in cutlass.range_constexpr(parts):
+            cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.DQ_FULL_WG0) + part,
+                              number_of_threads=handoff)
+            if const_expr(first_store and not det and part == 0):
+                first = _claim_dq_block(sem_ptr, lane)
+            src, out = sdQ.iterator + part * part_elems, dst + part * part_elems
+            nbytes = (part_elems * (Float32.width // 8)) >> int(probe == "half")
+            with cute.arch.elect_one():
+                if first:
+                    if const_expr(probe != "none"):
+                        prims.cp_async_bulk_global_shared_cta(out, src, nbytes)
+                else:
+                    if const_expr(probe == "copy"):
+                        prims.cp_async_bulk_global_shared_cta(out, src, nbytes)
+                    elif const_expr(probe != "none"):
+                        prims.cp_reduce_async_bulk_global_shared_cta(
+                            out, src, nbytes, op=prims.CpReduceOp.ADD,
+                            type=prims.CpReduceType.F32)
             cute.arch.cp_async_bulk_commit_group()
-            cute.arch.cp_async_bulk_wait_group(0, read=True)  # SMEM is read before the exit
-        if const_expr(persistent):  # ... and before the next tile writes dS and dQ there
-            cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.EPILOGUE),
-                              number_of_threads=self.num_mma_threads)
-            self._dq_handoff_barrier(Sm90BwdBarrier.DQ_FULL_WG0, tidx, wait=False)
+        if const_expr(det):
+            _release_dq_block(sem_ptr, lane)  # the next turn
+        elif const_expr(first_store):
+            if first:
+                _release_dq_block(sem_ptr, lane)  # state 1 -> 2: stored
+    if const_expr(cfg.persistent_ctas):  # lend the tile once the reduces have read it
+        cute.arch.cp_async_bulk_wait_group(0, read=True)
+        for part in cutlass.range_constexpr(parts):
+            cute.arch.barrier_arrive(barrier_id=int(Sm90BwdBarrier.DQ_EMPTY_WG0) + part,
+                                     number_of_threads=handoff)
+    if const_expr(cfg.early_dq_post):  # waits until the reduces have written
+        _release_dq_block(finished_ctas_count(cfg, mdQsem, batch, head), lane)
+    if const_expr(cfg.persistent_ctas):  # ... and take it back from the epilogue
+        for part in cutlass.range_constexpr(parts):
+            cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.DQ_FULL_WG0) + part,
+                              number_of_threads=handoff)
+    return ()  # no states to carry (``walk``)
 
-    @cute.jit
-    def _in_dtype(self, acc):
-        """An accumulator converted to the input dtype (a new register fragment)."""
-        out = cute.make_fragment_like(acc, self.dtype)
-        out.store(acc.load().to(self.dtype))
-        return out
 
-    @cute.jit
-    def _store_dkdv(self, mma_dk, mma_dv, acc_dK, acc_dV, mdK, mdV, tidx, n_block, head, batch,
-                    group, seqlen_k):
-        """dK (scaled by the caller) and dV of this key block to global memory.
+def _n_block_first(cfg, prob, m_block: Int32):
+    """The first key block that adds into query block ``m_block`` (semaphore base)."""
+    return first_n_block(cfg, m_block, prob.seqlen_q, prob.seqlen_k, cutlass.max, prob.band)
 
-        MHA: converted to the input dtype and stored into (batch, seqlen_k, heads, hdim), rows
-        past seqlen_k skipped. GQA ``buffers``: float32 stores into this query head's slice of
-        (batch, heads, seqlen_k_pad, hdim). GQA ``atomic``: float32 ``red.add`` into the KV
-        head's slice of (batch, heads_kv, seqlen_k_pad, hdim)."""
-        gqa = self.cfg.uses_gqa_buffers
-        atomic = gqa and self.cfg.gqa_reduce == "atomic"
-        for mma, acc, mOut, cols in ((mma_dk, acc_dK, mdK, self.hdim),
-                                     (mma_dv, acc_dV, mdV, self.hdimv)):
-            thr = mma.get_slice(tidx)
-            if const_expr(not gqa):
-                g_out = mOut[batch, None, head, None]
-            elif const_expr(atomic):
-                g_out = mOut[batch, head // group, None, None]
-            else:
-                g_out = mOut[batch, head, None, None]
-            t_g = thr.partition_C(cute.local_tile(g_out, (self.tile_n, cols), (n_block, 0)))
-            if const_expr(not gqa):
-                t_c = thr.partition_C(cute.make_identity_tensor((self.tile_n, cols)))
-                regs = self._in_dtype(acc)
-                for i in cutlass.range_constexpr(cute.size(acc)):
-                    if n_block * self.tile_n + t_c[i][0] < seqlen_k:
-                        t_g[i] = regs[i]
-            elif const_expr(atomic):
-                for i in cutlass.range_constexpr(cute.size(acc)):
-                    cute.arch.red(t_g.iterator + cute.crd2idx(i, t_g.layout), acc[i],
-                                  op="add", dtype="f32", sem="relaxed", scope="gpu")
-            else:
-                for i in cutlass.range_constexpr(cute.size(acc)):
-                    t_g[i] = acc[i]
+
+@cute.jit
+def _claim_dq_block(sem_ptr, lane):
+    """Note [dQ first store], non-deterministic: whether this CTA is the first at the
+    block (it swapped state 0 for 1); a later one returns once the first store is out
+    (state 2). Lane 0 does the atomics; the answer is the warp's."""
+    state = Int32(0)
+    if lane == 0:
+        state = cute.arch.atomic_cas(sem_ptr, cmp=Int32(0), val=Int32(1), sem="acquire",
+                                     scope="gpu")
+        if state != 0:
+            while state != 2:
+                state = cute.arch.load(sem_ptr, Int32, sem="acquire", scope="gpu")
+    return cute.arch.shuffle_sync(state, 0) == 0
+
+
+@cute.jit
+def _release_dq_block(sem_ptr, lane):
+    """Once this CTA's bulk copies of the block have completed (written, not only read),
+    add 1 to the block's semaphore with release semantics: the next deterministic turn,
+    or Note [dQ first store]'s state 1 -> 2; or, after the last block, to the count of
+    finished CTAs (Note [dQ postprocess in the tail])."""
+    cute.arch.cp_async_bulk_wait_group(0, read=False)
+    cute.arch.fence_acq_rel_gpu()
+    if lane == 0:
+        cute.arch.red(sem_ptr, Int32(1), op="add", dtype="s32", sem="release", scope="gpu")
+
+
+# ---- the MMA warpgroups' side: dQ per query block, dK / dV per tile ----------------------
+
+@cute.jit
+def stage_dq(cfg, acc_dQ, sdQ, tidx):
+    """"bulk" dQ, MMA side of Note [dQ SMEM handoff]: the tile (unscaled) into SMEM in
+    fragment order (dq_groups STS.128 per thread)."""
+    _dq_handoff_barrier(cfg, Sm90BwdBarrier.DQ_EMPTY_WG0, tidx, wait=True)
+    smem = assume_aligned(sdQ.iterator)
+    cute.autovec_copy(dq_registers(cfg, acc_dQ), dq_fragment_view(cfg, smem, tidx))
+    cute.arch.fence_view_async_shared()
+    _dq_handoff_barrier(cfg, Sm90BwdBarrier.DQ_FULL_WG0, tidx, wait=False)
+
+
+@cute.jit
+def store_dq(cfg, prob, gmem, acc_dQ, tidx, tile, m_block):
+    """"red" dQ: add this CTA's dQ tile of query block ``m_block`` (unscaled) into the
+    float32 accumulator, in fragment order (Note [dQ in fragment order]); deterministic, in
+    the block's semaphore's turn."""
+    n_block, head, batch = tile.n_block, tile.head, tile.batch
+    mdQsem = gmem.mdQsem
+    gdQ = dq_fragment_view(cfg, gmem.mdQacc[batch, head, m_block, None].iterator, tidx)
+    rdQ = dq_registers(cfg, acc_dQ)
+    if const_expr(cfg.deterministic):
+        sem = mdQsem[batch, head, None]
+        sem_ptr = sem.iterator + m_block
+        turn = n_block - _n_block_first(cfg, prob, m_block)
+        if tidx == 0:
+            seen = cute.arch.load(sem_ptr, Int32, sem="acquire", scope="gpu")
+            while seen != turn:
+                seen = cute.arch.load(sem_ptr, Int32, sem="acquire", scope="gpu")
+        cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.DQ_TURN),
+                          number_of_threads=cfg.num_mma_threads)
+    for i in cutlass.range_constexpr(cfg.dq_groups):  # one red.v4.f32 per group
+        cute.arch.red(gdQ[None, i].iterator, rdQ[None, i].load().ir_value(), op="add",
+                      dtype="f32", sem="relaxed", scope="gpu")
+    if const_expr(cfg.deterministic):
+        cute.arch.fence_acq_rel_gpu()
+        cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.DQ_DONE),
+                          number_of_threads=cfg.num_mma_threads)
+        if tidx == 0:
+            cute.arch.red(mdQsem[batch, head, None].iterator + m_block, Int32(1), op="add",
+                          dtype="s32", sem="release", scope="gpu")
+
+
+@cute.jit
+def store_dkdv_tma(cfg, mmas, out, mbar_kv, acc_dK, acc_dV, tile):
+    """MHA dK (scaled by the caller) and dV -> SMEM (``out.staging``: K's and V's buffers,
+    or with persistent CTAs the dS buffers and the dQ tile) -> GMEM by TMA (Note [dK/dV by
+    TMA]). With persistent CTAs (Note [persistent CTAs] in bwd_tiles.py) the warpgroups
+    tell the load warp that K and V are free (K/V empty, ``mbar_kv + 1``) right after the
+    first ``EPILOGUE`` barrier, stage dK, take the dQ tile back from the dq-store warp
+    (``DQ_EMPTY``, then ``EPILOGUE`` so that both halves are free) before they stage dV,
+    and once the stores have read SMEM (a last ``EPILOGUE``) hand the dQ tile back
+    (``DQ_FULL``); the dS buffers need no hand-off."""
+    n_block, head, batch = tile.n_block, tile.head, tile.batch
+    tidx, dtype = mmas.tidx, cutlass_dtype(cfg.dtype)
+    persistent = cfg.persistent_ctas > 0
+    sK_out, sV_out = out.staging
+    rdK, rdV = _in_dtype(acc_dK, dtype), _in_dtype(acc_dV, dtype)
+    # every dQ GEMM (reads K) and S/dP GEMM (K, V) of both warpgroups has retired
+    cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.EPILOGUE),
+                      number_of_threads=cfg.num_mma_threads)
+    if const_expr(persistent):
+        if tidx == 0:  # K/V empty: the next tile's K and V may load
+            cute.arch.mbarrier_arrive(mbar_kv + 1)
+    stmatrix_to_smem(mmas.dk, dtype, tidx, rdK, sK_out)
+    if const_expr(persistent):  # the dq-store warp's last reduce of the tile has read sdQ
+        _dq_handoff_barrier(cfg, Sm90BwdBarrier.DQ_EMPTY_WG0, tidx, wait=True)
+        cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.EPILOGUE),
+                          number_of_threads=cfg.num_mma_threads)
+    stmatrix_to_smem(mmas.dv, dtype, tidx, rdV, sV_out)
+    cute.arch.fence_view_async_shared()
+    cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.EPILOGUE),
+                      number_of_threads=cfg.num_mma_threads)
+    if tidx // WARP_SIZE == 0:
+        one = cute.make_layout(1)
+        for tma, m_out, s_tile, cols in ((out.tma_dk, out.tma_mdk, sK_out, cfg.head_dim),
+                                         (out.tma_dv, out.tma_mdv, sV_out, cfg.head_dim_v)):
+            g_tile = cute.local_tile(m_out[None, None, head, batch], (cfg.tile_n, cols),
+                                     (n_block, 0))
+            t_s, t_g = cpasync.tma_partition(tma, 0, one, cute.group_modes(s_tile, 0, 2),
+                                             cute.group_modes(g_tile, 0, 2))
+            cute.copy(tma, t_s, t_g)
+        cute.arch.cp_async_bulk_commit_group()
+        cute.arch.cp_async_bulk_wait_group(0, read=True)  # SMEM is read before the exit
+    if const_expr(persistent):  # ... and before the next tile writes dS and dQ there
+        cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.EPILOGUE),
+                          number_of_threads=cfg.num_mma_threads)
+        _dq_handoff_barrier(cfg, Sm90BwdBarrier.DQ_FULL_WG0, tidx, wait=False)
+
+
+@cute.jit
+def _in_dtype(acc, dtype):
+    """An accumulator converted to ``dtype`` (a new register fragment)."""
+    out = cute.make_fragment_like(acc, dtype)
+    out.store(acc.load().to(dtype))
+    return out
+
+
+@cute.jit
+def store_dkdv(cfg, prob, gmem, mmas, acc_dK, acc_dV, tile):
+    """dK (scaled by the caller) and dV of this key block to global memory.
+
+    MHA: converted to the input dtype and stored into (batch, seqlen_k, heads, hdim), rows
+    past seqlen_k skipped. GQA ``buffers``: float32 stores into this query head's slice of
+    (batch, heads, seqlen_k_pad, hdim). GQA ``atomic``: float32 ``red.add`` into the KV
+    head's slice of (batch, heads_kv, seqlen_k_pad, hdim)."""
+    n_block, head, batch = tile.n_block, tile.head, tile.batch
+    gqa = cfg.uses_gqa_buffers
+    atomic = gqa and cfg.gqa_reduce == "atomic"
+    for mma, acc, mOut, cols in ((mmas.dk, acc_dK, gmem.mdK, cfg.head_dim),
+                                 (mmas.dv, acc_dV, gmem.mdV, cfg.head_dim_v)):
+        thr = mma.get_slice(mmas.tidx)
+        if const_expr(not gqa):
+            g_out = mOut[batch, None, head, None]
+        elif const_expr(atomic):
+            g_out = mOut[batch, head // prob.group, None, None]
+        else:
+            g_out = mOut[batch, head, None, None]
+        t_g = thr.partition_C(cute.local_tile(g_out, (cfg.tile_n, cols), (n_block, 0)))
+        if const_expr(not gqa):
+            t_c = thr.partition_C(cute.make_identity_tensor((cfg.tile_n, cols)))
+            regs = _in_dtype(acc, cutlass_dtype(cfg.dtype))
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                if n_block * cfg.tile_n + t_c[i][0] < prob.seqlen_k:
+                    t_g[i] = regs[i]
+        elif const_expr(atomic):
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                cute.arch.red(t_g.iterator + cute.crd2idx(i, t_g.layout), acc[i],
+                              op="add", dtype="f32", sem="relaxed", scope="gpu")
+        else:
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                t_g[i] = acc[i]

@@ -1,12 +1,12 @@
 """Which tiles the SM90 backward's CTAs take, in what order, and which query blocks each
-tile's sweep visits (a mixin of ``Sm90FlashBackward``, and the plain functions behind it).
+tile's sweep visits: plain functions, and the traced ones every role of the kernel walks with.
 
 A tile is one key block ``n_block`` (``tile_n`` keys) of one (batch, query head) pair: its
 CTA keeps K and V of those keys and accumulates their dK and dV over the query blocks that
-see them (``m_block_range``). One CTA runs one tile (``_cta_tile``: the grid's order, the
+see them (``m_block_range``). One CTA runs one tile (``cta_tile``: the grid's order, the
 tail renumbered longest first), or with persistent CTAs each CTA walks several
-(``TileWalk``, ``_tile_at``); every role walks through ``_walk``. The sweep over a tile's
-query blocks may start part-way and wrap (``_m_block_at``). The plain functions take Python
+(``TileWalk``, ``_tile_at``); every role walks through ``walk``. The sweep over a tile's
+query blocks may start part-way and wrap (``m_block_at``). The plain functions take Python
 or DSL integers: the kernel traces them, the tests and ``schedule_model`` call them.
 
 Note [longest first] (``longest_first``): a CTA owns one key block of one (batch, head) pair
@@ -53,7 +53,7 @@ pipeline states from tile to tile, and between tiles:
   second-to-last block has freed, then waits on K/V empty (``mbar_kv + 1``) and loads K, V;
 - the MMA warpgroups' epilogue stages dK in the dS buffers and dV in the SMEM dQ tile
   instead of K's and V's buffers (bwd_kernel.py ``_epilogue_staging``, bwd_store.py
-  ``_store_dkdv_tma``; ``validate`` checks they fit), so
+  ``store_dkdv_tma``; ``validate`` checks they fit), so
   that K/V empty is signalled as soon as the tile's GEMMs have retired, and the next K, V
   load while dK and dV are converted, staged and stored. The dS buffers are free once both
   warpgroups have passed the first epilogue barrier; the dQ tile is borrowed from the
@@ -65,7 +65,7 @@ Under ``qdo_multicast`` (clusters of 2: 4 do not all fit at once) the grid and
 ``persistent_ctas`` are whole clusters and so is every pair's key-block count (``sm90_bwd``
 checks it), so the two CTAs of a cluster always hold neighbouring key blocks of one pair and
 walk the same number of tiles in step: the Q/dO stages' multicast protocol (Note [Q/dO
-multicast] in bwd_kernel.py) continues across tiles, as the forward's Note [Persistent
+multicast] in bwd_load.py) continues across tiles, as the forward's Note [Persistent
 multicast] in fwd_kernel.py does. The order is static, so it balances only tiles of equal
 length: no mask or window, unless the tiles are fetched (Note [dynamic tiles]). The
 preprocess runs ahead (``pre_ctas=0``): its CTAs beside the main kernel would hold SMs that
@@ -122,7 +122,6 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, const_expr
 
-from fa_sm100.bands import traced_bounds
 from fa_sm100.hopper import probes
 from fa_sm100.hopper.bwd_config import TILE_SLOTS, BwdConfig, band_bounds
 
@@ -189,7 +188,7 @@ def longest_first_tail_pairs(cfg: BwdConfig, num_n_blocks, num_pairs, imin=min, 
 
 def longest_first_cluster_cta(linear, num_n_blocks, num_pairs, tail_pairs, ctas, pick=_choose):
     """``longest_first_cta`` for clusters of ``ctas`` neighbouring key blocks (Note [Q/dO
-    multicast] in bwd_kernel.py): the cluster launched ``linear // ctas``-th is renumbered as
+    multicast] in bwd_load.py): the cluster launched ``linear // ctas``-th is renumbered as
     one CTA of a grid of ``num_n_blocks // ctas`` columns, and the CTA keeps its rank in it,
     so that a cluster still holds key blocks ``ctas c .. ctas c + ctas - 1`` of one pair.
     ``ctas`` is a Python integer (1: ``longest_first_cta`` itself)."""
@@ -225,30 +224,33 @@ def _select(cond, a, b) -> Int32:
 class BwdTile:
     """One tile of the main kernel: key block ``n_block`` of (``batch``, ``head``), the query
     blocks [``m_block_min``, ``m_block_max``) it visits from step ``m_offset`` on (Note
-    [staggered query blocks]), and ``m_block_first``, the first one its load warp loads (Note
-    [Q/dO multicast] in bwd_kernel.py). A plain holder of DSL integers (the DSL would carry a dataclass
-    through run-time loops as run-time values)."""
+    [staggered query blocks]), ``m_block_first``, the first one its load warp loads (Note
+    [Q/dO multicast] in bwd_load.py), and ``k``, which of the CTA's tiles it is (0 without
+    persistent CTAs; the phase of K/V's barriers). A plain holder of DSL integers (the DSL
+    would carry a dataclass through run-time loops as run-time values)."""
 
-    def __init__(self, n_block, head, batch, m_block_first, m_block_min, m_block_max, m_offset):
+    def __init__(self, n_block, head, batch, m_block_first, m_block_min, m_block_max, m_offset,
+                 k=0):
         self.n_block, self.head, self.batch = n_block, head, batch
         self.m_block_first, self.m_block_min, self.m_block_max = (m_block_first, m_block_min,
                                                                   m_block_max)
-        self.m_offset = m_offset
+        self.m_offset, self.k = m_offset, k
 
 
 class TileWalk:
     """A persistent CTA's tiles (Note [persistent CTAs]): ``first``, ``first + stride``, ...
     below ``num_n_blocks * num_pairs``, numbered as the one-CTA-per-tile grid is (key block
-    fastest, then head, then batch); with ``dynamic_tiles`` ``first``, then the indices its
-    load warp fetches (Note [dynamic tiles]: ``counter``, the tile counter in GMEM; ``slots``,
-    the SMEM tensor of TILE_SLOTS indices; ``handoff``, their full then empty mbarriers;
-    ``tail_pairs`` of Note [longest first]). A plain holder, like ``BwdTile``."""
+    fastest, then head, then batch), each with the query blocks ``prob``'s lengths and band
+    give it; with ``dynamic_tiles`` ``first``, then the indices its load warp fetches (Note
+    [dynamic tiles]: ``counter``, the tile counter in GMEM; ``slots``, the SMEM tensor of
+    TILE_SLOTS indices; ``handoff``, their full then empty mbarriers; ``tail_pairs`` of Note
+    [longest first]). A plain holder, like ``BwdTile``."""
 
-    def __init__(self, first, stride, num_pairs, num_heads, seqlen_q, seqlen_k, num_n_blocks):
+    def __init__(self, first, stride, num_pairs, num_heads, num_n_blocks, prob):
         self.first, self.stride = first, stride
         self.count = num_n_blocks * num_pairs
         self.num_pairs, self.num_heads, self.num_n_blocks = num_pairs, num_heads, num_n_blocks
-        self.seqlen_q, self.seqlen_k = seqlen_q, seqlen_k
+        self.prob = prob
         self.tail_pairs = self.counter = self.slots = self.handoff = None
 
     def fetch_from(self, tail_pairs, counter, slots, handoff):
@@ -258,164 +260,159 @@ class TileWalk:
                                                                    handoff)
 
 
-class BwdTileRole:
-    """Mixin of ``Sm90FlashBackward``: the grid, the tiles a CTA takes and the query blocks of
-    a tile's sweep.
+# ---- the kernel's side: traced with DSL integers ------------------------------------------
 
-    Uses the kernel's ``cfg``.
-    """
+def grid(cfg: BwdConfig, num_n_blocks, num_heads, num_batch):
+    """One CTA per tile (key block, head, batch); with ``persistent_ctas`` at most that
+    many CTAs in one row, each walking the tiles (Note [persistent CTAs]; every pair's
+    key blocks are whole clusters, and so is ``persistent_ctas``)."""
+    if const_expr(cfg.persistent_ctas):
+        tiles = num_n_blocks * num_heads * num_batch
+        return [cutlass.min(tiles, cfg.persistent_ctas), 1, 1]
+    return [num_n_blocks, num_heads, num_batch]
 
-    def _grid(self, num_n_blocks, num_heads, num_batch):
-        """One CTA per tile (key block, head, batch); with ``persistent_ctas`` at most that
-        many CTAs in one row, each walking the tiles (Note [persistent CTAs]; every pair's
-        key blocks are whole clusters, and so is ``persistent_ctas``)."""
-        if const_expr(self.cfg.persistent_ctas):
-            tiles = num_n_blocks * num_heads * num_batch
-            return [cutlass.min(tiles, self.cfg.persistent_ctas), 1, 1]
-        return [num_n_blocks, num_heads, num_batch]
 
-    def _cta_tile(self, qdo_ctas, tail_pairs, seqlen_q: Int32, seqlen_k: Int32):
-        """This CTA's one tile, from its block index (Note [longest first] renumbers it)."""
-        n_block, head, batch = cute.arch.block_idx()
-        if const_expr(self.cfg.longest_first):  # Note [longest first], by whole clusters
-            num_n_blocks, num_heads, num_batch = cute.arch.grid_dim()
-            n_block, pair = longest_first_cluster_cta(
-                n_block + num_n_blocks * (head + num_heads * batch), num_n_blocks,
-                num_heads * num_batch, tail_pairs, qdo_ctas, _select)
-            batch = pair // num_heads
-            head = pair - batch * num_heads
-        m_block_min, m_block_max = self._m_block_range(n_block, seqlen_q, seqlen_k)
-        if const_expr(self.cfg.varlen):  # Note [Varlen backward]: a key block past its
-            # sequence's keys visits no query block (the grid covers the longest sequence)
-            m_block_max = _select(n_block * self.cfg.tile_n < seqlen_k, m_block_max, m_block_min)
-        # The first query block this CTA loads and waits for: its own first, or under a causal
-        # qdo_multicast the cluster's (its rank-0 key block's; Note [Q/dO multicast] in
-        # bwd_kernel.py)
-        m_block_first = m_block_min
-        if const_expr(self.cfg.qdo_multicast and self.cfg.causal):
-            rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
-            m_block_first, _ = self._m_block_range(n_block - rank, seqlen_q, seqlen_k)
+def traced_m_block_range(cfg: BwdConfig, n_block: Int32, prob):
+    """Query blocks [min, max) key block ``n_block`` visits (``m_block_range`` with the
+    run-time lengths and band of ``prob``, a ``BwdProblem``)."""
+    return m_block_range(cfg, n_block, prob.seqlen_q, prob.seqlen_k, cutlass.max, cutlass.min,
+                         prob.band)
 
-        # Note [staggered query blocks]: where this CTA's sweep starts (0 without)
-        m_offset = stagger_offset(self.cfg, n_block, cute.arch.grid_dim()[0], m_block_min,
-                                  m_block_max)
-        return BwdTile(n_block, head, batch, m_block_first, m_block_min, m_block_max, m_offset)
 
-    def _tile_at(self, t: Int32, work):
-        """Tile ``t`` of a persistent CTA's walk (Note [persistent CTAs]): key block
-        ``t % num_n_blocks`` of (batch, head) pair ``t // num_n_blocks``, the grid's order;
-        with ``longest_first`` (dynamic tiles only) the tail renumbered as one CTA per tile's
-        is (Note [longest first])."""
-        if const_expr(self.cfg.longest_first):
-            n_block, pair = longest_first_cta(t, work.num_n_blocks, work.num_pairs,
-                                              work.tail_pairs, _select)
-        else:
-            n_block = t % work.num_n_blocks
-            pair = t // work.num_n_blocks
-        batch = pair // work.num_heads
-        head = pair - batch * work.num_heads
-        m_block_min, m_block_max = self._m_block_range(n_block, work.seqlen_q, work.seqlen_k)
-        m_offset = stagger_offset(self.cfg, n_block, work.num_n_blocks, m_block_min, m_block_max)
-        return BwdTile(n_block, head, batch, m_block_min, m_block_min, m_block_max, m_offset)
+def cta_tile(cfg: BwdConfig, prob, qdo_ctas, tail_pairs):
+    """This CTA's one tile, from its block index (Note [longest first] renumbers it)."""
+    n_block, head, batch = cute.arch.block_idx()
+    if const_expr(cfg.longest_first):  # Note [longest first], by whole clusters
+        num_n_blocks, num_heads, num_batch = cute.arch.grid_dim()
+        n_block, pair = longest_first_cluster_cta(
+            n_block + num_n_blocks * (head + num_heads * batch), num_n_blocks,
+            num_heads * num_batch, tail_pairs, qdo_ctas, _select)
+        batch = pair // num_heads
+        head = pair - batch * num_heads
+    m_block_min, m_block_max = traced_m_block_range(cfg, n_block, prob)
+    if const_expr(cfg.varlen):  # Note [Varlen backward]: a key block past its
+        # sequence's keys visits no query block (the grid covers the longest sequence)
+        m_block_max = _select(n_block * cfg.tile_n < prob.seqlen_k, m_block_max, m_block_min)
+    # The first query block this CTA loads and waits for: its own first, or under a causal
+    # qdo_multicast the cluster's (its rank-0 key block's; Note [Q/dO multicast] in
+    # bwd_load.py)
+    m_block_first = m_block_min
+    if const_expr(cfg.qdo_multicast and cfg.causal):
+        rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        m_block_first, _ = traced_m_block_range(cfg, n_block - rank, prob)
 
-    def _band(self, window):
-        """(left, right) of the mask and the tile ranges, as every role reads them
-        (``bands.traced_bounds``)."""
-        return traced_bounds(self.cfg, window)
+    # Note [staggered query blocks]: where this CTA's sweep starts (0 without)
+    m_offset = stagger_offset(cfg, n_block, cute.arch.grid_dim()[0], m_block_min, m_block_max)
+    return BwdTile(n_block, head, batch, m_block_first, m_block_min, m_block_max, m_offset)
 
-    def _m_block_range(self, n_block: Int32, seqlen_q: Int32, seqlen_k: Int32):
-        """Query blocks [min, max) this CTA visits (``m_block_range``)."""
-        return m_block_range(self.cfg, n_block, seqlen_q, seqlen_k, cutlass.max, cutlass.min,
-                             self.band)
 
-    def _m_block_at(self, step: Int32, m_offset: Int32, m_block_min: Int32, m_block_max: Int32):
-        """The query block of sweep step ``step``: ``step`` itself, or with ``stagger_m`` the
-        staggered sweep's (Note [staggered query blocks])."""
-        if const_expr(probes.active("sweep") == "twice"):  # Note [cost probes]: two sweeps
-            step = _select(step >= m_block_max, step - (m_block_max - m_block_min), step)
-        if const_expr(not self.cfg.stagger_m):
-            return step
-        return staggered_m_block(step, m_offset, m_block_min, m_block_max, _select)
+def _tile_at(cfg: BwdConfig, t: Int32, work: TileWalk, k: Int32):
+    """Tile ``t`` of a persistent CTA's walk (Note [persistent CTAs]), its ``k``-th: key block
+    ``t % num_n_blocks`` of (batch, head) pair ``t // num_n_blocks``, the grid's order; with
+    ``longest_first`` (dynamic tiles only) the tail renumbered as one CTA per tile's is (Note
+    [longest first])."""
+    if const_expr(cfg.longest_first):
+        n_block, pair = longest_first_cta(t, work.num_n_blocks, work.num_pairs,
+                                          work.tail_pairs, _select)
+    else:
+        n_block = t % work.num_n_blocks
+        pair = t // work.num_n_blocks
+    batch = pair // work.num_heads
+    head = pair - batch * work.num_heads
+    m_block_min, m_block_max = traced_m_block_range(cfg, n_block, work.prob)
+    m_offset = stagger_offset(cfg, n_block, work.num_n_blocks, m_block_min, m_block_max)
+    return BwdTile(n_block, head, batch, m_block_min, m_block_min, m_block_max, m_offset, k)
 
-    def _sweep_end(self, m_block_min: Int32, m_block_max: Int32):
-        """Where the sweep's steps end: ``m_block_max``; under the ``sweep=twice`` cost probe
-        (Note [cost probes] in probes.py) one sweep later (``_m_block_at`` folds the second onto the
-        first)."""
-        if const_expr(probes.active("sweep") == "twice"):
-            return m_block_max + (m_block_max - m_block_min)
-        return m_block_max
 
-    def _n_block_first(self, m_block: Int32, seqlen_q: Int32, seqlen_k: Int32):
-        """The first key block that adds into query block ``m_block`` (semaphore base)."""
-        return first_n_block(self.cfg, m_block, seqlen_q, seqlen_k, cutlass.max, self.band)
+def m_block_at(cfg: BwdConfig, step: Int32, m_offset: Int32, m_block_min: Int32,
+               m_block_max: Int32):
+    """The query block of sweep step ``step``: ``step`` itself, or with ``stagger_m`` the
+    staggered sweep's (Note [staggered query blocks])."""
+    if const_expr(probes.active("sweep") == "twice"):  # Note [cost probes]: two sweeps
+        step = _select(step >= m_block_max, step - (m_block_max - m_block_min), step)
+    if const_expr(not cfg.stagger_m):
+        return step
+    return staggered_m_block(step, m_offset, m_block_min, m_block_max, _select)
 
-    @cute.jit
-    def _walk(self, work, tile_body, args, states, fetches: cutlass.Constexpr = False):
-        """``states = tile_body(*args, tile, k, *states)`` for this CTA's tile (``work``: a
-        ``BwdTile``; k = 0), or with persistent CTAs for each tile of its walk (``work``: a
-        ``TileWalk``; k = 0, 1, ...), ``states`` (a role's pipeline states, or none) carried
-        from one tile to the next (Note [persistent CTAs]). Every role walks this way; with
-        ``dynamic_tiles`` the load warp (``fetches``) fetches each next tile and the others
-        wait for it (``_next_tile``, Note [dynamic tiles]). Returns the states after the last
-        tile."""
-        if const_expr(self.cfg.dynamic_tiles):
-            t = work.first
-            k = Int32(0)
-            while t < work.count:
-                states = tile_body(*args, self._tile_at(t, work), k, *states)
-                t = self._next_tile(work, k, fetches)
-                k += 1
-        elif const_expr(self.cfg.persistent_ctas):
-            k = Int32(0)
-            for t in cutlass.range(work.first, work.count, work.stride, unroll=1):
-                states = tile_body(*args, self._tile_at(t, work), k, *states)
-                k += 1
-        else:
-            states = tile_body(*args, work, 0, *states)
-        return states
 
-    def _init_tile_handoff(self, handoff):
-        """Initialize the tile handoff's mbarriers (Note [dynamic tiles]): TILE_SLOTS full
-        ones, which the load warp's lane 0 arrives on, then TILE_SLOTS empty ones, which lane 0
-        of each MMA warp and of the dq-store warp arrives on. One thread; the kernel fences
-        and syncs after it."""
-        readers = self.num_mma_threads // cute.arch.WARP_SIZE + 1
-        for i in range(TILE_SLOTS):  # traced inline
-            cute.arch.mbarrier_init(handoff + i, 1)
-            cute.arch.mbarrier_init(handoff + TILE_SLOTS + i, readers)
+def sweep_end(m_block_min: Int32, m_block_max: Int32):
+    """Where the sweep's steps end: ``m_block_max``; under the ``sweep=twice`` cost probe
+    (Note [cost probes] in probes.py) one sweep later (``m_block_at`` folds the second onto
+    the first)."""
+    if const_expr(probes.active("sweep") == "twice"):
+        return m_block_max + (m_block_max - m_block_min)
+    return m_block_max
 
-    @cute.jit
-    def _next_tile(self, work, k: Int32, fetches: cutlass.Constexpr):
-        """The index of the tile after this CTA's ``k``-th (Note [dynamic tiles]); at least
-        ``work.count`` when there is none. The load warp (``fetches``; after its first tile's
-        wait for the preprocess, which zeroed the counter): lane 0 adds one to the tile counter
-        (the CTAs' first tiles are the grid's, so the count before it plus the grid is the
-        index), the warp waits until every other role has read the index this slot held two
-        tiles ago, and lane 0 writes the new one and arrives on the slot's full barrier. The
-        other roles' warps: wait on the full barrier; lane 0 reads and arrives on the empty
-        one and shuffles the index to the warp. One whole warp; slot ``k % TILE_SLOTS``, its
-        ``k // TILE_SLOTS``-th use."""
-        slot = k % TILE_SLOTS
-        use = k // TILE_SLOTS
-        full = work.handoff + slot
-        empty = work.handoff + TILE_SLOTS + slot
-        slots, lane = work.slots, cute.arch.lane_idx()
-        t = Int32(0)
-        if const_expr(fetches):
-            if lane == 0:
-                t = cute.arch.atomic_add(work.counter, Int32(1), sem="relaxed",
-                                         scope="gpu") + work.stride
-            t = cute.arch.shuffle_sync(t, 0)
-            cute.arch.mbarrier_wait(empty, (use + 1) % 2)  # a fresh barrier passes parity 1
-            if lane == 0:
-                slots[slot] = t
-                cute.arch.mbarrier_arrive(full)
-        else:
-            # lane 0 reads the slot and releases it, so its arrive orders the one read of it
-            # (no other lane's read for the arrive to cover); the warp gets the index by shuffle
-            cute.arch.mbarrier_wait(full, use % 2)
-            if lane == 0:
-                t = slots[slot]
-                cute.arch.mbarrier_arrive(empty)
-            t = cute.arch.shuffle_sync(t, 0)
-        return t
+
+@cute.jit
+def walk(cfg: BwdConfig, work, tile_body, args, states, fetches: cutlass.Constexpr = False):
+    """``states = tile_body(*args, tile, *states)`` for this CTA's tile (``work``: a
+    ``BwdTile``), or with persistent CTAs for each tile of its walk (``work``: a
+    ``TileWalk``; the tiles' ``k`` = 0, 1, ...), ``states`` (a role's pipeline states, or
+    none) carried from one tile to the next (Note [persistent CTAs]). Every role walks this
+    way; with ``dynamic_tiles`` the load warp (``fetches``) fetches each next tile and the
+    others wait for it (``_next_tile``, Note [dynamic tiles]). Returns the states after the
+    last tile."""
+    if const_expr(cfg.dynamic_tiles):
+        t = work.first
+        k = Int32(0)
+        while t < work.count:
+            states = tile_body(*args, _tile_at(cfg, t, work, k), *states)
+            t = _next_tile(work, k, fetches)
+            k += 1
+    elif const_expr(cfg.persistent_ctas):
+        k = Int32(0)
+        for t in cutlass.range(work.first, work.count, work.stride, unroll=1):
+            states = tile_body(*args, _tile_at(cfg, t, work, k), *states)
+            k += 1
+    else:
+        states = tile_body(*args, work, *states)
+    return states
+
+
+def init_tile_handoff(cfg: BwdConfig, handoff):
+    """Initialize the tile handoff's mbarriers (Note [dynamic tiles]): TILE_SLOTS full
+    ones, which the load warp's lane 0 arrives on, then TILE_SLOTS empty ones, which lane 0
+    of each MMA warp and of the dq-store warp arrives on. One thread; the kernel fences
+    and syncs after it."""
+    readers = cfg.num_mma_threads // cute.arch.WARP_SIZE + 1
+    for i in range(TILE_SLOTS):  # traced inline
+        cute.arch.mbarrier_init(handoff + i, 1)
+        cute.arch.mbarrier_init(handoff + TILE_SLOTS + i, readers)
+
+
+@cute.jit
+def _next_tile(work, k: Int32, fetches: cutlass.Constexpr):
+    """The index of the tile after this CTA's ``k``-th (Note [dynamic tiles]); at least
+    ``work.count`` when there is none. The load warp (``fetches``; after its first tile's
+    wait for the preprocess, which zeroed the counter): lane 0 adds one to the tile counter
+    (the CTAs' first tiles are the grid's, so the count before it plus the grid is the
+    index), the warp waits until every other role has read the index this slot held two
+    tiles ago, and lane 0 writes the new one and arrives on the slot's full barrier. The
+    other roles' warps: wait on the full barrier; lane 0 reads and arrives on the empty
+    one and shuffles the index to the warp. One whole warp; slot ``k % TILE_SLOTS``, its
+    ``k // TILE_SLOTS``-th use."""
+    slot = k % TILE_SLOTS
+    use = k // TILE_SLOTS
+    full = work.handoff + slot
+    empty = work.handoff + TILE_SLOTS + slot
+    slots, lane = work.slots, cute.arch.lane_idx()
+    t = Int32(0)
+    if const_expr(fetches):
+        if lane == 0:
+            t = cute.arch.atomic_add(work.counter, Int32(1), sem="relaxed",
+                                     scope="gpu") + work.stride
+        t = cute.arch.shuffle_sync(t, 0)
+        cute.arch.mbarrier_wait(empty, (use + 1) % 2)  # a fresh barrier passes parity 1
+        if lane == 0:
+            slots[slot] = t
+            cute.arch.mbarrier_arrive(full)
+    else:
+        # lane 0 reads the slot and releases it, so its arrive orders the one read of it
+        # (no other lane's read for the arrive to cover); the warp gets the index by shuffle
+        cute.arch.mbarrier_wait(full, use % 2)
+        if lane == 0:
+            t = slots[slot]
+            cute.arch.mbarrier_arrive(empty)
+        t = cute.arch.shuffle_sync(t, 0)
+    return t

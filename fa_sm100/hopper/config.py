@@ -7,7 +7,10 @@ consumer warpgroups, the intra-warpgroup overlap of softmax with the next GEMM, 
 ``setmaxnreg`` budgets that move registers from the producer to the consumers.
 
 ``Sm90FwdConfig.validate()`` raises ``ValueError`` naming the violated rule.
-``select_sm90_fwd_config`` picks the defaults for a problem.
+``select_sm90_fwd_config`` picks the defaults for a problem: a lookup over the tuning table
+(``FWD_TUNING`` in fwd_tuning.py, which sits below this module) and ``validate()``. Selection
+reads the problem's shape and the caller's overrides only (no tensor contents, no device query,
+no allocation).
 """
 
 from __future__ import annotations
@@ -28,6 +31,19 @@ from fa_sm100.config import (
     parse_overrides,
 )
 from fa_sm100 import softmax_math
+# the table, and where its rows apply (defined in fwd_tuning.py, imported from here by callers
+# and tests)
+from fa_sm100.hopper.fwd_tuning import (  # noqa: F401
+    FWD_TUNING,
+    MULTICAST_MIN_SEQLEN_K,
+    PERSISTENT_MAX_SEQLEN_K,
+    PINGPONG_MAX_HEAD_DIM,
+    RESCALE_THRESHOLD_MIN_HEAD_DIM_V,
+    SHORT_CAUSAL_SEQLEN_K,
+    TILE_BOUNDARY_MAX_SEQLEN_K,
+    FwdProblem,
+    lookup,
+)
 from layouts.smem import ALIGN, SMEM_BUDGET, align_up
 
 SM90_ARCH = "sm_90a"
@@ -40,6 +56,9 @@ WARPGROUP_THREADS = WARPGROUP_WARPS * WARP_SIZE  # 128
 WGMMA_M = 64  # rows of one warpgroup MMA
 KV_CLUSTER = 2  # CTAs that share each K/V tile under kv_multicast, by default
 KV_CLUSTERS = (2, 4)  # cluster sizes kv_multicast accepts (kv_cluster)
+# Key blocks of a paged kernel (page_size), largest first: one TMA copy loads a block from one
+# page, so a page size must be a multiple of the block; a kernel takes the largest that divides.
+SM90_PAGE_BLOCKS = (128, 64)
 
 
 @dataclass(frozen=True)
@@ -67,6 +86,10 @@ class Sm90FwdConfig:
     # tile's offsets and lengths read from cu_seqlens; always a ``local`` kernel (causal and
     # windows are the run-time band of each sequence)
     varlen: bool = False
+    # a paged K/V cache (varlen only): K and V are rows of pages of this many keys, and key
+    # block n of a sequence is read from the page its page-table row names (Note [Paged K/V]
+    # in fwd_kernel.py); a multiple of n_block. 0: K and V are packed sequences
+    page_size: int = 0
     write_lse: bool = True
     # tiles
     m_block: int = 128
@@ -102,11 +125,8 @@ class Sm90FwdConfig:
     rescale_threshold: float = 0.0
     # a consumer warpgroup whose 64 rows all lie past seqlen_q (the last m block of a head)
     # issues no GEMM and computes no softmax; it only keeps the tile's pipeline and ping-pong
-    # protocol (Note [Empty warpgroups] in fwd_consumer.py). H100, paired over off, hdim 64
-    # (192-row tiles): non-causal +10.1% (1k), +2.0% (2k), +2.8% (4k), +1.1% (8k); causal
-    # +5.2% (2k), +1.6% (4k). select_sm90_fwd_config: on only where the last m block has an
-    # empty warpgroup (the branch around the main loop measured 0.8-2.7% slower at hdim 128
-    # non-causal 4k / 16k, where none is empty).
+    # protocol (Note [Empty warpgroups] in fwd_consumer.py). The defaults turn it off where no
+    # warpgroup is empty (row "empty warpgroups: off where none" of FWD_TUNING).
     skip_empty_wg: bool = True
     # the producer issues a work tile's first K tile before its Q (FlashAttention-4's order)
     k_before_q: bool = False
@@ -115,25 +135,22 @@ class Sm90FwdConfig:
     # fwd_kernel.py). Non-causal, a whole number of clusters of m blocks per head, and one
     # tile per CTA or persistent pairs on the static schedule (Note [Persistent multicast]).
     kv_multicast: bool = False
-    # CTAs per cluster under kv_multicast: each loads 1/kv_cluster of every K / V tile (4
-    # measured 6-8% slower than 2 on the H100: CHANGELOG.md)
+    # CTAs per cluster under kv_multicast: each loads 1/kv_cluster of every K / V tile (4 is
+    # measured slower: CHANGELOG.md, docs/hopper.md's switch table)
     kv_cluster: int = KV_CLUSTER
     # Under kv_multicast with clusters of 2, an odd number of m blocks per head no longer rules
     # multicast out: the even part pairs as before, and the last m blocks of two (batch, head)
     # pairs share a cluster whose CTAs load their own K/V (Note [Odd m blocks] in
-    # fwd_kernel.py). Needs an even number of (batch, head) pairs. select_sm90_fwd_config: on
-    # only for an odd number of m blocks (the consumers' main loop came out 4 instructions
-    # longer per KV tile at hdim 256 with it, though it changes nothing for an even number).
+    # fwd_kernel.py). Needs an even number of (batch, head) pairs. The defaults turn it off
+    # for an even number of m blocks (row "odd m blocks: off for an even count" of FWD_TUNING).
     multicast_odd_m: bool = True
     # Under kv_multicast, the consumers release K/V stages on the cluster's empty barriers
     # through addresses mapped once, not re-derived at every release (Note [Peer release] in
-    # fa_sm100/hopper/common.py): 15 fewer instructions per KV tile at hdim 64; H200, paired
-    # over off, hdim 64 non-causal 16k +0.7%, 8k +0.0%, hdim 128 / 256 within +-0.5%. No
-    # effect without multicast.
+    # fa_sm100/hopper/common.py; its measurement: CHANGELOG.md). No effect without multicast.
     peer_release: bool = True
     # Causal scheduling: (batch, head) pairs are cut into sections whose K and V take at most
-    # this many MiB, so a section's K/V stay in L2 (50 MB on H100/H200) while its tiles run.
-    # 16 measured best of 8/16/24/40 on H200 in 5 of 8 causal cells (docs/hopper.md).
+    # this many MiB, so a section's K/V stay in L2 (50 MB on H100/H200) while its tiles run
+    # (the default's measurement: docs/hopper.md's switch table).
     l2_section_mib: int = 16
     # registers per thread after setmaxnreg
     regs_consumer: int = 240
@@ -301,6 +318,11 @@ class Sm90FwdConfig:
         if self.varlen and not self.local:
             raise ValueError("varlen=True needs local=True (each sequence's causal mask or "
                              "window is its run-time band: Note [Varlen] in fwd_kernel.py)")
+        if self.page_size < 0 or self.page_size and (not self.varlen
+                                                 or self.page_size % self.n_block):
+            raise ValueError(f"page_size={self.page_size}: a paged kernel is a varlen kernel "
+                             f"whose n_block ({self.n_block}) divides the page size (one TMA "
+                             f"copy loads a key block from one page)")
         if self.varlen and self.kv_multicast:
             raise ValueError("varlen=True needs kv_multicast=False (neighbouring m blocks may "
                              "belong to different sequences)")
@@ -341,186 +363,29 @@ class Sm90FwdConfig:
         return self
 
 
-# Register split per consumer count: the producer keeps just enough for address math.
-_REGS = {2: (240, 24), 3: (160, 32)}
-
-
-def default_tile(head_dim: int) -> tuple[int, int]:
-    """(num_consumer_wg, n_block) for a head dim: the largest tiles the registers and SMEM allow.
-    (Short causal problems narrow the tile in ``select_sm90_fwd_config``.)"""
-    if head_dim <= 64:
-        return 3, 128  # 192 x 128: small accumulators leave room for a third consumer
-    if head_dim <= 128:
-        return 2, 128
-    if head_dim <= 192:
-        return 2, 112
-    return 2, 80  # hdim 256: O alone is 128 registers per thread
-
-
-# Persistent CTAs hide each work tile's start (Q and first K load) and end (epilogue) behind
-# the neighbouring tiles; with the dynamic schedule (Note [Dynamic tile schedule] in
-# fwd_kernel.py) they also balance tiles of uneven length or speed like the hardware's CTA
-# dispatch. Their price is the persistent loop's extra descriptor arithmetic (ptxas keeps
-# fewer WGMMA descriptors in uniform registers inside the nested tile loop: 493 instead of 457
-# instructions per KV step at hdim 128). Measured on H100 (bf16, 16k tokens; paired timing,
-# persistent + dynamic over one tile per CTA):
-#   causal, hdim 128: 1.197x (1k), 1.068x (2k), 1.033x (4k), 1.002x (8k), 1.007x (16k);
-#   causal, hdim 64: 1.074x (2k), 1.037x (4k), 1.044x (8k), 1.028x (16k);
-#   non-causal, hdim 128: 1.028x (2k, over static persistent), 1.027x-1.033x (4k), 1.008x
-#     (8k), 1.002x-1.017x (16k);
-#   non-causal, hdim 64: 1.001x (2k, over static persistent), 1.015x-1.016x (4k), 0.998x (8k),
-#     0.988x-0.991x (16k).
-#   hdim 256 (O staged in Q's buffer: its own does not fit): causal 1.042x (1k), 1.029x (2k),
-#     1.013x (4k), 1.010x (8k), 1.005x (16k); non-causal 1.022x (1k), 0.994x (2k), 0.998x-1.003x
-#     (4k-16k).
-# (Every gridDim.x-th tile instead, causal: 0.79x-0.98x; non-causal on H200: 1.005x / 0.995x
-# at 4k / 16k.) So: causal always, 128-row non-causal tiles (hdim 96, 128) always, the others
-# up to PERSISTENT_MAX_SEQLEN_K; with O in its own SMEM buffer where it fits (hdim 128 causal,
-# O in Q's buffer instead: 0.938x at 1k, 0.994x at 4k), else in Q's. hdim 64 non-causal 8k
-# (43 m blocks: no multicast pairs): persistent + dynamic with both tile-boundary
-# switches over one tile per CTA +1.5% / +2.1% / -0.9% (H100, paired, 20 / 12 / 12 rounds;
-# +0.5%), 1.6% fewer cycles under Nsight Compute: a small gain at best. Multicast
-# pairs are persistent too (Note [Persistent multicast], MULTICAST_MIN_SEQLEN_K below).
-PERSISTENT_MAX_SEQLEN_K = {64: 8192, 96: None, 128: None, 192: 2048, 256: 1024}  # None: any
-# Causal problems up to this seqlen_k use 128-row tiles even where 192 is the default.
-SHORT_CAUSAL_SEQLEN_K = 1024
-# Ping-pong (Note [Ping-pong] in fwd_consumer.py) by default up to this head dim: hdim 64's
-# three consumer warpgroups keep it (H100, paired, off: 0.997x-1.000x non-causal 8k / 16k,
-# 0.998x causal 1k). At hdim 128 off measured faster in every cell tried (H100,
-# paired, 12-16 rounds): non-causal +0.7% (1k), +1.4% (2k), +0.7% (4k), +1.3% / +1.7% (8k),
-# +1.8% / +2.2% (16k); causal +2.4% (4k), +2.4% (16k). hdim 96 follows hdim 128 unmeasured;
-# above 128 it was off already (O's registers).
-PINGPONG_MAX_HEAD_DIM = 64
-# Non-causal problems from this seqlen_k on run CTA pairs that multicast K/V (Note [K/V
-# multicast] in fwd_kernel.py), when seqlen_q gives an even number of m blocks. Measured on
-# H100 (bf16, 16k tokens; paired timing, multicast over the previous default): hdim 128
-# 0.999x (4k), 1.004x (8k), 1.015x (16k) over persistent + dynamic; hdim 256 1.018x (2k, wide
-# rounds), 1.010x (4k), 1.004x (16k) and hdim 64 1.005x (16k) over one tile per CTA (all with
-# one tile per CTA). The pairs are persistent (Note [Persistent multicast]:
-# static schedule, clusters of 2), over one multicast tile per CTA (10 rounds, two runs where
-# two numbers): hdim 64 16k +2.6% / +1.0%; hdim 256 2k +2.4%, 4k +3.0%, 8k +0.8%, 16k +1.8%;
-# hdim 128 16k +2.9% / +2.7%; and hdim 128 from 8k again: with the tile-boundary switches
-# +2.6% over persistent + dynamic there. Not at hdim 128 2k / 4k (-0.8% to +0.2% over
-# persistent + dynamic), hdim 64 4k (-1.5% / -0.3%) or hdim 256 1k (+0.1%).
-MULTICAST_MIN_SEQLEN_K = {64: 8192, 128: 8192, 256: 2048}
-# Persistent CTAs with O's own buffer cross work tiles faster with ``wg_epilogue`` (Note
-# [Warpgroup epilogues] in fwd_consumer.py) and two Q stages (Note [Two Q stages] in
-# fwd_kernel.py), where both fit in SMEM, up to this seqlen_k. Measured on H100 (bf16, 16k
-# tokens; paired, 10-12 rounds, both over neither): hdim 64 causal +6.2% (1k), +3.6% (2k),
-# +0.9% (4k), +0.1% (8k), -0.5% (16k); non-causal +3.2% (1k), +2.4% (2k), +1.0% (4k); hdim 128
-# causal +4.3% (1k), +2.2% (2k), +1.3% (4k), +1.1% (8k), +0.3% (16k); non-causal +4.0% (1k),
-# +1.6% (2k), +2.0% (4k). Alone, each gained less in most cells (wg_epilogue +0.4% to +2.7%;
-# q_stage=2 -0.9% to +5.6%). hdim 96 follows hdim 128 unmeasured; (192, 128) has no room for
-# two Q stages and keeps neither.
-TILE_BOUNDARY_MAX_SEQLEN_K = 8192
-# O is rescaled only where a row max grows by more than softmax_math.RESCALE_THRESHOLD_16BIT
-# (Note [Rescale threshold] in fwd_consumer.py) from this head_dim_v on. Measured on H100
-# (bf16, 16k tokens; paired, 10 rounds, threshold 8 over 0): hdim 128 non-causal +1.7% (1k),
-# +0.8% (4k), +0.3% (16k), causal +1.1% (1k), +1.6% (4k), +2.9% (16k); hdim 256 non-causal
-# -0.6% (1k, rounds 0.81-1.14), +2.2% (2k), +1.9% (4k), +4.9% (16k), causal +1.4% (1k), +1.5%
-# (4k), +1.0% (8k), +1.8% (16k); hdim 64 -1.3% to +1.3% (7 cells, mean -0.1%: its O rescale
-# is 32 FMULs, the vote and branch cost about half that), so not there. (192, 128) follows
-# hdim 128 unmeasured; hdim 96 is left as hdim 64.
-RESCALE_THRESHOLD_MIN_HEAD_DIM_V = 128
-
-
 def select_sm90_fwd_config(head_dim: int = 128, head_dim_v=None, dtype="bfloat16", causal=False,
                            write_lse=True, seqlen_k=None, seqlen_q=None, batch_heads=None,
                            local=False, softcap=False, varlen=False,
                            **overrides) -> Sm90FwdConfig:
     """The default SM90 config for a problem, with ``overrides`` applied, validated.
 
+    A lookup over the tuning table (``FWD_TUNING`` in fwd_tuning.py: where each default
+    applies, what it sets, the measurement or rule behind it; docs/tuning.md shows it) followed
+    by ``Sm90FwdConfig.validate``. An override replaces any field, and the table never changes
+    a field the caller set; the schedule rows read the tiles and stages after the overrides.
     ``head_dim_v`` defaults to ``fa_sm100.config.default_head_dim_v(head_dim)`` (128 for 192).
-    ``kv_multicast`` for non-causal problems from ``MULTICAST_MIN_SEQLEN_K`` keys whose
-    ``seqlen_q`` (optional: without it, no) and ``batch_heads`` ((batch, head) pairs,
-    optional) fit clusters (``Sm90FwdConfig.multicast_fits``), unless ``persistent`` or it is
-    given; multicast pairs are persistent on the static
-    schedule where they fit (Note [Persistent multicast]; clusters of 2 only). Otherwise
-    persistent CTAs with the dynamic schedule, where they fit in SMEM: for causal problems
-    always; for non-causal ones when ``PERSISTENT_MAX_SEQLEN_K`` of the head dim is None or
-    ``seqlen_k`` (optional: without it, no) is at most that. ``dynamic_schedule`` follows
-    ``persistent`` (but not under multicast), and ``o_in_q_buffer`` "persistent, and O's own
-    buffer does not fit", unless overridden themselves.
-    ``skip_empty_wg`` where the last m block has an empty consumer warpgroup, and
-    ``multicast_odd_m`` where the m blocks are odd in number (each also where ``seqlen_q`` is
-    not given), unless given. ``wg_epilogue`` and ``q_stage=2`` for persistent CTAs with
-    O's own buffer up to ``TILE_BOUNDARY_MAX_SEQLEN_K`` keys (optional: without it, no) where
-    two Q stages fit, each unless given. ``rescale_threshold`` 8 from head_dim_v 128 on
-    (``RESCALE_THRESHOLD_MIN_HEAD_DIM_V``), else 0. ``local`` (a sliding window) is scheduled as
-    causal is: no multicast, persistent CTAs with the dynamic schedule (band tiles differ in
-    length at the sequence's start and end). ``varlen`` is ``local`` (packed sequences: pass
-    the longest lengths as ``seqlen_q`` / ``seqlen_k``, or None).
+    ``seqlen_q``, ``seqlen_k`` and ``batch_heads`` ((batch, head) pairs) are optional: the rows
+    that read them (multicast, persistent CTAs, the tile-boundary switches, the odd-m and
+    empty-warpgroup switches) apply as the table says for an unknown one. ``varlen`` is
+    ``local`` (packed sequences: pass the longest lengths, or None).
     """
-    local = local or varlen
-    head_dim_v = default_head_dim_v(head_dim) if head_dim_v is None else head_dim_v
-    num_wg, n_block = default_tile(head_dim)
-    if num_wg == 3 and causal and seqlen_k is not None and seqlen_k <= SHORT_CAUSAL_SEQLEN_K:
-        # Short causal rows: 192-row tiles waste most of the diagonal tile; measured on H200
-        # (hdim 64, seqlen 1k, persistent): 303 TFLOP/s with 128-row tiles vs 274 with 192.
-        num_wg = 2
-    num_wg = overrides.pop("num_consumer_wg", num_wg)
-    schedule = {k: overrides.pop(k) for k in ("persistent", "dynamic_schedule", "o_in_q_buffer",
-                                              "kv_multicast", "wg_epilogue", "q_stage")
-                if k in overrides}
-    regs_consumer, regs_producer = _REGS.get(num_wg, _REGS[2])
-    cfg = Sm90FwdConfig(
+    problem = FwdProblem(
         head_dim=head_dim,
-        head_dim_v=head_dim_v,
-        dtype=normalize_dtype(dtype),
-        causal=causal,
-        local=local,
-        softcap=softcap,
-        varlen=varlen,
-        write_lse=write_lse,
-        m_block=WGMMA_M * num_wg,
-        n_block=n_block,
-        num_consumer_wg=num_wg,
-        pingpong=head_dim <= PINGPONG_MAX_HEAD_DIM,
-        rescale_o_before_pv=head_dim_v > 128,
-        rescale_threshold=(softmax_math.RESCALE_THRESHOLD_16BIT
-                           if head_dim_v >= RESCALE_THRESHOLD_MIN_HEAD_DIM_V else 0.0),
-        regs_consumer=regs_consumer,
-        regs_producer=regs_producer,
-    ).replace(**overrides)
-    # The schedule is picked for the tiles and stages chosen above (overrides included).
-    # O gets its own buffer where it fits, else it is staged in Q's (Note [O in Q's buffer]).
-    own_o = cfg.replace(persistent=True, dynamic_schedule=True)
-    fits_own_o = own_o.smem_bytes() <= SM90_SMEM_BUDGET
-    fits = fits_own_o or own_o.replace(o_in_q_buffer=True).smem_bytes() <= SM90_SMEM_BUDGET
-    if "multicast_odd_m" not in overrides:  # Note [Odd m blocks]: only where the count is odd
-        cfg = cfg.replace(multicast_odd_m=seqlen_q is None or cfg.num_m_blocks(seqlen_q) % 2 == 1)
-    multicast = schedule.get("kv_multicast")
-    if multicast is None:
-        shortest = MULTICAST_MIN_SEQLEN_K.get(head_dim)
-        multicast = (not (causal or local) and shortest is not None and seqlen_k is not None
-                     and seqlen_k >= shortest and seqlen_q is not None
-                     and cfg.multicast_fits(seqlen_q, batch_heads)
-                     and not schedule.get("persistent"))
-    if "skip_empty_wg" not in overrides:  # Note [Empty warpgroups]: only if there is one
-        cfg = cfg.replace(skip_empty_wg=seqlen_q is None or cfg.has_empty_wg(seqlen_q))
-    persistent = schedule.get("persistent")
-    if persistent is None and multicast:  # Note [Persistent multicast]: pairs of 2 only
-        persistent = fits and cfg.kv_cluster == KV_CLUSTER
-    elif persistent is None:
-        longest = PERSISTENT_MAX_SEQLEN_K.get(head_dim, 0)  # unknown head dims: validate() says
-        wanted = causal or local or longest is None or (seqlen_k is not None and seqlen_k <= longest)
-        persistent = wanted and fits
-    cfg = cfg.replace(
-        kv_multicast=multicast,
-        persistent=persistent,
-        # a multicast cluster's CTAs walk their tiles together: the static schedule
-        dynamic_schedule=schedule.get("dynamic_schedule", persistent and not multicast),
-        o_in_q_buffer=schedule.get("o_in_q_buffer", persistent and not fits_own_o),
-    )
-    # Crossing work tiles (TILE_BOUNDARY_MAX_SEQLEN_K): both switches where both fit.
-    boundary = cfg.replace(wg_epilogue=True, q_stage=2)
-    fast_boundary = (cfg.own_o_buffer and seqlen_k is not None
-                     and seqlen_k <= TILE_BOUNDARY_MAX_SEQLEN_K
-                     and boundary.smem_bytes() <= SM90_SMEM_BUDGET)
-    return cfg.replace(
-        wg_epilogue=schedule.get("wg_epilogue", fast_boundary),
-        q_stage=schedule.get("q_stage", 2 if fast_boundary else 1),
-    ).validate()
+        head_dim_v=default_head_dim_v(head_dim) if head_dim_v is None else head_dim_v,
+        dtype=normalize_dtype(dtype), causal=causal, local=local or varlen, softcap=softcap,
+        varlen=varlen, write_lse=write_lse, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+        batch_heads=batch_heads, asked=tuple(overrides.items()))
+    return lookup(problem, Sm90FwdConfig).validate()
 
 
 def sm90_fwd_config_from_overrides(items: Iterable[str]) -> Sm90FwdConfig:

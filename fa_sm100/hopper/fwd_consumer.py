@@ -56,7 +56,7 @@ goes on to the next tile while the others finish theirs; how far ahead it gets i
 K/V and Q pipelines, whose stages every warpgroup releases. Persistent CTAs with O's own buffer
 only (``validate()``): where O is staged in Q's buffer, one warpgroup's O would overwrite the Q
 rows that another's QK GEMMs still read. The default together with two Q stages
-(``TILE_BOUNDARY_MAX_SEQLEN_K`` in config.py holds the measurements).
+(row "fast tile boundaries" of ``FWD_TUNING`` in fwd_tuning.py holds the measurements).
 
 Note [Ping-pong]: with ``pingpong`` consumer warpgroup w waits on barrier PINGPONG_WG0 + w
 before issuing its GEMMs and then arrives on the next warpgroup's barrier, so the warpgroups

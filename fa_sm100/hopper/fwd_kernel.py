@@ -104,6 +104,16 @@ write past the end either, so it goes through a ragged view of O (``fa_sm100.var
 ``RAGGED_ROWS - length + r`` and that mode's coordinate ``offset + length``, which addresses
 row ``offset + r`` and is out of bounds (clipped by the TMA unit) exactly from r = length on.
 LSE is stored per row below the length.
+
+Note [Paged K/V] (``page_size``): a varlen kernel whose K and V are a paged cache, the pages
+(pages, page_size, h_kv, d) seen as rows, with a page table (sequences, pages per sequence)
+naming each sequence's pages in order (``seqused_k`` its keys; ``cu_seqlens_k`` is not read
+for offsets). Key block n of a sequence starts at key n x n_block, in the page of table slot
+n x n_block // page_size, at row n x n_block mod page_size of it: ``page_block`` sees that
+page through a ragged view ending at the sequence's last key, so one TMA copy loads the
+block and the keys past the sequence's end arrive as zeros, as in Note [Varlen]. The page
+size is a multiple of n_block (the block never crosses a page). Nothing else changes: the
+bands, masks and the consumers see the sequence's lengths as before.
 """
 
 import cuda.bindings.driver as cuda
@@ -241,6 +251,7 @@ class Sm90FwdKernel(ConsumerRole):
         mCuSeqlensQ,
         mCuSeqlensK,
         mSeqUsedK,
+        mPageTable,
         max_seqlen_q: Int32,
         stream: cuda.CUstream,
     ):
@@ -294,6 +305,8 @@ class Sm90FwdKernel(ConsumerRole):
             varlen = (mCuSeqlensQ, mCuSeqlensK, num_m_blocks)
             if const_expr(mSeqUsedK is not None):
                 varlen = (mCuSeqlensQ, mCuSeqlensK, num_m_blocks, mSeqUsedK)
+            if const_expr(cfg.page_size):  # Note [Paged K/V]
+                varlen = (mCuSeqlensQ, mCuSeqlensK, num_m_blocks, mSeqUsedK, mPageTable)
         # Causal tiles run longest first in sections of (batch, head) pairs whose K and V fit
         # in L2 (see tile_coords).
         kv_bytes_per_head = mK.shape[0] * (cfg.head_dim + cfg.head_dim_v) * self.cfg.dtype_bytes
@@ -447,11 +460,13 @@ class Sm90FwdKernel(ConsumerRole):
             sequence = pair // num_heads
             q_off, k_off = cu_q[sequence], cu_k[sequence]
             seqlen_q = cu_q[sequence + 1] - q_off
-            if const_expr(len(varlen) == 4):
+            if const_expr(len(varlen) >= 4):
                 seqlen_k = varlen[3][sequence]
             else:
                 seqlen_k = cu_k[sequence + 1] - k_off
             seq = (q_off, k_off, seqlen_q, seqlen_k)
+            if const_expr(self.cfg.page_size):  # Note [Paged K/V]: its page-table row
+                seq = (q_off, k_off, seqlen_q, seqlen_k, sequence)
         elif const_expr(cfg.odd_m_pairs):  # Note [Odd m blocks]: the even part first
             paired_m, paired_tiles = self.paired_tiles(mQ)
             pair = t - paired_tiles
@@ -612,6 +627,13 @@ class Sm90FwdKernel(ConsumerRole):
                 mcast_mask = cutlass.Int16(1 << kv_rank)
         load_k = lambda n, st: self.load_kv(tma_k, tKgK, tKsK, n, pipe_k, st, mcast_mask, peer_k)
         load_v = lambda n, st: self.load_kv(tma_v, tVgV, tVsV, n, pipe_v, st, mcast_mask, peer_v)
+        if const_expr(cfg.page_size):  # Note [Paged K/V]: each block from its own page
+            load_k = lambda n, st: self.load_kv(
+                tma_k, self.page_block(tma_k, sK, mK, head_kv, cfg.head_dim, varlen, seq, n),
+                tKsK, 0, pipe_k, st, mcast_mask, None)
+            load_v = lambda n, st: self.load_kv(
+                tma_v, self.page_block(tma_v, sV, mV, head_kv, cfg.head_dim_v, varlen, seq, n),
+                tVsV, 0, pipe_v, st, mcast_mask, None)
         load_q = lambda st: self.load_q(tma_q, tQgQ, tQsQ, pipe_q, st)
         if const_expr(varlen is not None):
             if m_block * cfg.m_block < seq[2]:  # Note [Varlen]: a tile past its sequence
@@ -621,6 +643,22 @@ class Sm90FwdKernel(ConsumerRole):
             state, q_state = self.tile_loads(load_q, load_k, load_v, n_lo, n_blocks, state,
                                              q_state)
         return state, q_state
+
+    @cute.jit
+    def page_block(self, tma, sX, mX, head_kv: Int32, cols: int, varlen, seq, n: Int32):
+        """The TMA source of key block ``n`` of a paged cache (Note [Paged K/V]): the block's
+        rows in the page of its page-table slot, seen through a ragged view that ends at the
+        sequence's last key. Returns tXgX whose block 0 is it."""
+        cfg = self.cfg
+        rows = n * cfg.n_block
+        slot = rows // cfg.page_size
+        first = varlen[4][seq[4], slot] * cfg.page_size + (rows - slot * cfg.page_size)
+        valid = cutlass.min(seq[3] - rows, cfg.n_block)
+        mX_blk = ragged_tile_rows(mX[None, None, head_kv, None], valid, first)
+        gX = cute.local_tile(mX_blk, (cfg.n_block, cols), (None, 0))
+        _, tXgX = cpasync.tma_partition(tma, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2),
+                                        cute.group_modes(gX, 0, 2))
+        return tXgX
 
     @cute.jit
     def tile_loads(self, load_q, load_k, load_v, n_lo: Int32, n_blocks: Int32, state, q_state):

@@ -19,7 +19,7 @@ from fa_sm100.config import normalize_dtype
 from fa_sm100.devices import sm_count
 from fa_sm100.machines import HOPPER_SMS
 from fa_sm100.hopper import probes
-from fa_sm100.hopper.config import (SM90_ARCH, SM90_HEAD_DIMS, Sm90FwdConfig,
+from fa_sm100.hopper.config import (SM90_ARCH, SM90_HEAD_DIMS, SM90_PAGE_BLOCKS, Sm90FwdConfig,
                                     select_sm90_fwd_config)
 from fa_sm100.validation import (require_sm90, tma_ready, tma_strides_ok,
                                  validate_attention_inputs)
@@ -112,18 +112,21 @@ def fake_arguments(cfg: Sm90FwdConfig, seqused_k: bool = False):
     if cfg.dynamic_schedule:
         counter = make_fake_tensor(cutlass.Int32, (1,), (1,), assumed_align=4)
     # Note [Varlen]: cu_seqlens_q / _k (batch + 1,), seqused_k (batch,), the longest query
-    cu_q = cu_k = used_k = None
+    cu_q = cu_k = used_k = table = None
     if cfg.varlen:
         n = cute.sym_int(symbol="n")
         cu_q, cu_k = (make_fake_tensor(cutlass.Int32, (n,), (1,), assumed_align=4)
                       for _ in range(2))
-        if seqused_k:
+        if seqused_k or cfg.page_size:
             used_k = make_fake_tensor(cutlass.Int32, (cute.sym_int(),), (1,), assumed_align=4)
+        if cfg.page_size:  # Note [Paged K/V]: (sequences, pages per sequence)
+            table = make_fake_tensor(cutlass.Int32, (cute.sym_int(), cute.sym_int()),
+                                     (cute.sym_int64(), 1), assumed_align=4)
     # softmax scale, softcap, CTA count of a persistent grid (the SM count), window bounds,
     # varlen's tensors and longest query sequence, stream
     return (q, k, v, o, lse, counter, cutlass.Float32(1.0), cutlass.Float32(0.0),
             cutlass.Int32(HOPPER_SMS), cutlass.Int32(0), cutlass.Int32(0), cu_q, cu_k, used_k,
-            cutlass.Int32(0), make_fake_stream(use_tvm_ffi_env_stream=True))
+            table, cutlass.Int32(0), make_fake_stream(use_tvm_ffi_env_stream=True))
 
 
 def compile_sm90_fwd(cfg: Sm90FwdConfig, arch: str = SM90_ARCH, seqused_k: bool = False):
@@ -188,7 +191,7 @@ class Sm90FwdPlan:
             lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
         counter = tile_counter(self.device) if self.cfg.dynamic_schedule else None
         self.kernel(q, k, v, o_buf, lse if self.cfg.write_lse else None, counter, self.scale,
-                    self.softcap, self.num_sms, *self.window, None, None, None, 0)
+                    self.softcap, self.num_sms, *self.window, None, None, None, None, 0)
         if o_buf is not out:
             out.copy_(o_buf)
         return (out, lse) if self.return_lse else out
@@ -270,10 +273,11 @@ class Sm90VarlenPlan(VarlenPlan):
                          lambda: compile_sm90_fwd(cfg, seqused_k=seqused_k))
         self.num_sms = sm_count(device)
 
-    def launch(self, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k):
+    def launch(self, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table=None):
         counter = tile_counter(self.device) if self.cfg.dynamic_schedule else None
         self.kernel(q, k, v, out, lse, counter, self.scale, self.softcap, self.num_sms,
-                    *self.window, cu_seqlens_q, cu_seqlens_k, seqused_k, self.max_seqlen_q)
+                    *self.window, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table,
+                    self.max_seqlen_q)
 
 
 _varlen_plans = PlanTable()
@@ -282,8 +286,10 @@ _varlen_plans = PlanTable()
 def build_sm90_varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            seqused_k=None, softmax_scale=None, causal=False,
                            window_size=(None, None), softcap=0.0, return_lse=False,
-                           config: Optional[Sm90FwdConfig] = None) -> Sm90VarlenPlan:
-    """Validate, pick and compile the varlen config: the plan of one call."""
+                           config: Optional[Sm90FwdConfig] = None,
+                           page_size: int = 0) -> Sm90VarlenPlan:
+    """Validate, pick and compile the varlen config: the plan of one call (``page_size``: of a
+    paged cache, Note [Paged K/V])."""
     from fa_sm100.validation import validate_varlen_inputs
 
     problem = validate_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
@@ -292,10 +298,13 @@ def build_sm90_varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     require_sm90(q.device, "sm90_fwd_varlen")
     want = dict(head_dim=problem.head_dim, head_dim_v=problem.head_dim_v,
                 dtype=normalize_dtype(problem.dtype), causal=problem.causal,
-                softcap=problem.softcap > 0, varlen=True, local=True)
+                softcap=problem.softcap > 0, varlen=True, local=True, page_size=page_size)
     if config is None:
+        paged = {}
+        if page_size:  # the largest key block that one page holds whole
+            paged = dict(n_block=next(n for n in SM90_PAGE_BLOCKS if page_size % n == 0))
         cfg = select_sm90_fwd_config(write_lse=return_lse, seqlen_k=max(max_seqlen_k, 1),
-                                     **want)
+                                     **want, **paged)
     else:
         if not isinstance(config, Sm90FwdConfig):
             raise ValueError(f"config must be an Sm90FwdConfig, got {type(config).__name__}")
@@ -330,3 +339,48 @@ def sm90_fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
         _varlen_plans, build, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
         (softmax_scale, causal, window_size, softcap, return_lse, max_seqlen_q, max_seqlen_k,
          id(config)), out, lse)
+
+
+def sm90_fwd_paged(q, k_pages, v_pages, cu_seqlens_q, max_seqlen_q, page_table, seqused_k,
+                   max_seqlen_k, softmax_scale=None, causal=False, window_size=(None, None),
+                   softcap=0.0, return_lse=False, config: Optional[Sm90FwdConfig] = None, *,
+                   out=None, lse=None):
+    """Packed queries against a paged K/V cache on an SM90 GPU (Note [Paged K/V] in
+    fwd_kernel.py): k_pages / v_pages (pages, page_size, h_kv, d / dv), ``page_table``
+    (sequences, pages per sequence) int32 naming sequence i's pages in order, ``seqused_k``
+    (sequences,) its keys. The producer reads each key block from its page; the rows of a page
+    past the sequence's keys load as zeros. ``page_size`` must be a multiple of 64 (one TMA
+    copy per key block): others raise ValueError. Otherwise as ``sm90_fwd_varlen``."""
+    for name, t in (("k_pages", k_pages), ("v_pages", v_pages)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name} must be (pages, page_size, heads_kv, head_dim), got "
+                             f"{tuple(getattr(t, 'shape', ()))}")
+    page_size = k_pages.shape[1]
+    if page_size % min(SM90_PAGE_BLOCKS) or v_pages.shape[:3] != k_pages.shape[:3]:
+        raise ValueError(f"pages of {page_size} tokens: the SM90 kernel loads a key block of "
+                         f"{min(SM90_PAGE_BLOCKS)} or {max(SM90_PAGE_BLOCKS)} keys from one page, "
+                         f"so page_size must be a multiple of {min(SM90_PAGE_BLOCKS)} (and "
+                         f"k_pages, v_pages must agree in pages, page_size and heads)")
+    sequences = cu_seqlens_q.shape[0] - 1 if isinstance(cu_seqlens_q, torch.Tensor) else None
+    if (not isinstance(page_table, torch.Tensor) or page_table.dtype != torch.int32
+            or page_table.dim() != 2 or page_table.shape[0] != sequences
+            or page_table.stride(1) != 1 or page_table.device != q.device):
+        raise ValueError(f"page_table must be an int32 (sequences={sequences}, pages per "
+                         f"sequence) tensor with unit last stride on q's device")
+    if seqused_k is None:
+        raise ValueError("a paged cache needs seqused_k (each sequence's keys)")
+    k, v = (t.reshape(-1, *t.shape[2:]) for t in (k_pages, v_pages))  # the pages as rows
+
+    def build():
+        return build_sm90_varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_q, max_seqlen_q,
+                                      max_seqlen_k, seqused_k, softmax_scale, causal,
+                                      window_size, softcap, return_lse, config, page_size)
+
+    # cu_seqlens_q stands in for the unread cu_seqlens_k (Note [Paged K/V])
+    plan = _paged_plans.plan((q, k, v, cu_seqlens_q, page_table, seqused_k),
+                             (softmax_scale, causal, window_size, softcap, return_lse,
+                              max_seqlen_q, max_seqlen_k, id(config), page_size), build)
+    return plan(q, k, v, cu_seqlens_q, cu_seqlens_q, seqused_k, out, lse, page_table=page_table)
+
+
+_paged_plans = PlanTable()

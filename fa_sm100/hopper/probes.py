@@ -21,7 +21,7 @@ gets a probed kernel. Probes:
   traffic into L2;
   ``copy``: each reduce is a plain bulk copy of the same bytes: the writes without the
   additions at L2.
-- ``ds_barrier`` (the MMA loop, bwd_kernel.py): ``none``: the 256-thread ``DS_READY``
+- ``ds_barrier`` (the MMA loop, bwd_mma.py): ``none``: the 256-thread ``DS_READY``
   barrier, where the two MMA warpgroups meet once per query block before the dQ GEMM reads
   both halves of dS, is left out. They are then still coupled through the Q / dO stages they
   both release and, with "bulk" dQ, through the dq-store warp, which takes the two halves of
@@ -29,7 +29,7 @@ gets a probed kernel. Probes:
   apart by about a block. What this measures is the cost of the barrier itself: it bounds
   what decoupling the warpgroups at that point could win, not what removing every coupling
   (each warpgroup's own dQ, its own handoff) would.
-- ``pointwise`` (the MMA loop, bwd_kernel.py): ``none``: the per-element work between the
+- ``pointwise`` (the MMA loop, bwd_mma.py): ``none``: the per-element work between the
   GEMMs is left out: no mask, no P = exp2(S * scale_log2 - LSE2), no dS = P (dP - Delta), and
   so no LSE2 / Delta reads (the load warp still stages them). S and dP are converted to 16 bits
   as they came from the tensor cores and go where P and dS go, so every GEMM, store, barrier
@@ -40,7 +40,7 @@ gets a probed kernel. Probes:
   the top clock: ``scripts/ab_bench.py --top-clock``). Taking out only one of the two halves
   (P's or dS's math) was tried and is not offered: without dS's math ptxas serialized the S
   and dP WGMMAs, a different kernel rather than the same one with less math.
-- ``sweep`` (all three roles' loops, bwd_kernel.py ``_sweep_end`` / ``_m_block_at``):
+- ``sweep`` (all three roles' loops, bwd_tiles.py ``sweep_end`` / ``m_block_at``):
   ``twice``: every CTA sweeps its query blocks twice, the second sweep the first again (dK,
   dV and dQ get every block's share twice), between one K/V load and one dK/dV epilogue. With
   T1 the plain time and T2 the probed one, T2 - T1 is what the sweeps cost and 2 T1 - T2 what

@@ -234,7 +234,7 @@ def _binary(fn_int, fn_float=None, three_inputs=False):
         nsrc = len(ins.operands) - 1
         if nsrc != 2 and not (three_inputs and nsrc == 3):
             unsupported(ins, f"{nsrc} source operands")
-        if any(p in md for p in ("xorsign", "relu")):
+        if "xorsign" in md or ("relu" in md and typ != "s32"):
             unsupported(ins, "modifier not modelled")
         if typ in ("f32x2",):
             if nsrc != 2:
@@ -276,6 +276,8 @@ def _binary(fn_int, fn_float=None, three_inputs=False):
                 r = fn_int(vals[0], vals[1], md, typ)
                 if len(vals) == 3:
                     r = fn_int(r, vals[2], md, typ)
+                if "relu" in md:  # min/max.relu.s32: a negative result becomes 0
+                    r = np.maximum(r, 0).astype(r.dtype)
                 wr(m, w, idx, r)
         return runi
     return factory
