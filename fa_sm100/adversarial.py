@@ -30,6 +30,11 @@ Kinds of input (``AdversarialCase.kind``, with ``param``):
   ``param`` between two blocks (exp2 of the old max minus the new one is 0 in float32 beyond
   about 149); with ``jump_early`` it comes first and every later P underflows to 0. The odd
   rows see no jump, so a warp's 32 rows mix both kinds of step.
+- ``shift_down``: the even query rows score ``param`` log2 units lower on every key. Softmax
+  is unchanged and LSE is ``param`` lower, so a key a kernel loads past the sequence's end
+  (zeros, score 0) and leaves unmasked gets P = 2^param: beyond 128 that is inf in float32
+  and its gradient terms turn to NaN (inf x 0). Seqlen_k off a block boundary puts such keys
+  in the last block.
 - ``ties``: every key equal (uniform attention, every score tied with the max).
 - ``zero_q``: q = 0, every score exactly 0.
 - ``large_v``: ``v`` scaled by ``param``.
@@ -56,7 +61,7 @@ import torch
 from fa_sm100 import softmax_math
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-KINDS = ("scale", "jump_late", "jump_early", "ties", "zero_q", "large_v")
+KINDS = ("scale", "jump_late", "jump_early", "shift_down", "ties", "zero_q", "large_v")
 # The absolute slack of the error rule: 1e-3 of max |v| (outputs are convex combinations of
 # rows of v), or one unit roundoff of the output dtype at the largest output, whichever is
 # larger (the final rounding of O alone can cost that much where plain happens to round well).
@@ -142,6 +147,12 @@ def make_inputs(case: AdversarialCase, device="cpu"):
         half = keys < sk // 2 if case.kind == "jump_late" else keys >= sk // 2
         q[..., 0] = q0 * rows.view(1, sq, 1)
         k[..., 0] = (half.to(torch.float64) * case.param / (q0 * scale_log2)).view(1, sk, 1)
+    elif case.kind == "shift_down":
+        # Raw score -param / scale_log2 added by q0 * k0 on every key, for even rows.
+        scale_log2 = softmax_math.softmax_scale_log2(case.softmax_scale)
+        q0 = 4.0
+        q[..., 0] = q0 * (torch.arange(sq) % 2 == 0).to(torch.float64).view(1, sq, 1)
+        k[..., 0] = -case.param / (q0 * scale_log2)
     elif case.kind == "ties":
         k = k[:, :1].expand(b, sk, hk, d).clone()
     elif case.kind == "zero_q":
@@ -188,6 +199,13 @@ CASES: tuple[AdversarialCase, ...] = (
     _c("causal_sq_gt_sk", "scale", 1.0, seqlen_q=256, seqlen_k=200, causal=True),
     _c("causal_sq_gt_sk_jump_fp16", "jump_late", 200.0, seqlen_q=256, seqlen_k=160,
        causal=True, dtype="fp16"),
+    # every score of a row far below 0, keys ending inside a block: a key past the end that
+    # is loaded (as zeros) and not masked has score 0, P = 2^param
+    _c("shift_down_200_tail", "shift_down", 200.0, seqlen_q=128, seqlen_k=200),
+    _c("shift_down_300_tail_causal_gqa", "shift_down", 300.0, seqlen_q=200, seqlen_k=330,
+       heads=2, kv_heads=1, causal=True),
+    _c("shift_down_200_d128_s1000", "shift_down", 200.0, seqlen_q=1000, seqlen_k=1000,
+       heads=2, head_dim=128),
     # ties and constant rows
     _c("ties", "ties", 1.0),
     _c("zero_q", "zero_q", 1.0, dtype="fp16"),

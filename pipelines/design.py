@@ -1,7 +1,7 @@
 """The SM100 forward protocol of DESIGN.md, written with our pipeline classes.
 
 Each function below is one warp role's per-CTA protocol, in plain Python: it drives the same
-pipeline objects the kernel uses (built by ``pipelines.spec.build_pipelines`` inside
+pipeline objects the kernel uses (built by ``pipelines.mbarrier.build_pipelines`` inside
 ``record.recording(dry=True)``, so they log and emit nothing), marks run-time loops and
 branches, and declares its TMEM/SMEM accesses. ``design_recording(cfg)`` returns the
 ``Recording`` the protocol model checks until (and besides) the kernel's own recording.
@@ -28,7 +28,8 @@ from __future__ import annotations
 from fa_sm100.config import FmhaConfig
 from pipelines import record
 from pipelines.named_barriers import NamedBarrier, named_sync
-from pipelines.spec import build_pipelines, get_spec
+from pipelines.mbarrier import build_pipelines
+from pipelines.spec import get_spec
 
 
 def _p_cols(cfg: FmhaConfig) -> tuple[int, int]:

@@ -45,8 +45,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from fa_sm100.config import FmhaConfig, WarpRoles
 from pipelines import record
 from pipelines.dsl_values import NoLoopCarriedValues
+from pipelines.spec import PIPELINE_NAMES, active_specs, barrier_offsets, names_of
 
 # ---------------------------------------------------------------------------------------------
 # Elect-one helpers
@@ -423,3 +425,61 @@ def pipeline_init_sync(cfg) -> None:
         cute.arch.cluster_wait()
     else:
         cute.arch.sync_threads()
+
+
+# -----------------------------------------------------------------------------------------
+# The table's pipelines, built
+
+
+class PipelineSet(NoLoopCarriedValues):
+    """The built pipelines: ``pipes.kv`` or ``pipes["kv"]``; a disabled one (p_lastsplit with
+    split_p off) is None."""
+
+    def __init__(self, pipes: dict, names: tuple = PIPELINE_NAMES):
+        self._pipes = dict(pipes)
+        self._names = names
+        for name in names:
+            setattr(self, name, self._pipes.get(name))
+
+    def __getitem__(self, name: str):
+        if name not in self._names:
+            raise KeyError(f"no pipeline {name!r}; pipelines: {self._names}")
+        return self._pipes.get(name)
+
+    def __iter__(self):
+        return iter(self._pipes.values())
+
+    def names(self) -> tuple[str, ...]:
+        return tuple(self._pipes)
+
+
+
+def build_pipelines(cfg: FmhaConfig, roles: Optional[WarpRoles] = None, barrier_storage=None,
+                    *, init: bool = True) -> PipelineSet:
+    """Create every enabled pipeline of the table (a ``PipelineSet``).
+
+    barrier_storage: a ``cute.Pointer`` to ``barrier_count(cfg)`` Int64 mbarriers in SMEM (laid
+        out in table order, ``barrier_offsets``), or a mapping pipeline name -> pointer to its
+        own ``2 * stages`` mbarriers; None inside ``record.recording(dry=True)``, where the
+        objects only log operations.
+    init: warp 0 initialises every barrier with its derived arrival count and fences the
+        init. The kernel then makes the init visible to the pair before first use
+        (``pipeline_init_sync(cfg)``).
+    Call inside the kernel (the 2-CTA leader rank is read from the cluster).
+    """
+    roles = roles or cfg.warp_roles()
+    specs = active_specs(cfg, roles)
+    offsets = barrier_offsets(cfg)
+    pair = PairInfo.current(cfg)
+    out = {}
+    for spec in specs:
+        if barrier_storage is None:
+            base = None
+        elif isinstance(barrier_storage, dict):
+            base = barrier_storage[spec.name]
+        else:
+            base = barrier_storage + offsets[spec.name]
+        out[spec.name] = make_pipeline(spec, cfg, roles, base, pair)
+    if init and barrier_storage is not None:
+        init_barriers(list(out.values()))
+    return PipelineSet(out, names_of(cfg))

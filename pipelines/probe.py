@@ -2,7 +2,7 @@
 
 ``make_probe(cfg, calls)`` returns ``(fn, args)`` for ``fa_sm100.compile_tools.cross_compile``:
 a 16-warp CTA (a 2-CTA cluster when ``cfg.use_2cta``) that builds every pipeline of the table
-from ``pipelines.spec.build_pipelines`` and then performs only the listed calls, each on the
+from ``pipelines.mbarrier.build_pipelines`` and then performs only the listed calls, each on the
 warps of the role that owns it in the real kernel. Compiling a probe with a single call shows
 exactly which PTX that call generates (e.g. ``p_lastsplit.producer_commit`` -> one
 ``mbarrier.arrive``, no ``expect_tx``).
@@ -16,7 +16,8 @@ producer_commit, consumer_wait, consumer_release; stage 0, phase 0.
 from typing import Sequence
 
 from fa_sm100.config import FmhaConfig, WarpRoles
-from pipelines.spec import barrier_count, build_pipelines
+from pipelines.mbarrier import build_pipelines
+from pipelines.spec import barrier_count
 
 METHODS = ("producer_acquire", "producer_commit", "consumer_wait", "consumer_release")
 

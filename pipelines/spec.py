@@ -2,7 +2,7 @@
 
 Each row of ``PIPELINES`` declares a pipeline: who produces, who consumes, how many stages,
 how each side arrives on the mbarriers, and (derived, never typed) how many arrivals complete
-a phase. The kernel builds its pipelines from this table only (``build_pipelines``), and the
+a phase. The kernel builds its pipelines from this table only (``mbarrier.build_pipelines``), and the
 protocol model (pipelines/model.py) reads the same rows to initialise its simulated barriers.
 
 Arrival kinds (``Side.arrive``):
@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from fa_sm100.config import WARP_SIZE, FmhaConfig, WarpRoles
-from pipelines.dsl_values import NoLoopCarriedValues
 
 # An mbarrier phase counts at most 2^20 - 1 pending arrivals.
 MBARRIER_MAX_ARRIVALS = (1 << 20) - 1
@@ -302,59 +301,3 @@ def barrier_offsets(cfg: FmhaConfig) -> dict[str, int]:
             out[p.name] = off
             off += 2 * p.num_stages(cfg)
     return out
-
-
-class PipelineSet(NoLoopCarriedValues):
-    """The built pipelines: ``pipes.kv`` or ``pipes["kv"]``; a disabled one (p_lastsplit with
-    split_p off) is None."""
-
-    def __init__(self, pipes: dict, names: tuple = PIPELINE_NAMES):
-        self._pipes = dict(pipes)
-        self._names = names
-        for name in names:
-            setattr(self, name, self._pipes.get(name))
-
-    def __getitem__(self, name: str):
-        if name not in self._names:
-            raise KeyError(f"no pipeline {name!r}; pipelines: {self._names}")
-        return self._pipes.get(name)
-
-    def __iter__(self):
-        return iter(self._pipes.values())
-
-    def names(self) -> tuple[str, ...]:
-        return tuple(self._pipes)
-
-
-
-def build_pipelines(cfg: FmhaConfig, roles: Optional[WarpRoles] = None, barrier_storage=None,
-                    *, init: bool = True) -> PipelineSet:
-    """Create every enabled pipeline of the table (a ``PipelineSet``).
-
-    barrier_storage: a ``cute.Pointer`` to ``barrier_count(cfg)`` Int64 mbarriers in SMEM (laid
-        out in table order, ``barrier_offsets``), or a mapping pipeline name -> pointer to its
-        own ``2 * stages`` mbarriers; None inside ``record.recording(dry=True)``, where the
-        objects only log operations.
-    init: warp 0 initialises every barrier with its derived arrival count and fences the
-        init. The kernel then makes the init visible to the pair before first use
-        (``pipelines.mbarrier.pipeline_init_sync(cfg)``).
-    Call inside the kernel (the 2-CTA leader rank is read from the cluster).
-    """
-    from pipelines import mbarrier
-
-    roles = roles or cfg.warp_roles()
-    specs = active_specs(cfg, roles)
-    offsets = barrier_offsets(cfg)
-    pair = mbarrier.PairInfo.current(cfg)
-    out = {}
-    for spec in specs:
-        if barrier_storage is None:
-            base = None
-        elif isinstance(barrier_storage, dict):
-            base = barrier_storage[spec.name]
-        else:
-            base = barrier_storage + offsets[spec.name]
-        out[spec.name] = mbarrier.make_pipeline(spec, cfg, roles, base, pair)
-    if init and barrier_storage is not None:
-        mbarrier.init_barriers(list(out.values()))
-    return PipelineSet(out, names_of(cfg))

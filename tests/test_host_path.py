@@ -316,8 +316,11 @@ def test_sm100_paged_call_launches_its_pages(monkeypatch, fake_sm100):
 def test_sm100_backward_launches_pre_main_post_on_a_faked_sm100(fake_sm100):
     """Gradients on an sm_100 device go to ``sm100_bwd`` (faked device: no SM100 code runs):
     preprocess, main kernel, dq postprocess in order, with the main kernel writing dk and dv
-    itself and the postprocess dq; what it has no kernel for raises before any launch."""
+    itself and the postprocess dq; what it has no kernel for raises before any launch. A
+    window and a cap reach the main kernel as launch arguments (the window as
+    ``bands.kernel_window`` gives it), its config saying only that there are."""
     from fa_sm100.autograd import check_backward_supported
+    from fa_sm100.bands import kernel_window
     from fa_sm100.sm100.bwd_interface import sm100_bwd
 
     with FakeTensorMode():
@@ -327,12 +330,12 @@ def test_sm100_backward_launches_pre_main_post_on_a_faked_sm100(fake_sm100):
         check_backward_supported(q, k, v)  # an SM100 backward exists for head dim 128
         with pytest.raises(ValueError, match="no SM100 backward"):
             check_backward_supported(bshd(1, 8, 1, 192), bshd(1, 8, 1, 192), bshd(1, 8, 1, 128))
-        for bad, match in (({"window_size": (64, 0)}, "sliding windows"),
-                           ({"softcap": 5.0}, "softcap"),
-                           ({"deterministic": True}, "deterministic")):
-            with pytest.raises(ValueError, match=match):
-                sm100_bwd(dout, q, k, v, out, lse, **bad)
+        with pytest.raises(ValueError, match="deterministic"):
+            sm100_bwd(dout, q, k, v, out, lse, deterministic=True)
         assert fake_sm100 == []
+        sm100_bwd(dout, q, k, v, out, lse, causal=True, window_size=(64, None), softcap=5.0)
+        windowed = fake_sm100[1]
+        fake_sm100.clear()
         dq, dk, dv = sm100_bwd(dout, q, k, v, out, lse, causal=True)
     assert [kind for kind, _, _ in fake_sm100] == ["sm100_bwd_pre", "sm100_bwd_main",
                                                     "sm100_bwd_post"]
@@ -343,3 +346,7 @@ def test_sm100_backward_launches_pre_main_post_on_a_faked_sm100(fake_sm100):
     assert cfg.causal and cfg.qhead_per_kvhead == 4 and cfg.head_dim == 128
     # the accumulator: padded query rows (300 -> 384), head_dim floats each
     assert tuple(main[6].shape) == (2, 4, 384, 128)
+    assert not cfg.local and not cfg.softcap
+    cfg_w, args_w = windowed[1][0], windowed[2]
+    assert cfg_w.local and cfg_w.softcap and cfg_w.causal
+    assert args_w[11] == 5.0 and tuple(args_w[12:14]) == kernel_window(True, (64, None), 300, 200)

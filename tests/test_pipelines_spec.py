@@ -7,8 +7,9 @@ import pytest
 from fa_sm100.config import FmhaConfig, WarpRoles
 from pipelines import record
 from pipelines.named_barriers import NamedBarrier, check_named_barriers, num_threads
-from pipelines.spec import (PIPELINE_NAMES, PIPELINES, Side, barrier_count,
-                            barrier_offsets, build_pipelines, get_spec)
+from pipelines.mbarrier import build_pipelines
+from pipelines.spec import (PIPELINE_NAMES, PIPELINES, Side, barrier_count, barrier_offsets,
+                            get_spec)
 
 CFG2 = FmhaConfig()
 CFG1 = FmhaConfig(use_2cta=False, kv_stage=3)

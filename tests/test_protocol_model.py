@@ -16,7 +16,7 @@ from pipelines.design import design_recording
 from pipelines.model import ProtocolModel
 from pipelines.named_barriers import NamedBarrier, named_sync
 from pipelines.program import Branch, Loop, flatten, flip_initial_phase, inject
-from pipelines.spec import build_pipelines
+from pipelines.mbarrier import build_pipelines
 
 CFG2 = FmhaConfig()
 CFG1 = FmhaConfig(use_2cta=False, kv_stage=3)

@@ -1,14 +1,17 @@
 """Compile contract of the SM100 backward main kernel (``sm100_bwd``), through
 ``inspect_kernel``: every config is cross-compiled for sm_100a on the CPU (the registry entry,
 the path of ``scripts/inspect.py --kernel sm100_bwd --set ...``). Together they cover both
-dtypes, head dims 64 / 96 / 128, causal and not, MHA / GQA / MQA and one or two Q stages.
-For each:
+dtypes, head dims 64 / 96 / 128, causal and not, sliding windows and softcap (each alone and
+together), MHA / GQA / MQA and one or two Q stages. For each:
 
 - 512 threads per CTA, cluster (1, 1, 1), no cta_group::2 MMA (the backward is 1-CTA);
 - the five MMAs of Note [Backward MMA order] as UTCHMMA (dV and dK issue their A operand's
   two TMEM halves separately: seven MMA sites), TMA loads (UTMALDG), tcgen05.ld / st;
 - setmaxnreg values in the PTX equal the BwdWarpRoles budgets; one TMEM allocation of 512
   columns; zero local memory and spill bytes; SMEM within the config's budget and an SM's.
+
+A capped config takes tanh from MUFU.EX2 (``dsl_math.softcap_tanh``), never MUFU.TANH: at
+least twice the MUFU.EX2 of the uncapped config of its head dim.
 """
 
 import os
@@ -33,6 +36,12 @@ CONFIGS = {
     "hdim64_q1_fp16": ["head_dim=64", "q_stage=1", "dtype=fp16"],
     "hdim64_fp16_causal_gqa2": ["head_dim=64", "dtype=fp16", "causal=true",
                                 "qhead_per_kvhead=2"],
+    "hdim128_causal_local": ["head_dim=128", "causal=true", "local=true"],
+    "hdim128_softcap": ["head_dim=128", "softcap=true"],
+    "hdim96_fp16_local_softcap_q1": ["head_dim=96", "dtype=fp16", "local=true", "softcap=true",
+                                     "q_stage=1"],
+    "hdim64_local_softcap_gqa": ["head_dim=64", "local=true", "softcap=true",
+                                 "qhead_per_kvhead=4"],
 }
 
 _CACHE = {}
@@ -55,10 +64,12 @@ def config(name):
 def test_the_configs_cover_dtypes_head_dims_masks_groups_and_stages():
     cfgs = [config(n) for n in CONFIGS]
     seen = lambda f: {getattr(c, f) for c in cfgs}  # noqa: E731
-    assert len(cfgs) >= 10
+    assert len(cfgs) >= 14
     assert seen("dtype") == {"bfloat16", "float16"}
     assert seen("head_dim") == {64, 96, 128}
     assert seen("causal") == {True, False}
+    assert seen("local") == {True, False}
+    assert seen("softcap") == {True, False}
     assert seen("q_stage") == {1, 2}
     assert seen("qhead_per_kvhead") >= {1, 2, 4, 8}
 
@@ -80,3 +91,11 @@ def test_compile_contract(name):
     assert rep["smem_bytes"] == cfg.smem_bytes()
     for op in ("UTMALDG", "LDTM", "STTM", "USETMAXREG", "MUFU.EX2"):
         assert sass[op] > 0, f"no {op} in the SASS"
+
+
+def test_softcap_takes_tanh_from_ex2():
+    for capped, plain in (("hdim128_softcap", "hdim128"),
+                          ("hdim64_local_softcap_gqa", "hdim64")):
+        sass, plain_sass = report(capped)["sass"], report(plain)["sass"]
+        assert sass.get("MUFU.TANH", 0) == 0
+        assert sass["MUFU.EX2"] >= 2 * plain_sass["MUFU.EX2"]

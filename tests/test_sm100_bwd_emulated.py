@@ -3,10 +3,15 @@ not run on Blackwell hardware.
 
 Contract: for MHA, GQA and MQA, causal (bottom-right, seqlen_q above and below seqlen_k) and
 not, query and key tails, several key blocks adding into one dQ row, head dims 64 / 96 / 128,
-one and two Q stages, and the small adversarial gradient cases, (dq, dk, dv) meet the
-project's error rule against float64 autograd (at most twice the error of the better plain
-16-bit baseline, plus ``grad_atol``). The preprocess's rows are made on the CPU
-(``sm100_bwd_run.preprocess_rows``); dq is scale x the kernel's float32 accumulator.
+one and two Q stages, sliding windows (with and without causal, seqlen_q != seqlen_k, rows
+whose band holds no key, blocks inside the band and across its edges), softcap (caps 5 and
+30, alone and with a window), and the small adversarial gradient cases (their windows and caps
+included), (dq, dk, dv) meet the project's error rule against float64 autograd (at most twice
+the error of the better plain 16-bit baseline, plus ``grad_atol``); a row that sees no key
+gets zero gradients. With a causal mask or a window each CTA runs one step per query block
+whose band reaches its key block (``bands.q_block_range``) and head of its group, no more.
+The preprocess's rows are made on the CPU (``sm100_bwd_run.preprocess_rows``); dq is scale x
+the kernel's float32 accumulator.
 """
 
 import pytest
@@ -15,11 +20,14 @@ import torch
 pytest.importorskip("cutlass")
 
 from fa_sm100 import adversarial  # noqa: E402
+from fa_sm100.bands import kernel_window, q_block_range  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.compile]
 
+NO_WINDOW = (None, None)
+
 CASES = {
-    # name: (batch, seqlen_q, seqlen_k, heads, kv heads, head_dim, --set)
+    # name: (batch, seqlen_q, seqlen_k, heads, kv heads, head_dim, --set[, window, softcap])
     "one_block": (1, 128, 128, 1, 1, 64, []),
     "tails_three_key_blocks_gqa": (1, 200, 300, 2, 1, 64, []),
     "causal_sq_gt_sk": (1, 300, 130, 2, 2, 64, ["causal=true"]),
@@ -27,46 +35,110 @@ CASES = {
     "hdim128_tails": (1, 200, 170, 2, 1, 128, []),
     "hdim96_causal": (1, 129, 140, 3, 3, 96, ["causal=true"]),
     "hdim128_causal_one_q_stage": (1, 256, 256, 2, 1, 128, ["causal=true", "q_stage=1"]),
+    # windows: the first rows see no key (causal, seqlen_q > seqlen_k), a two-sided band with
+    # seqlen_q < seqlen_k, a band right of the diagonal that no row sees at either end, a
+    # wide band whose middle blocks need no mask (GQA), head dim 128 with one Q stage
+    "window_causal_sq_gt_sk_gqa": (1, 300, 200, 2, 1, 64, ["causal=true"], (60, None)),
+    "window_two_sided_sq_lt_sk": (1, 200, 390, 1, 1, 64, [], (50, 20)),
+    "window_rows_without_keys": (1, 256, 160, 2, 2, 64, [], (-20, 40)),
+    "window_wide_gqa_inner_blocks": (1, 384, 384, 4, 1, 64, [], (200, 150)),
+    "window_hdim128_causal_q1": (1, 256, 300, 2, 1, 128, ["causal=true", "q_stage=1"],
+                                 (100, None)),
+    # softcap: caps 5 and 30, with GQA, causal, a window, head dim 96
+    "softcap_5_gqa": (1, 200, 300, 2, 1, 64, [], NO_WINDOW, 5.0),
+    "softcap_30_causal_hdim128": (1, 256, 256, 1, 1, 128, ["causal=true"], NO_WINDOW, 30.0),
+    "softcap_30_window_hdim96": (1, 200, 260, 2, 2, 96, ["causal=true"], (70, None), 30.0),
 }
 
 
-def _run(b, sq, sk, h, hk, d, sets, q=None, k=None, v=None, seed=0):
+def _run(b, sq, sk, h, hk, d, sets, window=NO_WINDOW, softcap=0.0, q=None, k=None, v=None,
+         seed=0):
     from fa_sm100.ptxemu.sm100_bwd_run import run_backward
     from fa_sm100.sm100.bwd_inspect_entry import make_config
 
     dtype = "fp16" if q is not None and q.dtype == torch.float16 else "bf16"
-    cfg = make_config([f"head_dim={d}", f"qhead_per_kvhead={h // hk}", f"dtype={dtype}"] + sets)
+    switches = [f"local={window != NO_WINDOW}", f"softcap={softcap > 0}"]
+    cfg = make_config([f"head_dim={d}", f"qhead_per_kvhead={h // hk}", f"dtype={dtype}"] + sets
+                      + switches)
     g = torch.Generator().manual_seed(seed)
     if q is None:
         q, k, v = (torch.randn(b, s, n, d, generator=g).to(torch.bfloat16)
                    for s, n in ((sq, h), (sk, hk), (sk, hk)))
     dout = torch.randn(q.shape[0], q.shape[1], q.shape[2], v.shape[3], generator=g).to(q.dtype)
-    return cfg, (q, k, v, dout), run_backward(cfg, q, k, v, dout)
+    return cfg, (q, k, v, dout), run_backward(cfg, q, k, v, dout, window=window,
+                                              softcap=softcap)
+
+
+def _expected_steps(cfg, q, k, window) -> dict:
+    """(key block, KV head, batch) -> steps: the query blocks whose band reaches the key block
+    (``bands.q_block_range``; every block without a mask) times the group's heads."""
+    b, sq, h, _ = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    left, right = kernel_window(cfg.causal, window, sq, sk)
+    n_blocks = -(-sk // cfg.n_block)
+    steps = {}
+    for n in range(n_blocks):
+        lo, hi = q_block_range(n * cfg.n_block, cfg.n_block, cfg.m_block, sq, sk, left, right)
+        for kv_head in range(hk):
+            for batch in range(b):
+                steps[n, kv_head, batch] = max(hi - lo, 0) * (h // hk)
+    return steps
+
+
+def _check(name, cfg, inputs, run, window, softcap):
+    q, k, v, dout = inputs
+    assert run.launch["block"][0] == 512
+    assert not any(torch.isnan(t).any() for t in (run.dq, run.dk, run.dv)), "a row left unwritten"
+    adversarial.check_adversarial_grads(name, (run.dq, run.dk, run.dv), q, k, v, dout,
+                                        causal=cfg.causal, window=window, softcap=softcap)
+    assert run.steps == _expected_steps(cfg, q, k, window)
+
+
+def _options(case) -> tuple:
+    """(window, softcap) of a CASES entry (no window, no cap where it leaves them out)."""
+    extra = case[7:]
+    return (extra[0] if extra else NO_WINDOW), (extra[1] if len(extra) > 1 else 0.0)
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_emulated_backward_meets_the_float64_rule(name):
-    cfg, (q, k, v, dout), run = _run(*CASES[name])
-    assert run.launch["block"][0] == 512
-    assert not any(torch.isnan(t).any() for t in (run.dq, run.dk, run.dv)), "a row left unwritten"
-    adversarial.check_adversarial_grads(name, (run.dq, run.dk, run.dv), q, k, v, dout,
-                                        causal=cfg.causal)
+    cfg, inputs, run = _run(*CASES[name])
+    _check(name, cfg, inputs, run, *_options(CASES[name]))
 
 
-BWD_ADVERSARIAL = [c.name for c in adversarial.gradient_cases()
-                   if c.small and c.window == (None, None) and not c.softcap]
+def test_rows_without_keys_get_zero_gradients_and_the_walk_follows_the_band():
+    """A band right of the diagonal (-20, 40) with seqlen_q > seqlen_k: the first and last rows
+    see no key (O = 0, LSE = -inf), so their dq is exactly 0, as are dk and dv of keys that no
+    row sees; and a key block visits fewer query blocks than there are."""
+    from fa_sm100.testing import attention_mask
+
+    window = _options(CASES["window_rows_without_keys"])[0]
+    cfg, (q, k, v, dout), run = _run(*CASES["window_rows_without_keys"])
+    sq, sk = q.shape[1], k.shape[1]
+    visible = attention_mask(sq, sk, cfg.causal, window)
+    no_key = ~visible.any(dim=1)
+    assert no_key[0] and no_key[-1]
+    assert torch.count_nonzero(run.dq[:, no_key]) == 0
+    unseen = ~visible.any(dim=0)
+    assert torch.count_nonzero(run.dk[:, unseen]) == 0
+    assert torch.count_nonzero(run.dv[:, unseen]) == 0
+    assert min(run.steps.values()) < -(-sq // cfg.m_block) * cfg.qhead_per_kvhead
+
+
+BWD_ADVERSARIAL = [c.name for c in adversarial.gradient_cases() if c.small]
 
 
 @pytest.mark.parametrize("name", BWD_ADVERSARIAL)
 def test_emulated_backward_on_the_adversarial_cases(name):
     case = adversarial.BY_NAME[name]
     q, k, v = case.inputs()
-    cfg, (q, k, v, dout), run = _run(case.batch, case.seqlen_q, case.seqlen_k, case.heads,
-                                     case.kv_heads, case.head_dim,
-                                     ["causal=true"] if case.causal else [], q, k, v)
-    adversarial.check_adversarial_grads(name, (run.dq, run.dk, run.dv), q, k, v, dout,
-                                        causal=case.causal)
+    cfg, inputs, run = _run(case.batch, case.seqlen_q, case.seqlen_k, case.heads, case.kv_heads,
+                            case.head_dim, ["causal=true"] if case.causal else [], case.window,
+                            case.softcap, q, k, v)
+    _check(name, cfg, inputs, run, case.window, case.softcap)
 
 
 def test_the_adversarial_list_reaches_the_backward():
-    assert len(BWD_ADVERSARIAL) >= 5
+    cases = [adversarial.BY_NAME[n] for n in BWD_ADVERSARIAL]
+    assert len(cases) >= 5
+    assert any(c.window != NO_WINDOW for c in cases) and any(c.softcap for c in cases)

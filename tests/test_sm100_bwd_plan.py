@@ -55,6 +55,24 @@ def test_hdim_192_does_not_fit_and_says_why_in_columns():
         Sm100BwdConfig(head_dim=192, head_dim_v=128).validate()
 
 
+def test_a_window_and_a_cap_are_bools_that_change_no_plan():
+    """Only whether there is a window or a cap is compile-time (their values are launch
+    arguments): the defaults pass the two bools through, and SMEM, TMEM and registers stay
+    those of the plain problem."""
+    for dims, dtype, causal, group in PROBLEMS:
+        plain = _cfg(dims, dtype, causal, group)
+        for local, softcap in ((True, False), (False, True), (True, True)):
+            cfg = select_sm100_bwd_config(dims[0], dims[1], dtype, causal, group, local=local,
+                                          softcap=softcap)
+            assert (cfg.local, cfg.is_local, cfg.softcap) == (local, local, softcap)
+            assert cfg.replace(local=False, softcap=False) == plain
+            assert cfg.smem_bytes() == plain.smem_bytes()
+            assert TmemPlan.for_backward(cfg).table() == TmemPlan.for_backward(plain).table()
+    for name, value in (("local", 1), ("softcap", 30.0)):
+        with pytest.raises(ValueError, match=f"{name}=.*a compile-time switch is a bool"):
+            Sm100BwdConfig(**{name: value}).validate()
+
+
 def test_switches_that_do_not_exist_yet_are_refused():
     with pytest.raises(ValueError, match="deterministic"):
         Sm100BwdConfig(deterministic=True).validate()

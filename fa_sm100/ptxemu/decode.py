@@ -17,7 +17,7 @@ from fa_sm100.machines import B200_SMS
 
 from .memory import EmulationError
 from .parser import Imm, Instr, Not, PtxKernel, Reg, Sink, Special, Sym, Vec
-from .values import UINT, bits_to, numpy_dtype, to_bits, type_width
+from .values import UINT, bits_to, ftz32, numpy_dtype, to_bits, type_width
 
 HANDLERS: dict = {}          # root opcode -> factory(instr, ctx) -> handler(m, w, idx)
 
@@ -271,3 +271,45 @@ def last_type(ins: Instr) -> str:
 
 def mods(ins: Instr) -> set:
     return set(ins.parts[1:])
+
+
+# -----------------------------------------------------------------------------------------
+# Helpers of the handler factories (ops*.py)
+
+_ERR = dict(all="ignore")  # NumPy float errors: the emulated hardware raises none
+
+
+def _srcs(ins, typ, kernel, first=1):
+    return [reader(o, typ, kernel) for o in ins.operands[first:]]
+
+
+def _post_float(ins, typ, v):
+    md = mods(ins)
+    if typ == "f32" and "ftz" in md:
+        v = ftz32(v)
+    if "sat" in md:
+        v = np.where(np.isnan(v), 0, np.clip(v, 0, 1)).astype(v.dtype)
+    return v
+
+
+def _unary(fn_int, fn_float=None):
+    def factory(ins, k):
+        typ = last_type(ins)
+        md = mods(ins)
+        a = reader(ins.operands[1], typ, k)
+        wr = writer(ins.operands[0], typ)
+
+        def run(m, w, idx):
+            with np.errstate(**_ERR):
+                x = a(m, w, idx)
+                if x.dtype.kind == "f":
+                    if fn_float is None:
+                        unsupported(ins)
+                    if typ == "f32" and "ftz" in md:
+                        x = ftz32(x)
+                    r = _post_float(ins, typ, np.asarray(fn_float(x)).astype(x.dtype))
+                else:
+                    r = fn_int(x)
+                wr(m, w, idx, r)
+        return run
+    return factory

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Optional, Sequence
 
-from .capture import Capture
+from .capture import Capture, LaunchRecord
+from .decode import HANDLERS, UnsupportedInstruction
 from .machine import Launch, Machine
 from .memory import RESERVED_SMEM, GlobalMemory
+from .parser import parse_ptx
 from layouts.smem import align_up
 
 
@@ -65,8 +68,6 @@ def launch_from_ptx(ptx: str, grid=(1, 1, 1), block=(32, 1, 1), params: Sequence
     """A Launch for hand-written PTX: ``params`` are NumPy scalars (their bytes are the
     parameter values) or ints (64-bit), one per ``.param`` of the single kernel."""
     import numpy as np
-    from .capture import Capture, LaunchRecord
-    from .parser import parse_ptx
     mod = parse_ptx(ptx)
     kernel = next(iter(mod.kernels.values()))
     if len(params) != len(kernel.params):
@@ -87,10 +88,6 @@ def launch_from_ptx(ptx: str, grid=(1, 1, 1), block=(32, 1, 1), params: Sequence
 def instruction_coverage(ptx: str) -> tuple:
     """(opcode -> count, unsupported opcode -> count) over every kernel of ``ptx``: which of
     the kernel's instructions the emulator models today."""
-    from collections import Counter
-    from . import ops  # noqa: F401  (registers the handlers)
-    from .decode import HANDLERS, UnsupportedInstruction
-    from .parser import parse_ptx
     counts, missing = Counter(), Counter()
     for k in parse_ptx(ptx).kernels.values():
         for ins in k.instrs:

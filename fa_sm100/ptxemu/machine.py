@@ -28,13 +28,16 @@ half, chosen by ``policy`` (Note [Schedule policies]):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Optional
 
 import numpy as np
 
+from . import ops  # noqa: F401  (registers every instruction handler)
+from .decode import decode_kernel
 from .memory import EmulationError, GlobalMemory, SharedMemory, RESERVED_SMEM
 from .parser import PtxKernel, Reg
 from .values import storage_dtype
+from .waits import PredWait, Wait
 
 WARP = 32
 FULL = np.ones(WARP, dtype=bool)
@@ -54,60 +57,6 @@ class Launch:
     static_smem: int = 0
     shared_offsets: dict = field(default_factory=dict)  # shared variable -> window address
     launch_regs: Optional[int] = None                   # registers per thread at launch
-
-
-class Wait:
-    """Something lanes block on. ``ready()`` is polled by the scheduler. ``at`` names the
-    instruction when the PC has already moved past it (barriers)."""
-    why = "wait"
-    at = None
-
-    def ready(self) -> bool:
-        raise NotImplementedError
-
-
-class BarrierWait(Wait):
-    def __init__(self, bar, generation: int, at=None):
-        self.bar, self.generation, self.at = bar, generation, at
-
-    @property
-    def why(self) -> str:
-        b = self.bar
-        return f"bar.sync {b.bid} ({b.arrived}/{b.expected} threads arrived)"
-
-    def ready(self):
-        return self.bar.generation > self.generation
-
-
-class PredWait(Wait):
-    """Wait until ``fn()``; ``why`` is a string or a callable evaluated for reports."""
-
-    def __init__(self, fn: Callable[[], bool], why, at=None):
-        self.fn, self._why, self.at = fn, why, at
-
-    @property
-    def why(self) -> str:
-        return self._why() if callable(self._why) else self._why
-
-    def ready(self):
-        return self.fn()
-
-
-class AsyncOp:
-    """An operation the hardware runs asynchronously (TMA copy, tcgen05.mma, commit). The
-    scheduler runs ready ones at random points between warp quanta; ``after`` orders an op
-    behind earlier ones of the same issuer (tcgen05 ops of one thread complete in order)."""
-
-    def __init__(self, fn, what: str, after=()):
-        self.fn, self.what, self.after = fn, what, tuple(after)
-        self.done = False
-        self.serial = None                     # issue order, numbered by the machine
-
-    def ready(self) -> bool:
-        return all(a.done for a in self.after)
-
-    def run(self):
-        self.fn()
 
 
 class NamedBarrier:
@@ -220,8 +169,6 @@ class Machine:
     def __init__(self, launch: Launch, gmem: GlobalMemory, seed: int = 0,
                  max_steps: int = 2_000_000, trace: Optional[list] = None,
                  policy: str = "random", strict_fences: bool = False):
-        from . import ops                              # noqa: F401 (handler registration)
-        from .decode import decode_kernel
         self.policy, self.delayed = parse_policy(policy)
         self.strict_fences = strict_fences             # Note [tcgen05 thread-sync fences]
         self.async_issued = 0                          # asynchronous operations numbered so far

@@ -12,20 +12,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from .decode import handler, last_type, mods, reader, types_of, unsupported, writer
+from .decode import (_ERR, _post_float, _srcs, _unary, handler, last_type, mods, reader, types_of,
+                     unsupported, writer)
 from .memory import EmulationError
 from .parser import Pair, Vec
 from .values import (UINT, add_f32, bf16_to_f32, f32_to_bf16_rn, f32_to_bf16_rz,
                      f16_to_f32, f32_to_f16_rn, fma_f32, ftz32, mul_f32, numpy_dtype,
                      type_width)
 
-from . import ops_mem, ops_sync, ops_tcgen05, ops_tma   # noqa: F401  (register their handlers)
+from . import ops_bits, ops_mem, ops_sync, ops_tcgen05, ops_tma  # noqa: F401  (their handlers)
 
-_ERR = dict(all="ignore")
-
-
-def _srcs(ins, typ, kernel, first=1):
-    return [reader(o, typ, kernel) for o in ins.operands[first:]]
 
 
 def _is_float(t):
@@ -48,15 +44,6 @@ def _f_sub(x, y, md):
 
 def _f_mul(x, y, md):
     return mul_f32(x, y, _rnd(md)) if x.dtype == np.float32 else x * y
-
-
-def _post_float(ins, typ, v):
-    md = mods(ins)
-    if typ == "f32" and "ftz" in md:
-        v = ftz32(v)
-    if "sat" in md:
-        v = np.where(np.isnan(v), 0, np.clip(v, 0, 1)).astype(v.dtype)
-    return v
 
 
 # -----------------------------------------------------------------------------------------
@@ -448,42 +435,6 @@ def _fma(ins, k):
     return runi
 
 
-def _unary(fn_int, fn_float=None):
-    def factory(ins, k):
-        typ = last_type(ins)
-        md = mods(ins)
-        a = reader(ins.operands[1], typ, k)
-        wr = writer(ins.operands[0], typ)
-
-        def run(m, w, idx):
-            with np.errstate(**_ERR):
-                x = a(m, w, idx)
-                if x.dtype.kind == "f":
-                    if fn_float is None:
-                        unsupported(ins)
-                    if typ == "f32" and "ftz" in md:
-                        x = ftz32(x)
-                    r = _post_float(ins, typ, np.asarray(fn_float(x)).astype(x.dtype))
-                else:
-                    r = fn_int(x)
-                wr(m, w, idx, r)
-        return run
-    return factory
-
-
-handler("neg")(_unary(lambda x: (0 - x).astype(x.dtype), lambda x: -x))
-handler("abs")(_unary(lambda x: np.abs(x).astype(x.dtype), np.abs))
-handler("not")(_unary(lambda x: ~x))
-handler("cnot")(_unary(lambda x: (x == 0).astype(x.dtype)))
-handler("ex2")(_unary(None, lambda x: np.exp2(x.astype(np.float64)).astype(np.float32)))
-handler("lg2")(_unary(None, lambda x: np.log2(x.astype(np.float64)).astype(np.float32)))
-handler("rcp")(_unary(None, lambda x: np.float32(1) / x))
-handler("sqrt")(_unary(None, np.sqrt))
-handler("rsqrt")(_unary(None, lambda x: (1.0 / np.sqrt(x.astype(np.float64))).astype(np.float32)))
-handler("sin")(_unary(None, np.sin))
-handler("cos")(_unary(None, np.cos))
-
-
 # -----------------------------------------------------------------------------------------
 # Comparisons and selects
 
@@ -581,4 +532,14 @@ def _nop(ins, k):
     return lambda m, w, idx: None
 
 
-from . import ops_bits  # noqa: E402,F401  (bit-manipulation handlers; they use _unary)
+handler("neg")(_unary(lambda x: (0 - x).astype(x.dtype), lambda x: -x))
+handler("abs")(_unary(lambda x: np.abs(x).astype(x.dtype), np.abs))
+handler("not")(_unary(lambda x: ~x))
+handler("cnot")(_unary(lambda x: (x == 0).astype(x.dtype)))
+handler("ex2")(_unary(None, lambda x: np.exp2(x.astype(np.float64)).astype(np.float32)))
+handler("lg2")(_unary(None, lambda x: np.log2(x.astype(np.float64)).astype(np.float32)))
+handler("rcp")(_unary(None, lambda x: np.float32(1) / x))
+handler("sqrt")(_unary(None, np.sqrt))
+handler("rsqrt")(_unary(None, lambda x: (1.0 / np.sqrt(x.astype(np.float64))).astype(np.float32)))
+handler("sin")(_unary(None, np.sin))
+handler("cos")(_unary(None, np.cos))

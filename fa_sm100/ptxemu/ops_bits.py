@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .decode import handler, last_type, mods, reader, unsupported, writer
-from .ops import _srcs, _unary
+from .decode import _srcs, _unary, handler, last_type, mods, reader, unsupported, writer
 from .values import UINT, numpy_dtype, type_width
 
 

@@ -125,7 +125,6 @@ def mem_write(m, w, space: str, addr: np.ndarray, data: np.ndarray, what: str, w
         m.gmem.write(addr.astype(np.uint64), data, what)
         return
     if space in ("shared", "shared::cluster"):
-        from .ops_tma import check_pending_reads
         for cta, off, sel in resolve_shared(m, w, addr, space):
             _check_pending(m, cta, off, data.shape[1], what)
             check_pending_reads(cta, off, data.shape[1], what)
@@ -261,3 +260,38 @@ def _mapa(ins, k):
             raise EmulationError(f"mapa to CTA rank {int(rank.max())} outside the cluster")
         wr(m, w, idx, ((rank << CLUSTER_SHIFT) | off).astype(numpy_dtype(typ)))
     return run
+
+
+# -----------------------------------------------------------------------------------------
+# Shared memory an asynchronous operation has yet to read (TMA stores, MMA operands)
+
+
+def _pending_reads(cta) -> list:
+    if not hasattr(cta, "pending_smem_reads"):
+        cta.pending_smem_reads = []
+    return cta.pending_smem_reads
+
+
+def add_pending_read(cta, lo: int, hi: int, desc: str):
+    """Shared bytes [lo, hi) that an asynchronous operation (a TMA store, an MMA's operand)
+    will read before it completes; returns the region for ``remove_pending_read``."""
+    region = (lo, hi, desc, "read")
+    _pending_reads(cta).append(region)
+    return region
+
+
+def remove_pending_read(cta, region):
+    _pending_reads(cta).remove(region)
+
+
+def check_pending_reads(cta, off, width, what):
+    """Shared memory an asynchronous operation has not read yet (a TMA store's source, an
+    MMA's operands from issue to completion) must not be overwritten, by threads or by a TMA
+    load issued meanwhile."""
+    pend = getattr(cta, "pending_smem_reads", None)
+    if not pend:
+        return
+    for (a, b, desc, _) in pend:
+        if ((off < b) & (off + width > a)).any():
+            raise EmulationError(f"{what}: shared memory [{a:#x}, {b:#x}) is overwritten while "
+                                 f"an asynchronous read of it is pending ({desc})")

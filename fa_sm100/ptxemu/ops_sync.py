@@ -6,11 +6,11 @@ from __future__ import annotations
 import numpy as np
 
 from .decode import Op, handler, last_type, mods, reader, unsupported, writer
-from .machine import BarrierWait, PredWait
 from .memory import EmulationError
 from .ops_mem import address_reader, resolve_shared, space_of
 from .parser import Imm, Pair, Sink
 from .values import numpy_dtype
+from .waits import BarrierWait, PredWait
 
 
 def _mask_members(mask_reader):

@@ -37,12 +37,13 @@ from __future__ import annotations
 import numpy as np
 
 from .decode import Op, handler, mods, reader, unsupported, writer
-from .machine import AsyncOp, PredWait
 from .memory import CLUSTER_SHIFT, EmulationError
-from .ops_mem import address_reader, resolve_shared
-from .ops_tma import add_pending_read, remove_pending_read, swizzle
+from .ops_mem import add_pending_read, address_reader, remove_pending_read, resolve_shared
+from .ops_sync import get_mbarrier
+from .ops_tma import swizzle
 from .parser import Addr, Vec
 from .values import bf16_to_f32
+from .waits import AsyncOp, PredWait
 
 LANES, COLS = 128, 512
 
@@ -497,7 +498,6 @@ def _commit(ins, k):
     where = f"line {ins.line}"
 
     def run(m, w, idx):
-        from .ops_sync import get_mbarrier
         for i in idx:
             one = np.array([i])
             addr = int(bar(m, w, one)[0])

@@ -18,11 +18,13 @@ import numpy as np
 
 from .capture import TMAP_MAGIC
 from .decode import handler, mods, reader, unsupported
-from .machine import AsyncOp, PredWait
 from .memory import CLUSTER_SHIFT, PARAM_GENERIC_BASE, EmulationError
-from .ops_mem import address_reader, resolve_shared
+from .ops_mem import (add_pending_read, address_reader, check_pending_reads,
+                      remove_pending_read, resolve_shared)
+from .ops_sync import get_mbarrier
 from .parser import TensorRef
 from .tensormap import decode_tensormap
+from .waits import AsyncOp, PredWait
 
 SWIZZLE_BYTES = {0: 0, 1: 32, 2: 64, 3: 128}
 
@@ -145,7 +147,6 @@ def _tma_load(ins, k):
     pair = "cta_group::2" in md
 
     def run(m, w, idx):
-        from .ops_sync import get_mbarrier
         d_all, t_all, b_all = dst(m, w, idx), tmap(m, w, idx), mbar(m, w, idx)
         c_all = [c(m, w, idx) for c in coords]
         masks = mask_r(m, w, idx) if multicast else None
@@ -195,7 +196,6 @@ def _bulk_load(ins, k):
     mbar = address_reader(ins.operands[3], "shared::cluster", k)
 
     def run(m, w, idx):
-        from .ops_sync import get_mbarrier
         d_all, s_all, n_all, b_all = dst(m, w, idx), src(m, w, idx), size(m, w, idx), mbar(m, w, idx)
         for i in range(len(idx)):
             d_addr, s_addr, n = int(d_all[i]), int(s_all[i]), int(n_all[i])
@@ -323,12 +323,6 @@ def _tma_store(ins, k):
     return run
 
 
-def _pending_reads(cta) -> list:
-    if not hasattr(cta, "pending_smem_reads"):
-        cta.pending_smem_reads = []
-    return cta.pending_smem_reads
-
-
 def _group_state(w, lane: int, kind: str) -> dict:
     """A lane's open (uncommitted) ops and committed groups of one kind (bulk stores,
     ``cp.async`` copies)."""
@@ -377,28 +371,3 @@ def _wait_group(ins, k, kind="bulk_groups", what="cp.async.bulk"):
         for st in states:  # the n most recent stay, in order, done or not
             st["committed"] = st["committed"][len(older(st)):]
     return run
-
-
-def add_pending_read(cta, lo: int, hi: int, desc: str):
-    """Shared bytes [lo, hi) that an asynchronous operation (a TMA store, an MMA's operand)
-    will read before it completes; returns the region for ``remove_pending_read``."""
-    region = (lo, hi, desc, "read")
-    _pending_reads(cta).append(region)
-    return region
-
-
-def remove_pending_read(cta, region):
-    _pending_reads(cta).remove(region)
-
-
-def check_pending_reads(cta, off, width, what):
-    """Shared memory an asynchronous operation has not read yet (a TMA store's source, an
-    MMA's operands from issue to completion) must not be overwritten, by threads or by a TMA
-    load issued meanwhile."""
-    pend = getattr(cta, "pending_smem_reads", None)
-    if not pend:
-        return
-    for (a, b, desc, _) in pend:
-        if ((off < b) & (off + width > a)).any():
-            raise EmulationError(f"{what}: shared memory [{a:#x}, {b:#x}) is overwritten while "
-                                 f"an asynchronous read of it is pending ({desc})")

@@ -4,7 +4,7 @@ emulator.
 ``run_backward(cfg, q, k, v, dout)`` cross-compiles ``Sm100Backward(cfg)`` for sm_100a, makes
 the preprocess's rows on the CPU (LSE2 = LSE log2(e) of the float64 reference forward, Delta =
 rowsum(O dO) with O rounded to the input dtype, float32, padded as the preprocess pads them:
-LSE2 = +inf and Delta = 0 past seqlen_q), executes the kernel's PTX on the emulator and returns
+LSE2 = +inf and Delta = 0 past seqlen_q and on rows that see no key), executes the kernel's PTX on the emulator and returns
 dq (= scale x the float32 accumulator, rounded as the postprocess rounds it), dk and dv as the
 kernel wrote them. The preprocess and postprocess kernels are the Hopper ones
 (tests/test_sm90_bwd_prepost_emulated.py runs them on the emulator).
@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
 
+from fa_sm100.bands import kernel_window
 from fa_sm100.ptxemu.sm100_run import _to_cute
 from fa_sm100.softmax_math import LOG2_E
 from layouts.smem import align_up
@@ -36,6 +38,32 @@ class BackwardRun:
     launch: dict
     compile_s: float
     emulate_s: float
+    # (key block, KV head, batch) -> the steps its CTA ran (query blocks x group heads): its
+    # load warp's bulk copies of LSE2 and Delta, two a step
+    steps: dict
+
+
+class _ExecutionCounts:
+    """A trace sink for ``emulate``: counts the executions of each (CTA, instruction) instead of
+    keeping the trace (the emulator appends (cluster index, warp, pc, lanes))."""
+
+    def __init__(self):
+        self.by_pc = Counter()
+
+    def append(self, event):
+        self.by_pc[event[0], event[2]] += 1
+
+
+def _steps_per_cta(counts: _ExecutionCounts, machine, grid) -> dict:
+    """(key block, KV head, batch) -> steps, from the stats' bulk copies (not the tensor
+    copies, whose number per tile depends on the head dim's swizzle boxes)."""
+    copies = Counter()
+    for (cta, pc), n in counts.by_pc.items():
+        op = machine.code[pc].instr.opcode
+        if op.startswith("cp.async.bulk.") and not op.startswith("cp.async.bulk.tensor"):
+            copies[cta] += n
+    gx, gy, gz = grid
+    return {(i % gx, i // gx % gy, i // (gx * gy)): copies[i] // 2 for i in range(gx * gy * gz)}
 
 
 def compile_backward(cfg, num_heads: int):
@@ -52,12 +80,15 @@ def compile_backward(cfg, num_heads: int):
     return _COMPILED[key]
 
 
-def preprocess_rows(q, k, v, dout, softmax_scale: float, causal: bool, m_block: int):
-    """(LSE2, Delta) as (batch, heads, padded seqlen_q) float32, as the preprocess makes them."""
+def preprocess_rows(q, k, v, dout, softmax_scale: float, causal: bool, m_block: int,
+                    window=(None, None), softcap: float = 0.0):
+    """(LSE2, Delta) as (batch, heads, padded seqlen_q) float32, as the preprocess makes them
+    (a row that sees no key: O = 0, LSE = -inf, so LSE2 = +inf and Delta = 0)."""
     from fa_sm100.testing import attention_reference
 
     b, sq, h, _ = q.shape
-    out, lse = attention_reference(q, k, v, softmax_scale, causal=causal)
+    out, lse = attention_reference(q, k, v, softmax_scale, causal=causal, window=window,
+                                   softcap=softcap)
     rows = align_up(sq, m_block)
     lse2 = torch.full((b, h, rows), math.inf, dtype=torch.float32)
     lse2[:, :, :sq] = torch.where(torch.isinf(lse), torch.full_like(lse, math.inf),
@@ -68,9 +99,11 @@ def preprocess_rows(q, k, v, dout, softmax_scale: float, causal: bool, m_block: 
     return lse2, delta
 
 
-def run_backward(cfg, q, k, v, dout, softmax_scale=None, seed: int = 0,
-                 policy: str = "late") -> BackwardRun:
-    """Emulate the compiled SM100 backward on contiguous BSHD CPU tensors (bf16/fp16)."""
+def run_backward(cfg, q, k, v, dout, softmax_scale=None, seed: int = 0, policy: str = "late",
+                 window=(None, None), softcap: float = 0.0) -> BackwardRun:
+    """Emulate the compiled SM100 backward on contiguous BSHD CPU tensors (bf16/fp16).
+    ``window``: the problem's (left, right), None unbounded (a windowed ``cfg.local`` kernel
+    takes ``bands.kernel_window`` of it); ``softcap``: the cap of a ``cfg.softcap`` kernel."""
     import cuda.bindings.driver as cuda
     import cutlass
 
@@ -84,13 +117,18 @@ def run_backward(cfg, q, k, v, dout, softmax_scale=None, seed: int = 0,
     if any(t.dtype != want for t in (q, k, v, dout)):
         raise ValueError(f"the config is {cfg.dtype}, the inputs "
                          f"{sorted({str(t.dtype) for t in (q, k, v, dout)})}")
+    if cfg.local != (tuple(window) != (None, None)) or cfg.softcap != (softcap > 0):
+        raise ValueError(f"window={window}, softcap={softcap} with config.local={cfg.local}, "
+                         f"config.softcap={cfg.softcap}: the config says whether there are")
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     t0 = time.perf_counter()
     kernel, fake, compiled, ptx = compile_backward(cfg, h)
     t1 = time.perf_counter()
-    lse2, delta = preprocess_rows(q, k, v, dout, scale, cfg.causal, cfg.m_block)
+    lse2, delta = preprocess_rows(q, k, v, dout, scale, cfg.causal, cfg.m_block, window,
+                                  softcap)
+    left, right = kernel_window(cfg.causal, window, sq, sk) if cfg.local else (0, 0)
     dq_acc = torch.zeros(b, h, lse2.shape[2], d, dtype=torch.float32)
     # NaN where the kernel must write: a row it leaves shows up
     dk = torch.full((b, sk, hk, d), float("nan"), dtype=q.dtype)
@@ -98,14 +136,17 @@ def run_backward(cfg, q, k, v, dout, softmax_scale=None, seed: int = 0,
     tensors = [q, k, v, dout, lse2, delta, dq_acc, dk, dv]
     modes = [(0, 1)] * 4 + [(0, 2)] * 3 + [(0, 1)] * 2
     real = (*(_to_cute(t, m, f) for t, m, f in zip(tensors, modes, fake)), None,
-            cutlass.Float32(scale), cuda.CUstream(0))
+            cutlass.Float32(scale), cutlass.Float32(softcap), cutlass.Int32(left),
+            cutlass.Int32(right), cuda.CUstream(0))
     cap = capture_launch(kernel, fake, real, compiled=compiled, ptx=ptx)
     t2 = time.perf_counter()
-    emulate(cap, tensors, seed=seed, policy=policy)
+    counts = _ExecutionCounts()
+    machine = emulate(cap, tensors, seed=seed, policy=policy, trace=counts)
     t3 = time.perf_counter()
     dq = (dq_acc[:, :, :sq] * scale).permute(0, 2, 1, 3).to(q.dtype).contiguous()
     rec = cap.launches[0]
     return BackwardRun(dq=dq, dk=dk, dv=dv, dq_acc=dq_acc, compile_s=t1 - t0, emulate_s=t3 - t2,
+                       steps=_steps_per_cta(counts, machine, rec.grid),
                        launch={"grid": rec.grid, "block": rec.block,
                                "dynamic_smem": rec.dynamic_smem,
                                "regs_at_launch": cap.launch_regs})

@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass
 from typing import Optional
 
-from fa_sm100.research.plotting import draw_share_bars
+from fa_sm100.research.role_panels import draw_share_bars
 from fa_sm100.research.timeline import ROLE_ROWS
 
 EMU_AXIS_LABEL = "PTX emulator, execution order (no clock)"

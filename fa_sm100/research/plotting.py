@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import Optional, Sequence
 
+from fa_sm100.research import emu_trace as emu
+from fa_sm100.research.role_panels import draw_share_bars
 from fa_sm100.research.timeline import MODEL_LABEL, ROLE_ROWS, Timeline
-
-if TYPE_CHECKING:
-    from fa_sm100.research.emu_trace import EmuTrace
 
 ROLE_COLORS = {
     "load": "#4C72B0",
@@ -47,21 +46,8 @@ def _pyplot():
     return plt
 
 
-def draw_share_bars(bars, fracs, colors, xlabel: str, texts) -> None:
-    """The side panel of a role chart: one horizontal bar per role row, as a percentage."""
-    n = len(ROLE_ROWS)
-    bars.barh(range(n), fracs, color=[colors[r] for r, _ in ROLE_ROWS])
-    bars.set_ylim(n - 0.5, -0.5)
-    bars.set_yticks([])
-    bars.set_xlim(0, 100)
-    bars.set_xlabel(xlabel, fontsize=8)
-    bars.tick_params(axis="x", labelsize=8)
-    for y, (f, text) in enumerate(zip(fracs, texts)):
-        bars.text(min(f + 2, 70), y, text, va="center", fontsize=7)
-
-
 def plot_timelines(timelines: Sequence[Timeline], path: str, title: str = "",
-                   emu_trace: Optional["EmuTrace"] = None) -> PlotInfo:
+                   emu_trace: Optional[emu.EmuTrace] = None) -> PlotInfo:
     """Draw each timeline as a Gantt panel (rows LOAD..EPILOGUE, busy in the role's colour,
     waiting hatched grey) with its per-role busy share beside it, and save a PNG at ``path``.
     ``emu_trace``: also draw the PTX emulator's trace (x = execution step, no clock) below the
@@ -80,9 +66,7 @@ def plot_timelines(timelines: Sequence[Timeline], path: str, title: str = "",
     panel_titles, row_labels = [], []
     emu_title = ""
     if emu_trace is not None:
-        from fa_sm100.research.emu_trace import draw_emu_panel
-
-        emu_title = draw_emu_panel(fig.add_subplot(grid[1, 0]), fig.add_subplot(grid[1, 1]),
+        emu_title = emu.draw_emu_panel(fig.add_subplot(grid[1, 0]), fig.add_subplot(grid[1, 1]),
                                    emu_trace, ROLE_COLORS)
     for k, tl in enumerate(timelines):
         slot = k + (emu_trace is not None and k > 0)
@@ -116,13 +100,11 @@ def plot_timelines(timelines: Sequence[Timeline], path: str, title: str = "",
     handles.append(Patch(facecolor=WAIT_COLOR, edgecolor="#A0A0A0", hatch="///",
                          label="waiting on a barrier"))
     if emu_trace is not None:
-        from fa_sm100.research.emu_trace import EMU_AXIS_LABEL, WAIT_COLOR as EMU_WAIT_COLOR
-
-        handles.append(Patch(facecolor=EMU_WAIT_COLOR, label="emulator: barrier waits"))
+        handles.append(Patch(facecolor=emu.WAIT_COLOR, label="emulator: barrier waits"))
     fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
     suptitle = (title + "\n" if title else "") + MODEL_LABEL
     if emu_trace is not None:
-        suptitle += f"; second panel: {EMU_AXIS_LABEL}"
+        suptitle += f"; second panel: {emu.EMU_AXIS_LABEL}"
     fig.suptitle(suptitle, fontsize=11, color="#8B0000")
     fig.subplots_adjust(top=1 - 0.55 / (1.0 + 2.35 * n) - 0.03, bottom=0.9 / (1.0 + 2.35 * n),
                         left=0.08, right=0.98)

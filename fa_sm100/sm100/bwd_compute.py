@@ -12,11 +12,33 @@ Produces  P^T_j and dS^T_j (16-bit) in TMEM over the columns of S^T / dP^T it ha
 
 Per step, with x = S^T scale_log2 (log2 units):
 
-    P  = exp2(x - LSE2)          0 where the causal mask hides the key (key > q + sk - sq)
+    P  = exp2(x - LSE2)          0 where the causal mask or the window hides the key
     dS = P (dP - Delta)          (the softmax scale goes into dK here and dq in the postprocess)
 
-A padding query row (past seqlen_q) has LSE2 = +inf, so P = 0 and dS = 0 there; a key past
-seqlen_k has a zero K and V row, so it adds nothing to dQ and its dK / dV row is not stored.
+A padding query row (past seqlen_q) has LSE2 = +inf, so P = 0 and dS = 0 there, and so has a
+row whose band holds no key (LSE = -inf: the preprocess writes LSE2 = +inf). A key past
+seqlen_k has a zero K and V row and its dK / dV row is not stored, but its score is 0, not
+-inf: left unmasked its P = exp2(-LSE2) is inf for a row whose every score lies 128 log2
+units below 0, and dQ's sum over keys gets inf x 0 = NaN (the adversarial ``shift_down``
+cases). So its P is masked to 0: by the causal limit (the last query row sees keys up to
+seqlen_k - 1), by the band (``band_columns``), and otherwise by the key-tail mask of the
+warps that hold such keys (the last key block's).
+
+Windows (``cfg.local``): the work tile visits only the query blocks whose band reaches its
+keys (``Sm100Backward._problem``, ``bands.q_block_range``). Each thread's key sees the query
+columns [lo, hi] of its half (``band_columns``, two subtractions per step); a warp whose 32
+keys see all 64 columns takes the loop without a mask, one whose block crosses an edge of the
+band (or holds a key past seqlen_k) the loop with two compares and a select per score. The
+mask zeroes P after the exp2, so it needs no -inf score and holds for capped scores too.
+
+Note [softcap in the SM100 backward] (``cfg.softcap``): the forward's scores were capped, so
+P = exp2(t scale_log2 - LSE2) with t = tanh(raw S softcap_k), scale_log2 = c log2(e) and
+softcap_k = softmax_scale / c (``fa_sm100.softmax_math``, the SM90 backward's Note [softcap in
+the backward]), and the chain rule puts tanh's derivative into dS: dS = P (dP - Delta)
+(1 - t^2), scaled by softmax_scale as before. The registers that held S^T keep the float32
+P (1 - t^2) once P is in its 16-bit copy, so dS = that (dP - Delta) takes the uncapped loop's
+registers (S^T, 16-bit P, dP^T) and no t is kept. A masked P is 0, and t is finite, so the
+product is 0 without a special masked value.
 """
 
 from __future__ import annotations
@@ -28,6 +50,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import tcgen05
 
+from fa_sm100.dsl_math import softcap_tanh
 from fa_sm100.sm100.bwd_load import step_head_block
 from fa_sm100.sm100.mma import advance
 from pipelines import record
@@ -91,6 +114,69 @@ def _store_pairs(cfg, v: HalfViews, vals: cute.Tensor, dst: cute.Tensor, dtype):
         cute.copy(v.thr_store, packed, dst[None, None, c])
 
 
+@dataclass(frozen=True)
+class BandColumns:
+    """The query columns [lo, hi] of a warpgroup's half that this thread's key sees in one step
+    (none past seqlen_k), and ``edge``: whether some key of the thread's warp misses one."""
+
+    lo: Int32
+    hi: Int32
+    edge: object  # Boolean, the same for the 32 lanes of a warp
+
+
+@cute.jit
+def band_columns(cfg, prob, key: Int32, first_q: Int32) -> BandColumns:
+    """Query q sees key j iff q' - left <= j <= q' + right, q' = q + seqlen_k - seqlen_q
+    (``fa_sm100.bands``, bounds from ``bands.kernel_window``): column c = q - first_q of the
+    half is seen iff lo <= c <= hi. Both limits grow with the key, so the warp's first key
+    (``key`` - lane) and last (+ 31) decide whether a score of its 32 x 64 block is masked."""
+    half = cfg.m_block // 2
+    left, right = prob.window
+    diag = key - (prob.seqlen_k - prob.seqlen_q) - first_q  # the key's diagonal, as a column
+    lo = diag - right
+    hi = diag + left
+    lane = cute.arch.lane_idx()
+    warp_last_key = key - lane + 31
+    edge = ((lo - lane + 31 > 0) | (hi - lane < half - 1)
+            | (warp_last_key >= prob.seqlen_k))
+    if key >= prob.seqlen_k:
+        hi = Int32(-1)
+    return BandColumns(lo=lo, hi=hi, edge=edge)
+
+
+@cute.jit
+def scores_to_p(cfg, h: cutlass.Constexpr, v: HalfViews, smem, prob, rS: cute.Tensor,
+                rP16: cute.Tensor, index: Int32, key: Int32, first_q: Int32, band, dtype,
+                tail: cutlass.Constexpr = False):
+    """P of the half's 64 scores: into ``rP16`` (16-bit, the dV MMA's operand) and ``rS``
+    (float32, dS's factor: P, or with softcap P (1 - t^2), Note [softcap in the SM100
+    backward]). Masked: the causal diagonal (``cfg.causal`` without a window), the band's
+    columns ``band`` (a ``BandColumns``; None: no key of the warp is masked), and with
+    ``tail`` a key past seqlen_k."""
+    half = cfg.m_block // 2
+    shift = prob.seqlen_k - prob.seqlen_q
+    for i in cutlass.range_constexpr(cute.size(rS)):
+        col = v.coords[i][1]
+        x = rS[i]
+        if cutlass.const_expr(cfg.softcap):
+            x = softcap_tanh(x * prob.softcap_k)  # t
+        p = cute.math.exp2(x * prob.scale_log2 - smem.sLSE2[h * half + col, index],
+                           fastmath=True)
+        if cutlass.const_expr(cfg.causal and not cfg.is_local):
+            # the causal limit: query q sees this key iff key <= q + seqlen_k - seqlen_q
+            p = p if key <= first_q + col + shift else Float32(0.0)
+        if cutlass.const_expr(band is not None):
+            p = p if (band.lo <= col) & (band.hi >= col) else Float32(0.0)
+        if cutlass.const_expr(tail):
+            p = p if key < prob.seqlen_k else Float32(0.0)
+        if cutlass.const_expr(cfg.softcap):
+            rP16[i] = p.to(dtype)
+            rS[i] = p * (Float32(1.0) - x * x)
+        else:
+            rS[i] = p
+            rP16[i] = p.to(dtype)
+
+
 @cute.jit
 def compute_step(cfg, h: cutlass.Constexpr, v: HalfViews, smem, pipes, prob, step: Int32,
                  index: Int32, phase: Int32, one_phase: Int32, key: Int32, dtype):
@@ -103,18 +189,20 @@ def compute_step(cfg, h: cutlass.Constexpr, v: HalfViews, smem, pipes, prob, ste
     rS = cute.make_rmem_tensor(v.coords.shape, Float32)
     cute.copy(v.thr_load, v.tS, rS)
     cute.arch.fence_view_async_tmem_load()  # S^T is in registers before P overwrites it
-    # the causal limit: query q sees this key iff key <= q + seqlen_k - seqlen_q
     first_q = m * cfg.m_block + h * half
-    shift = prob.seqlen_k - prob.seqlen_q
     rP16 = cute.make_rmem_tensor(cute.size(rS), dtype)
-    for i in cutlass.range_constexpr(cute.size(rS)):
-        col = v.coords[i][1]
-        p = cute.math.exp2(rS[i] * prob.scale_log2 - smem.sLSE2[h * half + col, index],
-                           fastmath=True)
-        if cutlass.const_expr(cfg.causal):
-            p = p if key <= first_q + col + shift else Float32(0.0)
-        rS[i] = p
-        rP16[i] = p.to(dtype)
+    if cutlass.const_expr(cfg.is_local):
+        band = band_columns(cfg, prob, key, first_q)
+        if band.edge:
+            scores_to_p(cfg, h, v, smem, prob, rS, rP16, index, key, first_q, band, dtype)
+        else:
+            scores_to_p(cfg, h, v, smem, prob, rS, rP16, index, key, first_q, None, dtype)
+    elif cutlass.const_expr(cfg.causal):  # the causal limit masks keys past seqlen_k
+        scores_to_p(cfg, h, v, smem, prob, rS, rP16, index, key, first_q, None, dtype)
+    elif key - cute.arch.lane_idx() + 31 >= prob.seqlen_k:  # a warp of the last key block
+        scores_to_p(cfg, h, v, smem, prob, rS, rP16, index, key, first_q, None, dtype, True)
+    else:
+        scores_to_p(cfg, h, v, smem, prob, rS, rP16, index, key, first_q, None, dtype)
     record.access(f"P{h}", "w")
     _store_pairs(cfg, v, rP16, v.tP, dtype)
     record.access("dP", "r")

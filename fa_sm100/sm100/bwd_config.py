@@ -86,6 +86,13 @@ class Sm100BwdConfig:
     head_dim_v: int = 128
     dtype: str = "bfloat16"
     causal: bool = False  # bottom-right aligned, as the forward
+    # sliding window (fa_sm100.bands): only "has a window" is compile-time; the bounds are
+    # launch arguments (bands.kernel_window: an unbounded side covers every key, causal caps
+    # the right one), so every window of a problem shares one kernel
+    local: bool = False
+    # logit softcapping (fa_sm100.softmax_math): the cap is a launch argument; dS takes tanh's
+    # derivative (Note [softcap in the SM100 backward] in bwd_compute.py)
+    softcap: bool = False
     qhead_per_kvhead: int = 1  # GQA ratio; 1 = MHA, num_heads = MQA
     # deterministic dQ adds (ordered by key block): not in this kernel yet; validate() says so
     deterministic: bool = False
@@ -104,6 +111,11 @@ class Sm100BwdConfig:
     @property
     def dtype_bytes(self) -> int:
         return DTYPE_BYTES[self.dtype]
+
+    @property
+    def is_local(self) -> bool:
+        """Whether the kernel takes a window's bounds (``bands.traced_bounds`` reads this)."""
+        return self.local
 
     def replace(self, **changes) -> "Sm100BwdConfig":
         return dataclasses.replace(self, **changes)
@@ -143,6 +155,10 @@ class Sm100BwdConfig:
         """Raise ValueError naming the first violated rule; return self when all hold."""
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r}: must be one of {DTYPES}")
+        for name in ("causal", "local", "softcap"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r}: a compile-time switch is a "
+                                 "bool (a window's bounds and the cap are launch arguments)")
         if (self.head_dim, self.head_dim_v) not in SM100_BWD_HEAD_DIMS:
             # the TMEM plan says why (192, 128) does not fit
             from layouts.tmem import TmemPlan
@@ -173,10 +189,13 @@ class Sm100BwdConfig:
 
 def select_sm100_bwd_config(head_dim: int, head_dim_v: int, dtype: str, causal: bool,
                             qhead_per_kvhead: int, deterministic: bool = False,
+                            local: bool = False, softcap: bool = False,
                             **overrides) -> Sm100BwdConfig:
-    """The default config of a problem: two Q / dO stages where they fit the SMEM, else one."""
+    """The default config of a problem: two Q / dO stages where they fit the SMEM, else one.
+    ``local`` / ``softcap``: whether the problem has a window / a cap (never their values)."""
     base = Sm100BwdConfig(head_dim=head_dim, head_dim_v=head_dim_v, dtype=dtype, causal=causal,
-                          qhead_per_kvhead=qhead_per_kvhead, deterministic=deterministic)
+                          local=local, softcap=softcap, qhead_per_kvhead=qhead_per_kvhead,
+                          deterministic=deterministic)
     if "q_stage" not in overrides:
         two = base.replace(q_stage=2)
         overrides["q_stage"] = 2 if two.smem_bytes() <= SMEM_BYTES else 1

@@ -16,19 +16,24 @@ def make_config(overrides) -> Sm100BwdConfig:
     """The default config of the problem the overrides name, with their switches applied."""
     fields = parse_overrides(overrides, Sm100BwdConfig)
     problem = {k: fields.pop(k) for k in ("head_dim", "head_dim_v", "dtype", "causal",
-                                          "qhead_per_kvhead", "deterministic") if k in fields}
+                                          "qhead_per_kvhead", "deterministic", "local",
+                                          "softcap") if k in fields}
     d = problem.pop("head_dim", 128)
     return select_sm100_bwd_config(d, problem.pop("head_dim_v", d),
                                    problem.pop("dtype", "bfloat16"),
                                    problem.pop("causal", False),
                                    problem.pop("qhead_per_kvhead", 1),
-                                   problem.pop("deterministic", False), **fields)
+                                   problem.pop("deterministic", False),
+                                   problem.pop("local", False), problem.pop("softcap", False),
+                                   **fields)
 
 
 def fake_arguments(cfg: Sm100BwdConfig, num_heads: int = FAKE_QUERY_HEADS,
                    env_stream: bool = False):
-    """(q, k, v, dout, lse2, delta, dq_acc, dk, dv, dq_sem, softmax_scale, stream) fakes for
-    ``Sm100Backward(cfg)``."""
+    """(q, k, v, dout, lse2, delta, dq_acc, dk, dv, dq_sem, softmax_scale, softcap,
+    window_left, window_right, stream) fakes for ``Sm100Backward(cfg)`` (the cap and the
+    window's bounds are run-time scalars of every config; only a capped / windowed kernel
+    reads them)."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
@@ -56,6 +61,7 @@ def fake_arguments(cfg: Sm100BwdConfig, num_heads: int = FAKE_QUERY_HEADS,
     dk = t((batch, seqlen_k, heads_kv, cfg.head_dim))
     dv = t((batch, seqlen_k, heads_kv, cfg.head_dim_v))
     return (q, k, v, dout, lse2, delta, dq_acc, dk, dv, None, cutlass.Float32(1.0),
+            cutlass.Float32(0.0), cutlass.Int32(0), cutlass.Int32(0),
             make_fake_stream(use_tvm_ffi_env_stream=env_stream))
 
 

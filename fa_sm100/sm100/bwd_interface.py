@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from fa_sm100 import kernel_cache
+from fa_sm100.bands import kernel_window
 from fa_sm100.sm100.bwd_config import select_sm100_bwd_config
 from fa_sm100.validation import require_sm100
 from layouts.smem import align_up
@@ -35,9 +36,10 @@ def _compiled(kind: str, key, build, make_fake_args):
 
 def sm100_bwd(dout, q, k, v, out, lse, softmax_scale=None, causal: bool = False,
               window_size=(None, None), deterministic: bool = False, softcap: float = 0.0):
-    """(dq, dk, dv) of ``flash_attn_func``'s attention on an SM100 GPU. ValueError before any
-    launch for what it does not do: sliding windows, softcap, deterministic mode, head dims
-    other than 64 / 96 / 128."""
+    """(dq, dk, dv) of ``flash_attn_func``'s attention on an SM100 GPU, sliding windows and
+    softcap included (their bounds and cap are launch arguments: one compiled kernel per
+    "windowed or not" and "capped or not"). ValueError before any launch for what it does not
+    do: deterministic mode, head dims other than 64 / 96 / 128."""
     from fa_sm100.hopper.bwd_interface import (fake_post_arguments, fake_pre_arguments,
                                                validate_bwd_inputs)
     from fa_sm100.hopper.bwd_prepost import BwdPostprocess, BwdPreprocess
@@ -48,12 +50,12 @@ def sm100_bwd(dout, q, k, v, out, lse, softmax_scale=None, causal: bool = False,
     scale, window, softcap = validate_bwd_inputs(dout, q, k, v, out, lse, softmax_scale, causal,
                                                  window_size, deterministic, softcap,
                                                  kernel="sm100_bwd")
-    if window != (None, None) or softcap:
-        raise ValueError("sm100_bwd: sliding windows and softcap have no SM100 backward yet")
     b, sq, hq, d = q.shape
     dtype = "bfloat16" if q.dtype == torch.bfloat16 else "float16"
+    local = window != (None, None)
     cfg = select_sm100_bwd_config(d, v.shape[3], dtype, causal, hq // k.shape[2],
-                                  deterministic)
+                                  deterministic, local=local, softcap=softcap > 0)
+    left, right = kernel_window(causal, window, sq, k.shape[1]) if local else (0, 0)
     require_sm100(q.device, "sm100_bwd")
     dt = cutlass_dtype(dtype)
     q, k, v, out, dout = (t.contiguous() for t in (q, k, v, out, dout))
@@ -71,6 +73,6 @@ def sm100_bwd(dout, q, k, v, out, lse, softmax_scale=None, causal: bool = False,
                      lambda: fake_post_arguments(dt, d, d))
     pre(out, dout, lse.contiguous(), lse2, delta, dq_acc.view(b, hq, rows // cfg.m_block, -1),
         sem, None)
-    main(q, k, v, dout, lse2, delta, dq_acc, dk, dv, None, scale)
+    main(q, k, v, dout, lse2, delta, dq_acc, dk, dv, None, scale, softcap, left, right)
     post(dq_acc, dq, scale, None, None)
     return dq, dk, dv

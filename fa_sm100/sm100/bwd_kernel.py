@@ -4,9 +4,10 @@
 preprocess's float32 rows LSE2 = LSE log2(e) and Delta = rowsum(O dO) (batch, heads,
 seqlen_q rounded up to m_block; padding rows LSE2 = +inf, Delta = 0), the float32 dQ
 accumulator (batch, heads, padded seqlen_q, head_dim), BSHD dK and dV (KV heads), the dQ
-semaphores (deterministic configs, else None), the softmax scale and a stream. One CTA per
-work tile (key block, KV head, batch); ``kernel`` sets up SMEM, pipelines and TMEM and
-dispatches each warp to its role module:
+semaphores (deterministic configs, else None), the softmax scale, the softcap (read by a
+capped config), the window's bounds (``bands.kernel_window``, read by a windowed config) and
+a stream. One CTA per work tile (key block, KV head, batch); ``kernel`` sets up SMEM,
+pipelines and TMEM and dispatches each warp to its role module:
 
     warps 0-7   bwd_compute.compute (two warpgroups: query columns 0-63 and 64-127)
     warps 8-11  bwd_dq.dq_out       warp 12  bwd_mma.mma       warp 14  bwd_load.load
@@ -29,6 +30,7 @@ from cutlass.memory import TmemAllocator
 from cutlass.cute.nvgpu import cpasync, tcgen05
 
 from fa_sm100 import softmax_math
+from fa_sm100.bands import q_block_range, traced_bounds
 from fa_sm100.sm100 import bwd_compute, bwd_dq, bwd_load, bwd_mma
 from fa_sm100.sm100.bwd_config import STATS_ALIGN
 from fa_sm100.sm100.context import BwdProblem, BwdSmem, BwdTmem
@@ -38,7 +40,7 @@ from layouts.smem import ALIGN
 from layouts.tmem import TmemPlan
 from pipelines import mbarrier, record
 from pipelines.named_barriers import NamedBarrier, num_threads
-from pipelines.spec import barrier_count, build_pipelines
+from pipelines.spec import barrier_count
 
 @dataclass(frozen=True)
 class BwdTmaAtoms:
@@ -62,7 +64,8 @@ class Sm100Backward:
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
                  mLSE2: cute.Tensor, mDelta: cute.Tensor, mdQacc: cute.Tensor,
-                 mdK: cute.Tensor, mdV: cute.Tensor, mdQsem, softmax_scale: Float32, stream):
+                 mdK: cute.Tensor, mdV: cute.Tensor, mdQsem, softmax_scale: Float32,
+                 softcap: Float32, window_left: Int32, window_right: Int32, stream):
         cfg = self.cfg
         sdhb = [1, 3, 2, 0]  # BSHD -> (s, d, h, b)
         mQ_s, mK_s, mV_s, mdO_s = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=sdhb))
@@ -102,10 +105,17 @@ class Sm100Backward:
             raise ValueError(f"SMEM: the backward's shared storage takes {self.shared_bytes} "
                              f"bytes, its config's model {cfg.smem_bytes()}")
         scale_log2 = softmax_scale * Float32(softmax_math.LOG2_E)
+        softcap_k = None  # fa_sm100.softmax_math: t = tanh(raw S * softcap_k), P from c t
+        if cutlass.const_expr(cfg.softcap):
+            softcap_k = softmax_scale / softcap
+            scale_log2 = softcap * Float32(softmax_math.LOG2_E)
+        window = None  # only a windowed kernel takes the bounds as parameters
+        if cutlass.const_expr(cfg.is_local):
+            window = (window_left, window_right)
         n_blocks = (mK.shape[1] + cfg.n_block - 1) // cfg.n_block
         self.kernel(mQ_t, mK_t, mV_t, mdO_t, mLSE2, mDelta, mdQacc, mdK, mdV, mdQsem,
                     BwdTmaAtoms(k=tma_k, v=tma_v, q=tma_q, do=tma_do), scale_log2,
-                    softmax_scale, lay, mmas).launch(
+                    softmax_scale, window, softcap_k, lay, mmas).launch(
             grid=[n_blocks, mK.shape[2], mK.shape[0]],
             block=[self.roles.threads_per_cta, 1, 1],
             stream=stream,
@@ -117,7 +127,7 @@ class Sm100Backward:
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
                mLSE2: cute.Tensor, mDelta: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor,
                mdV: cute.Tensor, mdQsem, atoms: BwdTmaAtoms, scale_log2: Float32,
-               softmax_scale: Float32, lay: cute_layouts.BwdSmemLayouts,
+               softmax_scale: Float32, window, softcap_k, lay: cute_layouts.BwdSmemLayouts,
                mmas: cute_layouts.BwdMmas):
         cfg, roles = self.cfg, self.roles
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -125,7 +135,7 @@ class Sm100Backward:
             for atom in (atoms.k, atoms.v, atoms.q, atoms.do):
                 cpasync.prefetch_descriptor(atom)
         storage = cutlass_utils.SmemAllocator().allocate(self.shared_storage)
-        pipes = build_pipelines(cfg, roles, storage.mbar.data_ptr())
+        pipes = mbarrier.build_pipelines(cfg, roles, storage.mbar.data_ptr())
         smem = self._smem(storage, lay)
         tmem_bar = cpipe.NamedBarrier(barrier_id=int(NamedBarrier.TMEM_ALLOC),
                                       num_threads=num_threads(NamedBarrier.TMEM_ALLOC, roles))
@@ -138,13 +148,13 @@ class Sm100Backward:
             cute.arch.setmaxregister_decrease(regs["other"])
         if warp_idx == roles.load:
             cute.arch.setmaxregister_decrease(regs["other"])
-            prob = self._problem(mQ, mK, scale_log2, softmax_scale)
+            prob = self._problem(mQ, mK, scale_log2, softmax_scale, window, softcap_k)
             with record.role("load"):
                 bwd_load.load(cfg, atoms, self.tx, mQ, mK, mV, mdO, mLSE2, mDelta, smem, mmas,
                               pipes, prob)
         if warp_idx == roles.mma:
             cute.arch.setmaxregister_decrease(regs["other"])
-            prob = self._problem(mQ, mK, scale_log2, softmax_scale)
+            prob = self._problem(mQ, mK, scale_log2, softmax_scale, window, softcap_k)
             with record.role("mma"):
                 tmem_alloc.allocate(self.tmem_plan.alloc_cols)
                 _tmem_sync(tmem_bar)
@@ -155,7 +165,7 @@ class Sm100Backward:
             tmem_alloc.free(tmem_alloc.retrieve_ptr(Float32), self.tmem_plan.alloc_cols)
         if warp_idx <= roles.compute[-1]:
             cute.arch.setmaxregister_increase(regs["compute"])
-            prob = self._problem(mQ, mK, scale_log2, softmax_scale)
+            prob = self._problem(mQ, mK, scale_log2, softmax_scale, window, softcap_k)
             with record.role("compute"):
                 _tmem_sync(tmem_bar)
                 tmem = self._tmem_views(tmem_alloc, mmas, lay)
@@ -164,7 +174,7 @@ class Sm100Backward:
                                      number_of_threads=tmem_bar.num_threads, aligned=False)
         if warp_idx >= roles.dq[0] and warp_idx <= roles.dq[-1]:
             cute.arch.setmaxregister_decrease(regs["dq"])
-            prob = self._problem(mQ, mK, scale_log2, softmax_scale)
+            prob = self._problem(mQ, mK, scale_log2, softmax_scale, window, softcap_k)
             with record.role("dq"):
                 _tmem_sync(tmem_bar)
                 tmem = self._tmem_views(tmem_alloc, mmas, lay)
@@ -191,15 +201,23 @@ class Sm100Backward:
                        sdS=view(storage.sdS, lay.sdS), sLSE2=storage.sLSE2.get_tensor(stats),
                        sDelta=storage.sDelta.get_tensor(stats))
 
-    def _problem(self, mQ, mK, scale_log2, softmax_scale) -> BwdProblem:
+    def _problem(self, mQ, mK, scale_log2, softmax_scale, window, softcap_k) -> BwdProblem:
         """This CTA's work tile (derived inside each role, as the forward does: values
-        computed before the dispatch would stay live in every role's registers)."""
+        computed before the dispatch would stay live in every role's registers): the query
+        blocks whose band reaches the key block (``bands.q_block_range`` with a window), so
+        the work scales with the band; none when no row sees one of its keys."""
         cfg = self.cfg
         n_block, head_kv, batch = cute.arch.block_idx()
         seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
         m_max = (seqlen_q + cfg.m_block - 1) // cfg.m_block
         m_min = Int32(0)
-        if cutlass.const_expr(cfg.causal):
+        if cutlass.const_expr(cfg.is_local):
+            left, right = traced_bounds(cfg, window)
+            m_min, m_hi = q_block_range(n_block * cfg.n_block, cfg.n_block, cfg.m_block,
+                                        seqlen_q, seqlen_k, left, right, imax=cutlass.max,
+                                        imin=cutlass.min)
+            m_max = cutlass.max(m_hi, m_min)  # an empty range: no step
+        elif cutlass.const_expr(cfg.causal):
             # bottom-right: row r sees key c iff c <= r + seqlen_k - seqlen_q, so the first row
             # that sees this block's first key is n_block * n_block_size - (seqlen_k - seqlen_q)
             first_row = n_block * cfg.n_block - (seqlen_k - seqlen_q)
@@ -207,7 +225,8 @@ class Sm100Backward:
         iters = cutlass.max(m_max - m_min, 0) * cfg.qhead_per_kvhead
         return BwdProblem(seqlen_q=seqlen_q, seqlen_k=seqlen_k, n_block=n_block, head_kv=head_kv,
                           batch=batch, m_min=m_min, m_max=m_max, iters=iters,
-                          scale_log2=scale_log2, softmax_scale=softmax_scale)
+                          scale_log2=scale_log2, softmax_scale=softmax_scale, window=window,
+                          softcap_k=softcap_k)
 
     def _tmem_views(self, tmem_alloc, mmas, lay) -> BwdTmem:
         cfg, plan = self.cfg, self.tmem_plan

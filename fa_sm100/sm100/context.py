@@ -85,7 +85,8 @@ class BwdProblem:
     """Run-time sizes of one backward work tile: the CTA's key block ``n_block`` of KV head
     ``head_kv`` of ``batch``, and the query blocks it visits, ``m_min <= m < m_max`` of each
     of the group's ``group`` query heads, ``iters`` steps in all (step i: query head
-    ``head_kv * group + i // (m_max - m_min)``, block ``m_min + i % (m_max - m_min)``)."""
+    ``head_kv * group + i // (m_max - m_min)``, block ``m_min + i % (m_max - m_min)``): with
+    a causal mask or a window, only the query blocks whose band reaches the key block."""
 
     seqlen_q: Int32
     seqlen_k: Int32
@@ -95,8 +96,13 @@ class BwdProblem:
     m_min: Int32
     m_max: Int32
     iters: Int32
-    scale_log2: Float32  # softmax_scale * log2(e)
+    scale_log2: Float32  # softmax_scale * log2(e); a softcapped config's softcap * log2(e)
     softmax_scale: Float32
+    # (left, right) run-time bounds of a windowed config (fa_sm100.bands.kernel_window), else
+    # None (causal alone is the constant right bound 0)
+    window: Optional[tuple] = None
+    # a softcapped config's tanh argument factor (softmax_scale / softcap), else None
+    softcap_k: Optional[Float32] = None
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The seven pipelines of the SM100 forward, as the roles hold them.
 
 The pipeline objects are built once, from the table ``pipelines.spec.PIPELINES``, by
-``pipelines.spec.build_pipelines`` (classes in ``pipelines/mbarrier.py``; arrival counts derived
+``pipelines.mbarrier.build_pipelines`` (classes in ``pipelines/mbarrier.py``; arrival counts derived
 from the warp roles). Every role talks to them through four verbs with an explicit
 (stage, phase), each logged to ``pipelines.record`` while the kernel is traced:
 
@@ -23,7 +23,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
-from pipelines.spec import PIPELINE_NAMES, barrier_count, build_pipelines
+from pipelines.mbarrier import build_pipelines
+from pipelines.spec import PIPELINE_NAMES, barrier_count
 
 __all__ = ["PIPELINE_NAMES", "Pipes", "barrier_count", "build", "producer_tail"]
 
