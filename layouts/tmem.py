@@ -93,6 +93,14 @@ class TmemPlan:
                     TmemRegion("dK", 2 * m + dv, d)]
         return cls(tuple(regions)).check()
 
+    @classmethod
+    def of(cls, cfg) -> "TmemPlan":
+        """The plan of ``cfg``'s kernel: the backward's for a config that names the backward's
+        pipeline table (``Sm100BwdConfig.pipeline_table``), else the forward's."""
+        if getattr(cfg, "pipeline_table", "forward") == "backward":
+            return cls.for_backward(cfg)
+        return cls.for_config(cfg)
+
     def __getitem__(self, name: str) -> TmemRegion:
         for r in self.regions:
             if r.name == name:

@@ -31,6 +31,7 @@ from collections import Counter
 from fa_sm100.config import FmhaConfig, default_head_dim_v, parse_overrides
 from pipelines.model import ProtocolModel, Report
 from pipelines.program import BRANCH_POLICIES, inject, parse_injection
+from pipelines.spec import BWD_PIPELINES, table_of
 
 GRID = {
     "q_stage": (1, 2),
@@ -87,13 +88,25 @@ def programs_for(cfg: FmhaConfig, source: str) -> dict:
     return kernel_recording(cfg).programs
 
 
+def trip_bindings(cfg, n: int, t: int) -> dict:
+    """The loop trip counts of a run: the forward's K/V blocks per tile and tiles per CTA;
+    the backward's steps (query blocks x query heads of its one work tile per CTA) = ``n``."""
+    if table_of(cfg) is BWD_PIPELINES:
+        return {"steps": n}
+    return {"n_blocks": n, "work_tiles": t}
+
+
 def check_config(cfg: FmhaConfig, programs: dict, n_blocks, work_tiles, seeds: int,
                  exhaustive_states: int) -> list[dict]:
-    """Model runs of one config over the trip grid; one dict per (n_blocks, work_tiles)."""
+    """Model runs of one config over the trip grid; one dict per (n_blocks, work_tiles). For
+    the backward (``Sm100BwdConfig``) ``n_blocks`` are its steps and there is one work tile."""
     rows = []
     policies = list(BRANCH_POLICIES.values())
+    backward = table_of(cfg) is BWD_PIPELINES
+    if backward:
+        work_tiles = (1,)  # one work tile per CTA; n_blocks counts its steps
     for n, t in itertools.product(n_blocks, work_tiles):
-        bindings = {"n_blocks": n, "work_tiles": t}
+        bindings = trip_bindings(cfg, n, t)
         rep = Report()
         for seed in range(seeds):
             # vary the run-time branch policy (then / else / alternate) across the grid

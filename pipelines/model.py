@@ -1,4 +1,8 @@
-"""The protocol model: the SM100 forward's synchronization, simulated exactly on the CPU.
+"""The protocol model: the SM100 kernels' synchronization, simulated exactly on the CPU.
+
+The pipelines, their arrival counts, SMEM buffers and TMA bytes come from the config's table
+(``spec.table_of``: the forward's or the backward's), TMEM regions from its ``TmemPlan``,
+warps from its warp roles (a part of a role, ``record.part``, from its recorded warps).
 
 Actors are the roles of each CTA of the pair (``softmax0@1`` is softmax 0 of CTA 1; the MMA
 warp runs only in the leader CTA 0 unless its program branches on ``is_leader_cta``), plus
@@ -39,8 +43,9 @@ from typing import Optional
 from fa_sm100.config import WARP_SIZE, FmhaConfig
 from layouts.tmem import TmemPlan
 from pipelines.named_barriers import NamedBarrier, num_threads
-from pipelines.program import SMEM_ALIASES, Op, flatten, policy_then, uses_condition
-from pipelines.spec import active_specs
+from pipelines.program import Op, flatten, policy_then, uses_condition
+from pipelines.record import Event
+from pipelines.spec import active_specs, smem_buffers
 
 TMEM_CELL = 8  # column granularity of TMEM race tracking
 MAX_FINDINGS = 40
@@ -90,6 +95,19 @@ def join(a: dict, b: dict) -> dict:
         if out.get(k, 0) < v:
             out[k] = v
     return out
+
+
+def _actor_warps(role: str, nodes: list, role_warps: dict) -> int:
+    """Warps of the actor that runs ``nodes``: a warp role's, or a part's (its first event,
+    ``record.part``, names the role and the part's threads)."""
+    if nodes and isinstance(nodes[0], Event) and nodes[0].op == "part":
+        parent, threads = nodes[0].note, nodes[0].threads
+        if parent not in role_warps or not 0 < threads <= len(role_warps[parent]) * WARP_SIZE:
+            raise ValueError(f"part {role!r}: {threads} threads of role {parent!r} ({sorted(role_warps)})")
+        return threads // WARP_SIZE
+    if role not in role_warps:
+        raise ValueError(f"recorded role {role!r} is not a warp role ({sorted(role_warps)})")
+    return len(role_warps[role])
 
 
 @dataclass(frozen=True)
@@ -159,19 +177,25 @@ class ProtocolModel:
         self.specs = {s.name: s for s in active_specs(cfg)}
         self.stages = {n: s.num_stages(cfg) for n, s in self.specs.items()}
         self.ctas = cfg.cta_group
-        self.plan = TmemPlan.for_config(cfg)
+        self.plan = TmemPlan.of(cfg)
+        self.buffers = smem_buffers(self.specs.values())
         role_warps = cfg.warp_roles().role_warps()
         self.actors: list[Actor] = []
         for role, nodes in programs.items():
-            if role not in role_warps:
-                raise ValueError(f"recorded role {role!r} is not a warp role ({sorted(role_warps)})")
+            warps = _actor_warps(role, nodes, role_warps)
             for cta in range(self.ctas):
                 # The MMA warp of a non-leader CTA exists (it joins named barriers) only when
                 # its program says what it does there (a branch on is_leader_cta).
                 if role == "mma" and cta > 0 and not uses_condition(nodes, "is_leader_cta"):
                     continue
                 ops = flatten(nodes, bindings, self.stages, cta, policy, role)
-                self.actors.append(Actor(f"{role}@{cta}", role, cta, ops, len(role_warps[role])))
+                self.actors.append(Actor(f"{role}@{cta}", role, cta, ops, warps))
+        # SMEM buffers some access covers only in part (``cols``): their column extent
+        self.smem_cols = {}
+        for a in self.actors:
+            for op in a.ops:
+                if op.kind == "access" and op.cols is not None and op.region in self.buffers:
+                    self.smem_cols[op.region] = max(self.smem_cols.get(op.region, 0), op.cols[1])
         self.names = [a.name for a in self.actors]
         self.expected = {}
         for name, spec in self.specs.items():
@@ -412,6 +436,15 @@ class ProtocolModel:
         return sum(self.actors[j].warps * WARP_SIZE for j in arrived)
 
     # -- races ------------------------------------------------------------------------------
+    def _tma_bytes(self, op: Op) -> int:
+        """Bytes one CTA's TMA copy lands: the recorded ``tx``, else the table's bytes of the
+        buffer (rows with a rule per buffer), else the acquire's bytes; per CTA of the pair."""
+        if op.tx:
+            return op.tx
+        spec = self.specs[op.done_by]
+        nbytes = spec.buffer_tx(self.cfg, op.region) if op.region in spec.smem else None
+        return (op.bar_tx if nbytes is None else nbytes) // self.ctas
+
     def _cells(self, a: Actor, op: Op):
         ctas = range(self.ctas) if op.unit == "umma" else (a.cta,)
         if op.region in self.plan.names:
@@ -423,11 +456,20 @@ class ProtocolModel:
                     raise ValueError(f"{a.name}: columns {op.cols} outside TMEM region {op.region}")
             return [(("tmem", c), cta) for cta in ctas
                     for c in range(lo // TMEM_CELL, -(-hi // TMEM_CELL))], f"{op.region}"
-        if op.region[:1] in "SPO" and op.region[1:].isdigit():
-            raise ValueError(f"{a.name}: TMEM region {op.region} is not in this config's plan {self.plan.names}")
-        stage = op.stage if op.region in SMEM_ALIASES.values() else None
-        label = f"{op.region}[{stage}]" if stage is not None else op.region
-        return [((op.region, stage), cta) for cta in ctas], label
+        if op.region not in self.buffers:
+            raise ValueError(f"{a.name}: access region {op.region} is neither a TMEM region of this "
+                             f"config's plan {self.plan.names} nor an SMEM buffer of its pipeline "
+                             f"table {sorted(self.buffers)}")
+        stage = op.stage
+        label = f"{op.region}[{stage}]"
+        width = self.smem_cols.get(op.region)
+        if width is None:
+            return [((op.region, stage), cta) for cta in ctas], label
+        lo, hi = op.cols if op.cols is not None else (0, width)
+        if op.cols is not None:
+            label += f" cols {lo}..{hi - 1}"
+        return [((op.region, stage, c), cta) for cta in ctas
+                for c in range(lo // TMEM_CELL, -(-hi // TMEM_CELL))], label
 
     def _access(self, st: State, i: int, a: Actor, op: Op, who: str) -> None:
         if op.unit == "umma":
@@ -440,7 +482,7 @@ class ProtocolModel:
             aid = f"tma#{st.tma_seq}"
             vc = {**st.vcs[i], aid: 1}
             acc = Access(aid, 1, vc, op.mode, f"TMA issued by {who}")
-            nbytes = op.tx or op.bar_tx // self.ctas
+            nbytes = self._tma_bytes(op)
             key = (op.done_by, "full", op.bar_stage, 0 if self.ctas == 2 else a.cta)
             st.tma = st.tma + ((key, nbytes, op.bar_round, vc, f"TMA of {who}"),)
         else:

@@ -16,11 +16,18 @@ of P, ``skip-wait:P`` every consumer wait of P, ``extra-arrive:P`` adds a second
 after every producer commit of P. ``flip_initial_phase(programs, P)`` starts every state of P
 with the other phase (the wrong-initial-phase fault).
 
-Access regions: TMEM regions come from ``TmemPlan`` (S0, S1, P0, P1, O0, O1, compared by
-columns, so P0 aliases S0's upper half). SMEM buffers are named ``sQ``, ``sKV`` (``sK`` and
-``sV`` are the same ring of stages), ``sO`` and ``stats``; a trailing digit or ``stage_of``
-gives the stage. ``stage_of="kv"`` means the stage of the role's latest wait/acquire on kv;
-``"kv-1"`` the one before it (the MMA warp reads V[i] after it already waited on K[i-1]).
+``drop-commit:P`` (every producer commit of P removed) and ``short-tx:P`` (every expect-tx
+acquire of P expects half its bytes) are further faults for tests and the CLI
+(``FAULT_KINDS``); short-tx shows where the copies' bytes come from the pipeline table
+(``PipelineSpec.buffer_tx``: the backward's rows), not from the acquire itself.
+
+Access regions: TMEM regions come from the config's ``TmemPlan`` (compared by columns, so P0
+aliases S0's upper half). SMEM buffers are those the pipeline table's rows hand over
+(``PipelineSpec.smem``: the forward's ``sQ``, ``sKV``, ``sO``, ``stats``; the backward's
+``sK``, ``sV``, ``sQ``, ``sdO``, ``sLSE2``, ``sDelta``, ``sdS``); a trailing digit or
+``stage_of`` gives the stage. ``stage_of="kv"`` means the stage of the role's latest
+wait/acquire on kv; ``"kv-1"`` the one before it (the MMA warp reads V[i] after it already
+waited on K[i-1]). A ``part`` event (``record.part``) only names the actor; flattening skips it.
 """
 
 from __future__ import annotations
@@ -30,9 +37,12 @@ from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 from pipelines.record import Branch, Event, Loop
+from pipelines.spec import BWD_PIPELINES, PIPELINES
 
 INJECTION_KINDS = ("drop-release", "extra-arrive", "skip-wait")
-SMEM_ALIASES = {"sK": "sKV", "sV": "sKV", "sKV": "sKV", "sQ": "sQ", "sO": "sO", "stats": "stats"}
+# faults beyond the CLI grid's three (each reported where it applies: short-tx only changes a
+# TMA pipeline, drop-commit of a TMA pipeline removes a no-op)
+FAULT_KINDS = INJECTION_KINDS + ("drop-commit", "short-tx")
 # Conditions the model binds per CTA instead of exploring both ways.
 CTA_CONDITIONS = ("is_leader_cta",)
 
@@ -69,7 +79,7 @@ class Op:
     def describe(self) -> str:
         if self.kind == "access":
             cols = f" cols {self.cols[0]}..{self.cols[1] - 1}" if self.cols else ""
-            st = f"[{self.stage}]" if self.stage is not None and self.region in ("sQ", "sKV", "sO", "stats") else ""
+            st = f"[{self.stage}]" if self.stage is not None else ""
             return f"access {self.region}{st}{cols} {self.mode} by {self.unit}"
         if self.kind == "named_sync":
             return f"named_sync {self.pipe}"
@@ -91,15 +101,19 @@ def eval_trips(trips: str, bindings: dict) -> int:
     return value
 
 
-def split_region(name: str, stage: Optional[int]):
-    """(canonical SMEM name, stage) for SMEM buffers; (name, None) for anything else."""
-    m = re.fullmatch(r"([A-Za-z_]+?)(\d+)?", name)
-    base, digit = (m.group(1), m.group(2)) if m else (name, None)
-    if base in SMEM_ALIASES:
-        canon = SMEM_ALIASES[base]
-        if digit is not None:
-            return canon, int(digit)
-        return canon, stage if stage is not None else 0
+def table_buffers(pipes) -> frozenset:
+    """The SMEM buffers the table rows named ``pipes`` hand over (``PipelineSpec.smem``)."""
+    return frozenset(b for p in PIPELINES + BWD_PIPELINES if p.name in pipes for b in p.smem)
+
+
+def split_region(name: str, stage: Optional[int], buffers=frozenset()):
+    """(SMEM buffer, stage) for a buffer of ``buffers`` (the stage a trailing digit names,
+    else ``stage``, else 0); (name, None) for anything else (a TMEM region)."""
+    if name in buffers:
+        return name, stage if stage is not None else 0
+    m = re.fullmatch(r"([A-Za-z_]+?)(\d+)", name)
+    if m and m.group(1) in buffers:
+        return m.group(1), int(m.group(2))
     return name, None
 
 
@@ -135,8 +149,10 @@ def flatten(nodes, bindings: dict, stages: dict, cta: int = 0,
             policy: BranchPolicy = policy_then, role: str = "?") -> list[Op]:
     """Unroll ``nodes`` into a list of ``Op`` with stages and rounds resolved.
 
-    stages: pipeline name -> stage count (from the table for the config).
+    stages: pipeline name -> stage count (from the table for the config); the SMEM buffers
+    are those these pipelines hand over.
     """
+    buffers = table_buffers(stages)
     out: list[Op] = []
     counters: dict = {}
     history: dict = {}  # pipe -> stages of this role's waits/acquires, in order
@@ -189,6 +205,8 @@ def flatten(nodes, bindings: dict, stages: dict, cta: int = 0,
 
     def emit(ev: Event):
         idx = len(out)
+        if ev.op == "part":
+            return
         if ev.op == "state_new":
             pstates[ev.state] = [ev.stages, ev.stage_hint, ev.phase]
             return
@@ -242,7 +260,7 @@ def flatten(nodes, bindings: dict, stages: dict, cta: int = 0,
                     raise ValueError(f"role {role}: access {ev.region} with stage_of={ev.stage_of!r} "
                                      f"before {back + 1} wait/acquire on {pipe}")
                 stage = hist[-1 - back]
-            region, stage = split_region(ev.region, stage)
+            region, stage = split_region(ev.region, stage, buffers)
             bar = (0, 0, 0)
             if ev.unit == "tma":
                 if ev.done_by not in last_acquire:
@@ -264,14 +282,13 @@ def flatten(nodes, bindings: dict, stages: dict, cta: int = 0,
 def parse_injection(text: str) -> tuple[str, str]:
     """'drop-release:kv' -> ('drop-release', 'kv'); ValueError naming the allowed kinds."""
     if ":" not in text:
-        raise ValueError(f"--inject {text!r}: expected KIND:PIPELINE with KIND in {INJECTION_KINDS}")
+        raise ValueError(f"--inject {text!r}: expected KIND:PIPELINE with KIND in {FAULT_KINDS}")
     kind, pipe = text.split(":", 1)
-    if kind not in INJECTION_KINDS:
-        raise ValueError(f"--inject {text!r}: unknown kind {kind!r}; use one of {INJECTION_KINDS}")
-    from pipelines.spec import PIPELINE_NAMES
-
-    if pipe not in PIPELINE_NAMES:
-        raise ValueError(f"--inject {text!r}: unknown pipeline {pipe!r}; pipelines: {PIPELINE_NAMES}")
+    if kind not in FAULT_KINDS:
+        raise ValueError(f"--inject {text!r}: unknown kind {kind!r}; use one of {FAULT_KINDS}")
+    names = tuple(p.name for p in PIPELINES + BWD_PIPELINES)
+    if pipe not in names:
+        raise ValueError(f"--inject {text!r}: unknown pipeline {pipe!r}; pipelines: {names}")
     return kind, pipe
 
 
@@ -305,6 +322,8 @@ def flip_initial_phase(programs: dict, pipe: str) -> dict:
 
 def inject(programs: dict, kind: str, pipe: str) -> dict:
     """A copy of ``programs`` (role -> node list) with the fault ``kind`` applied to ``pipe``."""
+    if kind not in FAULT_KINDS:
+        raise ValueError(f"unknown fault {kind!r}; use one of {FAULT_KINDS}")
 
     def tx(seq):
         out = []
@@ -313,10 +332,14 @@ def inject(programs: dict, kind: str, pipe: str) -> dict:
                 out.append(Loop(node.trips, tx(node.body)))
             elif isinstance(node, Branch):
                 out.append(Branch(node.cond, tx(node.then), tx(node.orelse)))
-            elif node.pipeline != pipe or node.op not in ("release", "wait", "commit"):
+            elif node.pipeline != pipe or node.op not in ("release", "wait", "commit", "acquire"):
                 out.append(node)
             elif kind == "drop-release" and node.op == "release":
                 continue
+            elif kind == "drop-commit" and node.op == "commit":
+                continue
+            elif kind == "short-tx" and node.op == "acquire" and node.tx:
+                out.append(replace(node, tx=node.tx // 2, note="injected: expect-tx halved"))
             elif kind == "skip-wait" and node.op == "wait":
                 # keeps the stage bookkeeping of the wait, never blocks
                 out.append(replace(node, op="skipped_wait", note="injected: wait skipped"))

@@ -11,6 +11,10 @@ While a kernel is traced, every role's code runs once in Python. Within ``record
 - ``access(...)``         declares a read or write of a named TMEM region or SMEM buffer,
                           by the threads themselves or by an asynchronous unit (UMMA, TMA)
                           whose completion is signalled through a pipeline;
+- ``part(name, warps)``   inside a role, the code only some of its warps run (a run-time
+                          branch on the warp index: the backward's compute warpgroup h); the
+                          part is an actor of its own (``warps`` warps) whose program starts
+                          with what the role recorded before it;
 - ``loop(trips)``         marks a run-time loop (``trips`` is a symbol such as "n_blocks - 1"
                           or "work_tiles" that the model binds to concrete trip counts);
 - ``branch(cond)``        marks a run-time branch whose condition the model explores both ways
@@ -29,6 +33,7 @@ import contextlib
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
+from fa_sm100.config import WARP_SIZE
 from pipelines.spec import ARRIVE_KINDS
 
 
@@ -36,7 +41,8 @@ from pipelines.spec import ARRIVE_KINDS
 class Event:
     """One protocol operation of a role, in program order.
 
-    op: "acquire" | "commit" | "wait" | "release" (pipeline ops), "access", "named_sync"
+    op: "acquire" | "commit" | "wait" | "release" (pipeline ops), "access", "named_sync",
+        "part" (first event of a part's program: ``note`` the role, ``threads`` its threads)
     pipeline: pipeline name for pipeline ops; the named barrier for "named_sync"
     stage_hint: optional compile-time stage (e.g. the Q stage of an s_p_o operation)
     region / mode / unit / done_by: for "access" (mode "r" or "w"; unit "threads", "umma"
@@ -95,9 +101,12 @@ Node = Union[Event, Loop, Branch]
 
 @dataclass
 class Recording:
-    """Role name -> program (a list of Event / Loop / Branch nodes)."""
+    """Role name -> program (a list of Event / Loop / Branch nodes). A role split into parts
+    (``part``) is replaced by its parts once its block ends."""
 
     programs: dict = field(default_factory=dict)
+    parts: dict = field(default_factory=dict)  # role -> its parts, in order
+    forks: dict = field(default_factory=dict)  # role -> length of its program at its first part
 
 
 class _Recorder:
@@ -147,13 +156,18 @@ def role(name: str):
     if _REC.active is None:
         yield
         return
-    body = _REC.active.programs.setdefault(name, [])
+    rec = _REC.active
+    body = rec.programs.setdefault(name, [])
     saved = (_REC._role, _REC._stack)
     _REC._role, _REC._stack = name, [body]
     try:
         yield
     finally:
         _REC._role, _REC._stack = saved
+        if name in rec.parts and name in rec.programs:
+            rest = rec.programs.pop(name)[rec.forks[name]:]
+            for p in rec.parts[name]:
+                rec.programs[p].extend(rest)
 
 
 ARRIVE_DSTS = ("local", "leader", "pair")
@@ -219,6 +233,34 @@ def access(region: str, mode: str, unit: str = "threads", done_by: Optional[str]
         raise ValueError("a TMA access needs done_by: the pipeline whose barrier its bytes complete")
     _REC._append(Event("access", region=region, mode=mode, unit=unit, done_by=done_by, note=note,
                        stage_of=stage_of, cols=tuple(cols) if cols is not None else None, tx=tx))
+
+
+@contextlib.contextmanager
+def part(name: str, warps: int):
+    """The code of this block is run by ``warps`` of the current role's warps only, as the
+    actor ``name``: its program is a ``part`` event, then everything the role recorded before
+    (at its top level), then this block. The role itself is replaced by its parts (events the
+    role records after a part are appended to every part). Only at a role's top level."""
+    rec = _REC.active
+    if rec is None or _REC._role is None:
+        yield
+        return
+    parent = _REC._role
+    if len(_REC._stack) != 1:
+        raise ValueError(f"record.part({name!r}) inside a loop or branch of role {parent!r}: a "
+                         "part starts at the role's top level")
+    if name in rec.programs:
+        raise ValueError(f"record.part({name!r}): a role or part of that name was recorded already")
+    prefix = rec.forks.setdefault(parent, len(rec.programs[parent]))
+    body = [Event("part", note=parent, threads=warps * WARP_SIZE)] + list(rec.programs[parent][:prefix])
+    rec.programs[name] = body
+    rec.parts.setdefault(parent, []).append(name)
+    saved = (_REC._role, _REC._stack)
+    _REC._role, _REC._stack = name, [body]
+    try:
+        yield
+    finally:
+        _REC._role, _REC._stack = saved
 
 
 @contextlib.contextmanager

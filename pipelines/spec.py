@@ -72,6 +72,10 @@ class PipelineSpec:
     # bytes of one stage per TMA operand (None = the whole stage): a table row's own rule
     # (the backward's rows); the forward's q and kv rows use the rule in ``tx_bytes``
     tx: Optional[Callable] = None
+    # the SMEM buffers whose stages the pipeline hands over, as ``record.access`` names them
+    # (the model tracks races on them per stage); buffer ``s<X>`` holds the tile ``<X>`` of
+    # a row's own ``tx`` rule
+    smem: tuple[str, ...] = ()
 
     def num_stages(self, cfg: FmhaConfig) -> int:
         return int(getattr(cfg, self.stages))
@@ -113,6 +117,16 @@ class PipelineSpec:
             if operand == "V":
                 return cfg.n_block * cfg.head_dim_v * e
         raise ValueError(f"pipeline {self.name}: no TMA operand {operand!r}")
+
+    def buffer_tx(self, cfg, buffer: str) -> Optional[int]:
+        """Bytes a TMA copy lands in one stage of ``buffer`` (both CTAs of the pair), from the
+        row's own ``tx`` rule; None for a row without one (the forward's q and kv: one copy per
+        acquire, which lands the acquire's bytes)."""
+        if buffer not in self.smem:
+            raise ValueError(f"pipeline {self.name}: no SMEM buffer {buffer!r} (buffers: {self.smem})")
+        if self.tx is None or self.producer.arrive != "expect_tx":
+            return None
+        return self.tx(cfg, buffer[1:])
 
     def check(self, cfg: FmhaConfig, roles: Optional[WarpRoles] = None) -> "PipelineSpec":
         """Raise ValueError naming the rule this row breaks for ``cfg``."""
@@ -165,10 +179,12 @@ PIPELINES: tuple[PipelineSpec, ...] = (
     PipelineSpec(
         "q", "tma_umma", Side(("load",), "expect_tx"), Side(("mma",), "umma"), "q_stage", True,
         "Q tile of each Q stage, TMA -> SMEM; the MMA warp reads it for every S = Q K^T of the tile",
+        smem=("sQ",),
     ),
     PipelineSpec(
         "kv", "tma_umma", Side(("load",), "expect_tx"), Side(("mma",), "umma"), "kv_stage", False,
         "ring of K and V tiles (K[n-1], V[n-1], K[n-2], V[n-2], ...), TMA -> SMEM -> UMMA",
+        smem=("sKV",),
     ),
     PipelineSpec(
         "s_p_o", "umma_threads", Side(("mma",), "umma"), Side((SOFTMAX, "correction"), "thread"),
@@ -195,12 +211,14 @@ PIPELINES: tuple[PipelineSpec, ...] = (
         "sm_stats", "threads_threads", Side((SOFTMAX,), "thread"), Side(("correction",), "thread"),
         "q_stage", True,
         "row max / row sum of one KV block in SMEM (softmax -> correction)",
+        smem=("stats",),
     ),
     PipelineSpec(
         "o_epi", "threads_threads", Side(("correction",), "thread"), Side(("epilogue",), "warp"),
         "q_stage", True,
         "normalized O of a Q stage in SMEM (correction -> epilogue TMA store); the epilogue's "
         "elected thread releases once the store has read SMEM",
+        smem=("sO",),
     ),
 )
 
@@ -224,19 +242,19 @@ BWD_PIPELINES: tuple[PipelineSpec, ...] = (
         "bwd_kv", "tma_umma", Side(("load",), "expect_tx"), Side(("mma",), "umma"), "one_stage",
         False, "K and V of the work tile (the CTA's key block), TMA -> SMEM; released by a UMMA "
         "commit after the tile's last MMA",
-        tx=_bwd_tx("K", "V"),
+        tx=_bwd_tx("K", "V"), smem=("sK", "sV"),
     ),
     PipelineSpec(
         "bwd_q", "tma_umma", Side(("load",), "expect_tx"), Side(("mma",), "umma"), "q_stage",
         False, "ring of Q_j and dO_j tiles (one query block of one query head), TMA -> SMEM; "
         "released once dV += P^T dO and dK += dS^T Q, the last MMAs reading them, completed",
-        tx=_bwd_tx("Q", "dO"),
+        tx=_bwd_tx("Q", "dO"), smem=("sQ", "sdO"),
     ),
     PipelineSpec(
         "bwd_lse", "tma_threads", Side(("load",), "expect_tx"), Side(("compute",), "thread"),
         "q_stage", False, "ring of LSE2_j and Delta_j (the preprocess's float32 rows of query "
         "block j), TMA -> SMEM -> the compute warpgroups",
-        tx=_bwd_tx("LSE2", "Delta"),
+        tx=_bwd_tx("LSE2", "Delta"), smem=("sLSE2", "sDelta"),
     ),
     PipelineSpec(
         "bwd_s_dp", "umma_threads", Side(("mma",), "umma"), Side(("compute",), "thread"),
@@ -249,6 +267,7 @@ BWD_PIPELINES: tuple[PipelineSpec, ...] = (
         "one_stage", False,
         "full: P^T_j and dS^T_j are in TMEM and dS_j in SMEM (the MMA warp issues dV, dK, dQ); "
         "empty: dQ_j = dS_j K, the MMA reading sdS, completed",
+        smem=("sdS",),
     ),
     PipelineSpec(
         "bwd_dq", "umma_threads", Side(("mma",), "umma"), Side(("dq",), "thread"), "one_stage",
@@ -286,6 +305,17 @@ def active_specs(cfg: FmhaConfig, roles: Optional[WarpRoles] = None) -> tuple[Pi
     """The rows ``cfg`` builds, each checked against ``cfg`` and its warp roles."""
     roles = roles or cfg.warp_roles()
     return tuple(p.check(cfg, roles) for p in table_of(cfg) if p.enabled(cfg))
+
+
+def smem_buffers(specs) -> dict[str, str]:
+    """SMEM buffer name -> the pipeline whose stages hand it over, over table rows ``specs``."""
+    out = {}
+    for p in specs:
+        for b in p.smem:
+            if b in out:
+                raise ValueError(f"SMEM buffer {b} is handed over by both {out[b]} and {p.name}")
+            out[b] = p.name
+    return out
 
 
 def barrier_count(cfg: FmhaConfig) -> int:

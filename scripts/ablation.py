@@ -7,11 +7,6 @@ mode, labelled as such.
 
 import sys
 
-try:  # first import: keeps scripts/inspect.py from shadowing the standard `inspect`
-    import _paths  # noqa: F401
-except ImportError:  # loaded as a module (tests): this folder is not on sys.path
-    pass
-
 from fa_sm100.research.ablation_cli import main
 
 if __name__ == "__main__":

@@ -6,11 +6,6 @@ docstring, or --help); the same flags and output."""
 
 import sys
 
-try:
-    import _paths  # noqa: F401  (this folder holds inspect.py: take it off sys.path first)
-except ImportError:  # a worker the benchmark spawned: its parent's sys.path is set up already
-    pass
-
 from fa_sm100.cli.cp_bench import main
 
 if __name__ == "__main__":

@@ -6,8 +6,6 @@ or --help); the same flags and output."""
 
 import sys
 
-import _paths  # noqa: F401  (this folder holds inspect.py: take it off sys.path first)
-
 from fa_sm100.cli.plot_ratios import main
 
 if __name__ == "__main__":

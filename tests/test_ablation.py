@@ -184,8 +184,9 @@ def test_measure_on_sm100(sm100_device):
 
 
 def test_scripts_start_as_commands():
-    """scripts/ holds inspect.py, named like a standard module: no script may let it shadow
-    `inspect` (dataclasses and torch import it); each imports scripts/_paths.py first."""
+    """scripts/ holds inspect.py, named like a standard module: run from that folder, every
+    script still gets the standard `inspect` (dataclasses and torch import it) because
+    scripts/inspect.py, imported under that name, hands over to it."""
     import os
     import subprocess
     import sys

@@ -316,7 +316,8 @@ def test_sm100_paged_call_launches_its_pages(monkeypatch, fake_sm100):
 def test_sm100_backward_launches_pre_main_post_on_a_faked_sm100(fake_sm100):
     """Gradients on an sm_100 device go to ``sm100_bwd`` (faked device: no SM100 code runs):
     preprocess, main kernel, dq postprocess in order, with the main kernel writing dk and dv
-    itself and the postprocess dq; what it has no kernel for raises before any launch. A
+    itself and the postprocess dq; what it has no kernel for raises before any launch;
+    deterministic=True passes the preprocess-zeroed dQ semaphores to the main kernel. A
     window and a cap reach the main kernel as launch arguments (the window as
     ``bands.kernel_window`` gives it), its config saying only that there are."""
     from fa_sm100.autograd import check_backward_supported
@@ -330,9 +331,9 @@ def test_sm100_backward_launches_pre_main_post_on_a_faked_sm100(fake_sm100):
         check_backward_supported(q, k, v)  # an SM100 backward exists for head dim 128
         with pytest.raises(ValueError, match="no SM100 backward"):
             check_backward_supported(bshd(1, 8, 1, 192), bshd(1, 8, 1, 192), bshd(1, 8, 1, 128))
-        with pytest.raises(ValueError, match="deterministic"):
-            sm100_bwd(dout, q, k, v, out, lse, deterministic=True)
-        assert fake_sm100 == []
+        sm100_bwd(dout, q, k, v, out, lse, deterministic=True)
+        ordered = fake_sm100[:]
+        fake_sm100.clear()
         sm100_bwd(dout, q, k, v, out, lse, causal=True, window_size=(64, None), softcap=5.0)
         windowed = fake_sm100[1]
         fake_sm100.clear()
@@ -347,6 +348,12 @@ def test_sm100_backward_launches_pre_main_post_on_a_faked_sm100(fake_sm100):
     # the accumulator: padded query rows (300 -> 384), head_dim floats each
     assert tuple(main[6].shape) == (2, 4, 384, 128)
     assert not cfg.local and not cfg.softcap
+    # deterministic: the main kernel gets the semaphores, one per (batch, head, query block),
+    # which the preprocess zeroes first (it takes the same tensor); otherwise none
+    assert main[9] is None and not cfg.deterministic
+    assert ordered[1][1][0].deterministic
+    sem = ordered[1][2][9]
+    assert tuple(sem.shape) == (2, 4, 3) and sem.dtype == torch.int32 and ordered[0][2][6] is sem
     cfg_w, args_w = windowed[1][0], windowed[2]
     assert cfg_w.local and cfg_w.softcap and cfg_w.causal
     assert args_w[11] == 5.0 and tuple(args_w[12:14]) == kernel_window(True, (64, None), 300, 200)

@@ -34,7 +34,7 @@ def test_every_script_is_a_command_of_the_package():
     from fa_sm100.cli import COMMANDS
 
     scripts = {p.stem for p in (Path(__file__).resolve().parents[1] / "scripts").glob("*.py")}
-    assert scripts - {"_paths"} <= set(COMMANDS), scripts - set(COMMANDS)
+    assert scripts <= set(COMMANDS), scripts - set(COMMANDS)
     for name, (module_name, what) in COMMANDS.items():
         main = importlib.import_module(module_name).main
         out = io.StringIO()
@@ -51,3 +51,20 @@ def test_a_script_and_its_command_give_the_same_output():
     command = subprocess.run([sys.executable, "-m", "fa_sm100", "inspect", "--list"], cwd=ROOT,
                              capture_output=True, text=True, env=repo_env(), check=True)
     assert script.stdout == command.stdout and "sm90_bwd" in script.stdout
+
+
+def test_scripts_inspect_hands_the_name_over_to_the_standard_library():
+    """With scripts/ first on sys.path (any script run from there), ``import inspect`` gets
+    the standard library's module, not scripts/inspect.py: no script needs a path fix."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    scripts = Path(__file__).resolve().parents[1] / "scripts"
+    code = (f"import sys; sys.path.insert(0, {str(scripts)!r}); import inspect, dataclasses; "
+            "print(inspect.__file__); print(callable(inspect.signature))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    path, has_signature = out.stdout.split()
+    assert Path(path).parent != scripts and has_signature == "True"

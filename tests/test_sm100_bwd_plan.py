@@ -6,6 +6,7 @@ import itertools
 
 import pytest
 
+from fa_sm100.bands import kernel_window, kv_block_range, q_block_range
 from fa_sm100.config import REGISTER_FILE
 from fa_sm100.sm100.bwd_config import (SM100_BWD_HEAD_DIMS, SMEM_BYTES, Sm100BwdConfig,
                                        select_sm100_bwd_config)
@@ -74,10 +75,61 @@ def test_a_window_and_a_cap_are_bools_that_change_no_plan():
 
 
 def test_switches_that_do_not_exist_yet_are_refused():
-    with pytest.raises(ValueError, match="deterministic"):
-        Sm100BwdConfig(deterministic=True).validate()
     with pytest.raises(ValueError, match="q_stage"):
         Sm100BwdConfig(q_stage=3).validate()
+
+
+def test_deterministic_is_a_validated_switch_that_changes_no_plan():
+    """``deterministic`` is a bool; it changes neither SMEM, TMEM nor registers (its
+    semaphores live in global memory), and a turn is one release per dQ warp."""
+    for dims, dtype, causal, group in PROBLEMS:
+        plain = _cfg(dims, dtype, causal, group)
+        cfg = select_sm100_bwd_config(dims[0], dims[1], dtype, causal, group,
+                                      deterministic=True)
+        assert cfg.deterministic and cfg.replace(deterministic=False) == plain
+        assert cfg.smem_bytes() == plain.smem_bytes()
+        assert TmemPlan.for_backward(cfg).table() == TmemPlan.for_backward(plain).table()
+        assert cfg.dq_releases_per_turn() == len(cfg.warp_roles().dq) == 4
+    with pytest.raises(ValueError, match="deterministic=.*a compile-time switch is a bool"):
+        Sm100BwdConfig(deterministic=1).validate()
+
+
+def _visitors(cfg, m, sq, sk, left, right):
+    """The key blocks whose walk reaches query block ``m``, as ``Sm100Backward._problem``
+    walks (no mask: every block; causal alone, ``right`` 0: from the diagonal's block to the
+    last; a window: q_block_range)."""
+    n_blocks, m_blocks = -(-sk // cfg.n_block), -(-sq // cfg.m_block)
+    out = []
+    for n in range(n_blocks):
+        if left is not None:
+            lo, hi = q_block_range(n * cfg.n_block, cfg.n_block, cfg.m_block, sq, sk, left, right)
+            hi = max(hi, lo)
+        elif right is not None:  # causal
+            lo, hi = max(n * cfg.n_block - (sk - sq), 0) // cfg.m_block, m_blocks
+        else:
+            lo, hi = 0, m_blocks
+        if lo <= m < hi:
+            out.append(n)
+    return out
+
+
+def test_deterministic_turns_count_only_the_key_blocks_that_reach_a_query_block():
+    """Note [Deterministic dQ]: the key blocks whose walk reaches query block m are
+    consecutive from ``kv_block_range``'s first block (0 without a window), so key block n's
+    turn n - first is 0, 1, 2, ... there and no turn waits for a block that never comes."""
+    cfg = Sm100BwdConfig()
+    for sq, sk in itertools.product((1, 127, 128, 200, 300, 513), (1, 129, 256, 390, 640)):
+        windows = [None, (None, 0)] + [kernel_window(causal, (lt, rt), sq, sk)
+                                       for causal in (False, True)
+                                       for lt, rt in ((60, None), (50, 20), (-20, 40),
+                                                      (0, 0), (300, -130), (None, 5))]
+        for w in windows:
+            left, right = (None, None) if w is None else w
+            for m in range(-(-sq // cfg.m_block)):
+                got = _visitors(cfg, m, sq, sk, left, right)
+                first = 0 if left is None else kv_block_range(
+                    m * cfg.m_block, cfg.m_block, cfg.n_block, sq, sk, left, right)[0]
+                assert got == list(range(first, first + len(got))), (sq, sk, w, m, got)
 
 
 def test_backward_pipeline_table_arrival_counts_follow_the_roles():

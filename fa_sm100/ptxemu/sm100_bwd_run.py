@@ -35,6 +35,9 @@ class BackwardRun:
     dk: torch.Tensor
     dv: torch.Tensor
     dq_acc: torch.Tensor
+    # a deterministic config's dQ semaphores after the run (batch, heads, query blocks), else
+    # None (Note [Deterministic dQ] in fa_sm100/sm100/bwd_dq.py)
+    dq_sem: object
     launch: dict
     compile_s: float
     emulate_s: float
@@ -102,6 +105,7 @@ def preprocess_rows(q, k, v, dout, softmax_scale: float, causal: bool, m_block: 
 def run_backward(cfg, q, k, v, dout, softmax_scale=None, seed: int = 0, policy: str = "late",
                  window=(None, None), softcap: float = 0.0) -> BackwardRun:
     """Emulate the compiled SM100 backward on contiguous BSHD CPU tensors (bf16/fp16).
+    ``seed`` / ``policy``: the emulator's schedule (``machine`` Note [Schedule policies]).
     ``window``: the problem's (left, right), None unbounded (a windowed ``cfg.local`` kernel
     takes ``bands.kernel_window`` of it); ``softcap``: the cap of a ``cfg.softcap`` kernel."""
     import cuda.bindings.driver as cuda
@@ -135,17 +139,22 @@ def run_backward(cfg, q, k, v, dout, softmax_scale=None, seed: int = 0, policy: 
     dv = torch.full((b, sk, hk, v.shape[3]), float("nan"), dtype=q.dtype)
     tensors = [q, k, v, dout, lse2, delta, dq_acc, dk, dv]
     modes = [(0, 1)] * 4 + [(0, 2)] * 3 + [(0, 1)] * 2
-    real = (*(_to_cute(t, m, f) for t, m, f in zip(tensors, modes, fake)), None,
+    dq_sem = sem_cute = None
+    if cfg.deterministic:  # zeroed, as the preprocess zeroes them
+        dq_sem = torch.zeros(b, h, lse2.shape[2] // cfg.m_block, dtype=torch.int32)
+        sem_cute = _to_cute(dq_sem, (0, 2), fake[9])
+    real = (*(_to_cute(t, m, f) for t, m, f in zip(tensors, modes, fake)), sem_cute,
             cutlass.Float32(scale), cutlass.Float32(softcap), cutlass.Int32(left),
             cutlass.Int32(right), cuda.CUstream(0))
     cap = capture_launch(kernel, fake, real, compiled=compiled, ptx=ptx)
     t2 = time.perf_counter()
     counts = _ExecutionCounts()
-    machine = emulate(cap, tensors, seed=seed, policy=policy, trace=counts)
+    machine = emulate(cap, tensors + ([dq_sem] if cfg.deterministic else []), seed=seed,
+                      policy=policy, trace=counts)
     t3 = time.perf_counter()
     dq = (dq_acc[:, :, :sq] * scale).permute(0, 2, 1, 3).to(q.dtype).contiguous()
     rec = cap.launches[0]
-    return BackwardRun(dq=dq, dk=dk, dv=dv, dq_acc=dq_acc, compile_s=t1 - t0, emulate_s=t3 - t2,
+    return BackwardRun(dq=dq, dk=dk, dv=dv, dq_acc=dq_acc, dq_sem=dq_sem, compile_s=t1 - t0, emulate_s=t3 - t2,
                        steps=_steps_per_cta(counts, machine, rec.grid),
                        launch={"grid": rec.grid, "block": rec.block,
                                "dynamic_smem": rec.dynamic_smem,

@@ -50,6 +50,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import tcgen05
 
+from fa_sm100.config import WARPGROUP_WARPS
 from fa_sm100.dsl_math import softcap_tanh
 from fa_sm100.sm100.bwd_load import step_head_block
 from fa_sm100.sm100.mma import advance
@@ -183,9 +184,11 @@ def compute_step(cfg, h: cutlass.Constexpr, v: HalfViews, smem, pipes, prob, ste
     """P and dS of step ``step`` for this thread's key row and its warpgroup's 64 queries."""
     half = cfg.m_block // 2
     _, m = step_head_block(cfg, prob, step)
+    cols = (h * half, h * half + half)  # this warpgroup's query columns of S^T, dP^T, sdS
     pipes.bwd_lse.consumer_wait(index, phase)
     pipes.bwd_s_dp.consumer_wait(0, one_phase)
-    record.access("S", "r")
+    record.access("S", "r", cols=cols)
+    record.access("sLSE2", "r", stage_of="bwd_lse", cols=cols)
     rS = cute.make_rmem_tensor(v.coords.shape, Float32)
     cute.copy(v.thr_load, v.tS, rS)
     cute.arch.fence_view_async_tmem_load()  # S^T is in registers before P overwrites it
@@ -205,7 +208,8 @@ def compute_step(cfg, h: cutlass.Constexpr, v: HalfViews, smem, pipes, prob, ste
         scores_to_p(cfg, h, v, smem, prob, rS, rP16, index, key, first_q, None, dtype)
     record.access(f"P{h}", "w")
     _store_pairs(cfg, v, rP16, v.tP, dtype)
-    record.access("dP", "r")
+    record.access("dP", "r", cols=cols)
+    record.access("sDelta", "r", stage_of="bwd_lse", cols=cols)
     rdP = cute.make_rmem_tensor(v.coords.shape, Float32)
     cute.copy(v.thr_load, v.tdP, rdP)
     cute.arch.fence_view_async_tmem_load()
@@ -217,7 +221,7 @@ def compute_step(cfg, h: cutlass.Constexpr, v: HalfViews, smem, pipes, prob, ste
     pipes.bwd_ds.producer_acquire(0, one_phase ^ 1)  # the previous dQ MMA has read sdS
     record.access(f"dS{h}", "w")
     _store_pairs(cfg, v, rdS16, v.tdS, dtype)
-    record.access("sdS", "w")
+    record.access("sdS", "w", cols=cols)
     # dS_j as the dQ MMA's A operand (queries contiguous): this key's 64 queries of the half
     row = key - prob.n_block * cfg.n_block
     cute.autovec_copy(rdS16, smem.sdS[((None, h), row % 16), 0, row // 16])
@@ -263,32 +267,34 @@ def compute(cfg, tmem, smem, mdK, mdV, pipes, prob):
     in_range = key < prob.seqlen_k
     for h in cutlass.range_constexpr(2):
         if wg == h:
-            v = make_half_views(cfg, h, tidx, tmem)
-            index = Int32(0)
-            phase = Int32(0)
-            one_phase = Int32(0)
-            with record.loop("steps"):
-                for step in cutlass.range(prob.iters, unroll=1):
-                    compute_step(cfg, h, v, smem, pipes, prob, step, index, phase, one_phase,
-                                 key, dtype)
-                    one_phase = one_phase ^ 1
-                    index, phase = advance(index, phase, cfg.q_stage)
-            row_key = cutlass.min(key, prob.seqlen_k - 1)  # a valid address for every lane
-            if prob.iters > 0:
-                pipes.bwd_dkv.consumer_wait(0, Int32(0))
-                if cutlass.const_expr(h == 0):
-                    record.access("dV", "r")
-                    _store_rows(cfg, tmem.tdV[(None, None), 0, 0], cfg.head_dim_v,
-                                mdV[b, row_key, hk, None], tidx, Float32(1.0), in_range, dtype)
-                else:
-                    record.access("dK", "r")
-                    _store_rows(cfg, tmem.tdK[(None, None), 0, 0], cfg.head_dim,
-                                mdK[b, row_key, hk, None], tidx, prob.softmax_scale, in_range,
-                                dtype)
-                pipes.bwd_dkv.consumer_release(0)
-            else:  # no query sees the key block (seqlen_q = 0): zero gradients
-                if in_range:
-                    out = mdV if cutlass.const_expr(h == 0) else mdK
-                    zero = cute.make_rmem_tensor(out.shape[3], dtype)
-                    zero.fill(0.0)
-                    cute.autovec_copy(zero, out[b, row_key, hk, None])
+            # each warpgroup is an actor of the protocol model (its own steps and arrivals)
+            with record.part(f"compute{h}", WARPGROUP_WARPS):
+                v = make_half_views(cfg, h, tidx, tmem)
+                index = Int32(0)
+                phase = Int32(0)
+                one_phase = Int32(0)
+                with record.loop("steps"):
+                    for step in cutlass.range(prob.iters, unroll=1):
+                        compute_step(cfg, h, v, smem, pipes, prob, step, index, phase, one_phase,
+                                     key, dtype)
+                        one_phase = one_phase ^ 1
+                        index, phase = advance(index, phase, cfg.q_stage)
+                row_key = cutlass.min(key, prob.seqlen_k - 1)  # a valid address for every lane
+                if prob.iters > 0:
+                    pipes.bwd_dkv.consumer_wait(0, Int32(0))
+                    if cutlass.const_expr(h == 0):
+                        record.access("dV", "r")
+                        _store_rows(cfg, tmem.tdV[(None, None), 0, 0], cfg.head_dim_v,
+                                    mdV[b, row_key, hk, None], tidx, Float32(1.0), in_range, dtype)
+                    else:
+                        record.access("dK", "r")
+                        _store_rows(cfg, tmem.tdK[(None, None), 0, 0], cfg.head_dim,
+                                    mdK[b, row_key, hk, None], tidx, prob.softmax_scale, in_range,
+                                    dtype)
+                    pipes.bwd_dkv.consumer_release(0)
+                else:  # no query sees the key block (seqlen_q = 0): zero gradients
+                    if in_range:
+                        out = mdV if cutlass.const_expr(h == 0) else mdK
+                        zero = cute.make_rmem_tensor(out.shape[3], dtype)
+                        zero.fill(0.0)
+                        cute.autovec_copy(zero, out[b, row_key, hk, None])

@@ -94,7 +94,9 @@ class Sm100BwdConfig:
     # derivative (Note [softcap in the SM100 backward] in bwd_compute.py)
     softcap: bool = False
     qhead_per_kvhead: int = 1  # GQA ratio; 1 = MHA, num_heads = MQA
-    # deterministic dQ adds (ordered by key block): not in this kernel yet; validate() says so
+    # deterministic dQ: the adds into a query block's accumulator take turns in key-block
+    # order through a per-(batch, head, query block) semaphore (Note [Deterministic dQ] in
+    # bwd_dq.py), so dq is bitwise reproducible run to run
     deterministic: bool = False
     # tiles
     m_block: int = 128  # query rows per step (TMEM lanes of dQ; columns of S^T)
@@ -140,6 +142,11 @@ class Sm100BwdConfig:
                 "sdO": self.q_stage * t["dO"],
                 "sdS": self.m_block * self.n_block * self.dtype_bytes}
 
+    def dq_releases_per_turn(self) -> int:
+        """How much one key block's turn adds to a deterministic dQ semaphore: one release per
+        warp of the dQ role (Note [Deterministic dQ] in bwd_dq.py)."""
+        return len(self.warp_roles().dq)
+
     def smem_bytes(self) -> int:
         """The kernel's shared storage, laid out as ``bwd_kernel.SharedStorage`` lays it out:
         mbarriers, the TMEM base address (4 bytes), the float32 rows on 128-byte boundaries,
@@ -155,7 +162,7 @@ class Sm100BwdConfig:
         """Raise ValueError naming the first violated rule; return self when all hold."""
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r}: must be one of {DTYPES}")
-        for name in ("causal", "local", "softcap"):
+        for name in ("causal", "local", "softcap", "deterministic"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r}: a compile-time switch is a "
                                  "bool (a window's bounds and the cap are launch arguments)")
@@ -172,9 +179,6 @@ class Sm100BwdConfig:
                              "the 128 query rows of dQ)")
         if self.q_stage not in (1, 2):
             raise ValueError(f"q_stage={self.q_stage}: must be 1 or 2")
-        if self.deterministic:
-            raise ValueError("deterministic=True: the SM100 backward adds dQ with unordered "
-                             "float32 atomics; a deterministic mode is not implemented yet")
         if self.qhead_per_kvhead < 1:
             raise ValueError(f"qhead_per_kvhead={self.qhead_per_kvhead}: must be >= 1")
         from layouts.tmem import TmemPlan

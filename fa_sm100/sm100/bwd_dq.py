@@ -6,8 +6,24 @@ Produces  the accumulator rows of that query block: acc[b, head, row, :] += dQ_j
           (``bwd_dq`` empty) so the next dP^T may overwrite it.
 
 Rows past seqlen_q land in the accumulator's padding rows (it has the preprocess's padded row
-count), which the postprocess never reads. The adds of the key blocks of a query block arrive
-in any order (float32 sums that may differ in the last bits from run to run).
+count), which the postprocess never reads. Without ``deterministic`` the adds of the key
+blocks of a query block arrive in any order (float32 sums that may differ in the last bits
+from run to run); with it they take turns (Note [Deterministic dQ]).
+
+Note [Deterministic dQ] (``Sm100BwdConfig.deterministic``): one int32 semaphore per (batch,
+query head, query block), zeroed by the preprocess. The key blocks that add into query block
+m are consecutive, n_first(m) .. (``bands.kv_block_range``'s first block: the sweeps of
+``bands.q_block_range`` reach m from exactly those; 0 without a window, causal included, as
+the SM90 backward's ``first_n_block``), and key block n's turn there is t = n - n_first(m).
+Each of the four dQ warps adds its own 32 rows and takes its turn alone: lane 0 polls the
+semaphore (acquire) until it reads at least 4 t, the warp adds, every lane fences
+(``fence.acq_rel.gpu``), and lane 0 adds 1 (release). The semaphore reaches 4 t only once
+all four warps of every earlier turn have released, and no later turn passes before all four
+of turn t have (it stays below 4 (t + 1)), so every row's adds land in key-block order, and
+dq is bitwise reproducible. GQA: only the CTAs of a query head's KV head add into its rows,
+each walking its group's heads in the same order. No deadlock: a CTA waits only for lower
+key blocks of its (KV head, batch), and those never wait for it (they are also launched
+first: the key block is the grid's fastest index).
 """
 
 from __future__ import annotations
@@ -16,6 +32,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
+from fa_sm100.bands import kv_block_range, traced_bounds
 from fa_sm100.sm100.bwd_compute import lane_reader
 from fa_sm100.sm100.bwd_load import step_head_block
 from pipelines import record
@@ -27,11 +44,17 @@ VEC = 4  # float32 per red.global.add.v4.f32
 @cute.jit
 def dq_out(cfg, tmem, mdQacc, mdQsem, pipes, prob):
     tidx = cute.arch.thread_idx()[0] % 128
+    lane = cute.arch.lane_idx()
     thr, src, regs = lane_reader(tmem.tdQ[(None, None), 0, 0], cfg.head_dim, CHUNK, tidx)
     one_phase = Int32(0)
     with record.loop("steps"):
         for step in cutlass.range(prob.iters, unroll=1):
             head, m = step_head_block(cfg, prob, step)
+            sem_ptr = None
+            if cutlass.const_expr(cfg.deterministic):
+                # Note [Deterministic dQ]: poll while the MMAs of this step run
+                sem_ptr = mdQsem[prob.batch, head, None].iterator + m
+                _wait_for_turn(sem_ptr, _turn(cfg, prob, m) * cfg.dq_releases_per_turn(), lane)
             pipes.bwd_dq.consumer_wait(0, one_phase)
             record.access("dQ", "r")
             row = mdQacc[prob.batch, head, m * cfg.m_block + tidx, None]
@@ -45,4 +68,38 @@ def dq_out(cfg, tmem, mdQacc, mdQsem, pipes, prob):
                     cute.arch.red(row.iterator + c * CHUNK + i * VEC, vecs[None, i].load().ir_value(),
                                   op="add", dtype="f32", sem="relaxed", scope="gpu")
             pipes.bwd_dq.consumer_release(0, note="dQ read")
+            if cutlass.const_expr(cfg.deterministic):
+                _end_turn(sem_ptr, lane)
             one_phase = one_phase ^ 1
+
+
+def _turn(cfg, prob, m):
+    """This CTA's key block's place among the key blocks that add into query block ``m``
+    (Note [Deterministic dQ]): n - n_first(m)."""
+    left, right = traced_bounds(cfg, prob.window)
+    if cutlass.const_expr(left is None):  # no window: every key block from 0 on
+        return prob.n_block
+    first, _ = kv_block_range(m * cfg.m_block, cfg.m_block, cfg.n_block, prob.seqlen_q,
+                              prob.seqlen_k, left, right, imax=cutlass.max, imin=cutlass.min)
+    return prob.n_block - first
+
+
+@cute.jit
+def _wait_for_turn(sem_ptr, at_least, lane):
+    """Lane 0 polls the semaphore (acquire, GPU scope) until it holds ``at_least``; the warp
+    waits for lane 0."""
+    if lane == 0:
+        seen = cute.arch.load(sem_ptr, Int32, sem="acquire", scope="gpu")
+        while seen < at_least:
+            seen = cute.arch.load(sem_ptr, Int32, sem="acquire", scope="gpu")
+    cute.arch.sync_warp()
+
+
+@cute.jit
+def _end_turn(sem_ptr, lane):
+    """Once every lane's adds are ordered before it (each lane fences, the warp meets), lane
+    0 adds 1 to the semaphore with release semantics: this warp's part of the turn is done."""
+    cute.arch.fence_acq_rel_gpu()
+    cute.arch.sync_warp()
+    if lane == 0:
+        cute.arch.red(sem_ptr, Int32(1), op="add", dtype="s32", sem="release", scope="gpu")

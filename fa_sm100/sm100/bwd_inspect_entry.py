@@ -31,7 +31,8 @@ def make_config(overrides) -> Sm100BwdConfig:
 def fake_arguments(cfg: Sm100BwdConfig, num_heads: int = FAKE_QUERY_HEADS,
                    env_stream: bool = False):
     """(q, k, v, dout, lse2, delta, dq_acc, dk, dv, dq_sem, softmax_scale, softcap,
-    window_left, window_right, stream) fakes for ``Sm100Backward(cfg)`` (the cap and the
+    window_left, window_right, stream) fakes for ``Sm100Backward(cfg)`` (dq_sem: (batch,
+    heads, query blocks) int32 of a deterministic config, else None; the cap and the
     window's bounds are run-time scalars of every config; only a capped / windowed kernel
     reads them)."""
     import cutlass
@@ -60,7 +61,11 @@ def fake_arguments(cfg: Sm100BwdConfig, num_heads: int = FAKE_QUERY_HEADS,
     dq_acc = t((batch, num_heads, rows, cfg.head_dim), cutlass.Float32)
     dk = t((batch, seqlen_k, heads_kv, cfg.head_dim))
     dv = t((batch, seqlen_k, heads_kv, cfg.head_dim_v))
-    return (q, k, v, dout, lse2, delta, dq_acc, dk, dv, None, cutlass.Float32(1.0),
+    dq_sem = None  # deterministic: one int32 semaphore per (batch, head, query block)
+    if cfg.deterministic:
+        dq_sem = make_fake_compact_tensor(cutlass.Int32, (batch, num_heads, cute.sym_int()),
+                                          stride_order=(2, 1, 0), assumed_align=4)
+    return (q, k, v, dout, lse2, delta, dq_acc, dk, dv, dq_sem, cutlass.Float32(1.0),
             cutlass.Float32(0.0), cutlass.Int32(0), cutlass.Int32(0),
             make_fake_stream(use_tvm_ffi_env_stream=env_stream))
 

@@ -1,7 +1,8 @@
 """``sm100_bwd``: gradients of attention on an SM100 (Blackwell) GPU.
 
 Three kernels per call: the preprocess (Delta = rowsum(O dO), LSE2 = LSE log2(e), padded;
-zeroes the dQ accumulator: the Hopper one, plain CUDA-core code), the SM100 main kernel
+zeroes the dQ accumulator and the deterministic mode's semaphores: the Hopper one, plain
+CUDA-core code), the SM100 main kernel
 (``bwd_kernel.Sm100Backward``: writes dK, dV and adds into the float32 dQ accumulator) and
 the postprocess (dq = softmax_scale x the accumulator, in the input dtype). The main kernel
 sums dK / dV over a GQA group in TMEM, so there is no dK / dV postprocess.
@@ -38,8 +39,9 @@ def sm100_bwd(dout, q, k, v, out, lse, softmax_scale=None, causal: bool = False,
               window_size=(None, None), deterministic: bool = False, softcap: float = 0.0):
     """(dq, dk, dv) of ``flash_attn_func``'s attention on an SM100 GPU, sliding windows and
     softcap included (their bounds and cap are launch arguments: one compiled kernel per
-    "windowed or not" and "capped or not"). ValueError before any launch for what it does not
-    do: deterministic mode, head dims other than 64 / 96 / 128."""
+    "windowed or not" and "capped or not"). ``deterministic``: the dQ adds take turns in
+    key-block order (Note [Deterministic dQ] in bwd_dq.py), so dq is bitwise reproducible.
+    ValueError before any launch for what it does not do: head dims other than 64 / 96 / 128."""
     from fa_sm100.hopper.bwd_interface import (fake_post_arguments, fake_pre_arguments,
                                                validate_bwd_inputs)
     from fa_sm100.hopper.bwd_prepost import BwdPostprocess, BwdPreprocess
@@ -63,7 +65,10 @@ def sm100_bwd(dout, q, k, v, out, lse, softmax_scale=None, causal: bool = False,
     f32 = dict(dtype=torch.float32, device=q.device)
     lse2, delta = torch.empty(b, hq, rows, **f32), torch.empty(b, hq, rows, **f32)
     dq_acc = torch.empty(b, hq, rows, d, **f32)
-    sem = torch.empty(b, hq, 1, dtype=torch.int32, device=q.device)
+    # the dQ semaphores (Note [Deterministic dQ] in bwd_dq.py): one per query block, zeroed
+    # by the preprocess; otherwise one unused slot for the preprocess to zero
+    sem = torch.empty(b, hq, rows // cfg.m_block if deterministic else 1, dtype=torch.int32,
+                      device=q.device)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     pre = _compiled("pre", (v.shape[3], d, dtype), lambda: BwdPreprocess(v.shape[3], d, False),
                     lambda: fake_pre_arguments(dt, v.shape[3]))
@@ -73,6 +78,7 @@ def sm100_bwd(dout, q, k, v, out, lse, softmax_scale=None, causal: bool = False,
                      lambda: fake_post_arguments(dt, d, d))
     pre(out, dout, lse.contiguous(), lse2, delta, dq_acc.view(b, hq, rows // cfg.m_block, -1),
         sem, None)
-    main(q, k, v, dout, lse2, delta, dq_acc, dk, dv, None, scale, softcap, left, right)
+    main(q, k, v, dout, lse2, delta, dq_acc, dk, dv, sem if deterministic else None, scale,
+         softcap, left, right)
     post(dq_acc, dq, scale, None, None)
     return dq, dk, dv

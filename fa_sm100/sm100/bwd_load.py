@@ -64,13 +64,15 @@ def load(cfg, atoms, tx, mQ, mK, mV, mdO, mLSE2, mDelta, smem, mmas, pipes, prob
             tOsO, tOgO = _partition(atoms.do, smem.sdO, thr_dp.partition_B(gdO))
             pipes.bwd_q.producer_acquire(index, phase)
             record.access("sQ", "w", unit="tma", done_by="bwd_q", stage_of="bwd_q")
+            record.access("sdO", "w", unit="tma", done_by="bwd_q", stage_of="bwd_q")
             cute.copy(atoms.q, tQgQ[None, m], tQsQ[None, index],
                       tma_bar_ptr=pipes.bwd_q.full_barrier(index))
             cute.copy(atoms.do, tOgO[None, m], tOsO[None, index],
                       tma_bar_ptr=pipes.bwd_q.full_barrier(index))
             pipes.bwd_q.producer_commit(index)
             pipes.bwd_lse.producer_acquire(index, phase)
-            record.access("sLSE", "w", unit="tma", done_by="bwd_lse", stage_of="bwd_lse")
+            record.access("sLSE2", "w", unit="tma", done_by="bwd_lse", stage_of="bwd_lse")
+            record.access("sDelta", "w", unit="tma", done_by="bwd_lse", stage_of="bwd_lse")
             bar = pipes.bwd_lse.full_barrier(index)
             with cute.arch.elect_one():
                 for src, dst in ((mLSE2, smem.sLSE2), (mDelta, smem.sDelta)):

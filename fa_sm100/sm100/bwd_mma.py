@@ -54,6 +54,12 @@ def _gemm_tmem_a(mma, acc, halves, tB, accumulate: Boolean):
             atom.set(tcgen05.Field.ACCUMULATE, True)
 
 
+def _umma_reads(*regions):
+    """Record the operands the next MMA reads: (region, pipeline whose stage it is or None)."""
+    for region, stage_of in regions:
+        record.access(region, "r", unit="umma", stage_of=stage_of)
+
+
 @cute.jit
 def mma(cfg, mmas, smem, tmem, pipes, prob):
     """Issue the MMAs of the work tile (Note [Backward MMA order])."""
@@ -75,18 +81,23 @@ def mma(cfg, mmas, smem, tmem, pipes, prob):
         for step in cutlass.range(prob.iters, unroll=1):
             pipes.bwd_q.consumer_wait(index, phase)
             pipes.bwd_s_dp.producer_acquire(0, one_phase ^ 1)
+            _umma_reads(("sK", None), ("sQ", "bwd_q"))
             record.access("S", "w", unit="umma")
             _gemm(mmas.S, tmem.tS, tSrK, tSrQ[None, None, None, index], False)
             pipes.bwd_dq.producer_acquire(0, one_phase ^ 1)
+            _umma_reads(("sV", None), ("sdO", "bwd_q"))
             record.access("dP", "w", unit="umma")
             _gemm(mmas.dP, tmem.tdP, tdPrV, tdPrdO[None, None, None, index], False)
             pipes.bwd_s_dp.producer_commit(0, note="S^T, dP^T")
             pipes.bwd_ds.consumer_wait(0, one_phase)
-            record.access("P", "r", unit="umma")
+            _umma_reads(("P0", None), ("P1", None), ("sdO", "bwd_q"))
+            record.access("dV", "w", unit="umma")
             _gemm_tmem_a(mmas.dV, tmem.tdV, tmem.tP, tdVrdO[None, None, None, index], step > 0)
-            record.access("dS", "r", unit="umma")
+            _umma_reads(("dS0", None), ("dS1", None), ("sQ", "bwd_q"))
+            record.access("dK", "w", unit="umma")
             _gemm_tmem_a(mmas.dK, tmem.tdK, tmem.tdS, tdKrQ[None, None, None, index], step > 0)
             pipes.bwd_q.consumer_release(index)
+            _umma_reads(("sdS", None), ("sK", None))
             record.access("dQ", "w", unit="umma")
             _gemm(mmas.dQ, tmem.tdQ, tdQrdS, tdQrK, False)
             pipes.bwd_ds.consumer_release(0)

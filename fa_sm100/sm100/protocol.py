@@ -1,6 +1,6 @@
-"""The SM100 kernel's own protocol: trace (cross-compile) it inside ``record.recording()``.
+"""The SM100 kernels' own protocol: trace (cross-compile) them inside ``record.recording()``.
 
-``kernel_recording(cfg)`` returns the ``pipelines.record.Recording`` of every warp role, as
+``kernel_recording(cfg)`` (the forward's, or the backward's for an ``Sm100BwdConfig``) returns the ``pipelines.record.Recording`` of every warp role, as
 the pipeline objects and the roles logged it while the kernel was traced, for the protocol
 model (``pipelines.model``) to check. It cross-compiles for sm_100a on the CPU (a few
 seconds); results are cached per config.
@@ -14,18 +14,24 @@ _CACHE: dict = {}
 
 
 def kernel_recording(cfg):
-    """Recording of the SM100 forward's roles for ``cfg`` (validated first)."""
+    """Recording of the SM100 forward's roles for ``cfg`` (validated first), or of the SM100
+    backward's for an ``Sm100BwdConfig``."""
     cfg = cfg.validate()
     if cfg not in _CACHE:
         os.environ.setdefault("CUTE_DSL_ARCH", "sm_100a")
         import cutlass.cute as cute
 
-        from fa_sm100.sm100.inspect_entry import fake_arguments
-        from fa_sm100.sm100.kernel import Sm100Forward
+        from fa_sm100.sm100.bwd_config import Sm100BwdConfig
         from pipelines import record
 
+        if isinstance(cfg, Sm100BwdConfig):
+            from fa_sm100.sm100.bwd_inspect_entry import fake_arguments
+            from fa_sm100.sm100.bwd_kernel import Sm100Backward as Kernel
+        else:
+            from fa_sm100.sm100.inspect_entry import fake_arguments
+            from fa_sm100.sm100.kernel import Sm100Forward as Kernel
         with record.recording() as rec:
-            cute.compile(Sm100Forward(cfg), *fake_arguments(cfg), options="--gpu-arch sm_100a")
+            cute.compile(Kernel(cfg), *fake_arguments(cfg), options="--gpu-arch sm_100a")
         _CACHE[cfg] = rec
     return _CACHE[cfg]
 
