@@ -1,10 +1,17 @@
-"""``scripts/inspect.py --compare-fa4``: compile FlashAttention-4's SM100 forward the same way.
+"""``scripts/inspect.py --compare-fa4``: compile FlashAttention-4's SM100 kernel the same way.
 
 FA4 (the ``flash-attn-4`` distribution, package ``flash_attn.cute``) is compiled in a child
-process, through its own public entry point ``flash_attn_func`` under torch's FakeTensorMode,
-which is FA4's documented way to compile with no GPU (FLASH_ATTENTION_ARCH=sm_100 selects the
-kernel, CUTE_DSL_ARCH=sm_100a the target). The child keeps the PTX and cubin and ptxas's
-report; this process disassembles them and builds the same report as ``inspect_kernel``.
+process under torch's FakeTensorMode, which is FA4's documented way to compile with no GPU
+(FLASH_ATTENTION_ARCH=sm_100 selects the kernel, CUTE_DSL_ARCH=sm_100a the target):
+
+- ``sm100_fwd`` (and every kernel but ``sm100_bwd``): FA4's public ``flash_attn_func``, which
+  compiles ``FlashAttentionForwardSm100``;
+- ``sm100_bwd``: FA4's ``_flash_attn_bwd`` (what its autograd backward calls), which compiles
+  the preprocess, ``FlashAttentionBackwardSm100`` and the postprocess; the report is the main
+  kernel's (its PTX and cubin, its launch).
+
+The child keeps the PTX and cubin and ptxas's report; this process disassembles them and
+builds the same report as ``inspect_kernel``.
 
 Two things are substituted in the child, and the report says so in ``fa4_notes``:
 
@@ -17,8 +24,9 @@ this project's dependencies (triton, through quack; einops). ``check_fa4_availab
 is missing.
 
 The report's ``config`` holds FA4's constructor arguments and what it chose while compiling
-(``q_stage``, ``kv_stage``, tile sizes, register split); ``tests/test_inspect_cli.py`` checks
-that our ``kv_stage`` is at least FA4's for the same problem.
+(forward: ``q_stage``, ``kv_stage``, tile sizes, register split; backward: ``Q_stage``,
+``dO_stage``, tiles, 2-CTA, register split); ``tests/test_inspect_cli.py`` checks that our
+forward's ``kv_stage`` is at least FA4's for the same problem.
 """
 
 from __future__ import annotations
@@ -30,10 +38,45 @@ import os
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
 FA4_PROBLEM = {"batch": 2, "seqlen": 8192, "heads": 16}
+# a window for configs that only say "windowed" (the backward's ``local``): the bounds are
+# launch arguments of both kernels, so any window compiles the same code
+FA4_BWD_WINDOW = 1024
+FA4_BWD_SOFTCAP = 30.0  # likewise for a capped backward: the cap is a launch argument
+
+
+@dataclass(frozen=True)
+class Fa4Kernel:
+    """Which FA4 kernel ``--compare-fa4`` compiles for one of ours, and how it is reported."""
+
+    direction: str  # "fwd" | "bwd": what the child compiles
+    class_name: str  # FA4's kernel class (its name is in the main kernel's dump files)
+    report_name: str
+    chosen: tuple  # config keys the CLI prints after "FA4 chose:"
+
+    @property
+    def title(self) -> str:
+        return f"FA4 {self.class_name}"
+
+
+FA4_FORWARD = Fa4Kernel(
+    "fwd", "FlashAttentionForwardSm100", "fa4_sm100_fwd",
+    ("q_stage", "kv_stage", "m_block_size", "n_block_size", "use_2cta_instrs",
+     "is_static_persistent", "num_regs_softmax", "num_regs_correction", "num_regs_other"))
+FA4_BACKWARD = Fa4Kernel(
+    "bwd", "FlashAttentionBackwardSm100", "fa4_sm100_bwd",
+    ("tile_m", "tile_n", "Q_stage", "dO_stage", "sdQaccum_stage", "use_2cta_instrs",
+     "cluster_size", "num_regs_reduce", "num_regs_compute", "num_regs_load", "num_regs_mma",
+     "num_regs_empty"))
+
+
+def fa4_kernel_for(kernel: str) -> Fa4Kernel:
+    """FA4's backward for ``sm100_bwd``, its forward for every other kernel."""
+    return FA4_BACKWARD if kernel == "sm100_bwd" else FA4_FORWARD
 
 
 class FA4Unavailable(ValueError):
@@ -42,7 +85,7 @@ class FA4Unavailable(ValueError):
 
 def check_fa4_available(kernel: str, arch: str) -> None:
     if arch != "sm_100a":
-        raise FA4Unavailable(f"--compare-fa4 compares SM100 forwards: use --arch sm_100a, not {arch}")
+        raise FA4Unavailable(f"--compare-fa4 compares SM100 kernels: use --arch sm_100a, not {arch}")
     missing = [m for m in ("flash_attn", "triton", "einops") if importlib.util.find_spec(m) is None]
     if "flash_attn" in missing:
         raise FA4Unavailable("--compare-fa4 needs FlashAttention-4: pip install flash-attn-4 "
@@ -56,21 +99,39 @@ def check_fa4_available(kernel: str, arch: str) -> None:
         )
 
 
-def _problem_config(kernel: str, overrides):
-    """Our FmhaConfig for the problem FA4 is asked to solve (defaults for non-forward kernels)."""
-    from fa_sm100.config import FmhaConfig, config_from_overrides
+def _problem(kernel: str, overrides) -> dict:
+    """The problem FA4 is asked to solve: our config's for sm100_fwd and sm100_bwd, the
+    default forward config's for every other kernel."""
+    from fa_sm100.config import B200_SMS, FmhaConfig, config_from_overrides
 
-    return config_from_overrides(overrides) if kernel == "sm100_fwd" else FmhaConfig()
+    if kernel == "sm100_bwd":
+        from fa_sm100.sm100.bwd_inspect_entry import make_config
+
+        cfg = make_config(overrides)
+        right = 0 if cfg.causal else FA4_BWD_WINDOW
+        window = [FA4_BWD_WINDOW, right] if cfg.local else [None, None]
+        return dict(FA4_PROBLEM, direction="bwd", head_dim=cfg.head_dim,
+                    head_dim_v=cfg.head_dim_v, dtype=cfg.dtype, causal=cfg.causal,
+                    qhead_per_kvhead=cfg.qhead_per_kvhead, window=window,
+                    softcap=FA4_BWD_SOFTCAP if cfg.softcap else 0.0,
+                    deterministic=cfg.deterministic, num_sms=B200_SMS)
+    cfg = config_from_overrides(overrides) if kernel == "sm100_fwd" else FmhaConfig()
+    return dict(FA4_PROBLEM, direction="fwd", head_dim=cfg.head_dim, head_dim_v=cfg.head_dim_v,
+                dtype=cfg.dtype, causal=cfg.causal, qhead_per_kvhead=cfg.qhead_per_kvhead,
+                window=[cfg.window_left, cfg.window_right], num_sms=cfg.num_sms)
 
 
 def inspect_fa4_sm100(overrides=(), keep_dir=None, kernel: str = "sm100_fwd",
                       timeout_s: int = 600) -> dict:
-    """Compile FA4's SM100 forward for our config's problem; return its inspect report."""
+    """Compile FA4's SM100 forward (or, for ``sm100_bwd``, its backward) for our config's
+    problem; return its inspect report. RuntimeError when FA4 cannot compile it."""
     from fa_sm100.compile_tools import CompileArtifacts, disassemble, find_nvdisasm
     from fa_sm100.inspection import make_report
 
     check_fa4_available(kernel, "sm_100a")
-    cfg = _problem_config(kernel, overrides)
+    fa4 = fa4_kernel_for(kernel)
+    problem = _problem(kernel, overrides)
+    what = f"FA4's SM100 {'backward' if fa4.direction == 'bwd' else 'forward'}"
     nvdisasm = find_nvdisasm()
     tmp = None
     if keep_dir is None:
@@ -80,11 +141,8 @@ def inspect_fa4_sm100(overrides=(), keep_dir=None, kernel: str = "sm100_fwd",
         out = Path(keep_dir) / "fa4"
         out.mkdir(parents=True, exist_ok=True)
     try:
-        problem = dict(FA4_PROBLEM, head_dim=cfg.head_dim, head_dim_v=cfg.head_dim_v,
-                       dtype=cfg.dtype, causal=cfg.causal, qhead_per_kvhead=cfg.qhead_per_kvhead,
-                       window=[cfg.window_left, cfg.window_right], num_sms=cfg.num_sms)
         env = dict(os.environ, CUTE_DSL_ARCH="sm_100a", FLASH_ATTENTION_ARCH="sm_100",
-                   FLASH_ATTENTION_NUM_SMS=str(cfg.num_sms), CUTE_DSL_KEEP="ptx,cubin",
+                   FLASH_ATTENTION_NUM_SMS=str(problem["num_sms"]), CUTE_DSL_KEEP="ptx,cubin",
                    CUTE_DSL_DUMP_DIR=str(out), CUTE_DSL_COMPILER_OPT="remarks{ptx}")
         proc = subprocess.run(
             [sys.executable, "-m", "fa_sm100.fa4_compare", str(out), json.dumps(problem)],
@@ -93,10 +151,12 @@ def inspect_fa4_sm100(overrides=(), keep_dir=None, kernel: str = "sm100_fwd",
         meta_path = out / "fa4_meta.json"
         if proc.returncode != 0 or not meta_path.exists():
             tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
-            raise RuntimeError(f"compiling FA4's SM100 forward failed (exit {proc.returncode}):\n{tail}")
+            raise RuntimeError(f"compiling {what} failed (exit {proc.returncode}) for "
+                               f"{problem}:\n{tail}")
         meta = json.loads(meta_path.read_text())
-        ptx = sorted(out.glob("*.sm_100a.ptx"))
-        cubin = sorted(out.glob("*.sm_100a.cubin"))
+        # the backward also compiles FA4's preprocess and postprocess: report the main kernel
+        ptx = sorted(out.glob(f"*{fa4.class_name}*.sm_100a.ptx"))
+        cubin = sorted(out.glob(f"*{fa4.class_name}*.sm_100a.cubin"))
         if len(ptx) != 1 or len(cubin) != 1:
             raise RuntimeError(f"expected one FA4 PTX and cubin in {out}, found {ptx + cubin}")
         art = CompileArtifacts(
@@ -113,11 +173,12 @@ def inspect_fa4_sm100(overrides=(), keep_dir=None, kernel: str = "sm100_fwd",
             setmaxnreg_warps=meta["setmaxnreg_warps"],
             cluster=tuple(launch.get("cluster", (1, 1, 1))),
         )
-        report = make_report("fa4_sm100_fwd", build, art)
+        report = make_report(fa4.report_name, build, art)
         report["fa4_problem"] = problem
+        entry = "_flash_attn_bwd" if fa4.direction == "bwd" else "flash_attn_func"
         report["fa4_notes"] = [
-            f"compiled by FA4's flash_attn_func under FakeTensorMode for {problem}",
-            f"cutlass.utils.HardwareInfo replaced by a fixed count of {cfg.num_sms} SMs "
+            f"compiled by FA4's {entry} under FakeTensorMode for {problem}",
+            f"cutlass.utils.HardwareInfo replaced by a fixed count of {problem['num_sms']} SMs "
             "(FA4's persistent scheduler sizes its grid with it; there is no driver here)",
             "FA4 chooses its own tiles, stages and register split for this problem",
         ]
@@ -173,6 +234,8 @@ def fixed_sm_count(num_sms: int):
 
 def _child(out_dir: str, problem: dict) -> int:
     with fixed_sm_count(int(problem["num_sms"])):
+        if problem["direction"] == "bwd":
+            return _compile_bwd_in_child(out_dir, problem)
         return _compile_in_child(out_dir, problem)
 
 
@@ -249,6 +312,95 @@ def _compile_in_child(out_dir: str, problem: dict) -> int:
         },
     }
     (out / "fa4_meta.json").write_text(json.dumps(meta, indent=2))
+    return 0
+
+
+def _compile_bwd_in_child(out_dir: str, problem: dict) -> int:
+    """Compile FA4's backward (preprocess, ``FlashAttentionBackwardSm100``, postprocess)
+    through ``_flash_attn_bwd`` on fake tensors; write the main kernel's meta."""
+    import inspect as pyinspect
+    import io
+    import time
+
+    import flash_attn.cute.flash_bwd_sm100 as bwd_mod
+    import torch
+    from flash_attn.cute.interface import _flash_attn_bwd
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fa_sm100.compile_tools import _record_launches
+
+    cls = bwd_mod.FlashAttentionBackwardSm100
+    instances = []
+    original_init = cls.__init__
+
+    def init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        instances.append((self, args, kwargs))
+
+    cls.__init__ = init
+    dtype = getattr(torch, problem["dtype"])
+    b, s, h = problem["batch"], problem["seqlen"], problem["heads"]
+    hk = max(1, h // problem["qhead_per_kvhead"])
+    d, dv = problem["head_dim"], problem["head_dim_v"]
+    launches: list = []
+    err = io.StringIO()
+    t0 = time.perf_counter()
+    with contextlib.redirect_stderr(err), _record_launches(launches), FakeTensorMode():
+        q = torch.empty(b, s, h, d, dtype=dtype, device="cuda")
+        k = torch.empty(b, s, hk, d, dtype=dtype, device="cuda")
+        v = torch.empty(b, s, hk, dv, dtype=dtype, device="cuda")
+        out = torch.empty(b, s, h, dv, dtype=dtype, device="cuda")
+        dout = torch.empty(b, s, h, dv, dtype=dtype, device="cuda")
+        lse = torch.empty(b, h, s, dtype=torch.float32, device="cuda")
+        left, right = problem["window"]
+        _flash_attn_bwd(q, k, v, out, dout, lse, causal=problem["causal"],
+                        softcap=problem["softcap"], window_size_left=left,
+                        window_size_right=right, deterministic=problem["deterministic"])
+    compile_s = time.perf_counter() - t0
+    out_path = Path(out_dir)
+    (out_path / "fa4_ptxas.log").write_text(err.getvalue())
+    if not instances:
+        print("FA4 did not construct FlashAttentionBackwardSm100 for this problem (another "
+              "backward kernel serves it)", file=sys.stderr)
+        return 1
+    inst, args, kwargs = instances[-1]
+    smem = inst.shared_storage.size_in_bytes()
+    # the main kernel's launch: FA4's preprocess and postprocess launch with other blocks
+    main = [l for l in launches if l.get("block") == (inst.threads_per_cta, 1, 1)
+            and l.get("smem") == smem]
+    if len(main) != 1:
+        print(f"expected one launch of FlashAttentionBackwardSm100, found {main} in {launches}",
+              file=sys.stderr)
+        return 1
+    bound = pyinspect.signature(original_init).bind(inst, *args, **kwargs).arguments
+    fa4_config = {k: _jsonable(v) for k, v in bound.items() if k != "self"}
+    for attr in ("tile_m", "tile_n", "tile_hdim", "tile_hdimv", "Q_stage", "dO_stage",
+                 "sdQaccum_stage", "sdKVaccum_stage", "use_2cta_instrs", "cluster_size",
+                 "num_regs_reduce", "num_regs_compute", "num_regs_load", "num_regs_mma",
+                 "num_regs_empty", "tmem_alloc_cols"):
+        if hasattr(inst, attr):
+            fa4_config[attr] = _jsonable(getattr(inst, attr))
+    # setmaxnreg acts per warp here: each role's warps set their own budget; the relay warp
+    # takes the MMA warp's with 2-CTA MMAs, else the empty warp's (FA4's kernel())
+    relay = inst.num_regs_mma if inst.use_2cta_instrs else inst.num_regs_empty
+    roles = {
+        "reduce": (tuple(inst.reduce_warp_ids), inst.num_regs_reduce),
+        "compute": (tuple(inst.compute_warp_ids), inst.num_regs_compute),
+        "mma": ((inst.mma_warp_id,), inst.num_regs_mma),
+        "load": ((inst.load_warp_id,), inst.num_regs_load),
+        "relay": ((inst.relay_warp_id,), relay),
+        "empty": ((inst.empty_warp_id,), inst.num_regs_empty),
+    }
+    meta = {
+        "compile_s": compile_s,
+        "launches": [{k: _jsonable(v) for k, v in l.items()} for l in main],
+        "fa4_config": fa4_config,
+        "smem_bytes": smem,
+        "tmem_cols": inst.tmem_alloc_cols,
+        "setmaxnreg": {role: regs for role, (_, regs) in roles.items()},
+        "setmaxnreg_warps": {role: warps for role, (warps, _) in roles.items()},
+    }
+    (out_path / "fa4_meta.json").write_text(json.dumps(meta, indent=2))
     return 0
 
 

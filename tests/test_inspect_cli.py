@@ -172,6 +172,52 @@ def test_compare_fa4_report():
     assert ours >= fa4, f"our kv_stage {ours} < FA4's {fa4} for the same problem"
 
 
+@pytest.mark.compile
+@pytest.mark.slow
+def test_compare_fa4_backward(tmp_path):
+    """``--kernel sm100_bwd --compare-fa4`` for the default hdim-128 problem: FA4's
+    FlashAttentionBackwardSm100 compiles here for the same head dims, and both reports (ours,
+    FA4's) are filled with plausible figures, in the side-by-side text and in the --json file
+    (ours at the top level, FA4's under "fa4"). FA4's own numbers are not pinned: only that it
+    is a 16-warp tcgen05 kernel whose setmaxnreg budgets are executed by its roles' warps."""
+    missing = _fa4_missing()
+    if missing:
+        pytest.skip(f"FA4 comparison: {', '.join(missing)} not importable here; install the "
+                    "fa4 extra: pip install -e \".[fa4]\" (flash-attn-4, triton, einops)")
+    out = tmp_path / "bwd.json"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--kernel", "sm100_bwd", "--compare-fa4",
+         "--json", str(out)],
+        capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    both = json.loads(out.read_text())
+    ours, fa4 = both, both["fa4"]
+    assert ours["kernel"] == "sm100_bwd" and fa4["kernel"] == "fa4_sm100_bwd"
+    assert fa4["fa4_problem"]["head_dim"] == fa4["config"]["head_dim"] == 128
+    for rep in (ours, fa4):
+        assert set(REPORT_KEYS) <= set(rep) and set(SASS_KEYS) <= set(rep["sass"])
+        assert rep["arch"] == "sm_100a"
+        assert rep["threads_per_cta"] == 512  # 16 warps, both designs
+        assert 0 < rep["regs_at_launch"] <= 255 and rep["setmaxnreg"]
+        assert 0 < rep["smem_bytes"] <= 232448
+        assert 0 < rep["tmem_cols"] <= 512 and rep["tmem_alloc_ptx"]
+        assert rep["spill_bytes"] >= 0 and rep["local_bytes"] >= 0
+        assert rep["sass"]["UTCHMMA"] > 0 and rep["sass"]["UTMALDG"] > 0
+        assert rep["sass"]["USETMAXREG"] > 0 and sum(rep["sass_full"].values()) > 0
+        assert not [w for w in rep["warnings"] if "setmaxnreg" in w], rep["warnings"]
+    assert ours["warnings"] == []
+    text = proc.stdout
+    lines = text.splitlines()
+    at = next(i for i, line in enumerate(lines) if "FA4 FlashAttentionBackwardSm100" in line)
+    assert "sm100_bwd" in lines[at]
+    for label, key in (("threads/CTA", "threads_per_cta"), ("smem bytes", "smem_bytes"),
+                       ("tmem cols", "tmem_cols"), ("spill bytes", "spill_bytes")):
+        row = next(line for line in lines[at:] if line.startswith(label)).split()
+        assert row[-2:] == [str(ours[key]), str(fa4[key])], row
+    assert "FA4 chose: tile_m=" in text and "use_2cta_instrs=" in text
+
+
 def test_compile_failure_exits_1_with_the_compiler_error(monkeypatch, capsys):
     """A kernel that fails to compile is not bad input: exit 1 and the compiler's message."""
     def broken(*args, **kwargs):

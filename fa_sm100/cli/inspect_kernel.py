@@ -4,6 +4,7 @@
     python scripts/inspect.py --kernel sm100_fwd --arch sm_100a --set use_2cta=false --json out.json
     python scripts/inspect.py --kernel sm100_fwd --arch sm_100a --against split_p=false
     python scripts/inspect.py --kernel sm100_fwd --arch sm_100a --compare-fa4
+    python scripts/inspect.py --kernel sm100_bwd --arch sm_100a --compare-fa4
     python scripts/inspect.py --list
 
 The report's keys are documented in docs/inspect.md. Exit status: 0 on success, 2 for bad
@@ -32,8 +33,9 @@ def parse_args(argv=None):
     p.add_argument("--json", dest="json_path", metavar="PATH", help="also write the report as JSON")
     p.add_argument("--keep-dir", metavar="DIR", help="keep the PTX, cubin and SASS in DIR")
     p.add_argument("--compare-fa4", action="store_true",
-                   help="also compile FlashAttention-4's SM100 forward for the same problem and "
-                   "print both reports side by side (needs flash-attn-4, triton, einops)")
+                   help="also compile FlashAttention-4's SM100 forward (its backward for "
+                   "--kernel sm100_bwd) for the same problem and print both reports side by "
+                   "side (needs flash-attn-4, triton, einops)")
     p.add_argument("--against", action="append", default=[], metavar="FIELD=VALUE",
                    help="also compile the config with these further overrides (repeatable) and "
                    "print both side by side, e.g. --against ex2_emu_fraction=0")
@@ -85,16 +87,14 @@ def main(argv=None) -> int:
             print(format_side_by_side(report, other, args.kernel, " ".join(args.against)))
             out["against"] = other  # the pinned keys stay at the top level
         if args.compare_fa4:
-            from fa_sm100.fa4_compare import inspect_fa4_sm100
+            from fa_sm100.fa4_compare import fa4_kernel_for, inspect_fa4_sm100
 
-            progress("compiling FlashAttention-4's SM100 forward ...")
+            fa4_kernel = fa4_kernel_for(args.kernel)
+            progress(f"compiling FlashAttention-4's {fa4_kernel.class_name} ...")
             fa4 = inspect_fa4_sm100(args.overrides, keep_dir=args.keep_dir, kernel=args.kernel)
             print()
-            print(format_side_by_side(report, fa4, args.kernel, "FA4 FlashAttentionForwardSm100"))
-            chosen = ("q_stage", "kv_stage", "m_block_size", "n_block_size", "use_2cta_instrs",
-                      "is_static_persistent", "num_regs_softmax", "num_regs_correction",
-                      "num_regs_other")
-            print("FA4 chose: " + ", ".join(f"{k}={fa4['config'][k]}" for k in chosen
+            print(format_side_by_side(report, fa4, args.kernel, fa4_kernel.title))
+            print("FA4 chose: " + ", ".join(f"{k}={fa4['config'][k]}" for k in fa4_kernel.chosen
                                             if k in fa4["config"]))
             for note in fa4["fa4_notes"]:
                 print(f"note: {note}")
