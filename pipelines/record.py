@@ -152,18 +152,26 @@ def is_dry() -> bool:
 
 
 @contextlib.contextmanager
-def role(name: str):
-    if _REC.active is None:
-        yield
-        return
-    rec = _REC.active
-    body = rec.programs.setdefault(name, [])
+def _recording_into(name: str, body: list):
+    """Operations traced inside this block are recorded into ``body``, as actor ``name``."""
     saved = (_REC._role, _REC._stack)
     _REC._role, _REC._stack = name, [body]
     try:
         yield
     finally:
         _REC._role, _REC._stack = saved
+
+
+@contextlib.contextmanager
+def role(name: str):
+    if _REC.active is None:
+        yield
+        return
+    rec = _REC.active
+    try:
+        with _recording_into(name, rec.programs.setdefault(name, [])):
+            yield
+    finally:
         if name in rec.parts and name in rec.programs:
             rest = rec.programs.pop(name)[rec.forks[name]:]
             for p in rec.parts[name]:
@@ -255,12 +263,8 @@ def part(name: str, warps: int):
     body = [Event("part", note=parent, threads=warps * WARP_SIZE)] + list(rec.programs[parent][:prefix])
     rec.programs[name] = body
     rec.parts.setdefault(parent, []).append(name)
-    saved = (_REC._role, _REC._stack)
-    _REC._role, _REC._stack = name, [body]
-    try:
+    with _recording_into(name, body):
         yield
-    finally:
-        _REC._role, _REC._stack = saved
 
 
 @contextlib.contextmanager

@@ -12,21 +12,22 @@ import itertools
 
 import pytest
 
-from fa_sm100.hopper import config, fwd_tuning
+from fa_sm100.hopper import bwd_tuning, config, fwd_tuning
 from fa_sm100.hopper.config import Sm90FwdConfig, select_sm90_fwd_config
-from fa_sm100.hopper.fwd_tuning import DOC, FWD_TUNING, FwdProblem, lookup, render_doc
+from fa_sm100.hopper.fwd_tuning import FWD_TUNING, FwdProblem, lookup
 from fa_sm100.tuning_table import draft
 
 INIT_FIELDS = {f.name for f in dataclasses.fields(Sm90FwdConfig) if f.init}
 
 
-def test_docs_page_shows_the_current_table():
-    """docs/tuning.md's forward block equals the table rendered from FWD_TUNING (the
-    ``--check`` of ``python -m fa_sm100.hopper.fwd_tuning``)."""
-    text = DOC.read_text()
-    assert render_doc(text) == text, ("docs/tuning.md is out of date: "
-                                      "python -m fa_sm100.hopper.fwd_tuning --write")
-    assert fwd_tuning.main(["--check"]) == 0
+@pytest.mark.parametrize("table", [fwd_tuning, bwd_tuning], ids=["forward", "backward"])
+def test_docs_page_shows_the_current_table(table):
+    """docs/tuning.md's block of each table equals the table rendered from its rows (the
+    ``--check`` of ``python -m fa_sm100.hopper.{fwd,bwd}_tuning``)."""
+    text = table.DOC.read_text()
+    assert table.render_doc(text) == text, (
+        f"docs/tuning.md is out of date: python -m {table.__name__} --write")
+    assert table.main(["--check"]) == 0
 
 
 def _problem(head_dim=128, causal=False, local=False, seqlen=None, batch_heads=None,
