@@ -530,3 +530,13 @@ def cubin_attributes(cubin: bytes) -> dict[str, dict]:
             elif attr == EIATTR_CTA_PER_CLUSTER and isinstance(val, bytes) and len(val) == 12:
                 entry["cluster"] = struct.unpack("<III", val)
     return out
+
+
+def fake_rowmajor(dtype, shape, align: int = 16):
+    """A fake compact row-major tensor of ``shape`` (ints or ``cute.sym_int`` run-time
+    extents) for a compile signature: the layout of a ``.contiguous()`` torch tensor, as TVM
+    FFI checks it at each call."""
+    from cutlass.cute.runtime import make_fake_compact_tensor
+
+    order = tuple(range(len(shape) - 1, -1, -1))
+    return make_fake_compact_tensor(dtype, shape, stride_order=order, assumed_align=align)

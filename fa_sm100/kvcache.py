@@ -164,9 +164,10 @@ def _check_values(lengths, new: int, capacity: int, table, page_size, pages: int
 
 
 def bad_sequences(cache_seqlens, new: int, capacity: int, page_table, page_size, pages: int):
-    """(batch,) bool on the GPU, without waiting for it: the sequences whose values are bad
-    (a length below 0, the new tokens past the capacity, a used page-table slot outside the
-    cache): ``_check_values``'s rule as tensor operations."""
+    """(batch,) bool: the sequences whose values are bad (a length below 0, the new tokens
+    past the capacity, a used page-table slot outside the cache): ``_check_values``'s rule as
+    tensor operations, which read no value on the host (the CPU model of
+    ``kvcache_kernels.KvcachePrepare``'s flags)."""
     total = cache_seqlens + new
     bad = (cache_seqlens < 0) | (total > capacity)
     if page_table is not None:
@@ -295,7 +296,7 @@ class KvcachePlan:
         self.causal, self.return_lse, self.check_values = causal, return_lse, check_values
         self.new = 0 if k is None else k.shape[1]
         self.capacity, self.page_size, self.pages = capacity, page_size, k_cache.shape[0]
-        self.hk, self.num_splits = k_cache.shape[2], num_splits
+        self.hk = k_cache.shape[2]
         # one query token at the end of its keys sees a range [start, length): start 0, or
         # set by a left window (a band whose right edge lies before the token goes the
         # general way)
@@ -311,12 +312,14 @@ class KvcachePlan:
             "decode" if decode else "prefill")
         # split-KV for one token from its first key: chunks of whole pages when a kernel
         # reads the pages (a chunk is a run of page-table slots), else of any length
+        # (a left window: ranges of at most left + 1 keys, each from its sequence's own key)
         self.splits, self.chunk = 1, capacity
         self.pack = one_token and self.left is None  # pack-GQA rows made by _prepare
-        if self.pack:
+        if self.kind.endswith("decode"):
+            width = capacity if self.left is None else min(capacity, self.left + 1)
             unit = page_size if self.paged_forward is not None else 1
             self.splits, self.chunk = _chunks(num_splits or choose_num_splits(
-                b * self.hk, _sms(q.device), capacity), capacity, unit)
+                b * self.hk, _sms(q.device), width), width, unit)
         self.varlen_forward = None
         if self.paged_forward is None:
             if varlen_forward is None:
@@ -329,8 +332,10 @@ class KvcachePlan:
         if self.check_values:
             lengths, table = _read_values(cache_seqlens, page_table)
             _check_values(lengths, self.new, self.capacity, table, self.page_size, self.pages)
-        used, bad, packed = _prepare(cache_seqlens, page_table, self.splits, self.new,
-                                     self.capacity, self.chunk, self.page_size, self.pages,
+        # the chunks of used keys from each sequence's first key (one chunk: its length)
+        chunks = (self.splits, self.chunk) if self.pack else (1, self.capacity)
+        used, bad, packed = _prepare(cache_seqlens, page_table, *chunks, self.new,
+                                     self.capacity, self.page_size, self.pages,
                                      q if self.pack else None, self.hk)
         if k is not None:
             append_kv(k_cache, v_cache, k, v, cache_seqlens, page_table, bad)
@@ -346,7 +351,7 @@ class KvcachePlan:
             k_cache, v_cache = (c[page_table.long()].flatten(1, 2) for c in (k_cache, v_cache))
         if self.kind == "decode":
             return _decode(self.varlen_forward, q, packed, k_cache, v_cache, used, bad,
-                           self.splits, self.chunk, self.left, self.num_splits, *common)
+                           self.splits, self.chunk, self.left, *common)
         return _prefill(self.varlen_forward, q, k_cache, v_cache, used, bad, self.causal,
                         self.window, *common)
 
@@ -354,7 +359,7 @@ class KvcachePlan:
 _plans = PlanTable()
 
 
-def _prepare(seqlens, table, splits: int, new: int, capacity: int, chunk: int, page_size,
+def _prepare(seqlens, table, splits: int, chunk: int, new: int, capacity: int, page_size,
              pages: int, q=None, hk: int = 0):
     """(used (b, splits) int32: the keys chunk s of each sequence reads from key s x chunk on,
     of its min(max(length + new, 0), capacity); bad (b,): ``bad_sequences``; with q,
@@ -363,7 +368,7 @@ def _prepare(seqlens, table, splits: int, new: int, capacity: int, chunk: int, p
     if seqlens.device.type == "cuda":
         from fa_sm100 import kvcache_kernels
 
-        return kvcache_kernels.prepare(seqlens, table, splits, new, capacity, chunk,
+        return kvcache_kernels.prepare(seqlens, table, splits, chunk, new, capacity,
                                        page_size, pages, q, hk)
     bad = bad_sequences(seqlens, new, capacity, table, page_size, pages)
     lengths = torch.where(bad, 0, (seqlens + new).clamp(0, capacity))  # bad: read no key
@@ -395,11 +400,12 @@ def _prefill(varlen_forward, q, k_cache, v_cache, used, bad, causal, window, sca
 
 
 def _decode(varlen_forward, q, packed, k_cache, v_cache, used, bad, splits: int, chunk: int,
-            left, num_splits: int, scale, softcap, return_lse):
+            left, scale, softcap, return_lse):
     """One query token of a contiguous cache, pack-GQA and split-KV: chunk (i, s) is a
     sequence of the varlen call from row i x capacity + start_i + s x chunk, ``used`` keys
     long. Without a window start_i is 0 (``used`` says it all); under a left window the token
-    sees keys [length - 1 - left, length), cut here into chunks (``used`` holds the lengths)."""
+    sees keys [length - 1 - left, length), cut here into the plan's chunks (``used`` holds the
+    lengths)."""
     b, _, hq, d = q.shape
     capacity, hk = k_cache.shape[1:3]
     group = hq // hk
@@ -407,9 +413,6 @@ def _decode(varlen_forward, q, packed, k_cache, v_cache, used, bad, splits: int,
         cu_k = _static(q.device, "chunks", (b, capacity, splits, chunk), lambda: np.append(
             (np.arange(b)[:, None] * capacity + np.arange(splits) * chunk).ravel(), b * capacity))
     else:  # each sequence's keys: at most left + 1, from its own start
-        width = min(capacity, left + 1)
-        splits, chunk = _chunks(num_splits or choose_num_splits(b * hk, _sms(q.device), width),
-                                width, 1)
         lengths = used.view(b, 1)
         firsts = _static(q.device, "firsts", (splits, chunk), lambda: np.arange(splits) * chunk)
         starts = (lengths - 1 - left).clamp(min=0) + firsts  # (b, splits)

@@ -21,6 +21,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
+from fa_sm100.compile_tools import fake_rowmajor
 from fa_sm100.softmax_math import LOG2_E
 
 PREPARE_THREADS = 128
@@ -152,29 +153,21 @@ class SplitCombine:
             mLse[i, head] = lse
 
 
-def _fake(dtype, shape, align: int = 4):
-    """A fake compact row-major tensor (what ``.contiguous()`` torch tensors are)."""
-    from cutlass.cute.runtime import make_fake_compact_tensor
-
-    order = tuple(range(len(shape) - 1, -1, -1))
-    return make_fake_compact_tensor(dtype, shape, stride_order=order, assumed_align=align)
-
-
 def prepare_arguments(paged: bool, dtype=None, head_dim: int = 0, env_stream: bool = True):
     """The compile-time signature of ``KvcachePrepare``: seqlens (b,), the table (b, slots)
     or None, used (b, splits), bad (b,), with ``dtype`` q (b, hq, head_dim) and the packed
     rows (rows, hk, head_dim) (else None, None), five int32 scalars, the stream (TVM FFI's
-    current stream with ``env_stream``)."""
+    current stream with ``env_stream``). The int32 vectors are 4-byte aligned (used and bad
+    are views of one buffer)."""
     from cutlass.cute.runtime import make_fake_stream
 
     s = cute.sym_int
-    table = _fake(Int32, (s(), s())) if paged else None
+    ints = lambda *shape: fake_rowmajor(Int32, shape, align=4)  # noqa: E731
     q = packed = None
     if dtype is not None:
-        q, packed = (_fake(dtype, (s(), s(), head_dim), 16) for _ in range(2))
-    return (_fake(Int32, (s(),)), table, _fake(Int32, (s(), s())), _fake(Int32, (s(),)),
-            q, packed, *(Int32(0) for _ in range(5)),
-            make_fake_stream(use_tvm_ffi_env_stream=env_stream))
+        q, packed = (fake_rowmajor(dtype, (s(), s(), head_dim)) for _ in range(2))
+    return (ints(s()), ints(s(), s()) if paged else None, ints(s(), s()), ints(s()), q, packed,
+            *(Int32(0) for _ in range(5)), make_fake_stream(use_tvm_ffi_env_stream=env_stream))
 
 
 def combine_arguments(dtype, head_dim_v: int, env_stream: bool = True):
@@ -184,9 +177,11 @@ def combine_arguments(dtype, head_dim_v: int, env_stream: bool = True):
 
     s = cute.sym_int
     hk, hq = s(), s()
-    return (_fake(dtype, (s(), hk, head_dim_v), 16), _fake(Float32, (hk, s())),
-            _fake(Int32, (s(),)), _fake(dtype, (s(), hq, head_dim_v), 16),
-            _fake(Float32, (s(), hq)), make_fake_stream(use_tvm_ffi_env_stream=env_stream))
+    return (fake_rowmajor(dtype, (s(), hk, head_dim_v)),
+            fake_rowmajor(Float32, (hk, s()), align=4), fake_rowmajor(Int32, (s(),), align=4),
+            fake_rowmajor(dtype, (s(), hq, head_dim_v)),
+            fake_rowmajor(Float32, (s(), hq), align=4),
+            make_fake_stream(use_tvm_ffi_env_stream=env_stream))
 
 
 def _launchable(kind: str, key, build, arguments, device):
@@ -206,7 +201,7 @@ def _launchable(kind: str, key, build, arguments, device):
     return kernel_cache.kernel(kind, (key, arch), compile_it)
 
 
-def prepare(seqlens, table, splits: int, new: int, capacity: int, chunk: int,
+def prepare(seqlens, table, splits: int, chunk: int, new: int, capacity: int,
             page_size: int, pages: int, q=None, heads_kv: int = 0):
     """``KvcachePrepare`` on the GPU: (used (b, splits) int32, bad (b,) int32, and with q (b,
     1, hq, d) its pack-GQA rows (b x splits x group, heads_kv, d), else None)."""

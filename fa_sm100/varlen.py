@@ -75,6 +75,36 @@ def sequence_rows(cu_seqlens, seq_used, seq, *tensors):
     return (*views, length)
 
 
+def paged_rows(q, k_pages, v_pages, cu_seqlens_q, page_table, seqused_k, block: int,
+               kernel: str):
+    """What a paged forward (``sm90_fwd_paged``, ``sm100_fwd_paged``) checks before anything
+    runs, and its cache seen as packed rows: k_pages / v_pages (pages, page_size, h_kv, d /
+    dv) with a page size that is a multiple of the kernel's key ``block`` (one TMA copy per
+    block), ``page_table`` int32 (sequences, pages per sequence) on q's device, ``seqused_k``
+    given. Returns (page_size, k rows, v rows, the table contiguous)."""
+    import torch
+
+    for name, t in (("k_pages", k_pages), ("v_pages", v_pages)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name} must be (pages, page_size, heads_kv, head_dim), got "
+                             f"{tuple(getattr(t, 'shape', ()))}")
+    page_size = k_pages.shape[1]
+    if page_size % block or v_pages.shape[:3] != k_pages.shape[:3]:
+        raise ValueError(f"pages of {page_size} tokens: the {kernel} kernel loads a key block "
+                         f"from one page, so page_size must be a multiple of {block} (and "
+                         f"k_pages, v_pages must agree in pages, page_size and heads)")
+    sequences = cu_seqlens_q.shape[0] - 1 if isinstance(cu_seqlens_q, torch.Tensor) else None
+    if (not isinstance(page_table, torch.Tensor) or page_table.dtype != torch.int32
+            or page_table.dim() != 2 or page_table.shape[0] != sequences
+            or page_table.device != q.device):
+        raise ValueError(f"page_table must be an int32 (sequences={sequences}, pages per "
+                         f"sequence) tensor on q's device")
+    if seqused_k is None:
+        raise ValueError("a paged cache needs seqused_k (each sequence's keys)")
+    k, v = (t.reshape(-1, *t.shape[2:]) for t in (k_pages, v_pages))  # the pages as rows
+    return page_size, k, v, page_table.contiguous()
+
+
 class VarlenPlan:
     """What a varlen forward decided for one (metadata, options) pair (``fa_sm100.call_plans``):
     the config, its kernel, the window's launch bounds and the output shapes. Calling it checks

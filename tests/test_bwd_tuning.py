@@ -18,21 +18,6 @@ from fa_sm100.hopper.bwd_tuning import BWD_TUNING, BwdProblem, lookup
 INIT_FIELDS = {f.name for f in dataclasses.fields(BwdConfig) if f.init}
 
 
-def test_rows_are_well_formed():
-    """Unique names; each row sets switch fields of BwdConfig (never a problem field), names
-    only its own fields in ``unless_asked``, is justified by a measurement or a rule, and has
-    text that fits one markdown table cell."""
-    problem_fields = set(_problem().config_fields())
-    names = [row.name for row in BWD_TUNING]
-    assert len(names) == len(set(names))
-    for row in BWD_TUNING:
-        assert row.sets and set(row.sets) <= INIT_FIELDS - problem_fields, row.name
-        assert set(row.unless_asked) <= set(row.sets), row.name
-        assert row.measured or row.rule, row.name
-        for text in (row.name, row.where, row.measured, row.rule):
-            assert "|" not in text and "\n" not in text, row.name
-
-
 def _problem(head_dim=128, causal=False, window=(None, None), qhead_per_kvhead=1,
              deterministic=False, softcap=False, seqlen=None, **asked) -> BwdProblem:
     return BwdProblem(head_dim=head_dim, head_dim_v=128 if head_dim == 192 else head_dim,

@@ -38,15 +38,22 @@ def _problem(head_dim=128, causal=False, local=False, seqlen=None, batch_heads=N
                       asked=tuple(asked.items()))
 
 
-def test_rows_are_well_formed():
-    """Unique names; each row sets switch fields of Sm90FwdConfig (never a problem field),
-    names only its own fields in ``unless_asked``, is justified by a measurement or a rule,
-    and has text that fits one markdown table cell."""
-    problem_fields = set(_problem().config_fields())
-    names = [row.name for row in FWD_TUNING]
+@pytest.mark.parametrize("table", ["forward", "backward"])
+def test_rows_are_well_formed(table):
+    """Unique names; each row sets switch fields of its config (never a problem field), names
+    only its own fields in ``unless_asked``, is justified by a measurement or a rule, and has
+    text that fits one markdown table cell."""
+    from test_bwd_tuning import INIT_FIELDS as BWD_INIT_FIELDS
+    from test_bwd_tuning import _problem as bwd_problem
+
+    rows, init_fields, problem = {
+        "forward": (FWD_TUNING, INIT_FIELDS, _problem()),
+        "backward": (bwd_tuning.BWD_TUNING, BWD_INIT_FIELDS, bwd_problem())}[table]
+    problem_fields = set(problem.config_fields())
+    names = [row.name for row in rows]
     assert len(names) == len(set(names))
-    for row in FWD_TUNING:
-        assert row.sets and set(row.sets) <= INIT_FIELDS - problem_fields, row.name
+    for row in rows:
+        assert row.sets and set(row.sets) <= init_fields - problem_fields, row.name
         assert set(row.unless_asked) <= set(row.sets), row.name
         assert row.measured or row.rule, row.name
         for text in (row.name, row.where, row.measured, row.rule):

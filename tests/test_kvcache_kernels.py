@@ -51,7 +51,7 @@ def test_prepare_kernel_equals_the_model(paged):
          (seqlens, table if paged else None, used, bad, q.view(b, hk * group, d), packed),
          (new, capacity, chunk, page, pages))
     want_used, want_bad, want_packed = kvcache._prepare(
-        seqlens, table if paged else None, splits, new, capacity, chunk, page, pages, q, hk)
+        seqlens, table if paged else None, splits, chunk, new, capacity, page, pages, q, hk)
     assert torch.equal(used, want_used)
     assert torch.equal(bad, want_bad.int())
     assert torch.equal(packed, want_packed)

@@ -15,7 +15,7 @@ from cutlass.cute.runtime import from_dlpack, make_fake_stream  # noqa: E402
 from fa_sm100.config import cutlass_dtype  # noqa: E402
 from fa_sm100.hopper.bwd_config import dq_fragment_index
 from fa_sm100.hopper.bwd_defaults import select_bwd_config  # noqa: E402
-from fa_sm100.hopper.bwd_interface import _rowmajor  # noqa: E402
+from fa_sm100.compile_tools import fake_rowmajor as _rowmajor  # noqa: E402
 from fa_sm100.hopper.bwd_prepost import BwdPostprocess, BwdPreprocess, DqPostprocess  # noqa: E402
 from fa_sm100.ptxemu import EmulationError, capture_launch, emulate  # noqa: E402
 from fa_sm100.testing import check_against_reference  # noqa: E402

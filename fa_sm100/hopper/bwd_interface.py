@@ -20,6 +20,7 @@ import torch
 from fa_sm100 import kernel_cache
 from fa_sm100.bands import kernel_window
 from fa_sm100.call_plans import PlanTable
+from fa_sm100.compile_tools import fake_rowmajor
 from fa_sm100.config import normalize_dtype
 from fa_sm100.devices import sm_count
 from fa_sm100.hopper import probes
@@ -423,14 +424,6 @@ def workspace(config: BwdConfig, q, k, layout: Optional[WorkspaceLayout] = None)
     return layout.allocate(q.device)
 
 
-def _rowmajor(dtype, shape, align=16):
-    """A fake compact row-major tensor (``.contiguous()`` torch tensors have this layout)."""
-    from cutlass.cute.runtime import make_fake_compact_tensor
-
-    return make_fake_compact_tensor(dtype, shape, stride_order=tuple(range(len(shape) - 1, -1, -1)),
-                                    assumed_align=align)
-
-
 def _fake_cu_seqlens(varlen: bool, seqused: bool = False):
     """Fake (cu_seqlens, seqused) of a varlen kernel: int32 vectors of run-time length, or
     None where the kernel takes none."""
@@ -440,8 +433,8 @@ def _fake_cu_seqlens(varlen: bool, seqused: bool = False):
     if not varlen:
         return None, None
     n = cute.sym_int()
-    cu = _rowmajor(cutlass.Int32, (n,), 4)
-    return cu, _rowmajor(cutlass.Int32, (cute.sym_int(),), 4) if seqused else None
+    cu = fake_rowmajor(cutlass.Int32, (n,), 4)
+    return cu, fake_rowmajor(cutlass.Int32, (cute.sym_int(),), 4) if seqused else None
 
 
 def fake_arguments(config: BwdConfig, env_stream: bool = False, seqused_k: bool = False):
@@ -464,16 +457,16 @@ def fake_arguments(config: BwdConfig, env_stream: bool = False, seqused_k: bool 
     # each)
     sq_pad, sk_pad, h_acc, n_m, n_sem = (cute.sym_int() for _ in range(5))
     bd = cute.sym_int() if config.varlen else b  # varlen: the packed tensors are a batch of 1
-    q, do = _rowmajor(dt, (bd, sq, h, d)), _rowmajor(dt, (bd, sq, h, dv))
-    k, v = _rowmajor(dt, (bd, sk, hk, d)), _rowmajor(dt, (bd, sk, hk, dv))
-    lse2, delta = _rowmajor(cutlass.Float32, (b, h, sq_pad)), _rowmajor(cutlass.Float32, (b, h, sq_pad))
-    dq_acc = _rowmajor(cutlass.Float32, (b, h, n_m, config.dq_block_elems))
+    q, do = fake_rowmajor(dt, (bd, sq, h, d)), fake_rowmajor(dt, (bd, sq, h, dv))
+    k, v = fake_rowmajor(dt, (bd, sk, hk, d)), fake_rowmajor(dt, (bd, sk, hk, dv))
+    lse2, delta = fake_rowmajor(cutlass.Float32, (b, h, sq_pad)), fake_rowmajor(cutlass.Float32, (b, h, sq_pad))
+    dq_acc = fake_rowmajor(cutlass.Float32, (b, h, n_m, config.dq_block_elems))
     if config.uses_gqa_buffers:
-        dk_out = _rowmajor(cutlass.Float32, (b, h_acc, sk_pad, d))
-        dv_out = _rowmajor(cutlass.Float32, (b, h_acc, sk_pad, dv))
+        dk_out = fake_rowmajor(cutlass.Float32, (b, h_acc, sk_pad, d))
+        dv_out = fake_rowmajor(cutlass.Float32, (b, h_acc, sk_pad, dv))
     else:
-        dk_out, dv_out = _rowmajor(dt, (bd, sk, h, d)), _rowmajor(dt, (bd, sk, h, dv))
-    sem = _rowmajor(cutlass.Int32, (b, h, n_sem), 4)
+        dk_out, dv_out = fake_rowmajor(dt, (bd, sk, h, d)), fake_rowmajor(dt, (bd, sk, h, dv))
+    sem = fake_rowmajor(cutlass.Int32, (b, h, n_sem), 4)
     cu_q, _ = _fake_cu_seqlens(config.varlen)
     cu_k, used = _fake_cu_seqlens(config.varlen, seqused_k)
     return (q, k, v, do, lse2, delta, dq_acc, dk_out, dv_out, sem, cutlass.Float32(0.125),
@@ -491,11 +484,11 @@ def fake_pre_arguments(dt, head_dim: int, varlen: bool = False):
 
     b, sq, h, sq_pad, n_m, block, n_sem = (cute.sym_int() for _ in range(7))
     bd = cute.sym_int() if varlen else b  # varlen: the packed tensors are a batch of 1
-    o, do = _rowmajor(dt, (bd, sq, h, head_dim)), _rowmajor(dt, (bd, sq, h, head_dim))
-    lse = _rowmajor(cutlass.Float32, (bd, h, sq), 4)
-    lse2, delta = _rowmajor(cutlass.Float32, (b, h, sq_pad)), _rowmajor(cutlass.Float32, (b, h, sq_pad))
-    dq_acc = _rowmajor(cutlass.Float32, (b, h, n_m, block))
-    sem = _rowmajor(cutlass.Int32, (b, h, n_sem), 4)
+    o, do = fake_rowmajor(dt, (bd, sq, h, head_dim)), fake_rowmajor(dt, (bd, sq, h, head_dim))
+    lse = fake_rowmajor(cutlass.Float32, (bd, h, sq), 4)
+    lse2, delta = fake_rowmajor(cutlass.Float32, (b, h, sq_pad)), fake_rowmajor(cutlass.Float32, (b, h, sq_pad))
+    dq_acc = fake_rowmajor(cutlass.Float32, (b, h, n_m, block))
+    sem = fake_rowmajor(cutlass.Int32, (b, h, n_sem), 4)
     return (o, do, lse, lse2, delta, dq_acc, sem, _fake_cu_seqlens(varlen)[0],
             make_fake_stream(use_tvm_ffi_env_stream=True))
 
@@ -511,8 +504,8 @@ def fake_post_arguments(dt, head_dim: int, pitch: int, varlen: bool = False,
 
     b, h_acc, s_pad, s, h = (cute.sym_int() for _ in range(5))
     bd = cute.sym_int() if varlen else b  # varlen: the packed output is a batch of 1
-    return (_rowmajor(cutlass.Float32, (b, h_acc, s_pad, pitch)),
-            _rowmajor(dt, (bd, s, h, head_dim)), cutlass.Float32(1.0),
+    return (fake_rowmajor(cutlass.Float32, (b, h_acc, s_pad, pitch)),
+            fake_rowmajor(dt, (bd, s, h, head_dim)), cutlass.Float32(1.0),
             *_fake_cu_seqlens(varlen, seqused), make_fake_stream(use_tvm_ffi_env_stream=True))
 
 
@@ -528,9 +521,9 @@ def fake_dq_post_arguments(config: BwdConfig):
 
     b, h, n_m, s, n_sem = (cute.sym_int() for _ in range(5))
     bd = cute.sym_int() if config.varlen else b  # varlen: the packed dq is a batch of 1
-    return (_rowmajor(cutlass.Float32, (b, h, n_m, config.dq_block_elems)),
-            _rowmajor(cutlass.Int32, (b, h, n_sem), 4),
-            _rowmajor(cutlass_dtype(config.dtype), (bd, s, h, config.head_dim)),
+    return (fake_rowmajor(cutlass.Float32, (b, h, n_m, config.dq_block_elems)),
+            fake_rowmajor(cutlass.Int32, (b, h, n_sem), 4),
+            fake_rowmajor(cutlass_dtype(config.dtype), (bd, s, h, config.head_dim)),
             cutlass.Float32(1.0), cutlass.Int32(1), _fake_cu_seqlens(config.varlen)[0],
             make_fake_stream(use_tvm_ffi_env_stream=True))
 

@@ -23,7 +23,7 @@ from fa_sm100.hopper.config import (SM90_ARCH, SM90_HEAD_DIMS, SM90_PAGE_BLOCKS,
                                     select_sm90_fwd_config)
 from fa_sm100.validation import (require_sm90, tma_ready, tma_strides_ok,
                                  validate_attention_inputs)
-from fa_sm100.varlen import VarlenPlan, planned_varlen_call
+from fa_sm100.varlen import VarlenPlan, paged_rows, planned_varlen_call
 
 _tile_counters: dict = {}
 
@@ -351,25 +351,8 @@ def sm90_fwd_paged(q, k_pages, v_pages, cu_seqlens_q, max_seqlen_q, page_table, 
     (sequences,) its keys. The producer reads each key block from its page; the rows of a page
     past the sequence's keys load as zeros. ``page_size`` must be a multiple of 64 (one TMA
     copy per key block): others raise ValueError. Otherwise as ``sm90_fwd_varlen``."""
-    for name, t in (("k_pages", k_pages), ("v_pages", v_pages)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            raise ValueError(f"{name} must be (pages, page_size, heads_kv, head_dim), got "
-                             f"{tuple(getattr(t, 'shape', ()))}")
-    page_size = k_pages.shape[1]
-    if page_size % min(SM90_PAGE_BLOCKS) or v_pages.shape[:3] != k_pages.shape[:3]:
-        raise ValueError(f"pages of {page_size} tokens: the SM90 kernel loads a key block of "
-                         f"{min(SM90_PAGE_BLOCKS)} or {max(SM90_PAGE_BLOCKS)} keys from one page, "
-                         f"so page_size must be a multiple of {min(SM90_PAGE_BLOCKS)} (and "
-                         f"k_pages, v_pages must agree in pages, page_size and heads)")
-    sequences = cu_seqlens_q.shape[0] - 1 if isinstance(cu_seqlens_q, torch.Tensor) else None
-    if (not isinstance(page_table, torch.Tensor) or page_table.dtype != torch.int32
-            or page_table.dim() != 2 or page_table.shape[0] != sequences
-            or page_table.stride(1) != 1 or page_table.device != q.device):
-        raise ValueError(f"page_table must be an int32 (sequences={sequences}, pages per "
-                         f"sequence) tensor with unit last stride on q's device")
-    if seqused_k is None:
-        raise ValueError("a paged cache needs seqused_k (each sequence's keys)")
-    k, v = (t.reshape(-1, *t.shape[2:]) for t in (k_pages, v_pages))  # the pages as rows
+    page_size, k, v, page_table = paged_rows(q, k_pages, v_pages, cu_seqlens_q, page_table,
+                                             seqused_k, min(SM90_PAGE_BLOCKS), "SM90")
 
     def build():
         return build_sm90_varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_q, max_seqlen_q,

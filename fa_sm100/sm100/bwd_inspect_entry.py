@@ -5,6 +5,7 @@ and head dims, as ``sm100_bwd`` compiles them."""
 
 from __future__ import annotations
 
+from fa_sm100.compile_tools import fake_rowmajor
 from fa_sm100.config import parse_overrides
 from fa_sm100.registry import KernelBuild, KernelEntry
 from fa_sm100.sm100.bwd_config import Sm100BwdConfig, select_sm100_bwd_config
@@ -37,7 +38,7 @@ def fake_arguments(cfg: Sm100BwdConfig, num_heads: int = FAKE_QUERY_HEADS,
     reads them)."""
     import cutlass
     import cutlass.cute as cute
-    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+    from cutlass.cute.runtime import make_fake_stream
 
     from layouts.cute_layouts import cutlass_dtype
 
@@ -49,8 +50,7 @@ def fake_arguments(cfg: Sm100BwdConfig, num_heads: int = FAKE_QUERY_HEADS,
     heads_kv = num_heads // cfg.qhead_per_kvhead
 
     def t(shape, dt=dtype):
-        order = tuple(range(len(shape) - 1, -1, -1))  # row-major
-        return make_fake_compact_tensor(dt, shape, stride_order=order, assumed_align=16)
+        return fake_rowmajor(dt, shape)
 
     q = t((batch, seqlen_q, num_heads, cfg.head_dim))
     k = t((batch, seqlen_k, heads_kv, cfg.head_dim))
@@ -63,8 +63,7 @@ def fake_arguments(cfg: Sm100BwdConfig, num_heads: int = FAKE_QUERY_HEADS,
     dv = t((batch, seqlen_k, heads_kv, cfg.head_dim_v))
     dq_sem = None  # deterministic: one int32 semaphore per (batch, head, query block)
     if cfg.deterministic:
-        dq_sem = make_fake_compact_tensor(cutlass.Int32, (batch, num_heads, cute.sym_int()),
-                                          stride_order=(2, 1, 0), assumed_align=4)
+        dq_sem = fake_rowmajor(cutlass.Int32, (batch, num_heads, cute.sym_int()), align=4)
     return (q, k, v, dout, lse2, delta, dq_acc, dk, dv, dq_sem, cutlass.Float32(1.0),
             cutlass.Float32(0.0), cutlass.Int32(0), cutlass.Int32(0),
             make_fake_stream(use_tvm_ffi_env_stream=env_stream))

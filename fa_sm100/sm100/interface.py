@@ -24,7 +24,7 @@ from fa_sm100.config import FmhaConfig, normalize_dtype, select_config
 from fa_sm100.devices import capability, sm_count
 from fa_sm100.machines import B200_SMS
 from fa_sm100.validation import validate_attention_inputs
-from fa_sm100.varlen import VarlenPlan, planned_varlen_call
+from fa_sm100.varlen import VarlenPlan, paged_rows, planned_varlen_call
 
 _plans = PlanTable()
 
@@ -221,25 +221,9 @@ def sm100_fwd_paged(q, k_pages, v_pages, cu_seqlens_q, max_seqlen_q, page_table,
     load warp reads each key block from its page; the rows of a page past the sequence's keys
     load as zeros. ``page_size`` must be a multiple of the kernel's 128-key blocks (one TMA
     copy per block): others raise ValueError. Otherwise as ``sm100_fwd_varlen``."""
-    for name, t in (("k_pages", k_pages), ("v_pages", v_pages)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            raise ValueError(f"{name} must be (pages, page_size, heads_kv, head_dim), got "
-                             f"{tuple(getattr(t, 'shape', ()))}")
-    page_size = k_pages.shape[1]
-    if page_size % 128 or v_pages.shape[:3] != k_pages.shape[:3]:
-        raise ValueError(f"pages of {page_size} tokens: the SM100 kernel loads a 128-key block "
-                         f"from one page, so page_size must be a multiple of 128 (and k_pages, "
-                         f"v_pages must agree in pages, page_size and heads)")
-    batch = cu_seqlens_q.shape[0] - 1 if isinstance(cu_seqlens_q, torch.Tensor) else None
-    if (not isinstance(page_table, torch.Tensor) or page_table.dtype != torch.int32
-            or page_table.dim() != 2 or page_table.shape[0] != batch
-            or page_table.device != q.device):
-        raise ValueError(f"page_table must be an int32 (batch={batch}, pages per sequence) tensor "
-                         f"on q's device")
-    if seqused_k is None:
-        raise ValueError("a paged cache needs seqused_k (each sequence's keys)")
-    k, v = (t.reshape(-1, *t.shape[2:]) for t in (k_pages, v_pages))  # the pages as rows
-    table = page_table.contiguous().flatten()
+    page_size, k, v, table = paged_rows(q, k_pages, v_pages, cu_seqlens_q, page_table,
+                                        seqused_k, 128, "SM100")
+    table = table.flatten()
     plan = _paged_plans.plan(
         (q, k, v, cu_seqlens_q, table, seqused_k),
         (softmax_scale, causal, window_size, softcap, return_lse, max_seqlen_q, max_seqlen_k,
