@@ -74,3 +74,12 @@ def current_stream_id(device: torch.device) -> int:
     if _stream_of is not None:
         return _stream_of(device.index if device.index is not None else torch.cuda.current_device())
     return torch.cuda.current_stream(device).cuda_stream
+
+
+_capturing = (getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
+              if torch.cuda._is_compiled() else None)
+
+
+def stream_capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (False without CUDA)."""
+    return _capturing is not None and _capturing()

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-FILES = ("README.md", "docs/status.md")
+FILES = ("README.md", "docs/status.md", "docs/host_path.md")
 CLAIM = re.compile(r"(<!-- claim:([a-z0-9_]+) -->)(.*?)(<!-- /claim -->)", re.S)
 
 
@@ -73,11 +73,40 @@ def softcap() -> str:
 def overhead() -> str:
     data = _load("docs/data/host_path/overhead_h200.json")
     per, host = data["us_per_call"], data.get("host_us_per_call", data["us_per_call"])
-    f, t = per["forward"], per["forward + backward"]
+    f, t, b = per["forward"], per["forward + backward"], per["backward"]
     return (f"forward {f['ours']:.1f} us per call (SDPA cuDNN {f['sdpa_cudnn']:.1f}); forward + "
             f"`autograd.grad` {t['ours']:.1f} us per call, {host['forward + backward']['ours']:.1f}"
             f" us of host time (cuDNN {t['sdpa_cudnn']:.1f} / "
-            f"{host['forward + backward']['sdpa_cudnn']:.1f})")
+            f"{host['forward + backward']['sdpa_cudnn']:.1f}); `autograd.grad` alone "
+            f"{b['ours']:.1f} / {host['backward']['ours']:.1f} (cuDNN {b['sdpa_cudnn']:.1f} / "
+            f"{host['backward']['sdpa_cudnn']:.1f})")
+
+
+OVERHEAD_ROWS = (("forward", "forward (`flash_attn_func`)"),
+                 ("forward + backward", "forward + `torch.autograd.grad`"),
+                 ("backward", "`torch.autograd.grad` alone"))
+OVERHEAD_PROVIDERS = ("ours", "fa4", "sdpa_cudnn", "sdpa_flash")
+
+
+def overhead_table() -> str:
+    """docs/host_path.md's table: per call / host us of each row and provider, the lower of
+    ours and the peers' per-call figure in bold."""
+    data = _load("docs/data/host_path/overhead_h200.json")
+    per, host = data["us_per_call"], data["host_us_per_call"]
+    lines = ["", "| per call / host (us) | ours | FA4 | SDPA cuDNN | SDPA flash |",
+             "|---|---|---|---|---|"]
+    for row, label in OVERHEAD_ROWS:
+        numbers = {p: per[row][p] for p in OVERHEAD_PROVIDERS
+                   if isinstance(per[row].get(p), (int, float))}
+        best = min(numbers.values())
+        cells = ["" if p not in numbers else
+                 f"**{per[row][p]:.1f}** / {host[row][p]:.1f}" if numbers[p] == best else
+                 f"{per[row][p]:.1f} / {host[row][p]:.1f}" for p in OVERHEAD_PROVIDERS]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    launch = [per[f"launch only: {m}"]["ours"] for m in ("forward", "backward")]
+    lines.append(f"| ours, launch only: forward / backward | {launch[0]:.1f} / {launch[1]:.1f}"
+                 " | | | |")
+    return "\n".join(lines) + "\n"
 
 
 CLAIMS = {
@@ -90,6 +119,7 @@ CLAIMS = {
                                    "backward"),
     "softcap": softcap,
     "overhead": overhead,
+    "overhead_table": overhead_table,
 }
 
 

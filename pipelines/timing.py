@@ -26,6 +26,10 @@ epilogue read of sO            TMA store of the O tile, waited before the releas
 Shared resources: the UMMA unit (in order), MUFU (shared by both softmax warpgroups), the
 FMA pipe (softmax + correction), TMEM port, TMA engine. A step that needs a resource starts
 when it is free (first come, first served in simulated time).
+
+The replay itself (``Replay``: waits, arrivals, units, resources) is the same for the SM100
+backward, whose prices and step times are in pipelines/timing_bwd.py; both read this
+module's ``CostTable``.
 """
 
 from __future__ import annotations
@@ -61,13 +65,27 @@ COST_SOURCES = {
     "tma_latency_clk": "~1000 clocks from TMA issue to mbarrier completion for an L2 hit "
                        "(assumption; HBM misses are slower)",
     "tma_bytes_per_clk": "64 B/clk per SM from L2 (assumption; 8 TB/s HBM / 148 SMs is only "
-                         "~28 B/clk, K/V tiles are L2 hits shared by many CTAs)",
+                         "~28 B/clk, K/V tiles are L2 hits shared by many CTAs); the backward's "
+                         "dK / dV rows leave through st.global at this SM-L2 rate too",
     "wait_latency_clk": "mbarrier try_wait wake-up ~20 clocks (assumption)",
     "mask_ops_per_elem": "causal / sliding-window masking of the blocks that cross the "
                          "diagonal: index compare + select, ~2 FP32-pipe ops per element "
                          "(assumption); applied to the first ceil(rows of the pair's tile / "
-                         "n_block) blocks each softmax warpgroup visits per work tile",
+                         "n_block) blocks each softmax warpgroup visits per work tile; the "
+                         "backward's compute warps pay it on every step of a causal walk (they "
+                         "compare every score) and, as an upper bound, of a windowed one",
     "issue_clk": "issuing one UMMA / TMA / commit from one thread: ~8 clocks (assumption)",
+    "bwd_p_ops_per_elem": "backward P = exp2(S scale_log2 - LSE2): one FMA and the 16-bit "
+                          "convert per score beside its MUFU.EX2 (fa_sm100/sm100/bwd_compute.py)",
+    "bwd_ds_ops_per_elem": "backward dS = P (dP - Delta): subtract, multiply, 16-bit convert "
+                           "per score (fa_sm100/sm100/bwd_compute.py)",
+    "softcap_ops_per_elem": "a capped score (backward model only): softcap_tanh's eleven "
+                            "FMA-pipe instructions beside one more MUFU.EX2 "
+                            "(fa_sm100/dsl_math.py), and the two of dS's factor 1 - t^2",
+    "red_bytes_per_clk": "red.global.add.f32 of the backward's dQ: assumed half the SM's "
+                         "L2 load rate (tma_bytes_per_clk), as each reduction reads and writes "
+                         "its L2 line; the dQ warps wait while the L2 takes the adds "
+                         "(not published)",
     "rescale_fraction": "share of blocks whose row max grows past the threshold: 1.0 with "
                         "threshold 0 (warp vote: some row moves almost every block), ~0.05 "
                         "with threshold 8.0 (assumption, random scores)",
@@ -90,6 +108,10 @@ class CostTable:
     tma_bytes_per_clk: float = 64.0
     wait_latency_clk: float = 20.0
     issue_clk: float = 8.0
+    bwd_p_ops_per_elem: float = 2.0
+    bwd_ds_ops_per_elem: float = 3.0
+    softcap_ops_per_elem: float = 13.0
+    red_bytes_per_clk: float = 32.0
     rescale_fraction_threshold0: float = 1.0
     rescale_fraction_thresholded: float = 0.05
     # calibration: every duration on a resource is multiplied by its scale
@@ -141,8 +163,26 @@ class Interval:
     label: str
 
 
+class RoleIntervals:
+    """What both kernels' timelines (``Timeline`` here, ``timing_bwd.BwdTimeline``) derive from
+    their ``intervals`` and ``total_clk``."""
+
+    def busy_fraction(self) -> dict:
+        out = {}
+        for iv in self.intervals:
+            if iv.kind == "busy":
+                out[iv.actor] = out.get(iv.actor, 0.0) + iv.end - iv.start
+        return {k: v / self.total_clk for k, v in out.items()} if self.total_clk else out
+
+    def by_actor(self) -> dict:
+        out = {}
+        for iv in self.intervals:
+            out.setdefault(iv.actor, []).append(iv)
+        return out
+
+
 @dataclass
-class Timeline:
+class Timeline(RoleIntervals):
     cfg: FmhaConfig
     n_blocks: int
     work_tiles: int
@@ -174,13 +214,6 @@ class Timeline:
         secs = self.time_per_tile_clk / (self.costs.clock_ghz * 1e9)
         return self.flops_per_tile * self.costs.num_sms / secs / 1e12
 
-    def busy_fraction(self) -> dict:
-        out = {}
-        for iv in self.intervals:
-            if iv.kind == "busy":
-                out[iv.actor] = out.get(iv.actor, 0.0) + iv.end - iv.start
-        return {k: v / self.total_clk for k, v in out.items()} if self.total_clk else out
-
     def to_dict(self) -> dict:
         """JSON-able form for the timeline and ablation tools."""
         return {
@@ -197,21 +230,166 @@ class Timeline:
             "intervals": [dataclasses.asdict(iv) for iv in self.intervals],
         }
 
-    def by_actor(self) -> dict:
-        out = {}
-        for iv in self.intervals:
-            out.setdefault(iv.actor, []).append(iv)
-        return out
 
+class Replay:
+    """The replay engine of the timing mode, shared by the forward's model and the backward's
+    (pipelines/timing_bwd.py): it runs the flattened role programs of a ``ProtocolModel`` in
+    simulated time and keeps per-actor busy/wait intervals. A subclass prices the accesses
+    (``thread_cost``, ``umma_cost``, ``umma_label``); everything else is common: an actor
+    always runs its own next operation, the one furthest behind in time first; a wait ends
+    when its barrier phase completed (the latest arrival of the phase, a UMMA commit once
+    every earlier MMA finished, a TMA copy once its bytes landed) plus the wake-up latency;
+    a shared resource serves requests first come, first served (``use``)."""
 
-class _Sim:
-    def __init__(self, cfg: FmhaConfig, model: ProtocolModel, costs: CostTable, n_blocks: int):
-        self.cfg, self.m, self.c = cfg, model, costs
+    def __init__(self, model: ProtocolModel, costs: CostTable):
+        self.m, self.c = model, costs
         # per-SM resources, keyed (resource, cta); the pair's UMMA queue is one ("umma", 0)
         self.free = {}
         self.done = {}  # (barrier key, phase) -> completion time
         self.arr_time = {}  # barrier key -> latest arrival time in the current phase
         self.tl: list[Interval] = []
+        # Causes, for the critical path: pred[k] is the index in ``tl`` of the busy interval
+        # whose end let busy interval k start (None: the start of the run, or a wait's row).
+        self.pred: list[Optional[int]] = []
+        self.cause = {}  # actor index -> the interval its current time follows from
+        self.last_on = {}  # (unit, cta) -> its latest busy interval
+        self.arr_node = {}  # barrier key -> the interval behind the phase's latest arrival
+        self.done_node = {}  # (barrier key, phase) -> the interval that completed it
+
+    def _add(self, iv: Interval, pred: Optional[int]) -> int:
+        self.tl.append(iv)
+        self.pred.append(pred)
+        return len(self.tl) - 1
+
+    def _unit_pred(self, unit: tuple, start: float, cause: Optional[int]) -> Optional[int]:
+        """What a unit's next job waits for: the unit's previous job when it is still busy at
+        ``start``, else what the issuing actor's time follows from."""
+        return self.last_on.get(unit) if self.free.get(unit, 0.0) > start else cause
+
+    def use(self, res: str, start: float, dur: float, cta: int = 0) -> float:
+        s = max(start, self.free.get((res, cta), 0.0))
+        self.free[(res, cta)] = s + dur
+        return s + dur
+
+    def thread_cost(self, a, op: Op, t: float) -> tuple[float, str]:
+        """(end time, label) of the threads' access ``op`` of actor ``a`` started at ``t``."""
+        raise NotImplementedError
+
+    def umma_cost(self, op: Op) -> float:
+        """Tensor-core clocks of the MMA whose access ``op`` is (0: an operand read)."""
+        raise NotImplementedError
+
+    def umma_label(self, op: Op, actor: str) -> str:
+        return f"{op.region} ({actor})"
+
+    def run(self) -> list[float]:
+        """Replay every actor to its end; returns each actor's finishing time."""
+        model, costs = self.m, self.c
+        st = model.initial()
+        times = [0.0] * len(model.actors)
+        while True:
+            acts = [a for a in model.enabled(st) if a[0] == "actor"]
+            if not acts and not (st.umma_q or st.tma):
+                break
+            if not acts:  # drain the asynchronous units (their times are already fixed)
+                model.apply(st, model.enabled(st)[0])
+                continue
+            i = min((a[1] for a in acts), key=lambda j: times[j])
+            times[i] = self._step(st, i, times[i])
+        return times
+
+    def _step(self, st, i: int, t: float) -> float:
+        """Run actor ``i``'s next operation from time ``t``; returns the actor's new time."""
+        model, costs = self.m, self.c
+        a = model.actors[i]
+        op = a.ops[st.pcs[i]]
+        cause = self.cause.get(i)
+        tgt = model._wait_target(a, op) if op.kind in ("wait", "acquire") else None
+        if tgt is not None:
+            ready = self.done.get(tgt, 0.0)
+            if ready > t:
+                self._add(Interval(a.name, "wait", t, ready, op.describe()), None)
+                t = ready + costs.wait_latency_clk
+                cause = self.done_node.get(tgt)
+        before = dict(st.bars)
+        tma_done, tma_node = t, None
+        if op.kind == "access" and op.unit == "umma":
+            dur = self.umma_cost(op)
+            t += costs.issue_clk
+            if dur:
+                unit = ("umma", 0)
+                pred = self._unit_pred(unit, t, cause)
+                end = self.use("umma", t, dur)
+                self.last_on[unit] = self._add(
+                    Interval("umma", "busy", end - dur, end, self.umma_label(op, a.name)), pred)
+        elif op.kind == "access" and op.unit == "tma":
+            dur = costs.scale_tma * model._tma_bytes(op) / costs.tma_bytes_per_clk
+            unit = ("tma", a.cta)
+            pred = self._unit_pred(unit, t + costs.issue_clk, cause)
+            end = self.use("tma", t + costs.issue_clk, dur, a.cta)
+            tma_node = self._add(Interval(f"tma@{a.cta}", "busy", end - dur, end,
+                                          f"{op.region} ({a.name})"), pred)
+            self.last_on[unit] = tma_node
+            tma_done = end + costs.scale_tma * costs.tma_latency_clk
+            t += costs.issue_clk
+        elif op.kind == "access":
+            end, label = self.thread_cost(a, op, t)
+            cause = self._add(Interval(a.name, "busy", t, end, label), cause)
+            t = end
+        elif op.kind in ("commit", "release") and op.arrive == "umma":
+            t += costs.issue_clk
+        n_tma = len(st.tma)
+        model.apply(st, ("actor", i))
+        self._note_arrivals(st, before, t, cause)
+        if op.kind == "access" and op.unit == "tma" and len(st.tma) > n_tma:
+            key, nb, rnd, vc, who = st.tma[-1]
+            st.tma = st.tma[:-1]
+            before = dict(st.bars)
+            model._complete_tx(st, key, nb, rnd, vc, who)
+            self._note_arrivals(st, before, tma_done, tma_node)
+        while st.umma_q:  # a commit arrives when every earlier UMMA has finished
+            before = dict(st.bars)
+            model.apply(st, ("umma", 0))
+            unit = ("umma", 0)
+            when = max(self.free.get(unit, 0.0), t)
+            self._note_arrivals(st, before, when, self._unit_pred(unit, t, cause))
+        self.cause[i] = cause
+        return t
+
+    def _note_arrivals(self, st, before: dict, when: float, node: Optional[int] = None) -> None:
+        """Barriers that changed got an arrival at ``when`` (following from interval ``node``);
+        completed phases get the latest arrival time of the phase as their completion time."""
+        for key, val in st.bars.items():
+            old = before.get(key)
+            if old == val:
+                continue
+            if when >= self.arr_time.get(key, 0.0):
+                self.arr_node[key] = node
+            self.arr_time[key] = max(self.arr_time.get(key, 0.0), when)
+            for p in range(old[0] if old else 0, val[0]):
+                self.done[(key, p)] = self.arr_time[key]
+                self.done_node[(key, p)] = self.arr_node.get(key)
+            if old is None or val[0] != old[0]:
+                self.arr_time[key] = 0.0 if val[1] == self.m.expected[key] and not val[2] else when
+                self.arr_node[key] = None if self.arr_time[key] == 0.0 else node
+
+    def critical_path(self, last: int) -> list[int]:
+        """The chain of busy intervals that ends with interval ``last``, each one the cause of
+        the next one's start, first to last."""
+        path = []
+        k: Optional[int] = last
+        while k is not None:
+            path.append(k)
+            k = self.pred[k]
+        return path[::-1]
+
+
+class _Sim(Replay):
+    """The forward's prices (the table in the module docstring)."""
+
+    def __init__(self, cfg: FmhaConfig, model: ProtocolModel, costs: CostTable, n_blocks: int):
+        super().__init__(model, costs)
+        self.cfg = cfg
         self.tile_ends: list[float] = []
         self.p_cols = cfg.n_block * cfg.dtype_bytes // 4
         self.n_blocks = n_blocks
@@ -219,11 +397,6 @@ class _Sim:
         tile_rows = cfg.m_block * cfg.q_stage * cfg.cta_group
         self.masked_blocks = (-(-tile_rows // cfg.n_block)) if (cfg.causal or cfg.is_local) else 0
         self.masked_blocks = min(self.masked_blocks, n_blocks)
-
-    def use(self, res: str, start: float, dur: float, cta: int = 0) -> float:
-        s = max(start, self.free.get((res, cta), 0.0))
-        self.free[(res, cta)] = s + dur
-        return s + dur
 
     def thread_cost(self, a, op: Op, t: float) -> tuple[float, str]:
         """End time of a thread access of actor ``a`` starting at ``t``."""
@@ -292,79 +465,11 @@ def simulate_timing(cfg: FmhaConfig, n_blocks: int, work_tiles: int = 2,
 
     model = ProtocolModel(cfg, programs, {"n_blocks": n_blocks, "work_tiles": work_tiles}, policy)
     sim = _Sim(cfg, model, costs, n_blocks)
-    st = model.initial()
-    times = [0.0] * len(model.actors)
-    while True:
-        acts = [a for a in model.enabled(st) if a[0] == "actor"]
-        pending_units = st.umma_q or st.tma
-        if not acts and not pending_units:
-            break
-        if not acts:  # drain the asynchronous units (their times are already fixed)
-            model.apply(st, model.enabled(st)[0])
-            continue
-        i = min((a[1] for a in acts), key=lambda j: times[j])
-        a = model.actors[i]
-        op = a.ops[st.pcs[i]]
-        t = times[i]
-        tgt = model._wait_target(a, op) if op.kind in ("wait", "acquire") else None
-        if tgt is not None:
-            ready = sim.done.get(tgt, 0.0)
-            if ready > t:
-                sim.tl.append(Interval(a.name, "wait", t, ready, op.describe()))
-                t = ready + costs.wait_latency_clk
-        before = dict(st.bars)
-        tma_done = t
-        if op.kind == "access" and op.unit == "umma":
-            dur = sim.umma_cost(op)
-            t += costs.issue_clk
-            if dur:
-                end = sim.use("umma", t, dur)
-                sim.tl.append(Interval("umma", "busy", end - dur, end, f"{op.region} ({a.name})"))
-        elif op.kind == "access" and op.unit == "tma":
-            nbytes = op.tx or op.bar_tx // cfg.cta_group
-            dur = costs.scale_tma * nbytes / costs.tma_bytes_per_clk
-            end = sim.use("tma", t + costs.issue_clk, dur, a.cta)
-            sim.tl.append(Interval(f"tma@{a.cta}", "busy", end - dur, end, f"{op.region} ({a.name})"))
-            tma_done = end + costs.scale_tma * costs.tma_latency_clk
-            t += costs.issue_clk
-        elif op.kind == "access":
-            end, label = sim.thread_cost(a, op, t)
-            sim.tl.append(Interval(a.name, "busy", t, end, label))
-            t = end
-        elif op.kind in ("commit", "release") and op.arrive == "umma":
-            t += costs.issue_clk
-        n_tma = len(st.tma)
-        model.apply(st, ("actor", i))
-        _note_arrivals(sim, st, before, t)
-        if op.kind == "access" and op.unit == "tma" and len(st.tma) > n_tma:
-            key, nb, rnd, vc, who = st.tma[-1]
-            st.tma = st.tma[:-1]
-            before = dict(st.bars)
-            model._complete_tx(st, key, nb, rnd, vc, who)
-            _note_arrivals(sim, st, before, tma_done)
-        while st.umma_q:  # a commit arrives when every earlier UMMA has finished
-            before = dict(st.bars)
-            model.apply(st, ("umma", 0))
-            _note_arrivals(sim, st, before, max(sim.free.get(("umma", 0), 0.0), t))
-        times[i] = t
+    times = sim.run()
     total = max([*times, *sim.free.values(), *sim.tile_ends] or [0.0])
     ends = sorted(sim.tile_ends)
     per_tile = [ends[k] for k in range(cfg.q_stage - 1, len(ends), cfg.q_stage)]
     return Timeline(cfg, n_blocks, work_tiles, sim.tl, total, per_tile, costs)
-
-
-def _note_arrivals(sim: _Sim, st, before: dict, when: float) -> None:
-    """Barriers that changed got an arrival at ``when``; completed phases get the latest
-    arrival time of the phase as their completion time."""
-    for key, val in st.bars.items():
-        old = before.get(key)
-        if old == val:
-            continue
-        sim.arr_time[key] = max(sim.arr_time.get(key, 0.0), when)
-        for p in range(old[0] if old else 0, val[0]):
-            sim.done[(key, p)] = sim.arr_time[key]
-        if old is None or val[0] != old[0]:
-            sim.arr_time[key] = 0.0 if val[1] == sim.m.expected[key] and not val[2] else when
 
 
 def main(argv=None) -> int:

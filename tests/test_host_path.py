@@ -34,7 +34,18 @@ WARM_BWD_FRAMES = 11
 
 
 @pytest.fixture
-def fake_sm90(monkeypatch):
+def streams(monkeypatch):
+    """The faked current stream and graph-capture state that the backward's kept workspace
+    (Note [Kept workspace] in bwd_interface.py) reads; its kept buffers start empty."""
+    state = SimpleNamespace(current=1, capturing=False)
+    monkeypatch.setattr(bwd_interface, "current_stream_id", lambda device: state.current)
+    monkeypatch.setattr(bwd_interface, "stream_capturing", lambda: state.capturing)
+    monkeypatch.setattr(bwd_interface, "_kept", {})
+    return state
+
+
+@pytest.fixture
+def fake_sm90(monkeypatch, streams):
     launches = []
 
     def kernel(kind, key, build):
@@ -357,3 +368,78 @@ def test_sm100_backward_launches_pre_main_post_on_a_faked_sm100(fake_sm100):
     cfg_w, args_w = windowed[1][0], windowed[2]
     assert cfg_w.local and cfg_w.softcap and cfg_w.causal
     assert args_w[11] == 5.0 and tuple(args_w[12:14]) == kernel_window(True, (64, None), 300, 200)
+
+
+def _workspace_of(launches, since):
+    """The workspace tensors (LSE2, Delta, dQ accumulator, semaphores) of the first
+    preprocess launched from index ``since`` on."""
+    kind, args = next((kind, args) for kind, args in launches[since:] if kind == "sm90_bwd_pre")
+    return args[3:7]
+
+
+def _backward(q, k, v, out, dout, lse, **options):
+    return bwd_interface.sm90_bwd(dout, q, k, v, out, lse, **options)
+
+
+def test_warm_backwards_on_one_stream_share_its_workspace_and_no_other(fake_sm90, streams):
+    q, k, v, out, dout = (bshd(2, 256, 4, 128) for _ in range(5))
+    lse = torch.empty(2, 4, 256, device="cuda", dtype=torch.float32)
+    args = (q, k, v, out, dout, lse)
+    marks = []
+    for stream, capturing in ((1, False), (1, False), (2, False), (1, False), (1, True),
+                              (1, True)):
+        streams.current, streams.capturing = stream, capturing
+        marks.append(len(fake_sm90))
+        _backward(*args, causal=True)
+    ws = [_workspace_of(fake_sm90, m)[:3] for m in marks]  # LSE2, Delta, dQ accumulator
+    same = lambda a, b: all(x is y for x, y in zip(a, b))  # noqa: E731
+    assert same(ws[0], ws[1]) and same(ws[0], ws[3])  # stream 1 keeps its buffer
+    assert not any(x is y for x, y in zip(ws[0], ws[2]))  # stream 2 has its own
+    # under graph capture every call is fresh: a graph never shares an eager buffer
+    for captured in ws[4:]:
+        assert not any(x is y for x in captured for w in ws[:4] for y in w)
+    assert not any(x is y for x, y in zip(ws[4], ws[5]))
+
+
+def test_a_kept_workspace_grows_to_fit_and_large_ones_stay_fresh(fake_sm90, streams,
+                                                                  monkeypatch):
+    small = [bshd(1, 128, 2, 64) for _ in range(5)]
+    large = [bshd(2, 1024, 4, 64) for _ in range(5)]
+    for tensors, seqlen, heads in ((small, 128, 2), (large, 1024, 4), (small, 128, 2)):
+        lse = torch.empty(tensors[0].shape[0], heads, seqlen, device="cuda")
+        mark = len(fake_sm90)
+        _backward(*tensors, lse)
+        lse2, delta, acc, sem = _workspace_of(fake_sm90, mark)
+        # every view lies inside the one buffer they share
+        storage = lse2.untyped_storage().nbytes()
+        for t in (lse2, delta, acc, sem):
+            assert t.untyped_storage().nbytes() == storage
+            assert (t.storage_offset() + sum((n - 1) * st for n, st in
+                                             zip(t.shape, t.stride())) + 1) * 4 <= storage
+    monkeypatch.setattr(bwd_interface, "KEPT_WORKSPACE_BYTES", 1024)
+    lse = torch.empty(1, 2, 128, device="cuda")
+    marks = [len(fake_sm90), None]
+    _backward(*small, lse)
+    marks[1] = len(fake_sm90)
+    _backward(*small, lse)
+    first, second = (_workspace_of(fake_sm90, m) for m in marks)
+    assert not any(x is y for x, y in zip(first, second))
+
+
+@pytest.mark.parametrize("overrides", [dict(gqa_reduce="atomic"), dict(pre_ctas=32)])
+def test_buffers_that_must_arrive_zeroed_are_never_kept(fake_sm90, streams, overrides):
+    """GQA's atomic dK/dV accumulators, and the semaphores a preprocess beside the main kernel
+    counts in, arrive zeroed: each call allocates them fresh; the rest is kept."""
+    from fa_sm100.hopper.bwd_defaults import select_bwd_config
+
+    q, out, dout = (bshd(1, 256, 8, 64) for _ in range(3))
+    k, v = bshd(1, 256, 2, 64), bshd(1, 256, 2, 64)
+    lse = torch.empty(1, 8, 256, device="cuda")
+    config = select_bwd_config(64, qhead_per_kvhead=4, seqlen_q=256, seqlen_k=256, **overrides)
+    for _ in range(2):
+        _backward(q, k, v, out, dout, lse, config=config)
+    first, second = [args for kind, args in fake_sm90 if kind == "sm90_bwd_main"]
+    # (q, k, v, dout, LSE2, Delta, dQ accumulator, dK, dV, semaphores, ...)
+    assert all(a is b for a, b in zip(first[4:7], second[4:7]))
+    zeroed = [9] if config.pre_ctas else [7, 8]
+    assert all(first[i] is not second[i] for i in zeroed)

@@ -6,6 +6,9 @@ graphs capture a warm call and a whole training step.
   of the same metadata with new data (the rule of the float64 reference).
 - A warm forward is captured in a ``torch.cuda.CUDAGraph``; replayed on new contents of the
   static inputs it gives the eager output bitwise.
+- Warm backwards share their stream's kept workspace (Note [Kept workspace] in
+  bwd_interface.py): calls queued back to back on one stream, without a synchronize, and calls
+  on two streams at once each give their own gradients within the float64 rule.
 - A training step (forward + ``backward``) is captured with
   ``torch.cuda.make_graphed_callables``; its replays give gradients within the float64 rule,
   on data the capture never saw. (docs/host_path.md shows the pattern.)
@@ -101,3 +104,37 @@ def test_a_training_step_is_captured_with_make_graphed_callables(sm90_device, sh
         for name, x, r, p in zip(("dq", "dk", "dv"), (q.grad, k.grad, v.grad), ref, plain):
             check_against_reference(x.float().cpu(), r.cpu(), p.float().cpu(),
                                     atol=grad_atol(r), what=name)
+
+
+def _check_grads(grads, q, k, v, dout, causal):
+    _, _, ref = attention_reference_grads(q, k, v, dout, causal, (None, None))
+    _, _, plain = attention_reference_grads(q, k, v, dout, causal, (None, None), torch.bfloat16,
+                                            upcast=False)
+    for name, x, r, p in zip(("dq", "dk", "dv"), grads, ref, plain):
+        check_against_reference(x.float().cpu(), r.cpu(), p.float().cpu(), atol=grad_atol(r),
+                                what=name)
+
+
+@pytest.mark.parametrize("shape", SHAPES[:2], ids=lambda s: "-".join(map(str, s)))
+def test_queued_backwards_on_one_or_two_streams_keep_their_own_gradients(sm90_device, shape):
+    from fa_sm100.hopper.bwd_interface import sm90_bwd
+    from fa_sm100 import flash_attn_func
+
+    b, s, h, hk, d, causal = shape
+    problems = []
+    for seed in (9, 10, 11, 12):
+        q, k, v = _qkv(b, s, h, hk, d, seed=seed)
+        dout = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
+        out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True)
+        problems.append((dout, q, k, v, out, lse))
+    sm90_bwd(*problems[0], causal=causal)  # the plan and its kept workspace exist
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    grads = [sm90_bwd(*problems[0], causal=causal), sm90_bwd(*problems[1], causal=causal)]
+    with torch.cuda.stream(side):
+        grads += [sm90_bwd(*p, causal=causal) for p in problems[2:]]
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    for g, (dout, q, k, v, _, _) in zip(grads, problems):
+        _check_grads(g, q, k, v, dout, causal)

@@ -63,8 +63,8 @@ def _poison_workspace(monkeypatch, sems=None, stats=False):
 
     workspace = bwd_interface.workspace
 
-    def poisoned(config, q, k, layout=None):
-        ws = workspace(config, q, k, layout)
+    def poisoned(config, q, k, layout=None, kept=False):
+        ws = workspace(config, q, k, layout, kept)
         ws["dq_acc"].fill_(float("nan"))
         # with pre_ctas the semaphores must arrive zeroed (the workspace's torch.zeros): the
         # persistent preprocess counts on the last and zeroes none (Note [Preprocess beside

@@ -19,7 +19,7 @@ import torch
 
 from fa_sm100 import kernel_cache
 from fa_sm100.bands import kernel_window
-from fa_sm100.call_plans import PlanTable
+from fa_sm100.call_plans import PlanTable, current_stream_id, stream_capturing
 from fa_sm100.compile_tools import fake_rowmajor
 from fa_sm100.config import normalize_dtype
 from fa_sm100.devices import sm_count
@@ -173,7 +173,7 @@ class Sm90BwdPlan:
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         for fn, args in zip(self.kernels, launch_args(self.config, q, k, v, out, dout, lse,
                                                       dq, dk, dv, self.scale, self.window,
-                                                      self.softcap, self.layout)):
+                                                      self.softcap, self.layout, kept=True)):
             fn(*args)
         return dq, dk, dv
 
@@ -315,13 +315,15 @@ def main_window(config: BwdConfig, q, k) -> tuple:
 
 def launch_args(config: BwdConfig, q, k, v, out, dout, lse, dq, dk, dv, softmax_scale,
                 window=None, softcap=0.0, layout: Optional["WorkspaceLayout"] = None,
-                varlen=None) -> list:
+                varlen=None, kept: bool = False) -> list:
     """The arguments of each kernel of ``kernel_specs``, in order, with a fresh workspace:
     what a call computes (a warm call nothing else). ``window``: ``main_window`` of q and k,
     ``layout``: the workspace's, each computed here when not given. ``varlen``: (cu_seqlens_q,
     cu_seqlens_k, seqused_k or None, max_seqlen_k) of a packed batch, whose tensors come as a
-    batch of one (Note [Varlen backward] in bwd_kernel.py); ``layout`` is then required."""
-    ws = workspace(config, q, k, layout)
+    batch of one (Note [Varlen backward] in bwd_kernel.py); ``layout`` is then required.
+    ``kept``: the workspace may be the stream's kept one (Note [Kept workspace]), as a plan's
+    call takes it."""
+    ws = workspace(config, q, k, layout, kept)
     cu_q, cu_k, used, max_k = (None, None, None, 0) if varlen is None else varlen
     gqa = config.uses_gqa_buffers
     dk_arg, dv_arg = (ws["dk_acc"], ws["dv_acc"]) if gqa else (dk, dv)
@@ -391,21 +393,66 @@ class WorkspaceLayout:
             self.gqa = ((b, h_acc, sk_pad, d), (b, h_acc, sk_pad, config.head_dim_v))
             self.gqa_zeroed = config.gqa_reduce != "buffers"
 
-    def allocate(self, device) -> dict:
-        """Fresh buffers: {"lse2", "delta", "dq_acc", "dq_sem"[, "dk_acc", "dv_acc"]}."""
-        f32 = torch.float32
-        flat = torch.empty(self.total, device=device, dtype=f32)
+    def views(self, flat) -> dict:
+        """{"lse2", "delta", "dq_acc"[, "dq_sem"]}: views of ``flat`` (float32, at least
+        ``total`` elements); "dq_sem" only when the semaphores need not arrive zeroed."""
         ws = {name: flat.as_strided(shape, strides, offset)
               for name, shape, strides, offset in self.parts}
+        if not self.zeroed_sem:
+            ws["dq_sem"] = flat.view(torch.int32).as_strided(*self.sem)
+        return ws
+
+    def allocate(self, device, kept: bool = False) -> dict:
+        """The buffers of one call: {"lse2", "delta", "dq_acc", "dq_sem"[, "dk_acc",
+        "dv_acc"]}. ``kept``: the float32 part is this stream's kept workspace
+        (``kept_workspace``) where it may be, else fresh; zeroed buffers are always fresh."""
+        f32 = torch.float32
+        ws = kept_workspace(self, device) if kept else None
+        if ws is None:
+            ws = self.views(torch.empty(self.total, device=device, dtype=f32))
+        if not self.zeroed_sem and self.gqa is None:
+            return ws
+        ws = dict(ws)
         if self.zeroed_sem:
             ws["dq_sem"] = torch.zeros(self.sem, device=device, dtype=torch.int32)
-        else:
-            ws["dq_sem"] = flat.view(torch.int32).as_strided(*self.sem)
         if self.gqa is not None:
             alloc = torch.zeros if self.gqa_zeroed else torch.empty
             ws["dk_acc"] = alloc(self.gqa[0], device=device, dtype=f32)
             ws["dv_acc"] = alloc(self.gqa[1], device=device, dtype=f32)
         return ws
+
+
+# Note [Kept workspace]: a warm backward's host time is mostly allocations, views and
+# launches, and a fresh workspace is one allocation plus a view per buffer. A plan's call
+# instead takes its buffers from one float32 buffer kept per (device, stream), with the views
+# of each layout kept beside it. That is as safe as the caching allocator's reuse of a freed
+# block on its stream: every kernel that touches the workspace runs on that stream, and the
+# first kernel of a call waits for everything before it (Note [chained launches]), so a call
+# never overlaps the previous call's use. No kernel reads what a previous call left (the
+# preprocess writes LSE2 and Delta, zeroes the semaphores and the accumulator as a fresh
+# buffer needs). Not kept: workspaces above KEPT_WORKSPACE_BYTES (their kernels take far longer
+# than an allocation), and calls under CUDA graph capture (a graph gets its own buffers, so a
+# replay on another stream never shares one with eager calls).
+KEPT_WORKSPACE_BYTES = 64 << 20  # the largest kept buffer, per (device, stream)
+KEPT_LAYOUTS = 256  # layouts whose views are kept per buffer (cleared when full)
+_kept: dict = {}  # (device, stream) -> [flat buffer, {layout: views}]
+
+
+def kept_workspace(layout: WorkspaceLayout, device) -> Optional[dict]:
+    """``layout``'s views on the kept buffer of ``device``'s current stream (grown to fit,
+    Note [Kept workspace]), or None where a call takes a fresh workspace instead."""
+    if layout.total * 4 > KEPT_WORKSPACE_BYTES or stream_capturing():
+        return None
+    key = (device, current_stream_id(device))
+    entry = _kept.get(key)
+    if entry is None or entry[0].numel() < layout.total:
+        entry = _kept[key] = [torch.empty(layout.total, device=device, dtype=torch.float32), {}]
+    ws = entry[1].get(layout)
+    if ws is None:
+        if len(entry[1]) >= KEPT_LAYOUTS:
+            entry[1].clear()
+        ws = entry[1][layout] = layout.views(entry[0])
+    return ws
 
 
 def _compact_strides(shape) -> tuple:
@@ -416,12 +463,13 @@ def _compact_strides(shape) -> tuple:
     return tuple(reversed(strides))
 
 
-def workspace(config: BwdConfig, q, k, layout: Optional[WorkspaceLayout] = None) -> dict:
+def workspace(config: BwdConfig, q, k, layout: Optional[WorkspaceLayout] = None,
+              kept: bool = False) -> dict:
     """The workspace of one backward call on q's device (``WorkspaceLayout``; ``layout``: the
-    plan's, computed here when not given)."""
+    plan's, computed here when not given; ``kept``: as ``WorkspaceLayout.allocate``)."""
     if layout is None:
         layout = WorkspaceLayout(config, q.shape, k.shape)
-    return layout.allocate(q.device)
+    return layout.allocate(q.device, kept)
 
 
 def _fake_cu_seqlens(varlen: bool, seqused: bool = False):
@@ -575,7 +623,7 @@ class Sm90BwdVarlenPlan:
         for fn, args in zip(self.kernels, launch_args(
                 self.config, one(q), one(k), one(v), one(out), one(dout), one(lse), one(dq),
                 one(dk), one(dv), self.scale, self.window, self.softcap, self.layout,
-                varlen=(cu_seqlens_q, cu_seqlens_k, seqused_k, self.max_seqlen_k))):
+                varlen=(cu_seqlens_q, cu_seqlens_k, seqused_k, self.max_seqlen_k), kept=True)):
             fn(*args)
         return dq, dk, dv
 

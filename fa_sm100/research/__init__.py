@@ -3,8 +3,9 @@
 Everything here is MODEL OUTPUT unless it says it measured: no SM100 GPU ran any of it.
 
 - ``timeline``       the ``Timeline`` data (per-role busy/wait intervals) and its text rendering;
-- ``model_backend``  the adapter from ``pipelines.timing`` (the timing mode) to timelines and
-                     to tile times for the ablation;
+- ``model_backend``  the adapter from ``pipelines.timing`` (the timing mode) and
+                     ``pipelines.timing_bwd`` (the backward's) to timelines, and to tile
+                     times for the ablation;
 - ``plotting``       matplotlib (Agg) figures: per-role Gantt charts side by side;
 - ``ablation``       the matrix of switches, whole-problem time from tile times, the
                      calibration against the published FA4 B200 figure, sweeps, and the

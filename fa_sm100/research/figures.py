@@ -10,7 +10,10 @@
 - ``pipeline_graph.png`` the roles and one arrow per pipeline of ``pipelines.spec.PIPELINES``;
 - ``timeline_compare.png``, ``ablation.png``, ``sweep_ex2.png``: MODEL OUTPUT of the timing
                       mode (``scripts/timeline.py --compare --calibrate``, ``scripts/ablation.py
-                      --plot``, ``scripts/ablation.py --sweep ex2_emu_fraction=...``).
+                      --plot``, ``scripts/ablation.py --sweep ex2_emu_fraction=...``);
+- ``timeline_bwd.png`` MODEL OUTPUT of the backward's timing mode (``scripts/timeline.py
+                      --kernel sm100_bwd --compare``: its recorded protocol, a cross-compile
+                      per panel).
 """
 
 from __future__ import annotations
@@ -237,7 +240,10 @@ MODEL_FIGURES = {
     "timeline": "timeline_compare.png",
     "ablation": "ablation.png",
     "sweep": "sweep_ex2.png",
+    "timeline_bwd": "timeline_bwd.png",
 }
+# The command line of timeline_bwd.png (docs/sm100_backward.md quotes it).
+BWD_TIMELINE_ARGS = ("--kernel", "sm100_bwd", "--compare", "--quiet")
 EX2_SWEEP = "ex2_emu_fraction=0,0.0625,0.125,0.25,0.375,0.5"
 
 
@@ -264,6 +270,10 @@ def main(argv=None) -> int:
 
             timeline_cli.main(["--compare", "--calibrate", "--quiet",
                                "--out", os.path.join(args.out, "timeline_compare.png")])
+        elif key == "timeline_bwd":
+            from fa_sm100.research import timeline_cli
+
+            timeline_cli.main([*BWD_TIMELINE_ARGS, "--out", os.path.join(args.out, "timeline_bwd.png")])
         elif key == "ablation":
             from fa_sm100.research import ablation_cli
 

@@ -1,12 +1,16 @@
-"""Adapter from the protocol model's timing mode (``pipelines.timing``) to the research tools.
+"""Adapter from the protocol model's timing mode (``pipelines.timing``, ``pipelines.timing_bwd``)
+to the research tools.
 
 - ``model_timeline`` runs ``simulate_timing`` for one config and turns its intervals into a
   ``Timeline`` of the six chart rows, for CTA 0 of the pair, in ns;
+- ``bwd_model_timeline`` does the same for the SM100 backward (``simulate_bwd``: one CTA's
+  walk of steps, its five chart rows ``BWD_ROLE_ROWS``, the time per step and the role that
+  bounds it);
 - ``tile_timer`` gives the ablation the time of one work tile of any length, from four
   simulations per config (linear in the number of K/V blocks, see ``TileTimer``).
 
-The rows: SOFTMAX0/1, CORRECTION and EPILOGUE are the roles' own busy and wait intervals. The
-MMA row is the tensor core (the ``umma`` unit executing the MMAs the MMA warp issued) drawn
+The rows: SOFTMAX0/1, CORRECTION and EPILOGUE (the backward's COMPUTE0/1 and DQ) are the
+roles' own busy and wait intervals. The MMA row is the tensor core (the ``umma`` unit executing the MMAs the MMA warp issued) drawn
 over the MMA warp's waits; the LOAD row likewise is the TMA unit over the load warp's waits.
 A wait that overlaps the unit's busy time is shown as busy: the unit is working.
 Everything here is MODEL OUTPUT.
@@ -18,7 +22,7 @@ import functools
 from typing import Sequence
 
 from fa_sm100.config import FmhaConfig
-from fa_sm100.research.timeline import ROLE_NAMES, Interval, Timeline
+from fa_sm100.research.timeline import BWD_ROLE_ROWS, ROLE_NAMES, Interval, Timeline
 
 # Units of the timing model whose busy time is shown on a role's row (actor names, with an
 # optional "@cta" suffix for per-SM units).
@@ -71,10 +75,17 @@ def _subtract(start: float, end: float, covered) -> list:
     return pieces
 
 
-def convert(result, title: str, overrides: Sequence[str] = (), cta: int = 0) -> Timeline:
-    """A ``pipelines.timing.Timeline`` -> the chart ``Timeline`` (CTA ``cta``, ns)."""
+def chart_role(actor: str) -> str:
+    """The chart row of a timing-mode actor: 'compute1@0' -> 'compute1', 'umma' -> 'mma'."""
+    name = actor.partition("@")[0]
+    return UNIT_ROWS.get(name, name)
+
+
+def chart_intervals(result, roles: Sequence[str], cta: int = 0) -> tuple[Interval, ...]:
+    """The intervals of a timing-mode result (either kernel's) on the chart rows ``roles``,
+    CTA ``cta``, in ns."""
     ns = 1.0 / result.costs.clock_ghz
-    busy, waits = {r: [] for r in ROLE_NAMES}, {r: [] for r in ROLE_NAMES}
+    busy, waits = {r: [] for r in roles}, {r: [] for r in roles}
     for iv in result.intervals:
         name, _, where = iv.actor.partition("@")
         if name in UNIT_ROWS:
@@ -91,24 +102,38 @@ def convert(result, title: str, overrides: Sequence[str] = (), cta: int = 0) -> 
                 continue
         (busy if iv.kind == "busy" else waits)[role].append((iv.start, iv.end, iv.label))
     out = []
-    for role in ROLE_NAMES:
+    for role in roles:
         covered = _merge([(a, b) for a, b, _ in busy[role]])
         for a, b, label in busy[role]:
             out.append(Interval(role, a * ns, b * ns, "busy", label))
         for a, b, label in waits[role]:
             for x, y in _subtract(a, b, covered):
                 out.append(Interval(role, x * ns, y * ns, "wait", _pipe_of(label)))
-    cfg = result.cfg
-    c = result.costs
+    return tuple(out)
+
+
+UNITS_NOTE = ("MMA row: tensor core busy over the MMA warp's waits; LOAD row: TMA unit over the "
+              "load warp's waits")
+
+
+def _cost_note(c) -> str:
     scale = (c.scale_umma, c.scale_threads, c.scale_tma)
     cal = ("uncalibrated cost table" if scale == (1.0, 1.0, 1.0) else
            f"cost table scaled x{c.scale_umma:.4f} (calibrated to FA4 B200 1535 TFLOP/s)")
+    return f"clock {c.clock_ghz} GHz; {cal}"
+
+
+def convert(result, title: str, overrides: Sequence[str] = (), cta: int = 0) -> Timeline:
+    """A ``pipelines.timing.Timeline`` -> the chart ``Timeline`` (CTA ``cta``, ns)."""
+    ns = 1.0 / result.costs.clock_ghz
+    out = chart_intervals(result, ROLE_NAMES, cta)
+    cfg = result.cfg
+    c = result.costs
     notes = (
         f"timing model: pipelines/timing.py, {result.n_blocks} K/V blocks x {result.work_tiles} "
-        f"work tiles, CTA {cta} of {cfg.cta_group}; clock {c.clock_ghz} GHz; {cal}; "
+        f"work tiles, CTA {cta} of {cfg.cta_group}; {_cost_note(c)}; "
         f"rescale taken on {100 * c.rescale_fraction(cfg):.0f}% of blocks",
-        "MMA row: tensor core busy over the MMA warp's waits; LOAD row: TMA unit over the "
-        "load warp's waits",
+        UNITS_NOTE,
     )
     per_tile = result.steady_tile_clk * ns
     return Timeline(title, tuple(out), per_tile, (0.0, result.total_clk * ns), tuple(overrides), notes,
@@ -159,6 +184,30 @@ def model_timeline(cfg: FmhaConfig, title: str, overrides: Sequence[str] = (), n
            "protocol: recorded from the SM100 kernel's own code while cross-compiling it")
     return Timeline(tl.title, tl.intervals, tl.time_per_tile, tl.span, tl.overrides,
                     tl.notes + (src,), tl.tile_rows)
+
+
+def bwd_model_timeline(cfg, title: str, overrides: Sequence[str] = (), steps: int = 8,
+                       costs=None) -> Timeline:
+    """Simulate one CTA's walk of ``steps`` steps of the SM100 backward's ``cfg`` (its recorded
+    protocol, ``pipelines.timing_bwd``) and return the chart timeline (MODEL OUTPUT)."""
+    from pipelines import timing_bwd
+
+    res = timing_bwd.simulate_bwd(cfg, steps, costs)
+    ns = 1.0 / res.costs.clock_ghz
+    labels = dict(BWD_ROLE_ROWS)
+    crit = ", ".join(f"{labels.get(chart_role(a), a)} {v * ns:.0f}"
+                     for a, v in sorted(res.critical_per_step().items(), key=lambda kv: -kv[1]))
+    notes = (
+        f"timing model: pipelines/timing_bwd.py, one CTA's walk of {steps} steps (query blocks x "
+        f"query heads against its key block); {_cost_note(res.costs)}",
+        f"critical path per step, ns: {crit}",
+        UNITS_NOTE,
+        "protocol: recorded from the SM100 backward's own code while cross-compiling it",
+    )
+    return Timeline(title, chart_intervals(res, [r for r, _ in BWD_ROLE_ROWS]), res.total_clk * ns,
+                    (0.0, res.total_clk * ns), tuple(overrides), notes, tile_rows=cfg.m_block * steps,
+                    role_rows=BWD_ROLE_ROWS, step_time=res.step_clk * ns,
+                    bound_by=chart_role(res.bound_by))
 
 
 def _sim_key(cfg: FmhaConfig) -> FmhaConfig:
@@ -287,5 +336,5 @@ def simulate_raw(cfg: FmhaConfig, n_blocks: int, work_tiles: int, costs=None):
     return _simulate(cfg, n_blocks, work_tiles, costs)
 
 
-__all__ = ["model_timeline", "tile_timer", "timer_factory", "TileTimer", "convert",
+__all__ = ["model_timeline", "bwd_model_timeline", "tile_timer", "timer_factory", "TileTimer", "convert",
            "cost_table", "calibrated_costs", "cost_table_summary", "simulate_raw"]

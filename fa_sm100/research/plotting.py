@@ -1,4 +1,5 @@
-"""Matplotlib (Agg) figures of model timelines: one Gantt panel per config, side by side.
+"""Matplotlib (Agg) figures of model timelines: one Gantt panel per config, side by side, with
+the rows of the timelines' kernel (the forward's or the backward's roles).
 
 ``plot_timelines`` returns a ``PlotInfo`` describing what it drew (panel titles, row labels,
 the figure title) so tests check the figure's content without reading pixels. With an
@@ -14,7 +15,7 @@ from typing import Optional, Sequence
 
 from fa_sm100.research import emu_trace as emu
 from fa_sm100.research.role_panels import draw_share_bars
-from fa_sm100.research.timeline import MODEL_LABEL, ROLE_ROWS, Timeline
+from fa_sm100.research.timeline import MODEL_LABEL, Timeline, common_rows, step_text
 
 ROLE_COLORS = {
     "load": "#4C72B0",
@@ -23,6 +24,9 @@ ROLE_COLORS = {
     "softmax1": "#8FCB8F",
     "correction": "#8172B2",
     "epilogue": "#CCB974",
+    "compute0": "#55A868",
+    "compute1": "#8FCB8F",
+    "dq": "#8172B2",
 }
 WAIT_COLOR = "#D9D9D9"
 
@@ -48,14 +52,15 @@ def _pyplot():
 
 def plot_timelines(timelines: Sequence[Timeline], path: str, title: str = "",
                    emu_trace: Optional[emu.EmuTrace] = None) -> PlotInfo:
-    """Draw each timeline as a Gantt panel (rows LOAD..EPILOGUE, busy in the role's colour,
-    waiting hatched grey) with its per-role busy share beside it, and save a PNG at ``path``.
+    """Draw each timeline as a Gantt panel (its kernel's rows, e.g. LOAD..EPILOGUE, busy in
+    the role's colour, waiting hatched grey) with its per-role busy share beside it, and save a PNG at ``path``.
     ``emu_trace``: also draw the PTX emulator's trace (x = execution step, no clock) below the
     first panel."""
     if not timelines:
         raise ValueError("plot_timelines: no timeline to draw")
     if not str(path).lower().endswith(".png"):
         raise ValueError(f"--out {path!r}: the figure is written as PNG; give a path ending in .png")
+    role_rows = common_rows(timelines)
     plt = _pyplot()
     from matplotlib.patches import Patch
 
@@ -75,7 +80,7 @@ def plot_timelines(timelines: Sequence[Timeline], path: str, title: str = "",
         lo = tl.span[0]
         rows = tl.rows()
         labels = []
-        for y, (role, label) in enumerate(ROLE_ROWS):
+        for y, (role, label) in enumerate(role_rows):
             labels.append(label)
             ivs = rows[role]
             busy = [((iv.start - lo) / 1000, iv.length / 1000) for iv in ivs if iv.state == "busy"]
@@ -90,13 +95,14 @@ def plot_timelines(timelines: Sequence[Timeline], path: str, title: str = "",
         ax.tick_params(axis="x", labelsize=8)
         ax.grid(axis="x", alpha=0.3)
         rows_txt = f" of {tl.tile_rows} rows ({tl.rows_per_us:.1f} rows/us)" if tl.tile_rows else ""
-        panel = f"{tl.title}: {tl.time_per_tile / 1000:.3f} us per work tile{rows_txt} (model)"
+        panel = (f"{tl.title}: {tl.time_per_tile / 1000:.3f} us per work tile{rows_txt}"
+                 f"{step_text(tl)} (model)")
         ax.set_title(panel, fontsize=10, loc="left")
-        fracs = [100 * tl.busy_fraction(role) for role, _ in ROLE_ROWS]
-        draw_share_bars(bars, fracs, ROLE_COLORS, "busy %", [f"{f:.0f}%" for f in fracs])
+        fracs = [100 * tl.busy_fraction(role) for role, _ in role_rows]
+        draw_share_bars(bars, fracs, ROLE_COLORS, "busy %", [f"{f:.0f}%" for f in fracs], role_rows)
         panel_titles.append(panel)
         row_labels.append(tuple(labels))
-    handles = [Patch(facecolor=ROLE_COLORS[r], label=f"{lab} busy") for r, lab in ROLE_ROWS]
+    handles = [Patch(facecolor=ROLE_COLORS[r], label=f"{lab} busy") for r, lab in role_rows]
     handles.append(Patch(facecolor=WAIT_COLOR, edgecolor="#A0A0A0", hatch="///",
                          label="waiting on a barrier"))
     if emu_trace is not None:

@@ -6,10 +6,11 @@ from __future__ import annotations
 from fa_sm100.research.timeline import ROLE_ROWS
 
 
-def draw_share_bars(bars, fracs, colors, xlabel: str, texts) -> None:
-    """The side panel of a role chart: one horizontal bar per role row, as a percentage."""
-    n = len(ROLE_ROWS)
-    bars.barh(range(n), fracs, color=[colors[r] for r, _ in ROLE_ROWS])
+def draw_share_bars(bars, fracs, colors, xlabel: str, texts, rows=ROLE_ROWS) -> None:
+    """The side panel of a role chart: one horizontal bar per role row (``rows``: the
+    kernel's, the forward's by default), as a percentage."""
+    n = len(rows)
+    bars.barh(range(n), fracs, color=[colors[r] for r, _ in rows])
     bars.set_ylim(n - 0.5, -0.5)
     bars.set_yticks([])
     bars.set_xlim(0, 100)
