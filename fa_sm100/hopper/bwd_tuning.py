@@ -182,8 +182,10 @@ BWD_TUNING = (
     TuningRow(
         "GQA dK/dV buffers", "every problem (read by GQA / MQA)",
         lambda p, c: True, dict(gqa_reduce="buffers"),
-        measured="buffers over atomics, hdim 128 GQA 4:1: +1.6% / +4.2% at 16k, a tie at 4k "
-                 "(H200)",
+        measured="buffers over atomics, hdim 128 GQA 4:1: +1.6% / +4.2% at 16k, a tie at 4k; "
+                 "launch-only, causal, the models grid's GQA/MQA cells: 4935 / 5122 us (32q/8kv "
+                 "8k), 9925 / 10202 (64q/8kv 8k), 1685 / 1855 (32q/8kv 2k), 1369 / 1417 "
+                 "(16q/4kv hdim 64 8k), 1469 / 1495 (MQA 32q/1kv 4k) (H200)",
         rule="bitwise reproducible, so deterministic GQA needs no other setting"),
     TuningRow(
         "128-row blocks", "swapped " + _dims(TILE_M_128_HEAD_DIMS),
