@@ -8,6 +8,7 @@ import itertools
 import pytest
 
 from fa_sm100.benchmarking import calls_per_round, paired_rounds, paired_speedups
+from plain_text import words
 from script_loader import load_script
 
 
@@ -209,8 +210,8 @@ def test_format_cell_names_each_provider_with_its_paired_ratio():
     assert lines[2].split()[:3] == ["nofence", "2.1000", "ms"]
     # three rounds are too few for a 95% interval of the median
     assert "x0.952 vs default [n/a] (rounds 0.952-0.952)" in lines[2]
-    assert lines[-2] == "  over fa4: default 0.950x, nofence 0.905x"
-    assert lines[-1] == "  over fa4, paired: default 0.950x [n/a], nofence 0.905x [n/a]"
+    assert words(lines[-2]) == "over fa4: default 0.950x, nofence 0.905x"
+    assert words(lines[-1]) == "over fa4, paired: default 0.950x [n/a], nofence 0.905x [n/a]"
 
 
 def test_format_cell_gives_the_interval_of_each_paired_ratio_from_six_rounds():

@@ -7,6 +7,8 @@ import sys
 import textwrap
 import time
 
+from plain_text import words
+
 from fa_sm100.benchmarking import (ClockSampler, clock_summary, parse_clock_samples, run_cell,
                                    summarize_conditions)
 
@@ -99,7 +101,7 @@ def test_bwd_rows_keep_clocks_out_of_the_provider_names(capsys):
            "ours_watts": 690.0, "ours:t80_ms": 1.0, "ours:t80_tflops": 490.0,
            "ours:t80_mhz": 1690.0, "ours:t80_watts": 689.0, "fa4_tflops": 510.0}
     text = bwd_bench.format_row(row)
-    assert "ours:t80  490.0" in text and "_mhz" not in text and "ours:t80_" not in text
+    assert "ours:t80 490.0" in words(text) and "_mhz" not in text and "ours:t80_" not in text
     bwd_bench.print_clocks([row, {**row, "ours_mhz": 1720.0}])
     assert capsys.readouterr().out.strip().endswith(
         "ours 1720 MHz 690 W, ours:t80 1690 MHz 689 W")

@@ -13,6 +13,7 @@ import pytest
 
 from fa_sm100.compile_tools import NVDISASM_DIRS_ENV
 from fa_sm100.inspection import REPORT_KEYS, SASS_KEYS
+from plain_text import word_lines
 from script_loader import load_script, repo_env
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,9 +73,12 @@ def test_json_round_trip(tmp_path):
     assert rep["cluster"] == [1, 1, 1] and rep["tmem_cols"] == 64
     assert rep["sass"]["UTCHMMA.2CTA"] == 0 and rep["sass"]["UTCHMMA"] == 4
     assert rep["sass"]["LDTM"] == 2  # 64 columns, 32 per load
-    assert f"threads/CTA     {rep['threads_per_cta']}" in proc.stdout
-    assert f"UTCHMMA        {rep['sass']['UTCHMMA']}" in proc.stdout
-    assert f"smem bytes      {rep['smem_bytes']}" in proc.stdout
+    # the text report's rows are "label  value": each shows the JSON's number
+    rows = dict(line.rsplit(" ", 1) for line in word_lines(proc.stdout) if " " in line)
+    assert rows["threads/CTA"] == str(rep["threads_per_cta"])
+    assert rows["smem bytes"] == str(rep["smem_bytes"])
+    assert rows["spill bytes"] == str(rep["spill_bytes"])
+    assert rows["UTCHMMA"] == str(rep["sass"]["UTCHMMA"])
 
 
 @pytest.mark.compile

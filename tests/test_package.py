@@ -43,6 +43,30 @@ def test_every_script_is_a_command_of_the_package():
         assert exit_.value.code == 0 and "usage" in out.getvalue(), name
 
 
+def test_every_script_runs_its_commands_main(monkeypatch):
+    """``python scripts/<name>.py ARGS`` is ``python -m fa_sm100 <name> ARGS``: every script,
+    run as a program, calls its command's ``main`` (the one that answers --help above) and
+    exits with what it returns."""
+    import importlib
+    import runpy
+    from pathlib import Path
+
+    from fa_sm100.cli import COMMANDS
+
+    scripts = sorted((Path(__file__).resolve().parents[1] / "scripts").glob("*.py"))
+    assert scripts
+    calls = []
+    for path in scripts:
+        with monkeypatch.context() as patch:  # every command's main stands in, named
+            for name, (module_name, _) in COMMANDS.items():
+                patch.setattr(importlib.import_module(module_name), "main",
+                              lambda *args, name=name: calls.append((name, args)) or 7)
+            with pytest.raises(SystemExit) as exit_:
+                runpy.run_path(str(path), run_name="__main__")
+        assert calls == [(path.stem, ())] and exit_.value.code == 7, (path.name, calls)
+        calls.clear()
+
+
 def test_a_script_and_its_command_give_the_same_output():
     from script_loader import ROOT, repo_env
 

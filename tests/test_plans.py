@@ -8,24 +8,26 @@ from layouts.smem import SMEM_BUDGET, SmemPlan, align_up
 from layouts.tmem import TmemPlan, TmemRegion
 
 
-def test_default_tmem_plan_is_the_design():
-    plan = TmemPlan.for_config(FmhaConfig())
-    spans = {r.name: (r.start, r.stop) for r in plan.regions}
-    assert spans == {"S0": (0, 128), "P0": (64, 128), "S1": (128, 256), "P1": (192, 256),
-                     "O0": (256, 384), "O1": (384, 512)}
-    assert plan.alloc_cols == 512 and plan.cols_used == 512
-
-
-def test_one_q_stage_keeps_the_fixed_offsets():
-    plan = TmemPlan.for_config(FmhaConfig(q_stage=1))
-    assert plan.names == ("S0", "P0", "O0")
-    assert plan.offset("O0") == 256
-
-
-@pytest.mark.parametrize("hd,hv", [(64, 64), (96, 96), (192, 128)])
-def test_tmem_plan_for_other_head_dims(hd, hv):
-    plan = TmemPlan.for_config(select_config(hd, hv))
-    assert plan["O1"].cols == hv and plan["O1"].stop <= 512
+@pytest.mark.parametrize("hd,hv", [(64, 64), (96, 96), (128, 128), (192, 128)])
+@pytest.mark.parametrize("q_stage", [1, 2])
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_tmem_plan_of_every_config_follows_the_design(hd, hv, q_stage, dtype):
+    """Per Q stage i: S_i of n_block columns, P_i the 16-bit probabilities (two per 32-bit
+    column) at the upper end of S_i, where the softmax overwrites scores it has already read,
+    and O_i of head_dim_v columns past both S regions; S_i and O_i sit where they would with
+    two Q stages (no offset moves with q_stage), and the plan fits the 512 allocated columns."""
+    cfg = select_config(hd, hv, dtype=dtype, q_stage=q_stage)
+    plan = TmemPlan.for_config(cfg)
+    two = TmemPlan.for_config(cfg.replace(q_stage=2))
+    assert plan.names == tuple(n for i in range(q_stage) for n in (f"S{i}", f"P{i}")) + tuple(
+        f"O{i}" for i in range(q_stage))
+    for i in range(q_stage):
+        s, p, o = plan[f"S{i}"], plan[f"P{i}"], plan[f"O{i}"]
+        assert s.cols == cfg.n_block and o.cols == hv
+        assert p.host == s.name and p.stop == s.stop and p.cols == cfg.n_block * 2 // 4
+        assert o.start >= two["S1"].stop
+        assert (s.start, o.start) == (two[f"S{i}"].start, two[f"O{i}"].start)
+    assert plan.cols_used <= plan.alloc_cols == 512
 
 
 def test_alias_outside_host_is_rejected():
@@ -72,12 +74,7 @@ def test_smem_budget_per_head_dim_and_cta_mode(hd, hv, two_cta, dtype):
     e = 2
     assert plan.q_bytes == align_up(cfg.q_stage * 128 * hd * e)
     assert plan.kv_stage_bytes == align_up(max(128 // cfg.cta_group * hd, 128 * hv // cfg.cta_group) * e)
-
-
-def test_default_smem_numbers():
-    plan = SmemPlan.for_config(FmhaConfig())
-    assert (plan.q_bytes, plan.kv_stage_bytes, plan.o_bytes) == (65536, 16384, 65536)
-    assert plan.total <= 232448
+    assert plan.o_bytes == align_up(cfg.q_stage * 128 * hv * e)
 
 
 def test_over_budget_message_says_what_to_lower():

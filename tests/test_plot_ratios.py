@@ -4,6 +4,7 @@ forward rows (one per provider) and backward rows (one per cell) alike."""
 import json
 
 import pytest
+from plain_text import word_lines
 from script_loader import load_script
 
 from fa_sm100.benchmarking import RatioPoint, ratio_points
@@ -41,10 +42,10 @@ def test_the_script_prints_each_cell_with_its_verdict_and_draws_the_runs(tmp_pat
     script = load_script("plot_ratios")
     assert script.main([str(fwd), str(bwd), "--label", "a", "--label", "b",
                         "--png", str(png)]) == 0
-    out = capsys.readouterr().out.splitlines()
-    assert "hdim  64 non-causal   2048: 1.020x [1.010, 1.040] above" in out
-    assert "hdim  64 causal       1024: 0.990x [n/a] too few rounds" in out
-    assert "hdim 128 causal      16384: 0.994x [0.981, 0.999] below" in out
+    out = word_lines(capsys.readouterr().out)  # each cell: ratio, interval, verdict
+    assert "hdim 64 non-causal 2048: 1.020x [1.010, 1.040] above" in out
+    assert "hdim 64 causal 1024: 0.990x [n/a] too few rounds" in out
+    assert "hdim 128 causal 16384: 0.994x [0.981, 0.999] below" in out
     assert out[0] == "== a" and "== b" in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

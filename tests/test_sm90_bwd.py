@@ -170,7 +170,7 @@ def test_default_configs_fit_smem_and_follow_the_measured_choices():
     for kw in (dict(), dict(causal=True, seqlen_q=16384, seqlen_k=16384)):
         cfg = select_bwd_config(**kw)
         assert cfg.tile_m == 80 and not cfg.shuffled_stats, kw
-        assert cfg.lse_early and cfg.dp_wait_after == DP_WAIT_AFTER_80 == 26, kw
+        assert cfg.lse_early and cfg.dp_wait_after == DP_WAIT_AFTER_80, kw
     shuffled = select_bwd_config(stats_shuffle=True)
     assert shuffled.shuffled_stats and not shuffled.lse_early and shuffled.dp_wait_after == -1
     assert select_bwd_config(dp_wait_after=20).dp_wait_after == 20
@@ -186,9 +186,9 @@ def test_default_configs_fit_smem_and_follow_the_measured_choices():
         cfg = select_bwd_config(**kw)
         assert cfg.tile_m == 80 and cfg.shuffled_stats and cfg.dp_wait_after == -1, kw
     for kw in (dict(deterministic=True), dict(qhead_per_kvhead=4)):
-        assert select_bwd_config(**kw).dp_wait_after == 26, kw
+        assert select_bwd_config(**kw).dp_wait_after == DP_WAIT_AFTER_80, kw
     asked = select_bwd_config(causal=True, stats_shuffle=False)
-    assert asked.lse_early and asked.dp_wait_after == 26
+    assert asked.lse_early and asked.dp_wait_after == DP_WAIT_AFTER_80
 
 
 def test_short_bands_at_hdim128_take_64_row_blocks():
@@ -460,21 +460,25 @@ def test_dq_first_store_default_is_causal_or_staggered_with_bulk_dq():
 
 
 def test_early_dq_post_default_rules_and_semaphore_slots():
-    """Note [dQ postprocess in the tail]: on by default at hdim 128 (EARLY_DQ_POST_HEAD_DIMS)
-    wherever it can run ("bulk" dQ, chained launches), off elsewhere; ``validate()`` rejects it
-    with "red" dQ or without ``pdl``. The workspace holds one more semaphore per (batch, head),
-    last, for the count of finished CTAs."""
+    """Note [dQ postprocess in the tail]: on by default at the head dims of
+    EARLY_DQ_POST_HEAD_DIMS (hdim 128) wherever it can run ("bulk" dQ, chained launches), off
+    elsewhere; ``validate()`` rejects it with "red" dQ or without ``pdl``. The workspace holds
+    one more semaphore per (batch, head), last, for the count of finished CTAs."""
     from fa_sm100.hopper.bwd_defaults import EARLY_DQ_POST_HEAD_DIMS
     from fa_sm100.hopper.bwd_interface import workspace
 
-    assert EARLY_DQ_POST_HEAD_DIMS == (128,)
+    seen_on = 0
     for kw in ({}, dict(causal=True), dict(deterministic=True), dict(window_left=100),
                dict(qhead_per_kvhead=4, causal=True, seqlen_q=8192, seqlen_k=8192)):
-        assert select_bwd_config(head_dim=128, **kw).early_dq_post, kw
-        assert not select_bwd_config(head_dim=128, pdl=False, **kw).early_dq_post, kw
-        assert not select_bwd_config(head_dim=128, dq_accum="red", **kw).early_dq_post, kw
-        for d in (64, 96, 192, 256):
-            assert not select_bwd_config(head_dim=d, **kw).early_dq_post, (d, kw)
+        for d in (64, 96, 128, 192, 256):
+            cfg = select_bwd_config(head_dim=d, **kw)
+            on = d in EARLY_DQ_POST_HEAD_DIMS and cfg.dq_accum == "bulk"
+            assert cfg.early_dq_post == on, (d, kw)
+            seen_on += on
+        for d in EARLY_DQ_POST_HEAD_DIMS:
+            assert not select_bwd_config(head_dim=d, pdl=False, **kw).early_dq_post, (d, kw)
+            assert not select_bwd_config(head_dim=d, dq_accum="red", **kw).early_dq_post, (d, kw)
+    assert seen_on  # the rule was on somewhere, not only checked off
     assert select_bwd_config(head_dim=64, early_dq_post=True).early_dq_post
     for bad in (dict(dq_accum="red"), dict(pdl=False)):
         with pytest.raises(ValueError, match="early_dq_post=True needs dq_accum='bulk' and pdl"):
@@ -532,18 +536,21 @@ def test_pre_ctas_default_at_hdim_128_with_bulk_dq():
     """Note [Preprocess beside the main kernel]: on by default (DEFAULT_PRE_CTAS CTAs) at the
     head dims of PRE_CTAS_HEAD_DIMS (128: measured +1-2% a call) wherever it can run ("bulk"
     dQ and ``stats_smem``), causal or not, GQA, deterministic; off at the other head dims and
-    where asked."""
+    where asked; a count asked for is kept."""
     from fa_sm100.hopper.bwd_defaults import DEFAULT_PRE_CTAS, PRE_CTAS_HEAD_DIMS
 
-    assert PRE_CTAS_HEAD_DIMS == (128,) and DEFAULT_PRE_CTAS == 32
+    seen_on = 0
     for kw in ({}, dict(causal=True, seqlen_q=2048, seqlen_k=2048), dict(deterministic=True),
                dict(qhead_per_kvhead=4), dict(window_left=100, window_right=0)):
-        assert select_bwd_config(head_dim=128, **kw).pre_ctas == 32, kw
-        assert select_bwd_config(head_dim=128, pre_ctas=0, **kw).pre_ctas == 0, kw
-        assert select_bwd_config(head_dim=128, dq_accum="red", **kw).pre_ctas == 0, kw
-        assert select_bwd_config(head_dim=128, stats_smem=False, **kw).pre_ctas == 0, kw
-        for d, dv in ((64, 64), (96, 96), (192, 128), (256, 256)):
-            assert select_bwd_config(head_dim=d, head_dim_v=dv, **kw).pre_ctas == 0, (d, kw)
+        for d, dv in ((64, 64), (96, 96), (128, 128), (192, 128), (256, 256)):
+            cfg = select_bwd_config(head_dim=d, head_dim_v=dv, **kw)
+            on = d in PRE_CTAS_HEAD_DIMS and cfg.dq_accum == "bulk" and cfg.stats_smem
+            assert cfg.pre_ctas == (DEFAULT_PRE_CTAS if on else 0), (d, kw)
+            seen_on += on
+        for d in PRE_CTAS_HEAD_DIMS:
+            for off in (dict(pre_ctas=0), dict(dq_accum="red"), dict(stats_smem=False)):
+                assert select_bwd_config(head_dim=d, **off, **kw).pre_ctas == 0, (d, off, kw)
+    assert seen_on  # the rule was on somewhere, not only checked off
     assert select_bwd_config(head_dim=64, pre_ctas=16).pre_ctas == 16
 
 
@@ -640,7 +647,6 @@ def test_longest_first_is_the_default_for_causal_bands_without_a_left_window():
         assert not select_bwd_config(head_dim=d, causal=True, window_left=100).longest_first
     assert not select_bwd_config(causal=True, longest_first=False).longest_first
     assert select_bwd_config(window_right=0, longest_first=True).longest_first
-    assert BwdConfig().tail_ctas == 264  # two waves of 132 SMs
 
 
 def test_longest_first_tail_is_whole_pairs_within_the_grid():
@@ -1685,7 +1691,7 @@ def test_sm90_bwd_dp_wait_comes_after_the_boundary(causal, tmp_path):
     from fa_sm100.inspection import inspect_kernel
 
     cfg = select_bwd_config(causal=causal, seqlen_q=16384, seqlen_k=16384)
-    assert cfg.tile_m == 80 and cfg.dp_wait_after == 26
+    assert cfg.tile_m == 80 and cfg.dp_wait_after == DP_WAIT_AFTER_80
     r = inspect_kernel("sm90_bwd", "sm_90a", ["head_dim=128", f"causal={causal}".lower(),
                                               "qdo_multicast=true"], keep_dir=tmp_path)
     sass = read_kept_sass(tmp_path)

@@ -9,8 +9,7 @@ import collections
 import pytest
 from kept_sass import main_loop_ops, read_kept_sass
 
-from fa_sm100.hopper.bwd_defaults import (DEFAULT_PERSISTENT_CTAS, DYNAMIC_TILES_HEAD_DIMS,
-                                          PERSISTENT_MAX_SEQLEN,
+from fa_sm100.hopper.bwd_defaults import (DEFAULT_PERSISTENT_CTAS, PERSISTENT_MAX_SEQLEN,
                                           select_bwd_config)
 from fa_sm100.hopper.bwd_interface import fit_persistent_ctas
 
@@ -157,7 +156,6 @@ def test_dynamic_tiles_defaults_where_measured():
     windowed hdim 64 problem at any length (persistent CTAs, the preprocess ahead); off at
     longer causal lengths, at hdim 128, for GQA, and wherever persistent CTAs or their
     preprocess are asked for; asked for, it turns multicast off instead of failing on it."""
-    assert DYNAMIC_TILES_HEAD_DIMS == (64,)
     on = [dict(head_dim=64, causal=True, seqlen_q=s, seqlen_k=s)
           for s in (1024, PERSISTENT_MAX_SEQLEN)]
     on += [dict(head_dim=64, causal=True, window_left=64, seqlen_q=16384, seqlen_k=16384),

@@ -132,8 +132,11 @@ def test_rescale_rule():
     for threshold, dtype in ((15.5, "float16"), (128.0, "bfloat16")):
         with pytest.raises(ValueError, match=f"{dtype} holds at most"):
             sm.check_rescale_threshold(threshold, dtype)
-    assert 2.0 ** sm.P_MAX_LOG2["float16"] <= torch.finfo(torch.float16).max < 2.0 ** 16
-    assert 2.0 ** sm.P_MAX_LOG2["bfloat16"] <= torch.finfo(torch.bfloat16).max
+    # P_MAX_LOG2 is the exponent of the largest power of two each type holds: 2^t is finite
+    # there, 2^(t + 1) is not
+    for dtype, t in sm.P_MAX_LOG2.items():
+        largest = torch.finfo(getattr(torch, dtype)).max
+        assert 2.0 ** t <= largest < 2.0 ** (t + 1), dtype
 
 
 def test_rescale_events_follow_the_rule_tile_by_tile():
