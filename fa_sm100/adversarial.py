@@ -10,6 +10,9 @@ float64 reference          ``fa_sm100.testing.attention_reference`` defines the 
 numerics emulation (CPU)   ``tests/test_adversarial.py``: every case, every SM100 switch set
 PTX emulator (CPU)         ``tests/test_adversarial.py``: the ``small`` cases, bit for bit
                            against the emulation and under the error rule
+backward emulation (CPU)   ``tests/test_sm100_bwd_emulation.py``: every gradient case
+backward PTX emulator      ``tests/test_sm100_bwd_emulated.py``: the small gradient cases,
+                           bit for bit against the backward's emulation, under the rule
 Hopper GPU tests           ``tests/test_sm90_fwd_gpu.py``: every case, forward and gradients
 =========================  ================================================================
 

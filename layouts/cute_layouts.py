@@ -138,11 +138,22 @@ def layout_shapes(layouts: SmemLayouts) -> dict[str, str]:
 # and sQt (((64,2),16),1,8):(((1,8192),64),0,1024), both S<3,4,3>: (q, d) -> 64 q + d mod 64
 # + 8192 (d div 64) either way; tests/test_sm100_bwd_emulated.py runs dK = dS^T Q and
 # dQ = dS K through these views at head dims 64, 96 and 128.
+#
+# 2-CTA (``cfg.use_2cta``, Note [Backward 2-CTA] in fa_sm100/sm100/bwd_config.py): every MMA
+# is cta_group::2 over the pair's 2 n_block keys. M splits between the CTAs' TMEM lanes or A
+# operands, N between their B operands, so the layouts below are one CTA's:
+#
+#     S^T, dP^T   (2n, m, d)   A sK / sV: the CTA's n keys     B sQ / sdO: m / 2 query rows
+#     dV, dK      (2n, d, m)   A P^T / dS^T in its TMEM         B sdOt / sQt: d / 2 x m queries
+#     dQ          (m, d, 2n)   A sdS: m / 2 queries x 2n keys   B sKt: d / 2 x 2n keys
+#
+# A CTA's half of Q's rows (S^T) and its half of Q's columns (dK) are different bytes, so sQt,
+# sdOt and sKt are buffers of their own there, loaded by TMA beside sQ, sdO and sK.
 
 
 def bwd_tilers(cfg) -> dict[str, tuple[int, int, int]]:
-    """(M, N, K) of each backward MMA."""
-    m, n, d, dv = cfg.m_block, cfg.n_block, cfg.head_dim, cfg.head_dim_v
+    """(M, N, K) of each backward MMA (across the CTA pair under 2-CTA)."""
+    m, n, d, dv = cfg.m_block, cfg.n_block * cfg.cta_group, cfg.head_dim, cfg.head_dim_v
     return {"S": (n, m, d), "dP": (n, m, dv), "dV": (n, dv, m), "dK": (n, d, m), "dQ": (m, d, n)}
 
 
@@ -160,12 +171,12 @@ def make_bwd_tiled_mmas(cfg) -> BwdMmas:
     dtype = cutlass_dtype(cfg.dtype)
     k_major = cute.nvgpu.OperandMajorMode.K
     mn_major = cute.nvgpu.OperandMajorMode.MN
-    one = tcgen05.CtaGroup.ONE
+    group = tcgen05.CtaGroup.TWO if cfg.use_2cta else tcgen05.CtaGroup.ONE
     t = bwd_tilers(cfg)
 
     def mma(a_major, b_major, name, a_src=None):
         extra = () if a_src is None else (a_src,)
-        return bw.make_trivial_tiled_mma(dtype, dtype, a_major, b_major, cutlass.Float32, one,
+        return bw.make_trivial_tiled_mma(dtype, dtype, a_major, b_major, cutlass.Float32, group,
                                          t[name][:2], *extra)
 
     tmem = tcgen05.OperandSource.TMEM
@@ -199,13 +210,16 @@ def make_bwd_smem_layouts(cfg, mmas: BwdMmas) -> BwdSmemLayouts:
     def one(layout):
         return cute.slice_(layout, (None, None, None, 0))
 
+    # 1-CTA: sQt / sdOt / sKt are views of sQ / sdO / sK's bytes; 2-CTA: buffers of their own,
+    # sQt and sdOt of one stage (the bwd_qt pipeline)
+    qt_stages = 1 if cfg.use_2cta else cfg.q_stage
     return BwdSmemLayouts(
         sK=one(bw.make_smem_layout_a(mmas.S, t["S"], dtype, 1)),
         sV=one(bw.make_smem_layout_a(mmas.dP, t["dP"], dtype, 1)),
         sQ=bw.make_smem_layout_b(mmas.S, t["S"], dtype, cfg.q_stage),
-        sQt=bw.make_smem_layout_b(mmas.dK, t["dK"], dtype, cfg.q_stage),
+        sQt=bw.make_smem_layout_b(mmas.dK, t["dK"], dtype, qt_stages),
         sdO=bw.make_smem_layout_b(mmas.dP, t["dP"], dtype, cfg.q_stage),
-        sdOt=bw.make_smem_layout_b(mmas.dV, t["dV"], dtype, cfg.q_stage),
+        sdOt=bw.make_smem_layout_b(mmas.dV, t["dV"], dtype, qt_stages),
         sKt=one(bw.make_smem_layout_b(mmas.dQ, t["dQ"], dtype, 1)),
         sdS=one(bw.make_smem_layout_a(mmas.dQ, t["dQ"], dtype, 1)),
         tP=one(bw.make_smem_layout_a(mmas.dV, t["dV"], dtype, 1)),

@@ -76,20 +76,26 @@ class TmemPlan:
         query columns of 16-bit P^T (dS^T) as 32 columns at the start of that range, over
         scores it has already read (``Ph`` / ``dSh``). dQ = dS K (128 query lanes x head_dim)
         lands over dP^T after dK += dS^T Q has read dS^T (one thread issues both MMAs, in
-        order), and the next dP^T waits until the dQ warpgroup has read dQ out."""
+        order), and the next dP^T waits until the dQ warpgroup has read dQ out.
+
+        Under 2-CTA (``cfg.use_2cta``, Note [Backward 2-CTA] in bwd_config.py) every region is
+        the same per CTA except dQ: the pair's M = 128 dQ MMA leaves each CTA 64 query rows,
+        which the ISA's data-path layout for M = 128 with cta_group::2 folds into 128 lanes of
+        head_dim / 2 columns (lane 64 c + r: row r, columns [c d / 2, (c + 1) d / 2))."""
         m, d, dv = cfg.m_block, cfg.head_dim, cfg.head_dim_v
+        dq_cols = d // cfg.cta_group
         if 2 * m + d + dv > TMEM_COLS:
             raise ValueError(
                 f"TMEM: the backward needs S^T and dP^T ({m} columns each) and the dK and dV "
                 f"accumulators ({d} + {dv}): {2 * m + d + dv} of {TMEM_COLS} columns")
-        if d > m:
-            raise ValueError(f"TMEM: dQ (head_dim={d} columns) must fit inside dP^T ({m})")
+        if dq_cols > m:
+            raise ValueError(f"TMEM: dQ ({dq_cols} columns) must fit inside dP^T ({m})")
         half, p_cols = m // 2, m // 2 * cfg.dtype_bytes // 4
         regions = [TmemRegion("S", 0, m), TmemRegion("dP", m, m)]
         for h in range(2):
             regions.append(TmemRegion(f"P{h}", h * half, p_cols, host="S"))
             regions.append(TmemRegion(f"dS{h}", m + h * half, p_cols, host="dP"))
-        regions += [TmemRegion("dQ", m, d, host="dP"), TmemRegion("dV", 2 * m, dv),
+        regions += [TmemRegion("dQ", m, dq_cols, host="dP"), TmemRegion("dV", 2 * m, dv),
                     TmemRegion("dK", 2 * m + dv, d)]
         return cls(tuple(regions)).check()
 

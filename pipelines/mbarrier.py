@@ -257,7 +257,9 @@ class MbarrierPipeline(NoLoopCarriedValues):
                 else:
                     tcgen05.commit(ptr)
         elif kind == "expect_tx":
-            if two:
+            # the leader's barrier counts the pair's bytes; a barrier each CTA waits on
+            # itself (TmaThreadsPipeline) expects its own CTA's
+            if two and self.spec.waits_on_leader("full"):
                 from cutlass.cutlass_dsl import if_generate
 
                 def arrive_leader():
@@ -270,11 +272,16 @@ class MbarrierPipeline(NoLoopCarriedValues):
                     cute.arch.mbarrier_arrive_and_expect_tx(ptr, tx)
         elif kind in ("thread", "warp"):
             peer = self.pair.leader_rank if (two and dst == "leader") else None
+            scope = {}
+            if two and self.spec.cluster_release:
+                from cutlass._mlir.dialects import nvvm
+
+                scope = {"scope": nvvm.MemScopeKind.CLUSTER}
             if kind == "warp":
                 with warp_elect_one():
-                    cute.arch.mbarrier_arrive(ptr, peer)
+                    cute.arch.mbarrier_arrive(ptr, peer, **scope)
             else:
-                cute.arch.mbarrier_arrive(ptr, peer)
+                cute.arch.mbarrier_arrive(ptr, peer, **scope)
         else:
             raise ValueError(f"pipeline {self.name}: unknown arrive kind {kind!r}")
 
@@ -359,8 +366,9 @@ class TmaUmmaPipeline(MbarrierPipeline):
 
 
 class TmaThreadsPipeline(MbarrierPipeline):
-    """TMA -> threads (the backward's bwd_lse). Producer: the load warp, expect-tx as for
-    TmaUmmaPipeline (1-CTA only). Consumer: thread arrivals on the local empty barrier."""
+    """TMA -> threads (the backward's bwd_lse). Producer: the load warp; under 2-CTA each
+    CTA's load warp expects its own bytes on its own barrier (its threads wait there).
+    Consumer: thread arrivals on the local empty barrier."""
 
     kind = "tma_threads"
 

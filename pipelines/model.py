@@ -375,7 +375,9 @@ class ProtocolModel:
                     self._find("phase-overrun", f"{who} waits for phase {r} of {self._bar_name(key)}, "
                                f"which is already at phase {phase}: the parity wait sees the wrong phase")
                 st.vcs[i] = join(st.vcs[i], st.done_vc.get((key, r), {}))
-            if op.kind == "acquire" and op.arrive == "expect_tx" and (a.cta == 0 or self.ctas == 1):
+            # expect-tx: the leader's for the pair where the MMA warp waits, else each CTA's
+            pair_tx = self.ctas == 2 and self.specs[op.pipe].waits_on_leader("full")
+            if op.kind == "acquire" and op.arrive == "expect_tx" and (a.cta == 0 or not pair_tx):
                 vc = self._bump(st, i)
                 self._arrive(st, (op.pipe, "full", op.stage, a.cta), 1, op.tx, op.round, vc, who)
         elif op.kind in ("commit", "release", "extra_arrive"):
@@ -443,10 +445,10 @@ class ProtocolModel:
             return op.tx
         spec = self.specs[op.done_by]
         nbytes = spec.buffer_tx(self.cfg, op.region) if op.region in spec.smem else None
-        return (op.bar_tx if nbytes is None else nbytes) // self.ctas
+        return (op.bar_tx if nbytes is None else nbytes) // spec.tx_ctas(self.cfg)
 
     def _cells(self, a: Actor, op: Op):
-        ctas = range(self.ctas) if op.unit == "umma" else (a.cta,)
+        ctas = range(self.ctas) if op.unit == "umma" else (a.cta if op.cta is None else op.cta,)
         if op.region in self.plan.names:
             r = self.plan[op.region]
             lo, hi = r.start, r.stop
@@ -483,7 +485,8 @@ class ProtocolModel:
             vc = {**st.vcs[i], aid: 1}
             acc = Access(aid, 1, vc, op.mode, f"TMA issued by {who}")
             nbytes = self._tma_bytes(op)
-            key = (op.done_by, "full", op.bar_stage, 0 if self.ctas == 2 else a.cta)
+            pair_tx = self.ctas == 2 and self.specs[op.done_by].waits_on_leader("full")
+            key = (op.done_by, "full", op.bar_stage, 0 if pair_tx else a.cta)
             st.tma = st.tma + ((key, nbytes, op.bar_round, vc, f"TMA of {who}"),)
         else:
             vc = st.vcs[i]

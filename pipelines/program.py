@@ -24,7 +24,9 @@ acquire of P expects half its bytes) are further faults for tests and the CLI
 Access regions: TMEM regions come from the config's ``TmemPlan`` (compared by columns, so P0
 aliases S0's upper half). SMEM buffers are those the pipeline table's rows hand over
 (``PipelineSpec.smem``: the forward's ``sQ``, ``sKV``, ``sO``, ``stats``; the backward's
-``sK``, ``sV``, ``sQ``, ``sdO``, ``sLSE2``, ``sDelta``, ``sdS``); a trailing digit or
+``sK``, ``sV``, ``sQ``, ``sdO``, ``sLSE2``, ``sDelta``, ``sdS``, and under 2-CTA ``sKt``, ``sQt``,
+``sdOt``); a thread access may name another CTA of the pair (``Event.cta``) and move its
+columns by the accessing CTA's rank (``Event.cols_per_cta``); a trailing digit or
 ``stage_of`` gives the stage. ``stage_of="kv"`` means the stage of the role's latest
 wait/acquire on kv; ``"kv-1"`` the one before it (the MMA warp reads V[i] after it already
 waited on K[i-1]). A ``part`` event (``record.part``) only names the actor; flattening skips it.
@@ -75,6 +77,8 @@ class Op:
     state_index: Optional[int] = None
     # named_sync: the thread count the bar.sync declares (0: not recorded)
     threads: int = 0
+    # access: the pair rank of the CTA whose buffer it touches (None: the actor's own)
+    cta: Optional[int] = None
 
     def describe(self) -> str:
         if self.kind == "access":
@@ -267,9 +271,12 @@ def flatten(nodes, bindings: dict, stages: dict, cta: int = 0,
                     raise ValueError(f"role {role}: TMA access {ev.region} done_by={ev.done_by!r} before any "
                                      f"acquire on {ev.done_by}")
                 bar = last_acquire[ev.done_by]
+            cols = ev.cols
+            if cols is not None and ev.cols_per_cta:  # the accessing CTA's part of the buffer
+                cols = (cols[0] + ev.cols_per_cta * cta, cols[1] + ev.cols_per_cta * cta)
             out.append(Op("access", idx, None, stage, 0, region=region, mode=ev.mode, unit=ev.unit,
-                          done_by=ev.done_by, cols=ev.cols, tx=ev.tx, note=ev.note,
-                          bar_stage=bar[0], bar_round=bar[1], bar_tx=bar[2]))
+                          done_by=ev.done_by, cols=cols, tx=ev.tx, note=ev.note,
+                          bar_stage=bar[0], bar_round=bar[1], bar_tx=bar[2], cta=ev.cta))
         elif ev.op == "named_sync":
             out.append(Op("named_sync", idx, ev.pipeline, note=ev.note, threads=ev.threads))
         else:

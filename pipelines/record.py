@@ -81,6 +81,11 @@ class Event:
     threads: int = 0
     stages: int = 0  # "state_new": the state's ring size (1 for a fixed-stage state)
     src: Optional[int] = None  # "state_clone": the id of the state it copies
+    # "access" under 2-CTA: the pair rank of the CTA whose SMEM buffer is accessed (None: the
+    # actor's own), and how far ``cols`` move per pair rank of the accessing actor (a CTA's
+    # keys in a buffer over the pair's keys: the backward's sdS)
+    cta: Optional[int] = None
+    cols_per_cta: int = 0
 
 
 @dataclass
@@ -232,15 +237,20 @@ def clone_state(sid: Optional[int]) -> Optional[int]:
 
 def access(region: str, mode: str, unit: str = "threads", done_by: Optional[str] = None,
            note: str = "", stage_of: Optional[str] = None, cols: Optional[tuple] = None,
-           tx: int = 0):
+           tx: int = 0, cta: Optional[int] = None, cols_per_cta: int = 0):
+    """``cta`` / ``cols_per_cta``: a thread access to the SMEM of the pair's CTA ``cta`` at
+    ``cols`` moved by ``cols_per_cta`` times the accessing CTA's pair rank (``Event``)."""
     if mode not in ("r", "w"):
         raise ValueError(f"access mode must be 'r' or 'w', got {mode!r}")
     if unit not in ("threads", "umma", "tma"):
         raise ValueError(f"access unit must be 'threads', 'umma' or 'tma', got {unit!r}")
     if unit == "tma" and done_by is None:
         raise ValueError("a TMA access needs done_by: the pipeline whose barrier its bytes complete")
+    if (cta is not None or cols_per_cta) and unit != "threads":
+        raise ValueError("only a thread access names another CTA's buffer (cta, cols_per_cta)")
     _REC._append(Event("access", region=region, mode=mode, unit=unit, done_by=done_by, note=note,
-                       stage_of=stage_of, cols=tuple(cols) if cols is not None else None, tx=tx))
+                       stage_of=stage_of, cols=tuple(cols) if cols is not None else None, tx=tx,
+                       cta=cta, cols_per_cta=cols_per_cta))
 
 
 @contextlib.contextmanager

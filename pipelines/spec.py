@@ -76,6 +76,10 @@ class PipelineSpec:
     # (the model tracks races on them per stage); buffer ``s<X>`` holds the tile ``<X>`` of
     # a row's own ``tx`` rule
     smem: tuple[str, ...] = ()
+    # under 2-CTA the producers' thread arrivals release at cluster scope: what they order
+    # before the consumer includes their stores into the other CTA's SMEM (the backward's dS
+    # exchange, Note [Backward 2-CTA] in fa_sm100/sm100/bwd_config.py)
+    cluster_release: bool = False
 
     def num_stages(self, cfg: FmhaConfig) -> int:
         return int(getattr(cfg, self.stages))
@@ -102,12 +106,18 @@ class PipelineSpec:
         ctas = cfg.cta_group if self.waits_on_leader(side) else 1
         return warps * per_warp * ctas
 
+    def tx_ctas(self, cfg) -> int:
+        """CTAs whose TMA bytes complete one phase of a full barrier: both CTAs of the pair
+        when the MMA warp waits there (the leader's barrier), else each CTA's own."""
+        return cfg.cta_group if self.waits_on_leader("full") else 1
+
     def tx_bytes(self, cfg: FmhaConfig, operand: Optional[str] = None) -> int:
-        """Transaction bytes of one stage (both CTAs of the pair), for TMA-fed pipelines."""
+        """Transaction bytes of one stage (both CTAs of the pair where the leader's barrier
+        counts them), for TMA-fed pipelines. A row's own ``tx`` rule gives one CTA's tiles."""
         if self.producer.arrive != "expect_tx":
             return 0
         if self.tx is not None:
-            return self.tx(cfg, operand)
+            return self.tx(cfg, operand) * self.tx_ctas(cfg)
         e = cfg.dtype_bytes
         if self.name == "q":
             return cfg.m_block * cfg.head_dim * e * cfg.cta_group
@@ -126,7 +136,7 @@ class PipelineSpec:
             raise ValueError(f"pipeline {self.name}: no SMEM buffer {buffer!r} (buffers: {self.smem})")
         if self.tx is None or self.producer.arrive != "expect_tx":
             return None
-        return self.tx(cfg, buffer[1:])
+        return self.tx(cfg, buffer[1:]) * self.tx_ctas(cfg)
 
     def check(self, cfg: FmhaConfig, roles: Optional[WarpRoles] = None) -> "PipelineSpec":
         """Raise ValueError naming the rule this row breaks for ``cfg``."""
@@ -226,11 +236,16 @@ PIPELINE_NAMES = tuple(p.name for p in PIPELINES)
 
 
 def _bwd_tx(*operands):
-    """Bytes of one backward stage: the named tiles, each ``rows x columns`` of the config."""
+    """Bytes one CTA lands in one backward stage: the named tiles the config loads
+    (``Sm100BwdConfig.tma_tiles``; Qt, dOt and Kt only under 2-CTA)."""
     def tx(cfg, operand=None):
         tiles = cfg.tma_tiles()
-        names = operands if operand is None else (operand,)
-        return sum(tiles[n] for n in names)
+        if operand is None:
+            return sum(tiles[n] for n in operands if n in tiles)
+        if operand not in tiles:
+            raise ValueError(f"{cfg.__class__.__name__} loads no {operand} tile (tiles: "
+                             f"{sorted(tiles)})")
+        return tiles[operand]
     return tx
 
 
@@ -240,14 +255,17 @@ def _bwd_tx(*operands):
 BWD_PIPELINES: tuple[PipelineSpec, ...] = (
     PipelineSpec(
         "bwd_kv", "tma_umma", Side(("load",), "expect_tx"), Side(("mma",), "umma"), "one_stage",
-        False, "K and V of the work tile (the CTA's key block), TMA -> SMEM; released by a UMMA "
-        "commit after the tile's last MMA",
-        tx=_bwd_tx("K", "V"), smem=("sK", "sV"),
+        False, "K and V of the work tile (the CTA's key block; under 2-CTA also Kt, the pair's "
+        "keys x half the head dim, dQ's B operand), TMA -> SMEM; released by a UMMA commit "
+        "after the tile's last MMA",
+        tx=_bwd_tx("K", "V", "Kt"), smem=("sK", "sV", "sKt"),
     ),
     PipelineSpec(
         "bwd_q", "tma_umma", Side(("load",), "expect_tx"), Side(("mma",), "umma"), "q_stage",
-        False, "ring of Q_j and dO_j tiles (one query block of one query head), TMA -> SMEM; "
-        "released once dV += P^T dO and dK += dS^T Q, the last MMAs reading them, completed",
+        False, "ring of Q_j and dO_j tiles (one query block of one query head; under 2-CTA "
+        "each CTA's half of the rows), TMA -> SMEM; released once the last MMA reading them "
+        "completed: dK += dS^T Q (1-CTA: dV and dK read the same bytes), or under 2-CTA "
+        "dP^T = V dO^T (dV and dK read bwd_qt's)",
         tx=_bwd_tx("Q", "dO"), smem=("sQ", "sdO"),
     ),
     PipelineSpec(
@@ -267,7 +285,7 @@ BWD_PIPELINES: tuple[PipelineSpec, ...] = (
         "one_stage", False,
         "full: P^T_j and dS^T_j are in TMEM and dS_j in SMEM (the MMA warp issues dV, dK, dQ); "
         "empty: dQ_j = dS_j K, the MMA reading sdS, completed",
-        smem=("sdS",),
+        smem=("sdS",), cluster_release=True,
     ),
     PipelineSpec(
         "bwd_dq", "umma_threads", Side(("mma",), "umma"), Side(("dq",), "thread"), "one_stage",
@@ -279,6 +297,14 @@ BWD_PIPELINES: tuple[PipelineSpec, ...] = (
         "one_stage", False,
         "full: dK and dV of the work tile are final in TMEM (compute warpgroups -> global); "
         "empty: read out",
+    ),
+    PipelineSpec(
+        "bwd_qt", "tma_umma", Side(("load",), "expect_tx"), Side(("mma",), "umma"),
+        "one_stage", False,
+        "2-CTA only: Q^T_j and dO^T_j (every query row of step j, the CTA's half of the head "
+        "dim), the B operands of dK and dV, TMA -> SMEM; one stage: released once dK_j "
+        "completed, reloaded while S^T_j+1, dP^T_j+1 and the compute warps run",
+        enabled_if="use_2cta", tx=_bwd_tx("Qt", "dOt"), smem=("sQt", "sdOt"),
     ),
 )
 

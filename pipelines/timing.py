@@ -86,6 +86,10 @@ COST_SOURCES = {
                          "L2 load rate (tma_bytes_per_clk), as each reduction reads and writes "
                          "its L2 line; the dQ warps wait while the L2 takes the adds "
                          "(not published)",
+    "dsmem_bytes_per_clk": "st.shared::cluster into the other CTA of a pair (the 2-CTA "
+                           "backward's dS exchange): the SM-to-SM network's rate is not "
+                           "published; assumed a quarter of the SM's own shared-memory rate "
+                           "(smem_bytes_per_clk), shared by the SM's stores to its peer",
     "rescale_fraction": "share of blocks whose row max grows past the threshold: 1.0 with "
                         "threshold 0 (warp vote: some row moves almost every block), ~0.05 "
                         "with threshold 8.0 (assumption, random scores)",
@@ -112,6 +116,7 @@ class CostTable:
     bwd_ds_ops_per_elem: float = 3.0
     softcap_ops_per_elem: float = 13.0
     red_bytes_per_clk: float = 32.0
+    dsmem_bytes_per_clk: float = 32.0
     rescale_fraction_threshold0: float = 1.0
     rescale_fraction_thresholded: float = 0.05
     # calibration: every duration on a resource is multiplied by its scale

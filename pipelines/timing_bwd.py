@@ -10,7 +10,9 @@ intervals, the time per step in the steady state and of the whole CTA, and which
 the step. ``problem_time`` turns walk times into the time of a whole problem. It is a model,
 not a measurement: nothing here ran on an SM100 GPU.
 
-What each recorded access costs (per SM, in clocks; 1-CTA MMAs):
+What each recorded access costs (per SM, in clocks; under 2-CTA, Note [Backward 2-CTA] in
+fa_sm100/sm100/bwd_config.py, a pair's MMA runs on both SMs' tensor cores, each doing one
+CTA's share, which is the 1-CTA MMA's FLOPs: one tensor-core queue for the pair):
 
 ============================  ===========================================================
 UMMA write of S, dP, dV,      2 M N K FLOP on the tensor core, M N K from the config
@@ -22,9 +24,12 @@ compute read of sLSE2, sDelta one float32 per query column per warp (an SMEM bro
 compute write of P<h>         x scale_log2 - LSE2 (FMA), exp2 (MUFU), 16-bit convert, the
                               causal / band mask, softcap's tanh, then TMEM store
 compute write of dS<h>        P (dP - Delta), 16-bit convert, TMEM store
-compute write of sdS          SMEM store of the warpgroup's 16-bit dS
+compute write of sdS          SMEM store of the warpgroup's 16-bit dS; under 2-CTA the
+                              warpgroup whose query rows the peer owns stores over the
+                              SM-to-SM network instead (``dsmem_bytes_per_clk``)
 compute read of dV, dK        the epilogue: TMEM load, scale and convert (FMA), st.global
-dq read of dQ                 TMEM load, red.global.add of every float32 (``red_bytes_per_clk``)
+dq read of dQ                 TMEM load, red.global.add of every float32 (``red_bytes_per_clk``):
+                              m_block x head_dim, half of it per CTA under 2-CTA
 ============================  ===========================================================
 
 The compute warpgroups share the SM's MUFU, FMA pipe, TMEM and SMEM ports; the dQ adds and
@@ -212,7 +217,12 @@ class _BwdSim(Replay):
             end = self.use("tmem", end, k * elems * cfg.dtype_bytes / c.tmem_bytes_per_clk, cta)
             return end, "dS^T -> TMEM"
         if reg == "sdS":
-            return self.use("smem", t, k * self._elems(op) * cfg.dtype_bytes / c.smem_bytes_per_clk, cta), "dS -> SMEM"
+            # the warpgroup's half of the queries for its CTA's keys (under 2-CTA the
+            # recorded columns are those keys' place in the pair's buffer)
+            nbytes = k * cfg.n_block * (cfg.m_block // 2) * cfg.dtype_bytes
+            if op.cta is not None and op.cta != cta:  # the 2-CTA exchange: into the peer
+                return self.use("dsmem", t, nbytes / c.dsmem_bytes_per_clk, cta), "dS -> peer SMEM"
+            return self.use("smem", t, nbytes / c.smem_bytes_per_clk, cta), "dS -> SMEM"
         if reg in ("dV", "dK"):  # the epilogue: this warpgroup's accumulator, row by row
             elems = cfg.n_block * (cfg.head_dim_v if reg == "dV" else cfg.head_dim)
             end = self.use("tmem", t, k * elems * 4 / c.tmem_bytes_per_clk, cta)
@@ -220,7 +230,7 @@ class _BwdSim(Replay):
             end = self.use("gmem", end, c.scale_tma * elems * cfg.dtype_bytes / c.tma_bytes_per_clk, cta)
             return end, f"{reg} -> global"
         if reg == "dQ":
-            elems = cfg.m_block * cfg.head_dim
+            elems = cfg.m_block * cfg.head_dim // cfg.cta_group  # this CTA's share
             end = self.use("tmem", t, k * elems * 4 / c.tmem_bytes_per_clk, cta)
             end = self.use("gmem", end, c.scale_tma * elems * 4 / c.red_bytes_per_clk, cta)
             return end, STEP_END_LABEL
@@ -265,15 +275,18 @@ def simulate_bwd(cfg, steps: int, costs: Optional[CostTable] = None,
 
 def walk_steps(cfg, seqlen_q: int, seqlen_k: int, window=(None, None)) -> list[int]:
     """Steps of each key block's CTA (one KV head): the query blocks ``bands.q_block_range``
-    gives with the kernel's bounds (``Sm100Backward._problem``), times the group's heads."""
+    gives with the kernel's bounds (``Sm100Backward._problem``), times the group's heads.
+    Under 2-CTA both CTAs of a pair walk the band of the pair's keys (the grid holds whole
+    pairs)."""
     if window != (None, None) and not cfg.is_local:
         raise ValueError(f"window {window}: the config has no window (local=false)")
     left, right = kernel_window(cfg.causal, window, seqlen_q, seqlen_k)
+    g = cfg.cta_group
+    keys = g * cfg.n_block  # keys of a work tile: a CTA's, or its pair's
     out = []
-    for n in range(-(-seqlen_k // cfg.n_block)):
-        lo, hi = q_block_range(n * cfg.n_block, cfg.n_block, cfg.m_block, seqlen_q, seqlen_k,
-                               left, right)
-        out.append(max(hi - lo, 0) * cfg.qhead_per_kvhead)
+    for tile in range(-(-seqlen_k // keys)):
+        lo, hi = q_block_range(tile * keys, keys, cfg.m_block, seqlen_q, seqlen_k, left, right)
+        out += [max(hi - lo, 0) * cfg.qhead_per_kvhead] * g
     return out
 
 

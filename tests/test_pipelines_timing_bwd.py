@@ -71,6 +71,25 @@ def test_walk_steps_are_the_blocks_whose_band_reaches_the_key_block(sq, sk, mask
         walk_steps(Sm100BwdConfig(), sq, sk, (64, 0))
 
 
+@pytest.mark.parametrize("sq,sk", [(384, 384), (256, 700), (700, 256)])
+@pytest.mark.parametrize("mask", ["none", "causal", "window"])
+def test_a_pair_walks_the_blocks_whose_band_reaches_either_of_its_key_blocks(sq, sk, mask):
+    """2-CTA (Note [Backward 2-CTA]): both CTAs of pair p walk the query blocks that see a key
+    of blocks 2p or 2p + 1; an odd count of key blocks leaves the last pair's second CTA."""
+    cfg = Sm100BwdConfig(causal=mask == "causal", local=mask == "window", qhead_per_kvhead=2,
+                         use_2cta=True)
+    window = (200, 30) if mask == "window" else (None, None)
+    left, right = window if mask == "window" else (None, 0 if mask == "causal" else None)
+    steps = walk_steps(cfg, sq, sk, window)
+    blocks = -(-sk // cfg.n_block)
+    assert len(steps) == blocks + blocks % 2
+    for n, s in enumerate(steps):
+        pair = (n // 2 * 2, n // 2 * 2 + 1)
+        seen = sum(any(_visits(m, b, cfg, sq, sk, left, right) for b in pair if b < blocks)
+                   for m in range(-(-sq // cfg.m_block)))
+        assert s == seen * cfg.qhead_per_kvhead, (n, s, seen)
+
+
 def test_the_forward_config_and_an_empty_walk_are_refused():
     from fa_sm100.config import FmhaConfig
 
@@ -246,3 +265,52 @@ def test_cli_prints_the_bound_and_writes_json(tmp_path, capsys):
     assert {"actor", "kind", "start", "end", "label"} <= set(data["intervals"][0])
     assert timing_bwd.main(["--set", "q_stage=3"]) == 2
     assert timing_bwd.main(["--set", "qhead_per_kvhead=4", "--heads", "6"]) == 2
+
+
+@pytest.mark.compile
+def test_the_2cta_model_halves_each_ctas_dq_adds_and_prices_the_exchange():
+    """2-CTA (Note [Backward 2-CTA]): both CTAs' roles run, one thing at a time; the pair's one
+    tensor-core queue does each SM's share of the five MMAs, the 1-CTA FLOPs; each CTA's TMA
+    engine lands its own tiles (K, V and K^T's half once, its Q / dO rows, Q^T / dO^T's half
+    and all LSE2 / Delta rows per step); each CTA's dQ warps hand half of a 1-CTA step's dQ to
+    L2; the warpgroup whose query rows the peer owns (1 in CTA 0, 0 in CTA 1) stores its dS over
+    the SM-to-SM network, the other into its own SMEM."""
+    one, pair = config([]), config(["use_2cta=true"])
+    c = CostTable()
+    tl, base = simulate_bwd(pair, STEPS, c), simulate_bwd(one, STEPS, c)
+    for actor, ivs in tl.by_actor().items():
+        ivs = sorted(ivs, key=lambda iv: iv.start)
+        assert all(b.start >= a.end - 1e-9 for a, b in zip(ivs, ivs[1:])), actor
+    assert {f"{r}@{k}" for r in ("compute0", "compute1", "dq", "tma") for k in (0, 1)} <= set(
+        tl.busy_per_step())
+    core = sum(iv.end - iv.start for iv in tl.intervals if iv.actor == "umma")
+    assert core == pytest.approx(STEPS * flops_per_step(pair) / c.umma_flop_per_clk)
+    t = pair.tma_tiles()
+    per_step = t["Q"] + t["dO"] + t["Qt"] + t["dOt"] + t["LSE2"] + t["Delta"]
+    for k in (0, 1):
+        sent = sum(iv.end - iv.start for iv in tl.intervals if iv.actor == f"tma@{k}")
+        assert sent == pytest.approx((t["K"] + t["V"] + t["Kt"] + STEPS * per_step)
+                                     / c.tma_bytes_per_clk)
+    # the last step's adds meet the dK / dV epilogue's stores on the SM's path to L2
+    half = [iv.end - iv.start for iv in busy(tl, "dq@1", "dQ -> red")][:-1]
+    full = [iv.end - iv.start for iv in busy(base, "dq@0", "dQ -> red")][:-1]
+    assert len(half) == STEPS - 1 and half == pytest.approx([f / 2 for f in full])
+    for actor, where in (("compute0@0", "dS -> SMEM"), ("compute1@0", "dS -> peer SMEM"),
+                         ("compute0@1", "dS -> peer SMEM"), ("compute1@1", "dS -> SMEM")):
+        assert len(busy(tl, actor, where)) == STEPS, actor
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("d", [96, 128])
+def test_2cta_gains_where_the_dq_hand_off_bounds_the_step(d):
+    """The decision behind ``use_2cta`` (docs/sm100_backward.md, "Where 2-CTA pays"): its
+    gain is halving each CTA's dQ adds. With the default table, where the dQ warps bound the
+    1-CTA step at these head dims, the pair's step is shorter; with a dQ hand-off that bounds
+    nothing (red_bytes_per_clk 1024) the dS exchange and the pair's dQ MMA waiting for both
+    CTAs make it longer."""
+    one, pair = config([f"head_dim={d}"]), config([f"head_dim={d}", "use_2cta=true"])
+    c = CostTable()
+    assert simulate_bwd(one, 16, c).bound_by == "dq@0"
+    assert simulate_bwd(pair, 16, c).step_clk < simulate_bwd(one, 16, c).step_clk
+    fast_dq = dataclasses.replace(c, red_bytes_per_clk=1024.0)
+    assert simulate_bwd(pair, 16, fast_dq).step_clk > simulate_bwd(one, 16, fast_dq).step_clk

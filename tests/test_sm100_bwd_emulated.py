@@ -15,7 +15,17 @@ semaphore ends at its count of turns, and another scheduler seed and policy give
 accumulator bit for bit (the emulator runs CTAs one at a time, so the unordered kernel
 repeats too: see the test). The preprocess's rows are made on the CPU (``sm100_bwd_run.preprocess_rows``); dq is scale x
 the kernel's float32 accumulator.
+
+In every one of those runs, the numerics emulation of the backward's algorithm
+(``fa_sm100.emulation.emulate_sm100_bwd``) gives the kernel's dK, dV and dQ accumulator bit for
+bit and the same steps per CTA: two independent descriptions of the arithmetic (the kernel's
+compiled PTX, the emulation's torch code) that share only the model of what the ISA leaves
+open (an MMA instruction rounds once, MUFU.EX2 is correctly rounded). The emulation takes the
+exp2 argument (and softcap's 1 - t^2) rounded twice there, as the PTX writes it; ptxas fuses
+each into one FFMA for sm_100a, which the emulation models by default (checked in the SASS).
 """
+
+import re
 
 import pytest
 import torch
@@ -96,6 +106,29 @@ def _check(name, cfg, inputs, run, window, softcap):
     adversarial.check_adversarial_grads(name, (run.dq, run.dk, run.dv), q, k, v, dout,
                                         causal=cfg.causal, window=window, softcap=softcap)
     assert run.steps == _expected_steps(cfg, q, k, window)
+    _check_emulation_bits(name, cfg, inputs, run, window, softcap)
+
+
+def _check_emulation_bits(name, cfg, inputs, run, window, softcap):
+    """The numerics emulation (``emulate_sm100_bwd``) on the same inputs and rows gives the
+    kernel's dK, dV and float32 dQ accumulator bit for bit, with the same steps per CTA.
+    ``fma_contracted=False``: the exp2 argument (and 1 - t^2) rounded twice, as the PTX
+    writes them and the emulator runs them (ptxas fuses each into one FFMA: see
+    ``test_ptxas_fuses_the_multiply_adds_the_ptx_writes_apart``). The emulator runs the CTAs
+    in key-block order, so the dQ adds land in the emulation's order with or without the
+    deterministic mode."""
+    from fa_sm100.emulation import emulate_sm100_bwd
+
+    q, k, v, dout = inputs
+    emu = emulate_sm100_bwd(dout, q, k, v, causal=cfg.causal, window_size=window,
+                            softcap=softcap, fma_contracted=False)
+    for what, mine, kernel, bits in (("dk", emu.dk, run.dk, torch.int16),
+                                     ("dv", emu.dv, run.dv, torch.int16),
+                                     ("dq accumulator", emu.dq_acc, run.dq_acc, torch.int32)):
+        differ = mine.view(bits) != kernel.view(bits)
+        assert not differ.any(), (f"{name} {what}: {int(differ.sum())} of {differ.numel()} "
+                                  "elements differ from the numerics emulation")
+    assert emu.steps == run.steps
 
 
 def _options(case) -> tuple:
@@ -201,3 +234,44 @@ def test_deterministic_backward_meets_the_rule_and_repeats_bit_for_bit(name):
     _, _, unordered = _run(*plain, schedule=(7, "random"))
     assert unordered.dq_sem is None
     assert torch.equal(unordered.dq_acc.view(torch.int32), run.dq_acc.view(torch.int32))
+
+
+def _ptx_defs(ptx: str) -> dict:
+    """register -> (opcode, source operands) of the PTX instruction that writes it."""
+    defs = {}
+    for line in ptx.splitlines():
+        m = re.match(r"\s*([a-z][\w.]*)\s+(%\w+),\s*(.*);", line)
+        if m:
+            defs[m.group(2)] = (m.group(1), [o.strip() for o in m.group(3).split(",")])
+    return defs
+
+
+def test_ptxas_fuses_the_multiply_adds_the_ptx_writes_apart():
+    """What ``emulate_sm100_bwd(fma_contracted=True)`` models: the kernel's PTX computes P's
+    exp2 argument as ``mul.f32`` then ``sub.f32`` (x = S^T scale_log2 - LSE2; no rounding
+    modifier, so PTX lets the code generator fuse them), and with softcap 1 - t^2 as
+    ``mul.f32`` then ``sub.f32``; ptxas makes one FFMA of each for sm_100a (x: a register
+    times the uniform scale_log2 minus LSE2; 1 - t^2: -t times t plus 1). So on hardware
+    each is rounded once, on the PTX emulator twice. (The kernel could write them with
+    ``dsl_math.fma_rn``, as the forward writes its exp2 argument; then the PTX, the emulator
+    and the hardware would round alike.)"""
+    from fa_sm100.compile_tools import cross_compile
+    from fa_sm100.sm100.bwd_inspect_entry import build, make_config
+
+    x_ffma = re.compile(r"FFMA R\d+, R\d+(\.reuse)?, UR\d+(\.reuse)?, -R\d+ ;")
+    one_minus_square = re.compile(r"FFMA R\d+, -(R\d+)(\.reuse)?, \1(\.reuse)?, 1 ;")
+    for capped in (False, True):
+        b = build(make_config(["head_dim=64", f"softcap={str(capped).lower()}"]))
+        art = cross_compile(b.fn, b.args, "sm_100a")
+        # with a cap, each score takes two exp2s: tanh's (of a product) and P's
+        per_score = 2 if capped else 1
+        defs = _ptx_defs(art.ptx)
+        ex2_args = [defs[ops[0]] for op, ops in defs.values() if op.startswith("ex2.approx")]
+        p_args = [ops for op, ops in ex2_args
+                  if op == "sub.f32" and defs.get(ops[0], ("",))[0] == "mul.f32"]
+        assert p_args and len(p_args) * per_score == len(ex2_args)
+        # ptxas may merge the loop's masked and unmasked copies: count against its own exp2s
+        p_in_sass = art.sass.count("MUFU.EX2") // per_score
+        assert len(x_ffma.findall(art.sass)) == p_in_sass
+        if capped:
+            assert len(one_minus_square.findall(art.sass)) == p_in_sass

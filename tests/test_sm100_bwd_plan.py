@@ -149,3 +149,55 @@ def test_backward_pipeline_table_arrival_counts_follow_the_roles():
     assert specs["bwd_lse"].tx_bytes(cfg) == 2 * cfg.m_block * 4
     # one full and one empty barrier per stage
     assert barrier_count(cfg) == 2 * sum(s.num_stages(cfg) for s in specs.values())
+
+
+# -- 2-CTA (Note [Backward 2-CTA] in fa_sm100/sm100/bwd_config.py) ---------------------------
+@pytest.mark.parametrize("dims,dtype,causal,group", PROBLEMS)
+def test_every_2cta_problem_fits_with_two_q_stages(dims, dtype, causal, group):
+    """Per CTA the pair adds sQt, sdOt (one stage) and sKt to the 1-CTA buffers and halves sQ,
+    sdO's rows; the default keeps two Q stages at every head dim (head dim 128: exactly the
+    232448 bytes of an SM). TMEM is the 1-CTA plan with dQ folded into head_dim / 2 columns;
+    the compute warpgroups take 200 registers (the dS stores' 64-bit cluster addresses), the
+    dQ warps 64 and the others 48, the whole register file."""
+    cfg = select_sm100_bwd_config(dims[0], dims[1], dtype, causal, group, use_2cta=True)
+    assert cfg.use_2cta and cfg.q_stage == 2 and cfg.cluster_shape == (2, 1, 1)
+    assert cfg.smem_bytes() <= SMEM_BYTES
+    b, one = cfg.smem_buffers(), cfg.replace(use_2cta=False).smem_buffers()
+    assert (b["sQ"], b["sdO"]) == (one["sQ"] // 2, one["sdO"] // 2)
+    assert b["sQt"] == one["sQ"] // cfg.q_stage // 2 and b["sKt"] == one["sK"]
+    assert b["sdS"] == one["sdS"]  # m_block / 2 query rows x 2 n_block keys
+    plan, plain = TmemPlan.for_backward(cfg), TmemPlan.for_backward(cfg.replace(use_2cta=False))
+    assert plan["dQ"].cols == dims[0] // 2 and plan["dQ"].host == "dP"
+    assert [r for r in plan.regions if r.name != "dQ"] == [r for r in plain.regions if r.name != "dQ"]
+    roles = cfg.warp_roles()
+    assert roles.setmaxnreg() == {"compute": 200, "dq": 64, "other": 48}
+    assert roles.registers_used() == REGISTER_FILE
+    assert cfg.dq_releases_per_turn() == 8  # four dQ warps in each CTA of the pair
+    if dims[0] == 128:
+        assert cfg.smem_bytes() == SMEM_BYTES
+
+
+def test_2cta_pipeline_counts_follow_the_pair():
+    """The MMA warp waits only in the leader CTA: the thread arrivals that hand it a stage are
+    both CTAs' (bwd_s_dp, bwd_ds, bwd_dq, bwd_dkv); the leader's TMA barriers expect the pair's
+    bytes (bwd_kv, bwd_q, bwd_qt), bwd_lse each CTA's own; bwd_qt exists only here, and bwd_ds's
+    arrivals release at cluster scope (the dS exchange)."""
+    cfg = Sm100BwdConfig(use_2cta=True).validate()
+    specs = {s.name: s for s in active_specs(cfg)}
+    plain = {s.name for s in active_specs(cfg.replace(use_2cta=False))}
+    assert set(specs) - plain == {"bwd_qt"}
+    threads = {r: 32 * len(w) for r, w in cfg.warp_roles().role_warps().items()}
+    assert specs["bwd_lse"].arrivals("empty", cfg) == threads["compute"]
+    assert specs["bwd_s_dp"].arrivals("empty", cfg) == 2 * threads["compute"]
+    assert specs["bwd_ds"].arrivals("full", cfg) == 2 * threads["compute"]
+    assert specs["bwd_dkv"].arrivals("empty", cfg) == 2 * threads["compute"]
+    assert specs["bwd_dq"].arrivals("empty", cfg) == 2 * threads["dq"]
+    t = cfg.tma_tiles()
+    assert specs["bwd_kv"].tx_bytes(cfg) == 2 * (t["K"] + t["V"] + t["Kt"])
+    assert specs["bwd_q"].tx_bytes(cfg) == 2 * (t["Q"] + t["dO"])
+    assert specs["bwd_qt"].tx_bytes(cfg) == 2 * (t["Qt"] + t["dOt"])
+    assert specs["bwd_lse"].tx_bytes(cfg) == t["LSE2"] + t["Delta"]
+    assert [n for n, s in specs.items() if s.cluster_release] == ["bwd_ds"]
+    assert barrier_count(cfg) == barrier_count(cfg.replace(use_2cta=False)) + 2
+    with pytest.raises(ValueError, match="use_2cta=.*a compile-time switch is a bool"):
+        Sm100BwdConfig(use_2cta=1).validate()

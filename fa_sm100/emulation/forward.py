@@ -86,7 +86,8 @@ class EmulationStats:
         return d
 
 
-def _check_inputs(q, k, v):
+def check_inputs(q, k, v):
+    """Raise ValueError unless q, k, v are BSHD bf16 / fp16 tensors of one problem."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -113,7 +114,7 @@ def resolve_config(q, k, v, causal=False, window_size=(None, None),
                    config: Optional[FmhaConfig] = None, softcap: float = 0.0) -> FmhaConfig:
     """The config the kernel would run: problem fields from the tensors and arguments, switch
     fields from ``config`` (or the defaults ``select_config`` picks for this problem)."""
-    _check_inputs(q, k, v)
+    check_inputs(q, k, v)
     left, right = window_size if window_size is not None else (None, None)
     problem = dict(head_dim=q.shape[3], head_dim_v=v.shape[3], dtype=q.dtype,
                    seqlen_q=q.shape[1], seqlen_k=k.shape[1], causal=bool(causal),
@@ -148,7 +149,7 @@ def kv_tile_ranges(seqlen_q, seqlen_k, cfg: FmhaConfig, causal, window_size):
     return out
 
 
-def _visible(rows, keys, seqlen_q, seqlen_k, causal, window_size):
+def visible_keys(rows, keys, seqlen_q, seqlen_k, causal, window_size):
     """Bool (rows, keys) broadcast: key visible to row (same rule as testing.attention_mask)."""
     left, right = window_size if window_size is not None else (None, None)
     if causal:
@@ -160,6 +161,19 @@ def _visible(rows, keys, seqlen_q, seqlen_k, causal, window_size):
     if left is not None:
         vis = vis & (keys >= aligned - left)
     return vis
+
+
+def kernel_log2_factors(softmax_scale: float, softcap: float = 0.0):
+    """(scale_log2, softcap_k) as the kernels' host code makes them, in float32: scale_log2 =
+    fp32(scale) * fp32(log2 e); with a cap c, softcap_k = fp32(scale) / fp32(c) (a float32
+    0-dim tensor, the factor inside tanh) and scale_log2 = fp32(c) * fp32(log2 e); without
+    one softcap_k is None."""
+    f32 = torch.float32
+    log2_e = torch.tensor(sm.LOG2_E, dtype=f32)
+    if not softcap:
+        return float(torch.tensor(softmax_scale, dtype=f32) * log2_e), None
+    c32 = torch.tensor(softcap, dtype=f32)
+    return float(c32 * log2_e), torch.tensor(softmax_scale, dtype=f32) / c32
 
 
 def _round_f32(x64: torch.Tensor) -> torch.Tensor:
@@ -227,14 +241,7 @@ def emulate_sm100_fwd(q, k, v, softmax_scale=None, causal=False, window_size=(No
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
         raise ValueError(f"softmax_scale={softmax_scale!r}: must be a finite positive number")
-    # The kernel multiplies the float32 scale by float32 log2(e) in float32.
-    scale_log2 = float(torch.tensor(scale, dtype=torch.float32)
-                       * torch.tensor(sm.LOG2_E, dtype=torch.float32))
-    softcap_k = None
-    if softcap:  # the kernel's host code: both in float32
-        c32 = torch.tensor(softcap, dtype=torch.float32)
-        softcap_k = torch.tensor(scale, dtype=torch.float32) / c32
-        scale_log2 = float(c32 * torch.tensor(sm.LOG2_E, dtype=torch.float32))
+    scale_log2, softcap_k = kernel_log2_factors(scale, softcap)
     threshold = float(cfg.rescale_threshold)
     nb = cfg.n_block
     ranges = kv_tile_ranges(sq, sk, cfg, causal, window_size)
@@ -279,7 +286,7 @@ def emulate_sm100_fwd(q, k, v, softmax_scale=None, causal=False, window_size=(No
         tile = tile_all[act]
         keys = (tile * nb).view(-1, 1, 1) + torch.arange(nb).view(1, 1, nb)
         rows_a = row_idx[act]  # (A, R, 1)
-        vis = _visible(rows_a, keys, sq, sk, causal, window_size)  # (A, R, nb)
+        vis = visible_keys(rows_a, keys, sq, sk, causal, window_size)  # (A, R, nb)
         valid = (rows_a < sq).view(1, 1, 1, -1, rows)
         s = mma_f32(qw[:, :, :, act], kt[:, :, tile].unsqueeze(2).transpose(-1, -2))
         if softcap_k is not None:

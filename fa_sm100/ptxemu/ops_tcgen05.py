@@ -1,6 +1,7 @@
 """tcgen05: Tensor Memory (128 lanes x 512 columns x 32 bit per CTA) and its instructions:
 alloc / dealloc / relinquish_alloc_permit, ld / st (shape 32x32b), wait::ld / wait::st,
-mma (kind::f16, A from SMEM or TMEM, cta_group::1 and ::2) and commit.
+mma (kind::f16, A from SMEM or TMEM, cta_group::1 and ::2; M = 128 with cta_group::2 in the
+ISA's folded data-path layout) and commit.
 
 Semantics (PTX ISA, tcgen05 sections):
 - TMEM addresses are ``lane << 16 | column``; a warp may access only the 32 lanes of its
@@ -366,10 +367,20 @@ def _mma(ins, k):
             raise EmulationError(f"{where}: cta_group::2 MMA issued by the odd CTA of the pair")
         d = decode_idesc(idesc, where)
         m_cta = d["m"] // group
-        if m_cta != 128:
+        # Note [M = 128 with cta_group::2]: the ISA's data-path layout for it (dense A) gives
+        # each CTA 64 rows of D, folded into all 128 lanes: row r, column c of the CTA's
+        # (64, N) tile lies in lane r + 64 (c div N/2), column c mod N/2 (N/2 columns used)
+        folded = group == 2 and m_cta == 64
+        if m_cta != 128 and not folded:
             raise EmulationError(f"{where}: M = {d['m']} with cta_group::{group} is not modelled "
-                                 "(128 rows per CTA are)")
+                                 "(128 rows per CTA are, and 64 with cta_group::2)")
+        if folded and (a_tmem or (lane_mask is not None and any(int(v) for v in lane_mask))):
+            raise EmulationError(f"{where}: M = 128 with cta_group::2 is modelled with A in "
+                                 "shared memory and no disabled output lanes only")
+        if folded:
+            lane_mask = None
         n, kdim, esize = d["n"], 16, 2
+        d_lanes, d_cols = (2 * m_cta, n // 2) if folded else (m_cta, n)
         d_lane, d_col = d_addr >> 16 & 0xFFFF, d_addr & 0xFFFF
         bsd = decode_sdesc(b_desc, where)
         b_rows = n // group
@@ -387,9 +398,10 @@ def _mma(ins, k):
             t = tmem_of(c)
             # accumulating into a D an earlier MMA of this thread still writes is ordered;
             # its cells count as written
-            t.check_access(d_lane, m_cta, d_col, n, where, reading=False, ignore_owner=issuer)
-            if accumulate and not _written(t, d_lane, m_cta, d_col, n, issuer):
-                t.check_access(d_lane, m_cta, d_col, n, where, reading=True,
+            t.check_access(d_lane, d_lanes, d_col, d_cols, where, reading=False,
+                           ignore_owner=issuer)
+            if accumulate and not _written(t, d_lane, d_lanes, d_col, d_cols, issuer):
+                t.check_access(d_lane, d_lanes, d_col, d_cols, where, reading=True,
                                ignore_owner=issuer)
             if a_tmem:
                 t.check_access(a_lane, m_cta, a_col, kdim // 2, where, reading=True,
@@ -401,7 +413,7 @@ def _mma(ins, k):
                 # the operand is read at some time before completion: pending until then
                 reads.append((c, add_pending_read(c, int(ix.min()), int(ix.max()) + esize,
                                                   f"operand of {desc}")))
-            reg = (d_lane, d_lane + m_cta, d_col, d_col + n, "mma", issuer, desc)
+            reg = (d_lane, d_lane + d_lanes, d_col, d_col + d_cols, "mma", issuer, desc)
             t.pending.append(reg)
             regions.append((t, reg))
 
@@ -420,17 +432,19 @@ def _mma(ins, k):
                     a_mat = -a_mat
                 bm = -b_mat if d["neg_b"] else b_mat
                 prod = a_mat @ bm.T                                        # exact products
-                cur = t.data[d_lane:d_lane + m_cta, d_col:d_col + n].view(np.float32)
+                if folded:  # Note [M = 128 with cta_group::2]
+                    prod = np.concatenate([prod[:, :d_cols], prod[:, d_cols:]], axis=0)
+                cur = t.data[d_lane:d_lane + d_lanes, d_col:d_col + d_cols].view(np.float32)
                 acc = prod + (cur.astype(np.float64) if accumulate else 0.0)
                 out = acc.astype(np.float32).view(np.uint32)
-                rows = np.ones(m_cta, dtype=bool)
+                rows = np.ones(d_lanes, dtype=bool)
                 if lane_mask is not None:
                     bits = np.concatenate([(np.uint64(v) >> np.arange(32, dtype=np.uint64)) & 1
                                            for v in lane_mask]).astype(bool)
                     rows = ~bits[g * m_cta:(g + 1) * m_cta] if len(bits) >= (g + 1) * m_cta \
                         else ~bits[:m_cta]
-                t.data[d_lane:d_lane + m_cta, d_col:d_col + n][rows] = out[rows]
-                t.init[d_lane:d_lane + m_cta, d_col:d_col + n][rows] = True
+                t.data[d_lane:d_lane + d_lanes, d_col:d_col + d_cols][rows] = out[rows]
+                t.init[d_lane:d_lane + d_lanes, d_col:d_col + d_cols][rows] = True
             for t, reg in regions:
                 t.pending.remove(reg)
             for c, region in reads:

@@ -4,7 +4,8 @@ emulator.
 ``run_backward(cfg, q, k, v, dout)`` cross-compiles ``Sm100Backward(cfg)`` for sm_100a, makes
 the preprocess's rows on the CPU (LSE2 = LSE log2(e) of the float64 reference forward, Delta =
 rowsum(O dO) with O rounded to the input dtype, float32, padded as the preprocess pads them:
-LSE2 = +inf and Delta = 0 past seqlen_q and on rows that see no key), executes the kernel's PTX on the emulator and returns
+LSE2 = +inf and Delta = 0 past seqlen_q and on rows that see no key: the numerics emulation's
+``emulation.backward.preprocess_rows``), executes the kernel's PTX on the emulator and returns
 dq (= scale x the float32 accumulator, rounded as the postprocess rounds it), dk and dv as the
 kernel wrote them. The preprocess and postprocess kernels are the Hopper ones
 (tests/test_sm90_bwd_prepost_emulated.py runs them on the emulator).
@@ -22,9 +23,8 @@ from dataclasses import dataclass
 import torch
 
 from fa_sm100.bands import kernel_window
+from fa_sm100.emulation.backward import preprocess_rows
 from fa_sm100.ptxemu.sm100_run import _to_cute
-from fa_sm100.softmax_math import LOG2_E
-from layouts.smem import align_up
 
 _COMPILED: dict = {}
 
@@ -48,25 +48,37 @@ class BackwardRun:
 
 class _ExecutionCounts:
     """A trace sink for ``emulate``: counts the executions of each (CTA, instruction) instead of
-    keeping the trace (the emulator appends (cluster index, warp, pc, lanes))."""
+    keeping the trace (the emulator appends (cluster index, warp "cta<rank>.warp<w>", pc,
+    lanes); a CTA is its cluster's index and its rank there)."""
 
     def __init__(self):
         self.by_pc = Counter()
 
     def append(self, event):
-        self.by_pc[event[0], event[2]] += 1
+        rank = int(event[1][3:event[1].index(".")])
+        self.by_pc[(event[0], rank), event[2]] += 1
 
 
-def _steps_per_cta(counts: _ExecutionCounts, machine, grid) -> dict:
+def _steps_per_cta(counts: _ExecutionCounts, machine, grid, cluster=(1, 1, 1)) -> dict:
     """(key block, KV head, batch) -> steps, from the stats' bulk copies (not the tensor
-    copies, whose number per tile depends on the head dim's swizzle boxes)."""
+    copies, whose number per tile depends on the head dim's swizzle boxes). Clusters of
+    (cx, 1, 1) CTAs (the 2-CTA backward): the emulator runs cluster k's rank r as CTA x =
+    k cx + r of its row."""
     copies = Counter()
     for (cta, pc), n in counts.by_pc.items():
         op = machine.code[pc].instr.opcode
         if op.startswith("cp.async.bulk.") and not op.startswith("cp.async.bulk.tensor"):
             copies[cta] += n
     gx, gy, gz = grid
-    return {(i % gx, i // gx % gy, i // (gx * gy)): copies[i] // 2 for i in range(gx * gy * gz)}
+    cx = cluster[0]
+    if tuple(cluster[1:]) != (1, 1):
+        raise ValueError(f"cluster {cluster}: only clusters along x are counted")
+    steps = {}
+    for i in range(gx // cx * gy * gz):
+        kx, y, z = i % (gx // cx), i // (gx // cx) % gy, i // (gx // cx * gy)
+        for r in range(cx):
+            steps[kx * cx + r, y, z] = copies[i, r] // 2
+    return steps
 
 
 def compile_backward(cfg, num_heads: int):
@@ -81,25 +93,6 @@ def compile_backward(cfg, num_heads: int):
         compiled, ptx = compile_kernel(kernel, fake, "sm_100a")
         _COMPILED[key] = (kernel, fake, compiled, ptx)
     return _COMPILED[key]
-
-
-def preprocess_rows(q, k, v, dout, softmax_scale: float, causal: bool, m_block: int,
-                    window=(None, None), softcap: float = 0.0):
-    """(LSE2, Delta) as (batch, heads, padded seqlen_q) float32, as the preprocess makes them
-    (a row that sees no key: O = 0, LSE = -inf, so LSE2 = +inf and Delta = 0)."""
-    from fa_sm100.testing import attention_reference
-
-    b, sq, h, _ = q.shape
-    out, lse = attention_reference(q, k, v, softmax_scale, causal=causal, window=window,
-                                   softcap=softcap)
-    rows = align_up(sq, m_block)
-    lse2 = torch.full((b, h, rows), math.inf, dtype=torch.float32)
-    lse2[:, :, :sq] = torch.where(torch.isinf(lse), torch.full_like(lse, math.inf),
-                                  lse * LOG2_E).to(torch.float32)
-    delta = torch.zeros(b, h, rows, dtype=torch.float32)
-    o16 = out.to(q.dtype).to(torch.float32)
-    delta[:, :, :sq] = (o16 * dout.to(torch.float32)).sum(-1).permute(0, 2, 1)
-    return lse2, delta
 
 
 def run_backward(cfg, q, k, v, dout, softmax_scale=None, seed: int = 0, policy: str = "late",
@@ -155,7 +148,7 @@ def run_backward(cfg, q, k, v, dout, softmax_scale=None, seed: int = 0, policy: 
     dq = (dq_acc[:, :, :sq] * scale).permute(0, 2, 1, 3).to(q.dtype).contiguous()
     rec = cap.launches[0]
     return BackwardRun(dq=dq, dk=dk, dv=dv, dq_acc=dq_acc, dq_sem=dq_sem, compile_s=t1 - t0, emulate_s=t3 - t2,
-                       steps=_steps_per_cta(counts, machine, rec.grid),
+                       steps=_steps_per_cta(counts, machine, rec.grid, rec.cluster),
                        launch={"grid": rec.grid, "block": rec.block,
                                "dynamic_smem": rec.dynamic_smem,
                                "regs_at_launch": cap.launch_regs})

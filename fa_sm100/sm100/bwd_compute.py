@@ -7,7 +7,8 @@ the same TMEM column.
 Consumes  S^T_j and dP^T_j (``bwd_s_dp`` full), LSE2_j and Delta_j (``bwd_lse``), sdS free
           (``bwd_ds`` empty: the previous dQ MMA completed), the final dK, dV (``bwd_dkv``).
 Produces  P^T_j and dS^T_j (16-bit) in TMEM over the columns of S^T / dP^T it has read
-          (TmemPlan.for_backward: Ph, dSh), dS_j in SMEM (the dQ MMA's A operand), then dV
+          (TmemPlan.for_backward: Ph, dSh), dS_j in SMEM (the dQ MMA's A operand; under 2-CTA
+          in the sdS of the pair's CTA h, Note [Backward 2-CTA] in bwd_config.py), then dV
           (warpgroup 0) and dK (warpgroup 1) of the key block in global memory.
 
 Per step, with x = S^T scale_log2 (log2 units):
@@ -221,12 +222,24 @@ def compute_step(cfg, h: cutlass.Constexpr, v: HalfViews, smem, pipes, prob, ste
     pipes.bwd_ds.producer_acquire(0, one_phase ^ 1)  # the previous dQ MMA has read sdS
     record.access(f"dS{h}", "w")
     _store_pairs(cfg, v, rdS16, v.tdS, dtype)
-    record.access("sdS", "w", cols=cols)
     # dS_j as the dQ MMA's A operand (queries contiguous): this key's 64 queries of the half
     row = key - prob.n_block * cfg.n_block
-    cute.autovec_copy(rdS16, smem.sdS[((None, h), row % 16), 0, row // 16])
-    cute.arch.fence_view_async_tmem_store()
-    cute.arch.fence_view_async_shared()  # st.shared -> the MMA's async-proxy reads
+    if cutlass.const_expr(cfg.use_2cta):
+        # Note [Backward 2-CTA]: CTA h's sdS holds query rows [64h, 64h + 64) over the pair's
+        # keys; this CTA's keys are the pair rank's n_block of them (the other warpgroup's
+        # stores go to the peer CTA through shared::cluster)
+        record.access("sdS", "w", cols=(0, cfg.n_block), cols_per_cta=cfg.n_block, cta=h)
+        k = prob.n_block % cfg.cta_group * cfg.n_block + row
+        sdS_h = cute.make_tensor(cute.arch.map_dsmem_ptr(smem.sdS.iterator, h), smem.sdS.layout)
+        cute.autovec_copy(rdS16, sdS_h[(None, k % 16), 0, k // 16])
+        cute.arch.fence_view_async_tmem_store()
+        # st.shared::cluster -> the MMA's async-proxy reads, in either CTA of the pair
+        cute.arch.fence_proxy("async.shared", space="cluster")
+    else:
+        record.access("sdS", "w", cols=cols)
+        cute.autovec_copy(rdS16, smem.sdS[((None, h), row % 16), 0, row // 16])
+        cute.arch.fence_view_async_tmem_store()
+        cute.arch.fence_view_async_shared()  # st.shared -> the MMA's async-proxy reads
     pipes.bwd_s_dp.consumer_release(0, note="S^T, dP^T read")
     pipes.bwd_ds.producer_commit(0, note="P^T, dS^T, dS")
 

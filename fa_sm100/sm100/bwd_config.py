@@ -10,10 +10,45 @@ Head dims: 64, 96 and 128 (qk = v). (192, 128) does not fit the TMEM plan with 1
 blocks: S^T and dP^T take 128 columns each and the dK and dV accumulators 192 + 128, 576 of the
 512 columns (``layouts.tmem.TmemPlan.for_backward`` raises with the numbers).
 
-2-CTA MMA (cta_group::2) is not used by the backward: each CTA's dK and dV accumulators must
-stay in its own TMEM for the whole group walk, and its four accumulators already fill TMEM at
-head dim 128, so a pair would only share the K / V SMEM loads (Note [Backward without 2-CTA]
-in docs/sm100_backward.md).
+Note [Backward 2-CTA] (``use_2cta``): a cluster of two CTAs, pair ranks r = 0, 1, owns key
+blocks 2p + r (2 x 128 keys) of one KV head; both walk the query blocks whose band reaches the
+pair's keys (a block one CTA's keys miss is a step of masked scores there), and the leader
+(r = 0) issues every MMA for both. tcgen05 takes one cta_group per kernel, so all five MMAs
+are cta_group::2; what each CTA holds:
+
+    S^T = K Q^T, dP^T = V dO^T   M = 256 keys: its own 128 in its TMEM lanes, as 1-CTA;
+                                 N = 128 queries: B split, it loads query rows [64r, 64r + 64)
+    dV += P^T dO, dK += dS^T Q   M = 256 keys, A = its P^T / dS^T in TMEM (dK, dV stay per CTA
+                                 over the group walk, as 1-CTA); N = head dim split: it loads
+                                 Q^T / dO^T's columns [d r / 2, d (r + 1) / 2) of all 128 rows
+                                 (sQt, sdOt: other bytes than sQ / sdO's rows, so buffers of
+                                 their own, one stage, pipeline bwd_qt)
+    dQ = dS K                    M = 128 queries: rows [64r, 64r + 64) in its TMEM (the ISA's
+                                 data path for M = 128 with cta_group::2 folds them into 128
+                                 lanes x d / 2 columns); K = the pair's 256 keys
+
+dQ's reduction over the pair's keys is the MMA's: each CTA red.global.adds 64 x d floats per
+step, half of what a 1-CTA CTA adds for its 128 keys. The price is the dS exchange: the dQ
+MMA's A operand in CTA r is dS of query rows [64r, 64r + 64) over all 256 keys, and compute
+warpgroup h of either CTA holds exactly query columns [64h, 64h + 64) of its keys, so it stores
+its dS into CTA h's sdS at its keys' offset: one warpgroup per CTA writes its own SMEM, the
+other the peer's (st.shared::cluster, 16 KiB per step), fenced for the async proxy at cluster
+scope and handed over by bwd_ds's thread arrivals, which release at cluster scope; the
+leader's MMA warp acquires them at cluster scope before the dQ MMA (in the SASS the fence and
+the release are each a MEMBAR.ALL.GPU per compute warp and step). K^T (dQ's B: d / 2 columns
+x 256 keys, sKt) is loaded by TMA beside sK.
+
+SMEM per CTA (bytes, 16-bit, two Q stages): the same as 1-CTA at every head dim (232448 at
+128, 183296 at 96, 134144 at 64): sQ and sdO halve (rows), sQt + sdOt (one stage) and sKt take
+what they free. TMEM: the 1-CTA plan (512 columns at head dim 128) with dQ in d / 2 columns.
+Registers: compute 200, dQ 64, others 48 (at 192 / 64 / 64 the compute warps spill 64 bytes:
+the dS stores' eight shared::cluster addresses are 64-bit and stay live over the walk).
+
+Where it pays (docs/sm100_backward.md, "2-CTA: where it pays", MODEL OUTPUT): the timing model
+has the pair faster per step at head dims 96 and 128 with the default cost table (its 1-CTA
+step is bound by the dQ warps' adds), slower once the dQ hand-off does not bound the step; the
+sign depends on the unmeasured red.global.add and SM-to-SM rates, so ``use_2cta`` stays off by
+default.
 """
 
 from __future__ import annotations
@@ -100,15 +135,24 @@ class Sm100BwdConfig:
     deterministic: bool = False
     # tiles
     m_block: int = 128  # query rows per step (TMEM lanes of dQ; columns of S^T)
-    n_block: int = 128  # keys per work tile (TMEM lanes of S^T, dP^T, dK, dV)
+    n_block: int = 128  # keys per CTA (TMEM lanes of S^T, dP^T, dK, dV)
     # switches
     q_stage: int = 2  # stages of the Q / dO and LSE2 / Delta rings
+    # a cluster of two CTAs over 2 x n_block keys, every MMA cta_group::2 (Note [Backward
+    # 2-CTA] above); off by default, the Note says why
+    use_2cta: bool = False
 
     pipeline_table = "backward"  # pipelines.spec.table_of
-    use_2cta = False  # see the module docstring
-    cta_group = 1
-    cluster_shape = (1, 1, 1)
     one_stage = 1
+
+    @property
+    def cta_group(self) -> int:
+        """CTAs that issue one MMA together (tcgen05 cta_group::2 under ``use_2cta``)."""
+        return 2 if self.use_2cta else 1
+
+    @property
+    def cluster_shape(self) -> tuple[int, int, int]:
+        return (self.cta_group, 1, 1)
 
     @property
     def dtype_bytes(self) -> int:
@@ -123,29 +167,44 @@ class Sm100BwdConfig:
         return dataclasses.replace(self, **changes)
 
     def warp_roles(self) -> BwdWarpRoles:
+        if self.use_2cta:
+            return BwdWarpRoles(regs_compute=200, regs_dq=64, regs_other=48)
         return BwdWarpRoles()
 
     def tma_tiles(self) -> dict[str, int]:
-        """Bytes of each TMA tile: K, V (n_block rows), Q, dO (m_block rows), LSE2 and Delta
-        (m_block float32)."""
-        e = self.dtype_bytes
-        return {"K": self.n_block * self.head_dim * e, "V": self.n_block * self.head_dim_v * e,
-                "Q": self.m_block * self.head_dim * e, "dO": self.m_block * self.head_dim_v * e,
-                "LSE2": self.m_block * 4, "Delta": self.m_block * 4}
+        """Bytes of each TMA tile one CTA loads: K, V (its n_block keys), Q, dO (m_block rows),
+        LSE2 and Delta (m_block float32). Under ``use_2cta`` (Note [Backward 2-CTA]) Q and dO
+        are the CTA's m_block / 2 rows, and Qt, dOt (m_block rows x half the head dim) and Kt
+        (the pair's 2 n_block keys x half the head dim) are tiles of their own."""
+        e, g = self.dtype_bytes, self.cta_group
+        tiles = {"K": self.n_block * self.head_dim * e, "V": self.n_block * self.head_dim_v * e,
+                 "Q": self.m_block // g * self.head_dim * e,
+                 "dO": self.m_block // g * self.head_dim_v * e,
+                 "LSE2": self.m_block * 4, "Delta": self.m_block * 4}
+        if self.use_2cta:
+            tiles.update(Qt=self.m_block * self.head_dim // g * e,
+                         dOt=self.m_block * self.head_dim_v // g * e,
+                         Kt=g * self.n_block * (self.head_dim // g) * e)
+        return tiles
 
     def smem_buffers(self) -> dict[str, int]:
         """Bytes of each SMEM buffer (every stage), in the order of the kernel's shared
-        storage (after its mbarriers and the TMEM base address)."""
+        storage (after its mbarriers and the TMEM base address). sdS is the dQ MMA's A
+        operand: m_block / cta_group query rows x the cta_group x n_block keys of the MMA."""
         t = self.tma_tiles()
-        return {"sLSE2": self.q_stage * t["LSE2"], "sDelta": self.q_stage * t["Delta"],
-                "sK": t["K"], "sV": t["V"], "sQ": self.q_stage * t["Q"],
-                "sdO": self.q_stage * t["dO"],
-                "sdS": self.m_block * self.n_block * self.dtype_bytes}
+        out = {"sLSE2": self.q_stage * t["LSE2"], "sDelta": self.q_stage * t["Delta"],
+               "sK": t["K"], "sV": t["V"], "sQ": self.q_stage * t["Q"],
+               "sdO": self.q_stage * t["dO"],
+               "sdS": self.m_block * self.n_block * self.dtype_bytes}
+        if self.use_2cta:  # one stage (bwd_qt)
+            out.update(sQt=t["Qt"], sdOt=t["dOt"], sKt=t["Kt"])
+        return out
 
     def dq_releases_per_turn(self) -> int:
-        """How much one key block's turn adds to a deterministic dQ semaphore: one release per
-        warp of the dQ role (Note [Deterministic dQ] in bwd_dq.py)."""
-        return len(self.warp_roles().dq)
+        """How much one key block's turn (a pair's under 2-CTA) adds to a deterministic dQ
+        semaphore: one release per warp of the dQ role of each CTA (Note [Deterministic dQ]
+        in bwd_dq.py)."""
+        return len(self.warp_roles().dq) * self.cta_group
 
     def smem_bytes(self) -> int:
         """The kernel's shared storage, laid out as ``bwd_kernel.SharedStorage`` lays it out:
@@ -153,7 +212,8 @@ class Sm100BwdConfig:
         then every 16-bit tile on a 1 KiB boundary (the kernel checks that the two agree)."""
         from pipelines.spec import barrier_count
 
-        end = barrier_count(self) * 8 + 4
+        # the 2-CTA TMEM deallocation's mbarrier (cutlass TmemAllocator) after the pipelines'
+        end = (barrier_count(self) + (1 if self.use_2cta else 0)) * 8 + 4
         for name, size in self.smem_buffers().items():
             end = align_up(end, STATS_ALIGN if name in ("sLSE2", "sDelta") else ALIGN) + size
         return end
@@ -162,7 +222,7 @@ class Sm100BwdConfig:
         """Raise ValueError naming the first violated rule; return self when all hold."""
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r}: must be one of {DTYPES}")
-        for name in ("causal", "local", "softcap", "deterministic"):
+        for name in ("causal", "local", "softcap", "deterministic", "use_2cta"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r}: a compile-time switch is a "
                                  "bool (a window's bounds and the cap are launch arguments)")
@@ -199,7 +259,8 @@ def select_sm100_bwd_config(head_dim: int, head_dim_v: int, dtype: str, causal: 
     ``local`` / ``softcap``: whether the problem has a window / a cap (never their values)."""
     base = Sm100BwdConfig(head_dim=head_dim, head_dim_v=head_dim_v, dtype=dtype, causal=causal,
                           local=local, softcap=softcap, qhead_per_kvhead=qhead_per_kvhead,
-                          deterministic=deterministic)
+                          deterministic=deterministic,
+                          use_2cta=overrides.get("use_2cta", False))
     if "q_stage" not in overrides:
         two = base.replace(q_stage=2)
         overrides["q_stage"] = 2 if two.smem_bytes() <= SMEM_BYTES else 1

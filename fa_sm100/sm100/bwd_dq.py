@@ -1,6 +1,9 @@
 """Backward dQ role (warps 8-11): dQ_j out of TMEM into the float32 accumulator in global memory.
 
-Consumes  dQ_j = dS_j K (``bwd_dq`` full): TMEM lane t holds query row ``m * 128 + t``.
+Consumes  dQ_j = dS_j K (``bwd_dq`` full): TMEM lane t holds query row ``m * 128 + t``; under
+          2-CTA (Note [Backward 2-CTA] in bwd_config.py) the CTA's 64 rows summed over the
+          pair's keys, folded: lane t holds row ``m * 128 + 64 r + t mod 64``, columns
+          ``[c d / 2, (c + 1) d / 2)``, c = t div 64.
 Produces  the accumulator rows of that query block: acc[b, head, row, :] += dQ_j[t, :] with
           one ``red.global.add.v4.f32`` per four columns; then hands the region back
           (``bwd_dq`` empty) so the next dP^T may overwrite it.
@@ -23,7 +26,9 @@ of turn t have (it stays below 4 (t + 1)), so every row's adds land in key-block
 dq is bitwise reproducible. GQA: only the CTAs of a query head's KV head add into its rows,
 each walking its group's heads in the same order. No deadlock: a CTA waits only for lower
 key blocks of its (KV head, batch), and those never wait for it (they are also launched
-first: the key block is the grid's fastest index).
+first: the key block is the grid's fastest index). Under 2-CTA the adders are pairs: pair p's
+turn is p - n_first(m) div 2 (the pairs of consecutive key blocks are consecutive), and a turn
+is eight releases, the four dQ warps of each CTA (``Sm100BwdConfig.dq_releases_per_turn``).
 """
 
 from __future__ import annotations
@@ -45,7 +50,18 @@ VEC = 4  # float32 per red.global.add.v4.f32
 def dq_out(cfg, tmem, mdQacc, mdQsem, pipes, prob):
     tidx = cute.arch.thread_idx()[0] % 128
     lane = cute.arch.lane_idx()
-    thr, src, regs = lane_reader(tmem.tdQ[(None, None), 0, 0], cfg.head_dim, CHUNK, tidx)
+    row_in_block, col0, cols = tidx, None, cfg.head_dim
+    if cutlass.const_expr(cfg.use_2cta):
+        # Note [Backward 2-CTA]: this CTA's dQ is query rows [64 r, 64 r + 64) (pair rank r)
+        # over every head-dim column, folded into 128 lanes: lane t holds row t mod 64's
+        # columns [c d / 2, (c + 1) d / 2), c = t div 64
+        rows = cfg.m_block // cfg.cta_group
+        cols = cfg.head_dim // cfg.cta_group
+        row_in_block = prob.n_block % cfg.cta_group * rows + tidx % rows
+        col0 = tidx // rows * cols
+        thr, src, regs = lane_reader(tmem.tdQ_lanes, cols, CHUNK, tidx)
+    else:
+        thr, src, regs = lane_reader(tmem.tdQ[(None, None), 0, 0], cfg.head_dim, CHUNK, tidx)
     one_phase = Int32(0)
     with record.loop("steps"):
         for step in cutlass.range(prob.iters, unroll=1):
@@ -57,15 +73,17 @@ def dq_out(cfg, tmem, mdQacc, mdQsem, pipes, prob):
                 _wait_for_turn(sem_ptr, _turn(cfg, prob, m) * cfg.dq_releases_per_turn(), lane)
             pipes.bwd_dq.consumer_wait(0, one_phase)
             record.access("dQ", "r")
-            row = mdQacc[prob.batch, head, m * cfg.m_block + tidx, None]
-            for c in cutlass.range_constexpr(cfg.head_dim // CHUNK):
+            row = mdQacc[prob.batch, head, m * cfg.m_block + row_in_block, None].iterator
+            if cutlass.const_expr(col0 is not None):
+                row = row + col0
+            for c in cutlass.range_constexpr(cols // CHUNK):
                 r = cute.make_rmem_tensor(regs[None, None, c].shape, Float32)
                 cute.copy(thr, src[None, None, c], r)
                 cute.arch.fence_view_async_tmem_load()
                 vecs = cute.logical_divide(cute.make_tensor(r.iterator, cute.make_layout(CHUNK)),
                                            cute.make_layout(VEC))
                 for i in cutlass.range_constexpr(CHUNK // VEC):
-                    cute.arch.red(row.iterator + c * CHUNK + i * VEC, vecs[None, i].load().ir_value(),
+                    cute.arch.red(row + c * CHUNK + i * VEC, vecs[None, i].load().ir_value(),
                                   op="add", dtype="f32", sem="relaxed", scope="gpu")
             pipes.bwd_dq.consumer_release(0, note="dQ read")
             if cutlass.const_expr(cfg.deterministic):
@@ -77,6 +95,15 @@ def _turn(cfg, prob, m):
     """This CTA's key block's place among the key blocks that add into query block ``m``
     (Note [Deterministic dQ]): n - n_first(m)."""
     left, right = traced_bounds(cfg, prob.window)
+    if cutlass.const_expr(cfg.use_2cta):
+        # the adders are pairs (Note [Backward 2-CTA]): those that reach query block m are the
+        # pairs of the consecutive key blocks from n_first(m), consecutive from n_first div 2
+        if cutlass.const_expr(left is None):
+            return prob.n_block // cfg.cta_group
+        first, _ = kv_block_range(m * cfg.m_block, cfg.m_block, cfg.n_block, prob.seqlen_q,
+                                  prob.seqlen_k, left, right, imax=cutlass.max,
+                                  imin=cutlass.min)
+        return prob.n_block // cfg.cta_group - first // cfg.cta_group
     if cutlass.const_expr(left is None):  # no window: every key block from 0 on
         return prob.n_block
     first, _ = kv_block_range(m * cfg.m_block, cfg.m_block, cfg.n_block, prob.seqlen_q,

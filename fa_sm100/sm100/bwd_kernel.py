@@ -15,6 +15,10 @@ pipelines and TMEM and dispatches each warp to its role module:
 
 dq is scale * the accumulator, converted by the postprocess; the kernel writes dK = scale *
 sum dS^T Q and dV = sum P^T dO of its key block directly (GQA: summed over the group in TMEM).
+
+``use_2cta`` (Note [Backward 2-CTA] in bwd_config.py): clusters of two CTAs (the grid's key
+blocks rounded up to whole pairs), cta_group::2 MMAs and TMA copies, the pair's shared
+storage with sQt / sdOt / sKt and the TMEM deallocation's handshake, the same warp dispatch.
 """
 
 from __future__ import annotations
@@ -44,10 +48,16 @@ from pipelines.spec import barrier_count
 
 @dataclass(frozen=True)
 class BwdTmaAtoms:
+    """The TMA copy atoms; under 2-CTA also (atom, TMA view of the global tensor) of each
+    MN-major B operand with a buffer of its own (Note [Backward 2-CTA]): Q^T, dO^T, K^T."""
+
     k: object
     v: object
     q: object
     do: object
+    qt: object = None
+    dot: object = None
+    kt: object = None
 
 
 class Sm100Backward:
@@ -73,8 +83,12 @@ class Sm100Backward:
         mmas = cute_layouts.make_bwd_tiled_mmas(cfg)
         lay = cute_layouts.make_bwd_smem_layouts(cfg, mmas)
         tilers = cute_layouts.bwd_tilers(cfg)
-        op = cpasync.CopyBulkTensorTileG2SOp(tcgen05.CtaGroup.ONE)
-        vmnk = cute.tiled_divide(cute.make_layout((1, 1, 1)), (mmas.S.thr_id.shape,)).shape
+        # 2-CTA: each CTA loads its part of the pair's operands; the copies complete the
+        # leader's barrier
+        op = cpasync.CopyBulkTensorTileG2SOp(
+            tcgen05.CtaGroup.TWO if cfg.use_2cta else tcgen05.CtaGroup.ONE)
+        vmnk = cute.tiled_divide(cute.make_layout(cfg.cluster_shape),
+                                 (mmas.S.thr_id.shape,)).shape
         tma_k, mK_t = cute.nvgpu.make_tiled_tma_atom_A(op, mK_s, lay.sK, tilers["S"], mmas.S, vmnk)
         tma_v, mV_t = cute.nvgpu.make_tiled_tma_atom_A(op, mV_s, lay.sV, tilers["dP"], mmas.dP,
                                                        vmnk)
@@ -82,6 +96,22 @@ class Sm100Backward:
             op, mQ_s, cute.select(lay.sQ, mode=[0, 1, 2]), tilers["S"], mmas.S, vmnk)
         tma_do, mdO_t = cute.nvgpu.make_tiled_tma_atom_B(
             op, mdO_s, cute.select(lay.sdO, mode=[0, 1, 2]), tilers["dP"], mmas.dP, vmnk)
+        atoms = BwdTmaAtoms(k=tma_k, v=tma_v, q=tma_q, do=tma_do)
+        if cutlass.const_expr(cfg.use_2cta):
+            dshb = [3, 1, 2, 0]  # BSHD -> (d, s, h, b): the MN-major B operands' view
+            mQt_s, mdOt_s, mKt_s = [
+                cute.make_tensor(t.iterator, cute.select(t.layout, mode=dshb))
+                for t in (mQ, mdO, mK)]
+            atoms = BwdTmaAtoms(
+                k=tma_k, v=tma_v, q=tma_q, do=tma_do,
+                qt=cute.nvgpu.make_tiled_tma_atom_B(
+                    op, mQt_s, cute.select(lay.sQt, mode=[0, 1, 2]), tilers["dK"], mmas.dK,
+                    vmnk),
+                dot=cute.nvgpu.make_tiled_tma_atom_B(
+                    op, mdOt_s, cute.select(lay.sdOt, mode=[0, 1, 2]), tilers["dV"], mmas.dV,
+                    vmnk),
+                kt=cute.nvgpu.make_tiled_tma_atom_B(op, mKt_s, lay.sKt, tilers["dQ"], mmas.dQ,
+                                                    vmnk))
 
         dtype = cute_layouts.cutlass_dtype(cfg.dtype)
         n_bars = barrier_count(cfg)
@@ -99,8 +129,24 @@ class Sm100Backward:
             sdO: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(lay.sdO)], ALIGN]
             sdS: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(lay.sdS)], ALIGN]
 
-        self.shared_storage = SharedStorage
-        self.shared_bytes = SharedStorage.size_in_bytes()
+        @cute.struct
+        class PairSharedStorage:  # 2-CTA (Note [Backward 2-CTA])
+            mbar: cute.struct.MemRange[Int64, n_bars]
+            tmem_dealloc_mbar: Int64  # TmemAllocator's pair handshake before the dealloc
+            tmem_base: Int32
+            sLSE2: cute.struct.Align[cute.struct.MemRange[Float32, stats], STATS_ALIGN]
+            sDelta: cute.struct.Align[cute.struct.MemRange[Float32, stats], STATS_ALIGN]
+            sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(lay.sK)], ALIGN]
+            sV: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(lay.sV)], ALIGN]
+            sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(lay.sQ)], ALIGN]
+            sdO: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(lay.sdO)], ALIGN]
+            sdS: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(lay.sdS)], ALIGN]
+            sQt: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(lay.sQt)], ALIGN]
+            sdOt: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(lay.sdOt)], ALIGN]
+            sKt: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(lay.sKt)], ALIGN]
+
+        self.shared_storage = PairSharedStorage if cfg.use_2cta else SharedStorage
+        self.shared_bytes = self.shared_storage.size_in_bytes()
         if cutlass.const_expr(self.shared_bytes != cfg.smem_bytes()):
             raise ValueError(f"SMEM: the backward's shared storage takes {self.shared_bytes} "
                              f"bytes, its config's model {cfg.smem_bytes()}")
@@ -113,11 +159,15 @@ class Sm100Backward:
         if cutlass.const_expr(cfg.is_local):
             window = (window_left, window_right)
         n_blocks = (mK.shape[1] + cfg.n_block - 1) // cfg.n_block
+        cluster = None
+        if cutlass.const_expr(cfg.use_2cta):  # whole pairs: an odd count's last CTA has no key
+            n_blocks = (n_blocks + cfg.cta_group - 1) // cfg.cta_group * cfg.cta_group
+            cluster = list(cfg.cluster_shape)
         self.kernel(mQ_t, mK_t, mV_t, mdO_t, mLSE2, mDelta, mdQacc, mdK, mdV, mdQsem,
-                    BwdTmaAtoms(k=tma_k, v=tma_v, q=tma_q, do=tma_do), scale_log2,
-                    softmax_scale, window, softcap_k, lay, mmas).launch(
+                    atoms, scale_log2, softmax_scale, window, softcap_k, lay, mmas).launch(
             grid=[n_blocks, mK.shape[2], mK.shape[0]],
             block=[self.roles.threads_per_cta, 1, 1],
+            cluster=cluster,
             stream=stream,
             min_blocks_per_mp=1,
         )
@@ -134,13 +184,22 @@ class Sm100Backward:
         if warp_idx == roles.load:
             for atom in (atoms.k, atoms.v, atoms.q, atoms.do):
                 cpasync.prefetch_descriptor(atom)
+            if cutlass.const_expr(cfg.use_2cta):
+                for atom_view in (atoms.qt, atoms.dot, atoms.kt):
+                    cpasync.prefetch_descriptor(atom_view[0])
         storage = cutlass_utils.SmemAllocator().allocate(self.shared_storage)
         pipes = mbarrier.build_pipelines(cfg, roles, storage.mbar.data_ptr())
         smem = self._smem(storage, lay)
         tmem_bar = cpipe.NamedBarrier(barrier_id=int(NamedBarrier.TMEM_ALLOC),
                                       num_threads=num_threads(NamedBarrier.TMEM_ALLOC, roles))
-        tmem_alloc = TmemAllocator(storage.tmem_base.ptr, barrier_for_retrieve=tmem_bar,
-                                   allocator_warp_id=roles.mma)
+        if cutlass.const_expr(cfg.use_2cta):
+            tmem_alloc = TmemAllocator(
+                storage.tmem_base.ptr, barrier_for_retrieve=tmem_bar,
+                allocator_warp_id=roles.mma, is_two_cta=True,
+                two_cta_tmem_dealloc_mbar_ptr=storage.tmem_dealloc_mbar.ptr)
+        else:
+            tmem_alloc = TmemAllocator(storage.tmem_base.ptr, barrier_for_retrieve=tmem_bar,
+                                       allocator_warp_id=roles.mma)
         mbarrier.pipeline_init_sync(cfg)
 
         regs = roles.setmaxnreg()
@@ -184,7 +243,8 @@ class Sm100Backward:
 
     def _smem(self, storage, lay) -> BwdSmem:
         """Every SMEM view; sQt / sdOt / sKt reread sQ / sdO / sK's bytes in the other major
-        mode (layouts/cute_layouts.py: the two layouts agree element by element)."""
+        mode (layouts/cute_layouts.py: the two layouts agree element by element), or under
+        2-CTA are buffers of their own."""
         dtype = cute_layouts.cutlass_dtype(self.cfg.dtype)
 
         def view(buf, layout):
@@ -196,9 +256,14 @@ class Sm100Backward:
 
         sK, sQ, sdO = view(storage.sK, lay.sK), view(storage.sQ, lay.sQ), view(storage.sdO, lay.sdO)
         stats = cute.make_layout((self.cfg.m_block, self.cfg.q_stage))
-        return BwdSmem(sK=sK, sV=view(storage.sV, lay.sV), sQ=sQ, sQt=alias(sQ, lay.sQt),
-                       sdO=sdO, sdOt=alias(sdO, lay.sdOt), sKt=alias(sK, lay.sKt),
-                       sdS=view(storage.sdS, lay.sdS), sLSE2=storage.sLSE2.get_tensor(stats),
+        if cutlass.const_expr(self.cfg.use_2cta):
+            sQt, sdOt, sKt = (view(storage.sQt, lay.sQt), view(storage.sdOt, lay.sdOt),
+                              view(storage.sKt, lay.sKt))
+        else:
+            sQt, sdOt, sKt = alias(sQ, lay.sQt), alias(sdO, lay.sdOt), alias(sK, lay.sKt)
+        return BwdSmem(sK=sK, sV=view(storage.sV, lay.sV), sQ=sQ, sQt=sQt, sdO=sdO, sdOt=sdOt,
+                       sKt=sKt, sdS=view(storage.sdS, lay.sdS),
+                       sLSE2=storage.sLSE2.get_tensor(stats),
                        sDelta=storage.sDelta.get_tensor(stats))
 
     def _problem(self, mQ, mK, scale_log2, softmax_scale, window, softcap_k) -> BwdProblem:
@@ -211,7 +276,20 @@ class Sm100Backward:
         seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
         m_max = (seqlen_q + cfg.m_block - 1) // cfg.m_block
         m_min = Int32(0)
-        if cutlass.const_expr(cfg.is_local):
+        if cutlass.const_expr(cfg.use_2cta):
+            # the pair walks the query blocks its 2 n_block keys reach (Note [Backward
+            # 2-CTA]): in a block one CTA's keys do not reach, its scores are masked
+            keys = cfg.cta_group * cfg.n_block
+            pair_key = n_block // cfg.cta_group * keys
+            if cutlass.const_expr(cfg.is_local):
+                left, right = traced_bounds(cfg, window)
+                m_min, m_hi = q_block_range(pair_key, keys, cfg.m_block, seqlen_q,
+                                            seqlen_k, left, right, imax=cutlass.max,
+                                            imin=cutlass.min)
+                m_max = cutlass.max(m_hi, m_min)
+            elif cutlass.const_expr(cfg.causal):
+                m_min = cutlass.max(pair_key - (seqlen_k - seqlen_q), 0) // cfg.m_block
+        elif cutlass.const_expr(cfg.is_local):
             left, right = traced_bounds(cfg, window)
             m_min, m_hi = q_block_range(n_block * cfg.n_block, cfg.n_block, cfg.m_block,
                                         seqlen_q, seqlen_k, left, right, imax=cutlass.max,
@@ -229,6 +307,10 @@ class Sm100Backward:
                           softcap_k=softcap_k)
 
     def _tmem_views(self, tmem_alloc, mmas, lay) -> BwdTmem:
+        """Each accumulator at its plan offset, as its MMA writes it (every CTA of a pair
+        holds its own part at the same columns); under 2-CTA ``tdQ_lanes`` is dQ as the lanes
+        and columns the dQ warps read (the (64 rows, head_dim) of the CTA folded into 128
+        lanes x head_dim / 2, TmemPlan.for_backward)."""
         cfg, plan = self.cfg, self.tmem_plan
         base = tmem_alloc.retrieve_ptr(Float32)
         t = cute_layouts.bwd_tilers(cfg)
@@ -250,7 +332,15 @@ class Sm100Backward:
                 halves.append(cute.make_tensor(frag.iterator + col * per_col, frag.layout))
             return tuple(halves)
 
+        tdQ = acc(mmas.dQ, "dQ", "dQ")
+        tdQ_lanes = None
+        if cutlass.const_expr(cfg.use_2cta):
+            # the fragment is (64 rows, (d / 2 columns, 2 halves)); the half moves 64 lanes
+            rows = tdQ[(None, None), 0, 0].layout
+            tdQ_lanes = cute.make_tensor(tdQ.iterator, cute.make_layout(
+                ((rows.shape[0], cfg.cta_group), cfg.head_dim // cfg.cta_group),
+                stride=((rows.stride[0], rows.stride[1][1]), rows.stride[1][0])))
         return BwdTmem(tS=acc(mmas.S, "S", "S"), tdP=acc(mmas.dP, "dP", "dP"),
                        tdV=acc(mmas.dV, "dV", "dV"), tdK=acc(mmas.dK, "dK", "dK"),
-                       tdQ=acc(mmas.dQ, "dQ", "dQ"), tP=a_operand(mmas.dV, lay.tP, "P"),
-                       tdS=a_operand(mmas.dK, lay.tdS, "dS"), plan=plan)
+                       tdQ=tdQ, tP=a_operand(mmas.dV, lay.tP, "P"),
+                       tdS=a_operand(mmas.dK, lay.tdS, "dS"), plan=plan, tdQ_lanes=tdQ_lanes)

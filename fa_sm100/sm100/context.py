@@ -108,8 +108,8 @@ class BwdProblem:
 @dataclass(frozen=True)
 class BwdSmem:
     """SMEM tensors of the backward: sK, sV (the work tile), sQ / sdO (K-major B operands,
-    q_stage stages) and sQt / sdOt / sKt (the same bytes as MN-major B operands), sdS, and
-    the float32 rows sLSE2 / sDelta (m_block, q_stage)."""
+    q_stage stages) and sQt / sdOt / sKt (the same bytes as MN-major B operands; under 2-CTA
+    buffers of their own), sdS, and the float32 rows sLSE2 / sDelta (m_block, q_stage)."""
 
     sK: cute.Tensor
     sV: cute.Tensor
@@ -138,3 +138,5 @@ class BwdTmem:
     tP: tuple
     tdS: tuple
     plan: object
+    # 2-CTA: dQ as 128 lanes x head_dim / 2 columns (TmemPlan.for_backward); else None
+    tdQ_lanes: Optional[cute.Tensor] = None

@@ -21,7 +21,8 @@ from typing import Optional
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32
+from cutlass import Boolean, Int32
+from cutlass._mlir.dialects import nvvm
 
 from pipelines.mbarrier import build_pipelines
 from pipelines.spec import PIPELINE_NAMES, barrier_count
@@ -45,6 +46,27 @@ def build(cfg, roles, barrier_storage) -> Pipes:
     (``barrier_count(cfg)`` Int64 mbarriers in SMEM)."""
     made = build_pipelines(cfg, roles, barrier_storage)
     return Pipes(**{name: made[name] for name in PIPELINE_NAMES})
+
+
+@cute.jit
+def acquire_at_cluster_scope(pipe, index: Int32, phase: Int32):
+    """After ``pipe.consumer_wait(index, phase)`` passed: wait for the same completed phase
+    again with ``mbarrier.try_wait.acquire.cluster``, so that the memory operations the
+    arrivals of another CTA of the pair released (at cluster scope, ``PipelineSpec.
+    cluster_release``) are visible to this thread, not only its own CTA's: the plain wait
+    acquires at CTA scope. It passes at its first try. Not part of the recorded protocol (the
+    model records the wait itself)."""
+    bar = pipe.full_barrier(index)
+    done = _try_wait_cluster(bar, phase)
+    while not done:
+        done = _try_wait_cluster(bar, phase)
+
+
+def _try_wait_cluster(bar, phase) -> Boolean:
+    """``mbarrier.try_wait.parity.acquire.cluster`` of ``bar``'s phase ``phase``."""
+    return Boolean(nvvm.mbarrier_wait_parity(
+        bar.to_llvm_ptr(), Int32(phase).ir_value(), nvvm.MBarrierWaitKind.TRY,
+        scope=nvvm.MemScopeKind.CLUSTER))
 
 
 @cute.jit
