@@ -83,16 +83,7 @@ def _load_one(cfg, atoms, mQ, mK, mV, mdO, mLSE2, mDelta, smem, mmas, pipes, pro
             cute.copy(atoms.do, tOgO[None, m], tOsO[None, index],
                       tma_bar_ptr=pipes.bwd_q.full_barrier(index))
             pipes.bwd_q.producer_commit(index)
-            pipes.bwd_lse.producer_acquire(index, phase)
-            record.access("sLSE2", "w", unit="tma", done_by="bwd_lse", stage_of="bwd_lse")
-            record.access("sDelta", "w", unit="tma", done_by="bwd_lse", stage_of="bwd_lse")
-            bar = pipes.bwd_lse.full_barrier(index)
-            with cute.arch.elect_one():
-                for src, dst in ((mLSE2, smem.sLSE2), (mDelta, smem.sDelta)):
-                    prims.cp_async_bulk_shared_cluster_global(
-                        dst[None, index].iterator, src[b, head, None].iterator + m * cfg.m_block,
-                        bar, cfg.m_block * 4)
-            pipes.bwd_lse.producer_commit(index)
+            _load_rows(cfg, mLSE2, mDelta, smem, pipes, b, head, m, index, phase)
             index, phase = advance(index, phase, cfg.q_stage)
     producer_tail(pipes.bwd_q, index, phase)
     producer_tail(pipes.bwd_lse, index, phase)
@@ -100,8 +91,8 @@ def _load_one(cfg, atoms, mQ, mK, mV, mdO, mLSE2, mDelta, smem, mmas, pipes, pro
 
 @cute.jit
 def _load_rows(cfg, mLSE2, mDelta, smem, pipes, b, head, m, index: Int32, phase: Int32):
-    """LSE2_j and Delta_j of query block ``m`` into stage ``index`` (bulk copies: every CTA
-    of a pair loads all m_block rows, its compute warps read every query column)."""
+    """LSE2_j and Delta_j of query block ``m`` into stage ``index`` (bulk copies; with 2-CTA
+    every CTA of a pair loads all m_block rows, its compute warps read every query column)."""
     pipes.bwd_lse.producer_acquire(index, phase)
     record.access("sLSE2", "w", unit="tma", done_by="bwd_lse", stage_of="bwd_lse")
     record.access("sDelta", "w", unit="tma", done_by="bwd_lse", stage_of="bwd_lse")
