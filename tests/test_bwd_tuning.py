@@ -32,7 +32,7 @@ PROBLEMS = [
     _problem(hd, causal, window, qh, det, cap, s, **extra)
     for hd, causal, window, qh, det, cap, s, extra in itertools.product(
         (64, 96, 128, 192, 256), (False, True), ((None, None), (512, 0)), (1, 4),
-        (False, True), (False, True), (None, 1024, 8192),
+        (False, True), (False, True), (None, 1024, 8192, 16384),
         ({}, {"tile_n": 64}, {"lse_early": True}, {"early_dq_post": True}))
 ]
 

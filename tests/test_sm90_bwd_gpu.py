@@ -133,6 +133,7 @@ def test_sm90_bwd_wide_head_dims_match_float64(sm90_device, case):
 
 WIDE_SWITCHES = [  # (switches, kv heads of 4 query heads)
     (dict(dq_accum="bulk", q_stage=1, do_stage=1), 4), (dict(dq_accum="red", do_stage=1), 2),
+    (dict(dq_accum="red"), 4),  # (192, 128): the long causal default
     (dict(overlap_dk=True), 4), (dict(gqa_reduce="atomic"), 2), (dict(gqa_reduce="buffers"), 1),
     (dict(dkv_tma_store=False), 4), (dict(stats_smem=False), 4), (dict(try_wait=False), 4),
     (dict(stats_first=True), 2),
