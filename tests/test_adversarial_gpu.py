@@ -5,7 +5,8 @@ Contracts: on every case of the list, ``flash_attn_func`` (the forward the devic
 its default config, and with the rescale threshold forced to 8 and to 0) gives O and LSE that
 meet the adversarial rule (float64 reference, the better plain baseline, outputs within the
 range of the visible rows of v); gradients through autograd from such forwards meet the float64
-rule (``adversarial.gradient_cases``: scores within float32's reach, see there). ``--fuzz N`` adds N seeded random cases (``adversarial.random_case``; ``--fuzz-seed S``
+rule (``adversarial.gradient_cases``: scores within float32's reach, see there), the causal ones
+also at head dims (192, 128) with dQ by reductions. ``--fuzz N`` adds N seeded random cases (``adversarial.random_case``; ``--fuzz-seed S``
 starts at seed S), forward and, for odd seeds, gradients; a failure prints its one-line repro.
 The SM100 forward's cases are written the same way and skip off SM100 with the reason.
 """
@@ -82,6 +83,34 @@ def test_sm100_fwd_adversarial(sm100_device, name, threshold):
 @pytest.mark.parametrize("name", [c.name for c in adv.gradient_cases()])
 def test_sm90_bwd_adversarial_gradients(sm90_device, name):
     check_case(adv.BY_NAME[name], grads=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", [c.name for c in adv.gradient_cases() if c.causal])
+def test_sm90_bwd_adversarial_gradients_d192_red_dq(sm90_device, name):
+    """The causal gradient cases at head dims (192, 128) with dQ by reductions (the long causal
+    default, bwd_tuning's "(192, 128) long causal" row, forced here at the cases' lengths):
+    q and k of 192 columns (the constructions use column 0), v of 128."""
+    import dataclasses
+
+    from fa_sm100 import flash_attn_func
+    from fa_sm100.hopper.bwd_defaults import select_bwd_config
+    from fa_sm100.hopper.bwd_interface import sm90_bwd
+
+    case = dataclasses.replace(adv.BY_NAME[name], head_dim=192)
+    q, k, v = case.inputs("cuda")
+    v = v[..., :128].contiguous()
+    left, right = case.window
+    cfg = select_bwd_config(192, head_dim_v=128, causal=True, window_left=left,
+                            window_right=right, qhead_per_kvhead=q.shape[2] // k.shape[2],
+                            softcap=case.softcap > 0, dq_accum="red")
+    out, lse = flash_attn_func(q, k, v, causal=True, window_size=case.window,
+                               softcap=case.softcap, return_lse=True)
+    gen = torch.Generator(device="cuda").manual_seed(case.seed + 1)
+    dout = torch.randn(out.shape, device="cuda", dtype=q.dtype, generator=gen)
+    grads = sm90_bwd(dout, q, k, v, out, lse, causal=True, window_size=case.window,
+                     softcap=case.softcap, config=cfg)
+    adv.check_adversarial_grads(case.name, grads, q, k, v, dout, **case.problem())
 
 
 def pytest_generate_tests(metafunc):
