@@ -89,8 +89,8 @@ OVERHEAD_PROVIDERS = ("ours", "fa4", "sdpa_cudnn", "sdpa_flash")
 
 
 def overhead_table() -> str:
-    """docs/host_path.md's table: per call / host us of each row and provider, the lower of
-    ours and the peers' per-call figure in bold."""
+    """docs/host_path.md's table: per call / host us of each row and provider, each row's
+    lowest per-call figure in bold."""
     data = _load("docs/data/host_path/overhead_h200.json")
     per, host = data["us_per_call"], data["host_us_per_call"]
     lines = ["", "| per call / host (us) | ours | FA4 | SDPA cuDNN | SDPA flash |",

@@ -316,7 +316,7 @@ def main_window(config: BwdConfig, q, k) -> tuple:
 def launch_args(config: BwdConfig, q, k, v, out, dout, lse, dq, dk, dv, softmax_scale,
                 window=None, softcap=0.0, layout: Optional["WorkspaceLayout"] = None,
                 varlen=None, kept: bool = False) -> list:
-    """The arguments of each kernel of ``kernel_specs``, in order, with a fresh workspace:
+    """The arguments of each kernel of ``kernel_specs``, in order, with the call's workspace:
     what a call computes (a warm call nothing else). ``window``: ``main_window`` of q and k,
     ``layout``: the workspace's, each computed here when not given. ``varlen``: (cu_seqlens_q,
     cu_seqlens_k, seqused_k or None, max_seqlen_k) of a packed batch, whose tensors come as a

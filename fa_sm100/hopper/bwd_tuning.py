@@ -90,6 +90,10 @@ class BwdProblem:
         return (self.seqlen_q is not None and self.seqlen_k is not None
                 and max(self.seqlen_q, self.seqlen_k) <= n)
 
+    def both_lengths_at_least(self, n: int) -> bool:
+        return (self.seqlen_q is not None and self.seqlen_k is not None
+                and min(self.seqlen_q, self.seqlen_k) >= n)
+
     def config_fields(self) -> dict:
         """The ``BwdConfig`` fields the problem fixes (the switches keep their field defaults)."""
         return dict(head_dim=self.head_dim, head_dim_v=self.head_dim_v, dtype=self.dtype,
@@ -122,8 +126,7 @@ def _causal_multicast_band(p: BwdProblem, c: BwdConfig) -> bool:
     if not p.causal:
         return True
     shortest = CAUSAL_MULTICAST_MIN_SEQLEN.get(p.head_dim)
-    return (shortest is not None and p.seqlen_q is not None and p.seqlen_k is not None
-            and min(p.seqlen_q, p.seqlen_k) >= shortest)
+    return shortest is not None and p.both_lengths_at_least(shortest)
 
 
 def _multicast(p: BwdProblem, c: BwdConfig) -> bool:
@@ -183,9 +186,8 @@ BWD_TUNING = (
     TuningRow(
         "(192, 128) long causal: dQ by reductions",
         f"head_dim 192, causal, both lengths from {D192_RED_MIN_SEQLEN}",
-        lambda p, c: (p.head_dim == 192 and p.causal and p.seqlen_q is not None
-                      and p.seqlen_k is not None
-                      and min(p.seqlen_q, p.seqlen_k) >= D192_RED_MIN_SEQLEN),
+        lambda p, c: (p.head_dim == 192 and p.causal
+                      and p.both_lengths_at_least(D192_RED_MIN_SEQLEN)),
         dict(dq_accum="red"),
         measured="launch-only, (192, 128), 16 heads, H200: 'red' over 'bulk' 370 / 328 TFLOP/s "
                  "at 16k causal (batch 1); 'bulk' over 'red' 355 / 333 at 4k causal and 386 / "
