@@ -61,18 +61,65 @@ def sequence_rows(cu_seqlens, seq_used, seq, *tensors):
     tensor's batch mode of extent 1; each comes back seen so that batch index ``seq`` and row r
     address the sequence's row r. Then the sequence's length (``seq_used[seq]`` where given).
     Traced inline."""
-    import cutlass.cute as cute
-
     first = cu_seqlens[seq]
     length = cu_seqlens[seq + 1] - first
     if seq_used is not None:
         length = seq_used[seq]
+    return (*sequence_views(seq, first, *tensors), length)
+
+
+def sequence_views(seq, first, *tensors):
+    """``tensors`` ((tensor, row mode, batch mode), the batch mode of extent 1) seen so that
+    batch index ``seq`` and row r address row ``first`` + r. Traced inline."""
+    import cutlass.cute as cute
+
     views = []
     for t, row_mode, batch_mode in tensors:
         offset = [0] * len(t.shape)
         offset[batch_mode], offset[row_mode] = -seq, first
         views.append(cute.domain_offset(tuple(offset), t))
-    return (*views, length)
+    return views
+
+
+# Note [Packed workspace]: the varlen backward's float32 buffers (LSE2, Delta, the dQ
+# accumulator, GQA's dK / dV accumulators) hold each sequence's rows in whole blocks of the
+# kernel's tile, packed along one row axis: sequence s starts at block
+#     first_block(s) = (cu_seqlens[s] + s (tile - 1)) // tile
+# and takes ceil(len_s / tile) blocks, which end at or before first_block(s + 1):
+#     first_block(s + 1) = floor((cu_s + s (tile - 1) + len_s + tile - 1) / tile)
+#                       >= floor((cu_s + s (tile - 1)) / tile) + floor((len_s + tile - 1) / tile),
+# so no two sequences share a block and the last one ends by ``packed_blocks(total, n, tile)``
+# = first_block(n). The buffers grow with the tokens (plus at most one block per sequence),
+# not with sequences x the longest one, and a kernel reaches sequence s's rows through
+# ``sequence_views`` at first_block(s) * tile (rows) or first_block(s) (blocks). The same
+# bound counts the key blocks of a pack: sum ceil(len_s / tile) <= packed_blocks.
+
+
+def packed_blocks(total, sequences, tile: int):
+    """Blocks of ``tile`` rows that hold ``sequences`` sequences of ``total`` rows in all, each
+    from a block of its own (Note [Packed workspace]). Python or DSL integers."""
+    return (total + sequences * (tile - 1)) // tile
+
+
+def first_block(cu_seqlens, seq, tile: int):
+    """The block where sequence ``seq``'s rows start in a packed workspace (Note [Packed
+    workspace]). ``cu_seqlens``: a sequence of ints, or a tensor inside a kernel."""
+    return (cu_seqlens[seq] + seq * (tile - 1)) // tile
+
+
+def packed_tile_model(lengths, heads: int, tile: int, t: int):
+    """Tile ``t`` of the varlen backward's grid of ``heads`` x sum ceil(len_s / tile) key-block
+    tiles, on a list of sequence lengths: (sequence, head, block, the sequence's blocks,
+    valid), as the kernel decodes it (``packed_tile`` in fa_sm100/hopper/bwd_tiles.py); the
+    tests' reference."""
+    start = 0
+    for s, length in enumerate(lengths):
+        n = -(-length // tile)
+        if t < start + n * heads:
+            head, block = divmod(t - start, n)
+            return s, head, block, n, 1
+        start += n * heads
+    return 0, 0, 0, 0, 0
 
 
 def paged_rows(q, k_pages, v_pages, cu_seqlens_q, page_table, seqused_k, block: int,

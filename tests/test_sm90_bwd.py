@@ -854,14 +854,16 @@ CONTRACT_CASES = [
     (["head_dim=64", "causal=true", "persistent_ctas=132", "dynamic_tiles=true"], "UBLKRED"),
     (["head_dim=96", "causal=true", "window_left=300", "persistent_ctas=132",
       "dynamic_tiles=true", "early_dq_post=true"], "UBLKRED"),
-    # Note [Varlen backward]: the varlen defaults' tiles (short causal hdim 128, 80-row GQA,
-    # hdim 64's 128 rows, hdim 256 with a window), dK / dV stored by the threads
-    (["varlen=true", "dkv_tma_store=false", "causal=true", "tile_m=64",
-      "dv_before_barrier=true", "stats_first=true"], "UBLKRED"),
-    (["varlen=true", "dkv_tma_store=false", "tile_m=80", "sdp_swap_ab=true",
-      "qhead_per_kvhead=4"], "UBLKRED"),
-    (["varlen=true", "dkv_tma_store=false", "sdp_swap_ab=true", "tile_m=128", "head_dim=64",
-      "causal=true", "softcap=false"], "UBLKRED"),
+    # Note [Varlen backward]: the varlen defaults' tiles (short causal hdim 128 with first dQ
+    # stores, 80-row GQA, non-causal staggered sweeps, hdim 64's 128 rows, hdim 256 with a
+    # window), MHA dK / dV by TMA through ragged views or stored by the threads
+    (["varlen=true", "causal=true", "tile_m=64", "dv_before_barrier=true",
+      "stats_first=true", "dq_first_store=true"], "UBLKRED"),
+    (["varlen=true", "tile_m=80", "sdp_swap_ab=true", "qhead_per_kvhead=4"], "UBLKRED"),
+    (["varlen=true", "tile_m=80", "sdp_swap_ab=true", "stagger_m=true", "dq_first_store=true"],
+     "UBLKRED"),
+    (["varlen=true", "sdp_swap_ab=true", "tile_m=128", "head_dim=64", "causal=true",
+      "softcap=false"], "UBLKRED"),
     (["varlen=true", "dkv_tma_store=false", "head_dim=256", "window_left=100"],
      "REDG.E.ADD.F32"),
 ]

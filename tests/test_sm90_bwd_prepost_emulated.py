@@ -19,20 +19,25 @@ from fa_sm100.compile_tools import fake_rowmajor as _rowmajor  # noqa: E402
 from fa_sm100.hopper.bwd_prepost import BwdPostprocess, BwdPreprocess, DqPostprocess  # noqa: E402
 from fa_sm100.ptxemu import EmulationError, capture_launch, emulate  # noqa: E402
 from fa_sm100.testing import check_against_reference  # noqa: E402
+from fa_sm100.varlen import first_block, packed_blocks  # noqa: E402
 
 pytestmark = pytest.mark.compile
 
 
-def _run(kernel, fakes, tensors, scalars=(), max_steps=2_000_000, varlen=None):
+def _run(kernel, fakes, tensors, scalars=(), max_steps=2_000_000, varlen=None,
+         max_seqlen=None):
     """Capture the sm_90a launch of ``kernel`` and emulate it on the CPU tensors
     (``max_steps``: the emulator's limit per CTA). ``varlen``: the int32 tensors of the
-    varlen arguments after the scalars (cu_seqlens[, seqused]); None for a padded batch."""
+    varlen arguments after the scalars (cu_seqlens[, seqused]), and ``max_seqlen`` the
+    longest sequence (the grid); None for a padded batch."""
     import cuda.bindings.driver as cuda
 
     n = 2 if isinstance(kernel, BwdPostprocess) else 1
     varlen = list(varlen or []) + [None] * (n - len(varlen or []))
     fake_tail = tuple(None if t is None else _rowmajor(cutlass.Int32, t.shape, 4) for t in varlen)
     real_tail = tuple(None if t is None else from_dlpack(t) for t in varlen)
+    fake_tail += (None if max_seqlen is None else cutlass.Int32(1),)
+    real_tail += (None if max_seqlen is None else cutlass.Int32(max_seqlen),)
     real = tuple(from_dlpack(t) for t in tensors) + tuple(scalars) + real_tail + (
         cuda.CUstream(0),)
     cap = capture_launch(kernel, tuple(fakes) + tuple(scalars) + fake_tail + (make_fake_stream(),),
@@ -221,50 +226,81 @@ def test_dq_postprocess_inverts_the_fragment_order(overrides):
             _run(DqPostprocess(cfg), fakes, (acc, sem, out), scalars, max_steps=steps)
 
 
-def test_varlen_preprocess_and_dkdv_postprocess_read_each_sequence():
-    """Note [Varlen backward]: the preprocess reads each sequence's rows of packed O, dO and
-    LSE (1, total, ...) into the padded workspace (sequences, heads, longest padded): rows
-    past a sequence's end are Delta 0, LSE2 +inf, a zero-length sequence is all padding; the
-    GQA dK/dV postprocess writes each sequence's first ``seqused`` rows of packed dK from its
-    padded accumulator and leaves the unused rows alone."""
+def test_varlen_pre_and_postprocesses_use_each_sequences_packed_blocks():
+    """Note [Varlen backward], Note [Packed workspace]: the preprocess reads each sequence's
+    rows of packed O, dO and LSE (1, total, ...) into its own blocks of the packed workspace
+    (from ``first_block``): rows past a sequence's end up to its last block are Delta 0,
+    LSE2 +inf and zeroed dQ; the blocks between sequences and past the last are never written
+    (a zero-length sequence has none); the dQ postprocess writes each sequence's rows of packed
+    dq from its blocks; the GQA dK/dV postprocess writes each sequence's first ``seqused``
+    rows of packed dK from its key blocks and leaves the unused rows alone."""
     torch.manual_seed(9)
-    lens = [5, 0, 37, 12]
-    cu = torch.tensor([0, 5, 5, 42, 54], dtype=torch.int32)
-    total, h, d, tile_m, n = 54, 3, 64, 64, len(lens)
-    pad = 64
+    lens = [5, 0, 70, 12]
+    cu = torch.tensor([0, 5, 5, 75, 87], dtype=torch.int32)
+    total, h, d, n = 87, 3, 64, len(lens)
+    cfg = select_bwd_config(head_dim=d, varlen=True)
+    tm = cfg.tile_m
+    blocks = packed_blocks(total, n, tm)
+    firsts = [first_block(cu.tolist(), i, tm) for i in range(n)]
     dt, f32 = cutlass_dtype("bfloat16"), cutlass.Float32
     o, do = (torch.randn(1, total, h, d).bfloat16() for _ in range(2))
     lse = torch.randn(1, h, total) * 4
-    lse2, delta = torch.full((n, h, pad), 7.0), torch.full((n, h, pad), 7.0)
-    dq_acc = torch.full((n, h, pad // tile_m, tile_m * d), math.nan)
+    lse2, delta = torch.full((1, h, blocks * tm), 7.0), torch.full((1, h, blocks * tm), 7.0)
+    dq_acc = torch.full((1, h, blocks, tm * d), math.nan)
     dq_sem = torch.full((n, h, 1), 7, dtype=torch.int32)
     fakes = (_rowmajor(dt, o.shape), _rowmajor(dt, do.shape), _rowmajor(f32, lse.shape),
              _rowmajor(f32, lse2.shape), _rowmajor(f32, delta.shape),
              _rowmajor(f32, dq_acc.shape), _rowmajor(cutlass.Int32, dq_sem.shape, 4))
-    _run(BwdPreprocess(d, d, pdl=True), fakes, (o, do, lse, lse2, delta, dq_acc, dq_sem),
-         varlen=[cu])
-    assert torch.equal(dq_acc, torch.zeros_like(dq_acc))
+    _run(BwdPreprocess(d, d, pdl=True, tile_m=tm), fakes,
+         (o, do, lse, lse2, delta, dq_acc, dq_sem), varlen=[cu], max_seqlen=max(lens))
+    assert not dq_sem.any()
     log2e = torch.tensor(math.log2(math.e), dtype=torch.float32)
+    written = torch.zeros(blocks, dtype=torch.bool)
     for i, length in enumerate(lens):
+        own = -(-length // tm)
+        written[firsts[i]:firsts[i] + own] = True
+        r0, pad = firsts[i] * tm, own * tm
         rows = slice(int(cu[i]), int(cu[i + 1]))
         ref64 = (o[0, rows].double() * do[0, rows].double()).sum(-1).T
         plain = (o[0, rows].float() * do[0, rows].float()).sum(-1).T
-        check_against_reference(delta[i, :, :length], ref64, plain, what=f"Delta {i}")
-        assert torch.equal(lse2[i, :, :length], lse[0, :, rows] * log2e)
-        assert not delta[i, :, length:].any()
-        assert torch.equal(lse2[i, :, length:], torch.full((h, pad - length), math.inf))
+        check_against_reference(delta[0, :, r0:r0 + length], ref64, plain, what=f"Delta {i}")
+        assert torch.equal(lse2[0, :, r0:r0 + length], lse[0, :, rows] * log2e)
+        assert not delta[0, :, r0 + length:r0 + pad].any()
+        assert (lse2[0, :, r0 + length:r0 + pad] == math.inf).all()
+    assert not dq_acc[:, :, written].any()
+    assert dq_acc[:, :, ~written].isnan().all()  # nobody's blocks: untouched
+    rows_left = lse2.view(1, h, blocks, tm)[:, :, ~written]
+    assert (rows_left == 7.0).all()
+    # dQ: each sequence's blocks (in fragment order) to its rows of packed dq
+    tiles = torch.randn(1, h, blocks, tm, d)
+    index = torch.tensor([[dq_fragment_index(cfg, r, c) for c in range(d)] for r in range(tm)])
+    acc = torch.full((1, h, blocks, tm * d), math.nan)
+    acc[..., index.flatten()] = tiles.reshape(1, h, blocks, tm * d)
+    acc[:, :, ~written] = math.nan
+    dq = torch.full((1, total, h, d), 7.0).bfloat16()
+    fakes = (_rowmajor(f32, acc.shape), _rowmajor(cutlass.Int32, dq_sem.shape, 4),
+             _rowmajor(dt, dq.shape))
+    _run(DqPostprocess(cfg), fakes, (acc, dq_sem, dq),
+         (f32(0.5), cutlass.Int32(1)), varlen=[cu], max_seqlen=max(lens))
+    for i, length in enumerate(lens):
+        seq_tiles = tiles[0, :, firsts[i]:].reshape(h, -1, d)[:, :length]
+        want = (seq_tiles * 0.5).bfloat16().transpose(0, 1)
+        assert torch.equal(dq[0, int(cu[i]):int(cu[i + 1])], want), f"sequence {i}"
     # GQA dK: 2 query heads per KV head, keys used in part
-    group, hk = 2, 2
+    group, hk, tn = 2, 2, cfg.tile_n
     used = torch.tensor([5, 0, 30, 12], dtype=torch.int32)
-    acc = torch.full((n, hk * group, pad, d), math.nan)
+    k_blocks = packed_blocks(total, n, tn)
+    acc = torch.full((1, hk * group, k_blocks * tn, d), math.nan)
     for i, length in enumerate(used.tolist()):
-        acc[i, :, :length] = torch.randn(hk * group, length, d)
+        r0 = first_block(cu.tolist(), i, tn) * tn
+        acc[0, :, r0:r0 + length] = torch.randn(hk * group, length, d)
     out = torch.full((1, total, hk, d), 7.0).bfloat16()
-    _run(BwdPostprocess(d, group, pdl=True), (_rowmajor(f32, acc.shape), _rowmajor(dt, out.shape)),
-         (acc, out), scalars=(f32(1.0),), varlen=[cu, used])
+    _run(BwdPostprocess(d, group, pdl=True, tile_n=tn),
+         (_rowmajor(f32, acc.shape), _rowmajor(dt, out.shape)), (acc, out),
+         scalars=(f32(1.0),), varlen=[cu, used], max_seqlen=max(lens))
     for i, length in enumerate(used.tolist()):
-        first = int(cu[i])
-        parts = acc[i, :, :length].reshape(hk, group, length, d)
+        first, r0 = int(cu[i]), first_block(cu.tolist(), i, tn) * tn
+        parts = acc[0, :, r0:r0 + length].reshape(hk, group, length, d)
         want = (parts[:, 0] + parts[:, 1]).bfloat16().transpose(0, 1)
         assert torch.equal(out[0, first:first + length], want), f"sequence {i}"
         assert (out[0, first + length:int(cu[i + 1])] == 7.0).all(), f"unused rows of {i}"

@@ -55,13 +55,12 @@ SM90_SMEM_BYTES = SMEM_BUDGET[SM90_ARCH]  # 227 KiB of dynamic shared memory per
 
 
 # The switches a varlen backward fixes (Note [Varlen backward] in bwd_kernel.py): each reads
-# the problem's lengths outside the CTA's own tile (persistent walks, fetched tiles, clusters of
-# key blocks, the longest-first order, staggered sweeps, a preprocess that counts rows beside
-# the main kernel, dQ semaphores counting key blocks), or, for dK/dV's TMA store, would write
-# past a sequence's end into the next one. Deterministic dQ orders its adds by those counts.
+# the problem's lengths outside the CTA's own tile and sequence (persistent walks, fetched
+# tiles, clusters of key blocks, the longest-first order, a preprocess that counts rows beside
+# the main kernel, dQ semaphores counting key blocks). Deterministic dQ orders its adds by
+# those counts.
 VARLEN_FIXED = dict(persistent_ctas=0, dynamic_tiles=False, qdo_multicast=False,
-                    longest_first=False, stagger_m=False, dq_first_store=False, pre_ctas=0,
-                    early_dq_post=False, dkv_tma_store=False, deterministic=False)
+                    longest_first=False, pre_ctas=0, early_dq_post=False, deterministic=False)
 
 
 @dataclass(frozen=True)

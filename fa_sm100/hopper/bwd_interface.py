@@ -31,7 +31,7 @@ from fa_sm100.sm100.bwd_config import SM100_BWD_HEAD_DIMS
 from fa_sm100.validation import (SUPPORTED_DTYPES, check_softcap, check_softmax_scale,
                                  normalize_window,
                                  require_sm90)
-from fa_sm100.varlen import VARLEN_UNBOUNDED
+from fa_sm100.varlen import VARLEN_UNBOUNDED, packed_blocks
 from layouts.smem import align_up
 
 def validate_bwd_inputs(dout, q, k, v, out, lse, softmax_scale=None, causal=False,
@@ -284,9 +284,11 @@ def kernel_specs(config: BwdConfig, seqused_k: bool = False) -> list:
     used = varlen and seqused_k
     # a varlen kernel's key says so, and the main one and dK / dV's whether keys are "used"
     tag = ("varlen", used) if varlen else ()
+    # varlen: the tiles of the packed workspace (Note [Packed workspace] in varlen.py)
+    tile_m, tile_n = (config.tile_m, config.tile_n) if varlen else (0, 0)
     specs = [
-        ("pre", (d_v, d, dtype, pdl, zero_dq, ctas) + tag[:1],
-         lambda: BwdPreprocess(d_v, d, pdl, zero_dq, ctas),
+        ("pre", (d_v, d, dtype, pdl, zero_dq, ctas) + tag[:1] + (tile_m,) * varlen,
+         lambda: BwdPreprocess(d_v, d, pdl, zero_dq, ctas, tile_m),
          lambda: fake_pre_arguments(dt, d_v, varlen)),
         ("main", main_compile_key(config) if not varlen else (main_compile_key(config), used),
          lambda: Sm90FlashBackward(config.kernel_config()),
@@ -301,8 +303,8 @@ def kernel_specs(config: BwdConfig, seqused_k: bool = False) -> list:
     if config.uses_gqa_buffers:
         g = config.qhead_per_kvhead if config.gqa_reduce == "buffers" else 1
         for cols in (d, d_v):  # dK arrives scaled
-            specs.append(("post", (cols, g, dtype, cols, pdl) + tag,
-                          lambda c=cols: BwdPostprocess(c, g, pdl),
+            specs.append(("post", (cols, g, dtype, cols, pdl) + tag + (tile_n,) * varlen,
+                          lambda c=cols: BwdPostprocess(c, g, pdl, tile_n),
                           lambda c=cols: fake_post_arguments(dt, c, c, varlen, used)))
     return specs
 
@@ -319,23 +321,23 @@ def launch_args(config: BwdConfig, q, k, v, out, dout, lse, dq, dk, dv, softmax_
     """The arguments of each kernel of ``kernel_specs``, in order, with the call's workspace:
     what a call computes (a warm call nothing else). ``window``: ``main_window`` of q and k,
     ``layout``: the workspace's, each computed here when not given. ``varlen``: (cu_seqlens_q,
-    cu_seqlens_k, seqused_k or None, max_seqlen_k) of a packed batch, whose tensors come as a
+    cu_seqlens_k, seqused_k or None, max_seqlen_q, max_seqlen_k) of a packed batch, whose tensors come as a
     batch of one (Note [Varlen backward] in bwd_kernel.py); ``layout`` is then required.
     ``kept``: the workspace may be the stream's kept one (Note [Kept workspace]), as a plan's
     call takes it."""
     ws = workspace(config, q, k, layout, kept)
-    cu_q, cu_k, used, max_k = (None, None, None, 0) if varlen is None else varlen
+    cu_q, cu_k, used, max_q, max_k = (None,) * 5 if varlen is None else varlen
     gqa = config.uses_gqa_buffers
     dk_arg, dv_arg = (ws["dk_acc"], ws["dv_acc"]) if gqa else (dk, dv)
     if window is None:
         window = main_window(config, q, k)
-    args = [(out, dout, lse, ws["lse2"], ws["delta"], ws["dq_acc"], ws["dq_sem"], cu_q),
+    args = [(out, dout, lse, ws["lse2"], ws["delta"], ws["dq_acc"], ws["dq_sem"], cu_q, max_q),
             (q, k, v, dout, ws["lse2"], ws["delta"], ws["dq_acc"], dk_arg, dv_arg, ws["dq_sem"],
-             softmax_scale, softcap, *window, cu_q, cu_k, used, max_k)]
+             softmax_scale, softcap, *window, cu_q, cu_k, used)]
     if probes.active("dq_post") != "none":
-        args.append((ws["dq_acc"], ws["dq_sem"], dq, softmax_scale, k.shape[1], cu_q))
+        args.append((ws["dq_acc"], ws["dq_sem"], dq, softmax_scale, k.shape[1], cu_q, max_q))
     if gqa:
-        args += [(dk_arg, dk, 1.0, cu_k, used), (dv_arg, dv, 1.0, cu_k, used)]
+        args += [(dk_arg, dk, 1.0, cu_k, used, max_k), (dv_arg, dv, 1.0, cu_k, used, max_k)]
     return args
 
 
@@ -361,18 +363,27 @@ class WorkspaceLayout:
     accumulator only without first stores: Note [dQ first store]), and for GQA/MQA the dK/dV
     accumulators (one per query head with "buffers", zeroed and one per KV head with
     "atomic"). Each buffer starts on a 128-byte boundary. Computed once per plan: a call
-    allocates once and takes a strided view per buffer."""
+    allocates once and takes a strided view per buffer. ``packed``: (sequences, total_q,
+    total_k) of a varlen call, whose shapes give the sequences and the longest ones: the
+    float32 buffers are then one batch of every sequence's blocks (Note [Packed workspace] in
+    fa_sm100/varlen.py), the semaphores one row per sequence."""
 
     __slots__ = ("total", "parts", "sem", "zeroed_sem", "gqa", "gqa_zeroed")
 
-    def __init__(self, config: BwdConfig, q_shape, k_shape):
+    def __init__(self, config: BwdConfig, q_shape, k_shape, packed=None):
         b, sq, hq, d = q_shape
         sk, hk = k_shape[1], k_shape[2]
         sq_pad, sk_pad = align_up(sq, config.tile_m), align_up(sk, config.tile_n)
         n_m_blocks = sq_pad // config.tile_m
         sem_shape = (b, hq, config.dq_sem_slots(n_m_blocks))
-        shapes = [("lse2", (b, hq, sq_pad)), ("delta", (b, hq, sq_pad)),
-                  ("dq_acc", (b, hq, n_m_blocks, config.dq_block_elems))]
+        rows_b = b  # the float32 buffers' batch extent
+        if packed is not None:
+            seqs, total_q, total_k = packed
+            rows_b, n_m_blocks = 1, packed_blocks(total_q, seqs, config.tile_m)
+            sq_pad = n_m_blocks * config.tile_m
+            sk_pad = packed_blocks(total_k, seqs, config.tile_n) * config.tile_n
+        shapes = [("lse2", (rows_b, hq, sq_pad)), ("delta", (rows_b, hq, sq_pad)),
+                  ("dq_acc", (rows_b, hq, n_m_blocks, config.dq_block_elems))]
         # where the preprocess runs beside the main kernel, the semaphores must arrive zeroed
         # (it counts its rows in the last one: Note [Preprocess beside the main kernel])
         self.zeroed_sem = config.pre_ctas
@@ -390,7 +401,7 @@ class WorkspaceLayout:
         self.gqa = None
         if config.uses_gqa_buffers:
             h_acc = hq if config.gqa_reduce == "buffers" else hk
-            self.gqa = ((b, h_acc, sk_pad, d), (b, h_acc, sk_pad, config.head_dim_v))
+            self.gqa = ((rows_b, h_acc, sk_pad, d), (rows_b, h_acc, sk_pad, config.head_dim_v))
             self.gqa_zeroed = config.gqa_reduce != "buffers"
 
     def views(self, flat) -> dict:
@@ -485,13 +496,29 @@ def _fake_cu_seqlens(varlen: bool, seqused: bool = False):
     return cu, fake_rowmajor(cutlass.Int32, (cute.sym_int(),), 4) if seqused else None
 
 
+def _fake_sem_batch(b, varlen: bool):
+    """The dQ semaphores' batch extent: the float32 buffers' ``b``, or under varlen a symbol
+    of its own (one row per sequence beside one packed batch: Note [Packed workspace])."""
+    import cutlass.cute as cute
+
+    return cute.sym_int() if varlen else b
+
+
+def _fake_max_seqlen(varlen: bool):
+    """The longest sequence's length that a varlen pre- or postprocess sizes its grid by (a
+    run-time value), or None."""
+    import cutlass
+
+    return cutlass.Int32(1) if varlen else None
+
+
 def fake_arguments(config: BwdConfig, env_stream: bool = False, seqused_k: bool = False):
     """Fake arguments of the main kernel with the run-time/static split ``sm90_bwd`` uses:
     batch, sequence lengths, head counts (and so strides) are run-time values, head dims
     static. ``sm90_bwd`` compiles with them for TVM FFI (``env_stream``: the launch takes the
     current torch stream); ``inspect_bwd`` and the compile contract cross-compile with them.
-    A varlen config takes cu_seqlens_q / _k (and with ``seqused_k`` used key lengths) and the
-    longest key sequence; others None and 0."""
+    A varlen config takes cu_seqlens_q / _k (and with ``seqused_k`` used key lengths); others
+    None."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream
@@ -514,12 +541,12 @@ def fake_arguments(config: BwdConfig, env_stream: bool = False, seqused_k: bool 
         dv_out = fake_rowmajor(cutlass.Float32, (b, h_acc, sk_pad, dv))
     else:
         dk_out, dv_out = fake_rowmajor(dt, (bd, sk, h, d)), fake_rowmajor(dt, (bd, sk, h, dv))
-    sem = fake_rowmajor(cutlass.Int32, (b, h, n_sem), 4)
+    sem = fake_rowmajor(cutlass.Int32, (_fake_sem_batch(b, config.varlen), h, n_sem), 4)
     cu_q, _ = _fake_cu_seqlens(config.varlen)
     cu_k, used = _fake_cu_seqlens(config.varlen, seqused_k)
     return (q, k, v, do, lse2, delta, dq_acc, dk_out, dv_out, sem, cutlass.Float32(0.125),
             cutlass.Float32(0.0), cutlass.Int32(0), cutlass.Int32(0), cu_q, cu_k, used,
-            cutlass.Int32(0), make_fake_stream(use_tvm_ffi_env_stream=env_stream))
+            make_fake_stream(use_tvm_ffi_env_stream=env_stream))
 
 
 def fake_pre_arguments(dt, head_dim: int, varlen: bool = False):
@@ -536,9 +563,9 @@ def fake_pre_arguments(dt, head_dim: int, varlen: bool = False):
     lse = fake_rowmajor(cutlass.Float32, (bd, h, sq), 4)
     lse2, delta = fake_rowmajor(cutlass.Float32, (b, h, sq_pad)), fake_rowmajor(cutlass.Float32, (b, h, sq_pad))
     dq_acc = fake_rowmajor(cutlass.Float32, (b, h, n_m, block))
-    sem = fake_rowmajor(cutlass.Int32, (b, h, n_sem), 4)
+    sem = fake_rowmajor(cutlass.Int32, (_fake_sem_batch(b, varlen), h, n_sem), 4)
     return (o, do, lse, lse2, delta, dq_acc, sem, _fake_cu_seqlens(varlen)[0],
-            make_fake_stream(use_tvm_ffi_env_stream=True))
+            _fake_max_seqlen(varlen), make_fake_stream(use_tvm_ffi_env_stream=True))
 
 
 def fake_post_arguments(dt, head_dim: int, pitch: int, varlen: bool = False,
@@ -554,7 +581,8 @@ def fake_post_arguments(dt, head_dim: int, pitch: int, varlen: bool = False,
     bd = cute.sym_int() if varlen else b  # varlen: the packed output is a batch of 1
     return (fake_rowmajor(cutlass.Float32, (b, h_acc, s_pad, pitch)),
             fake_rowmajor(dt, (bd, s, h, head_dim)), cutlass.Float32(1.0),
-            *_fake_cu_seqlens(varlen, seqused), make_fake_stream(use_tvm_ffi_env_stream=True))
+            *_fake_cu_seqlens(varlen, seqused), _fake_max_seqlen(varlen),
+            make_fake_stream(use_tvm_ffi_env_stream=True))
 
 
 def fake_dq_post_arguments(config: BwdConfig):
@@ -570,10 +598,10 @@ def fake_dq_post_arguments(config: BwdConfig):
     b, h, n_m, s, n_sem = (cute.sym_int() for _ in range(5))
     bd = cute.sym_int() if config.varlen else b  # varlen: the packed dq is a batch of 1
     return (fake_rowmajor(cutlass.Float32, (b, h, n_m, config.dq_block_elems)),
-            fake_rowmajor(cutlass.Int32, (b, h, n_sem), 4),
+            fake_rowmajor(cutlass.Int32, (_fake_sem_batch(b, config.varlen), h, n_sem), 4),
             fake_rowmajor(cutlass_dtype(config.dtype), (bd, s, h, config.head_dim)),
             cutlass.Float32(1.0), cutlass.Int32(1), _fake_cu_seqlens(config.varlen)[0],
-            make_fake_stream(use_tvm_ffi_env_stream=True))
+            _fake_max_seqlen(config.varlen), make_fake_stream(use_tvm_ffi_env_stream=True))
 
 
 # ----------------------------------------------------------------------------- varlen
@@ -586,8 +614,8 @@ class Sm90BwdVarlenPlan:
     launches on the packed tensors as a batch of one. A pack with no rows or no keys launches
     nothing: zero gradients."""
 
-    __slots__ = ("config", "kernels", "scale", "softcap", "window", "layout", "max_seqlen_k",
-                 "empty")
+    __slots__ = ("config", "kernels", "scale", "softcap", "window", "layout", "max_seqlen_q",
+                 "max_seqlen_k", "empty")
 
     def __init__(self, problem, config: BwdConfig, seqused_k: bool):
         self.config = config
@@ -598,11 +626,12 @@ class Sm90BwdVarlenPlan:
                                               for spec in kernel_specs(config, seqused_k)]
         self.window = kernel_window(problem.causal, problem.window, VARLEN_UNBOUNDED,
                                     VARLEN_UNBOUNDED)
-        self.max_seqlen_k = problem.max_seqlen_k
+        self.max_seqlen_q, self.max_seqlen_k = problem.max_seqlen_q, problem.max_seqlen_k
         d, dv = problem.head_dim, problem.head_dim_v
         self.layout = WorkspaceLayout(
             config, (problem.batch, max(problem.max_seqlen_q, 1), problem.heads, d),
-            (problem.batch, max(problem.max_seqlen_k, 1), problem.heads_kv, dv))
+            (problem.batch, max(problem.max_seqlen_k, 1), problem.heads_kv, dv),
+            packed=(problem.batch, problem.total_q, problem.total_k))
 
     def __call__(self, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k=None):
         from fa_sm100.call_plans import aligned
@@ -623,7 +652,8 @@ class Sm90BwdVarlenPlan:
         for fn, args in zip(self.kernels, launch_args(
                 self.config, one(q), one(k), one(v), one(out), one(dout), one(lse), one(dq),
                 one(dk), one(dv), self.scale, self.window, self.softcap, self.layout,
-                varlen=(cu_seqlens_q, cu_seqlens_k, seqused_k, self.max_seqlen_k), kept=True)):
+                varlen=(cu_seqlens_q, cu_seqlens_k, seqused_k, self.max_seqlen_q,
+                        self.max_seqlen_k), kept=True)):
             fn(*args)
         return dq, dk, dv
 

@@ -28,14 +28,18 @@ loop's order, are in bwd_mma.py; the load warp's (Note [stats with their stage],
 multicast]) in bwd_load.py; the dQ paths' and the dK / dV epilogue's in bwd_store.py.
 
 Note [Varlen backward] (``varlen``; ``sm90_bwd_varlen``): packed sequences (Note [Varlen] in
-fwd_kernel.py) on the padded batch's grid (key blocks of max_seqlen_k, heads, sequences), one
-CTA per tile. Each CTA reads its sequence's first rows and lengths from cu_seqlens
+fwd_kernel.py), one CTA per key block that exists: the grid is heads x ``packed_blocks`` of the
+keys (an upper bound of sum ceil(len_s / tile_n)), and each CTA decodes its tile from its block
+index (``packed_tile`` in bwd_tiles.py: sequence by sequence, head by head, key block fastest,
+the padded grid's order without the blocks past a sequence's keys); the few CTAs past the last
+tile exit at once. Each CTA reads its sequence's first rows and lengths from cu_seqlens
 (``fa_sm100.varlen.sequence_rows``) and sees the packed tensors from that row at batch index
-``seq``, so every role indexes them as a padded batch; the workspace is the padded batch
-itself. Query rows past the end carry LSE2 = +inf (P = 0), keys past it are masked by the
-sequence's own seqlen_k, MHA dK/dV are stored row by row below it, a key block past the keys
-visits no query block; keys past ``seqused_k`` are zeroed by the host first. The switches that
-read other tiles' lengths are off (``VARLEN_FIXED``). docs/varlen.md, "The backward".
+``seq``, so every role indexes them as a padded batch; the float32 workspace holds each
+sequence's rows in whole query (key) blocks of its own (Note [Packed workspace] in
+fa_sm100/varlen.py), seen the same way. Query rows past the end carry LSE2 = +inf (P = 0),
+keys past it are masked by the sequence's own seqlen_k, MHA dK/dV are stored row by row below
+it; keys past ``seqused_k`` are zeroed by the host first. The switches that read other tiles'
+lengths are off (``VARLEN_FIXED``). docs/varlen.md, "The backward".
 """
 
 import cutlass
@@ -54,10 +58,11 @@ from fa_sm100.hopper.bwd_context import (BwdDkvOut, BwdGmem, BwdLoadAtoms, BwdMm
                                          BwdProblem, BwdSmem)
 from fa_sm100.hopper.bwd_store import dq_store, dq_tiled_mma, tile_counter
 from fa_sm100.hopper.bwd_tiles import (TileWalk, cta_tile, grid, init_tile_handoff,
-                                       longest_first_tail_pairs)
+                                       longest_first_tail_pairs, packed_tile)
 from fa_sm100.hopper.config import SMEM_ALIGN, WARPGROUP_THREADS, WGMMA_M
 from fa_sm100.softmax_math import LOG2_E
-from fa_sm100.varlen import sequence_rows
+from fa_sm100.varlen import (first_block, packed_blocks, ragged_rows, ragged_tile_rows,
+                              sequence_rows, sequence_views)
 
 # Warpgroup 0 (warps 0-3) is the producer warpgroup; warpgroups 1 and 2 run the MMAs.
 PRODUCER_WARPS = WARPGROUP_THREADS // WARP_SIZE
@@ -191,7 +196,6 @@ class Sm90FlashBackward:
         mCuSeqlensQ,  # varlen (Note [Varlen backward]): (sequences + 1,) int32 offsets, else None
         mCuSeqlensK,
         mSeqUsedK,  # varlen: (sequences,) int32 used key lengths, or None
-        max_seqlen_k: Int32,  # varlen: the grid's key blocks cover this many keys
         stream,
     ):
         self._setup_layouts()
@@ -219,20 +223,30 @@ class Sm90FlashBackward:
         tma_dK = tma_mdK = tma_dV = tma_mdV = None
         if const_expr(self.cfg.stores_dkv_by_tma):
             s2g = cpasync.CopyBulkTensorTileS2GOp()
+            mdK_store, mdV_store = to_sdhb(mdK), to_sdhb(mdV)
+            if const_expr(self.cfg.varlen):  # Note [Varlen backward]: rows past a
+                # sequence's keys are clipped (ragged views, Note [Varlen] in fwd_kernel.py)
+                mdK_store, mdV_store = (ragged_rows(t[None, None, None, 0])
+                                        for t in (mdK_store, mdV_store))
             tma_dK, tma_mdK = cpasync.make_tiled_tma_atom(
-                s2g, to_sdhb(mdK), self.sK_layout, (self.tile_n, self.hdim))
+                s2g, mdK_store, self.sK_layout, (self.tile_n, self.hdim))
             tma_dV, tma_mdV = cpasync.make_tiled_tma_atom(
-                s2g, to_sdhb(mdV), self.sV_layout, (self.tile_n, self.hdimv))
+                s2g, mdV_store, self.sV_layout, (self.tile_n, self.hdimv))
         num_n_blocks = cute.ceil_div(mK.shape[1], self.tile_n)
         num_batch = mQ.shape[0]
         varlen = None
-        if const_expr(self.cfg.varlen):  # Note [Varlen backward]: a grid over the longest
-            num_n_blocks = cute.ceil_div(max_seqlen_k, self.tile_n)
-            num_batch = mLSE2.shape[0]
-            varlen = (mCuSeqlensQ, mCuSeqlensK, mSeqUsedK)
+        launch_grid = None
+        if const_expr(self.cfg.varlen):  # Note [Varlen backward]: one CTA per key block
+            # that exists, plus at most one per (sequence, head) that finds none
+            num_batch = mCuSeqlensK.shape[0] - 1
+            varlen = (mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mQ.shape[2])
+            launch_grid = [packed_blocks(mK.shape[1], num_batch, self.tile_n) * mQ.shape[2],
+                           1, 1]
         num_pairs = num_batch * mQ.shape[2]
         tail_pairs = longest_first_tail_pairs(self.cfg, num_n_blocks, num_pairs, cutlass.min,
                                               cutlass.max)  # Note [longest first], bwd_tiles.py
+        if const_expr(launch_grid is None):
+            launch_grid = grid(self.cfg, num_n_blocks, mQ.shape[2], num_batch)
         window = None  # only a windowed kernel takes the bounds as parameters
         if const_expr(self.cfg.is_local):
             window = (window_left, window_right)
@@ -251,7 +265,7 @@ class Sm90FlashBackward:
             self.sQ_layout, self.sdO_layout, self.sK_layout, self.sV_layout,
             self.sP_layout, self.sdS_layout, SharedStorage,
         ).launch(
-            grid=grid(self.cfg, num_n_blocks, mQ.shape[2], num_batch),
+            grid=launch_grid,
             block=[self.num_threads, 1, 1],
             stream=stream,
             min_blocks_per_mp=1,  # register count at entry known: ptxas keeps setmaxnreg
@@ -274,6 +288,31 @@ class Sm90FlashBackward:
         sP_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout,
         SharedStorage: cutlass.Constexpr,
     ):
+        cfg = self.cfg
+        coords, valid = None, True
+        if const_expr(varlen is not None):  # Note [Varlen backward]: this CTA's tile, if any
+            cu_k, used_k, heads = varlen[1], varlen[2], varlen[3]
+            seq, head, n_block, n_blocks, found = packed_tile(
+                cu_k, used_k, cu_k.shape[0] - 1, heads, cfg.tile_n, cute.arch.block_idx()[0])
+            coords, valid = (n_block, head, seq, n_blocks), found != 0
+        if valid:
+            self._run(mQ, mK, mV, mdO, tma_Q, tma_K, tma_V, tma_dO, mLSE2, mDelta, mdQacc, mdK,
+                      mdV, mdQsem, tma_dK, tma_mdK, tma_dV, tma_mdV, seqlen_q, seqlen_k, group,
+                      tail_pairs, window, varlen, coords, softmax_scale, scale_log2, softcap_k,
+                      mma_sdp, mma_dk, mma_dv, mma_dq, sQ_layout, sdO_layout, sK_layout,
+                      sV_layout, sP_layout, sdS_layout, SharedStorage)
+
+    @cute.jit
+    def _run(self, mQ, mK, mV, mdO, tma_Q, tma_K, tma_V, tma_dO, mLSE2, mDelta, mdQacc, mdK,
+             mdV, mdQsem, tma_dK, tma_mdK, tma_dV, tma_mdV, seqlen_q: Int32, seqlen_k: Int32,
+             group: Int32, tail_pairs: Int32, window, varlen, coords, softmax_scale: Float32,
+             scale_log2: Float32, softcap_k, mma_sdp: cute.TiledMma, mma_dk: cute.TiledMma,
+             mma_dv: cute.TiledMma, mma_dq: cute.TiledMma, sQ_layout: cute.ComposedLayout,
+             sdO_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
+             sV_layout: cute.ComposedLayout, sP_layout: cute.ComposedLayout,
+             sdS_layout: cute.ComposedLayout, SharedStorage: cutlass.Constexpr):
+        """The CTA: shared storage, registers per role, the roles on its tile (``coords``:
+        (key block, head, sequence, its key blocks) under varlen, else from the grid)."""
         cfg = self.cfg
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
@@ -311,12 +350,23 @@ class Sm90FlashBackward:
                        sDelta=sDelta)
 
         if const_expr(varlen is not None):  # Note [Varlen backward]: this CTA's sequence
-            seq = cute.arch.block_idx()[2]  # (one CTA per tile: never persistent)
+            seq = coords[2]  # (one CTA per tile: never persistent)
             # the TMA views are (s, d, h, b), the MHA dK / dV (b, s, h, d)
             mQ, mdO, seqlen_q = sequence_rows(varlen[0], None, seq, (mQ, 0, 3), (mdO, 0, 3))
             mK, mV, seqlen_k = sequence_rows(varlen[1], varlen[2], seq, (mK, 0, 3), (mV, 0, 3))
-            if const_expr(not cfg.uses_gqa_buffers):
+            # the workspace's rows of the sequence (Note [Packed workspace] in varlen.py)
+            first_q = first_block(varlen[0], seq, cfg.tile_m)
+            mLSE2, mDelta = sequence_views(seq, first_q * cfg.tile_m, (mLSE2, 2, 0),
+                                           (mDelta, 2, 0))
+            mdQacc = sequence_views(seq, first_q, (mdQacc, 2, 0))[0]
+            if const_expr(cfg.uses_gqa_buffers):
+                first_k = first_block(varlen[1], seq, cfg.tile_n) * cfg.tile_n
+                mdK, mdV = sequence_views(seq, first_k, (mdK, 2, 0), (mdV, 2, 0))
+            else:
                 mdK, mdV, _ = sequence_rows(varlen[1], None, seq, (mdK, 1, 0), (mdV, 1, 0))
+                if const_expr(cfg.stores_dkv_by_tma):  # the sequence's rows of the ragged views
+                    tma_mdK, tma_mdV = (ragged_tile_rows(t, seqlen_k, varlen[1][seq])
+                                        for t in (tma_mdK, tma_mdV))
         prob = BwdProblem(seqlen_q=seqlen_q, seqlen_k=seqlen_k, group=group,
                           band=traced_bounds(cfg, window), softmax_scale=softmax_scale,
                           scale_log2=scale_log2, softcap_k=softcap_k)
@@ -332,7 +382,7 @@ class Sm90FlashBackward:
                                 storage.tile_slots.get_tensor(cute.make_layout(TILE_SLOTS)),
                                 storage.mbar_tile.data_ptr())
         else:
-            work = cta_tile(cfg, prob, cfg.cluster[0], tail_pairs)
+            work = cta_tile(cfg, prob, cfg.cluster[0], tail_pairs, coords)
         if warp_idx < PRODUCER_WARPS:
             cute.arch.setmaxregister_decrease(cfg.regs_producer)
             if warp_idx == LOAD_WARP:

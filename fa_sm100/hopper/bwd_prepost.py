@@ -116,7 +116,7 @@ from fa_sm100.hopper.bwd_store import (dq_fragment_view, dq_registers, dq_tile_s
                                        preprocess_count, wait_for_count)
 from fa_sm100.hopper.common import assume_aligned
 from fa_sm100.hopper.config import WARPGROUP_THREADS
-from fa_sm100.varlen import sequence_rows
+from fa_sm100.varlen import first_block, sequence_rows, sequence_views
 from pipelines.dsl_values import NoLoopCarriedValues
 
 THREADS_PER_ROW = 16
@@ -155,11 +155,13 @@ class BwdPreprocess:
     have finished (Note [Preprocess beside the main kernel]); the semaphores then arrive
     zeroed. With ``mCuSeqlens`` (varlen, one CTA per group only: Note [Varlen backward] in
     bwd_kernel.py) O, dO are packed (1, total, h, d) and LSE (1, h, total): batch index i of
-    the grid reads sequence i's rows."""
+    the grid reads sequence i's rows and writes its blocks of the packed workspace (Note
+    [Packed workspace] in varlen.py); ``max_seqlen``, the longest sequence, sizes the grid."""
 
     def __init__(self, head_dim_v: int, head_dim: int, pdl: bool, zero_dq: bool = True,
-                 ctas: int = 0):
+                 ctas: int = 0, tile_m: int = 0):
         assert head_dim_v % THREADS_PER_ROW == 0, head_dim_v
+        self.tile_m = tile_m  # varlen: the query blocks of the packed workspace
         self.hdimv = head_dim_v
         self.cols = head_dim_v // THREADS_PER_ROW
         # the dQ accumulator: head_dim floats per padded query row, in 16-byte vectors
@@ -192,7 +194,7 @@ class BwdPreprocess:
     @cute.jit
     def __call__(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
                  mLSE2: cute.Tensor, mDelta: cute.Tensor, mdQacc: cute.Tensor,
-                 mdQsem: cute.Tensor, mCuSeqlens, stream):
+                 mdQsem: cute.Tensor, mCuSeqlens, max_seqlen, stream):
         # mO, mdO: (batch, seqlen_q, heads, hdimv); mLSE: (batch, heads, seqlen_q) f32;
         # mLSE2, mDelta: (batch, heads, seqlen_q_pad) f32; mdQacc: (batch, heads, m_blocks,
         # tile_m * hdim) f32, seqlen_q_pad * hdim floats per (batch, head); mdQsem: (batch,
@@ -213,24 +215,36 @@ class BwdPreprocess:
                 grid=[self.ctas, 1, 1], block=[self.threads, 1, 1],
                 smem=self.smem_bytes(mO.element_type), stream=stream, use_pdl=self.pdl)
         else:
+            grid = [cute.ceil_div(mLSE2.shape[2], ROWS_PER_CTA), mO.shape[2], mLSE2.shape[0]]
+            if const_expr(mCuSeqlens is not None):  # varlen: the longest sequence's blocks
+                rows = cute.ceil_div(max_seqlen, self.tile_m) * self.tile_m
+                grid = [cute.ceil_div(rows, ROWS_PER_CTA), mO.shape[2], mCuSeqlens.shape[0] - 1]
             self.kernel(mO, mdO, mLSE, mLSE2, mDelta, mdQacc, mdQsem, mCuSeqlens).launch(
-                grid=[cute.ceil_div(mLSE2.shape[2], ROWS_PER_CTA), mO.shape[2], mLSE2.shape[0]],
-                block=[CTA_THREADS, 1, 1], stream=stream, use_pdl=self.pdl)
+                grid=grid, block=[CTA_THREADS, 1, 1], stream=stream, use_pdl=self.pdl)
 
     @cute.kernel
     def kernel(self, mO, mdO, mLSE, mLSE2, mDelta, mdQacc, mdQsem, mCuSeqlens):
         tidx, _, _ = cute.arch.thread_idx()
         bx, head, batch = cute.arch.block_idx()
         seqlen = mO.shape[1]
+        active = True
         if const_expr(mCuSeqlens is not None):  # varlen: sequence ``batch``'s rows
             mO, mdO, mLSE, seqlen = sequence_rows(mCuSeqlens, None, batch, (mO, 1, 0), (mdO, 1, 0),
                                                    (mLSE, 2, 0))
+            # its blocks of the packed workspace (Note [Packed workspace] in varlen.py); the
+            # CTAs past them have nothing to write
+            first = first_block(mCuSeqlens, batch, self.tile_m)
+            mLSE2, mDelta = sequence_views(batch, first * self.tile_m, (mLSE2, 2, 0),
+                                           (mDelta, 2, 0))
+            mdQacc = sequence_views(batch, first, (mdQacc, 2, 0))[0]
+            active = bx * ROWS_PER_CTA < cute.ceil_div(seqlen, self.tile_m) * self.tile_m
         if const_expr(self.pdl):  # Note [chained launches]: the kernel before has finished
             cute.arch.griddepcontrol_wait()
-        # the main kernel may launch once O and dO are read; it waits before reading ours
-        self._rows(mO, mdO, mLSE, mLSE2, mDelta, batch, head, bx, tidx, seqlen)
-        if const_expr(self.zero_dq):
-            self._zero_dq_rows(mdQacc, bx, head, batch, tidx)
+        if active:
+            # the main kernel may launch once O and dO are read; it waits before reading ours
+            self._rows(mO, mdO, mLSE, mLSE2, mDelta, batch, head, bx, tidx, seqlen)
+            if const_expr(self.zero_dq):
+                self._zero_dq_rows(mdQacc, bx, head, batch, tidx)
         # the dQ semaphores (deterministic mode's turns or Note [dQ first store]'s states, one
         # per query block; a single unused one per (batch, head) otherwise)
         sem = bx * CTA_THREADS + tidx
@@ -486,15 +500,17 @@ class _PreSchedule(NoLoopCarriedValues):
 class BwdPostprocess:
     """out (batch, seqlen, heads_out, hdim) = scale * sum over groups of acc (batch, heads_acc,
     seqlen_pad, pitch >= hdim). With ``mCuSeqlens`` (varlen: Note [Varlen backward] in
-    bwd_kernel.py) out is packed (1, total, h, d) and acc's batch index i is sequence i, whose
-    first ``mSeqUsed[i]`` rows (all without it) are written."""
+    bwd_kernel.py) out is packed (1, total, h, d) and acc is the packed workspace (Note
+    [Packed workspace] in varlen.py): grid batch index i is sequence i, whose first
+    ``mSeqUsed[i]`` rows (all without it) are written; ``max_seqlen`` sizes the grid."""
 
-    def __init__(self, head_dim: int, group: int, pdl: bool):
+    def __init__(self, head_dim: int, group: int, pdl: bool, tile_n: int = 0):
         assert head_dim % THREADS_PER_ROW == 0, head_dim
         self.hdim = head_dim
         self.group = group
         self.cols = head_dim // THREADS_PER_ROW
         self.pdl = pdl
+        self.tile_n = tile_n  # varlen: the key blocks of the packed workspace
 
     def _acc_part(self, mAcc, batch, head, row, part):
         """This thread's columns of one accumulator row (rows may be padded past hdim)."""
@@ -503,21 +519,24 @@ class BwdPostprocess:
 
     @cute.jit
     def __call__(self, mAcc: cute.Tensor, mOut: cute.Tensor, scale: Float32, mCuSeqlens,
-                 mSeqUsed, stream):
-        grid_x = cute.ceil_div(mOut.shape[1], ROWS_PER_CTA)
-        if const_expr(mCuSeqlens is not None):  # varlen: the padded rows of the longest
-            grid_x = cute.ceil_div(mAcc.shape[2], ROWS_PER_CTA)
+                 mSeqUsed, max_seqlen, stream):
+        grid = [cute.ceil_div(mOut.shape[1], ROWS_PER_CTA), mOut.shape[2], mAcc.shape[0]]
+        if const_expr(mCuSeqlens is not None):  # varlen: the rows of the longest sequence
+            grid = [cute.ceil_div(max_seqlen, ROWS_PER_CTA), mOut.shape[2],
+                    mCuSeqlens.shape[0] - 1]
         self.kernel(mAcc, mOut, scale, mCuSeqlens, mSeqUsed).launch(
-            grid=[grid_x, mOut.shape[2], mAcc.shape[0]], block=[CTA_THREADS, 1, 1], stream=stream,
-            use_pdl=self.pdl)
+            grid=grid, block=[CTA_THREADS, 1, 1], stream=stream, use_pdl=self.pdl)
 
     @cute.kernel
     def kernel(self, mAcc, mOut, scale: Float32, mCuSeqlens, mSeqUsed):
         tidx, _, _ = cute.arch.thread_idx()
         bx, head, batch = cute.arch.block_idx()
         seqlen = mOut.shape[1]
-        if const_expr(mCuSeqlens is not None):  # varlen: sequence ``batch``'s rows
+        if const_expr(mCuSeqlens is not None):  # varlen: sequence ``batch``'s rows, and its
+            # blocks of the packed accumulator (Note [Packed workspace] in varlen.py)
             mOut, seqlen = sequence_rows(mCuSeqlens, mSeqUsed, batch, (mOut, 1, 0))
+            mAcc = sequence_views(batch, first_block(mCuSeqlens, batch, self.tile_n) * self.tile_n,
+                                  (mAcc, 2, 0))[0]
         if const_expr(self.pdl):  # Note [chained launches]: the kernel before has finished
             cute.arch.griddepcontrol_wait()
         row = bx * ROWS_PER_CTA + tidx // THREADS_PER_ROW
@@ -538,7 +557,10 @@ class DqPostprocess:
     """dq (batch, seqlen_q, heads, hdim) = scale * the fragment-order accumulator
     (batch, heads, m_blocks, tile_m * hdim) of the main kernel (``BwdConfig`` ``cfg``). With
     first stores (Note [dQ first store] in bwd_store.py) a block whose semaphore is still 0
-    was reached by no CTA: its accumulator was never written, and dq is 0 there."""
+    was reached by no CTA: its accumulator was never written, and dq is 0 there. With
+    ``mCuSeqlens`` (varlen) the accumulator is the packed workspace (Note [Packed workspace]
+    in varlen.py) and dq packed (1, total, h, d); ``max_seqlen`` sizes the grid, and the
+    blocks past a sequence's rows do nothing."""
 
     def __init__(self, cfg):
         self.cfg = cfg
@@ -564,11 +586,15 @@ class DqPostprocess:
 
     @cute.jit
     def __call__(self, mAcc: cute.Tensor, mSem: cute.Tensor, mOut: cute.Tensor, scale: Float32,
-                 seqlen_k: Int32, mCuSeqlens, stream):
+                 seqlen_k: Int32, mCuSeqlens, max_seqlen, stream):
         mma = dq_tiled_mma(self.cfg, mOut.element_type)
+        grid = [mAcc.shape[2], mOut.shape[2], mAcc.shape[0]]
+        if const_expr(mCuSeqlens is not None):  # varlen: the longest sequence's blocks
+            grid = [cute.ceil_div(max_seqlen, self.tile_m), mOut.shape[2],
+                    mCuSeqlens.shape[0] - 1]
         self.kernel(mAcc, mSem, mOut, scale, seqlen_k, mma, mCuSeqlens).launch(
-            grid=[mAcc.shape[2], mOut.shape[2], mAcc.shape[0]], block=[self.threads, 1, 1],
-            smem=self.smem_bytes(mOut.element_type), stream=stream, use_pdl=self.cfg.pdl)
+            grid=grid, block=[self.threads, 1, 1], smem=self.smem_bytes(mOut.element_type),
+            stream=stream, use_pdl=self.cfg.pdl)
 
     @cute.kernel
     def kernel(self, mAcc, mSem, mOut, scale: Float32, seqlen_k: Int32, mma: cute.TiledMma,
@@ -576,8 +602,22 @@ class DqPostprocess:
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
         seqlen_q = mOut.shape[1]
-        if const_expr(mCuSeqlens is not None):  # varlen: sequence ``batch``'s rows of dq
+        if const_expr(mCuSeqlens is not None):  # varlen: sequence ``batch``'s rows of dq, and
+            # its blocks of the packed accumulator (Note [Packed workspace] in varlen.py)
             mOut, seqlen_q = sequence_rows(mCuSeqlens, None, batch, (mOut, 1, 0))
+            mAcc = sequence_views(batch, first_block(mCuSeqlens, batch, self.tile_m),
+                                  (mAcc, 2, 0))[0]
+            if m_block * self.tile_m < seqlen_q:  # the blocks past the sequence: nothing
+                self._block(mAcc, mSem, mOut, scale, seqlen_k, mma, m_block, head, batch,
+                            seqlen_q, tidx)
+        else:
+            self._block(mAcc, mSem, mOut, scale, seqlen_k, mma, m_block, head, batch, seqlen_q,
+                        tidx)
+
+    @cute.jit
+    def _block(self, mAcc, mSem, mOut, scale: Float32, seqlen_k: Int32, mma: cute.TiledMma,
+               m_block: Int32, head: Int32, batch: Int32, seqlen_q: Int32, tidx: Int32):
+        """Query block ``m_block`` of (``batch``, ``head``): its accumulator, scaled, to dq."""
         if const_expr(self.cfg.early_dq_post):
             self._wait_for_head(mSem, seqlen_k, head, batch, tidx)
         elif const_expr(self.cfg.pdl):  # Note [chained launches]: the main kernel has finished

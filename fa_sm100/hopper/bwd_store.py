@@ -434,8 +434,10 @@ def store_dkdv_tma(cfg, mmas, out, mbar_kv, acc_dK, acc_dV, tile):
         one = cute.make_layout(1)
         for tma, m_out, s_tile, cols in ((out.tma_dk, out.tma_mdk, sK_out, cfg.head_dim),
                                          (out.tma_dv, out.tma_mdv, sV_out, cfg.head_dim_v)):
-            g_tile = cute.local_tile(m_out[None, None, head, batch], (cfg.tile_n, cols),
-                                     (n_block, 0))
+            # varlen: the sequence's ragged rows (s, d, h), rows past its keys clipped
+            m_bh = m_out[None, None, head] if const_expr(cfg.varlen) else m_out[None, None, head,
+                                                                                  batch]
+            g_tile = cute.local_tile(m_bh, (cfg.tile_n, cols), (n_block, 0))
             t_s, t_g = cpasync.tma_partition(tma, 0, one, cute.group_modes(s_tile, 0, 2),
                                              cute.group_modes(g_tile, 0, 2))
             cute.copy(tma, t_s, t_g)

@@ -77,8 +77,8 @@ def sm100_bwd(dout, q, k, v, out, lse, softmax_scale=None, causal: bool = False,
     post = _compiled("post", (d, dtype), lambda: BwdPostprocess(d, 1, False),
                      lambda: fake_post_arguments(dt, d, d))
     pre(out, dout, lse.contiguous(), lse2, delta, dq_acc.view(b, hq, rows // cfg.m_block, -1),
-        sem, None)
+        sem, None, None)
     main(q, k, v, dout, lse2, delta, dq_acc, dk, dv, sem if deterministic else None, scale,
          softcap, left, right)
-    post(dq_acc, dq, scale, None, None)
+    post(dq_acc, dq, scale, None, None, None)
     return dq, dk, dv
