@@ -53,10 +53,10 @@ def test_tx_bytes_cover_both_ctas():
 
 
 def test_p_lastsplit_only_with_split_p():
+    """Without split P its full and empty barrier of each Q stage go, and nothing else."""
     cfg = FmhaConfig(split_p=False)
     assert "p_lastsplit" not in barrier_offsets(cfg)
     assert barrier_count(cfg) == barrier_count(CFG2) - 2 * CFG2.q_stage
-    assert barrier_count(CFG2) == 2 * (6 * 2 + 6)  # six q_stage pipelines + kv ring
 
 
 BAD_ROWS = [
@@ -75,14 +75,20 @@ def test_bad_rows_are_rejected_when_built(change, message):
         bad.check(FmhaConfig(kv_stage=3))
 
 
-def test_build_in_dry_mode_gives_every_pipeline_its_class():
+@pytest.mark.parametrize("cfg", [CFG2, CFG1], ids=["2cta", "1cta"])
+def test_build_in_dry_mode_gives_every_pipeline_its_rows_class_and_counts(cfg):
+    """Each built pipeline is the DSL class its row's kind names ("tma_umma" ->
+    TmaUmmaPipeline), with the row's stages and derived arrival counts."""
     with record.recording(dry=True):
-        pipes = build_pipelines(CFG2)
-    kinds = {n: type(pipes[n]).__name__ for n in pipes.names()}
-    assert kinds == {"q": "TmaUmmaPipeline", "kv": "TmaUmmaPipeline", "s_p_o": "UmmaThreadsPipeline",
-                     "p_lastsplit": "ThreadsUmmaPipeline", "o_acc": "UmmaThreadsPipeline",
-                     "sm_stats": "ThreadsThreadsPipeline", "o_epi": "ThreadsThreadsPipeline"}
-    assert pipes.kv.stages == 6 and pipes.s_p_o.empty_count == 512
+        pipes = build_pipelines(cfg)
+    assert set(pipes.names()) == {s.name for s in PIPELINES if s.name in barrier_offsets(cfg)}
+    for name in pipes.names():
+        spec, pipe = get_spec(name), pipes[name]
+        want = "".join(part.capitalize() for part in spec.kind.split("_")) + "Pipeline"
+        assert type(pipe).__name__ == want, name
+        assert pipe.stages == spec.num_stages(cfg), name
+    assert pipes.kv.stages == cfg.kv_stage
+    assert pipes.s_p_o.empty_count == get_spec("s_p_o").arrivals("empty", cfg)
     with pytest.raises(KeyError):
         pipes["nope"]
 
@@ -153,4 +159,3 @@ def test_named_barriers_start_at_one_and_count_threads():
     check_named_barriers()
     assert min(int(b) for b in NamedBarrier) == 1
     assert num_threads(NamedBarrier.TMEM_ALLOC) == (1 + 4 + 4 + 4) * 32
-    assert [b.name for b in NamedBarrier] == ["TMEM_ALLOC"]  # only the ids the kernel uses

@@ -79,57 +79,63 @@ def test_probed_kernels_compile_under_their_own_key():
     assert main_compile_key(cfg) == cfg
 
 
-def _main_kernel_modules() -> set:
-    """Source files of the main kernel's module and of every ``fa_sm100.hopper.bwd_*`` module
-    it imports, directly or through another one (its role modules)."""
-    import inspect
-    import sys
-    import types
-
-    from fa_sm100.hopper import bwd_kernel
-
-    seen, todo = set(), [bwd_kernel]
-    while todo:
-        module = todo.pop()
-        if module.__name__ in seen:
-            continue
-        seen.add(module.__name__)
-        for value in vars(module).values():
-            name = value.__name__ if isinstance(value, types.ModuleType) else getattr(
-                value, "__module__", None)
-            if isinstance(name, str) and name.startswith("fa_sm100.hopper.bwd_"):
-                todo.append(sys.modules[name])
-    return {inspect.getsourcefile(sys.modules[name]) for name in seen}
+# Configs whose traced code paths reach every probe read: "bulk" dQ (dq_reduce), shuffled
+# statistics (stats: hdim 64's 128-row blocks, hdim 128 causal), "red" dQ (hdim 256)
+READ_CONFIGS = [dict(head_dim=128), dict(head_dim=64), dict(head_dim=256),
+                dict(head_dim=128, causal=True)]
 
 
+@pytest.mark.compile
 def test_the_main_kernel_key_carries_exactly_the_probes_its_code_reads():
     """``MAIN_KERNEL_PROBES`` (what ``main_compile_key`` tags) is the set of probes the main
-    kernel's modules (bwd_kernel.py and the role modules it imports) read while tracing: one
-    read there and not in the key would let a probed kernel serve a plain call."""
-    modules = _main_kernel_modules()
-    names = {os.path.basename(path) for path in modules}
-    assert {"bwd_kernel.py", "bwd_tiles.py", "bwd_load.py", "bwd_store.py", "bwd_scores.py",
-            "bwd_mma.py"} <= names, names
-    read = set()
-    for path in modules:
-        read |= set(re.findall(r'probes\.active\("(\w+)"\)', open(path).read()))
+    kernel reads while it is traced (``probes.recording_reads`` around a cross-compile of each
+    of READ_CONFIGS): one read there and not in the key would let a probed kernel serve a
+    plain call, one in the key and never read would compile a second, identical kernel. The
+    launch plan reads ``dq_post`` (which kernels run) and the forward its own."""
+    from fa_sm100.compile_tools import cross_compile
+    from fa_sm100.hopper.bwd_interface import fake_arguments, kernel_specs
+    from fa_sm100.hopper.bwd_kernel import Sm90FlashBackward
+
+    read, planned = set(), set()
+    for fields in READ_CONFIGS:
+        cfg = select_bwd_config(**fields)
+        with probes.recording_reads() as reads:
+            cross_compile(Sm90FlashBackward(cfg.kernel_config()), fake_arguments(cfg), "sm_90a")
+        read |= reads
+        with probes.recording_reads() as reads:
+            kernel_specs(cfg)
+        planned |= reads
     assert read == set(probes.MAIN_KERNEL_PROBES)
-    # read by the launch plan only, or by the forward (below)
-    assert set(probes.PROBES) - read == {"dq_post", *probes.FWD_KERNEL_PROBES}
+    assert planned == {"dq_post"}
+    assert set(probes.PROBES) == read | planned | set(probes.FWD_KERNEL_PROBES)
 
 
+@pytest.mark.compile
 def test_the_forward_key_carries_exactly_the_probes_its_code_reads():
     """``FWD_KERNEL_PROBES`` (what ``compile_sm90_fwd`` keys on) is the set of probes the
-    forward's modules read while tracing."""
-    import fa_sm100.hopper as hopper
+    forward reads while it is traced (the default config, whose rescale vote is the probed
+    one)."""
+    from fa_sm100.compile_tools import cross_compile
+    from fa_sm100.hopper.fwd_kernel import Sm90FwdKernel
+    from fa_sm100.hopper.config import select_sm90_fwd_config
+    from fa_sm100.hopper.interface import fake_arguments
 
-    folder = os.path.dirname(hopper.__file__)
-    read = set()
-    for name in sorted(os.listdir(folder)):
-        if name.startswith("fwd_") and name.endswith(".py"):
-            read |= set(re.findall(r'probes\.active\("(\w+)"\)',
-                                   open(os.path.join(folder, name)).read()))
-    assert read == set(probes.FWD_KERNEL_PROBES)
+    cfg = select_sm90_fwd_config(128, causal=True, seqlen_q=4096, seqlen_k=4096)
+    with probes.recording_reads() as reads:
+        cross_compile(Sm90FwdKernel(cfg), fake_arguments(cfg), "sm_90a")
+    assert reads == set(probes.FWD_KERNEL_PROBES)
+
+
+def test_recorded_reads_nest_and_end_with_their_block():
+    """An inner recording's reads count in the outer one too; none are recorded after."""
+    with probes.recording_reads() as outer:
+        probes.active("sweep")
+        with probes.recording_reads() as inner:
+            probes.active("stats")
+        assert inner == {"stats"}
+    assert outer == {"sweep", "stats"}
+    probes.active("pointwise")
+    assert outer == {"sweep", "stats"}
 
 
 def test_dq_reduce_needs_bulk_dq():

@@ -192,8 +192,29 @@ def probe(name: str, value: str):
 
 
 def active(name: str):
-    """The active value of probe ``name`` (read while the kernel is traced), or None."""
+    """The active value of probe ``name`` (read while the kernel is traced), or None. Inside
+    ``recording_reads`` the name is also recorded."""
+    if _reads is not None:
+        _reads.add(name)
     return _active.get(name)
+
+
+_reads = None  # the names ``active`` was asked for, inside ``recording_reads``
+
+
+@contextlib.contextmanager
+def recording_reads():
+    """Record the probe names ``active`` is asked for in this block (a set, yielded): which
+    probes a kernel's code reads while it is traced, whatever their values. The compile keys
+    must carry those (``MAIN_KERNEL_PROBES``, ``FWD_KERNEL_PROBES``; tests/test_probes.py)."""
+    global _reads
+    outer, _reads = _reads, set()
+    try:
+        yield _reads
+    finally:
+        outer_reads, _reads = _reads, outer
+        if outer is not None:
+            outer.update(outer_reads)
 
 
 def any_active() -> bool:
