@@ -46,10 +46,9 @@ def round_order(names: list, rnd: int) -> list:
     Why not a rotation: rotated, every provider always runs right after the same one, and
     what that one leaves behind (a GPU that a slow kernel let cool, the L2's contents) falls
     on it in every round, so it cancels in no paired ratio. One rotated grid timed the backward's
-    zero fill (``dq_first_store=False``) 4.0% faster than the default in four cells where,
-    rotated, it ran right after a kernel at 0.6x speed in every round; shuffled, beside the
-    same kernel, 1.8-2.2%; with no such kernel in the cell, -2.9% to +0.4%
-    (docs/hopper_backward.md)."""
+    zero fill (``dq_first_store=False``) faster than the default in four cells where, rotated,
+    it ran right after a kernel at 0.6x speed in every round; shuffled, beside the same kernel,
+    the gap halved, and with no such kernel in the cell it was gone."""
     n = len(names)
     first, lo, hi = [0], 1, n - 1  # 0, 1, n-1, 2, n-2, ...
     while len(first) < n:

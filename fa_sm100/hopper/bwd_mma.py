@@ -133,7 +133,7 @@ exp2s (FA4's own kernel: after 11). Two switches take that choice back:
   (``_schedule_boundary`` in bwd_scores.py). ptxas does not schedule across a branch, so the
   first n exp2s are issued before it and the real wait comes after it; the exp2s are only
   issued there, not waited for (the branch on the smallest P had to wait for all 40
-  results, and lost 3.4%).
+  results, and measured slower).
 hdim 128 (H200, ``scripts/ab_bench.py --top-clock``, paired over the shuffled default):
 unshuffled with both switches and n = 26 (the real wait then after 30 exp2s, both masks)
 measured faster from 4k on, causal and not (docs/tuning.md, row "own statistics"; at 1k / 2k

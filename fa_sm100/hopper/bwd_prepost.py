@@ -44,13 +44,13 @@ while the main kernel's last wave left more and more SMs idle. With the switch:
   after the main kernel: what follows it in the stream (the GQA dK/dV postprocess, the next
   call) may rely on everything the main kernel wrote, as before.
 Counting in the dq-store warp per query block instead (each block's reduces waited for one
-block later, so a postprocess CTA could start on its block alone) cost 2.5-14% in the main loop
-(H100): a bulk reduce completes long after it has read SMEM. Counted once per CTA, at its
+block later, so a postprocess CTA could start on its block alone) measured slower in the main
+loop (H100): a bulk reduce completes long after it has read SMEM. Counted once per CTA, at its
 end, the main loop is unchanged. In the CUDA profiler's timeline (H100, hdim 128) the
 postprocess then overlaps the main kernel by 49-84 us and ends 13-29 us after it instead of
 68-69 us, but the main kernel's last wave takes 15-31 us longer beside it (a memory-bound
-kernel on the SMs around it); at hdim 64 causal 1k the loss outweighed the gain (2.7%
-longer calls), hence the default at hdim 128 only (``EARLY_DQ_POST_HEAD_DIMS``). "red" dQ
+kernel on the SMs around it); at hdim 64 causal 1k the loss outweighed the gain (longer
+calls), hence the default at hdim 128 only (``EARLY_DQ_POST_HEAD_DIMS``). "red" dQ
 (from the MMA registers) has no dq-store warp to count its adds; ``validate()`` rejects it.
 
 Note [Preprocess beside the main kernel] (``pre_ctas``; hdim 128's default, 32 CTAs): the

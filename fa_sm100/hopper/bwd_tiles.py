@@ -22,7 +22,7 @@ rounded up to whole pairs); those start key block 0 of each of their pairs, then
 and so on, so the last CTAs to start are the shortest. Only the tail is reordered because the
 grid's order is what keeps L2 warm: the CTAs that run together share a few pairs' Q, dO and
 dQ accumulator (reordering the whole grid this way, in sections of 16-96 MiB of pairs,
-measured up to 24% slower at 1k, where a section spans many pairs). Within a pair key blocks
+measured slower, most at 1k, where a section spans many pairs). Within a pair key blocks
 still start in increasing order, which the deterministic dQ semaphore relies on (Deterministic
 mode in docs/hopper_backward.md).
 
@@ -40,7 +40,7 @@ cluster (which share their Q/dO loads, hence their order) arrive together, and o
 waits for the other's copy. Q/dO of a pair are read in C places at once instead of one (512
 KiB per pair at 1k, 8 MiB at 16k, hdim 128: L2 holds them). Not for masked or deterministic
 problems (``validate``). Default with first stores at hdim 128 (``STAGGER_HEAD_DIMS``), where
-it measured +1-2%; at hdim 64 and 256 it moved both ways.
+it measured faster (tuning row "staggered sweeps"); at hdim 64 and 256 it moved both ways.
 
 Note [persistent CTAs] (``persistent_ctas``): one CTA per tile pays, per tile, for a CTA's end
 and start and for a pipeline that drains and fills: the epilogue's TMA stores must read SMEM
@@ -71,8 +71,8 @@ length: no mask or window, unless the tiles are fetched (Note [dynamic tiles]). 
 preprocess runs ahead (``pre_ctas=0``): its CTAs beside the main kernel would hold SMs that
 some persistent CTAs then wait for, and those end last.
 The gain is the per-tile cost, so it shrinks as tiles grow: ``select_bwd_config`` takes it up
-to ``PERSISTENT_MAX_SEQLEN`` (hdim 64 and 128, +3% at 1k, +1% at 2k; paired timing on an
-H200). GPU tests: the float64 rule with NaN-poisoned workspaces and CTAs walking many tiles,
+to ``PERSISTENT_MAX_SEQLEN`` (hdim 64 and 128; the measurement is in the tuning row
+"persistent CTAs"). GPU tests: the float64 rule with NaN-poisoned workspaces and CTAs walking many tiles,
 and dK, dV bit for bit those of one CTA per tile.
 
 Note [dynamic tiles] (``dynamic_tiles``): under a causal mask a tile's sweep is as long as

@@ -433,8 +433,8 @@ class ConsumerRole:
         acc_S = self.qk_gemm(f, q, state.index, NO_WAIT)
         if const_expr(self.cfg.rescale_o_before_pv):
             # While S(n) is computed, and before the wait for V: the wait orders what follows
-            # it, so only here may ptxas spread the FMULs between the QK GEMM's HGMMAs (H200,
-            # hdim 256: +2-3% over rescaling after the wait).
+            # it, so only here may ptxas spread the FMULs between the QK GEMM's HGMMAs (faster
+            # than rescaling after the wait at hdim 256 on the H200).
             self.rescale_acc_o(f)
         pipe_v.consumer_wait(state_v, pipe_v.consumer_try_wait(state_v))
         self.pv_gemm(f, state_v.index, NO_WAIT)

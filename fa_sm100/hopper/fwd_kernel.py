@@ -65,7 +65,7 @@ consumers have released it, so each consumer warp arrives on the empty barrier o
 producer issues its half only then. Before a CTA exits, its producer waits until every stage
 is empty again (``producer_tail``): the peer's last releases arrive on this CTA's barriers,
 which must still exist. With ``kv_cluster=4`` the same holds for four neighbouring m blocks, each loading
-a quarter of every tile (measured 6-8% slower than pairs on the H100).
+a quarter of every tile (measured slower than pairs on the H100).
 
 Note [Odd m blocks] (``multicast_odd_m``, clusters of 2): with an odd number M of m blocks per
 head, tiles 2c and 2c + 1 of the plain order would straddle two heads whose K/V differ. So the
