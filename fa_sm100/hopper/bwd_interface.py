@@ -641,8 +641,7 @@ class Sm90BwdVarlenPlan:
             q, k, v, out, dout = (tma_ready(t) for t in (q, k, v, out, dout))
         lse = lse.contiguous()
         if seqused_k is not None and not self.empty:  # keys past seqused_k: zeros, not garbage
-            unused = unused_key_rows(cu_seqlens_k, seqused_k, k.shape[0])
-            k, v = (t.masked_fill(unused[:, None, None], 0) for t in (k, v))
+            k, v = zero_unused_keys(k, v, cu_seqlens_k, seqused_k)
         zero_kv = self.empty or seqused_k is not None
         dq = torch.zeros_like(q) if self.empty else torch.empty_like(q)
         dk, dv = (torch.zeros_like(t) if zero_kv else torch.empty_like(t) for t in (k, v))
@@ -659,6 +658,12 @@ class Sm90BwdVarlenPlan:
 
 
 _varlen_plans = PlanTable()
+
+
+def zero_unused_keys(k, v, cu_seqlens_k, seqused_k):
+    """Copies of packed k and v with the rows past each sequence's ``seqused_k`` zeroed."""
+    unused = unused_key_rows(cu_seqlens_k, seqused_k, k.shape[0])
+    return tuple(t.masked_fill(unused[:, None, None], 0) for t in (k, v))
 
 
 def unused_key_rows(cu_seqlens_k, seqused_k, total_k: int):
