@@ -110,7 +110,7 @@ def first_block(cu_seqlens, seq, tile: int):
 def packed_tile_model(lengths, heads: int, tile: int, t: int):
     """Tile ``t`` of the varlen backward's grid of ``heads`` x sum ceil(len_s / tile) key-block
     tiles, on a list of sequence lengths: (sequence, head, block, the sequence's blocks,
-    valid), as the kernel decodes it (``packed_tile`` in fa_sm100/hopper/bwd_tiles.py); the
+    valid), as the kernel decodes it (``fa_sm100.packed_tiles.packed_tile``); the
     tests' reference."""
     start = 0
     for s, length in enumerate(lengths):

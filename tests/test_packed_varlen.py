@@ -64,7 +64,7 @@ import cutlass.cute as cute  # noqa: E402
 from cutlass.cute.runtime import from_dlpack, make_fake_compact_tensor, make_fake_stream  # noqa: E402
 
 from fa_sm100.ptxemu import capture_launch, emulate  # noqa: E402
-from fa_sm100.hopper.bwd_tiles import packed_tile  # noqa: E402
+from fa_sm100.packed_tiles import packed_tile, packed_tile_count  # noqa: E402
 
 HEADS = 3
 WARPS = 2
@@ -76,9 +76,11 @@ def _decode_host(tile: int, used: bool):
         tidx, _, _ = cute.arch.thread_idx()
         t, _, _ = cute.arch.block_idx()
         decoded = packed_tile(cu, seq_used, cu.shape[0] - 1, HEADS, tile, t)
+        count = packed_tile_count(cu, seq_used, cu.shape[0] - 1, HEADS, tile)
         if tidx % 32 == 0:
             for i in cutlass.range_constexpr(5):
                 out[t, tidx // 32, i] = decoded[i]
+            out[t, tidx // 32, 5] = count
 
     @cute.jit
     def host(cu: cute.Tensor, seq_used, out: cute.Tensor, tiles: cutlass.Int32, stream):
@@ -88,7 +90,7 @@ def _decode_host(tile: int, used: bool):
 
 
 def _fake(rank):
-    shape = (cute.sym_int(),) + (WARPS, 5)[:rank - 1]
+    shape = (cute.sym_int(),) + (WARPS, 6)[:rank - 1]
     return make_fake_compact_tensor(cutlass.Int32, shape,
                                     stride_order=tuple(range(rank - 1, -1, -1)), assumed_align=4)
 
@@ -105,7 +107,8 @@ def _real(t, like):
     ([300, 0, 1000, 77], 128, True)])
 def test_packed_tile_decodes_every_tile_of_the_grid(lengths, tile, used):
     """Every CTA of the grid (heads x packed_blocks, the bound the kernel launches) decodes
-    its tile as the model does, in every warp; with seqused_k the used lengths count."""
+    its tile as the model does, in every warp, and counts the tiles that exist
+    (``packed_tile_count``); with seqused_k the used lengths count."""
     import cuda.bindings.driver as cuda
 
     cu = torch.tensor(_cu(lengths), dtype=torch.int32)
@@ -115,7 +118,7 @@ def test_packed_tile_decodes_every_tile_of_the_grid(lengths, tile, used):
         counted = [max(0, x - 37 * (i % 3)) for i, x in enumerate(lengths)]
         seq_used = torch.tensor(counted, dtype=torch.int32)
     bound = HEADS * packed_blocks(cu[-1].item(), len(lengths), tile)
-    out = torch.full((bound, WARPS, 5), -1, dtype=torch.int32)
+    out = torch.full((bound, WARPS, 6), -1, dtype=torch.int32)
     fakes = (_fake(1), _fake(1) if used else None, _fake(3), cutlass.Int32(1),
              make_fake_stream())
     reals = (_real(cu, fakes[0]), _real(seq_used, fakes[1]) if used else None,
@@ -124,6 +127,9 @@ def test_packed_tile_decodes_every_tile_of_the_grid(lengths, tile, used):
     emulate(cap, [cu] + ([seq_used] if used else []) + [out], seed=0)
     want = torch.tensor([packed_tile_model(counted, HEADS, tile, t) for t in range(bound)],
                         dtype=torch.int32)
+    tiles = HEADS * sum(-(-x // tile) for x in counted)
     for w in range(WARPS):
-        assert torch.equal(out[:, w], want), (w, out[:, w][(out[:, w] != want).any(1)][:4])
-    assert want[:, 4].sum() == HEADS * sum(-(-x // tile) for x in counted)
+        got = out[:, w, :5]
+        assert torch.equal(got, want), (w, got[(got != want).any(1)][:4])
+        assert (out[:, w, 5] == tiles).all(), "packed_tile_count"
+    assert want[:, 4].sum() == tiles

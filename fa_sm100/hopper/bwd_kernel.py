@@ -30,7 +30,7 @@ multicast]) in bwd_load.py; the dQ paths' and the dK / dV epilogue's in bwd_stor
 Note [Varlen backward] (``varlen``; ``sm90_bwd_varlen``): packed sequences (Note [Varlen] in
 fwd_kernel.py), one CTA per key block that exists: the grid is heads x ``packed_blocks`` of the
 keys (an upper bound of sum ceil(len_s / tile_n)), and each CTA decodes its tile from its block
-index (``packed_tile`` in bwd_tiles.py: sequence by sequence, head by head, key block fastest,
+index (``fa_sm100.packed_tiles.packed_tile``: sequence by sequence, head by head, key block fastest,
 the padded grid's order without the blocks past a sequence's keys); the few CTAs past the last
 tile exit at once. Each CTA reads its sequence's first rows and lengths from cu_seqlens
 (``fa_sm100.varlen.sequence_rows``) and sees the packed tensors from that row at batch index
@@ -58,8 +58,9 @@ from fa_sm100.hopper.bwd_context import (BwdDkvOut, BwdGmem, BwdLoadAtoms, BwdMm
                                          BwdProblem, BwdSmem)
 from fa_sm100.hopper.bwd_store import dq_store, dq_tiled_mma, tile_counter
 from fa_sm100.hopper.bwd_tiles import (TileWalk, cta_tile, grid, init_tile_handoff,
-                                       longest_first_tail_pairs, packed_tile)
+                                       longest_first_tail_pairs)
 from fa_sm100.hopper.config import SMEM_ALIGN, WARPGROUP_THREADS, WGMMA_M
+from fa_sm100.packed_tiles import packed_tile
 from fa_sm100.softmax_math import LOG2_E
 from fa_sm100.varlen import (first_block, packed_blocks, ragged_rows, ragged_tile_rows,
                               sequence_rows, sequence_views)

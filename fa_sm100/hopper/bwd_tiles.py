@@ -272,53 +272,6 @@ def grid(cfg: BwdConfig, num_n_blocks, num_heads, num_batch):
     return [num_n_blocks, num_heads, num_batch]
 
 
-@cute.jit
-def packed_tile(cu_seqlens, seq_used, sequences, heads, tile: int, t):
-    """Tile ``t`` of a grid of ``heads`` x sum ceil(len_s / tile) tiles: (sequence, head,
-    block, the sequence's blocks, valid). The tiles run sequence by sequence, head by head within one, block by block
-    within a head (the padded grid's order without the blocks past a sequence's end);
-    ``valid`` is false for the tiles past the last (the grid is ``heads`` x
-    ``packed_blocks``, an upper bound), which then come back as zeros. ``len_s`` is
-    ``seq_used[s]`` where given, else from ``cu_seqlens``.
-
-    Each warp finds the sequence by itself, 32 sequences per turn: lane i counts sequence i's
-    tiles, an inclusive warp sum gives where each lane's tiles end, and the lanes that end at
-    or before ``t`` (a ballot) are the sequences before ``t``'s. A turn that ends before
-    ``t`` moves on to the next 32. Traced inline (run by every warp of the CTA, whose values
-    then agree)."""
-    lane = cute.arch.lane_idx()
-    chunk, before = Int32(0), Int32(0)
-    seq, head, block, count, valid = Int32(0), Int32(0), Int32(0), Int32(0), Int32(0)
-    while chunk * cute.arch.WARP_SIZE < sequences:
-        s = chunk * cute.arch.WARP_SIZE + lane
-        blocks = Int32(0)
-        if s < sequences:
-            length = cu_seqlens[s + 1] - cu_seqlens[s]
-            if cutlass.const_expr(seq_used is not None):
-                length = seq_used[s]
-            blocks = (length + tile - 1) // tile
-        tiles = blocks * heads
-        ends = tiles  # inclusive warp sum: where lane i's tiles end in this turn
-        for k in cutlass.range_constexpr(5):
-            below = cute.arch.shuffle_sync_up(ends, 1 << k)
-            ends = ends + cutlass.select_(lane >= (1 << k), below, Int32(0))
-        turn = cute.arch.shuffle_sync(ends, cute.arch.WARP_SIZE - 1)
-        if t < before + turn:
-            j = cute.arch.popc(cute.arch.vote_ballot_sync(before + ends <= t))
-            start = before + cute.arch.shuffle_sync(ends - tiles, j)
-            count = cute.arch.shuffle_sync(blocks, j)
-            seq = chunk * cute.arch.WARP_SIZE + j
-            head = (t - start) // count
-            block = t - start - head * count
-            valid = Int32(1)
-            chunk = sequences  # past the last turn
-        else:
-            before = before + turn
-            chunk = chunk + 1
-    return seq, head, block, count, valid
-
-
-
 def traced_m_block_range(cfg: BwdConfig, n_block: Int32, prob):
     """Query blocks [min, max) key block ``n_block`` visits (``m_block_range`` with the
     run-time lengths and band of ``prob``, a ``BwdProblem``)."""

@@ -34,7 +34,7 @@ from fa_sm100.sm100 import pipes as pipes_mod
 from fa_sm100.sm100 import softmax as softmax_role
 from fa_sm100.sm100.context import NUM_STATS, Gmem, Problem, Smem, Tmem
 from fa_sm100.sm100.scheduler import make_scheduler, rows_per_tile
-from fa_sm100.varlen import ragged_rows
+from fa_sm100.varlen import packed_blocks, ragged_rows
 from layouts import cute_layouts
 from layouts.smem import ALIGN, SmemPlan
 from layouts.tmem import TmemPlan
@@ -142,6 +142,8 @@ class Sm100Forward:
                 varlen = (mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mPageTable, max_seqlen_q)
         num_m_blocks = (seqlen_q + rows_per_tile(cfg) - 1) // rows_per_tile(cfg)
         num_tiles = num_m_blocks * num_heads * batch
+        if cutlass.const_expr(cfg.varlen):  # the packed query blocks, at most (scheduler.py)
+            num_tiles = packed_blocks(mQ.shape[0], batch, rows_per_tile(cfg)) * num_heads
         clusters = num_tiles
         if cutlass.const_expr(cfg.persistent):
             clusters = cutlass.min(num_tiles, cfg.num_sms // cfg.cta_group)
@@ -277,7 +279,8 @@ class Sm100Forward:
         prob = Problem(seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads=num_heads, batch=batch,
                        num_m_blocks=num_m_blocks, scale_log2=scale_log2, window=window,
                        softcap_k=softcap_k, varlen=tensors)
-        return prob, make_scheduler(cfg, num_m_blocks, num_heads, batch)
+        return prob, make_scheduler(cfg, num_m_blocks, num_heads, batch,
+                                    None if tensors is None else tensors[0])
 
     def _tmem_views(self, tmem_alloc, thr_mma_qk, thr_mma_pv, tP_layout) -> Tmem:
         """S_i, O_i and P_i placed at their TmemPlan offsets from the allocated base."""

@@ -14,10 +14,13 @@ Persistent (``cfg.persistent``): the grid holds ``num_sms / cta_group`` clusters
 per tile) and cluster c does tiles c, c + num_clusters, c + 2 num_clusters, ...
 Non-persistent: one cluster per tile, each does exactly one.
 
-- varlen (``cfg.varlen``): ``batch`` counts the packed sequences and ``num_m_blocks`` comes
-  from the longest query sequence; tile ids walk one (head, sequence) pair at a time (its K/V
-  stays in L2), each pair's last query block first. A tile past its sequence's end still
-  visits one fully masked block (the protocol is the same for every tile) and stores nothing.
+- varlen (``cfg.varlen``): ``batch`` counts the packed sequences, and the tiles are the query
+  blocks that exist (``fa_sm100.packed_tiles``: each role counts them and decodes a tile id
+  with warp sums over cu_seqlens_q): tile ids walk one (head, sequence) pair at a time (its K/V
+  stays in L2), each pair's last query block first, and no tile lies past its sequence's end.
+  The host launches for ``packed_blocks`` of the packed rows (an upper bound); a cluster with
+  no tile left runs no loop turn. A sequence without keys still visits one fully masked block
+  (the protocol is the same for every tile).
 
 Every role of a CTA runs the same loop over the same tile ids, so the roles agree on the work
 without talking to each other. ``tile_problem`` gives each role the tile's own lengths.
@@ -31,6 +34,8 @@ from dataclasses import dataclass
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
+
+from fa_sm100.packed_tiles import packed_tile, packed_tile_count
 
 
 def rows_per_tile(cfg) -> int:
@@ -61,6 +66,8 @@ class StaticScheduler:
     num_tiles: Int32
     first: Int32
     stride: Int32
+    cu_seqlens_q: object = None  # varlen: the packed sequences' offsets
+    batch: object = None  # varlen: the number of sequences
 
     def initial(self) -> Int32:
         return self.first
@@ -72,9 +79,10 @@ class StaticScheduler:
 
     def decode(self, tile: Int32) -> WorkTile:
         if cutlass.const_expr(self.cfg.varlen):  # pair-major, last query block first
-            hb = tile // self.num_m_blocks
-            m = self.num_m_blocks - 1 - (tile - hb * self.num_m_blocks)
-        elif cutlass.const_expr(self.cfg.causal):
+            seq, head, m, count, _ = packed_tile(self.cu_seqlens_q, None, self.batch,
+                                                 self.num_heads, rows_per_tile(self.cfg), tile)
+            return WorkTile(Int32(count - 1 - m), Int32(head), Int32(seq))
+        if cutlass.const_expr(self.cfg.causal):
             # LPT: every (head, batch) pair of the last query block first.
             hb_count = self.num_tiles // self.num_m_blocks
             hb = tile % hb_count
@@ -85,17 +93,23 @@ class StaticScheduler:
         return WorkTile(Int32(m), Int32(hb % self.num_heads), Int32(hb // self.num_heads))
 
 
-def make_scheduler(cfg, num_m_blocks, num_heads, batch) -> StaticScheduler:
-    """The scheduler of this CTA (call inside the kernel: reads the block and grid ids)."""
+def make_scheduler(cfg, num_m_blocks, num_heads, batch, cu_seqlens_q=None) -> StaticScheduler:
+    """The scheduler of this CTA (call inside the kernel: reads the block and grid ids; under
+    varlen, counts the packed query blocks of ``cu_seqlens_q`` with a warp of its role)."""
     bidx, _, _ = cute.arch.block_idx()
     gdim, _, _ = cute.arch.grid_dim()
+    num_tiles = num_m_blocks * num_heads * batch
+    if cutlass.const_expr(cfg.varlen):
+        num_tiles = packed_tile_count(cu_seqlens_q, None, batch, num_heads, rows_per_tile(cfg))
     return StaticScheduler(
         cfg=cfg,
         num_m_blocks=Int32(num_m_blocks),
         num_heads=Int32(num_heads),
-        num_tiles=Int32(num_m_blocks * num_heads * batch),
+        num_tiles=Int32(num_tiles),
         first=Int32(bidx // cfg.cta_group),
         stride=Int32(gdim // cfg.cta_group),
+        cu_seqlens_q=cu_seqlens_q if cfg.varlen else None,
+        batch=Int32(batch) if cfg.varlen else None,
     )
 
 
