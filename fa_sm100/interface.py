@@ -18,7 +18,8 @@ import torch
 from fa_sm100.call_plans import PlanTable
 from fa_sm100.devices import capability, is_sm100
 from fa_sm100.hopper import probes
-from fa_sm100.validation import validate_attention_inputs
+from fa_sm100.validation import (check_varlen_values, checking_values,
+                                 validate_attention_inputs, validate_varlen_inputs)
 
 _calls = PlanTable()  # (metadata, options) that passed validation -> the backend's plan
 
@@ -166,7 +167,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     cu_seqlens_k[i + 1]`` of k and v (int32, batch + 1 offsets from 0, non-decreasing: zero-
     length sequences are legal). ``max_seqlen_q`` / ``max_seqlen_k``: at least the longest
     sequence (as flash-attn requires: the launch grid is cut from them; they are not checked
-    against the offsets, which would wait for the GPU). ``seqused_k`` (batch,) int32: use only
+    against the offsets, which would wait for the GPU, unless ``FA_SM100_CHECK_VALUES=1``:
+    then the offsets are read and bad ones raise ValueError before any launch). ``seqused_k`` (batch,) int32: use only
     the first ``seqused_k[i]`` keys of sequence i (a cache longer than what is filled).
     causal, window_size, softcap, softmax_scale: as ``flash_attn_func``, per sequence
     (bottom-right aligned to each sequence's own lengths). Returns out (total_q, heads,
@@ -180,6 +182,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """
     _check_flash_attn_options(dropout_p, alibi_slopes, deterministic, return_lse,
                               return_attn_probs)
+    if checking_values():  # FA_SM100_CHECK_VALUES=1: the offsets' values too (a GPU wait)
+        validate_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                               seqused_k, softmax_scale, causal, window_size, softcap,
+                               require_cuda=False)
+        check_varlen_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q,
+                            max_seqlen_k, seqused_k)
     try:
         grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
         forward = _varlen_forwards.get(q.device)

@@ -196,6 +196,47 @@ class VarlenProblem:
     softcap: float = 0.0
 
 
+# Set to 1, ``flash_attn_varlen_func`` reads the offsets' values on every call
+# (``check_varlen_values``: one wait for the GPU) and raises ValueError before any launch.
+CHECK_VALUES_ENV = "FA_SM100_CHECK_VALUES"
+
+
+def checking_values() -> bool:
+    """Whether ``CHECK_VALUES_ENV`` asks for the value checks of packed batches."""
+    import os
+
+    return os.environ.get(CHECK_VALUES_ENV, "0") not in ("", "0")
+
+
+def check_varlen_values(cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: int,
+                        max_seqlen_q: int, max_seqlen_k: int, seqused_k=None) -> None:
+    """What ``validate_varlen_inputs`` leaves unread, read: each offsets vector starts at 0,
+    never decreases and ends at the packed tensor's rows; no sequence is longer than its
+    ``max_seqlen``; ``seqused_k`` lies in [0, the sequence's keys]. Raise ValueError naming
+    the first sequence that breaks a rule. Copies the offsets to the host: it waits for the
+    GPU (``CHECK_VALUES_ENV``)."""
+    for name, cu, total, longest in (("cu_seqlens_q", cu_seqlens_q, total_q, max_seqlen_q),
+                                     ("cu_seqlens_k", cu_seqlens_k, total_k, max_seqlen_k)):
+        offsets = cu.tolist()
+        if offsets[0] != 0:
+            raise ValueError(f"{name}[0] must be 0, got {offsets[0]}")
+        if offsets[-1] != total:
+            raise ValueError(f"{name}[-1] must be the packed rows ({total}), got {offsets[-1]}")
+        for i, (a, b) in enumerate(zip(offsets, offsets[1:])):
+            if b < a:
+                raise ValueError(f"{name} must not decrease: sequence {i} runs from {a} to {b}")
+            if b - a > longest:
+                name_max = "max_seqlen_q" if name.endswith("q") else "max_seqlen_k"
+                raise ValueError(f"sequence {i} has {b - a} rows in {name}, more than "
+                                 f"{name_max}={longest}")
+    if seqused_k is not None:
+        keys = cu_seqlens_k.tolist()
+        for i, used in enumerate(seqused_k.tolist()):
+            if not 0 <= used <= keys[i + 1] - keys[i]:
+                raise ValueError(f"seqused_k[{i}] must lie in [0, {keys[i + 1] - keys[i]}] "
+                                 f"(the sequence's keys), got {used}")
+
+
 def validate_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            seqused_k=None, softmax_scale=None, causal=False,
                            window_size=(None, None), softcap=0.0,

@@ -197,3 +197,32 @@ def test_varlen_inputs_are_checked_before_anything_runs():
     leaf = q.clone().requires_grad_()
     call(leaf, q, q, cu, cu, 6, 6).sum().backward()
     assert leaf.grad is not None and leaf.grad.shape == q.shape
+
+
+@pytest.mark.parametrize("cu_q,cu_k,used,max_q,message", [
+    ([1, 5, 9], [0, 4, 9], None, 8, r"cu_seqlens_q\[0\] must be 0"),
+    ([0, 5, 8], [0, 4, 9], None, 8, r"cu_seqlens_q\[-1\] must be the packed rows \(9\)"),
+    ([0, 6, 5, 9], [0, 4, 4, 9], None, 8, "must not decrease: sequence 1 runs from 6 to 5"),
+    ([0, 5, 9], [0, 4, 9], None, 4, "sequence 0 has 5 rows in cu_seqlens_q, more than "
+                                    "max_seqlen_q=4"),
+    ([0, 5, 9], [0, 4, 9], [4, 6], 8, r"seqused_k\[1\] must lie in \[0, 5\]"),
+    ([0, 5, 9], [0, 4, 9], [-1, 2], 8, r"seqused_k\[0\] must lie in \[0, 4\]"),
+])
+def test_checked_values_raise_before_anything_runs(monkeypatch, cu_q, cu_k, used, max_q,
+                                                   message):
+    """With FA_SM100_CHECK_VALUES=1 ``flash_attn_varlen_func`` reads the offsets: a first
+    offset not 0, a last not the packed rows, a decreasing one, a sequence longer than its
+    max_seqlen and seqused_k outside [0, the keys] each raise ValueError naming it; a good
+    pack passes and is computed (on CPU tensors with gradients: the PyTorch model)."""
+    from fa_sm100 import flash_attn_varlen_func
+
+    monkeypatch.setenv("FA_SM100_CHECK_VALUES", "1")
+    q, k = (torch.randn(9, 2, 64, dtype=torch.bfloat16) for _ in range(2))
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    seqused = None if used is None else i32(used)
+    with pytest.raises(ValueError, match=message):
+        flash_attn_varlen_func(q, k, k, i32(cu_q), i32(cu_k), max_q, 8, seqused_k=seqused)
+    q.requires_grad_()  # on CPU tensors the gradients' PyTorch model computes it
+    out = flash_attn_varlen_func(q, k, k, i32([0, 5, 9]), i32([0, 4, 9]), 5, 5,
+                                 seqused_k=i32([4, 3]))
+    assert out.shape == q.shape and torch.isfinite(out).all()
