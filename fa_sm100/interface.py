@@ -167,9 +167,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     cu_seqlens_k[i + 1]`` of k and v (int32, batch + 1 offsets from 0, non-decreasing: zero-
     length sequences are legal). ``max_seqlen_q`` / ``max_seqlen_k``: at least the longest
     sequence (as flash-attn requires: the launch grid is cut from them; they are not checked
-    against the offsets, which would wait for the GPU, unless ``FA_SM100_CHECK_VALUES=1``:
-    then the offsets are read and bad ones raise ValueError before any launch). ``seqused_k`` (batch,) int32: use only
-    the first ``seqused_k[i]`` keys of sequence i (a cache longer than what is filled).
+    against the offsets, which would wait for the GPU, unless ``FA_SM100_CHECK_VALUES=1``: then
+    the offsets are read and bad ones raise ValueError before any launch). ``seqused_k``
+    (batch,) int32: use only the first ``seqused_k[i]`` keys of sequence i (a cache longer than
+    what is filled).
     causal, window_size, softcap, softmax_scale: as ``flash_attn_func``, per sequence
     (bottom-right aligned to each sequence's own lengths). Returns out (total_q, heads,
     head_dim_v), or ``(out, lse)`` with ``return_lse`` (lse (heads, total_q) float32, natural

@@ -49,10 +49,10 @@ def packed_tile_count(cu_seqlens, seq_used, sequences, heads, tile: int):
 
 @cute.jit
 def packed_tile(cu_seqlens, seq_used, sequences, heads, tile: int, t):
-    """Tile ``t`` of a grid of ``heads`` x sum ceil(len_s / tile) tiles: (sequence, head,
-    block, the sequence's blocks, valid). The tiles run sequence by sequence, head by head
-    within one, block by block within a head (the padded grid's order without the blocks past a sequence's end);
-    ``valid`` is false for the tiles past the last (the grid is ``heads`` x
+    """Tile ``t`` of a grid of ``heads`` x sum ceil(len_s / tile) tiles: (sequence, head, block, the
+    sequence's blocks, valid). The tiles run sequence by sequence, head by head within one,
+    block by block within a head (the padded grid's order without the blocks past a sequence's
+    end); ``valid`` is false for the tiles past the last (the grid is ``heads`` x
     ``packed_blocks``, an upper bound), which then come back as zeros. ``len_s`` is
     ``seq_used[s]`` where given, else from ``cu_seqlens``.
 

@@ -321,10 +321,10 @@ def launch_args(config: BwdConfig, q, k, v, out, dout, lse, dq, dk, dv, softmax_
     """The arguments of each kernel of ``kernel_specs``, in order, with the call's workspace:
     what a call computes (a warm call nothing else). ``window``: ``main_window`` of q and k,
     ``layout``: the workspace's, each computed here when not given. ``varlen``: (cu_seqlens_q,
-    cu_seqlens_k, seqused_k or None, max_seqlen_q, max_seqlen_k) of a packed batch, whose tensors come as a
-    batch of one (Note [Varlen backward] in bwd_kernel.py); ``layout`` is then required.
-    ``kept``: the workspace may be the stream's kept one (Note [Kept workspace]), as a plan's
-    call takes it."""
+    cu_seqlens_k, seqused_k or None, max_seqlen_q, max_seqlen_k) of a packed batch, whose
+    tensors come as a batch of one (Note [Varlen backward] in bwd_kernel.py); ``layout`` is
+    then required. ``kept``: the workspace may be the stream's kept one (Note [Kept
+    workspace]), as a plan's call takes it."""
     ws = workspace(config, q, k, layout, kept)
     cu_q, cu_k, used, max_q, max_k = (None,) * 5 if varlen is None else varlen
     gqa = config.uses_gqa_buffers

@@ -30,15 +30,15 @@ multicast]) in bwd_load.py; the dQ paths' and the dK / dV epilogue's in bwd_stor
 Note [Varlen backward] (``varlen``; ``sm90_bwd_varlen``): packed sequences (Note [Varlen] in
 fwd_kernel.py), one CTA per key block that exists: the grid is heads x ``packed_blocks`` of the
 keys (an upper bound of sum ceil(len_s / tile_n)), and each CTA decodes its tile from its block
-index (``fa_sm100.packed_tiles.packed_tile``: sequence by sequence, head by head, key block fastest,
-the padded grid's order without the blocks past a sequence's keys); the few CTAs past the last
-tile exit at once. Each CTA reads its sequence's first rows and lengths from cu_seqlens
-(``fa_sm100.varlen.sequence_rows``) and sees the packed tensors from that row at batch index
-``seq``, so every role indexes them as a padded batch; the float32 workspace holds each
-sequence's rows in whole query (key) blocks of its own (Note [Packed workspace] in
-fa_sm100/varlen.py), seen the same way. Query rows past the end carry LSE2 = +inf (P = 0),
-keys past it are masked by the sequence's own seqlen_k, MHA dK/dV are stored row by row below
-it; keys past ``seqused_k`` are zeroed by the host first. The switches that read other tiles'
+index (``fa_sm100.packed_tiles.packed_tile``: sequence by sequence, head by head, key block
+fastest, the padded grid's order without the blocks past a sequence's keys); the few CTAs past
+the last tile exit at once. Each CTA reads its sequence's first rows and lengths from
+cu_seqlens (``fa_sm100.varlen.sequence_rows``) and sees the packed tensors from that row at
+batch index ``seq``, so every role indexes them as a padded batch; the float32 workspace holds
+each sequence's rows in whole query (key) blocks of its own (Note [Packed workspace] in
+fa_sm100/varlen.py), seen the same way. Query rows past the end carry LSE2 = +inf (P = 0), keys
+past it are masked by the sequence's own seqlen_k, MHA dK/dV are stored row by row below it;
+keys past ``seqused_k`` are zeroed by the host first. The switches that read other tiles'
 lengths are off (``VARLEN_FIXED``). docs/varlen.md, "The backward".
 """
 

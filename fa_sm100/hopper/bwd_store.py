@@ -32,9 +32,9 @@ it copies its tile, waits until the copy has completed (``wait_group 0``, not ``
 fences and releases 2; if it found 1, it polls (acquire) until it reads 2, then adds. A
 poller waits until one bulk copy has completed, in the dq-store warp while the MMA warpgroups
 compute the next block. That is cheap when the CTAs of a (batch, head) reach a block at
-different times, as under a causal mask (key block n starts at the diagonal); without one
-they run through the query blocks together and all but one wait at every block (slower than
-the zero fill: tuning row "dQ first stores") unless their sweeps are staggered (Note [staggered query
+different times, as under a causal mask (key block n starts at the diagonal); without one they
+run through the query blocks together and all but one wait at every block (slower than the zero
+fill: tuning row "dQ first stores") unless their sweeps are staggered (Note [staggered query
 blocks] in bwd_tiles.py), so ``select_bwd_config`` turns it on for causal problems and
 staggered sweeps. Deterministic mode has its order already: the CTA whose turn is 0 stores
 and the semaphore keeps counting turns. A block no CTA reaches (rows that see no

@@ -71,8 +71,8 @@ length: no mask or window, unless the tiles are fetched (Note [dynamic tiles]). 
 preprocess runs ahead (``pre_ctas=0``): its CTAs beside the main kernel would hold SMs that
 some persistent CTAs then wait for, and those end last.
 The gain is the per-tile cost, so it shrinks as tiles grow: ``select_bwd_config`` takes it up
-to ``PERSISTENT_MAX_SEQLEN`` (hdim 64 and 128; the measurement is in the tuning row
-"persistent CTAs"). GPU tests: the float64 rule with NaN-poisoned workspaces and CTAs walking many tiles,
+to ``PERSISTENT_MAX_SEQLEN`` (hdim 64 and 128; the measurement is in the tuning row "persistent
+CTAs"). GPU tests: the float64 rule with NaN-poisoned workspaces and CTAs walking many tiles,
 and dK, dV bit for bit those of one CTA per tile.
 
 Note [dynamic tiles] (``dynamic_tiles``): under a causal mask a tile's sweep is as long as
