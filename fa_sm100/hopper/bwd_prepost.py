@@ -602,15 +602,15 @@ class DqPostprocess:
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
         seqlen_q = mOut.shape[1]
+        active = True
         if const_expr(mCuSeqlens is not None):  # varlen: sequence ``batch``'s rows of dq, and
-            # its blocks of the packed accumulator (Note [Packed workspace] in varlen.py)
+            # its blocks of the packed accumulator (Note [Packed workspace] in varlen.py); the
+            # blocks past the sequence have nothing to write
             mOut, seqlen_q = sequence_rows(mCuSeqlens, None, batch, (mOut, 1, 0))
             mAcc = sequence_views(batch, first_block(mCuSeqlens, batch, self.tile_m),
                                   (mAcc, 2, 0))[0]
-            if m_block * self.tile_m < seqlen_q:  # the blocks past the sequence: nothing
-                self._block(mAcc, mSem, mOut, scale, seqlen_k, mma, m_block, head, batch,
-                            seqlen_q, tidx)
-        else:
+            active = m_block * self.tile_m < seqlen_q
+        if active:
             self._block(mAcc, mSem, mOut, scale, seqlen_k, mma, m_block, head, batch, seqlen_q,
                         tidx)
 
