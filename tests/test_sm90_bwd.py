@@ -62,7 +62,14 @@ from script_loader import load_script
     (dict(tile_m=80), "tile_m=80 needs sdp_swap_ab=True"),
     (dict(tile_m=80, sdp_swap_ab=True, head_dim=64, head_dim_v=64), "tile_m=80 needs"),
     (dict(tile_m=32), "tile_m=32"),
-    (dict(tile_n=96), "tile_n=96"),
+    (dict(tile_n=96), "tile_n=96 needs dkv_swap_ab=True"),
+    (dict(tile_n=80), "tile_n=80"),
+    (dict(dkv_swap_ab=1), "dkv_swap_ab=1: must be a bool"),
+    (dict(dkv_swap_ab=True, sdp_swap_ab=True), "dkv_swap_ab=True needs sdp_swap_ab=False"),
+    (dict(dkv_swap_ab=True, tile_n=64, early_dv=False), "dkv_swap_ab=True needs tile_n"),
+    (dict(head_dim=256, head_dim_v=256, tile_n=96, dkv_swap_ab=True), "192 float32 registers"),
+    (dict(head_dim=192, head_dim_v=128, tile_n=96, dkv_swap_ab=True, persistent_ctas=132),
+     "persistent_ctas=132 needs dkv_swap_ab=False"),
     (dict(q_stage=4), "q_stage=4"),
     (dict(do_stage=0), "do_stage=0"),
     (dict(q_stage=3, do_stage=3), "exceeds the SM90 budget"),  # with the SMEM dQ tile
@@ -113,8 +120,13 @@ def test_default_configs_fit_smem_and_follow_the_measured_choices():
         for kw in (dict(), dict(causal=True), dict(qhead_per_kvhead=4, deterministic=True)):
             cfg = select_bwd_config(head_dim=d, **kw)
             assert cfg.smem_bytes() <= SM90_SMEM_BYTES
-            # Note [dK/dV by columns]: the head dims above 128, and only those
-            assert cfg.dkv_split_cols == (d > 128) and (cfg.tile_n == 64) == (d > 128)
+            # Note [dK/dV by columns]: hdim 256, and only that; (192, 128) transposed with 96
+            # keys (Note [dK/dV transposed]), everything else 128 keys
+            assert cfg.dkv_split_cols == (d == 256)
+            assert cfg.dkv_swap_ab == (d == 192)
+            assert cfg.tile_n == {192: 96, 256: 64}.get(d, 128)
+            # each warpgroup's keys are whole P / dS swizzle atoms
+            assert cfg.keys_per_warpgroup % cfg.ps_atom_cols == 0 or cfg.dkv_split_cols
     assert select_bwd_config(head_dim=192).head_dim_v == 128
     assert select_bwd_config(head_dim=256).head_dim_v == 256
     # dQ by vector reductions at hdim 256 only (2-stage Q/dO fit there only without the SMEM
@@ -1552,7 +1564,8 @@ def test_sm90_bwd_stats_come_with_their_stage(overrides, tmp_path):
     assert ldg[True] < ldg[False]
 
 
-WIDE_HEAD_CASES = [(["head_dim=256"], 256, 256), (["head_dim=192", "causal=true"], 192, 128),
+WIDE_HEAD_CASES = [(["head_dim=256"], 256, 256),
+                   (["head_dim=192", "causal=true", "tile_n=64"], 192, 128),
                    (["tile_n=64", "sdp_swap_ab=false", "early_dv=false"], 128, 128)]
 
 
@@ -1585,6 +1598,42 @@ def test_sm90_bwd_tile_n_64_splits_dk_dv_by_columns(overrides, d, dv, tmp_path):
     after = [t for t in loop[at_barrier:] if t.startswith("HGMMA")]
     assert len(after) == 12, "dV, dQ and dK (4 k16 slices each) follow the dS barrier"
     assert [t.split()[0] for t in loop].count("STSM.16.M88.4") == 4  # P and dS
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_sm90_bwd_tile_n_96_computes_dk_dv_transposed(causal, tmp_path):
+    """Note [dK/dV transposed] at (192, 128): S and dP are 64 x 48 per warpgroup, and so are
+    dV^T (2 head-dim atoms) and dK^T (3) over K = 64 (4 k16 slices each), both operands
+    MN-major (``tnspA.tnspB``); dQ is N = 96 over K = 96 (6 slices). Early dV (the default
+    without a mask) runs before the dS barrier, which only dQ and dK then wait for. P and dS
+    are stored by stmatrix (3 + 3 per thread), dK^T and dV^T leave by ``stmatrix.trans``;
+    five WGMMA groups, no spills, setmaxnreg kept."""
+    from fa_sm100.compile_tools import sass_main_loop
+    from fa_sm100.hopper.named_barriers import Sm90BwdBarrier
+    from fa_sm100.inspection import inspect_kernel
+
+    cfg = select_bwd_config(head_dim=192, causal=causal, tile_n=96, dkv_swap_ab=True)
+    assert cfg.early_dv == (not causal) and cfg.dkv_acc_regs() == 120
+    r = inspect_kernel("sm90_bwd", "sm_90a",
+                       ["head_dim=192", "tile_n=96", "dkv_swap_ab=true", f"causal={causal}"],
+                       keep_dir=tmp_path)
+    sass = read_kept_sass(tmp_path)
+    assert r["spill_bytes"] == 0 and r["local_bytes"] == 0
+    assert r["setmaxnreg"] == {"producer": 24, "mma": 240}, r["warnings"]
+    assert _hgmma_commits(sass) == 5
+    loop = [t for _, t in sass_main_loop(sass)]
+    hgmma = [t for t in loop if t.startswith("HGMMA")]
+    shapes = [re.match(r"HGMMA\.64x(\d+)x16", t).group(1) for t in hgmma]
+    # S over hdim, dP over hdim_v, dV^T over 2 x 4 and dK^T over 3 x 4; dQ 6 slices of 96
+    assert {n: shapes.count(n) for n in set(shapes)} == {"48": 12 + 8 + 8 + 12, "96": 6}
+    assert sum(".tnspA.tnspB" in t for t in hgmma) == 8 + 12
+    barrier = f"BAR.SYNC.DEFER_BLOCKING {int(Sm90BwdBarrier.DS_READY):#x},"
+    at_barrier = next(i for i, t in enumerate(loop) if t.startswith(barrier))
+    after = sum(t.startswith("HGMMA") for t in loop[at_barrier:])
+    assert after == 6 + 12 + (8 if causal else 0), "dV before the barrier only when early"
+    assert [t.split()[0] for t in loop].count("STSM.16.M88.4") == 6  # P and dS
+    assert len(re.findall(r"STSM\.16\.MT88\.4", sass)) == (192 + 128) * 48 // (4 * 4 * 64)
 
 
 @pytest.mark.compile

@@ -133,7 +133,7 @@ def test_sm90_bwd_wide_head_dims_match_float64(sm90_device, case):
 
 WIDE_SWITCHES = [  # (switches, kv heads of 4 query heads)
     (dict(dq_accum="bulk", q_stage=1, do_stage=1), 4), (dict(dq_accum="red", do_stage=1), 2),
-    (dict(dq_accum="red"), 4),  # (192, 128): the long causal default
+    (dict(dq_accum="red"), 4),
     (dict(overlap_dk=True), 4), (dict(gqa_reduce="atomic"), 2), (dict(gqa_reduce="buffers"), 1),
     (dict(dkv_tma_store=False), 4), (dict(stats_smem=False), 4), (dict(try_wait=False), 4),
     (dict(stats_first=True), 2),
@@ -150,6 +150,52 @@ def test_sm90_bwd_wide_head_dim_switches(sm90_device, switches, hk, d):
     cfg = select_bwd_config(head_dim=d[0], head_dim_v=d[1], causal=True, qhead_per_kvhead=4 // hk,
                             **switches)
     _run_case(1, 333, 300, 4, hk, d, True, (None, None), torch.bfloat16, config=cfg)
+
+
+# Note [dK/dV transposed]: tile_n 96 at (192, 128) with the switches it meets, over the
+# (192, 128) cases above (tails, MQA, GQA with a left window) and rows that see no key
+TRANSPOSED_SWITCHES = [
+    {}, dict(early_dv=False), dict(early_dv=False, dv_before_barrier=True),
+    dict(dq_accum="red"), dict(overlap_dk=True, early_dv=False), dict(gqa_reduce="atomic"),
+    dict(dkv_tma_store=False), dict(stats_first=True), dict(q_stage=1, do_stage=1),
+]
+TRANSPOSED_CASES = [c for c in WIDE_CASES if c[5] == (192, 128)] + [
+    (2, 300, 100, 4, 2, (192, 128), True, (None, None), torch.float16),
+    (2, 1, 1, 2, 2, (192, 128), False, (None, None), torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("switches", TRANSPOSED_SWITCHES,
+                         ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()) or "default")
+@pytest.mark.parametrize("case", TRANSPOSED_CASES,
+                         ids=lambda c: f"b{c[0]}-q{c[1]}-k{c[2]}-h{c[3]}/{c[4]}"
+                         f"-{'causal' if c[6] else 'full'}-w{c[7][0]},{c[7][1]}")
+def test_sm90_bwd_dkv_transposed_match_float64(sm90_device, switches, case):
+    from fa_sm100.hopper.bwd_defaults import select_bwd_config
+
+    b, sq, sk, hq, hk, d, causal, window, dtype = case
+    cfg = select_bwd_config(head_dim=d[0], head_dim_v=d[1], causal=causal,
+                            window_left=window[0], window_right=window[1],
+                            qhead_per_kvhead=hq // hk, tile_n=96, dkv_swap_ab=True, **switches)
+    _run_case(b, sq, sk, hq, hk, d, causal, window, dtype, config=cfg)
+
+
+@pytest.mark.parametrize("hk", [2, 1], ids=["mha", "gqa"])
+def test_sm90_bwd_dkv_transposed_deterministic_is_bitwise(sm90_device, hk):
+    """Deterministic mode with tile_n 96: gradients under the rule, and bitwise equal over
+    three runs (GQA through the per-head float32 buffers)."""
+    from fa_sm100.hopper.bwd_defaults import select_bwd_config
+    from fa_sm100.hopper.bwd_interface import sm90_bwd
+
+    cfg = select_bwd_config(head_dim=192, causal=True, qhead_per_kvhead=2 // hk,
+                            deterministic=True, tile_n=96, dkv_swap_ab=True)
+    args, first = _run_case(1, 777, 777, 2, hk, (192, 128), True, dtype=torch.bfloat16,
+                            deterministic=True, config=cfg)
+    q, k, v, out, lse, dout = args
+    for _ in range(2):
+        again = sm90_bwd(dout, q, k, v, out, lse, causal=True, deterministic=True, config=cfg)
+        for x, y in zip(first, again):
+            assert torch.equal(x, y)
 
 
 # tile_m=128 (swapped S/dP, hdim 64 only; Note [tile_m 128]): query-block tails of 1, 17, 1000
@@ -266,6 +312,9 @@ SWITCHES = [
     dict(sdp_swap_ab=True, longest_first=True, tail_ctas=7),
     dict(sdp_swap_ab=False, longest_first=True, tail_ctas=7),
     dict(sdp_swap_ab=True, longest_first=False),
+    # Note [dK/dV transposed] at hdim 64 / 128 (tile_n 128, 64 keys per warpgroup)
+    dict(sdp_swap_ab=False, tile_m=64, dkv_swap_ab=True),
+    dict(sdp_swap_ab=False, tile_m=64, dkv_swap_ab=True, early_dv=False, dkv_tma_store=False),
 ]
 
 
@@ -294,7 +343,7 @@ MULTICAST_CASES = [  # (b, sq, sk, hq, hk, d, switches)
     (1, 200, 512, 2, 2, 128, dict(sdp_swap_ab=False, dq_accum="red")),
     (2, 257, 255, 4, 1, 64, {}),
     (1, 190, 200, 2, 2, 96, {}),
-    (1, 300, 200, 2, 1, (192, 128), {}),
+    (1, 300, 190, 2, 1, (192, 128), {}),  # two key blocks of 96
     (1, 129, 120, 2, 2, 256, {}),
     # clusters of 4: a quarter of each tile per CTA (80 rows: 20, not whole swizzle atoms)
     (2, 333, 500, 4, 2, 128, dict(qdo_cluster=4)),

@@ -173,8 +173,8 @@ def parse_args(argv=None):
         if h < 1:
             p.error(f"--heads {h}: must be at least 1")
     for d in a.hdim:
-        if HIDDEN % d:
-            p.error(f"--hdim {d} does not divide the hidden size {HIDDEN}")
+        if HIDDEN % d and not a.heads:
+            p.error(f"--hdim {d} does not divide the hidden size {HIDDEN}: give --heads")
     for s in a.seqlen:
         if s < 1 or TOKENS % s:
             p.error(f"--seqlen {s} must divide {TOKENS} tokens")

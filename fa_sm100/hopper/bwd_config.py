@@ -29,8 +29,13 @@ from layouts.smem import SMEM_BUDGET, align_up
 # (qk, v) head-dim pairs with a backward: those of the SM90 forward
 SM90_BWD_HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (192, 128), (256, 256))
 # tile_n 128 keeps 64 key rows of dK and dV per warpgroup: up to this head dim (registers);
-# larger head dims take tile_n 64, split by head-dim columns (Note [dK/dV by columns])
+# larger head dims take tile_n 64, split by head-dim columns (Note [dK/dV by columns]), or 96
+# with dK / dV transposed (Note [dK/dV transposed])
 TILE_N_128_MAX_HEAD_DIM = 128
+TILE_N_TRANSPOSED = 96  # keys per CTA that only dK / dV transposed allows (48 per warpgroup)
+# float32 dK + dV accumulator registers per MMA thread that leave room for S, dP and dQ: the
+# tile_n 128 rule at hdim 128, and what (192, 128) takes at tile_n 96
+DKV_ACC_MAX_REGS = 128
 GQA_REDUCE_MODES = ("atomic", "buffers")
 # Query rows per iteration of the swapped hdim-64 default (the only head dim 128 rows fit).
 TILE_M_SWAPPED_HDIM64 = 128
@@ -127,6 +132,11 @@ class BwdConfig:
     # Compute S^T = K Q^T and dP^T = V dO^T (warpgroups stacked along the keys) so that P^T and
     # dS^T feed dV and dK from registers (RS WGMMA): no P in SMEM, dV/dK read only Q/dO there.
     sdp_swap_ab: bool = False
+    # dV and dK computed transposed, dV^T = dO^T P and dK^T = Q^T dS (M = head dim, N = keys,
+    # the warpgroups side by side along the keys): each warpgroup's dV / dK reads only its own
+    # P / dS, and ``tile_n`` 96 becomes possible (Note [dK/dV transposed] in bwd_mma.py).
+    # Unswapped S/dP, tile_n 96 or 128.
+    dkv_swap_ab: bool = False
     # Leave this query block's dK GEMM running while the next block's S and dP are issued
     # (the q stage is released one block late). Unswapped S/dP only.
     overlap_dk: bool = False
@@ -339,6 +349,30 @@ class BwdConfig:
         return self.tile_n == WGMMA_M
 
     @property
+    def keys_per_warpgroup(self) -> int:
+        """Key columns of S / dP that one MMA warpgroup computes (unswapped: half the tile;
+        swapped: the 64 keys of its M atom)."""
+        return WGMMA_M if self.sdp_swap_ab else self.tile_n // 2
+
+    @property
+    def ps_atom_cols(self) -> int:
+        """Key columns of one P / dS SMEM swizzle atom row: 64 (128 bytes), or with 48 keys
+        per warpgroup (tile_n 96) 16, so that each warpgroup's keys are whole atoms (its dV^T
+        / dK^T read them as an MN-major B: Note [dK/dV transposed])."""
+        return next(c for c in (64, 32, 16)
+                    if self.keys_per_warpgroup % c == 0 or self.dkv_split_cols)
+
+    def dkv_tile_shape(self, cols: int) -> tuple:
+        """dK's (``cols`` = head_dim) or dV's (head_dim_v) accumulator tile: (keys, cols), or
+        transposed (cols, keys) (Note [dK/dV transposed] in bwd_mma.py)."""
+        return (cols, self.tile_n) if self.dkv_swap_ab else (self.tile_n, cols)
+
+    def dkv_acc_regs(self) -> int:
+        """Float32 dK + dV accumulator registers per MMA thread."""
+        return (self.head_dim + self.head_dim_v) * self.tile_n // (
+            WARPGROUP_THREADS * self.num_mma_warpgroups)
+
+    @property
     def p_stage(self) -> int:
         """P buffers in SMEM: none with ``sdp_swap_ab``; ``ds_stage`` when both warpgroups read
         all of P (``dkv_split_cols``, Note [dS double buffer]); else one."""
@@ -431,6 +465,8 @@ class BwdConfig:
              "qdo_multicast=False with dynamic_tiles: both CTAs of a cluster would need the "
              "same fetched tile"),
             (self.deterministic, "deterministic=False"),
+            (self.dkv_swap_ab, "dkv_swap_ab=False: its staging of dK / dV is not built for "
+             "transposed tiles (Note [dK/dV transposed])"),
             (not self.stores_dkv_by_tma,
              "MHA with dkv_tma_store=True: the epilogue stages dK / dV for TMA stores"),
             (self.dq_accum != "bulk", "dq_accum='bulk'"),
@@ -480,10 +516,29 @@ class BwdConfig:
                     f"head dim (its M) into the two warpgroups' 64-row atoms")
             if self.tile_n != 2 * WGMMA_M:
                 raise ValueError("tile_m=80 needs tile_n=128")
-        if self.tile_n not in (WGMMA_M, 2 * WGMMA_M):
+        if self.tile_n not in (WGMMA_M, TILE_N_TRANSPOSED, 2 * WGMMA_M):
             raise ValueError(
-                f"tile_n={self.tile_n}: must be 128 (64 key rows per MMA warpgroup) or 64 "
-                f"(dK/dV split by head-dim columns)")
+                f"tile_n={self.tile_n}: must be 128 (64 key rows per MMA warpgroup), 64 "
+                f"(dK/dV split by head-dim columns) or {TILE_N_TRANSPOSED} (dK/dV transposed)")
+        if self.tile_n == TILE_N_TRANSPOSED and not self.dkv_swap_ab:
+            raise ValueError(
+                f"tile_n={TILE_N_TRANSPOSED} needs dkv_swap_ab=True: 96 keys are no whole number "
+                f"of 64-row WGMMA M atoms per warpgroup; transposed, they are N (48 per "
+                f"warpgroup, Note [dK/dV transposed])")
+        if self.dkv_swap_ab:
+            if self.sdp_swap_ab:
+                raise ValueError(
+                    "dkv_swap_ab=True needs sdp_swap_ab=False: dV^T and dK^T read P and dS from "
+                    "SMEM, each warpgroup its own keys (Note [dK/dV transposed])")
+            if self.tile_n == WGMMA_M:
+                raise ValueError(f"dkv_swap_ab=True needs tile_n {TILE_N_TRANSPOSED} or "
+                                 f"{2 * WGMMA_M}: tile_n 64 splits dK/dV by columns")
+            if self.dkv_acc_regs() > DKV_ACC_MAX_REGS:
+                raise ValueError(
+                    f"dkv_swap_ab=True with tile_n={self.tile_n} at head dims ({self.head_dim}, "
+                    f"{self.head_dim_v}): dK^T and dV^T take {self.dkv_acc_regs()} float32 "
+                    f"registers per thread, more than the {DKV_ACC_MAX_REGS} that leave room "
+                    f"for S, dP and dQ")
         if self.tile_n == 2 * WGMMA_M and self.head_dim > TILE_N_128_MAX_HEAD_DIM:
             raise ValueError(
                 f"tile_n=128 with head_dim={self.head_dim}: dK and dV of 64 key rows take "
@@ -516,7 +571,7 @@ class BwdConfig:
                      "dv_before_barrier", "dkv_tma_store", "dq_handoff_per_wg", "pdl",
                      "stats_shuffle", "dv_before_fence", "longest_first", "qdo_multicast",
                      "dq_first_store", "stagger_m", "early_dq_post", "dynamic_tiles",
-                     "lse_early"):
+                     "lse_early", "dkv_swap_ab"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be a bool")
         if self.tile_m == 2 * TILE_M_ATOM:

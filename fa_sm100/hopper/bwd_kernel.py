@@ -69,7 +69,6 @@ from fa_sm100.varlen import (first_block, packed_blocks, ragged_rows, ragged_til
 PRODUCER_WARPS = WARPGROUP_THREADS // WARP_SIZE
 LOAD_WARP = 0
 DQ_STORE_WARP = 1  # "bulk" dQ only
-PS_ATOM_COLS = 64  # key columns of one P / dS swizzle atom row (128 bytes)
 
 
 class Sm90FlashBackward:
@@ -95,6 +94,7 @@ class Sm90FlashBackward:
         c = self.cfg
         # Q and dO serve as K-major A (S, dP) and as MN-major B (dK, dV) over the whole head
         # dim, or over head-dim halves (Note [dK/dV by columns]: each half whole swizzle atoms).
+        # Transposed (Note [dK/dV transposed]), they are MN-major A over the whole head dim.
         split = 2 if c.dkv_split_cols else 1
         self.sQ_layout = self._smem_layout(self.tile_m, self.hdim, c.q_stage, self.hdim // split)
         self.sdO_layout = self._smem_layout(self.tile_m, self.hdimv, c.do_stage,
@@ -105,12 +105,13 @@ class Sm90FlashBackward:
         k_major = self.hdim if c.dq_split_rows else self.hdim // 2
         self.sK_layout = self._smem_layout(self.tile_n, self.hdim, None, k_major)
         self.sV_layout = self._smem_layout(self.tile_n, self.hdimv, None, self.hdimv)
-        # P and dS: 64 key columns form one 128-byte swizzle atom row (one warpgroup's keys, or
-        # with tile_n 64 both). With sdp_swap_ab P stays in registers and has no buffer.
+        # P and dS: ``ps_atom_cols`` key columns form one swizzle atom row (64, one
+        # warpgroup's keys or with tile_n 64 both; 16 with 48 keys per warpgroup). With
+        # sdp_swap_ab P stays in registers and has no buffer.
         self.sP_layout = None
         if c.p_stage:
-            self.sP_layout = self._smem_layout(self.tile_m, self.tile_n, c.p_stage, PS_ATOM_COLS)
-        self.sdS_layout = self._smem_layout(self.tile_m, self.tile_n, c.ds_stage, PS_ATOM_COLS)
+            self.sP_layout = self._smem_layout(self.tile_m, self.tile_n, c.p_stage, c.ps_atom_cols)
+        self.sdS_layout = self._smem_layout(self.tile_m, self.tile_n, c.ds_stage, c.ps_atom_cols)
 
     def _tiled_mmas(self):
         """The tiled WGMMAs of S and dP, dK, dV and dQ."""
@@ -129,7 +130,14 @@ class Sm90FlashBackward:
         mma_sdp = sm90_helpers.make_trivial_tiled_mma(
             self.dtype, self.dtype, K, K, Float32, (1, 2, 1), (WGMMA_M, self.tile_n // 2))
         # dK = dS^T Q and dV = P^T dO: (tile_n, hdim), warpgroups stacked along M (keys), or
-        # side by side along N (Note [dK/dV by columns]).
+        # side by side along N (Note [dK/dV by columns]); transposed, dK^T = Q^T dS and
+        # dV^T = dO^T P: (hdim, tile_n), warpgroups side by side along N (keys), the head dim
+        # in 64-row M atoms (Note [dK/dV transposed]).
+        if self.cfg.dkv_swap_ab:
+            mma_dk, mma_dv = (sm90_helpers.make_trivial_tiled_mma(
+                self.dtype, self.dtype, MN, MN, Float32, (1, 2, 1), (WGMMA_M, self.tile_n // 2))
+                for _ in range(2))
+            return mma_sdp, mma_dk, mma_dv, mma_dq
         if self.cfg.dkv_split_cols:
             atoms, split = (1, 2, 1), 2
         else:

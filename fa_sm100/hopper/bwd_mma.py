@@ -67,6 +67,22 @@ dK read both warpgroups' P and dS from SMEM, so dV is issued after the 256-threa
 [dS double buffer]: both warpgroups' dV of block i retired before either passes ``DS_READY``
 of block i+1).
 
+Note [dK/dV transposed] (``BwdConfig.dkv_swap_ab``; tile_n 96 at (192, 128)): the MMA warp
+group computes dV^T = dO^T P and dK^T = Q^T dS, (head dim, keys) tiles whose M is the head dim
+(64-row atoms: 2 for dV^T, 3 for dK^T at (192, 128)) and whose N is the warpgroup's own keys,
+the same ones its S and dP hold (S/dP unswapped, warpgroups side by side along the keys). So
+each warpgroup's dV and dK read only the P and dS it stored itself: early dV waits for its own
+128 threads (``P_READY_WG0 + w``) and P needs one buffer; only dQ = dS K reads both
+warpgroups' dS (``DS_READY``, Note [dS double buffer]). All four operands come from SMEM as
+MN-major descriptors: dO^T and Q^T over the whole head dim (128-byte swizzle atoms), P and dS
+over the warpgroup's keys, which with 48 keys per warpgroup (tile_n 96) must be whole swizzle
+atoms: 16 key columns each (``ps_atom_cols``). A key block of 96 fits where 128 does not:
+(192 + 128) x 48 / 128 = 120 accumulator registers per thread (``dkv_acc_regs``), against 160
+for 64 key rows per warpgroup; against tile_n 64 (Note [dK/dV by columns]) each CTA re-reads Q
+and dO and adds dQ for 1.5 times as many keys, and S / dP are N = 48 per warpgroup, not 32.
+The epilogue stores the transposed tiles through a transposed view of the output (stmatrix
+with ``transpose``; or element by element, where the key index is the column).
+
 Note [dS double buffer]: dQ = dS K reads both warpgroups' halves of dS, so a warpgroup may
 only overwrite dS once the other has finished the dQ GEMM of the previous query block. dS has
 two SMEM buffers (``ds_stage == 2``): iteration i writes buffer i % 2 and then waits on the
@@ -236,8 +252,9 @@ def _operands(cfg, mmas, smem):
     # operand fragments (SMEM descriptors); the Q/dO ones carry a stage mode
     tSrQ, tSrK = _sdp_fragments(cfg, mma_sdp, wg_sdp, sQ, sK)
     tdPrdO, tdPrV = _sdp_fragments(cfg, mma_sdp, wg_sdp, sdO, sV)
-    tdVrdOt = mma_dv.make_fragment_B(wg_dv.partition_B(transpose_view(sdO)))
-    tdKrQt = mma_dk.make_fragment_B(wg_dk.partition_B(transpose_view(sQ)))
+    # dV / dK's query-side operand (dO^T, Q^T): B, or transposed A (Note [dK/dV transposed])
+    tdVrdOt = _dkv_fragment(cfg, mma_dv, wg_dv, transpose_view(sdO), query=True)
+    tdKrQt = _dkv_fragment(cfg, mma_dk, wg_dk, transpose_view(sQ), query=True)
     if const_expr(cfg.dq_swap_ab):  # Note [dQ transposed]: dQ^T = K^T dS^T
         tdQrKt = mma_dq.make_fragment_A(wg_dq.partition_A(transpose_view(sK)))
         tdQrdS = mma_dq.make_fragment_B(wg_dq.partition_B(sdS))  # (..., DS_STAGE)
@@ -245,9 +262,10 @@ def _operands(cfg, mmas, smem):
         tdQrdS = mma_dq.make_fragment_A(wg_dq.partition_A(sdS))  # (..., DS_STAGE)
         tdQrKt = mma_dq.make_fragment_B(wg_dq.partition_B(transpose_view(sK)))
     # accumulators
-    acc_dV = cute.make_rmem_tensor(mma_dv.partition_shape_C((cfg.tile_n, cfg.head_dim_v)),
+    acc_dV = cute.make_rmem_tensor(mma_dv.partition_shape_C(cfg.dkv_tile_shape(cfg.head_dim_v)),
                                    Float32)
-    acc_dK = cute.make_rmem_tensor(mma_dk.partition_shape_C((cfg.tile_n, cfg.head_dim)), Float32)
+    acc_dK = cute.make_rmem_tensor(mma_dk.partition_shape_C(cfg.dkv_tile_shape(cfg.head_dim)),
+                                   Float32)
     acc_dV.fill(0.0)
     acc_dK.fill(0.0)
     # P / dS register -> SMEM copies (stmatrix); swapped, dS^T is stored transposed
@@ -262,8 +280,8 @@ def _operands(cfg, mmas, smem):
         sdp_shape = (cfg.tile_n, cfg.tile_m)
         tdSsdS = st_thr.partition_D(transpose_view(sdS))
     else:
-        tdVrPt = mma_dv.make_fragment_A(wg_dv.partition_A(transpose_view(sP)))
-        tdKrdSt = mma_dk.make_fragment_A(wg_dk.partition_A(transpose_view(sdS)))
+        tdVrPt = _dkv_fragment(cfg, mma_dv, wg_dv, transpose_view(sP), query=False)
+        tdKrdSt = _dkv_fragment(cfg, mma_dk, wg_dk, transpose_view(sdS), query=False)
         tPsP = st_thr.partition_D(sP)
         tdSsdS = st_thr.partition_D(sdS)
     # this thread's S coordinates in the tile: (query, key); swapped (key, query)
@@ -390,8 +408,7 @@ def _mma_tile(cfg, prob, gmem, smem, pipes, mmas, out, tile, state_q, state_do):
                 cute.arch.fence_view_async_shared()
                 cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.P_READY_WG0) + ops.wg,
                                   number_of_threads=WARPGROUP_THREADS)
-            wgmma(mma_dv, acc_dV, tdVrPt_cur, ops.tdVrdOt[None, None, None, state_do.index], False,
-                  NO_WAIT)
+            _dkv_gemm(cfg, mma_dv, acc_dV, tdVrPt_cur, ops.tdVrdOt[None, None, None, state_do.index])
             warpgroup.wait_group(1)  # dP done; dV may still run
         else:
             warpgroup.wait_group(0)
@@ -413,30 +430,26 @@ def _mma_tile(cfg, prob, gmem, smem, pipes, mmas, out, tile, state_q, state_do):
         cute.copy(ops.st_copy, ops.st_thr.retile(rdS), ops.tdSsdS[None, None, None, ds_idx])
         dv_pre_fence = dv_mid and swap and cfg.dv_before_fence
         if const_expr(dv_pre_fence):  # Note [dV before the fence]
-            wgmma(mma_dv, acc_dV, tdVrPt_cur, ops.tdVrdOt[None, None, None, state_do.index], False,
-                  NO_WAIT)
+            _dkv_gemm(cfg, mma_dv, acc_dV, tdVrPt_cur, ops.tdVrdOt[None, None, None, state_do.index])
         cute.arch.fence_view_async_shared()
         if const_expr(dv_mid and not dv_pre_fence):  # Note [dV before the dS barrier]
             if const_expr(not swap):  # P in SMEM: this warpgroup's stores are done
                 cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.P_READY_WG0) + ops.wg,
                                   number_of_threads=WARPGROUP_THREADS)
-            wgmma(mma_dv, acc_dV, tdVrPt_cur, ops.tdVrdOt[None, None, None, state_do.index], False,
-                  NO_WAIT)
+            _dkv_gemm(cfg, mma_dv, acc_dV, tdVrPt_cur, ops.tdVrdOt[None, None, None, state_do.index])
         if const_expr(probes.active("ds_barrier") != "none"):  # Note [cost probes]
             cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.DS_READY),
                               number_of_threads=cfg.num_mma_threads)
         # dV += P^T dO (unless issued before), dQ = dS K, dK += dS^T Q; groups retire in order
         if const_expr(not cfg.early_dv and not dv_mid):
-            wgmma(mma_dv, acc_dV, tdVrPt_cur, ops.tdVrdOt[None, None, None, state_do.index], False,
-                  NO_WAIT)
+            _dkv_gemm(cfg, mma_dv, acc_dV, tdVrPt_cur, ops.tdVrdOt[None, None, None, state_do.index])
         acc_dQ = cute.make_rmem_tensor(mma_dq.partition_shape_C(dq_tile_shape(cfg)),
                                        Float32)
         if const_expr(cfg.dq_swap_ab):
             wgmma(mma_dq, acc_dQ, ops.tdQrKt, ops.tdQrdS[None, None, None, ds_idx], True, NO_WAIT)
         else:
             wgmma(mma_dq, acc_dQ, ops.tdQrdS[None, None, None, ds_idx], ops.tdQrKt, True, NO_WAIT)
-        wgmma(mma_dk, acc_dK, tdKrdSt_cur, ops.tdKrQt[None, None, None, state_q.index], False,
-              NO_WAIT)
+        _dkv_gemm(cfg, mma_dk, acc_dK, tdKrdSt_cur, ops.tdKrQt[None, None, None, state_q.index])
         warpgroup.wait_group(1)  # dV and dQ done, dK may still run
         pipe_do.consumer_release(state_do)
         if const_expr(cfg.dq_accum == "bulk"):
@@ -477,6 +490,24 @@ def _consumer_wait(cfg, pipe, state):
         pipe.consumer_wait(state, pipe.consumer_try_wait(state))
     else:
         pipe.consumer_wait(state)
+
+
+def _dkv_fragment(cfg, mma, wg_mma, s_view, query: bool):
+    """WGMMA descriptor of an SMEM operand of dV = P^T dO / dK = dS^T Q: the score side (P^T,
+    dS^T; ``query`` False) is A and the query side (dO^T, Q^T) B, or the other way round with
+    ``dkv_swap_ab`` (dV^T = dO^T P, dK^T = Q^T dS)."""
+    if cfg.dkv_swap_ab == query:
+        return mma.make_fragment_A(wg_mma.partition_A(s_view))
+    return mma.make_fragment_B(wg_mma.partition_B(s_view))
+
+
+@cute.jit
+def _dkv_gemm(cfg, mma, acc, frag_score, frag_query):
+    """Issue dV += P^T dO (dK += dS^T Q) into ``acc``; with ``dkv_swap_ab`` its transpose."""
+    if const_expr(cfg.dkv_swap_ab):
+        wgmma(mma, acc, frag_query, frag_score, False, NO_WAIT)
+    else:
+        wgmma(mma, acc, frag_score, frag_query, False, NO_WAIT)
 
 
 def _sdp_fragments(cfg, mma_sdp, wg_sdp, s_query, s_key):

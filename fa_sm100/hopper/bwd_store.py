@@ -76,7 +76,7 @@ from fa_sm100.config import WARP_SIZE, cutlass_dtype
 from fa_sm100.hopper import probes
 from fa_sm100.hopper.bwd_config import DQ_VEC
 from fa_sm100.hopper.bwd_tiles import first_n_block, m_block_at, sweep_end, walk
-from fa_sm100.hopper.common import assume_aligned, stmatrix_to_smem
+from fa_sm100.hopper.common import assume_aligned, stmatrix_to_smem, transpose_view
 from fa_sm100.hopper.config import WARPGROUP_THREADS, WGMMA_M
 from fa_sm100.hopper.named_barriers import Sm90BwdBarrier
 
@@ -421,12 +421,12 @@ def store_dkdv_tma(cfg, mmas, out, mbar_kv, acc_dK, acc_dV, tile):
     if const_expr(persistent):
         if tidx == 0:  # K/V empty: the next tile's K and V may load
             cute.arch.mbarrier_arrive(mbar_kv + 1)
-    stmatrix_to_smem(mmas.dk, dtype, tidx, rdK, sK_out)
+    stmatrix_to_smem(mmas.dk, dtype, tidx, rdK, sK_out, cfg.dkv_swap_ab)
     if const_expr(persistent):  # the dq-store warp's last reduce of the tile has read sdQ
         _dq_handoff_barrier(cfg, Sm90BwdBarrier.DQ_EMPTY_WG0, tidx, wait=True)
         cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.EPILOGUE),
                           number_of_threads=cfg.num_mma_threads)
-    stmatrix_to_smem(mmas.dv, dtype, tidx, rdV, sV_out)
+    stmatrix_to_smem(mmas.dv, dtype, tidx, rdV, sV_out, cfg.dkv_swap_ab)
     cute.arch.fence_view_async_shared()
     cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.EPILOGUE),
                       number_of_threads=cfg.num_mma_threads)
@@ -477,12 +477,15 @@ def store_dkdv(cfg, prob, gmem, mmas, acc_dK, acc_dV, tile):
             g_out = mOut[batch, head // prob.group, None, None]
         else:
             g_out = mOut[batch, head, None, None]
-        t_g = thr.partition_C(cute.local_tile(g_out, (cfg.tile_n, cols), (n_block, 0)))
+        g_tile = cute.local_tile(g_out, (cfg.tile_n, cols), (n_block, 0))
+        # Note [dK/dV transposed]: the accumulator is the tile's transpose
+        key = 1 if const_expr(cfg.dkv_swap_ab) else 0
+        t_g = thr.partition_C(transpose_view(g_tile) if const_expr(cfg.dkv_swap_ab) else g_tile)
         if const_expr(not gqa):
-            t_c = thr.partition_C(cute.make_identity_tensor((cfg.tile_n, cols)))
+            t_c = thr.partition_C(cute.make_identity_tensor(cfg.dkv_tile_shape(cols)))
             regs = _in_dtype(acc, cutlass_dtype(cfg.dtype))
             for i in cutlass.range_constexpr(cute.size(acc)):
-                if n_block * cfg.tile_n + t_c[i][0] < prob.seqlen_k:
+                if n_block * cfg.tile_n + t_c[i][key] < prob.seqlen_k:
                     t_g[i] = regs[i]
         elif const_expr(atomic):
             for i in cutlass.range_constexpr(cute.size(acc)):

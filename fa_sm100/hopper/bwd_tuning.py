@@ -30,7 +30,7 @@ from typing import Optional
 from fa_sm100 import tuning_table
 from fa_sm100.hopper.bwd_config import (TILE_M_80_HEAD_DIMS, TILE_M_128_HEAD_DIMS, TILE_M_ATOM,
                                         TILE_M_DQ_TRANSPOSED, TILE_M_SWAPPED_HDIM64,
-                                        TILE_N_128_MAX_HEAD_DIM, BwdConfig)
+                                        TILE_N_128_MAX_HEAD_DIM, TILE_N_TRANSPOSED, BwdConfig)
 from fa_sm100.hopper.config import WGMMA_M
 from fa_sm100.machines import HOPPER_SMS
 
@@ -41,7 +41,6 @@ STAGGER_HEAD_DIMS = (128,)  # "staggered sweeps"
 EARLY_DQ_POST_HEAD_DIMS = (128,)  # "dQ postprocess in the tail"
 PRE_CTAS_HEAD_DIMS = (128,)  # "preprocess beside the main kernel"
 DEFAULT_PRE_CTAS = 32
-D192_RED_MIN_SEQLEN = 16384  # "(192, 128) long causal: dQ by reductions"
 # "persistent CTAs", "dynamic tiles": one CTA per SM of an H100 SXM / H200 (the interface
 # lowers it on a smaller device: fit_persistent_ctas), both lengths up to PERSISTENT_MAX_SEQLEN
 DEFAULT_PERSISTENT_CTAS = HOPPER_SMS
@@ -167,6 +166,16 @@ BWD_TUNING = (
         rule="64 key rows of dK and dV per warpgroup fit the registers up to hdim 128; above, "
              "the CTA owns 64 keys split by head-dim columns (Note [dK/dV by columns])"),
     TuningRow(
+        "(192, 128): dK/dV transposed", "head_dim 192",
+        lambda p, c: p.head_dim == 192,
+        dict(tile_n=TILE_N_TRANSPOSED, dkv_swap_ab=True),
+        measured="launch-only, (192, 128), 16 heads, H200, over tile_n 64 by columns: 1.20x "
+                 "(4k non-causal, batch 4), 1.23x (4k causal), 1.21x (16k non-causal, batch "
+                 "1), 1.22x (16k causal, with 'bulk' dQ; 'red' 1.13x)",
+        rule="96 keys fit the registers transposed (120 accumulator registers per thread), "
+             "not as 64 key rows per warpgroup (Note [dK/dV transposed])",
+        unless_asked=("tile_n", "dkv_swap_ab")),
+    TuningRow(
         "swapped S/dP", _dims(TILE_M_128_HEAD_DIMS + TILE_M_80_HEAD_DIMS),
         lambda p, c: p.head_dim in TILE_M_128_HEAD_DIMS + TILE_M_80_HEAD_DIMS,
         dict(sdp_swap_ab=True),
@@ -183,15 +192,6 @@ BWD_TUNING = (
         measured="'red' with 2-stage Q / dO over 'bulk' with 1-stage: 1.20x-1.41x in each of "
                  "the grid's 10 cells (H200)",
         rule="2-stage Q and dO (64 KiB each) and the 64 KiB SMEM dQ tile do not fit together"),
-    TuningRow(
-        "(192, 128) long causal: dQ by reductions",
-        f"head_dim 192, causal, both lengths from {D192_RED_MIN_SEQLEN}",
-        lambda p, c: (p.head_dim == 192 and p.causal
-                      and p.both_lengths_at_least(D192_RED_MIN_SEQLEN)),
-        dict(dq_accum="red"),
-        measured="launch-only, (192, 128), 16 heads, H200: 'red' over 'bulk' 370 / 328 TFLOP/s "
-                 "at 16k causal (batch 1); 'bulk' over 'red' 355 / 333 at 4k causal and 386 / "
-                 "372 at 4k non-causal (batch 4); 'red' with 1-stage Q / dO 261-281 in all three"),
     TuningRow(
         "GQA dK/dV buffers", "every problem (read by GQA / MQA)",
         lambda p, c: True, dict(gqa_reduce="buffers"),
@@ -238,13 +238,14 @@ BWD_TUNING = (
                  "noise (H200)",
         rule="not with early_dv, which issues dV earlier still (validate)"),
     TuningRow(
-        "early dV", "non-causal, no window, no softcap, tile_n 128, dV not before the barrier "
-                    "(hdim 96)",
+        "early dV", "non-causal, no window, no softcap, tile_n 128 not transposed, dV not "
+                    "before the barrier (hdim 96)",
         lambda p, c: not (p.causal or p.windowed or c.dv_before_barrier
-                          or c.tile_n == WGMMA_M or p.softcap),
+                          or c.tile_n == WGMMA_M or p.softcap or c.dkv_swap_ab),
         dict(early_dv=True),
         measured="64-row blocks: non-causal +1% to +7% in 3 of 4 cells, causal -3% to -4% "
-                 "(H200)",
+                 "(H200); (192, 128) transposed, non-causal, late over early: 1.00x (4k), "
+                 "1.02x (16k)",
         rule="tile_n 64 refuses it (dV reads both halves of P); softcapped, t stays live "
              "beside P and ptxas spills (140 bytes at hdim 128)"),
     TuningRow(

@@ -132,14 +132,18 @@ def wgmma(tiled_mma: cute.TiledMma, acc: cute.Tensor, frag_a: cute.Tensor, frag_
         warpgroup.wait_group(wait)
 
 
-def stmatrix_to_smem(tiled_mma: cute.TiledMma, dtype, tidx, regs, smem):
+def stmatrix_to_smem(tiled_mma: cute.TiledMma, dtype, tidx, regs, smem,
+                     transpose: cutlass.Constexpr = False):
     """Store a 16-bit register tensor shaped like ``tiled_mma``'s accumulator into an SMEM
     tile with stmatrix (8x8 matrices, four per instruction). The epilogues of both kernels
-    (O; dK and dV) go to SMEM this way before their TMA store."""
+    (O; dK and dV) go to SMEM this way before their TMA store. ``transpose``: the
+    accumulator is the tile's transpose (dK^T, dV^T), stored by ``stmatrix.trans`` through
+    the transposed view of ``smem``."""
     atom = cute.make_copy_atom(
-        cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), dtype)
+        cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=transpose, num_matrices=4), dtype)
     thr = cute.make_tiled_copy_C(atom, tiled_mma).get_slice(tidx)
-    cute.copy(atom, thr.retile(regs), thr.partition_D(smem))
+    dst = transpose_view(smem) if const_expr(transpose) else smem
+    cute.copy(atom, thr.retile(regs), thr.partition_D(dst))
 
 
 # ---- host side ---------------------------------------------------------------------------------
