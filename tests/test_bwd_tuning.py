@@ -31,7 +31,7 @@ def _problem(head_dim=128, causal=False, window=(None, None), qhead_per_kvhead=1
 PROBLEMS = [
     _problem(hd, causal, window, qh, det, cap, s, **extra)
     for hd, causal, window, qh, det, cap, s, extra in itertools.product(
-        (64, 96, 128, 192, 256), (False, True), ((None, None), (512, 0)), (1, 4),
+        (64, 96, 128, 192, 256), (False, True), ((None, None), (512, 0)), (1, 4, 8),
         (False, True), (False, True), (None, 1024, 8192, 16384),
         ({}, {"tile_n": 64}, {"lse_early": True}, {"early_dq_post": True}))
 ]

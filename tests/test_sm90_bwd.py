@@ -65,6 +65,9 @@ from script_loader import load_script
     (dict(tile_n=96), "tile_n=96 needs dkv_swap_ab=True"),
     (dict(tile_n=80), "tile_n=80"),
     (dict(dkv_swap_ab=1), "dkv_swap_ab=1: must be a bool"),
+    (dict(gqa_reduce="bulk", tile_n=64, early_dv=False), "gqa_reduce='bulk' needs"),
+    (dict(gqa_reduce="bulk", q_stage=1, do_stage=1), "gqa_reduce='bulk' needs"),
+    (dict(gqa_reduce="bulk", qhead_per_kvhead=4, deterministic=True), "deterministic=True"),
     (dict(dkv_swap_ab=True, sdp_swap_ab=True), "dkv_swap_ab=True needs sdp_swap_ab=False"),
     (dict(dkv_swap_ab=True, tile_n=64, early_dv=False), "dkv_swap_ab=True needs tile_n"),
     (dict(head_dim=256, head_dim_v=256, tile_n=96, dkv_swap_ab=True), "192 float32 registers"),
@@ -1601,22 +1604,48 @@ def test_sm90_bwd_tile_n_64_splits_dk_dv_by_columns(overrides, d, dv, tmp_path):
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_sm90_bwd_tile_n_96_computes_dk_dv_transposed(causal, tmp_path):
+@pytest.mark.parametrize("head_dim", [64, 128, 192])
+def test_sm90_bwd_gqa_bulk_adds_dk_dv_by_two_bulk_reduces_per_warpgroup(head_dim, tmp_path):
+    """Note [dK/dV by bulk reduces]: GQA dK and dV leave by bulk reduces (UBLKRED.ADD.F32:
+    two for dQ's halves, one each for dK and dV, issued per warpgroup), no per-element float32
+    reductions (``atomic``'s REDG.ADD.F32) and no per-element float32 stores; no spills."""
+    from fa_sm100.inspection import inspect_kernel
+
+    overrides = [f"head_dim={head_dim}", "qhead_per_kvhead=4", "causal=true"]
+    counts = {}
+    for mode in ("bulk", "atomic", "buffers"):
+        keep = tmp_path / mode
+        r = inspect_kernel("sm90_bwd", "sm_90a", overrides + [f"gqa_reduce={mode}"],
+                           keep_dir=keep)
+        assert r["spill_bytes"] == 0 and r["local_bytes"] == 0
+        sass = read_kept_sass(keep)
+        counts[mode] = (len(re.findall(r"UBLKRED\.G\.S\.ADD\.F32", sass)),
+                        len(re.findall(r"REDG\.E\.ADD\.F32", sass)),
+                        len(re.findall(r"\bSTG\.E(\.64)?\b", sass)))
+    assert counts["bulk"][:2] == (4, 0)
+    assert counts["atomic"][0] == 2 and counts["atomic"][1] > 0
+    assert counts["buffers"][:2] == (2, 0) and counts["buffers"][2] > counts["bulk"][2]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("causal,early", [(False, False), (True, False), (False, True)],
+                         ids=["full", "causal", "full-early-dv"])
+def test_sm90_bwd_tile_n_96_computes_dk_dv_transposed(causal, early, tmp_path):
     """Note [dK/dV transposed] at (192, 128): S and dP are 64 x 48 per warpgroup, and so are
     dV^T (2 head-dim atoms) and dK^T (3) over K = 64 (4 k16 slices each), both operands
-    MN-major (``tnspA.tnspB``); dQ is N = 96 over K = 96 (6 slices). Early dV (the default
-    without a mask) runs before the dS barrier, which only dQ and dK then wait for. P and dS
+    MN-major (``tnspA.tnspB``); dQ is N = 96 over K = 96 (6 slices). Early dV (a switch here:
+    the default leaves it off) runs before the dS barrier, which only dQ and dK then wait for. P and dS
     are stored by stmatrix (3 + 3 per thread), dK^T and dV^T leave by ``stmatrix.trans``;
     five WGMMA groups, no spills, setmaxnreg kept."""
     from fa_sm100.compile_tools import sass_main_loop
     from fa_sm100.hopper.named_barriers import Sm90BwdBarrier
     from fa_sm100.inspection import inspect_kernel
 
-    cfg = select_bwd_config(head_dim=192, causal=causal, tile_n=96, dkv_swap_ab=True)
-    assert cfg.early_dv == (not causal) and cfg.dkv_acc_regs() == 120
+    cfg = select_bwd_config(head_dim=192, causal=causal)
+    assert cfg.tile_n == 96 and cfg.dkv_swap_ab and not cfg.early_dv
+    assert cfg.dkv_acc_regs() == 120
     r = inspect_kernel("sm90_bwd", "sm_90a",
-                       ["head_dim=192", "tile_n=96", "dkv_swap_ab=true", f"causal={causal}"],
+                       ["head_dim=192", f"causal={causal}", f"early_dv={early}"],
                        keep_dir=tmp_path)
     sass = read_kept_sass(tmp_path)
     assert r["spill_bytes"] == 0 and r["local_bytes"] == 0
@@ -1631,7 +1660,7 @@ def test_sm90_bwd_tile_n_96_computes_dk_dv_transposed(causal, tmp_path):
     barrier = f"BAR.SYNC.DEFER_BLOCKING {int(Sm90BwdBarrier.DS_READY):#x},"
     at_barrier = next(i for i, t in enumerate(loop) if t.startswith(barrier))
     after = sum(t.startswith("HGMMA") for t in loop[at_barrier:])
-    assert after == 6 + 12 + (8 if causal else 0), "dV before the barrier only when early"
+    assert after == 6 + 12 + (0 if early else 8), "dV before the barrier only when early"
     assert [t.split()[0] for t in loop].count("STSM.16.M88.4") == 6  # P and dS
     assert len(re.findall(r"STSM\.16\.MT88\.4", sass)) == (192 + 128) * 48 // (4 * 4 * 64)
 

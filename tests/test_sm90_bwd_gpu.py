@@ -158,6 +158,7 @@ TRANSPOSED_SWITCHES = [
     {}, dict(early_dv=False), dict(early_dv=False, dv_before_barrier=True),
     dict(dq_accum="red"), dict(overlap_dk=True, early_dv=False), dict(gqa_reduce="atomic"),
     dict(dkv_tma_store=False), dict(stats_first=True), dict(q_stage=1, do_stage=1),
+    dict(gqa_reduce="bulk"),
 ]
 TRANSPOSED_CASES = [c for c in WIDE_CASES if c[5] == (192, 128)] + [
     (2, 300, 100, 4, 2, (192, 128), True, (None, None), torch.float16),
@@ -196,6 +197,37 @@ def test_sm90_bwd_dkv_transposed_deterministic_is_bitwise(sm90_device, hk):
         again = sm90_bwd(dout, q, k, v, out, lse, causal=True, deterministic=True, config=cfg)
         for x, y in zip(first, again):
             assert torch.equal(x, y)
+
+
+# Note [dK/dV by bulk reduces]: GQA / MQA with one float32 buffer per KV head added by bulk
+# reduces, on every block shape that allows it (swapped 128 / 80 / 64-row blocks, unswapped,
+# transposed), tails, rows that see no key, windows, Q/dO multicast
+BULK_CASES = [  # (b, sq, sk, hq, hk, d, causal, window, switches)
+    (2, 1000, 1000, 8, 2, 128, True, (None, None), {}),
+    (1, 1000, 1000, 8, 1, 128, False, (None, None), {}),  # MQA
+    (2, 333, 300, 4, 2, 64, True, (None, None), {}),
+    (1, 4097, 4097, 4, 1, 64, False, (None, None), {}),
+    (1, 333, 444, 4, 2, 96, False, (64, None), {}),
+    (2, 300, 100, 4, 2, 128, True, (None, None), dict(sdp_swap_ab=False)),
+    (1, 500, 500, 6, 2, 128, False, (100, 30), dict(tile_m=64)),
+    (1, 1000, 1000, 4, 2, (192, 128), True, (None, None), {}),
+    (2, 333, 500, 4, 2, 128, False, (None, None), dict(qdo_multicast=True)),
+]
+
+
+@pytest.mark.parametrize("case", BULK_CASES,
+                         ids=lambda c: f"b{c[0]}-q{c[1]}-k{c[2]}-h{c[3]}/{c[4]}-d{c[5]}"
+                         f"-{'causal' if c[6] else 'full'}-w{c[7][0]},{c[7][1]}"
+                         + "".join(f"-{k}" for k in c[8]))
+def test_sm90_bwd_gqa_bulk_reduce_match_float64(sm90_device, case):
+    from fa_sm100.hopper.bwd_defaults import select_bwd_config
+
+    b, sq, sk, hq, hk, d, causal, window, switches = case
+    dd, dv = d if isinstance(d, tuple) else (d, d)
+    cfg = select_bwd_config(head_dim=dd, head_dim_v=dv, causal=causal, window_left=window[0],
+                            window_right=window[1], qhead_per_kvhead=hq // hk,
+                            gqa_reduce="bulk", **switches)
+    _run_case(b, sq, sk, hq, hk, d, causal, window, torch.bfloat16, config=cfg)
 
 
 # tile_m=128 (swapped S/dP, hdim 64 only; Note [tile_m 128]): query-block tails of 1, 17, 1000

@@ -83,7 +83,8 @@ def test_varlen_backward(sm90_device, head_dims, lengths, mode):
     run_and_check(lens_q, lens_k, head_dims, torch.bfloat16, *mode)
 
 
-@pytest.mark.parametrize("heads", [(4, 4), (6, 2), (3, 1)], ids=lambda h: f"h{h[0]}kv{h[1]}")
+@pytest.mark.parametrize("heads", [(4, 4), (6, 2), (3, 1), (8, 1)],  # 8:1: bulk dK / dV reduces
+                         ids=lambda h: f"h{h[0]}kv{h[1]}")
 def test_varlen_backward_fp16_gqa_and_used_keys(sm90_device, heads):
     lens_q, lens_k = [100, 1, 300, 0, 64], [400, 50, 300, 9, 64]
     run_and_check(lens_q, lens_k, (128, 128), torch.float16, True, (None, None), 0.0,

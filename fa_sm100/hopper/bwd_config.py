@@ -11,6 +11,8 @@ GQA/MQA reduction (``gqa_reduce``):
 - ``"buffers"``: every query head stores its own float32 dK/dV tile (no atomics); the
   postprocess sums the heads of a group in a fixed order. Bitwise reproducible; costs
   ``qhead_per_kvhead`` times the float32 dK/dV memory.
+- ``"bulk"``: as ``"atomic"``, one buffer per KV head, but each warpgroup adds its rows with
+  one bulk reduce from SMEM (Note [dK/dV by bulk reduces] in bwd_store.py).
 docs/hopper_backward.md records which is faster and why the default is what it is.
 """
 
@@ -36,7 +38,7 @@ TILE_N_TRANSPOSED = 96  # keys per CTA that only dK / dV transposed allows (48 p
 # float32 dK + dV accumulator registers per MMA thread that leave room for S, dP and dQ: the
 # tile_n 128 rule at hdim 128, and what (192, 128) takes at tile_n 96
 DKV_ACC_MAX_REGS = 128
-GQA_REDUCE_MODES = ("atomic", "buffers")
+GQA_REDUCE_MODES = ("atomic", "buffers", "bulk")
 # Query rows per iteration of the swapped hdim-64 default (the only head dim 128 rows fit).
 TILE_M_SWAPPED_HDIM64 = 128
 DQ_ACCUM_MODES = ("bulk", "red")
@@ -362,6 +364,16 @@ class BwdConfig:
         return next(c for c in (64, 32, 16)
                     if self.keys_per_warpgroup % c == 0 or self.dkv_split_cols)
 
+    def bulk_dkv_fits(self) -> bool:
+        """Whether a float32 dK / dV tile fits the Q and dO stages, where ``gqa_reduce="bulk"``
+        stages it (adjacent in the SMEM struct, each a whole number of 1024-byte alignment
+        units: Note [dK/dV by bulk reduces] in bwd_store.py)."""
+        b = self.dtype_bytes
+        q, do = (self.tile_m * self.head_dim * b * self.q_stage,
+                 self.tile_m * self.head_dim_v * b * self.do_stage)
+        return (q % SMEM_BUFFER_ALIGN == 0
+                and self.tile_n * max(self.head_dim, self.head_dim_v) * 4 <= q + do)
+
     def dkv_tile_shape(self, cols: int) -> tuple:
         """dK's (``cols`` = head_dim) or dV's (head_dim_v) accumulator tile: (keys, cols), or
         transposed (cols, keys) (Note [dK/dV transposed] in bwd_mma.py)."""
@@ -562,6 +574,11 @@ class BwdConfig:
             raise ValueError(f"gqa_reduce={self.gqa_reduce!r}: must be one of {GQA_REDUCE_MODES}")
         if self.dq_accum not in DQ_ACCUM_MODES:
             raise ValueError(f"dq_accum={self.dq_accum!r}: must be one of {DQ_ACCUM_MODES}")
+        if self.gqa_reduce == "bulk" and (self.dkv_split_cols or not self.bulk_dkv_fits()):
+            raise ValueError(
+                "gqa_reduce='bulk' needs each warpgroup's dK / dV to be whole rows (not "
+                "tile_n=64 by columns) and the float32 tile to fit the Q and dO stages (Note "
+                "[dK/dV by bulk reduces])")
         if self.deterministic and self.qhead_per_kvhead > 1 and self.gqa_reduce != "buffers":
             raise ValueError(
                 "deterministic=True with GQA/MQA needs gqa_reduce='buffers' (atomics add in a "

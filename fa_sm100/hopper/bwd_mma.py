@@ -185,8 +185,8 @@ from fa_sm100.config import cutlass_dtype
 from fa_sm100.hopper import probes
 from fa_sm100.hopper.bwd_scores import (block_needs_mask, block_stats, ds_rows, exp2_rows, mask,
                                         query_stats, softcap_p, softcap_rows, stat_block)
-from fa_sm100.hopper.bwd_store import (dq_tile_shape, stage_dq, store_dkdv, store_dkdv_tma,
-                                       store_dq)
+from fa_sm100.hopper.bwd_store import (dq_tile_shape, stage_dq, store_dkdv, store_dkdv_bulk,
+                                       store_dkdv_tma, store_dq)
 from fa_sm100.hopper.bwd_tiles import m_block_at, sweep_end, walk
 from fa_sm100.hopper.common import NO_WAIT, rows_cols_view, transpose_view, wgmma
 from fa_sm100.hopper.config import WARPGROUP_THREADS
@@ -479,6 +479,8 @@ def _epilogue(cfg, prob, gmem, pipes, mmas, out, acc_dK, acc_dV, tile):
         acc_dK[i] = acc_dK[i] * prob.softmax_scale
     if const_expr(cfg.stores_dkv_by_tma):
         store_dkdv_tma(cfg, mmas, out, pipes.kv, acc_dK, acc_dV, tile)
+    elif const_expr(cfg.uses_gqa_buffers and cfg.gqa_reduce == "bulk"):
+        store_dkdv_bulk(cfg, prob, gmem, mmas, acc_dK, acc_dV, tile, out.staging[0])
     else:
         store_dkdv(cfg, prob, gmem, mmas, acc_dK, acc_dV, tile)
 

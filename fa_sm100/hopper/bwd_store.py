@@ -52,6 +52,16 @@ buffers and dV in the dQ tile instead, so that the next tile's K and V can load 
 (``dkv_tma_store=False``, and GQA's float32 buffers) stores 2-byte elements from registers:
 128 STG.U16 per thread at hdim 128, each touching 8 rows of 16 bytes.
 
+Note [dK/dV by bulk reduces] (``gqa_reduce="bulk"``, GQA / MQA): the query heads of a group
+add their float32 dK / dV tiles into one buffer per KV head, as ``atomic`` does, but not one
+``red.add`` per element: after the ``EPILOGUE`` barrier the Q and dO stages are free (every
+GEMM that reads them has retired, and no load is left for this CTA), so the warpgroups write
+dK there as a row-major float32 tile (the two buffers are adjacent in the SMEM struct:
+``BwdConfig.bulk_dkv_fits``), fence, and one thread per warpgroup adds its rows (whole rows:
+the warpgroups split the keys) with one ``cp.reduce.async.bulk.add.f32``; once that has read
+SMEM, dV the same way. The buffer is zeroed and converted by the dK / dV postprocess as for
+``atomic``; the order of the additions is not fixed (not deterministic).
+
 Note [dQ SMEM handoff] ("bulk"): per query block the dq-store warp waits until its previous
 bulk reduce has read the tile (``cp.async.bulk.wait_group.read``), arrives on ``DQ_EMPTY``,
 then waits on ``DQ_FULL``; the MMA warpgroups wait on ``DQ_EMPTY``, store the tile, fence the
@@ -465,22 +475,16 @@ def store_dkdv(cfg, prob, gmem, mmas, acc_dK, acc_dV, tile):
     past seqlen_k skipped. GQA ``buffers``: float32 stores into this query head's slice of
     (batch, heads, seqlen_k_pad, hdim). GQA ``atomic``: float32 ``red.add`` into the KV
     head's slice of (batch, heads_kv, seqlen_k_pad, hdim)."""
-    n_block, head, batch = tile.n_block, tile.head, tile.batch
+    n_block = tile.n_block
     gqa = cfg.uses_gqa_buffers
     atomic = gqa and cfg.gqa_reduce == "atomic"
     for mma, acc, mOut, cols in ((mmas.dk, acc_dK, gmem.mdK, cfg.head_dim),
                                  (mmas.dv, acc_dV, gmem.mdV, cfg.head_dim_v)):
         thr = mma.get_slice(mmas.tidx)
-        if const_expr(not gqa):
-            g_out = mOut[batch, None, head, None]
-        elif const_expr(atomic):
-            g_out = mOut[batch, head // prob.group, None, None]
-        else:
-            g_out = mOut[batch, head, None, None]
-        g_tile = cute.local_tile(g_out, (cfg.tile_n, cols), (n_block, 0))
+        g_tile = _dkv_gmem_tile(cfg, prob, mOut, tile, cols)
         # Note [dK/dV transposed]: the accumulator is the tile's transpose
         key = 1 if const_expr(cfg.dkv_swap_ab) else 0
-        t_g = thr.partition_C(transpose_view(g_tile) if const_expr(cfg.dkv_swap_ab) else g_tile)
+        t_g = thr.partition_C(_acc_view(cfg, g_tile))
         if const_expr(not gqa):
             t_c = thr.partition_C(cute.make_identity_tensor(cfg.dkv_tile_shape(cols)))
             regs = _in_dtype(acc, cutlass_dtype(cfg.dtype))
@@ -494,3 +498,61 @@ def store_dkdv(cfg, prob, gmem, mmas, acc_dK, acc_dV, tile):
         else:
             for i in cutlass.range_constexpr(cute.size(acc)):
                 t_g[i] = acc[i]
+
+
+@cute.jit
+def store_dkdv_bulk(cfg, prob, gmem, mmas, acc_dK, acc_dV, tile, staging):
+    """GQA ``bulk`` (Note [dK/dV by bulk reduces]): dK (scaled by the caller), then dV, into
+    the float32 SMEM tile ``staging`` (row-major over the Q and dO stages), each warpgroup's
+    rows added into its KV head's slice of (batch, heads_kv, seqlen_k_pad, hdim) by one
+    ``cp.reduce.async.bulk.add.f32``."""
+    tidx = mmas.tidx
+    wg = tidx // WARPGROUP_THREADS
+    rows = cfg.tile_n // cfg.num_mma_warpgroups  # each warpgroup's keys: whole rows
+    # every GEMM of both warpgroups has retired: the Q and dO stages are free
+    cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.EPILOGUE),
+                      number_of_threads=cfg.num_mma_threads)
+    for mma, acc, mOut, cols in ((mmas.dk, acc_dK, gmem.mdK, cfg.head_dim),
+                                 (mmas.dv, acc_dV, gmem.mdV, cfg.head_dim_v)):
+        s_tile = cute.make_tensor(staging, cute.make_layout((cfg.tile_n, cols), stride=(cols, 1)))
+        t_s = mma.get_slice(tidx).partition_C(_acc_view(cfg, s_tile))
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            t_s[i] = acc[i]
+        cute.arch.fence_view_async_shared()
+        # this warpgroup's rows are in SMEM
+        cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.P_READY_WG0) + wg,
+                          number_of_threads=WARPGROUP_THREADS)
+        if tidx % WARPGROUP_THREADS == 0:
+            g_tile = _dkv_gmem_tile(cfg, prob, mOut, tile, cols)
+            prims.cp_reduce_async_bulk_global_shared_cta(
+                g_tile.iterator + wg * rows * cols, s_tile.iterator + wg * rows * cols,
+                rows * cols * (Float32.width // 8), op=prims.CpReduceOp.ADD,
+                type=prims.CpReduceType.F32)
+            cute.arch.cp_async_bulk_commit_group()
+            # SMEM is read before dV overwrites it, and before the CTA exits
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        # both warpgroups: dV's rows of one warpgroup overlap dK's of the other where
+        # head_dim_v < head_dim
+        cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.EPILOGUE),
+                          number_of_threads=cfg.num_mma_threads)
+
+
+def _acc_view(cfg, t):
+    """A (keys, cols) tile as the dK / dV accumulator's shape: itself, or its transpose
+    (Note [dK/dV transposed])."""
+    return transpose_view(t) if cfg.dkv_swap_ab else t
+
+
+@cute.jit
+def _dkv_gmem_tile(cfg, prob, mOut, tile, cols):
+    """This key block's (tile_n, cols) tile of dK / dV: of (batch, seqlen_k, heads, hdim)
+    (MHA), of this query head's float32 buffer (GQA ``buffers``), or of its KV head's
+    (``atomic``, ``bulk``)."""
+    n_block, head, batch = tile.n_block, tile.head, tile.batch
+    if const_expr(not cfg.uses_gqa_buffers):
+        g_out = mOut[batch, None, head, None]
+    elif const_expr(cfg.gqa_reduce == "buffers"):
+        g_out = mOut[batch, head, None, None]
+    else:
+        g_out = mOut[batch, head // prob.group, None, None]
+    return cute.local_tile(g_out, (cfg.tile_n, cols), (n_block, 0))
