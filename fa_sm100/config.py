@@ -186,8 +186,22 @@ def normalize_dtype(dtype) -> str:
     raise ValueError(f"dtype {dtype!r} is not supported: use one of {DTYPES}")
 
 
+class CtaPairShape:
+    """The launch shape that a config's ``use_2cta`` field decides (the SM100 forward's and
+    backward's): ``cta_group`` CTAs issue one MMA together, as one cluster."""
+
+    @property
+    def cta_group(self) -> int:
+        """CTAs that issue one MMA together (tcgen05 cta_group::2 when 2-CTA is on)."""
+        return 2 if self.use_2cta else 1
+
+    @property
+    def cluster_shape(self) -> tuple[int, int, int]:
+        return (self.cta_group, 1, 1)
+
+
 @dataclass(frozen=True)
-class FmhaConfig:
+class FmhaConfig(CtaPairShape):
     """Compile-time configuration of the SM100 forward kernel (one compiled kernel per value).
 
     Problem-shaped fields (head dims, dtype, causal, window, GQA ratio) are static parts of the
@@ -231,15 +245,6 @@ class FmhaConfig:
     # machine (cross-compiling cannot ask the driver)
     num_sms: int = B200_SMS
     debug: bool = False
-
-    @property
-    def cta_group(self) -> int:
-        """CTAs that issue one MMA together (tcgen05 cta_group::2 when 2-CTA is on)."""
-        return 2 if self.use_2cta else 1
-
-    @property
-    def cluster_shape(self) -> tuple[int, int, int]:
-        return (self.cta_group, 1, 1)
 
     @property
     def mma_tile_qk(self) -> tuple[int, int, int]:

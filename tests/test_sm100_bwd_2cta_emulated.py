@@ -24,6 +24,7 @@ pytest.importorskip("cutlass")
 
 from fa_sm100 import adversarial  # noqa: E402
 from fa_sm100.bands import kernel_window, q_block_range  # noqa: E402
+from test_sm100_bwd_emulated import expected_steps  # noqa: E402  (the 1-CTA file's rule)
 
 pytestmark = [pytest.mark.slow, pytest.mark.compile]
 
@@ -69,24 +70,6 @@ def _run(b, sq, sk, h, hk, d, sets, window=NO_WINDOW, softcap=0.0, seed=0,
                                               policy=schedule[1])
 
 
-def _pair_steps(cfg, q, k, window) -> dict:
-    """(key block, KV head, batch) -> steps: both CTAs of pair p take the query blocks whose
-    band reaches keys [2 p n_block, 2 (p + 1) n_block), times the group's heads."""
-    b, sq, h, _ = q.shape
-    sk, hk = k.shape[1], k.shape[2]
-    left, right = kernel_window(cfg.causal, window, sq, sk)
-    pairs = -(-sk // (PAIR * cfg.n_block))
-    steps = {}
-    for p in range(pairs):
-        lo, hi = q_block_range(p * PAIR * cfg.n_block, PAIR * cfg.n_block, cfg.m_block, sq, sk,
-                               left, right)
-        for n in (PAIR * p, PAIR * p + 1):
-            for kv_head in range(hk):
-                for batch in range(b):
-                    steps[n, kv_head, batch] = max(hi - lo, 0) * (h // hk)
-    return steps
-
-
 def _check(name, cfg, inputs, run, window, softcap):
     from fa_sm100.emulation import emulate_sm100_bwd
 
@@ -95,7 +78,7 @@ def _check(name, cfg, inputs, run, window, softcap):
     assert not any(torch.isnan(t).any() for t in (run.dq, run.dk, run.dv)), "a row left unwritten"
     adversarial.check_adversarial_grads(name, (run.dq, run.dk, run.dv), q, k, v, dout,
                                         causal=cfg.causal, window=window, softcap=softcap)
-    assert run.steps == _pair_steps(cfg, q, k, window)
+    assert run.steps == expected_steps(cfg, q, k, window)
     emu = emulate_sm100_bwd(dout, q, k, v, causal=cfg.causal, window_size=window,
                             softcap=softcap, fma_contracted=False)
     for what, mine, kernel in (("dk", emu.dk, run.dk), ("dv", emu.dv, run.dv)):

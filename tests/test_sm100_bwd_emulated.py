@@ -83,19 +83,22 @@ def _run(b, sq, sk, h, hk, d, sets, window=NO_WINDOW, softcap=0.0, q=None, k=Non
                                               policy=schedule[1])
 
 
-def _expected_steps(cfg, q, k, window) -> dict:
+def expected_steps(cfg, q, k, window) -> dict:
     """(key block, KV head, batch) -> steps: the query blocks whose band reaches the key block
-    (``bands.q_block_range``; every block without a mask) times the group's heads."""
+    (``bands.q_block_range``; every block without a mask) times the group's heads. Under 2-CTA
+    both CTAs of pair p take the blocks whose band reaches the pair's keys [2 p n_block,
+    2 (p + 1) n_block)."""
     b, sq, h, _ = q.shape
     sk, hk = k.shape[1], k.shape[2]
     left, right = kernel_window(cfg.causal, window, sq, sk)
-    n_blocks = -(-sk // cfg.n_block)
+    span = cfg.cta_group * cfg.n_block  # keys of one work tile
     steps = {}
-    for n in range(n_blocks):
-        lo, hi = q_block_range(n * cfg.n_block, cfg.n_block, cfg.m_block, sq, sk, left, right)
-        for kv_head in range(hk):
-            for batch in range(b):
-                steps[n, kv_head, batch] = max(hi - lo, 0) * (h // hk)
+    for p in range(-(-sk // span)):
+        lo, hi = q_block_range(p * span, span, cfg.m_block, sq, sk, left, right)
+        for n in range(cfg.cta_group * p, cfg.cta_group * (p + 1)):
+            for kv_head in range(hk):
+                for batch in range(b):
+                    steps[n, kv_head, batch] = max(hi - lo, 0) * (h // hk)
     return steps
 
 
@@ -105,7 +108,7 @@ def _check(name, cfg, inputs, run, window, softcap):
     assert not any(torch.isnan(t).any() for t in (run.dq, run.dk, run.dv)), "a row left unwritten"
     adversarial.check_adversarial_grads(name, (run.dq, run.dk, run.dv), q, k, v, dout,
                                         causal=cfg.causal, window=window, softcap=softcap)
-    assert run.steps == _expected_steps(cfg, q, k, window)
+    assert run.steps == expected_steps(cfg, q, k, window)
     _check_emulation_bits(name, cfg, inputs, run, window, softcap)
 
 

@@ -385,6 +385,7 @@ def _mma_tile(cfg, prob, gmem, smem, pipes, mmas, out, tile, state_q, state_do):
         if const_expr(wide):  # Delta after P: its registers never live beside LSE2's
             dpsum = block_stats(cfg, delta_block, ops.thr_sdp, ops.sdp_shape, ops.tScS)
         rP = cute.make_fragment_like(acc_S, dtype)
+        tdVrdOt_cur = ops.tdVrdOt[None, None, None, state_do.index]  # dV's dO^T (or dO^T as A)
         if const_expr(softcap):  # P straight into 16 bits; S keeps t (tile_m 64 only)
             if const_expr(pointwise):
                 softcap_p(cfg, rP, acc_S, S, lse, scale_log2, ops.tScS0)
@@ -408,7 +409,7 @@ def _mma_tile(cfg, prob, gmem, smem, pipes, mmas, out, tile, state_q, state_do):
                 cute.arch.fence_view_async_shared()
                 cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.P_READY_WG0) + ops.wg,
                                   number_of_threads=WARPGROUP_THREADS)
-            _dkv_gemm(cfg, mma_dv, acc_dV, tdVrPt_cur, ops.tdVrdOt[None, None, None, state_do.index])
+            _dkv_gemm(cfg, mma_dv, acc_dV, tdVrPt_cur, tdVrdOt_cur)
             warpgroup.wait_group(1)  # dP done; dV may still run
         else:
             warpgroup.wait_group(0)
@@ -430,19 +431,19 @@ def _mma_tile(cfg, prob, gmem, smem, pipes, mmas, out, tile, state_q, state_do):
         cute.copy(ops.st_copy, ops.st_thr.retile(rdS), ops.tdSsdS[None, None, None, ds_idx])
         dv_pre_fence = dv_mid and swap and cfg.dv_before_fence
         if const_expr(dv_pre_fence):  # Note [dV before the fence]
-            _dkv_gemm(cfg, mma_dv, acc_dV, tdVrPt_cur, ops.tdVrdOt[None, None, None, state_do.index])
+            _dkv_gemm(cfg, mma_dv, acc_dV, tdVrPt_cur, tdVrdOt_cur)
         cute.arch.fence_view_async_shared()
         if const_expr(dv_mid and not dv_pre_fence):  # Note [dV before the dS barrier]
             if const_expr(not swap):  # P in SMEM: this warpgroup's stores are done
                 cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.P_READY_WG0) + ops.wg,
                                   number_of_threads=WARPGROUP_THREADS)
-            _dkv_gemm(cfg, mma_dv, acc_dV, tdVrPt_cur, ops.tdVrdOt[None, None, None, state_do.index])
+            _dkv_gemm(cfg, mma_dv, acc_dV, tdVrPt_cur, tdVrdOt_cur)
         if const_expr(probes.active("ds_barrier") != "none"):  # Note [cost probes]
             cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.DS_READY),
                               number_of_threads=cfg.num_mma_threads)
         # dV += P^T dO (unless issued before), dQ = dS K, dK += dS^T Q; groups retire in order
         if const_expr(not cfg.early_dv and not dv_mid):
-            _dkv_gemm(cfg, mma_dv, acc_dV, tdVrPt_cur, ops.tdVrdOt[None, None, None, state_do.index])
+            _dkv_gemm(cfg, mma_dv, acc_dV, tdVrPt_cur, tdVrdOt_cur)
         acc_dQ = cute.make_rmem_tensor(mma_dq.partition_shape_C(dq_tile_shape(cfg)),
                                        Float32)
         if const_expr(cfg.dq_swap_ab):
@@ -494,39 +495,45 @@ def _consumer_wait(cfg, pipe, state):
         pipe.consumer_wait(state)
 
 
-def _dkv_fragment(cfg, mma, wg_mma, s_view, query: bool):
-    """WGMMA descriptor of an SMEM operand of dV = P^T dO / dK = dS^T Q: the score side (P^T,
-    dS^T; ``query`` False) is A and the query side (dO^T, Q^T) B, or the other way round with
-    ``dkv_swap_ab`` (dV^T = dO^T P, dK^T = Q^T dS)."""
-    if cfg.dkv_swap_ab == query:
+def _operand(mma, wg_mma, s_view, as_a: bool):
+    """The WGMMA descriptor of an SMEM operand, as A or as B."""
+    if as_a:
         return mma.make_fragment_A(wg_mma.partition_A(s_view))
     return mma.make_fragment_B(wg_mma.partition_B(s_view))
 
 
-@cute.jit
-def _dkv_gemm(cfg, mma, acc, frag_score, frag_query):
-    """Issue dV += P^T dO (dK += dS^T Q) into ``acc``; with ``dkv_swap_ab`` its transpose."""
-    if const_expr(cfg.dkv_swap_ab):
-        wgmma(mma, acc, frag_query, frag_score, False, NO_WAIT)
-    else:
-        wgmma(mma, acc, frag_score, frag_query, False, NO_WAIT)
+def _dkv_fragment(cfg, mma, wg_mma, s_view, query: bool):
+    """WGMMA descriptor of an SMEM operand of dV = P^T dO / dK = dS^T Q: the score side (P^T,
+    dS^T; ``query`` False) is A and the query side (dO^T, Q^T) B, or the other way round with
+    ``dkv_swap_ab`` (dV^T = dO^T P, dK^T = Q^T dS)."""
+    return _operand(mma, wg_mma, s_view, as_a=cfg.dkv_swap_ab == query)
 
 
 def _sdp_fragments(cfg, mma_sdp, wg_sdp, s_query, s_key):
     """WGMMA descriptors of a query-side (Q, dO) and a key-side (K, V) SMEM operand of
     S = Q K^T / dP = dO V^T: A and B, or B and A with ``sdp_swap_ab``. Returns them as
     (query side, key side)."""
-    if cfg.sdp_swap_ab:
-        return (mma_sdp.make_fragment_B(wg_sdp.partition_B(s_query)),
-                mma_sdp.make_fragment_A(wg_sdp.partition_A(s_key)))
-    return (mma_sdp.make_fragment_A(wg_sdp.partition_A(s_query)),
-            mma_sdp.make_fragment_B(wg_sdp.partition_B(s_key)))
+    return (_operand(mma_sdp, wg_sdp, s_query, as_a=not cfg.sdp_swap_ab),
+            _operand(mma_sdp, wg_sdp, s_key, as_a=cfg.sdp_swap_ab))
+
+
+@cute.jit
+def _gemm(mma, acc, first, second, swapped: cutlass.Constexpr, zero_init: cutlass.Constexpr):
+    """Issue acc (+)= first x second^T without waiting, or with ``swapped`` its transpose,
+    second x first^T (the operands' descriptors made for it)."""
+    if const_expr(swapped):
+        wgmma(mma, acc, second, first, zero_init, NO_WAIT)
+    else:
+        wgmma(mma, acc, first, second, zero_init, NO_WAIT)
+
+
+@cute.jit
+def _dkv_gemm(cfg, mma, acc, frag_score, frag_query):
+    """Issue dV += P^T dO (dK += dS^T Q) into ``acc``; with ``dkv_swap_ab`` its transpose."""
+    _gemm(mma, acc, frag_score, frag_query, cfg.dkv_swap_ab, False)
 
 
 @cute.jit
 def _sdp_gemm(cfg, mma_sdp, acc, frag_query, frag_key):
     """Issue S = Q K^T (or dP = dO V^T) into ``acc``; with ``sdp_swap_ab`` its transpose."""
-    if const_expr(cfg.sdp_swap_ab):
-        wgmma(mma_sdp, acc, frag_key, frag_query, True, NO_WAIT)
-    else:
-        wgmma(mma_sdp, acc, frag_query, frag_key, True, NO_WAIT)
+    _gemm(mma_sdp, acc, frag_query, frag_key, cfg.sdp_swap_ab, True)

@@ -56,7 +56,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from fa_sm100.config import (DTYPE_BYTES, DTYPES, WARP_SIZE, WARPGROUP_WARPS,
+from fa_sm100.config import (DTYPE_BYTES, DTYPES, WARP_SIZE, WARPGROUP_WARPS, CtaPairShape,
                              check_register_budget, check_setmaxnreg)
 from layouts.smem import ALIGN, SMEM_BUDGET, align_up
 
@@ -113,7 +113,7 @@ class BwdWarpRoles:
 
 
 @dataclass(frozen=True)
-class Sm100BwdConfig:
+class Sm100BwdConfig(CtaPairShape):
     """Compile-time configuration of the SM100 backward (one compiled kernel per value)."""
 
     # problem
@@ -144,15 +144,6 @@ class Sm100BwdConfig:
 
     pipeline_table = "backward"  # pipelines.spec.table_of
     one_stage = 1
-
-    @property
-    def cta_group(self) -> int:
-        """CTAs that issue one MMA together (tcgen05 cta_group::2 under ``use_2cta``)."""
-        return 2 if self.use_2cta else 1
-
-    @property
-    def cluster_shape(self) -> tuple[int, int, int]:
-        return (self.cta_group, 1, 1)
 
     @property
     def dtype_bytes(self) -> int:

@@ -117,9 +117,13 @@ class Sm100Backward:
         n_bars = barrier_count(cfg)
         stats = cfg.m_block * cfg.q_stage
 
+        pair = cfg.use_2cta
+
         @cute.struct
         class SharedStorage:
             mbar: cute.struct.MemRange[Int64, n_bars]  # every pipeline's full/empty barriers
+            if cutlass.const_expr(pair):  # TmemAllocator's pair handshake before the dealloc
+                tmem_dealloc_mbar: Int64  # (Note [Backward 2-CTA])
             tmem_base: Int32
             sLSE2: cute.struct.Align[cute.struct.MemRange[Float32, stats], STATS_ALIGN]
             sDelta: cute.struct.Align[cute.struct.MemRange[Float32, stats], STATS_ALIGN]
@@ -128,24 +132,12 @@ class Sm100Backward:
             sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(lay.sQ)], ALIGN]
             sdO: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(lay.sdO)], ALIGN]
             sdS: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(lay.sdS)], ALIGN]
+            if cutlass.const_expr(pair):  # Q^T, dO^T and K^T in buffers of their own
+                sQt: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(lay.sQt)], ALIGN]
+                sdOt: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(lay.sdOt)], ALIGN]
+                sKt: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(lay.sKt)], ALIGN]
 
-        @cute.struct
-        class PairSharedStorage:  # 2-CTA (Note [Backward 2-CTA])
-            mbar: cute.struct.MemRange[Int64, n_bars]
-            tmem_dealloc_mbar: Int64  # TmemAllocator's pair handshake before the dealloc
-            tmem_base: Int32
-            sLSE2: cute.struct.Align[cute.struct.MemRange[Float32, stats], STATS_ALIGN]
-            sDelta: cute.struct.Align[cute.struct.MemRange[Float32, stats], STATS_ALIGN]
-            sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(lay.sK)], ALIGN]
-            sV: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(lay.sV)], ALIGN]
-            sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(lay.sQ)], ALIGN]
-            sdO: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(lay.sdO)], ALIGN]
-            sdS: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(lay.sdS)], ALIGN]
-            sQt: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(lay.sQt)], ALIGN]
-            sdOt: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(lay.sdOt)], ALIGN]
-            sKt: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(lay.sKt)], ALIGN]
-
-        self.shared_storage = PairSharedStorage if cfg.use_2cta else SharedStorage
+        self.shared_storage = SharedStorage
         self.shared_bytes = self.shared_storage.size_in_bytes()
         if cutlass.const_expr(self.shared_bytes != cfg.smem_bytes()):
             raise ValueError(f"SMEM: the backward's shared storage takes {self.shared_bytes} "

@@ -20,9 +20,9 @@ overwrites dP^T after dK has read dS^T_j (which lies inside dP^T), and S^T_{j+1}
 P^T_j after dV has read it; tcgen05 MMAs issued by one thread execute in issue order.
 
 Under 2-CTA (Note [Backward 2-CTA] in bwd_config.py) the leader CTA's MMA warp issues the same
-order for the pair (``_issue_pair``), except that Q_j / dO_j are handed back after dP^T_j (dV
-and dK read Q^T_j / dO^T_j from bwd_qt, waited for before dV_j and handed back after dK_j),
-and dQ_j waits for both CTAs' dS at cluster scope.
+order for the pair (``_issue`` with ``use_2cta``), except that Q_j / dO_j are handed back
+after dP^T_j (dV and dK read Q^T_j / dO^T_j from bwd_qt, waited for before dV_j and handed
+back after dK_j), and dQ_j waits for both CTAs' dS at cluster scope.
 """
 
 from __future__ import annotations
@@ -75,13 +75,23 @@ def mma(cfg, mmas, smem, tmem, pipes, prob):
         # the recorded branch lets the protocol model build the peer's MMA warp too
         with record.branch("is_leader_cta"):
             if prob.n_block % cfg.cta_group == 0:
-                _issue_pair(cfg, mmas, smem, tmem, pipes, prob)
+                _issue(cfg, mmas, smem, tmem, pipes, prob)
     else:
         _issue(cfg, mmas, smem, tmem, pipes, prob)
 
 
 @cute.jit
 def _issue(cfg, mmas, smem, tmem, pipes, prob):
+    """The MMA warp's loop. Under 2-CTA (the leader's MMAs for the pair, Note [Backward 2-CTA]
+    in bwd_config.py) the order is the same, with Q_j / dO_j (``bwd_q``, read by S^T and dP^T
+    only) handed back once dP^T_j is issued, and Q^T_j / dO^T_j (``bwd_qt``, one stage, buffers
+    of their own) waited for before dV_j and handed back after dK_j; dQ reads sdS and sKt."""
+    pair = cfg.use_2cta
+    # dV / dK's B and its pipeline: Q^T / dO^T views of the q stages, or under 2-CTA their
+    # own one-stage buffers
+    qt_pipe, sQt, sdOt, sKt = "bwd_q", "sQ", "sdO", "sK"
+    if cutlass.const_expr(pair):
+        qt_pipe, sQt, sdOt, sKt = "bwd_qt", "sQt", "sdOt", "sKt"
     tSrK = mmas.S.make_fragment_A(smem.sK)
     tSrQ = mmas.S.make_fragment_B(smem.sQ)  # (MMA, MMA_N, MMA_K, q_stage)
     tdPrV = mmas.dP.make_fragment_A(smem.sV)
@@ -98,6 +108,9 @@ def _issue(cfg, mmas, smem, tmem, pipes, prob):
         pipes.bwd_dkv.producer_acquire(0, Int32(1))
     with record.loop("steps"):
         for step in cutlass.range(prob.iters, unroll=1):
+            qt_index = index
+            if cutlass.const_expr(pair):
+                qt_index = 0
             pipes.bwd_q.consumer_wait(index, phase)
             pipes.bwd_s_dp.producer_acquire(0, one_phase ^ 1)
             _umma_reads(("sK", None), ("sQ", "bwd_q"))
@@ -108,72 +121,24 @@ def _issue(cfg, mmas, smem, tmem, pipes, prob):
             record.access("dP", "w", unit="umma")
             _gemm(mmas.dP, tmem.tdP, tdPrV, tdPrdO[None, None, None, index], False)
             pipes.bwd_s_dp.producer_commit(0, note="S^T, dP^T")
+            if cutlass.const_expr(pair):
+                pipes.bwd_q.consumer_release(index)
             pipes.bwd_ds.consumer_wait(0, one_phase)
-            _umma_reads(("P0", None), ("P1", None), ("sdO", "bwd_q"))
+            if cutlass.const_expr(pair):
+                # the peer's dS stores into this CTA's sdS and its own into the peer's:
+                # acquire what both CTAs' compute warps released at cluster scope
+                acquire_at_cluster_scope(pipes.bwd_ds, 0, one_phase)
+                pipes.bwd_qt.consumer_wait(0, one_phase)
+            _umma_reads(("P0", None), ("P1", None), (sdOt, qt_pipe))
             record.access("dV", "w", unit="umma")
-            _gemm_tmem_a(mmas.dV, tmem.tdV, tmem.tP, tdVrdO[None, None, None, index], step > 0)
-            _umma_reads(("dS0", None), ("dS1", None), ("sQ", "bwd_q"))
+            _gemm_tmem_a(mmas.dV, tmem.tdV, tmem.tP, tdVrdO[None, None, None, qt_index],
+                         step > 0)
+            _umma_reads(("dS0", None), ("dS1", None), (sQt, qt_pipe))
             record.access("dK", "w", unit="umma")
-            _gemm_tmem_a(mmas.dK, tmem.tdK, tmem.tdS, tdKrQ[None, None, None, index], step > 0)
-            pipes.bwd_q.consumer_release(index)
-            _umma_reads(("sdS", None), ("sK", None))
-            record.access("dQ", "w", unit="umma")
-            _gemm(mmas.dQ, tmem.tdQ, tdQrdS, tdQrK, False)
-            pipes.bwd_ds.consumer_release(0)
-            pipes.bwd_dq.producer_commit(0, note="dQ")
-            one_phase = one_phase ^ 1
-            index, phase = advance(index, phase, cfg.q_stage)
-    if prob.iters > 0:
-        pipes.bwd_kv.consumer_release(0)
-        pipes.bwd_dkv.producer_commit(0, note="dK, dV")
-
-
-@cute.jit
-def _issue_pair(cfg, mmas, smem, tmem, pipes, prob):
-    """The leader's MMAs for a 2-CTA pair (Note [Backward 2-CTA] in bwd_config.py): the order
-    of ``_issue``, with Q_j / dO_j (``bwd_q``, read by S^T and dP^T only) handed back once
-    dP^T_j is issued, and Q^T_j / dO^T_j (``bwd_qt``, one stage) waited for before dV_j and
-    handed back after dK_j; dQ reads sdS and sKt, buffers of their own."""
-    tSrK = mmas.S.make_fragment_A(smem.sK)
-    tSrQ = mmas.S.make_fragment_B(smem.sQ)  # (MMA, MMA_N, MMA_K, q_stage)
-    tdPrV = mmas.dP.make_fragment_A(smem.sV)
-    tdPrdO = mmas.dP.make_fragment_B(smem.sdO)
-    tdVrdO = mmas.dV.make_fragment_B(smem.sdOt)[None, None, None, 0]  # one stage
-    tdKrQ = mmas.dK.make_fragment_B(smem.sQt)[None, None, None, 0]
-    tdQrdS = mmas.dQ.make_fragment_A(smem.sdS)
-    tdQrK = mmas.dQ.make_fragment_B(smem.sKt)
-    index = Int32(0)
-    phase = Int32(0)
-    one_phase = Int32(0)  # the single-stage pipelines move together: one phase per step
-    if prob.iters > 0:
-        pipes.bwd_kv.consumer_wait(0, Int32(0))
-        pipes.bwd_dkv.producer_acquire(0, Int32(1))
-    with record.loop("steps"):
-        for step in cutlass.range(prob.iters, unroll=1):
-            pipes.bwd_q.consumer_wait(index, phase)
-            pipes.bwd_s_dp.producer_acquire(0, one_phase ^ 1)
-            _umma_reads(("sK", None), ("sQ", "bwd_q"))
-            record.access("S", "w", unit="umma")
-            _gemm(mmas.S, tmem.tS, tSrK, tSrQ[None, None, None, index], False)
-            pipes.bwd_dq.producer_acquire(0, one_phase ^ 1)
-            _umma_reads(("sV", None), ("sdO", "bwd_q"))
-            record.access("dP", "w", unit="umma")
-            _gemm(mmas.dP, tmem.tdP, tdPrV, tdPrdO[None, None, None, index], False)
-            pipes.bwd_s_dp.producer_commit(0, note="S^T, dP^T")
-            pipes.bwd_q.consumer_release(index)
-            pipes.bwd_ds.consumer_wait(0, one_phase)
-            # the peer's dS stores into this CTA's sdS and its own into the peer's: acquire
-            # what both CTAs' compute warps released at cluster scope
-            acquire_at_cluster_scope(pipes.bwd_ds, 0, one_phase)
-            pipes.bwd_qt.consumer_wait(0, one_phase)
-            _umma_reads(("P0", None), ("P1", None), ("sdOt", "bwd_qt"))
-            record.access("dV", "w", unit="umma")
-            _gemm_tmem_a(mmas.dV, tmem.tdV, tmem.tP, tdVrdO, step > 0)
-            _umma_reads(("dS0", None), ("dS1", None), ("sQt", "bwd_qt"))
-            record.access("dK", "w", unit="umma")
-            _gemm_tmem_a(mmas.dK, tmem.tdK, tmem.tdS, tdKrQ, step > 0)
-            pipes.bwd_qt.consumer_release(0)
-            _umma_reads(("sdS", None), ("sKt", None))
+            _gemm_tmem_a(mmas.dK, tmem.tdK, tmem.tdS, tdKrQ[None, None, None, qt_index],
+                         step > 0)
+            getattr(pipes, qt_pipe).consumer_release(qt_index)
+            _umma_reads(("sdS", None), (sKt, None))
             record.access("dQ", "w", unit="umma")
             _gemm(mmas.dQ, tmem.tdQ, tdQrdS, tdQrK, False)
             pipes.bwd_ds.consumer_release(0)
