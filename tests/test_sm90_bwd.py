@@ -143,7 +143,13 @@ def test_default_configs_fit_smem_and_follow_the_measured_choices():
         cfg = select_bwd_config(head_dim=d, causal=causal, tile_n=64)
         assert cfg.dkv_split_cols and cfg.tile_m == 64 and not cfg.sdp_swap_ab
         assert not cfg.early_dv and not cfg.dv_before_barrier
-    assert select_bwd_config(qhead_per_kvhead=4).gqa_reduce == "buffers"
+    # GQA: bulk reduces into one buffer per KV head, except where an order is asked for
+    # (deterministic) or the warpgroups split dK / dV by columns (hdim 256)
+    for d in (64, 96, 128, 192, 256):
+        for det in (False, True):
+            cfg = select_bwd_config(head_dim=d, qhead_per_kvhead=4, deterministic=det)
+            assert cfg.gqa_reduce == ("buffers" if det or d == 256 else "bulk")
+            assert cfg.gqa_reduce != "bulk" or cfg.bulk_dkv_fits()
     assert select_bwd_config(qhead_per_kvhead=4, gqa_reduce="atomic").gqa_reduce == "atomic"
     # early dV: unswapped 64-row blocks (hdim 96), non-causal problems only
     assert select_bwd_config(head_dim=96).early_dv
@@ -1206,11 +1212,14 @@ def test_sm90_bwd_red_dq_adds_16_bytes_per_instruction(overrides, tmp_path):
                                            (["head_dim=192"], True),
                                            (["dkv_tma_store=false"], False),
                                            (["head_dim=256", "dkv_tma_store=false"], False),
-                                           (["qhead_per_kvhead=4"], False)],
-                         ids=["mha", "mha-d64", "mha-d192", "direct", "direct-d256", "gqa"])
+                                           (["qhead_per_kvhead=4", "gqa_reduce=buffers"],
+                                            False)],
+                         ids=["mha", "mha-d64", "mha-d192", "direct", "direct-d256",
+                              "gqa-buffers"])
 def test_sm90_bwd_dk_dv_leave_by_tma_for_mha(overrides, tma, tmp_path):
     """Note [dK/dV by TMA]: MHA dK/dV go to SMEM by stmatrix and out by TMA stores (no STG);
-    with dkv_tma_store=false, and for GQA's float32 buffers, every thread stores directly."""
+    with dkv_tma_store=false, and for GQA's float32 per-head buffers, every thread stores
+    directly (GQA's default, bulk reduces, has a test of its own below)."""
     from fa_sm100.inspection import inspect_kernel
 
     r = inspect_kernel("sm90_bwd", "sm_90a", overrides, keep_dir=tmp_path)

@@ -365,14 +365,15 @@ class BwdConfig:
                     if self.keys_per_warpgroup % c == 0 or self.dkv_split_cols)
 
     def bulk_dkv_fits(self) -> bool:
-        """Whether a float32 dK / dV tile fits the Q and dO stages, where ``gqa_reduce="bulk"``
-        stages it (adjacent in the SMEM struct, each a whole number of 1024-byte alignment
-        units: Note [dK/dV by bulk reduces] in bwd_store.py)."""
-        b = self.dtype_bytes
-        q, do = (self.tile_m * self.head_dim * b * self.q_stage,
-                 self.tile_m * self.head_dim_v * b * self.do_stage)
-        return (q % SMEM_BUFFER_ALIGN == 0
-                and self.tile_n * max(self.head_dim, self.head_dim_v) * 4 <= q + do)
+        """Whether the float32 dK tile fits the Q and dO stages and dV's K and V, where
+        ``gqa_reduce="bulk"`` stages them (each pair adjacent in the SMEM struct, the first a
+        whole number of 1024-byte alignment units: Note [dK/dV by bulk reduces] in
+        bwd_store.py)."""
+        b, hd, hdv = self.dtype_bytes, self.head_dim, self.head_dim_v
+        q, do = self.tile_m * hd * b * self.q_stage, self.tile_m * hdv * b * self.do_stage
+        k, v = self.tile_n * hd * b, self.tile_n * hdv * b
+        return (q % SMEM_BUFFER_ALIGN == 0 and k % SMEM_BUFFER_ALIGN == 0
+                and self.tile_n * hd * 4 <= q + do and self.tile_n * hdv * 4 <= k + v)
 
     def dkv_tile_shape(self, cols: int) -> tuple:
         """dK's (``cols`` = head_dim) or dV's (head_dim_v) accumulator tile: (keys, cols), or

@@ -445,10 +445,11 @@ class Sm90FlashBackward:
         """Where the dK / dV epilogue stages its tiles for the TMA stores (Note [dK/dV by
         TMA] in bwd_store.py): K's and V's buffers; with persistent CTAs the dS buffers and
         the SMEM dQ tile, so that the next tile's K and V can load meanwhile (Note
-        [persistent CTAs] in bwd_tiles.py). GQA ``bulk``: the float32 tile over the Q and dO
-        stages, as a pointer (Note [dK/dV by bulk reduces])."""
+        [persistent CTAs] in bwd_tiles.py). GQA ``bulk``: where the float32 dK and dV tiles
+        start, over the Q and dO stages and over K and V (Note [dK/dV by bulk reduces])."""
         if const_expr(self.cfg.uses_gqa_buffers and self.cfg.gqa_reduce == "bulk"):
-            return (cute.recast_ptr(storage.sQ.data_ptr(), dtype=Float32),)
+            return tuple(cute.recast_ptr(buf.data_ptr(), dtype=Float32)
+                         for buf in (storage.sQ, storage.sK))
         if const_expr(not self.cfg.persistent_ctas):
             return sK, sV
         return (storage.sdS.get_tensor(sK_layout.outer, swizzle=sK_layout.inner),

@@ -481,7 +481,7 @@ def _epilogue(cfg, prob, gmem, pipes, mmas, out, acc_dK, acc_dV, tile):
     if const_expr(cfg.stores_dkv_by_tma):
         store_dkdv_tma(cfg, mmas, out, pipes.kv, acc_dK, acc_dV, tile)
     elif const_expr(cfg.uses_gqa_buffers and cfg.gqa_reduce == "bulk"):
-        store_dkdv_bulk(cfg, prob, gmem, mmas, acc_dK, acc_dV, tile, out.staging[0])
+        store_dkdv_bulk(cfg, prob, gmem, mmas, acc_dK, acc_dV, tile, out.staging)
     else:
         store_dkdv(cfg, prob, gmem, mmas, acc_dK, acc_dV, tile)
 

@@ -55,12 +55,13 @@ buffers and dV in the dQ tile instead, so that the next tile's K and V can load 
 Note [dK/dV by bulk reduces] (``gqa_reduce="bulk"``, GQA / MQA): the query heads of a group
 add their float32 dK / dV tiles into one buffer per KV head, as ``atomic`` does, but not one
 ``red.add`` per element: after the ``EPILOGUE`` barrier the Q and dO stages are free (every
-GEMM that reads them has retired, and no load is left for this CTA), so the warpgroups write
-dK there as a row-major float32 tile (the two buffers are adjacent in the SMEM struct:
-``BwdConfig.bulk_dkv_fits``), fence, and one thread per warpgroup adds its rows (whole rows:
-the warpgroups split the keys) with one ``cp.reduce.async.bulk.add.f32``; once that has read
-SMEM, dV the same way. The buffer is zeroed and converted by the dK / dV postprocess as for
-``atomic``; the order of the additions is not fixed (not deterministic).
+GEMM that reads them has retired, and no load is left for this CTA), and so are K and V: the
+warpgroups write dK over the Q and dO stages and dV over K and V as row-major float32 tiles
+(each pair of buffers adjacent in the SMEM struct: ``BwdConfig.bulk_dkv_fits``), fence, and
+one thread per warpgroup adds its rows of each (whole rows: the warpgroups split the keys)
+with one ``cp.reduce.async.bulk.add.f32``, then waits for them to read SMEM before the CTA
+exits. The buffer is zeroed and converted by the dK / dV postprocess as for ``atomic``; the
+order of the additions is not fixed (not deterministic).
 
 Note [dQ SMEM handoff] ("bulk"): per query block the dq-store warp waits until its previous
 bulk reduce has read the tile (``cp.async.bulk.wait_group.read``), arrives on ``DQ_EMPTY``,
@@ -502,39 +503,37 @@ def store_dkdv(cfg, prob, gmem, mmas, acc_dK, acc_dV, tile):
 
 @cute.jit
 def store_dkdv_bulk(cfg, prob, gmem, mmas, acc_dK, acc_dV, tile, staging):
-    """GQA ``bulk`` (Note [dK/dV by bulk reduces]): dK (scaled by the caller), then dV, into
-    the float32 SMEM tile ``staging`` (row-major over the Q and dO stages), each warpgroup's
-    rows added into its KV head's slice of (batch, heads_kv, seqlen_k_pad, hdim) by one
-    ``cp.reduce.async.bulk.add.f32``."""
+    """GQA ``bulk`` (Note [dK/dV by bulk reduces]): dK (scaled by the caller) and dV into
+    their float32 SMEM tiles ``staging`` (row-major, over the Q and dO stages and over K and
+    V), each warpgroup's rows added into its KV head's slice of (batch, heads_kv,
+    seqlen_k_pad, hdim) by one ``cp.reduce.async.bulk.add.f32`` each."""
     tidx = mmas.tidx
     wg = tidx // WARPGROUP_THREADS
     rows = cfg.tile_n // cfg.num_mma_warpgroups  # each warpgroup's keys: whole rows
-    # every GEMM of both warpgroups has retired: the Q and dO stages are free
+    # every GEMM of both warpgroups has retired: Q, dO, K and V are free
     cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.EPILOGUE),
                       number_of_threads=cfg.num_mma_threads)
-    for mma, acc, mOut, cols in ((mmas.dk, acc_dK, gmem.mdK, cfg.head_dim),
-                                 (mmas.dv, acc_dV, gmem.mdV, cfg.head_dim_v)):
-        s_tile = cute.make_tensor(staging, cute.make_layout((cfg.tile_n, cols), stride=(cols, 1)))
+    outs = []
+    for mma, acc, mOut, cols, base in ((mmas.dk, acc_dK, gmem.mdK, cfg.head_dim, staging[0]),
+                                       (mmas.dv, acc_dV, gmem.mdV, cfg.head_dim_v, staging[1])):
+        s_tile = cute.make_tensor(base, cute.make_layout((cfg.tile_n, cols), stride=(cols, 1)))
         t_s = mma.get_slice(tidx).partition_C(_acc_view(cfg, s_tile))
         for i in cutlass.range_constexpr(cute.size(acc)):
             t_s[i] = acc[i]
-        cute.arch.fence_view_async_shared()
-        # this warpgroup's rows are in SMEM
-        cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.P_READY_WG0) + wg,
-                          number_of_threads=WARPGROUP_THREADS)
-        if tidx % WARPGROUP_THREADS == 0:
+        outs.append((mOut, cols, s_tile))
+    cute.arch.fence_view_async_shared()
+    # this warpgroup's rows are in SMEM
+    cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.P_READY_WG0) + wg,
+                      number_of_threads=WARPGROUP_THREADS)
+    if tidx % WARPGROUP_THREADS == 0:
+        for mOut, cols, s_tile in outs:
             g_tile = _dkv_gmem_tile(cfg, prob, mOut, tile, cols)
             prims.cp_reduce_async_bulk_global_shared_cta(
                 g_tile.iterator + wg * rows * cols, s_tile.iterator + wg * rows * cols,
                 rows * cols * (Float32.width // 8), op=prims.CpReduceOp.ADD,
                 type=prims.CpReduceType.F32)
-            cute.arch.cp_async_bulk_commit_group()
-            # SMEM is read before dV overwrites it, and before the CTA exits
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
-        # both warpgroups: dV's rows of one warpgroup overlap dK's of the other where
-        # head_dim_v < head_dim
-        cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.EPILOGUE),
-                          number_of_threads=cfg.num_mma_threads)
+        cute.arch.cp_async_bulk_commit_group()
+        cute.arch.cp_async_bulk_wait_group(0, read=True)  # SMEM is read before the CTA exits
 
 
 def _acc_view(cfg, t):

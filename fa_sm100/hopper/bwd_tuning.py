@@ -38,7 +38,7 @@ from fa_sm100.machines import HOPPER_SMS
 SHORT_CAUSAL_SEQLEN = 4096  # "short band": causal, both lengths up to this
 CAUSAL_MULTICAST_MIN_SEQLEN = {64: 4096, 128: 4096}  # "Q/dO multicast": causal, both from this
 STAGGER_HEAD_DIMS = (128,)  # "staggered sweeps"
-BULK_DKV_MIN_GROUP = 8  # "GQA dK/dV by bulk reduces"
+BULK_DKV_MIN_GROUP = 2  # "GQA dK/dV by bulk reduces": every GQA / MQA group
 EARLY_DQ_POST_HEAD_DIMS = (128,)  # "dQ postprocess in the tail"
 PRE_CTAS_HEAD_DIMS = (128,)  # "preprocess beside the main kernel"
 DEFAULT_PRE_CTAS = 32
@@ -202,14 +202,14 @@ BWD_TUNING = (
                  "(16q/4kv hdim 64 8k), 1469 / 1495 (MQA 32q/1kv 4k) (H200)",
         rule="bitwise reproducible, so deterministic GQA needs no other setting"),
     TuningRow(
-        "GQA dK/dV by bulk reduces", f"groups of {BULK_DKV_MIN_GROUP}+ query heads, not "
-                                     "deterministic, whole rows per warpgroup that fit",
+        "GQA dK/dV by bulk reduces", "GQA / MQA, not deterministic, whole rows per warpgroup "
+                                     "that fit",
         lambda p, c: (p.qhead_per_kvhead >= BULK_DKV_MIN_GROUP and not p.deterministic
                       and not c.dkv_split_cols and c.bulk_dkv_fits()),
         dict(gqa_reduce="bulk"),
-        measured="bulk over buffers, launch-only, causal (H200): 1.015x (64q/8kv hdim 128 8k), "
-                 "1.025x (MQA 32q/1kv 4k); 0.994x-1.007x at 4:1 (32q/8kv 8k and 2k, 16q/4kv "
-                 "hdim 64, (192, 128))",
+        measured="bulk over buffers, launch-only, causal, paired (H200): 1.004x / 1.014x (32q/8kv "
+                 "hdim 128, 8k / 2k), 1.018x (64q/8kv 8k), 1.008x (16q/4kv hdim 64 8k), 1.016x "
+                 "((192, 128) 16q/4kv 4k), 1.033x (MQA 32q/1kv 4k)",
         rule="one float32 dK / dV per KV head instead of per query head: the workspace shrinks "
              "by the group (Note [dK/dV by bulk reduces])"),
     TuningRow(
