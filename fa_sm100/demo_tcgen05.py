@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from fa_sm100.compile_tools import prepare_arch_env
 from fa_sm100.config import (
     WARP_SIZE,
+    CtaPairShape,
     check_setmaxnreg,
     cutlass_dtype,
     normalize_dtype,
@@ -64,21 +65,13 @@ class DemoBarrier(enum.IntEnum):
 
 
 @dataclass(frozen=True)
-class DemoConfig:
+class DemoConfig(CtaPairShape):
     use_2cta: bool = True
     n: int = 128  # N of the tile = accumulator columns in TMEM
     k: int = 64  # K of the tile
     dtype: str = "bfloat16"
     regs_epilogue: int = 232  # setmaxnreg of warpgroup 0 (epilogue)
     regs_producer: int = 40  # setmaxnreg of warpgroup 1 (load, mma, idle)
-
-    @property
-    def cta_group(self) -> int:
-        return 2 if self.use_2cta else 1
-
-    @property
-    def cluster(self) -> tuple[int, int, int]:
-        return (self.cta_group, 1, 1)
 
     @property
     def threads(self) -> int:
@@ -153,7 +146,7 @@ def _make_demo_class():
             b_smem = bw.make_smem_layout_b(tiled_mma, self.mma_tiler, self.ab_dtype, 1)
             # (V, M, N, L) view of the cluster: V = the CTAs that issue one MMA together.
             cluster_vmnk = cute.tiled_divide(
-                cute.make_layout(cfg.cluster), (tiled_mma.thr_id.shape,)
+                cute.make_layout(cfg.cluster_shape), (tiled_mma.thr_id.shape,)
             )
             tma_op = cpasync.CopyBulkTensorTileG2SOp(self.cta_group)
             tma_a, tma_tensor_a = cute.nvgpu.make_tiled_tma_atom_A(
@@ -181,7 +174,7 @@ def _make_demo_class():
             self.traced_smem_bytes = SharedStorage.size_in_bytes()
             self.kernel(tiled_mma, tma_a, tma_tensor_a, tma_b, tma_tensor_b, c, a_smem, b_smem,
                         cluster_vmnk).launch(
-                grid=cfg.cluster, block=(cfg.threads, 1, 1), cluster=cfg.cluster,
+                grid=cfg.cluster_shape, block=(cfg.threads, 1, 1), cluster=cfg.cluster_shape,
                 smem=SharedStorage.size_in_bytes(), stream=stream, min_blocks_per_mp=1,
             )
 
@@ -373,7 +366,7 @@ def build(cfg: DemoConfig, arch: str = "sm_100a") -> KernelBuild:
         tmem_cols=cfg.tmem_cols,
         setmaxnreg={"epilogue": cfg.regs_epilogue, "producer": cfg.regs_producer},
         setmaxnreg_warps={"epilogue": EPILOGUE_WARPS, "producer": PRODUCER_WARPS},
-        cluster=cfg.cluster,
+        cluster=cfg.cluster_shape,
     )
 
 

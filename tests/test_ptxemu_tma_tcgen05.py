@@ -292,7 +292,7 @@ def test_project_tcgen05_demo_bit_exact(two_cta):
     b = torch.randn(cfg.n, cfg.k).to(torch.bfloat16)
     c = torch.zeros(m, cfg.n)
     cap = capture_launch(build.fn, build.args, (_dl(a), _dl(b), _dl(c), _stream()))
-    assert cap.launches[0].cluster == cfg.cluster
+    assert cap.launches[0].cluster == cfg.cluster_shape
     for seed in (0, 1):
         c.zero_()
         emulate(cap, [a, b, c], seed=seed)
