@@ -261,6 +261,12 @@ class BwdConfig:
         return self.dkv_tma_store and not self.uses_gqa_buffers
 
     @property
+    def adds_dkv_by_bulk(self) -> bool:
+        """GQA / MQA dK / dV added into one buffer per KV head by bulk reduces from SMEM
+        (``gqa_reduce="bulk"``, Note [dK/dV by bulk reduces] in bwd_store.py)."""
+        return self.uses_gqa_buffers and self.gqa_reduce == "bulk"
+
+    @property
     def first_stores_dq(self) -> bool:
         """The first CTA at a query block stores its dQ tile instead of adding it (Note [dQ
         first store]): ``dq_first_store`` with "bulk" dQ (the dq-store warp's bulk copies)."""
@@ -578,8 +584,8 @@ class BwdConfig:
         if self.gqa_reduce == "bulk" and (self.dkv_split_cols or not self.bulk_dkv_fits()):
             raise ValueError(
                 "gqa_reduce='bulk' needs each warpgroup's dK / dV to be whole rows (not "
-                "tile_n=64 by columns) and the float32 tile to fit the Q and dO stages (Note "
-                "[dK/dV by bulk reduces])")
+                "tile_n=64 by columns), the float32 dK tile to fit the Q and dO stages and dV's "
+                "K and V (Note [dK/dV by bulk reduces])")
         if self.deterministic and self.qhead_per_kvhead > 1 and self.gqa_reduce != "buffers":
             raise ValueError(
                 "deterministic=True with GQA/MQA needs gqa_reduce='buffers' (atomics add in a "

@@ -447,7 +447,7 @@ class Sm90FlashBackward:
         the SMEM dQ tile, so that the next tile's K and V can load meanwhile (Note
         [persistent CTAs] in bwd_tiles.py). GQA ``bulk``: where the float32 dK and dV tiles
         start, over the Q and dO stages and over K and V (Note [dK/dV by bulk reduces])."""
-        if const_expr(self.cfg.uses_gqa_buffers and self.cfg.gqa_reduce == "bulk"):
+        if const_expr(self.cfg.adds_dkv_by_bulk):
             return tuple(cute.recast_ptr(buf.data_ptr(), dtype=Float32)
                          for buf in (storage.sQ, storage.sK))
         if const_expr(not self.cfg.persistent_ctas):

@@ -480,7 +480,7 @@ def _epilogue(cfg, prob, gmem, pipes, mmas, out, acc_dK, acc_dV, tile):
         acc_dK[i] = acc_dK[i] * prob.softmax_scale
     if const_expr(cfg.stores_dkv_by_tma):
         store_dkdv_tma(cfg, mmas, out, pipes.kv, acc_dK, acc_dV, tile)
-    elif const_expr(cfg.uses_gqa_buffers and cfg.gqa_reduce == "bulk"):
+    elif const_expr(cfg.adds_dkv_by_bulk):
         store_dkdv_bulk(cfg, prob, gmem, mmas, acc_dK, acc_dV, tile, out.staging)
     else:
         store_dkdv(cfg, prob, gmem, mmas, acc_dK, acc_dV, tile)
